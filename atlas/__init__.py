@@ -1,0 +1,1 @@
+"""Atlas: an LLM inference server."""

@@ -1,0 +1,111 @@
+"""Plain data crossing from the scheduler to the worker and back.
+
+`ScheduledBatch` says which tokens to compute this step and which sequences sample;
+`StepResult` carries only the sampled ids (and logprobs when asked). No live domain object
+crosses: the worker never calls back into the scheduler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atlas.domain.requests import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingRow:
+    """Everything the device needs to draw the next token of one sequence."""
+
+    temperature: float
+    top_k: int  # 0 = off
+    top_p: float
+    min_p: float
+    seed: int  # 64-bit, unsigned
+    counter: int  # tokens sampled so far: the position in the seed's random stream
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_token_ids: tuple[int, ...] = ()  # distinct ids in prompt + output
+    penalty_output_counts: tuple[int, ...] = ()  # their counts in the output
+    bias_token_ids: tuple[int, ...] = ()  # logit_bias, and eos bans before min_tokens
+    bias_values: tuple[float, ...] = ()
+    num_logprobs: int | None = None  # None: no logprobs; 0: only the sampled token's
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.penalty_token_ids) and (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step: compute `token_ids` at positions start_position.."""
+
+    seq_id: str
+    token_ids: tuple[int, ...]
+    start_position: int
+    block_ids: tuple[int, ...]  # the whole block table, covering every position computed
+    sampling: SamplingRow | None  # None: a prefill chunk that does not reach the last token
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the cache once this step has run."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    """One step: sequences in order, prefill chunks and decodes mixed."""
+
+    step_id: int
+    sequences: tuple[ScheduledSequence, ...]
+    block_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.sequences)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for s in self.sequences if s.sampling is not None)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Sampled ids, one per sampling sequence, in the batch's order."""
+
+    step_id: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceOutput:
+    """What one step changed for one sequence, published to its request's stream."""
+
+    seq_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] = ()

@@ -1,0 +1,1 @@
+"""Ports: the interfaces the domain talks through. Adapters implement them."""
