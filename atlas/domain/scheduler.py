@@ -1,0 +1,363 @@
+"""Continuous batching: which tokens of which sequences the next step computes.
+
+There are no prefill or decode phases. A sequence's `num_computed_tokens` catches up with its
+`num_tokens`; each step hands out token counts under a budget of `max_num_batched_tokens`:
+
+1. Running sequences, oldest admitted first: one still prefilling gets min(remaining, budget
+   left), one that is caught up gets 1 (a decode). A long prompt therefore runs in chunks over
+   several steps, and prefill chunks and decodes share one batch.
+2. If nothing was preempted, waiting sequences in the policy's order, while the budget,
+   `max_num_seqs` and free blocks allow; the first that does not fit stops admission.
+
+A sequence samples a token exactly when its chunk reaches its last token. Blocks are reserved
+before tokens are handed out (check, then commit). A running sequence that cannot get a block
+preempts by recompute the victim its policy names (never one already in the step being built):
+the victim's blocks go back to the pool and it waits at the front of the queue to recompute its
+prompt and output later, which yields the same tokens.
+
+Every non-empty batch from `schedule()` must be passed to `commit()` before the next
+`schedule()`; sequences aborted in between are skipped.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from atlas.domain.batch import ScheduledBatch, ScheduledSequence, SequenceOutput, StepResult, TokenLogprobs
+from atlas.domain.kv_blocks import BlockPool
+from atlas.domain.requests import FinishReason, ParameterError, Sequence, SequenceStatus
+from atlas.domain.sampling import sampling_row
+from atlas.domain.scheduling_policy import FifoPolicy, SchedulingPolicy
+from atlas.domain.stopping import stop_reason
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The few numbers the scheduler needs. Raises ValueError for a size below 1."""
+
+    max_model_len: int  # longest sequence, prompt + output
+    max_num_seqs: int = 256  # sequences running at once
+    max_num_batched_tokens: int = 2048  # token budget of one step (bounds prefill chunks)
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be at least 1 (got {value})")
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """One sequence's share of a step: `num_tokens` from `num_computed_tokens` on."""
+
+    seq: Sequence
+    num_tokens: int
+    samples: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    step_id: int
+    planned: tuple[_Planned, ...]
+
+
+class _StepPlan:
+    """The step being built: what is scheduled so far and the budget left."""
+
+    __slots__ = ("budget_left", "planned", "num_preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.budget_left = budget
+        self.planned: list[_Planned] = []
+        self.num_preempted = 0
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        samples = seq.num_computed_tokens + num_tokens == seq.num_tokens
+        self.planned.append(_Planned(seq, num_tokens, samples))
+        self.budget_left -= num_tokens
+
+
+class Scheduler:
+    """Owns the waiting queue, the running set and their blocks in `pool`."""
+
+    __slots__ = ("config", "pool", "policy", "_waiting", "_running", "_live", "_in_flight", "_next_step_id")
+
+    def __init__(self, config: SchedulerConfig, pool: BlockPool, policy: SchedulingPolicy | None = None) -> None:
+        """Raises ValueError when the pool's block size differs from the config's."""
+        if pool.block_size != config.block_size:
+            raise ValueError(f"the pool's block_size ({pool.block_size}) differs from the config's ({config.block_size})")
+        self.config = config
+        self.pool = pool
+        self.policy: SchedulingPolicy = policy if policy is not None else FifoPolicy()
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # in admission order
+        self._live: dict[str, Sequence] = {}  # every waiting or running sequence by id
+        self._in_flight: _InFlight | None = None
+        self._next_step_id = 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a fresh sequence at the back of the waiting queue.
+
+        Raises ParameterError("prompt", ...) when the prompt leaves no room for one output token
+        under `max_model_len`, or needs more blocks than the whole pool holds. Raises ValueError
+        for an engine mistake: a duplicate id, a sequence already started, or a
+        `max_total_tokens` outside (prompt, max_model_len].
+        """
+        max_model_len = self.config.max_model_len
+        num_prompt_tokens = seq.num_prompt_tokens
+        if num_prompt_tokens >= max_model_len:
+            raise ParameterError(
+                "prompt",
+                f"the prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}, which leaves "
+                f"no room for an output token; shorten the prompt to at most {max_model_len - 1} tokens",
+            )
+        num_prompt_blocks = BlockPool.blocks_needed(num_prompt_tokens, self.pool.block_size)
+        if num_prompt_blocks > self.pool.num_blocks:
+            raise ParameterError(
+                "prompt",
+                f"the prompt has {num_prompt_tokens} tokens, which need {num_prompt_blocks} KV blocks of "
+                f"{self.pool.block_size} tokens, but the KV cache holds only {self.pool.num_blocks} blocks "
+                f"({self._capacity_tokens} tokens); shorten the prompt or give the KV cache more memory",
+            )
+        if seq.seq_id in self._live:
+            raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.num_blocks:
+            raise ValueError(f"sequence {seq.seq_id!r} was already started: {seq!r}")
+        if not num_prompt_tokens < seq.max_total_tokens <= max_model_len:
+            raise ValueError(
+                f"sequence {seq.seq_id!r} has max_total_tokens {seq.max_total_tokens}; it must exceed the "
+                f"prompt ({num_prompt_tokens}) and not exceed max_model_len ({max_model_len})"
+            )
+        self._waiting.append(seq)
+        self._live[seq.seq_id] = seq
+
+    def abort(self, seq_id: str) -> SequenceOutput | None:
+        """Finish a waiting or running sequence with ABORT and free its blocks now.
+
+        Returns its final output, or None if the id is unknown or already finished. If it is in
+        the batch in flight, `commit` skips it.
+        """
+        seq = self._live.get(seq_id)
+        if seq is None:
+            return None
+        if seq.status is SequenceStatus.RUNNING:
+            self._finish(seq, FinishReason.ABORT)
+        else:
+            self._waiting.remove(seq)
+            del self._live[seq_id]
+            seq.finish(FinishReason.ABORT)
+        return _output(seq, (), ())
+
+    def schedule(self) -> ScheduledBatch:
+        """Build the next step; an empty batch when there is nothing to run.
+
+        Raises RuntimeError if the previous non-empty batch was not committed yet, and
+        ValueError if the policy names a victim or admits a sequence outside its contract.
+        """
+        if self._in_flight is not None:
+            raise RuntimeError(
+                f"step {self._in_flight.step_id} was scheduled but not committed; commit it before scheduling again"
+            )
+        plan = _StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if plan.num_preempted == 0:
+            self._admit_waiting(plan)
+        step_id = self._next_step_id
+        self._next_step_id += 1
+        if plan.planned:
+            self._in_flight = _InFlight(step_id, tuple(plan.planned))
+        scheduled = tuple(_scheduled_sequence(p) for p in plan.planned)
+        return ScheduledBatch(step_id=step_id, sequences=scheduled, block_size=self.pool.block_size)
+
+    def commit(self, batch: ScheduledBatch, result: StepResult) -> list[SequenceOutput]:
+        """Apply a step's result: advance computed counts, append sampled tokens, finish and free.
+
+        `result.token_ids[i]` belongs to the i-th sequence of `batch` that samples. Returns one
+        output per live sequence that got a token (finished or not), in batch order. Raises
+        ValueError, changing nothing, if `batch` is not the one in flight or `result` does not
+        match it.
+        """
+        in_flight = self._check_commit(batch, result)
+        self._in_flight = None
+        outputs: list[SequenceOutput] = []
+        row_idx = 0
+        for planned in in_flight.planned:
+            seq = planned.seq
+            sample_idx = row_idx
+            if planned.samples:
+                row_idx += 1
+            if self._live.get(seq.seq_id) is not seq:
+                continue  # aborted after schedule(): its blocks are already back in the pool
+            seq.mark_computed(planned.num_tokens)
+            if planned.samples:
+                outputs.append(self._append_sampled(seq, result, sample_idx))
+        return outputs
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if queues, statuses, block tables and the pool disagree.
+
+        Checked on top of the pool's own invariants: waiting and running partition the live
+        sequences; waiting ones hold no blocks and no cache; running ones have something left to
+        compute and hold exactly the blocks for their computed (and in-flight) tokens; every used
+        block belongs to exactly as many sequences as its ref count says.
+        """
+        self.pool.check_invariants()
+        waiting_ids = [seq.seq_id for seq in self._waiting]
+        running_ids = [seq.seq_id for seq in self._running]
+        if sorted(waiting_ids + running_ids) != sorted(self._live):
+            raise AssertionError(f"waiting {waiting_ids} + running {running_ids} != live {sorted(self._live)}")
+        if len(self._running) > self.config.max_num_seqs:
+            raise AssertionError(f"{len(self._running)} running > max_num_seqs {self.config.max_num_seqs}")
+        for seq in self._waiting:
+            if seq.status is not SequenceStatus.WAITING or seq.num_blocks or seq.num_computed_tokens:
+                raise AssertionError(f"a waiting sequence holds cache state: {seq!r}")
+        in_flight_tokens = {id(p.seq): p.num_tokens for p in self._in_flight.planned} if self._in_flight else {}
+        holders: Counter[int] = Counter()
+        for seq in self._running:
+            covered = seq.num_computed_tokens + in_flight_tokens.get(id(seq), 0)
+            expected_blocks = BlockPool.blocks_needed(covered, self.pool.block_size)
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens < 1:
+                raise AssertionError(f"a running sequence is not running or has nothing to compute: {seq!r}")
+            if seq.num_blocks != expected_blocks:
+                raise AssertionError(f"{seq!r} covers {covered} tokens with {seq.num_blocks} blocks, not {expected_blocks}")
+            holders.update(seq.block_ids)
+        for block_id, count in holders.items():
+            if self.pool.ref_count(block_id) != count:
+                raise AssertionError(f"block {block_id} has {count} holder(s) but ref count {self.pool.ref_count(block_id)}")
+        if self.pool.num_used_blocks != len(holders):
+            raise AssertionError(f"the pool has {self.pool.num_used_blocks} used blocks but sequences hold {len(holders)}")
+
+    @property
+    def _capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.pool.block_size
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Give each running sequence, oldest first, its next tokens, preempting when blocks run out."""
+        idx = 0
+        while idx < len(self._running) and plan.budget_left > 0:
+            seq = self._running[idx]
+            num_tokens = min(seq.num_uncomputed_tokens, plan.budget_left)
+            if self._grow(seq, num_tokens, idx, plan):
+                plan.add(seq, num_tokens)
+                idx += 1
+            # else `seq` itself was preempted: the next sequence moved into slot `idx`
+
+    def _grow(self, seq: Sequence, num_tokens: int, idx: int, plan: _StepPlan) -> bool:
+        """Attach the blocks `seq` needs to compute `num_tokens` more; False if it was preempted.
+
+            block_size 4, 6 computed, 4 more this step
+            positions  0 1 2 3 | 4 5 6 7 | 8 9
+            computed   x x x x | x x
+            this step          |     . . | . .
+            blocks     held    | held    | new  -> needs 3, holds 2: reserve 1
+
+        Victims come from `_running[idx:]`: the sequences before `idx` are already in the step.
+        """
+        needed = BlockPool.blocks_needed(seq.num_computed_tokens + num_tokens, self.pool.block_size)
+        num_new_blocks = needed - seq.num_blocks
+        if num_new_blocks == 0:
+            return True
+        while (reservation := self.pool.reserve(num_new_blocks)) is None:
+            candidates = self._running[idx:]
+            victim = self.policy.choose_victim(candidates, seq)
+            if not any(victim is candidate for candidate in candidates):
+                raise ValueError(f"the policy chose {victim.seq_id!r}, which is not a preemption candidate")
+            self._preempt(victim)
+            plan.num_preempted += 1
+            if victim is seq:
+                return False
+        seq.attach_blocks(self.pool.commit(reservation))
+        return True
+
+    def _admit_waiting(self, plan: _StepPlan) -> None:
+        """Start waiting sequences in policy order while budget, seats and blocks last."""
+        admitted: list[Sequence] = []
+        for seq in self.policy.admission_order(self._waiting):
+            if plan.budget_left == 0 or len(self._running) >= self.config.max_num_seqs:
+                break
+            if self._live.get(seq.seq_id) is not seq or seq.status is not SequenceStatus.WAITING:
+                raise ValueError(f"the policy admitted {seq.seq_id!r}, which is not waiting")
+            num_tokens = min(seq.num_uncomputed_tokens, plan.budget_left)
+            reservation = self.pool.reserve(BlockPool.blocks_needed(num_tokens, self.pool.block_size))
+            if reservation is None:
+                break
+            seq.attach_blocks(self.pool.commit(reservation))
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            admitted.append(seq)
+            plan.add(seq, num_tokens)
+        for seq in admitted:
+            self._waiting.remove(seq)
+
+    def _preempt(self, victim: Sequence) -> None:
+        self._running.remove(victim)
+        self.pool.free(victim.reset_for_recompute())
+        self._waiting.appendleft(victim)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self._running.remove(seq)
+        self.pool.free(seq.release_blocks())
+        del self._live[seq.seq_id]
+        seq.finish(reason)
+
+    def _append_sampled(self, seq: Sequence, result: StepResult, row_idx: int) -> SequenceOutput:
+        token_id = result.token_ids[row_idx]
+        seq.append_token(token_id)
+        reason = stop_reason(seq)
+        if reason is None and seq.num_tokens > self._capacity_tokens:
+            # Sampling again would need every token in the cache, more than the whole pool holds.
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(seq, reason)
+        token_logprobs = result.logprobs[row_idx] if result.logprobs is not None else None
+        return _output(seq, (token_id,), (token_logprobs,) if token_logprobs is not None else ())
+
+    def _check_commit(self, batch: ScheduledBatch, result: StepResult) -> _InFlight:
+        in_flight = self._in_flight
+        if in_flight is None or batch.step_id != in_flight.step_id or len(batch.sequences) != len(in_flight.planned):
+            pending = "none" if in_flight is None else f"step {in_flight.step_id}"
+            raise ValueError(f"batch of step {batch.step_id} is not the one in flight ({pending})")
+        if result.step_id != batch.step_id:
+            raise ValueError(f"result of step {result.step_id} committed against batch of step {batch.step_id}")
+        if len(result.token_ids) != batch.num_sampled:
+            raise ValueError(f"step {batch.step_id} samples {batch.num_sampled} tokens but the result has {len(result.token_ids)}")
+        if result.logprobs is not None and len(result.logprobs) != len(result.token_ids):
+            raise ValueError(f"step {batch.step_id}: {len(result.logprobs)} logprobs for {len(result.token_ids)} tokens")
+        return in_flight
+
+
+def _scheduled_sequence(planned: _Planned) -> ScheduledSequence:
+    seq = planned.seq
+    start = seq.num_computed_tokens
+    return ScheduledSequence(
+        seq_id=seq.seq_id,
+        token_ids=tuple(seq.tokens_slice(start, start + planned.num_tokens)),
+        start_position=start,
+        block_ids=seq.block_ids,
+        sampling=sampling_row(seq) if planned.samples else None,
+    )
+
+
+def _output(seq: Sequence, new_token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...]) -> SequenceOutput:
+    return SequenceOutput(
+        seq_id=seq.seq_id,
+        new_token_ids=new_token_ids,
+        finish_reason=seq.finish_reason,
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens,
+        logprobs=logprobs,
+    )

@@ -1,0 +1,49 @@
+"""Scheduling policies: who is admitted first, and who gives up its blocks under pressure.
+
+The scheduler owns the mechanics (budget, blocks, chunking); a policy only orders. A new policy
+(priorities, SLA-aware admission) is a new object passed to `Scheduler`, not a branch in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Sequence as SequenceList
+from typing import Protocol
+
+from atlas.domain.requests import Sequence
+
+
+class SchedulingPolicy(Protocol):
+    """Admission order of the waiting queue and the choice of a preemption victim."""
+
+    def admission_order(self, waiting: Collection[Sequence]) -> Iterable[Sequence]:
+        """The waiting sequences in the order admission should try them.
+
+        `waiting` is the queue as the scheduler holds it (preempted sequences at the front, then
+        new ones in arrival order); it must not be changed. The scheduler stops at the first
+        sequence that does not fit, so the head of the order is never starved by smaller ones
+        behind it. Yielding a sequence not in `waiting` is a contract violation.
+        """
+        ...
+
+    def choose_victim(self, candidates: SequenceList[Sequence], requester: Sequence) -> Sequence:
+        """Which running sequence to preempt so that `requester` can get a block.
+
+        `candidates` are the running sequences not yet scheduled in the step being built, in
+        admission order, `requester` among them; the answer must be one of them (the scheduler
+        raises otherwise). Choosing `requester` itself means it waits for a later step.
+        """
+        ...
+
+
+class FifoPolicy:
+    """First come, first served: admit in queue order; preempt the most recently admitted."""
+
+    __slots__ = ()
+
+    def admission_order(self, waiting: Collection[Sequence]) -> Iterable[Sequence]:
+        """The queue as it stands."""
+        return iter(waiting)
+
+    def choose_victim(self, candidates: SequenceList[Sequence], requester: Sequence) -> Sequence:
+        """The newest candidate, so the sequences admitted before it keep their progress."""
+        return candidates[-1]

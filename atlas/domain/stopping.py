@@ -1,0 +1,36 @@
+"""Token-level stop rules: when a sequence is done, judged from its token ids alone.
+
+Stop strings need text and are the front end's business (it detokenizes and aborts). Here:
+
+- STOP: the last token is an eos id (from config.json and generation_config.json; `Sequence`
+  already holds none when `ignore_eos` is set) or one of the request's `stop_token_ids`.
+- LENGTH: `max_tokens` outputs were produced, or the sequence reached `max_total_tokens`
+  (the engine sets it to min(max_model_len, prompt + max_tokens)).
+
+STOP wins over LENGTH when both hold: the model ended on its own.
+"""
+
+from __future__ import annotations
+
+from atlas.domain.requests import FinishReason, Sequence
+
+
+def stop_reason(seq: Sequence) -> FinishReason | None:
+    """Why `seq` is finished after its last token was appended, or None to keep going.
+
+    `min_tokens` is enforced by the sampler banning eos and stop ids; as a second guard an eos or
+    stop id is not honoured unless at least `min_tokens` outputs come before it. Never raises for
+    a sequence that holds at least one output token.
+    """
+    if seq.num_output_tokens > seq.sampling.min_tokens and _is_stop_token(seq, seq.last_token_id):
+        return FinishReason.STOP
+    max_tokens = seq.sampling.max_tokens
+    if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+        return FinishReason.LENGTH
+    if seq.num_tokens >= seq.max_total_tokens:
+        return FinishReason.LENGTH
+    return None
+
+
+def _is_stop_token(seq: Sequence, token_id: int) -> bool:
+    return token_id in seq.eos_token_ids or token_id in seq.stop_token_ids
