@@ -1,0 +1,89 @@
+"""Rotary position tables for every scaling the configs declare.
+
+The device op `rope_and_cache` reads a table [max_positions, r]: cos of each position's angles
+in the first r/2 columns, sin in the rest. All scaling lives here, so every backend supports
+every scaling by construction. Inverse frequencies are computed in float32 as Hugging Face does
+(their rounding is what the checkpoints were trained with); angles in float64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from atlas.domain.models.config import ModelConfig, RopeScaling
+
+
+def rope_table(config: ModelConfig, max_positions: int) -> np.ndarray:
+    """[max_positions, rotary_dim] float32: cos | sin, scaled by the attention factor (yarn)."""
+    inverse_frequencies, attention_factor = _inverse_frequencies(
+        config.rope_theta, config.rotary_dim, config.rope_scaling, config.max_position_embeddings
+    )
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inverse_frequencies.astype(np.float64)[None, :]
+    table = np.concatenate([np.cos(angles), np.sin(angles)], axis=1) * attention_factor
+    return table.astype(np.float32)
+
+
+def _inverse_frequencies(
+    theta: float, rotary_dim: int, scaling: RopeScaling, max_position_embeddings: int
+) -> tuple[np.ndarray, float]:
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
+    base_frequencies = np.float32(1.0) / (np.float32(theta) ** exponents)
+    if scaling.kind == "default":
+        return base_frequencies, 1.0
+    if scaling.kind == "linear":
+        return base_frequencies / np.float32(scaling.factor), 1.0
+    if scaling.kind == "llama3":
+        return _llama3(base_frequencies, scaling, max_position_embeddings), 1.0
+    if scaling.kind == "yarn":
+        return _yarn(theta, rotary_dim, exponents, scaling, max_position_embeddings)
+    raise ValueError(f"unsupported rope scaling {scaling.kind!r}")
+
+
+def _llama3(frequencies: np.ndarray, scaling: RopeScaling, max_position_embeddings: int) -> np.ndarray:
+    """Llama 3.1: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between."""
+    original_context = scaling.original_max_position_embeddings or max_position_embeddings
+    low_frequency_wavelength = original_context / scaling.low_freq_factor
+    high_frequency_wavelength = original_context / scaling.high_freq_factor
+    wavelengths = 2 * math.pi / frequencies
+    scaled = np.where(wavelengths > low_frequency_wavelength, frequencies / scaling.factor, frequencies)
+    smooth = (original_context / wavelengths - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelengths >= high_frequency_wavelength) & (wavelengths <= low_frequency_wavelength)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn(
+    theta: float, rotary_dim: int, exponents: np.ndarray, scaling: RopeScaling, max_position_embeddings: int
+) -> tuple[np.ndarray, float]:
+    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale attention."""
+    original_context = scaling.original_max_position_embeddings or max_position_embeddings
+    factor = scaling.factor
+
+    def mscale(scale: float, multiplier: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * multiplier * math.log(scale) + 1.0
+
+    attention_factor = scaling.attention_factor
+    if attention_factor is None:
+        if scaling.mscale and scaling.mscale_all_dim:
+            attention_factor = mscale(factor, scaling.mscale) / mscale(factor, scaling.mscale_all_dim)
+        else:
+            attention_factor = mscale(factor)
+
+    def correction_dim(num_rotations: float) -> float:
+        return (rotary_dim * math.log(original_context / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(scaling.beta_slow)), rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    position_frequencies = np.float32(theta) ** exponents
+    extrapolated = np.float32(1.0) / position_frequencies
+    interpolated = np.float32(1.0) / (np.float32(factor) * position_frequencies)
+    frequencies = interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+    return frequencies.astype(np.float32), float(attention_factor)

@@ -1,0 +1,185 @@
+"""The generic decoder-only transformer: embed -> layers -> norm -> lm_head, built from port ops.
+
+A model is data (weights grouped per layer) plus this one loop. Families differ only in how
+their loader fills `DecoderLayer`s (fused projections, biases, q/k norms, window), never in
+the loop. Every op writes into a `Workspace` sized for the largest step, so a step of N
+tokens uses the first N rows of each buffer and a captured graph can replay the same calls.
+
+The residual stream (pre-norm, with the add fused into the next norm):
+
+    residual = embed(ids);  normed = rmsnorm(residual, input_norm[0])
+    for each layer i:
+        delta = o_proj(attention(rope(qkv_proj(normed))))
+        residual += delta;  normed = rmsnorm(residual, post_attention_norm[i])
+        delta = down_proj(act(gate_up_proj(normed)))
+        residual += delta;  normed = rmsnorm(residual, input_norm[i + 1] or final_norm)
+    logits = lm_head(normed[sample rows])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atlas.domain.models.config import ModelConfig
+from atlas.ports.gpu import Activation, AttentionMetadata, DType, GpuBackend, HeadLayout, KvCache, Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionWeights:
+    qkv: Tensor  # [(Hq + 2 Hkv) * D, H]: q, k and v projections stacked
+    qkv_bias: Tensor | None  # [(Hq + 2 Hkv) * D]
+    output: Tensor  # [H, Hq * D]
+    q_norm: Tensor | None  # [D], per-head RMSNorm before RoPE (Qwen3)
+    k_norm: Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class MlpWeights:
+    gate_up: Tensor  # [2 I, H]: gate rows then up rows
+    down: Tensor  # [H, I]
+    activation: Activation
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayer:
+    input_norm: Tensor  # [H]
+    attention: AttentionWeights
+    post_attention_norm: Tensor  # [H]
+    mlp: MlpWeights
+    sliding_window: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class StepTensors:
+    """The device inputs of one step (views of the runner's persistent buffers)."""
+
+    token_ids: Tensor  # [N] i32
+    meta: AttentionMetadata
+    sample_indices: Tensor  # [R] i32: rows of the step whose next token is sampled
+
+
+@dataclass(frozen=True, slots=True)
+class Workspace:
+    """Activation buffers for up to `max_tokens` tokens and `max_sample_rows` sampled rows."""
+
+    max_tokens: int
+    max_sample_rows: int
+    residual: Tensor  # [T, H]
+    normed: Tensor  # [T, H]
+    delta: Tensor  # [T, H]
+    qkv: Tensor  # [T, (Hq + 2 Hkv) * D]
+    queries: Tensor  # [T, Hq * D]
+    attention_out: Tensor  # [T, Hq * D]
+    mlp_hidden: Tensor  # [T, 2 I]
+    mlp_out: Tensor  # [T, I]
+    sample_hidden: Tensor  # [R, H]
+    logits: Tensor  # [R, V] f32
+
+
+class Transformer:
+    """A loaded model: weights on a backend and the forward loop over them."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: GpuBackend,
+        embedding: Tensor,
+        layers: list[DecoderLayer],
+        final_norm: Tensor,
+        lm_head: Tensor,
+        rope_table: Tensor,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.embedding = embedding
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.rope_table = rope_table
+        self.heads = HeadLayout(config.num_heads, config.num_kv_heads, config.head_dim)
+        self.attention_scale = config.head_dim**-0.5
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.shape[0]
+
+    @property
+    def max_positions(self) -> int:
+        return self.rope_table.shape[0]
+
+    def allocate_workspace(self, max_tokens: int, max_sample_rows: int) -> Workspace:
+        config, backend = self.config, self.backend
+        dtype = backend.capabilities.activation_dtype
+        qkv_size = self.heads.q_size + 2 * self.heads.kv_size
+        return Workspace(
+            max_tokens=max_tokens,
+            max_sample_rows=max_sample_rows,
+            residual=backend.empty((max_tokens, config.hidden_size), dtype),
+            normed=backend.empty((max_tokens, config.hidden_size), dtype),
+            delta=backend.empty((max_tokens, config.hidden_size), dtype),
+            qkv=backend.empty((max_tokens, qkv_size), dtype),
+            queries=backend.empty((max_tokens, self.heads.q_size), dtype),
+            attention_out=backend.empty((max_tokens, self.heads.q_size), dtype),
+            mlp_hidden=backend.empty((max_tokens, 2 * config.intermediate_size), dtype),
+            mlp_out=backend.empty((max_tokens, config.intermediate_size), dtype),
+            sample_hidden=backend.empty((max_sample_rows, config.hidden_size), dtype),
+            logits=backend.empty((max_sample_rows, self.vocab_size), DType.F32),
+        )
+
+    def workspace_bytes(self, max_tokens: int, max_sample_rows: int) -> int:
+        """What `allocate_workspace` will take, for the startup memory check."""
+        config = self.config
+        itemsize = self.backend.capabilities.activation_dtype.itemsize
+        per_token = 3 * config.hidden_size + self.heads.q_size * 3 + 2 * self.heads.kv_size
+        per_token += 3 * config.intermediate_size
+        per_row = config.hidden_size * itemsize + self.vocab_size * 4
+        return max_tokens * per_token * itemsize + max_sample_rows * per_row
+
+    def forward(self, step: StepTensors, kv: KvCache, workspace: Workspace, num_sample_rows: int) -> Tensor:
+        """Run every layer over the step's tokens; return logits [num_sample_rows, V] (a view)."""
+        backend, eps = self.backend, self.config.rms_norm_eps
+        num_tokens = step.meta.num_tokens
+        residual = workspace.residual.rows(0, num_tokens)
+        normed = workspace.normed.rows(0, num_tokens)
+        backend.embedding(step.token_ids, self.embedding, residual)
+        backend.rmsnorm(residual, self.layers[0].input_norm, eps, normed)
+        for index, layer in enumerate(self.layers):
+            next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
+            self._layer(index, layer, next_norm, step.meta, kv, workspace, num_tokens)
+        sample_hidden = workspace.sample_hidden.rows(0, num_sample_rows)
+        logits = workspace.logits.rows(0, num_sample_rows)
+        backend.gather_rows(normed, step.sample_indices, sample_hidden)
+        backend.linear(sample_hidden, self.lm_head, logits)
+        return logits
+
+    def _layer(
+        self,
+        index: int,
+        layer: DecoderLayer,
+        next_norm: Tensor,
+        meta: AttentionMetadata,
+        kv: KvCache,
+        workspace: Workspace,
+        num_tokens: int,
+    ) -> None:
+        backend, eps, attention = self.backend, self.config.rms_norm_eps, layer.attention
+        residual = workspace.residual.rows(0, num_tokens)
+        normed = workspace.normed.rows(0, num_tokens)
+        delta = workspace.delta.rows(0, num_tokens)
+        qkv = workspace.qkv.rows(0, num_tokens)
+        queries = workspace.queries.rows(0, num_tokens)
+        attention_out = workspace.attention_out.rows(0, num_tokens)
+        mlp_hidden = workspace.mlp_hidden.rows(0, num_tokens)
+        mlp_out = workspace.mlp_out.rows(0, num_tokens)
+
+        backend.linear(normed, attention.qkv, qkv, attention.qkv_bias)
+        backend.rope_and_cache(
+            qkv, meta, self.rope_table, kv, index, self.heads, queries, attention.q_norm, attention.k_norm, eps
+        )
+        backend.attention(queries, kv, index, meta, self.heads, self.attention_scale, attention_out, layer.sliding_window)
+        backend.linear(attention_out, attention.output, delta)
+        backend.add_rmsnorm(delta, residual, layer.post_attention_norm, eps, normed)
+        backend.linear(normed, layer.mlp.gate_up, mlp_hidden)
+        backend.act_mul(mlp_hidden, layer.mlp.activation, mlp_out)
+        backend.linear(mlp_out, layer.mlp.down, delta)
+        backend.add_rmsnorm(delta, residual, next_norm, eps, normed)

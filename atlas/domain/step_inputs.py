@@ -1,0 +1,105 @@
+"""Host-side arrays describing one step, built from a `ScheduledBatch`.
+
+These are what the worker copies into its persistent device buffers. Building them is pure
+numpy so it is tested without a device; see `AttentionMetadata` for the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from atlas.domain.batch import ScheduledBatch
+
+
+@dataclass(frozen=True, slots=True)
+class HostStepInputs:
+    token_ids: np.ndarray  # [N] i32
+    positions: np.ndarray  # [N] i32
+    slot_mapping: np.ndarray  # [N] i32
+    query_start_loc: np.ndarray  # [S + 1] i32
+    seq_lens: np.ndarray  # [S] i32
+    block_tables: np.ndarray  # [S, W] i32, rows padded with the scratch block
+    sample_indices: np.ndarray  # [R] i32: the last token row of each sampling sequence
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_sample_rows(self) -> int:
+        return int(self.sample_indices.shape[0])
+
+
+def build_step_inputs(batch: ScheduledBatch, table_width: int, scratch_block: int) -> HostStepInputs:
+    """Flatten a batch into varlen arrays.
+
+    Raises ValueError when a sequence's block table is wider than `table_width` or does not
+    cover the positions it computes (a scheduler bug that must never reach a kernel).
+    """
+    block_size = batch.block_size
+    num_seqs = len(batch.sequences)
+    token_ids: list[int] = []
+    positions = []
+    slot_mapping = []
+    query_start = np.zeros(num_seqs + 1, np.int32)
+    seq_lens = np.zeros(num_seqs, np.int32)
+    block_tables = np.full((num_seqs, table_width), scratch_block, np.int32)
+    sample_indices = []
+    for index, seq in enumerate(batch.sequences):
+        if len(seq.block_ids) > table_width:
+            raise ValueError(f"sequence {seq.seq_id!r} has {len(seq.block_ids)} blocks, more than {table_width}")
+        if len(seq.block_ids) * block_size < seq.context_len:
+            raise ValueError(f"sequence {seq.seq_id!r}: {len(seq.block_ids)} blocks cannot hold {seq.context_len} tokens")
+        block_tables[index, : len(seq.block_ids)] = seq.block_ids
+        seq_positions = np.arange(seq.start_position, seq.context_len, dtype=np.int32)
+        blocks = block_tables[index, seq_positions // block_size]
+        token_ids.extend(seq.token_ids)
+        positions.append(seq_positions)
+        slot_mapping.append(blocks * block_size + seq_positions % block_size)
+        query_start[index + 1] = query_start[index] + seq.num_tokens
+        seq_lens[index] = seq.context_len
+        if seq.sampling is not None:
+            sample_indices.append(query_start[index + 1] - 1)
+    return HostStepInputs(
+        token_ids=np.asarray(token_ids, np.int32),
+        positions=np.concatenate(positions).astype(np.int32) if positions else np.zeros(0, np.int32),
+        slot_mapping=np.concatenate(slot_mapping).astype(np.int32) if slot_mapping else np.zeros(0, np.int32),
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        sample_indices=np.asarray(sample_indices, np.int32),
+        max_query_len=max((s.num_tokens for s in batch.sequences), default=0),
+        max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+    )
+
+
+def pad_decode_inputs(inputs: HostStepInputs, num_seqs: int, scratch_block: int, block_size: int) -> HostStepInputs:
+    """Pad a decode-only step (one token per sequence) to `num_seqs` rows for a captured graph.
+
+    Padding rows compute one token at position 0 of the scratch block and are sampled into
+    rows nobody reads; real rows keep their indices.
+    """
+    extra = num_seqs - inputs.num_seqs
+    if extra < 0 or inputs.num_tokens != inputs.num_seqs:
+        raise ValueError("only decode steps (one token per sequence) can be padded")
+    width = inputs.block_tables.shape[1]
+    scratch_slot = scratch_block * block_size
+    return HostStepInputs(
+        token_ids=np.concatenate([inputs.token_ids, np.zeros(extra, np.int32)]),
+        positions=np.concatenate([inputs.positions, np.zeros(extra, np.int32)]),
+        slot_mapping=np.concatenate([inputs.slot_mapping, np.full(extra, scratch_slot, np.int32)]),
+        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+        seq_lens=np.concatenate([inputs.seq_lens, np.ones(extra, np.int32)]),
+        block_tables=np.concatenate([inputs.block_tables, np.full((extra, width), scratch_block, np.int32)]),
+        sample_indices=np.arange(num_seqs, dtype=np.int32),
+        max_query_len=1,
+        max_seq_len=inputs.max_seq_len,
+    )

@@ -1,0 +1,91 @@
+"""Random-weight Hugging Face models of real families, shared by our engine and the reference.
+
+Weights are rounded to bf16 once, so transformers (in float32) and Atlas read identical values.
+Needs torch + transformers (the `oracle` extra); import this module only after importorskip.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+BASE = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    initializer_range=0.08,
+    tie_word_embeddings=False,
+)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama3": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        rope_theta=500000.0,
+        rope_scaling=dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=100000.0, tie_word_embeddings=True),
+    "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", rope_theta=10000.0, sliding_window=24),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_theta=1000000.0),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, rope_theta=1000000.0),
+    "yarn": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        rope_theta=10000.0,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256),
+    ),
+    "linear": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=10000.0,
+        rope_scaling=dict(rope_type="linear", factor=2.0),
+    ),
+}
+
+
+def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
+    config = dict(BASE)
+    config.update(FAMILIES[family])
+    config.update(overrides)
+    return config
+
+
+def build_reference(config_dict: dict[str, Any], seed: int = 0):
+    """(transformers model in float32, {name: bf16 numpy array}) with identical weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "architectures"})
+    config.architectures = config_dict["architectures"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval()
+    tensors = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            # norms initialise to ones: perturb them so a wrong norm weight would show
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            rounded = param.to(torch.bfloat16)
+            param.copy_(rounded.to(torch.float32))
+            tensors[name] = rounded.to(torch.float32).numpy().astype(ml_dtypes.bfloat16)
+    if config_dict.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    return model, tensors
+
+
+def reference_logits(model, token_ids: list[int]) -> np.ndarray:
+    """Float32 logits [len, V] of every position."""
+    import torch
+
+    with torch.no_grad():
+        output = model(torch.tensor([token_ids]))
+    return output.logits[0].float().numpy()
