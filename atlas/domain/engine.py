@@ -1,0 +1,125 @@
+"""The engine core: the step loop over the scheduler and a worker, with no I/O of its own.
+
+    batch = scheduler.schedule()
+    result = worker.execute(batch)
+    outputs = scheduler.commit(batch, result)
+
+Transports (the Python API, the engine actor behind HTTP, a separate engine process) wrap
+this object; they decide when to call `step` and where outputs go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
+from atlas.domain.kv_blocks import BlockPool
+from atlas.domain.requests import ParameterError, Request, Sequence
+from atlas.domain.sampling import validate_token_ids
+from atlas.domain.scheduler import Scheduler
+
+
+class StepExecutor(Protocol):
+    """Runs a scheduled batch (the worker, in this process or behind a transport)."""
+
+    def execute(self, batch: ScheduledBatch) -> StepResult: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_free: int
+    num_steps: int
+    num_prompt_tokens: int  # prompt tokens of every request admitted
+    num_generated_tokens: int
+    num_preemptions: int  # times a sequence was preempted by recompute, since start
+
+
+class EngineCore:
+    """Owns the scheduler and drives a worker one step at a time."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        pool: BlockPool,
+        executor: StepExecutor,
+        max_model_len: int,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.scheduler = scheduler
+        self.pool = pool
+        self.executor = executor
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._sequences: dict[str, Sequence] = {}
+        self._num_steps = 0
+        self._num_prompt_tokens = 0
+        self._num_generated_tokens = 0
+        self._num_finished_preemptions = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. Raises ParameterError naming the field when it cannot run."""
+        if request.request_id in self._sequences:
+            raise ParameterError("request_id", f"{request.request_id!r} is already running")
+        num_prompt = len(request.prompt_token_ids)
+        if num_prompt >= self.max_model_len:
+            raise ParameterError(
+                "prompt",
+                f"the prompt has {num_prompt} tokens but the model's context is {self.max_model_len} "
+                f"(--max-seq-len), which leaves no room for output; shorten the prompt",
+            )
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ParameterError("prompt", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        validate_token_ids(request.sampling, self.vocab_size)
+        max_tokens = request.sampling.max_tokens
+        max_total = self.max_model_len if max_tokens is None else min(self.max_model_len, num_prompt + max_tokens)
+        sequence = Sequence(request, max_total, self.eos_token_ids)
+        self.scheduler.add(sequence)
+        self._sequences[request.request_id] = sequence
+        self._num_prompt_tokens += num_prompt
+
+    def abort(self, request_id: str) -> SequenceOutput | None:
+        """Stop a request now and free its blocks; None when it already finished."""
+        self._forget(request_id)
+        return self.scheduler.abort(request_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[SequenceOutput]:
+        """Schedule, execute and commit one step; the outputs of every sequence it advanced."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        result = self.executor.execute(batch)
+        outputs = self.scheduler.commit(batch, result)
+        self._num_steps += 1
+        self._num_generated_tokens += len(result.token_ids)
+        for output in outputs:
+            if output.finish_reason is not None:
+                self._forget(output.seq_id)
+        return outputs
+
+    def _forget(self, request_id: str) -> None:
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is not None:
+            self._num_finished_preemptions += sequence.num_preemptions
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_blocks_total=self.pool.num_blocks,
+            num_blocks_free=self.pool.num_free_blocks,
+            num_steps=self._num_steps,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generated_tokens=self._num_generated_tokens,
+            num_preemptions=self._num_finished_preemptions + sum(s.num_preemptions for s in self._sequences.values()),
+        )

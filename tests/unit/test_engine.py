@@ -1,0 +1,125 @@
+"""The engine core on a small random model: batching, preemption and aborts change no tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fakes import TINY_LLAMA, DictWeights, random_llama_weights
+
+from atlas.adapters.mock.backend import MockGpuBackend
+from atlas.domain.engine import EngineCore
+from atlas.domain.kv_blocks import BlockPool
+from atlas.domain.models.config import ModelConfig
+from atlas.domain.models.families import load_model
+from atlas.domain.requests import ParameterError, Request, SamplingParams
+from atlas.domain.scheduler import Scheduler, SchedulerConfig
+from atlas.domain.worker import Worker, WorkerConfig
+from atlas.ports.gpu import DType, KvCacheSpec
+
+BLOCK_SIZE = 4
+MAX_LEN = 128
+EOS = frozenset({96})
+
+
+def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0):
+    config = ModelConfig.from_dict(TINY_LLAMA)
+    backend = MockGpuBackend()
+    model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed)), backend, MAX_LEN)
+    spec = KvCacheSpec(config.num_layers, num_blocks + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
+    worker = Worker(backend, model, backend.allocate_kv_cache(spec), WorkerConfig(budget, max_num_seqs, MAX_LEN))
+    pool = BlockPool(num_blocks, BLOCK_SIZE)
+    scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), pool)
+    return EngineCore(scheduler, pool, worker, MAX_LEN, config.vocab_size, EOS)
+
+
+def run(core, requests, check=True):
+    tokens = {r.request_id: [] for r in requests}
+    for request in requests:
+        core.add_request(request)
+    while core.has_unfinished:
+        for output in core.step():
+            tokens[output.seq_id].extend(output.new_token_ids)
+        if check:
+            core.scheduler.check_invariants()
+            core.pool.check_invariants()
+    return tokens
+
+
+def prompts(count, rng, low=3, high=40):
+    return [tuple(int(t) for t in rng.integers(0, 96, size=rng.integers(low, high))) for _ in range(count)]
+
+
+def greedy(max_tokens=12):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def test_sixteen_prompts_batched_give_the_tokens_each_gives_alone(rng):
+    batch = [Request(f"r{i}", p, greedy(), seed=i) for i, p in enumerate(prompts(16, rng))]
+    together = run(build_core(), batch)
+    for request in batch:
+        alone = run(build_core(), [request])
+        assert alone[request.request_id] == together[request.request_id]
+    assert all(len(t) >= 1 for t in together.values())
+
+
+def test_preemption_under_block_pressure_gives_the_unconstrained_tokens(rng):
+    batch = [Request(f"r{i}", p, greedy(24), seed=i) for i, p in enumerate(prompts(8, rng, 10, 30))]
+    roomy = build_core(num_blocks=400)
+    expected = run(roomy, batch)
+    tight = build_core(num_blocks=40, budget=64)
+    got = run(tight, batch)
+    assert got == expected
+    assert tight.stats().num_preemptions > 0 and roomy.stats().num_preemptions == 0
+    assert tight.stats().num_blocks_free == 40
+    assert sum(len(t) for t in got.values()) > 8
+
+
+def test_seeded_sampling_reproduces_and_ignores_batch_neighbours(rng):
+    params = SamplingParams(temperature=1.3, top_p=0.9, max_tokens=10)
+    target = Request("target", tuple(range(5, 20)), params, seed=42)
+    alone = run(build_core(), [target])["target"]
+    crowd = [Request(f"n{i}", p, params, seed=i) for i, p in enumerate(prompts(6, rng))]
+    together = run(build_core(), [*crowd, target])["target"]
+    assert alone == together
+    other_seed = run(build_core(), [Request("target", target.prompt_token_ids, params, seed=43)])["target"]
+    assert other_seed != alone
+
+
+def test_abort_frees_blocks_at_every_stage(rng):
+    core = build_core(num_blocks=100, budget=16)
+    long_prompt = tuple(int(t) for t in rng.integers(0, 96, size=60))
+    core.add_request(Request("prefilling", long_prompt, greedy(50), seed=0))
+    core.add_request(Request("decoding", (1, 2, 3), greedy(50), seed=0))
+    core.add_request(Request("waiting", (4, 5, 6), greedy(50), seed=0))
+    core.step()
+    assert core.abort("prefilling") is not None
+    for _ in range(3):
+        core.step()
+    assert core.abort("decoding") is not None and core.abort("waiting") is not None
+    assert core.abort("decoding") is None
+    assert not core.has_unfinished
+    assert core.stats().num_blocks_free == 100
+
+
+def test_requests_the_engine_cannot_run_are_refused_with_the_field():
+    core = build_core()
+    with pytest.raises(ParameterError, match="context is 128"):
+        core.add_request(Request("long", tuple([1] * 200), greedy(), seed=0))
+    with pytest.raises(ParameterError, match="outside the vocabulary") as caught:
+        core.add_request(Request("oov", (1, 500), greedy(), seed=0))
+    assert caught.value.field == "prompt"
+    with pytest.raises(ParameterError) as caught:
+        core.add_request(Request("bias", (1, 2), SamplingParams(logit_bias={1000: 5.0}), seed=0))
+    assert caught.value.field == "logit_bias"
+    assert not core.has_unfinished
+
+
+def test_max_tokens_and_eos_finish_requests(rng):
+    core = build_core()
+    result = run(core, [Request("a", (7, 8, 9), greedy(5), seed=0)])
+    assert len(result["a"]) == 5
+    # ban everything but the eos id: the first token must be eos and finish the request
+    bias = {t: -100.0 for t in range(96)}
+    result = run(core, [Request("b", (7, 8, 9), SamplingParams(temperature=0.0, max_tokens=5, logit_bias=bias), seed=0)])
+    assert result["b"] == [96]
+    np.testing.assert_equal(core.stats().num_blocks_free, 400)
