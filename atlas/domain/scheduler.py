@@ -13,7 +13,9 @@ A sequence samples a token exactly when its chunk reaches its last token. Blocks
 before tokens are handed out (check, then commit). A running sequence that cannot get a block
 preempts by recompute the victim its policy names (never one already in the step being built):
 the victim's blocks go back to the pool and it waits at the front of the queue to recompute its
-prompt and output later, which yields the same tokens.
+prompt and output later, which yields the same tokens. Nothing can livelock on a pool that is
+too small: `add` refuses a prompt larger than the whole pool, and a sequence whose next token
+would need more positions than the whole pool holds finishes with LENGTH.
 
 Every non-empty batch from `schedule()` must be passed to `commit()` before the next
 `schedule()`; sequences aborted in between are skipped.
@@ -87,7 +89,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, pool: BlockPool, policy: SchedulingPolicy | None = None) -> None:
         """Raises ValueError when the pool's block size differs from the config's."""
         if pool.block_size != config.block_size:
-            raise ValueError(f"the pool's block_size ({pool.block_size}) differs from the config's ({config.block_size})")
+            raise ValueError(
+                f"the pool's block_size ({pool.block_size}) differs from the config's ({config.block_size})"
+            )
         self.config = config
         self.pool = pool
         self.policy: SchedulingPolicy = policy if policy is not None else FifoPolicy()
@@ -99,14 +103,17 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
+        """Sequences holding blocks (scheduled this step or waiting for budget)."""
         return len(self._running)
 
     @property
     def num_waiting(self) -> int:
+        """Sequences queued for admission, preempted ones included."""
         return len(self._waiting)
 
     @property
     def has_unfinished(self) -> bool:
+        """Whether any added sequence is neither finished nor aborted."""
         return bool(self._live)
 
     def add(self, seq: Sequence) -> None:
@@ -233,13 +240,18 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens < 1:
                 raise AssertionError(f"a running sequence is not running or has nothing to compute: {seq!r}")
             if seq.num_blocks != expected_blocks:
-                raise AssertionError(f"{seq!r} covers {covered} tokens with {seq.num_blocks} blocks, not {expected_blocks}")
+                raise AssertionError(
+                    f"{seq!r} covers {covered} tokens with {seq.num_blocks} blocks, not {expected_blocks}"
+                )
             holders.update(seq.block_ids)
         for block_id, count in holders.items():
-            if self.pool.ref_count(block_id) != count:
-                raise AssertionError(f"block {block_id} has {count} holder(s) but ref count {self.pool.ref_count(block_id)}")
+            ref_count = self.pool.ref_count(block_id)
+            if ref_count != count:
+                raise AssertionError(f"block {block_id} has {count} holder(s) but ref count {ref_count}")
         if self.pool.num_used_blocks != len(holders):
-            raise AssertionError(f"the pool has {self.pool.num_used_blocks} used blocks but sequences hold {len(holders)}")
+            raise AssertionError(
+                f"the pool has {self.pool.num_used_blocks} used blocks but sequences hold {len(holders)}"
+            )
 
     @property
     def _capacity_tokens(self) -> int:
@@ -334,9 +346,13 @@ class Scheduler:
         if result.step_id != batch.step_id:
             raise ValueError(f"result of step {result.step_id} committed against batch of step {batch.step_id}")
         if len(result.token_ids) != batch.num_sampled:
-            raise ValueError(f"step {batch.step_id} samples {batch.num_sampled} tokens but the result has {len(result.token_ids)}")
+            raise ValueError(
+                f"step {batch.step_id} samples {batch.num_sampled} tokens but the result has {len(result.token_ids)}"
+            )
         if result.logprobs is not None and len(result.logprobs) != len(result.token_ids):
-            raise ValueError(f"step {batch.step_id}: {len(result.logprobs)} logprobs for {len(result.token_ids)} tokens")
+            raise ValueError(
+                f"step {batch.step_id}: {len(result.logprobs)} logprobs for {len(result.token_ids)} tokens"
+            )
         return in_flight
 
 

@@ -9,6 +9,7 @@ wrong block table, position or recompute yields different ones.
 from __future__ import annotations
 
 import hashlib
+import random
 from collections.abc import Callable, Collection, Iterable, Sequence as SequenceList
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from atlas.domain.kv_blocks import BlockPool
 from atlas.domain.requests import FinishReason, ParameterError, Request, SamplingParams, Sequence, SequenceStatus
 from atlas.domain.sampling import sampling_row
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
+from atlas.domain.scheduling_policy import SchedulingPolicy
 
 BLOCK_SIZE = 4
 VOCAB_SIZE = 50
@@ -75,7 +77,11 @@ def make_seq(
 
 
 def make_scheduler(
-    num_blocks: int, budget: int, max_num_seqs: int = 8, max_model_len: int = 64, policy: object = None
+    num_blocks: int,
+    budget: int,
+    max_num_seqs: int = 8,
+    max_model_len: int = 64,
+    policy: SchedulingPolicy | None = None,
 ) -> tuple[Scheduler, BlockPool, PagedFakeWorker]:
     pool = BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE)
     config = SchedulerConfig(
@@ -292,6 +298,29 @@ def test_a_sequence_that_is_the_newest_preempts_itself_and_the_older_one_runs() 
     assert b.output_token_ids == tuple(greedy_reference(b.request.prompt_token_ids, 4))
 
 
+def test_a_step_that_preempted_admits_nobody_so_the_victim_does_not_bounce_back() -> None:
+    scheduler, _, worker = make_scheduler(num_blocks=4, budget=5)
+    a = make_seq("a", [1, 2, 3, 4], max_tokens=6, eos_token_ids=NO_EOS)
+    b = make_seq("b", [5, 6, 7, 8, 9, 10, 11, 12], max_tokens=3, eos_token_ids=NO_EOS)
+    scheduler.add(a)
+    step(scheduler, worker)
+    scheduler.add(b)
+    shapes = [batch_shape(step(scheduler, worker)[0]) for _ in range(3)]
+    assert shapes == [
+        [("a", 4, 1, (0, 1), True), ("b", 0, 4, (2,), False)],
+        [("a", 5, 1, (0, 1), True), ("b", 4, 4, (2, 3), True)],
+        # b's position 8 needs a third block; b preempts itself. A 4-token chunk of its recompute
+        # would fit in the 2 blocks it freed, but re-admitting it now would only thrash.
+        [("a", 6, 1, (0, 1), True)],
+    ]
+    assert b.num_preemptions == 1 and scheduler.num_waiting == 1
+    batch, _ = step(scheduler, worker)
+    assert batch_shape(batch) == [("a", 7, 1, (0, 1), True), ("b", 0, 4, (2,), False)]
+    run_to_completion(scheduler, worker)
+    assert b.output_token_ids == tuple(greedy_reference(b.request.prompt_token_ids, 3))
+    assert a.output_token_ids == tuple(greedy_reference(a.request.prompt_token_ids, 6))
+
+
 def test_max_num_seqs_is_respected_and_tokens_are_unchanged() -> None:
     reference = unconstrained_run(max_tokens=6)
     scheduler, _, worker = make_scheduler(num_blocks=32, budget=32, max_num_seqs=2)
@@ -420,7 +449,8 @@ def test_a_prompt_that_leaves_no_room_is_a_parameter_error_naming_both_numbers()
 
 def test_a_prompt_larger_than_the_whole_pool_is_a_parameter_error() -> None:
     scheduler, _, _ = make_scheduler(num_blocks=2, budget=16)
-    with pytest.raises(ParameterError, match="9 tokens, which need 3 KV blocks of 4 tokens.*only 2 blocks \\(8 tokens\\)"):
+    message = "9 tokens, which need 3 KV blocks of 4 tokens.*only 2 blocks \\(8 tokens\\)"
+    with pytest.raises(ParameterError, match=message):
         scheduler.add(make_seq("big", list(range(1, 10))))
     assert not scheduler.has_unfinished
 
@@ -529,3 +559,56 @@ def test_add_refuses_engine_mistakes() -> None:
         Scheduler(SchedulerConfig(max_model_len=32, block_size=16), BlockPool(8, block_size=4))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_model_len=32, max_num_batched_tokens=0)
+
+
+def expected_greedy_run(seq: Sequence) -> Finished:
+    """What an unconstrained run produces for `seq`: greedy tokens up to eos or its length limit."""
+    continuation = greedy_reference(seq.request.prompt_token_ids, seq.max_total_tokens - seq.num_prompt_tokens)
+    if EOS_ID in continuation:
+        return Finished(continuation[: continuation.index(EOS_ID) + 1], FinishReason.STOP)
+    return Finished(continuation, FinishReason.LENGTH)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_workloads_with_arrivals_and_aborts_match_the_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    num_blocks = rng.randint(10, 16)  # at least max_model_len slots
+    scheduler, pool, worker = make_scheduler(
+        num_blocks=num_blocks, budget=rng.randint(3, 12), max_num_seqs=rng.randint(2, 5), max_model_len=40
+    )
+    sequences = [
+        make_seq(
+            f"s{idx}",
+            [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 14))],
+            max_tokens=rng.randint(1, 20),
+            max_model_len=40,
+        )
+        for idx in range(10)
+    ]
+    arrivals = list(sequences)
+    to_abort = {seq.seq_id for seq in rng.sample(sequences, 3)}
+    for _ in range(1000):
+        if not arrivals and not scheduler.has_unfinished:
+            break
+        if arrivals and rng.random() < 0.5:
+            scheduler.add(arrivals.pop(0))
+        batch = scheduler.schedule()
+        scheduler.check_invariants()
+        if batch.is_empty:
+            continue
+        result = worker.execute(batch)
+        for scheduled in batch.sequences:
+            if scheduled.seq_id in to_abort and rng.random() < 0.3:
+                to_abort.discard(scheduled.seq_id)
+                assert scheduler.abort(scheduled.seq_id).finish_reason is FinishReason.ABORT
+        scheduler.commit(batch, result)
+        scheduler.check_invariants()
+    assert not arrivals and not scheduler.has_unfinished, "livelock"
+    assert pool.num_free_blocks == num_blocks
+
+    for seq in sequences:
+        expected = expected_greedy_run(seq)
+        if seq.finish_reason is FinishReason.ABORT:
+            assert list(seq.output_token_ids) == expected.token_ids[: seq.num_output_tokens]
+        else:
+            assert Finished(list(seq.output_token_ids), seq.finish_reason) == expected
