@@ -270,6 +270,11 @@ class TensorSpec:
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
+def _little_endian(dtype: np.dtype) -> np.dtype:
+    """The format stores little-endian values; a big-endian array is byte-swapped on write."""
+    return np.dtype(dtype).newbyteorder("<")
+
+
 class SafetensorsWriter:
     """Streams tensors into one file whose header is fixed up front from `specs`.
 
@@ -287,7 +292,7 @@ class SafetensorsWriter:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
         offset_bytes = 0
         for spec in self._specs:
-            dtype_name = _DTYPE_NAMES.get(np.dtype(spec.dtype))
+            dtype_name = _DTYPE_NAMES.get(_little_endian(spec.dtype))
             if dtype_name is None:
                 raise ValueError(f"tensor {spec.name!r}: dtype {spec.dtype} has no safetensors name")
             header[spec.name] = {
@@ -308,14 +313,13 @@ class SafetensorsWriter:
         if self._next_idx >= len(self._specs):
             raise ValueError(f"tensor {name!r} was not declared when the writer was created")
         spec = self._specs[self._next_idx]
-        if name != spec.name or array.dtype != np.dtype(spec.dtype) or tuple(array.shape) != tuple(spec.shape):
+        dtype = _little_endian(array.dtype)
+        if name != spec.name or dtype != _little_endian(spec.dtype) or tuple(array.shape) != tuple(spec.shape):
             raise ValueError(
                 f"expected tensor {spec.name!r} {np.dtype(spec.dtype)} {tuple(spec.shape)}, "
                 f"got {name!r} {array.dtype} {tuple(array.shape)}"
             )
-        contiguous = np.ascontiguousarray(array)
-        if contiguous.dtype.byteorder == ">":
-            contiguous = contiguous.astype(contiguous.dtype.newbyteorder("<"))
+        contiguous = np.ascontiguousarray(array, dtype=dtype)
         self._handle.write(contiguous.reshape(-1).view(np.uint8).data)
         self._next_idx += 1
 
