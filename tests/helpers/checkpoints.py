@@ -219,7 +219,7 @@ CHATML_TEMPLATE = (
 
 def tiny_llama_gguf(path: Path, rng: np.random.Generator, *, hidden_size: int = 64, num_heads: int = 4,
                     num_kv_heads: int = 2, num_layers: int = 2, intermediate_size: int = 96, tie: bool = False,
-                    quantize_embedding: bool = True) -> dict[str, np.ndarray]:
+                    quantize_embedding: bool = True, rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Write a llama GGUF with random weights and return the HF-layout weights it encodes.
 
     Weights are float32 values exactly representable in bf16 (so the import can be compared
@@ -229,12 +229,19 @@ def tiny_llama_gguf(path: Path, rng: np.random.Generator, *, hidden_size: int = 
     vocab_size, head_dim = len(tokens), hidden_size // num_heads
 
     def weight(*shape: int) -> np.ndarray:
+        # Magnitudes in [0.01, 0.2): exact in bf16 and, being normal numbers, in f16 too.
         import ml_dtypes
 
-        return (rng.standard_normal(shape) * 0.1).astype(ml_dtypes.bfloat16).astype(np.float32)
+        values = rng.choice([-1.0, 1.0], size=shape) * rng.uniform(0.01, 0.2, size=shape)
+        return values.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    def norm_weight() -> np.ndarray:
+        import ml_dtypes
+
+        return (1 + weight(hidden_size)).astype(ml_dtypes.bfloat16).astype(np.float32)
 
     hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": weight(vocab_size, hidden_size),
-                                 "model.norm.weight": 1 + weight(hidden_size)}
+                                 "model.norm.weight": norm_weight()}
     builder = GgufBuilder()
     builder.add("general.architecture", STRING, "llama").add("general.name", STRING, "tiny")
     for key, value in (("block_count", num_layers), ("context_length", 256), ("embedding_length", hidden_size),
@@ -278,13 +285,15 @@ def tiny_llama_gguf(path: Path, rng: np.random.Generator, *, hidden_size: int = 
                 stored = llama_cpp_permute(value, num_kv_heads)
             builder.add_f16(f"blk.{layer}.{gguf_names[hf_part]}.weight", stored)
         for hf_part, gguf_name in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm")):
-            value = 1 + weight(hidden_size)
+            value = norm_weight()
             hf[f"{prefix}{hf_part}.weight"] = value
             builder.add_f32(f"blk.{layer}.{gguf_name}.weight", value)
     builder.add_f32("output_norm.weight", hf["model.norm.weight"])
     if not tie:
         hf["lm_head.weight"] = weight(vocab_size, hidden_size)
         builder.add_f32("output.weight", hf["lm_head.weight"])
+    if rope_freqs is not None:
+        builder.add_f32("rope_freqs.weight", rope_freqs)
     builder.write(path)
     return hf
 
