@@ -1,0 +1,100 @@
+"""Command-line parsing: engine flags shared by every command, ATLAS_* defaults, close-match errors."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+from typing import NoReturn
+
+from atlas.app.settings import DEVICES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineSettings
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that names the closest existing flag when given one that does not exist."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            unknown = [a for a in message.split(":", 1)[1].split() if a.startswith("-")]
+            known = [flag for action in self._actions for flag in action.option_strings]
+            for flag in unknown:
+                name = flag.split("=", 1)[0]
+                match = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+                if match:
+                    message = f"unexpected argument '{name}'; did you mean '{match[0]}'?"
+                    break
+                message = f"unexpected argument '{name}'; see --help for the flags"
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _env(name: str, default, cast=str):
+    """Default for a flag from ATLAS_<NAME> (e.g. ATLAS_MAX_SEQ_LEN), else `default`."""
+    value = os.environ.get("ATLAS_" + name.upper().replace("-", "_"))
+    if value is None:
+        return default
+    if cast is bool:
+        return value.lower() in ("1", "true", "yes", "on")
+    return cast(value)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that shape the engine (every command that loads a model takes them)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--device", choices=DEVICES, default=_env("device", "auto"),
+                       help="cuda, mock (numpy on the CPU) or auto (cuda when a GPU is present)")
+    group.add_argument("--max-seq-len", type=int, default=_env("max_seq_len", None, int),
+                       help="longest sequence, prompt + output (default: the model's max_position_embeddings)")
+    group.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 128, int),
+                       help="sequences running at once (default 128)")
+    group.add_argument("--max-batch-size", type=int, default=_env("max_batch_size", None, int),
+                       help="largest decode batch captured as a CUDA graph (default: --max-num-seqs)")
+    group.add_argument("--max-prefill-tokens", type=int, default=_env("max_prefill_tokens", 2048, int),
+                       help="tokens computed per step; longer prompts are prefilled in chunks (default 2048)")
+    group.add_argument("--block-size", type=int, default=_env("block_size", 16, int),
+                       help="tokens per KV cache block (default 16)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=_env("gpu_memory_utilization", 0.90, float),
+                       help="fraction of device memory Atlas may use for weights, activations and KV (default 0.90)")
+    group.add_argument("--kv-cache-gb", type=float, default=_env("kv_cache_gb", None, float),
+                       help="size the KV cache to this many GiB instead (default on the mock: 2)")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_env("kv_cache_dtype", "auto"),
+                       help="KV cache element type (default: the activation type)")
+    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_env("scheduling_policy", "fifo"))
+    group.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", False, bool),
+                       help="never capture CUDA graphs")
+    group.add_argument("--seed", type=int, default=_env("seed", None, int),
+                       help="seed for requests that bring none (default: a fresh random seed per request)")
+
+
+def engine_settings(args: argparse.Namespace) -> EngineSettings:
+    return EngineSettings(
+        model=args.model,
+        device=args.device,
+        max_seq_len=args.max_seq_len,
+        max_num_seqs=args.max_num_seqs,
+        max_batch_size=args.max_batch_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_gb=args.kv_cache_gb,
+        kv_cache_dtype=args.kv_cache_dtype,
+        scheduling_policy=args.scheduling_policy,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+    )
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, default_max_tokens: int | None) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=default_max_tokens)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--request-seed", type=int, default=None, help="seed of this request's sampling")

@@ -1,0 +1,37 @@
+"""Choosing the device backend. The CUDA adapter is imported only when it is asked for."""
+
+from __future__ import annotations
+
+import logging
+
+from atlas.app.settings import SettingsError
+from atlas.ports.gpu import GpuBackend
+
+log = logging.getLogger("atlas")
+
+
+def cuda_available() -> bool:
+    """True when the `cuda` extra is installed and a GPU answers; never raises."""
+    try:
+        from atlas.adapters import cuda
+    except ImportError:
+        return False
+    return cuda.available()
+
+
+def make_backend(device: str, model_type: str | None = None) -> GpuBackend:
+    """`mock`, `cuda`, or `auto` (CUDA when a GPU and the `cuda` extra are present)."""
+    if device == "mock" or (device == "auto" and not cuda_available()):
+        from atlas.adapters.mock.backend import MockGpuBackend
+
+        if device == "auto":
+            log.info("no CUDA GPU (or the cuda extra is not installed): using the mock backend (numpy on the CPU)")
+        return MockGpuBackend()
+    if not cuda_available():
+        raise SettingsError(
+            "--device cuda needs an NVIDIA GPU and the cuda extra (pip install -e '.[cuda]'); "
+            "use --device mock to run on the CPU"
+        )
+    from atlas.adapters.cuda import CudaGpuBackend
+
+    return CudaGpuBackend(model_hint=model_type)

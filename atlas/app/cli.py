@@ -1,0 +1,170 @@
+"""The `atlas` command: generate, chat, serve, pull, import-gguf, bench, kernels.
+
+User mistakes (a missing model, a bad flag value, a corrupt checkpoint, too little memory) end
+with one line naming the fix and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from atlas.app.arguments import (
+    ArgumentParser,
+    add_engine_arguments,
+    add_sampling_arguments,
+    engine_settings,
+)
+from atlas.domain.requests import SamplingParams
+
+EXIT_USER_ERROR = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    if args.handler is None:
+        parser.print_help()
+        return EXIT_USER_ERROR
+    try:
+        return args.handler(args) or 0
+    except (ValueError, MemoryError) as error:
+        print(f"atlas: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="atlas", description="Atlas: serve and run LLMs on your own hardware.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.set_defaults(handler=None)
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=ArgumentParser)
+
+    generate = commands.add_parser("generate", help="complete prompts and print the results")
+    generate.add_argument("model", help="a model folder, a pulled name (smollm2) or an HF repo id in the HF cache")
+    generate.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
+    generate.add_argument("--chat", action="store_true", help="apply the chat template to each prompt")
+    add_sampling_arguments(generate, default_max_tokens=128)
+    add_engine_arguments(generate)
+    generate.set_defaults(handler=_generate)
+
+    chat = commands.add_parser("chat", help="talk to a model in the terminal (chat template applied)")
+    chat.add_argument("model")
+    chat.add_argument("-m", "--message", help="ask one question, print the answer and exit")
+    chat.add_argument("--system", help="a system prompt")
+    add_sampling_arguments(chat, default_max_tokens=512)
+    add_engine_arguments(chat)
+    chat.set_defaults(handler=_chat)
+
+    pull = commands.add_parser("pull", help="fetch a model into Atlas's cache (smollm2)")
+    pull.add_argument("name")
+    pull.add_argument("--force", action="store_true", help="fetch and import again")
+    pull.set_defaults(handler=_pull)
+
+    import_gguf = commands.add_parser("import-gguf", help="convert a GGUF file into a Hugging Face model folder")
+    import_gguf.add_argument("file")
+    import_gguf.add_argument("out_dir")
+    import_gguf.set_defaults(handler=_import_gguf)
+
+    bench = commands.add_parser("bench", help="measure decode throughput of a model on this machine")
+    bench.add_argument("model")
+    bench.add_argument("--batch-sizes", default="1,16", help="comma-separated decode batch sizes (default 1,16)")
+    bench.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    bench.add_argument("--output-len", type=int, default=64, help="tokens generated per sequence (default 64)")
+    add_engine_arguments(bench)
+    bench.set_defaults(handler=_bench)
+    return parser
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.request_seed,
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from atlas.app.llm import LLM
+
+    params = _sampling(args)
+    llm = LLM.from_settings(engine_settings(args))
+    if args.chat:
+        results = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        results = llm.generate(args.prompt, params)
+    for prompt, result in zip(args.prompt, results):
+        for choice in result.outputs:
+            print(f"--- prompt: {prompt!r} ({choice.finish_reason}, {len(choice.token_ids)} tokens)")
+            print(choice.text)
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from atlas.app.llm import LLM
+
+    params = _sampling(args)
+    llm = LLM.from_settings(engine_settings(args))
+    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = args.message is None and sys.stdin.isatty()
+    questions = [args.message] if args.message is not None else _questions(interactive)
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        answer = []
+        for text in llm.stream_chat(messages, params):
+            answer.append(text)
+            print(text, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": "".join(answer)})
+    return 0
+
+
+def _questions(interactive: bool):
+    if interactive:
+        print("Type a message and press Enter (Ctrl-D to quit).", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return
+        if line.strip():
+            yield line
+
+
+def _pull(args: argparse.Namespace) -> int:
+    from atlas.app.pull import pull
+
+    path = pull(args.name, force=args.force)
+    print(path)
+    return 0
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from atlas.adapters.weights.gguf_import import import_gguf
+
+    path = import_gguf(args.file, args.out_dir)
+    print(path)
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from atlas.app.bench import run_decode_bench
+
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    return run_decode_bench(engine_settings(args), batch_sizes, args.input_len, args.output_len)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The Python API: `LLM(model).generate(prompts, SamplingParams(...))` and `.chat(messages)`.
+
+It drives the engine core synchronously in the caller's thread (no event loop), with the
+same front-end text handling the server uses.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from atlas.app.builder import LoadedEngine, build_engine
+from atlas.app.frontend import SeedSource, SequenceText, TextDelta, fan_out
+from atlas.app.settings import EngineSettings
+from atlas.domain.batch import TokenLogprobs
+from atlas.domain.requests import Request, SamplingParams
+from atlas.ports.tokenizer import Tokenizer
+
+Message = Mapping[str, Any]
+PromptInput = str | Sequence[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+class LLM:
+    """A model loaded for offline generation. Settings are `EngineSettings` fields."""
+
+    def __init__(self, model: str, *, show_progress: bool = True, **settings: Any) -> None:
+        self.engine: LoadedEngine = build_engine(EngineSettings(model=model, **settings), show_progress)
+        self._seeds = SeedSource(self.engine.settings.seed)
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, show_progress: bool = True) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = build_engine(settings, show_progress)
+        llm._seeds = SeedSource(settings.seed)
+        return llm
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self, prompts: PromptInput | Sequence[PromptInput], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text, or a list of token ids); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        items = []
+        for prompt in prompts:  # type: ignore[union-attr]
+            if isinstance(prompt, str):
+                items.append((prompt, self.tokenizer.encode(prompt)))
+            else:
+                items.append((None, [int(t) for t in prompt]))
+        return self._run(items, params)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of messages) or several, with the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        items = []
+        for conversation in conversations:
+            prompt = self.render_chat(conversation, tools=tools, **(chat_template_kwargs or {}))  # type: ignore[arg-type]
+            items.append((prompt, self.tokenizer.encode(prompt, add_special_tokens=False)))
+        return self._run(items, sampling_params or SamplingParams())
+
+    def render_chat(self, messages: Sequence[Message], tools=None, **template_kwargs: Any) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **template_kwargs)
+
+    def stream_chat(self, messages: Sequence[Message], sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield the answer's text as it is generated (one choice)."""
+        prompt = self.render_chat(messages)
+        request = fan_out(_new_id(), self.tokenizer.encode(prompt, add_special_tokens=False),
+                          sampling_params or SamplingParams(), self._seeds)[0]
+        for delta in self._deltas([request]):
+            if delta[1].text:
+                yield delta[1].text
+
+    def _run(self, items: list[tuple[str | None, list[int]]], params: SamplingParams) -> list[RequestOutput]:
+        results: list[RequestOutput] = []
+        choices: dict[str, CompletionOutput] = {}
+        requests: list[Request] = []
+        for prompt, token_ids in items:
+            request_id = _new_id()
+            fanned = fan_out(request_id, token_ids, params, self._seeds)
+            outputs = [CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
+                       for index in range(len(fanned))]
+            results.append(RequestOutput(request_id, prompt, list(token_ids), outputs))
+            for request, output in zip(fanned, outputs):
+                choices[request.request_id] = output
+                requests.append(request)
+        for request_id, delta in self._deltas(requests):
+            choice = choices[request_id]
+            choice.text += delta.text
+            choice.token_ids.extend(delta.token_ids)
+            if choice.logprobs is not None:
+                choice.logprobs.extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                choice.finish_reason = delta.finish_reason.value
+                choice.stop_reason = delta.stop_reason
+        return results
+
+    def _deltas(self, requests: list[Request]) -> Iterator[tuple[str, TextDelta]]:
+        """Run the engine until every request finishes, yielding text deltas as they come."""
+        core, tokenizer = self.engine.core, self.tokenizer
+        texts: dict[str, SequenceText] = {}
+        try:
+            for request in requests:
+                core.add_request(request)
+                texts[request.request_id] = SequenceText(tokenizer, request.prompt_token_ids, request.sampling)
+            while texts:
+                for output in core.step():
+                    text = texts.get(output.seq_id)
+                    if text is None:
+                        continue
+                    delta = text.apply(output)
+                    if delta.stopped_by_text:
+                        core.abort(output.seq_id)
+                    if delta.finish_reason is not None:
+                        del texts[output.seq_id]
+                    yield output.seq_id, delta
+        finally:
+            for request_id in texts:  # interrupted (an error, or the caller stopped iterating)
+                core.abort(request_id)
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex

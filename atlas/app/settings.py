@@ -1,0 +1,56 @@
+"""Engine settings: the one place their defaults live (CLI flags and ATLAS_* variables map here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEVICES = ("auto", "cuda", "mock")
+KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32")
+SCHEDULING_POLICIES = ("fifo",)
+
+
+class SettingsError(ValueError):
+    """A setting out of range; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    model: str
+    device: str = "auto"
+    max_seq_len: int | None = None  # default: the model's max_position_embeddings
+    max_num_seqs: int = 128  # sequences running at once
+    max_batch_size: int | None = None  # largest decode batch captured as a graph (default: max_num_seqs)
+    max_prefill_tokens: int = 2048  # token budget of one step; longer prompts are chunked
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    kv_cache_gb: float | None = None  # fixed KV size instead of the utilisation rule (mock default: 2)
+    kv_cache_dtype: str = "auto"
+    scheduling_policy: str = "fifo"
+    enforce_eager: bool = False  # never capture graphs
+    seed: int | None = None  # seeds requests that bring none (None: a fresh random seed each)
+
+    def __post_init__(self) -> None:
+        _choice("--device", self.device, DEVICES)
+        _choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if self.max_seq_len is not None and self.max_seq_len < 2:
+            raise SettingsError(f"--max-seq-len must be at least 2 (got {self.max_seq_len})")
+        if self.max_num_seqs < 1:
+            raise SettingsError(f"--max-num-seqs must be at least 1 (got {self.max_num_seqs})")
+        if self.max_batch_size is not None and self.max_batch_size < 1:
+            raise SettingsError(f"--max-batch-size must be at least 1 (got {self.max_batch_size})")
+        if self.max_prefill_tokens < 16:
+            raise SettingsError(f"--max-prefill-tokens must be at least 16 (got {self.max_prefill_tokens})")
+        if self.block_size not in (8, 16, 32, 64):
+            raise SettingsError(f"--block-size must be 8, 16, 32 or 64 (got {self.block_size})")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise SettingsError(
+                f"--gpu-memory-utilization must be between 0.05 and 0.99 (got {self.gpu_memory_utilization})"
+            )
+        if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
+            raise SettingsError(f"--kv-cache-gb must be positive (got {self.kv_cache_gb})")
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise SettingsError(f"{flag} must be one of {', '.join(choices)} (got {value!r})")
