@@ -21,7 +21,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments:"):
             unknown = [a for a in message.split(":", 1)[1].split() if a.startswith("-")]
-            known = [flag for action in self._actions for flag in action.option_strings]
+            known = _all_flags(self)
             for flag in unknown:
                 name = flag.split("=", 1)[0]
                 match = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
@@ -31,6 +31,17 @@ class ArgumentParser(argparse.ArgumentParser):
                 message = f"unexpected argument '{name}'; see --help for the flags"
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of `parser` and its subcommands (unknown flags surface at the top)."""
+    flags = []
+    for action in parser._actions:
+        flags.extend(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for subparser in action.choices.values():
+                flags.extend(_all_flags(subparser))
+    return flags
 
 
 def _env(name: str, default, cast=str):

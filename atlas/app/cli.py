@@ -24,7 +24,7 @@ EXIT_USER_ERROR = 2
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_default_bench(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -74,14 +74,30 @@ def build_parser() -> ArgumentParser:
     import_gguf.add_argument("out_dir")
     import_gguf.set_defaults(handler=_import_gguf)
 
-    bench = commands.add_parser("bench", help="measure decode throughput of a model on this machine")
-    bench.add_argument("model")
-    bench.add_argument("--batch-sizes", default="1,16", help="comma-separated decode batch sizes (default 1,16)")
-    bench.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
-    bench.add_argument("--output-len", type=int, default=64, help="tokens generated per sequence (default 64)")
-    add_engine_arguments(bench)
-    bench.set_defaults(handler=_bench)
+    bench = commands.add_parser("bench", help="benchmarks that print figures (engine decode by default)")
+    bench_commands = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", parser_class=ArgumentParser)
+    engine = bench_commands.add_parser("engine", help="decode tokens/s of a model on this machine (the default)")
+    engine.add_argument("model")
+    engine.add_argument("--batch-sizes", default="1,16", help="comma-separated decode batch sizes (default 1,16)")
+    engine.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    engine.add_argument("--output-len", type=int, default=64, help="tokens generated per sequence (default 64)")
+    add_engine_arguments(engine)
+    engine.set_defaults(handler=_bench)
+    bench.set_defaults(handler=None, bench_parser=bench)
     return parser
+
+
+BENCHMARKS = ("engine", "serve", "startup")
+
+
+def _default_bench(argv: list[str]) -> list[str]:
+    """`atlas bench MODEL ...` means `atlas bench engine MODEL ...`."""
+    if "bench" in argv:
+        index = argv.index("bench")
+        rest = argv[index + 1 :]
+        if rest and rest[0] not in BENCHMARKS and rest[0] not in ("-h", "--help"):
+            return [*argv[: index + 1], "engine", *rest]
+    return argv
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
