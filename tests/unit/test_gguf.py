@@ -37,6 +37,7 @@ from helpers.checkpoints import (
 from atlas.adapters.weights.gguf import BLOCK_DEQUANTIZERS, GgmlType, GgufError, GgufFile, dequantize_rows
 from atlas.adapters.weights.gguf_import import (
     GgufImportError,
+    ImportDestinationError,
     import_gguf,
     llama3_rope_factors,
     unpermute_rotary_rows,
@@ -337,7 +338,7 @@ def test_import_refuses_to_overwrite_unless_asked(tmp_path: Path, rng: np.random
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    with pytest.raises(FileExistsError, match="not empty"):
+    with pytest.raises(ImportDestinationError, match="not empty"):
         import_gguf(tmp_path / "tiny.gguf", out, progress=False)
     assert (out / "keep.txt").read_text() == "mine"
     import_gguf(tmp_path / "tiny.gguf", out, progress=False, overwrite=True)

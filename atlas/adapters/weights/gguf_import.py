@@ -64,6 +64,10 @@ class GgufImportError(GgufError):
     """The GGUF file holds a model the importer cannot convert; says what and what to use instead."""
 
 
+class ImportDestinationError(ValueError):
+    """The output folder already holds something and overwriting was not asked for."""
+
+
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
     """One output tensor: where it comes from and how many heads to unpermute by (0: none)."""
@@ -98,12 +102,12 @@ def import_gguf(
     """Write an HF-format folder for the GGUF file at `gguf_path` into `out_dir`; returns it.
 
     Raises GgufError for an unreadable file, GgufImportError for an architecture, tensor type,
-    tokenizer or rope scaling the importer does not handle, and FileExistsError when `out_dir`
-    is a non-empty folder and `overwrite` is False. Progress (tensor i/N, MB) goes to stderr.
+    tokenizer or rope scaling the importer does not handle, and ImportDestinationError when
+    `out_dir` is a non-empty folder and `overwrite` is False. Progress (tensor i/N, MB) goes to stderr.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} already exists and is not empty; choose another folder or remove it")
+        raise ImportDestinationError(f"{out_dir} already exists and is not empty; choose another folder or remove it")
     report = _Progress(progress)
     with GgufFile(gguf_path) as gguf:
         config = llama_config(gguf)
