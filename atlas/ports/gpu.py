@@ -164,7 +164,8 @@ class SamplingTensors:
         x = seed ^ (counter * 0x9E3779B97F4A7C15) ^ (v * 0xD1B54A32D192ED03)
         x = splitmix64(x)   # x += 0x9E3779B97F4A7C15; x = (x ^ x >> 30) * 0xBF58476D1CE4E5B9;
                             # x = (x ^ x >> 27) * 0x94D049BB133111EB; x ^= x >> 31
-        u = ((x >> 40) + 0.5) * 2**-24          # float32, exactly representable, in (0, 1)
+        u = ((x >> 41) + 0.5) * 2**-23          # float32, exactly representable, in (0, 1)
+                                                # (23 bits: with 24 the top value rounds to 1.0)
         token = argmax over kept v of  logit_v / T - log(-log(u))   (ties: lowest id)
 
     Greedy rows take argmax of the processed logits (ties: lowest id). Top-k keeps the k
