@@ -2,17 +2,37 @@
 
 The device applies the rules in the order `atlas.ports.gpu.SamplingTensors` documents; this
 module turns a sequence's state into a `SamplingRow` (penalty context, biases, the position
-in its random stream) and rows into the flat arrays the device reads.
+in its random stream), rows into the flat arrays the device reads (`pack_rows`), and holds the
+counter-based random stream every backend must reproduce bit for bit (`counter_uniforms`).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass
+
+import numpy as np
 
 from atlas.domain.batch import SamplingRow
-from atlas.domain.requests import Sequence
+from atlas.domain.requests import ParameterError, SamplingParams, Sequence
 
 NEG_INF = float("-inf")
+
+_INT32_MAX = 2**31 - 1
+
+# The random stream (see `SamplingTensors`): one splitmix64 hash per (seed, counter, token id).
+_COUNTER_MIX = np.uint64(0x9E3779B97F4A7C15)
+_TOKEN_MIX = np.uint64(0xD1B54A32D192ED03)
+_SPLITMIX_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_SPLITMIX_MUL_1 = np.uint64(0xBF58476D1CE4E5B9)
+_SPLITMIX_MUL_2 = np.uint64(0x94D049BB133111EB)
+_UINT64_MASK = 0xFFFF_FFFF_FFFF_FFFF
+# 23 random bits: (m + 0.5) * 2**-23 is then exact in float32 (24-bit significand) and lies in
+# [2**-24, 1 - 2**-24]. With 24 bits the top value would round to 1.0 and win every race.
+_UNIFORM_SHIFT = np.uint64(41)
+_UNIFORM_SCALE = np.float32(2.0**-23)
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:
@@ -36,7 +56,7 @@ def sampling_row(seq: Sequence) -> SamplingRow:
         top_k=max(params.top_k, 0),
         top_p=params.top_p,
         min_p=params.min_p,
-        seed=seq.request.seed & 0xFFFF_FFFF_FFFF_FFFF,
+        seed=seq.request.seed & _UINT64_MASK,
         counter=seq.num_output_tokens,
         repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty,
@@ -47,3 +67,175 @@ def sampling_row(seq: Sequence) -> SamplingRow:
         bias_values=tuple(bias.values()),
         num_logprobs=params.logprobs,
     )
+
+
+def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Reject token ids the model cannot produce before they reach the device.
+
+    `vocab_size` is the number of logits per row (the model's output width). Raises
+    `ParameterError` naming `logit_bias` or `stop_token_ids` for an id >= vocab_size (negative
+    ids are already rejected when `SamplingParams` is built).
+    """
+    for token_id in params.logit_bias or {}:
+        if not 0 <= token_id < vocab_size:
+            raise ParameterError(
+                "logit_bias", f"token id {token_id} is outside the vocabulary (ids are 0..{vocab_size - 1})"
+            )
+    for token_id in params.stop_token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise ParameterError(
+                "stop_token_ids", f"token id {token_id} is outside the vocabulary (ids are 0..{vocab_size - 1})"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class PackedSampling:
+    """Host arrays with exactly the fields of `SamplingTensors` (same names, dtypes, meaning).
+
+    The model runner copies them into persistent device buffers. Arrays may be longer than
+    `num_rows` (a persistent buffer sized for the largest step): readers use the first
+    `num_rows` entries and the CSR ranges `offsets[r]:offsets[r + 1]` only.
+
+        rows         r0 (3 penalised ids)   r1 (none)   r2 (2 ids)
+        offsets      [0,                    3,          3,          5]
+        token_ids    [a  b  c               |           d  e]
+    """
+
+    temperature: np.ndarray  # [R] f32, 0 = greedy
+    top_k: np.ndarray  # [R] i32, 0 = off
+    top_p: np.ndarray  # [R] f32, 1 = off
+    min_p: np.ndarray  # [R] f32, 0 = off
+    seeds: np.ndarray  # [R] i64 holding the uint64 bit pattern
+    counters: np.ndarray  # [R] i64
+    repetition_penalty: np.ndarray  # [R] f32, 1 = off
+    presence_penalty: np.ndarray  # [R] f32
+    frequency_penalty: np.ndarray  # [R] f32
+    penalty_offsets: np.ndarray  # [R + 1] i32
+    penalty_token_ids: np.ndarray  # [P] i32
+    penalty_output_counts: np.ndarray  # [P] i32
+    bias_offsets: np.ndarray  # [R + 1] i32
+    bias_token_ids: np.ndarray  # [B] i32
+    bias_values: np.ndarray  # [B] f32
+    num_rows: int
+    all_greedy: bool
+    any_penalties: bool
+    any_bias: bool
+
+
+def pack_rows(rows: SequenceOf[SamplingRow]) -> PackedSampling:
+    """Flatten `rows` into `PackedSampling` (row order kept).
+
+    Penalty entries are packed only for rows whose penalties are not neutral, so a step where
+    nobody asks for penalties ships none. Raises `ValueError` when a row's penalty ids and
+    counts (or bias ids and values) differ in length, or a seed is outside [0, 2**64).
+    """
+    penalised = [row.has_penalties for row in rows]
+    for row in rows:
+        if len(row.penalty_token_ids) != len(row.penalty_output_counts):
+            raise ValueError("penalty_output_counts: needs one count per penalty token id")
+        if len(row.bias_token_ids) != len(row.bias_values):
+            raise ValueError("bias_values: needs one value per bias token id")
+        if not 0 <= row.seed <= _UINT64_MASK:
+            raise ValueError(f"seed: {row.seed} is not an unsigned 64-bit integer")
+    penalty_rows = [row for row, is_penalised in zip(rows, penalised) if is_penalised]
+
+    def floats(values: list[float]) -> np.ndarray:
+        return np.array(values, dtype=np.float32)
+
+    return PackedSampling(
+        temperature=floats([row.temperature for row in rows]),
+        top_k=np.array([min(row.top_k, _INT32_MAX) for row in rows], dtype=np.int32),
+        top_p=floats([row.top_p for row in rows]),
+        min_p=floats([row.min_p for row in rows]),
+        seeds=np.array([row.seed for row in rows], dtype=np.uint64).view(np.int64),
+        counters=np.array([row.counter for row in rows], dtype=np.int64),
+        repetition_penalty=floats([row.repetition_penalty for row in rows]),
+        presence_penalty=floats([row.presence_penalty for row in rows]),
+        frequency_penalty=floats([row.frequency_penalty for row in rows]),
+        penalty_offsets=_offsets(
+            [len(row.penalty_token_ids) if is_penalised else 0 for row, is_penalised in zip(rows, penalised)]
+        ),
+        penalty_token_ids=_flatten([row.penalty_token_ids for row in penalty_rows], np.int32),
+        penalty_output_counts=_flatten([row.penalty_output_counts for row in penalty_rows], np.int32),
+        bias_offsets=_offsets([len(row.bias_token_ids) for row in rows]),
+        bias_token_ids=_flatten([row.bias_token_ids for row in rows], np.int32),
+        bias_values=_flatten([row.bias_values for row in rows], np.float32),
+        num_rows=len(rows),
+        all_greedy=all(row.is_greedy for row in rows),
+        any_penalties=bool(penalty_rows),
+        any_bias=any(row.bias_token_ids for row in rows),
+    )
+
+
+def _offsets(lengths: list[int]) -> np.ndarray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
+
+
+def _flatten(groups: list[tuple], dtype: type) -> np.ndarray:
+    return np.fromiter(itertools.chain.from_iterable(groups), dtype=dtype)
+
+
+# -- the random stream -----------------------------------------------------------------------
+
+
+def stream_keys(seeds: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """uint64 [R]: `seed ^ (counter * 0x9E3779B97F4A7C15)` per row, in wrapping arithmetic.
+
+    `seeds` may be int64 (the packed bit pattern) or uint64; `counters` any integer dtype.
+    """
+    seed_bits = np.asarray(seeds).astype(np.uint64, copy=False)
+    return seed_bits ^ (np.asarray(counters).astype(np.uint64) * _COUNTER_MIX)
+
+
+def token_uniforms(keys: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """float32 uniforms in (0, 1) for every (key, token id) pair under numpy broadcasting.
+
+    `keys` come from `stream_keys` (shape it [R, 1] against token ids [V] for a matrix).
+    Each value is `((splitmix64(key ^ token_id * 0xD1B54A32D192ED03) >> 41) + 0.5) * 2**-23`,
+    exact in float32, so every backend computes the same bits.
+    """
+    x = np.bitwise_xor(keys, np.asarray(token_ids).astype(np.uint64) * _TOKEN_MIX)
+    scratch = np.empty_like(x)
+    x += _SPLITMIX_GAMMA
+    _xor_shift(x, 30, scratch)
+    x *= _SPLITMIX_MUL_1
+    _xor_shift(x, 27, scratch)
+    x *= _SPLITMIX_MUL_2
+    _xor_shift(x, 31, scratch)
+    np.right_shift(x, _UNIFORM_SHIFT, out=x)
+    uniforms = x.astype(np.float32)
+    uniforms += np.float32(0.5)
+    uniforms *= _UNIFORM_SCALE
+    return uniforms
+
+
+def _xor_shift(x: np.ndarray, shift: int, scratch: np.ndarray) -> None:
+    np.right_shift(x, np.uint64(shift), out=scratch)
+    np.bitwise_xor(x, scratch, out=x)
+
+
+def counter_uniforms(seed: int, counter: int, vocab_size: int) -> np.ndarray:
+    """float32 [vocab_size]: the uniforms of draw number `counter` of `seed`, one per token id.
+
+    `seed` is taken modulo 2**64 (a negative seed is its two's-complement bit pattern).
+    Raises `ValueError` for a negative counter or vocab size.
+    """
+    if counter < 0 or vocab_size < 0:
+        raise ValueError(f"counter and vocab_size must be >= 0 (got {counter}, {vocab_size})")
+    keys = stream_keys(np.array([seed & _UINT64_MASK], dtype=np.uint64), np.array([counter]))
+    return token_uniforms(keys, np.arange(vocab_size, dtype=np.uint64))
+
+
+def neg_gumbel(keys: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+    """float32 `log(-log(u))` for `token_uniforms(keys, token_ids)`, minus a Gumbel sample.
+
+    argmax of `logit / T - neg_gumbel` over a set of tokens draws from softmax(logit / T)
+    restricted to that set (the Gumbel-max trick), with no normalisation or sort.
+    """
+    uniforms = token_uniforms(keys, token_ids)
+    np.log(uniforms, out=uniforms)
+    np.negative(uniforms, out=uniforms)
+    np.log(uniforms, out=uniforms)
+    return uniforms
