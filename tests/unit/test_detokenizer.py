@@ -114,7 +114,8 @@ def sentencepiece_style() -> TokenizerAdapter:
 
 def smollm2() -> TokenizerAdapter:
     directory = os.environ.get("ATLAS_SMOLLM2_DIR")
-    path = Path(directory) / "tokenizer.json" if directory else Path.home() / ".cache/atlas/models/smollm2/tokenizer.json"
+    folder = Path(directory) if directory else Path.home() / ".cache/atlas/models/smollm2"
+    path = folder / "tokenizer.json"
     if not path.is_file():
         pytest.skip(f"SmolLM2 tokenizer not found at {path} (set ATLAS_SMOLLM2_DIR)")
     return TokenizerAdapter(HfTokenizer.from_file(str(path)))

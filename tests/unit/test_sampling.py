@@ -349,8 +349,11 @@ def test_a_row_with_every_token_banned_returns_its_argmax() -> None:
 def test_persistent_buffers_longer_than_the_step_are_read_up_to_num_rows() -> None:
     rng = np.random.default_rng(8)
     logits = rng.normal(0, 1, (5, 64)).astype(np.float32)
-    rows = [row(temperature=0.7, seed=r, counter=r, presence_penalty=0.5, penalty_token_ids=(r,),
-                penalty_output_counts=(1,), bias_token_ids=(r + 10,), bias_values=(1.0,)) for r in range(5)]  # fmt: skip
+    rows = [
+        row(temperature=0.7, seed=r, counter=r, presence_penalty=0.5, penalty_token_ids=(r,),
+            penalty_output_counts=(1,), bias_token_ids=(r + 10,), bias_values=(1.0,))
+        for r in range(5)
+    ]  # fmt: skip
     step = dataclasses.replace(pack_rows(rows), num_rows=3)
     assert np.array_equal(
         sample_rows(logits[:3], step, 2).token_ids, sample_rows(logits[:3], pack_rows(rows[:3]), 2).token_ids
