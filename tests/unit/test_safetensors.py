@@ -102,7 +102,7 @@ def test_sharded_index_spreads_tensors_over_files(tmp_path: Path, rng: np.random
     assert [len(shard) for shard in shards] == [2, 2, 1]
     filenames = shard_filenames(len(shards))
     assert filenames[0] == "model-00001-of-00003.safetensors"
-    for shard, filename in zip(shards, filenames):
+    for shard, filename in zip(shards, filenames, strict=True):
         write_safetensors(tmp_path / filename, {spec.name: tensors[spec.name] for spec in shard})
     write_index(tmp_path, shards, filenames)
     index = json.loads((tmp_path / INDEX_FILENAME).read_text())
@@ -117,31 +117,44 @@ def test_sharded_index_spreads_tensors_over_files(tmp_path: Path, rng: np.random
 
 
 def test_a_tensor_bigger_than_the_shard_limit_gets_its_own_shard() -> None:
-    specs = [TensorSpec("small", np.dtype(np.float32), (4,)), TensorSpec("big", np.dtype(np.float32), (100,)),
-             TensorSpec("tail", np.dtype(np.float32), (4,))]
-    assert [[s.name for s in shard] for shard in plan_shards(specs, max_shard_bytes=64)] == [["small"], ["big"], ["tail"]]
+    specs = [
+        TensorSpec("small", np.dtype(np.float32), (4,)),
+        TensorSpec("big", np.dtype(np.float32), (100,)),
+        TensorSpec("tail", np.dtype(np.float32), (4,)),
+    ]
+    assert [[s.name for s in shard] for shard in plan_shards(specs, max_shard_bytes=64)] == [
+        ["small"],
+        ["big"],
+        ["tail"],
+    ]
     assert shard_filenames(1) == ["model.safetensors"]
 
 
 def test_index_naming_a_missing_shard_is_reported(tmp_path: Path, rng: np.random.Generator) -> None:
     write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": rng.standard_normal(4).astype(np.float32)})
-    (tmp_path / INDEX_FILENAME).write_text(json.dumps({"weight_map": {
-        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (tmp_path / INDEX_FILENAME).write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
     with pytest.raises(WeightError, match=r"model-00002-of-00002\.safetensors.*missing.*re-download or re-import"):
         SafetensorsWeights(tmp_path)
 
 
 def test_index_disagreeing_with_the_shards_is_reported(tmp_path: Path, rng: np.random.Generator) -> None:
     write_safetensors(tmp_path / "model-00001-of-00001.safetensors", {"a": rng.standard_normal(4).astype(np.float32)})
-    (tmp_path / INDEX_FILENAME).write_text(json.dumps({"weight_map": {
-        "a": "model-00001-of-00001.safetensors", "ghost": "model-00001-of-00001.safetensors"}}))
+    (tmp_path / INDEX_FILENAME).write_text(
+        json.dumps(
+            {"weight_map": {"a": "model-00001-of-00001.safetensors", "ghost": "model-00001-of-00001.safetensors"}}
+        )
+    )
     with pytest.raises(WeightError, match=r"'ghost' is not in model-00001-of-00001"):
         SafetensorsWeights(tmp_path)
 
 
 def test_truncated_file_names_the_file_and_the_fix(tmp_path: Path, rng: np.random.Generator) -> None:
     path = tmp_path / "model.safetensors"
-    write_safetensors(path, {"a": rng.standard_normal((8, 8)).astype(np.float32), "b": rng.standard_normal(8).astype(np.float32)})
+    write_safetensors(
+        path, {"a": rng.standard_normal((8, 8)).astype(np.float32), "b": rng.standard_normal(8).astype(np.float32)}
+    )
     path.write_bytes(path.read_bytes()[:-5])
     with pytest.raises(WeightError) as info:
         SafetensorsWeights(tmp_path)
@@ -172,7 +185,9 @@ def test_file_cut_inside_the_header_is_reported(tmp_path: Path, rng: np.random.G
 )
 def test_corrupt_header_entries_are_reported(tmp_path: Path, rng: np.random.Generator, mutate, message: str) -> None:
     path = tmp_path / "model.safetensors"
-    write_safetensors(path, {"a": rng.standard_normal(8).astype(np.float32), "b": rng.standard_normal(8).astype(np.float32)})
+    write_safetensors(
+        path, {"a": rng.standard_normal(8).astype(np.float32), "b": rng.standard_normal(8).astype(np.float32)}
+    )
     _, header = _header(path)
     mutate(header)
     _rewrite_header(path, header)

@@ -102,14 +102,39 @@ def test_imported_chat_template_renders(tiny_folder: Path) -> None:
 
 
 def test_sentencepiece_vocab_becomes_byte_fallback_bpe(tmp_path: Path) -> None:
-    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁hello", "▁w", "or", "▁wor", "▁world", "ld"]
+    pieces = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "he",
+        "ll",
+        "hell",
+        "hello",
+        "▁hello",
+        "▁w",
+        "or",
+        "▁wor",
+        "▁world",
+        "ld",
+    ]
     tokens = ["<unk>", "<s>", "</s>", *[f"<0x{b:02X}>" for b in range(256)], *pieces]
     token_types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
     scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
     scores[tokens.index("▁hello")] = 5.0
-    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": token_types,
-            "tokenizer.ggml.scores": scores, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
-            "tokenizer.ggml.unknown_token_id": 0}
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": token_types,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
     for name, content in tokenizer_files(meta, tmp_path / "x.gguf", {"max_position_embeddings": 64}).items():
         (tmp_path / name).write_text(json.dumps(content))
     tokenizer = HfTokenizer.from_folder(tmp_path)
@@ -133,7 +158,10 @@ def test_tojson_keeps_unicode_and_markup_and_accepts_options(tmp_path: Path, tin
 
 
 def test_raise_exception_becomes_a_chat_template_error_with_its_message(tmp_path: Path, tiny_folder: Path) -> None:
-    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must start with user') }}{% endif %}ok"
+    template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must start with user') }}"
+        "{% endif %}ok"
+    )
     tokenizer = HfTokenizer.from_folder(_folder_with(tmp_path, tiny_folder, chat_template__jinja=template))
     assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
     with pytest.raises(ChatTemplateError, match="Conversation roles must start with user"):
@@ -150,9 +178,14 @@ def test_template_variables_helpers_and_extensions(tmp_path: Path, tiny_folder: 
         "|{{ strftime_now('%Y') }}{% if add_generation_prompt %}|gen{% endif %}{{ eos_token }}"
     )
     tokenizer = HfTokenizer.from_folder(_folder_with(tmp_path, tiny_folder, chat_template__jinja=template))
-    messages = [{"role": "system", "content": "s"}, types.MappingProxyType({"role": "user", "content": "u"}),
-                {"role": "assistant", "content": "never"}]
-    rendered = tokenizer.apply_chat_template(messages, tools=[{"name": "search"}, {"name": "calc"}], enable_thinking=False)
+    messages = [
+        {"role": "system", "content": "s"},
+        types.MappingProxyType({"role": "user", "content": "u"}),
+        {"role": "assistant", "content": "never"},
+    ]
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=[{"name": "search"}, {"name": "calc"}], enable_thinking=False
+    )
     year = str(datetime.now().year)
     assert rendered == f"<|im_start|>[system:s][user:u]tools=search,calc/no_think|{year}|gen<|im_end|>"
     plain = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=False)
@@ -162,7 +195,10 @@ def test_template_variables_helpers_and_extensions(tmp_path: Path, tiny_folder: 
 def test_blocks_are_trimmed_like_transformers(tmp_path: Path, tiny_folder: Path) -> None:
     template = "{% for m in messages %}\n    {{ m.content }}\n{% endfor %}\n"
     tokenizer = HfTokenizer.from_folder(_folder_with(tmp_path, tiny_folder, chat_template__jinja=template))
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == "    a\n    b\n"
+    assert (
+        tokenizer.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+        == "    a\n    b\n"
+    )
 
 
 def test_template_sources_in_order_of_precedence(tmp_path: Path, tiny_folder: Path) -> None:
@@ -176,7 +212,12 @@ def test_template_sources_in_order_of_precedence(tmp_path: Path, tiny_folder: Pa
 
 
 def test_named_templates_pick_tool_use_when_tools_are_given(tmp_path: Path, tiny_folder: Path) -> None:
-    config = {"chat_template": [{"name": "default", "template": "plain"}, {"name": "tool_use", "template": "with {{ tools | length }} tools"}]}
+    config = {
+        "chat_template": [
+            {"name": "default", "template": "plain"},
+            {"name": "tool_use", "template": "with {{ tools | length }} tools"},
+        ]
+    }
     tokenizer = HfTokenizer.from_folder(_folder_with(tmp_path, tiny_folder, config))
     assert tokenizer.apply_chat_template([]) == "plain"
     assert tokenizer.apply_chat_template([], tools=[{"name": "a"}]) == "with 1 tools"
@@ -184,7 +225,9 @@ def test_named_templates_pick_tool_use_when_tools_are_given(tmp_path: Path, tiny
 
 def test_missing_and_broken_templates_are_chat_template_errors(tmp_path: Path, tiny_folder: Path) -> None:
     with pytest.raises(ChatTemplateError, match="has no chat template"):
-        HfTokenizer.from_folder(_folder_with(tmp_path, tiny_folder, {})).apply_chat_template([{"role": "user", "content": "x"}])
+        HfTokenizer.from_folder(_folder_with(tmp_path, tiny_folder, {})).apply_chat_template(
+            [{"role": "user", "content": "x"}]
+        )
     broken = _folder_with(tmp_path / "b", tiny_folder, chat_template__jinja="{% for m in messages %}no end")
     with pytest.raises(ChatTemplateError, match="does not parse"):
         HfTokenizer.from_folder(broken).apply_chat_template([])
@@ -199,7 +242,9 @@ def test_templates_run_in_an_immutable_sandbox(tmp_path: Path, tiny_folder: Path
     with pytest.raises(ChatTemplateError, match="unsafe"):
         HfTokenizer.from_folder(folder).apply_chat_template(messages)
     assert messages == [{"role": "user", "content": "x"}]
-    escape = _folder_with(tmp_path / "e", tiny_folder, chat_template__jinja="{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    escape = _folder_with(
+        tmp_path / "e", tiny_folder, chat_template__jinja="{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    )
     with pytest.raises(ChatTemplateError):
         HfTokenizer.from_folder(escape).apply_chat_template(messages)
 
@@ -209,16 +254,26 @@ def test_templates_run_in_an_immutable_sandbox(tmp_path: Path, tiny_folder: Path
 
 def test_eos_ids_merge_tokenizer_generation_and_model_configs(tmp_path: Path, tiny_folder: Path) -> None:
     config = {"bos_token": {"content": "<|im_start|>", "__type": "AddedToken"}, "eos_token": {"content": "<|im_end|>"}}
-    folder = _folder_with(tmp_path, tiny_folder, config, generation_config__json={"eos_token_id": [0, 2]},
-                          config__json={"eos_token_id": 7, "bos_token_id": 1})
+    folder = _folder_with(
+        tmp_path,
+        tiny_folder,
+        config,
+        generation_config__json={"eos_token_id": [0, 2]},
+        config__json={"eos_token_id": 7, "bos_token_id": 1},
+    )
     tokenizer = HfTokenizer.from_folder(folder)
     assert tokenizer.eos_token_ids == frozenset({0, 2, 7})
     assert tokenizer.bos_token_id == 1
 
 
 def test_special_tokens_map_fills_in_what_tokenizer_config_lacks(tmp_path: Path, tiny_folder: Path) -> None:
-    folder = _folder_with(tmp_path, tiny_folder, {}, special_tokens_map__json={"eos_token": "<|endoftext|>", "bos_token": "<|im_start|>"},
-                          chat_template__jinja="{{ bos_token }}|{{ eos_token }}")
+    folder = _folder_with(
+        tmp_path,
+        tiny_folder,
+        {},
+        special_tokens_map__json={"eos_token": "<|endoftext|>", "bos_token": "<|im_start|>"},
+        chat_template__jinja="{{ bos_token }}|{{ eos_token }}",
+    )
     tokenizer = HfTokenizer.from_folder(folder)
     assert tokenizer.eos_token_ids == frozenset({0}) and tokenizer.bos_token_id == 1
     assert tokenizer.apply_chat_template([]) == "<|im_start|>|<|endoftext|>"
@@ -283,8 +338,13 @@ def test_smollm2_agrees_with_transformers(smollm2: Path) -> None:
         assert ours.encode(text) == reference.encode(text), text
         ids = ours.encode(text)
         assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
-    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                    {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Capital of France?"}]
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Capital of France?"},
+    ]
     for add_generation_prompt in (True, False):
-        assert ours.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt) == reference.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+        assert ours.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt
+        ) == reference.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)

@@ -108,7 +108,8 @@ def _chat_templates(folder: Path, tokenizer_config: Mapping[str, Any]) -> dict[s
     if isinstance(source, str):
         return {"default": source}
     if isinstance(source, list):
-        return {str(item["name"]): str(item["template"]) for item in source if isinstance(item, Mapping) and "template" in item}
+        named = (item for item in source if isinstance(item, Mapping) and "template" in item)
+        return {str(item.get("name", "default")): str(item["template"]) for item in named}
     return {}
 
 
@@ -156,7 +157,9 @@ class HfTokenizer:
         try:
             tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # the Rust side raises a bare Exception for any parse failure
-            raise TokenizerFileError(f"{tokenizer_path} cannot be loaded ({exc}); re-download or re-import the model") from None
+            raise TokenizerFileError(
+                f"{tokenizer_path} cannot be loaded ({exc}); re-download or re-import the model"
+            ) from None
         tokenizer_config = _read_json(folder / "tokenizer_config.json")
         special_map = _read_json(folder / "special_tokens_map.json")
         special_tokens = {}
@@ -224,7 +227,9 @@ class HfTokenizer:
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template rejected the request: {exc.message or exc}") from None
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
-            raise ChatTemplateError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
+            raise ChatTemplateError(
+                f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
+            ) from None
 
     def _template(self, tool_use: bool) -> jinja2.Template:
         if not self.chat_templates:
@@ -242,5 +247,7 @@ class HfTokenizer:
             try:
                 self._template_cache[name] = make_template_environment().from_string(self.chat_templates[name])
             except jinja2.TemplateSyntaxError as exc:
-                raise ChatTemplateError(f"the chat template of {self.name} does not parse: {exc.message} (line {exc.lineno})") from None
+                raise ChatTemplateError(
+                    f"the chat template of {self.name} does not parse: {exc.message} (line {exc.lineno})"
+                ) from None
         return self._template_cache[name]

@@ -23,7 +23,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from atlas.adapters.weights.gguf import GgufError, GgufFile
+from atlas.adapters.weights.gguf import GgufFile, GgufImportError
+from atlas.adapters.weights.gguf_tokenizer import tokenizer_files
 from atlas.adapters.weights.safetensors import (
     SafetensorsWriter,
     TensorSpec,
@@ -58,10 +59,6 @@ LAYER_TENSORS = {
 # Tensors that only feed config.json (Llama 3.1 rope scaling factors).
 CONFIG_ONLY_TENSORS = ("rope_freqs.weight",)
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-class GgufImportError(GgufError):
-    """The GGUF file holds a model the importer cannot convert; says what and what to use instead."""
 
 
 class ImportDestinationError(ValueError):
@@ -103,7 +100,8 @@ def import_gguf(
 
     Raises GgufError for an unreadable file, GgufImportError for an architecture, tensor type,
     tokenizer or rope scaling the importer does not handle, and ImportDestinationError when
-    `out_dir` is a non-empty folder and `overwrite` is False. Progress (tensor i/N, MB) goes to stderr.
+    `out_dir` is a non-empty folder and `overwrite` is False. Progress (tensor i/N, MB) goes to
+    stderr.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
@@ -153,7 +151,6 @@ def llama_config(gguf: GgufFile) -> dict[str, Any]:
     embed = gguf.tensors.get("token_embd.weight")
     if embed is None:
         raise GgufImportError(f"{path}: tensor 'token_embd.weight' is missing; the GGUF file is incomplete")
-    eos_ids = [meta[key] for key in ("tokenizer.ggml.eos_token_id",) if key in meta]
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -173,7 +170,7 @@ def llama_config(gguf: GgufFile) -> dict[str, Any]:
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in gguf.tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos_ids[0] if len(eos_ids) == 1 else (eos_ids or None),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "initializer_range": 0.02,
         "attention_dropout": 0.0,
@@ -200,10 +197,14 @@ def _rope_scaling(gguf: GgufFile, arch: str, head_dim: int) -> dict[str, Any] | 
         return None
     factors = gguf.dequantize("rope_freqs.weight").astype(np.float64)
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    # Every Llama 3.x release uses these band edges; only the factor varies (8 for 3.1, 32 for 3.2).
     scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     if not np.allclose(factors, llama3_rope_factors(scaling, theta, head_dim), rtol=1e-3):
-        raise GgufImportError(f"{gguf.path}: rope_freqs.weight does not match Llama 3 rope scaling; cannot express it in config.json")
+        raise GgufImportError(
+            f"{gguf.path}: rope_freqs.weight does not match Llama 3 rope scaling, which is the only per-frequency "
+            "scaling config.json can express"
+        )
     return scaling
 
 
@@ -211,11 +212,11 @@ def llama3_rope_factors(scaling: Mapping[str, float], theta: float, head_dim: in
     """The per-frequency divisors Llama 3.1 scaling applies (what llama.cpp stores as rope_freqs)."""
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelength = 2 * np.pi / inv_freq
-    original = scaling["original_max_position_embeddings"]
-    low_wavelength, high_wavelength = original / scaling["low_freq_factor"], original / scaling["high_freq_factor"]
-    smooth = (original / wavelength - scaling["low_freq_factor"]) / (scaling["high_freq_factor"] - scaling["low_freq_factor"])
-    blended = 1.0 / ((1 - smooth) / scaling["factor"] + smooth)
-    return np.where(wavelength < high_wavelength, 1.0, np.where(wavelength > low_wavelength, scaling["factor"], blended))
+    original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    smooth = (original / wavelength - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelength < original / high, 1.0, np.where(wavelength > original / low, factor, blended))
 
 
 def plan_tensors(gguf: GgufFile, config: Mapping[str, Any]) -> list[PlannedTensor]:
@@ -265,14 +266,16 @@ def _generation_config(config: Mapping[str, Any], meta: Mapping[str, Any]) -> di
     return {key: value for key, value in generation.items() if value not in (None, [])}
 
 
-def _write_weights(gguf: GgufFile, plan: list[PlannedTensor], folder: Path, max_shard_bytes: int, report: _Progress) -> None:
+def _write_weights(
+    gguf: GgufFile, plan: list[PlannedTensor], folder: Path, max_shard_bytes: int, report: _Progress
+) -> None:
     specs = [TensorSpec(t.hf_name, BF16, t.shape) for t in plan]
     shards = plan_shards(specs, max_shard_bytes)
     filenames = shard_filenames(len(shards))
     by_name = {t.hf_name: t for t in plan}
     report.start(len(specs), sum(spec.num_bytes for spec in specs))
     metadata = {"format": "pt", "source": f"atlas import-gguf {gguf.path.name}"}
-    for shard, filename in zip(shards, filenames):
+    for shard, filename in zip(shards, filenames, strict=True):
         with SafetensorsWriter(folder / filename, shard, metadata) as writer:
             for spec in shard:
                 writer.write(spec.name, _converted(gguf, by_name[spec.name]))
@@ -309,165 +312,6 @@ def _replace_folder(staging: Path, out_dir: Path) -> None:
     out_dir.rename(retired)
     staging.rename(out_dir)
     shutil.rmtree(retired, ignore_errors=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizer: tokenizer.json (HF `tokenizers` format) from the GGUF vocabulary.
-
-# llama.cpp token types (llama.h `llama_token_type`)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_REGEX = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-
-
-def _byte_level(use_regex: bool) -> dict[str, Any]:
-    return {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": use_regex}
-
-
-def _split_then_bytes(regex: str) -> dict[str, Any]:
-    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
-    return {"type": "Sequence", "pretokenizers": [split, _byte_level(False)]}
-
-
-# `tokenizer.ggml.pre` -> the HF pre-tokenizer that splits text the way llama.cpp's regexes do.
-# smollm/starcoder: llama.cpp splits every digit ("\p{N}") and then applies the GPT-2 regex,
-# which is HF's Digits(individual_digits) followed by a regex-using ByteLevel.
-_DIGITS_THEN_GPT2 = {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, _byte_level(True)]}
-PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
-    **dict.fromkeys(("gpt-2", "gpt2", "mpt", "olmo", "jais"), _byte_level(True)),
-    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r", "exaone", "minerva"), _DIGITS_THEN_GPT2),
-    **dict.fromkeys(("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"), _split_then_bytes(_LLAMA3_REGEX)),
-    **dict.fromkeys(("qwen2", "stablelm2", "deepseek-r1-qwen"), _split_then_bytes(_QWEN2_REGEX)),
-}
-_IGNORE_MERGES_PRE = ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe")  # as HF's Llama 3 tokenizer.json
-
-
-def tokenizer_files(meta: Mapping[str, Any], path: Path, config: Mapping[str, Any]) -> dict[str, Any]:
-    """tokenizer.json, tokenizer_config.json and special_tokens_map.json for the file's vocab."""
-    model_kind = meta.get("tokenizer.ggml.model")
-    tokens: list[str] = list(_key(meta, "tokenizer.ggml.tokens", path))
-    token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
-    if model_kind == "gpt2":
-        tokenizer = _bpe_tokenizer(meta, path, tokens)
-    elif model_kind == "llama":
-        tokenizer = _sentencepiece_tokenizer(meta, tokens)
-    else:
-        raise GgufImportError(f"{path}: tokenizer model {model_kind!r} is not supported (gpt2 byte-level BPE and llama SentencePiece are)")
-    specials = _special_tokens(meta, tokens)
-    tokenizer["added_tokens"] = [
-        {"id": idx, "content": tokens[idx], "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": kind == CONTROL}
-        for idx, kind in enumerate(token_types) if kind in (CONTROL, USER_DEFINED)
-    ]
-    add_bos, add_eos = bool(meta.get("tokenizer.ggml.add_bos_token", model_kind == "llama")), bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    tokenizer["post_processor"] = _post_processor(specials, tokens, meta, add_bos, add_eos)
-    tokenizer_config: dict[str, Any] = {
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "added_tokens_decoder": {
-            str(added["id"]): {key: added[key] for key in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
-            for added in tokenizer["added_tokens"]
-        },
-        **specials,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": config["max_position_embeddings"],
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    templates = _chat_templates(meta)
-    if templates is not None:
-        tokenizer_config["chat_template"] = templates
-    return {"tokenizer.json": tokenizer, "tokenizer_config.json": tokenizer_config, "special_tokens_map.json": specials}
-
-
-def _special_tokens(meta: Mapping[str, Any], tokens: list[str]) -> dict[str, str]:
-    specials = {}
-    for role, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
-        token_id = meta.get(f"tokenizer.ggml.{key}_token_id")
-        if token_id is not None and 0 <= token_id < len(tokens):
-            specials[role] = tokens[token_id]
-    return specials
-
-
-def _tokenizer_skeleton(model: dict[str, Any], normalizer: Any, pre_tokenizer: Any, decoder: Any) -> dict[str, Any]:
-    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": normalizer,
-            "pre_tokenizer": pre_tokenizer, "post_processor": None, "decoder": decoder, "model": model}
-
-
-def _bpe_tokenizer(meta: Mapping[str, Any], path: Path, tokens: list[str]) -> dict[str, Any]:
-    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
-    if pre not in PRE_TOKENIZERS:
-        raise GgufImportError(
-            f"{path}: pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(PRE_TOKENIZERS))}); "
-            "use the model's Hugging Face folder instead"
-        )
-    merges = [merge.split(" ", 1) for merge in _key(meta, "tokenizer.ggml.merges", path)]
-    model = {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-             "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-             "ignore_merges": pre in _IGNORE_MERGES_PRE, "vocab": _vocab(tokens), "merges": merges}
-    normalizer = {"type": "NFC"} if pre == "qwen2" else None
-    return _tokenizer_skeleton(model, normalizer, PRE_TOKENIZERS[pre], _byte_level(True))
-
-
-def _vocab(tokens: list[str]) -> dict[str, int]:
-    """token -> id; a duplicated string keeps its first id (later copies stay reachable by id only)."""
-    vocab: dict[str, int] = {}
-    for idx, token in enumerate(tokens):
-        vocab.setdefault(token, idx)
-    return vocab
-
-
-def _sentencepiece_tokenizer(meta: Mapping[str, Any], tokens: list[str]) -> dict[str, Any]:
-    """SentencePiece vocab as HF's byte-fallback BPE, merges ranked by the merged piece's score."""
-    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
-    vocab = _vocab(tokens)
-    merges: list[tuple[float, int, int, str, str]] = []
-    for piece, score in zip(tokens, scores):
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in vocab and right in vocab:
-                merges.append((-score, vocab[left], vocab[right], left, right))
-    merges.sort()
-    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
-    model = {"type": "BPE", "dropout": None, "unk_token": tokens[unk_id] if unk_id is not None else None,
-             "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
-             "ignore_merges": False, "vocab": vocab, "merges": [[left, right] for *_, left, right in merges]}
-    steps = [{"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]
-    if meta.get("tokenizer.ggml.add_space_prefix", True):
-        steps.insert(0, {"type": "Prepend", "prepend": "\u2581"})
-    decoder = {"type": "Sequence", "decoders": [
-        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
-        {"type": "ByteFallback"}, {"type": "Fuse"},
-        *([{"type": "Strip", "content": " ", "start": 1, "stop": 0}] if meta.get("tokenizer.ggml.add_space_prefix", True) else []),
-    ]}
-    return _tokenizer_skeleton(model, {"type": "Sequence", "normalizers": steps}, None, decoder)
-
-
-def _post_processor(specials: Mapping[str, str], tokens: list[str], meta: Mapping[str, Any], add_bos: bool, add_eos: bool) -> dict[str, Any]:
-    """bos/eos added by `encode(add_special_tokens=True)` exactly when the GGUF says llama.cpp adds them."""
-    wrap = [(role, meta[f"tokenizer.ggml.{role}_token_id"]) for role, wanted in (("bos", add_bos), ("eos", add_eos))
-            if wanted and f"{role}_token" in specials]
-    if not wrap:
-        return _byte_level(True) if meta.get("tokenizer.ggml.model") == "gpt2" else None  # type: ignore[return-value]
-    bos = [{"SpecialToken": {"id": tokens[i], "type_id": 0}} for role, i in wrap if role == "bos"]
-    eos = [{"SpecialToken": {"id": tokens[i], "type_id": 0}} for role, i in wrap if role == "eos"]
-    single = [*bos, {"Sequence": {"id": "A", "type_id": 0}}, *eos]
-    pair = [*single, *bos, {"Sequence": {"id": "B", "type_id": 1}}, *eos]
-    special_tokens = {tokens[i]: {"id": tokens[i], "ids": [i], "tokens": [tokens[i]]} for _, i in wrap}
-    return {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special_tokens}
-
-
-def _chat_templates(meta: Mapping[str, Any]) -> str | list[dict[str, str]] | None:
-    """The default template, or HF's list form when the file also carries named ones."""
-    default = meta.get("tokenizer.chat_template")
-    named = {key.removeprefix("tokenizer.chat_template."): value for key, value in meta.items()
-             if key.startswith("tokenizer.chat_template.")}
-    if not named:
-        return default
-    templates = [{"name": "default", "template": default}] if default is not None else []
-    return templates + [{"name": name, "template": template} for name, template in sorted(named.items())]
 
 
 class _Progress:

@@ -119,7 +119,8 @@ def _entry(path: Path, name: str, spec: object, data_start: int) -> TensorEntry:
     expected_bytes = math.prod(shape) * dtype.itemsize
     if begin < 0 or end - begin != expected_bytes:
         raise _corrupt(
-            path, f"tensor {name!r} spans {end - begin} bytes but shape {shape} of {spec['dtype']} needs {expected_bytes}"
+            path,
+            f"tensor {name!r} spans {end - begin} bytes but shape {shape} of {spec['dtype']} needs {expected_bytes}",
         )
     return TensorEntry(name, dtype, tuple(shape), path, data_start + begin, data_start + end)
 
@@ -206,7 +207,8 @@ class SafetensorsWeights:
             shard_names = sorted(set(weight_map.values()))
             missing = [name for name in shard_names if not (self.folder / name).is_file()]
             if missing:
-                raise WeightError(f"{self.folder / INDEX_FILENAME}: shard(s) {', '.join(missing)} are missing; {FIX_HINT}")
+                index_path = self.folder / INDEX_FILENAME
+                raise WeightError(f"{index_path}: shard(s) {', '.join(missing)} are missing; {FIX_HINT}")
             return [self.folder / name for name in shard_names]
         paths = sorted(self.folder.glob("*.safetensors"))
         if not paths:
@@ -283,7 +285,9 @@ class SafetensorsWriter:
     tensor is missing; the file is only complete after `close`.
     """
 
-    def __init__(self, path: Path | str, specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self, path: Path | str, specs: Iterable[TensorSpec], metadata: Mapping[str, str] | None = None
+    ) -> None:
         self.path = Path(path)
         self._specs = list(specs)
         self._next_idx = 0
@@ -373,7 +377,7 @@ def shard_filenames(num_shards: int) -> list[str]:
 
 def write_index(folder: Path, shards: list[list[TensorSpec]], filenames: list[str]) -> None:
     """Write model.safetensors.index.json mapping every tensor to its shard file."""
-    weight_map = {spec.name: filename for shard, filename in zip(shards, filenames) for spec in shard}
+    weight_map = {spec.name: filename for shard, filename in zip(shards, filenames, strict=True) for spec in shard}
     total_bytes = sum(spec.num_bytes for shard in shards for spec in shard)
     index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
     (folder / INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
