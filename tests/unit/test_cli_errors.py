@@ -1,0 +1,125 @@
+"""User mistakes reach the CLI as one line naming the fix, a non-zero exit and no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers.checkpoints import tiny_llama_gguf
+
+from atlas.adapters.weights.gguf_import import import_gguf
+from atlas.app.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    tiny_llama_gguf(root / "tiny.gguf", np.random.default_rng(0))
+    return import_gguf(root / "tiny.gguf", root / "model", progress=False)
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def error_line(err: str) -> str:
+    """The error message (it may continue on indented lines), checked to be the only one."""
+    starts = [i for i, line in enumerate(err.splitlines()) if line.startswith("atlas: error:")]
+    assert len(starts) == 1, err
+    assert "Traceback" not in err
+    return "\n".join(err.splitlines()[starts[0]:])
+
+
+def test_a_working_tiny_model_generates(tiny_model, capsys):
+    code, out, err = run_cli(capsys, "generate", str(tiny_model), "--prompt", "hello", "--device", "mock",
+                             "--max-tokens", "4")
+    assert code == 0, err
+    assert "--- prompt: 'hello'" in out
+
+
+def test_missing_model_names_where_it_looked_and_the_fix(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "generate", str(tmp_path / "nope"), "--prompt", "x", "--device", "mock")
+    assert code != 0
+    line = error_line(err)
+    assert "atlas pull" in line and "nope" in line
+
+
+def test_truncated_safetensors_names_the_file(tiny_model, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for item in tiny_model.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    code, _, err = run_cli(capsys, "generate", str(broken), "--prompt", "x", "--device", "mock")
+    assert code != 0
+    assert "model.safetensors" in error_line(err)
+
+
+def test_corrupt_safetensors_header_names_the_file(tiny_model, tmp_path, capsys):
+    broken = tmp_path / "corrupt"
+    broken.mkdir()
+    for item in tiny_model.iterdir():
+        (broken / item.name).write_bytes(item.read_bytes())
+    weights = broken / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[8:20] = b"not json!!!!"
+    weights.write_bytes(bytes(data))
+    code, _, err = run_cli(capsys, "generate", str(broken), "--prompt", "x", "--device", "mock")
+    assert code != 0
+    assert "model.safetensors" in error_line(err)
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tiny_model, tmp_path, capsys):
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    for item in tiny_model.iterdir():
+        (other / item.name).write_bytes(item.read_bytes())
+    config = json.loads((other / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (other / "config.json").write_text(json.dumps(config))
+    code, _, err = run_cli(capsys, "generate", str(other), "--prompt", "x", "--device", "mock")
+    assert code != 0
+    line = error_line(err)
+    assert "GPT2LMHeadModel" in line and "LlamaForCausalLM" in line and "Qwen3ForCausalLM" in line
+
+
+@pytest.mark.parametrize(
+    "flag, value, field",
+    [("--temperature", "-1", "temperature"), ("--top-p", "1.5", "top_p"), ("--top-k", "-3", "top_k"),
+     ("--min-p", "2", "min_p"), ("--max-tokens", "0", "max_tokens"), ("--repetition-penalty", "0", "repetition_penalty")],
+)
+def test_invalid_sampling_values_name_the_field(tiny_model, capsys, flag, value, field):
+    code, _, err = run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock", flag, value)
+    assert code != 0
+    assert error_line(err).startswith(f"atlas: error: {field}:")
+
+
+def test_a_context_that_cannot_fit_says_what_would(tiny_model, capsys):
+    code, _, err = run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock",
+                           "--max-seq-len", "100000", "--kv-cache-gb", "0.0001")
+    assert code != 0
+    line = error_line(err)
+    assert "--max-seq-len" in line and "--kv-cache-gb" in line
+
+
+def test_engine_flag_values_are_checked(tiny_model, capsys):
+    code, _, err = run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock",
+                           "--gpu-memory-utilization", "1.5")
+    assert code != 0
+    assert "--gpu-memory-utilization" in error_line(err)
+
+
+def test_the_installed_command_prints_no_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "atlas", "chat", str(tmp_path / "missing"), "--device", "mock", "-m", "hi"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert "atlas: error: model" in result.stderr and "atlas pull smollm2" in result.stderr
