@@ -366,17 +366,16 @@ def smollm2_gguf() -> Path | None:
 
 @cache
 def smollm2_folder() -> Path | None:
-    """An imported SmolLM2 folder: the pulled one in Atlas's cache, else a one-off import of
-    $ATLAS_SMOLLM2_GGUF into a temporary folder (removed at exit), else None."""
+    """An imported SmolLM2 folder: a fresh import of $ATLAS_SMOLLM2_GGUF into a temporary folder
+    (removed at exit) so the current importer is what gets tested, else the folder `atlas pull
+    smollm2` made in Atlas's cache, else None."""
     from atlas.adapters.weights.gguf_import import import_gguf
     from atlas.app.model_store import is_model_folder, models_dir
 
-    pulled = models_dir() / "smollm2"
-    if is_model_folder(pulled):
-        return pulled
     gguf_path = smollm2_gguf()
-    if gguf_path is None:
-        return None
-    scratch = Path(tempfile.mkdtemp(prefix="atlas-smollm2-"))
-    atexit.register(shutil.rmtree, scratch, True)
-    return import_gguf(gguf_path, scratch / "smollm2", progress=False)
+    if gguf_path is not None:
+        scratch = Path(tempfile.mkdtemp(prefix="atlas-smollm2-"))
+        atexit.register(shutil.rmtree, scratch, True)
+        return import_gguf(gguf_path, scratch / "smollm2", progress=False)
+    pulled = models_dir() / "smollm2"
+    return pulled if is_model_folder(pulled) else None
