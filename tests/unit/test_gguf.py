@@ -316,6 +316,22 @@ def test_truncated_files_name_what_was_being_read(tmp_path: Path, rng: np.random
         GgufFile(path)
 
 
+def test_inconsistent_layouts_are_corruption(tmp_path: Path, rng: np.random.Generator) -> None:
+    odd = GgufBuilder(alignment_bytes=24).add_f32("w", rng.standard_normal(8).astype(np.float32))
+    path = odd.write(tmp_path / "a.gguf")
+    with pytest.raises(GgufError, match="alignment 24 is not a power of two"):
+        GgufFile(path)
+    partial_block = GgufBuilder().add_tensor("w", (48, 2), int(GgmlType.Q8_0), bytes(34 * 3)).write(tmp_path / "b.gguf")
+    with pytest.raises(GgufError, match="rows of 48 values are not whole Q8_0 blocks of 32"):
+        GgufFile(partial_block)
+    raw = bytearray(GgufBuilder().add_f32("w", rng.standard_normal(64).astype(np.float32)).to_bytes())
+    offset_at = raw.index(b"w") + 1 + 4 + 8 + 4  # name, rank, one dim, type -> the u64 offset
+    raw[offset_at : offset_at + 8] = struct.pack("<Q", 4)
+    (tmp_path / "c.gguf").write_bytes(bytes(raw))
+    with pytest.raises(GgufError, match="unaligned offset 4"):
+        GgufFile(tmp_path / "c.gguf")
+
+
 def test_unsupported_tensor_type_names_it_and_the_supported_ones(tmp_path: Path) -> None:
     path = GgufBuilder().add_tensor("w", (256, 1), int(GgmlType.IQ2_XXS), bytes(66)).write(tmp_path / "iq.gguf")
     with GgufFile(path) as gguf, pytest.raises(GgufError) as info:

@@ -201,6 +201,10 @@ class GgufFile:
             key = cursor.string("a metadata key")
             self.metadata[key] = cursor.value(cursor.u32(f"the type of {key!r}"), f"metadata {key!r}")
         self.alignment_bytes = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT_BYTES))
+        if self.alignment_bytes <= 0 or self.alignment_bytes & (self.alignment_bytes - 1):
+            raise GgufError(
+                f"{self.path}: general.alignment {self.alignment_bytes} is not a power of two; the file is corrupt"
+            )
         infos = [self._read_tensor_info(cursor) for _ in range(num_tensors)]
         self.data_start = cursor.offset_bytes + (-cursor.offset_bytes % self.alignment_bytes)
         self.tensors: dict[str, GgufTensorInfo] = {}
@@ -230,6 +234,16 @@ class GgufFile:
         return name, ggml_type, dims, cursor.u64(f"the offset of {name!r}")
 
     def _locate(self, name: str, ggml_type: int, dims: tuple[int, ...], relative_offset: int) -> GgufTensorInfo:
+        if relative_offset % self.alignment_bytes:
+            raise GgufError(
+                f"{self.path}: tensor {name!r} starts at unaligned offset {relative_offset}; the file is corrupt"
+            )
+        layout = block_layout(ggml_type)
+        if layout is not None and dims and dims[0] % layout[0]:
+            raise GgufError(
+                f"{self.path}: tensor {name!r} rows of {dims[0]} values are not whole {type_name(ggml_type)} blocks "
+                f"of {layout[0]}; the file is corrupt"
+            )
         num_bytes = tensor_num_bytes(ggml_type, dims)
         offset = self.data_start + relative_offset
         if num_bytes is not None and offset + num_bytes > len(self._mmap):
