@@ -163,6 +163,7 @@ class Sequence:
         "eos_token_ids",
         "stop_token_ids",
         "num_preemptions",
+        "_penalty_counts",
     )
 
     def __init__(self, request: Request, max_total_tokens: int, eos_token_ids: frozenset[int]) -> None:
@@ -178,6 +179,12 @@ class Sequence:
         self.eos_token_ids = frozenset() if request.sampling.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(request.sampling.stop_token_ids)
         self.num_preemptions = 0
+        # token id -> occurrences in the output, kept only when penalties need it; prompt tokens
+        # enter with 0 when the repetition penalty also covers the prompt
+        self._penalty_counts: dict[int, int] | None = None
+        if request.sampling.has_penalties:
+            covers_prompt = request.sampling.repetition_penalty != 1.0
+            self._penalty_counts = dict.fromkeys(request.prompt_token_ids, 0) if covers_prompt else {}
 
     @property
     def seq_id(self) -> str:
@@ -228,6 +235,12 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self._token_ids.append(token_id)
+        if self._penalty_counts is not None:
+            self._penalty_counts[token_id] = self._penalty_counts.get(token_id, 0) + 1
+
+    def penalty_counts(self) -> dict[int, int]:
+        """Tokens the penalties apply to, with their output counts (empty without penalties)."""
+        return self._penalty_counts if self._penalty_counts is not None else {}
 
     def attach_blocks(self, block_ids: list[int]) -> None:
         self._block_ids.extend(block_ids)

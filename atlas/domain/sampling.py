@@ -9,7 +9,6 @@ counter-based random stream every backend must reproduce bit for bit (`counter_u
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass
 
@@ -41,10 +40,9 @@ def sampling_row(seq: Sequence) -> SamplingRow:
     penalty_ids: tuple[int, ...] = ()
     penalty_counts: tuple[int, ...] = ()
     if params.has_penalties:
-        output_counts = Counter(seq.output_token_ids)
-        seen = dict.fromkeys(seq.token_ids if params.repetition_penalty != 1.0 else output_counts)
-        penalty_ids = tuple(seen)
-        penalty_counts = tuple(output_counts.get(t, 0) for t in penalty_ids)
+        counts = seq.penalty_counts()
+        penalty_ids = tuple(counts)
+        penalty_counts = tuple(counts.values())
 
     bias = dict(params.logit_bias or {})
     if seq.num_output_tokens < params.min_tokens:
