@@ -1,0 +1,171 @@
+// Shared device helpers for every Atlas kernel: element types, 16-byte vector loads, warp and
+// block reductions, and the bf16 tensor-core primitives (mma.sync m16n8k16, ldmatrix, cp.async)
+// that run unchanged on sm_80, sm_90 and sm_120.
+//
+// Conventions: activations and weights are bf16 (`bf16`), accumulation is fp32; every pointer
+// the host passes is at least 16-byte aligned (the pool hands out 512-byte aligned blocks and
+// row strides are checked on the host before a vector path is chosen).
+#pragma once
+
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+typedef __nv_bfloat162 bf16x2;
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+#define ATLAS_INF __int_as_float(0x7f800000)
+#define ATLAS_LOG2E 1.4426950408889634f
+
+// ---------------------------------------------------------------------------------------------
+// Scalar conversions: one spelling for every element type the kernels are instantiated with.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+
+// ---------------------------------------------------------------------------------------------
+// Eight consecutive elements as one 16-byte (bf16) or two 16-byte (f32) accesses.
+template <typename T> struct Vec8;
+
+template <> struct Vec8<bf16> {
+    uint4 raw;
+    __device__ __forceinline__ void load(const bf16* p) { raw = *reinterpret_cast<const uint4*>(p); }
+    __device__ __forceinline__ void store(bf16* p) const { *reinterpret_cast<uint4*>(p) = raw; }
+    __device__ __forceinline__ void to_floats(float* out) const {
+        const bf16x2* pairs = reinterpret_cast<const bf16x2*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            float2 f = __bfloat1622float2(pairs[i]);
+            out[2 * i] = f.x;
+            out[2 * i + 1] = f.y;
+        }
+    }
+    __device__ __forceinline__ void from_floats(const float* in) {
+        bf16x2* pairs = reinterpret_cast<bf16x2*>(&raw);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+    }
+};
+
+template <> struct Vec8<float> {
+    float4 lo, hi;
+    __device__ __forceinline__ void load(const float* p) {
+        lo = reinterpret_cast<const float4*>(p)[0];
+        hi = reinterpret_cast<const float4*>(p)[1];
+    }
+    __device__ __forceinline__ void store(float* p) const {
+        reinterpret_cast<float4*>(p)[0] = lo;
+        reinterpret_cast<float4*>(p)[1] = hi;
+    }
+    __device__ __forceinline__ void to_floats(float* out) const {
+        out[0] = lo.x; out[1] = lo.y; out[2] = lo.z; out[3] = lo.w;
+        out[4] = hi.x; out[5] = hi.y; out[6] = hi.z; out[7] = hi.w;
+    }
+    __device__ __forceinline__ void from_floats(const float* in) {
+        lo = make_float4(in[0], in[1], in[2], in[3]);
+        hi = make_float4(in[4], in[5], in[6], in[7]);
+    }
+};
+
+// Loads of 8 elements of any type straight into floats.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float* out) {
+    Vec8<T> v;
+    v.load(p);
+    v.to_floats(out);
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float* in) {
+    Vec8<T> v;
+    v.from_floats(in);
+    v.store(p);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions.
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
+    return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+    return x;
+}
+
+// Sum over the whole block; every thread gets the result. `scratch` holds >= 32 floats and
+// may be reused right after the call returns (the trailing barrier protects it).
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int num_warps = (blockDim.x + 31) >> 5;
+    x = warp_sum(x);
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    float total = lane < num_warps ? scratch[lane] : 0.0f;
+    total = warp_sum(total);
+    __syncthreads();
+    return total;
+}
+
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int num_warps = (blockDim.x + 31) >> 5;
+    x = warp_max(x);
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    float total = lane < num_warps ? scratch[lane] : -ATLAS_INF;
+    total = warp_max(total);
+    __syncthreads();
+    return total;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor cores: D[16x8] += A[16x16] * B[16x8], bf16 operands, fp32 accumulators.
+// Fragment ownership (g = lane / 4, t = lane % 4):
+//   A: a0 (row g,   k 2t..2t+1)  a1 (row g+8, k 2t..)  a2 (row g, k 2t+8..)  a3 (row g+8, k 2t+8..)
+//   B: b0 (k 2t..2t+1, col g)    b1 (k 2t+8..2t+9, col g)
+//   C: c0 c1 (row g, col 2t..2t+1)   c2 c3 (row g+8, col 2t..2t+1)
+__device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    bf16x2 pair = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<u32*>(&pair);
+}
+
+__device__ __forceinline__ u32 smem_address(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 bf16 matrices, transposed on the way in: lane L passes the address of row L % 8 of
+// matrix L / 8 and receives, from each matrix m, elements (2t, g) and (2t + 1, g) in r[m].
+__device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* row_address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address(row_address)));
+}
+
+// 16-byte asynchronous global -> shared copy; `valid == false` writes zeros instead of reading.
+__device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global_src, bool valid) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(shared_dst)),
+                 "l"(global_src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -1,0 +1,210 @@
+// Paged attention for single-token queries (decode), split along the context (FlashDecoding).
+//
+//   q, out [N, Hq * D] bf16; k_plane, v_plane: this layer's pages [Hkv][block_size][D].
+//   Only sequences with query_len == 1 are handled; the prefill kernel takes the rest.
+//
+// grid = (sequence, KV head x head group, split). A block reads one KV head's slice
+// [start, end) of the context once and serves HEADS (1, 2, 4 or 8, the host picks the smallest
+// power of two >= min(G, 8)) query heads of its GQA group from it.
+// Inside the block, lanes form groups of D / 8 (one 16-byte chunk of a K or V row per lane);
+// each group walks its own strided subset of tokens with a private online softmax, two tokens at
+// a time so four 16-byte loads per lane are in flight:
+//
+//     group j of the block handles tokens start + j, start + j + GROUPS, ...
+//     score = q . k (reduced over the group's lanes by shuffles), m, l, o updated per token
+//
+// then the groups are merged through shared memory (the same rescaling as the split merge).
+// With one split the block writes `out`; otherwise it writes its normalised partial output and
+// log2-sum-exp to the workspace and `attention_decode_merge` combines the splits:
+//
+//     partial_out [S, Hq, splits, D] f32, partial_lse [S, Hq, splits] f32 (log2 domain)
+//     out = sum_z exp2(lse_z - M) o_z / sum_z exp2(lse_z - M),  M = max_z lse_z
+//
+// Bytes: each sequence's context K and V once per KV head (2 * L * Hkv * D * 2) plus q and out:
+// pure bandwidth. Splits exist so that small batches still cover every SM.
+#include "atlas_common.cuh"
+
+#define DECODE_THREADS 128
+
+template <int HEAD_DIM, int HEADS>
+__device__ __forceinline__ void attention_decode_impl(
+    const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
+    bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
+    const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
+    int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, float scale_log2,
+    int sliding_window, int num_splits) {
+    constexpr int LANES = HEAD_DIM / 8;                 // lanes per token row
+    constexpr int GROUPS = DECODE_THREADS / LANES;      // token groups per block
+    __shared__ float merge_max[GROUPS][HEADS];
+    __shared__ float merge_sum[GROUPS][HEADS];
+    __shared__ float merge_out[GROUPS][HEADS][HEAD_DIM];
+
+    const int seq = blockIdx.x;
+    const int token = query_start_loc[seq];
+    if (query_start_loc[seq + 1] - token != 1) return;
+    const int group_size = num_q_heads / num_kv_heads;
+    const int head_groups = (group_size + HEADS - 1) / HEADS;
+    const int kv_head = blockIdx.y / head_groups;
+    const int first_head = kv_head * group_size + (blockIdx.y % head_groups) * HEADS;
+    const int num_heads = min(HEADS, kv_head * group_size + group_size - first_head);
+
+    const int context_len = seq_lens[seq];
+    const int position = context_len - 1;
+    const int lo = sliding_window > 0 ? max(0, position - sliding_window + 1) : 0;
+    const int chunk = (context_len - lo + num_splits - 1) / num_splits;
+    const int split = blockIdx.z;
+    const int start = lo + split * chunk;
+    const int end = min(context_len, start + chunk);
+
+    const int lane_in_group = threadIdx.x % LANES, group = threadIdx.x / LANES;
+    const int dim = lane_in_group * 8;
+    const long long q_row = (long long)token * num_q_heads * HEAD_DIM;
+
+    float qv[HEADS][8];
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+        if (h < num_heads) {
+            load8(q + q_row + (long long)(first_head + h) * HEAD_DIM + dim, qv[h]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) qv[h][i] *= scale_log2;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) qv[h][i] = 0.0f;
+        }
+    }
+
+    float m[HEADS], l[HEADS], o[HEADS][8];
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+        m[h] = -ATLAS_INF;
+        l[h] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[h][i] = 0.0f;
+    }
+
+    // Every group runs the same number of iterations (shuffles need the whole warp in step); a
+    // token past `end` is loaded as nothing and leaves the state unchanged.
+    const int* table = block_tables + (long long)seq * block_table_stride;
+    for (int base = start; base < end; base += 2 * GROUPS) {
+        float k_values[2][8], v_values[2][8];
+        bool present[2];
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+            const int key = base + group + u * GROUPS;
+            present[u] = key < end;
+            if (present[u]) {
+                const long long block = table[key / block_size];
+                const long long offset =
+                    ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + dim;
+                load8(k_plane + offset, k_values[u]);
+                load8(v_plane + offset, v_values[u]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) k_values[u][i] = v_values[u][i] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+#pragma unroll
+            for (int h = 0; h < HEADS; ++h) {
+                float score = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) score = fmaf(qv[h][i], k_values[u][i], score);
+#pragma unroll
+                for (int offset = LANES / 2; offset > 0; offset >>= 1)
+                    score += __shfl_xor_sync(0xffffffffu, score, offset);
+                if (!present[u]) continue;
+                const float new_max = fmaxf(m[h], score);
+                const float rescale = exp2f(m[h] - new_max);
+                const float p = exp2f(score - new_max);
+                l[h] = l[h] * rescale + p;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) o[h][i] = fmaf(o[h][i], rescale, p * v_values[u][i]);
+                m[h] = new_max;
+            }
+        }
+    }
+
+    // Merge the groups of this block.
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+        if (lane_in_group == 0) {
+            merge_max[group][h] = m[h];
+            merge_sum[group][h] = l[h];
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) merge_out[group][h][dim + i] = o[h][i];
+    }
+    __syncthreads();
+
+    for (int item = threadIdx.x; item < num_heads * HEAD_DIM; item += DECODE_THREADS) {
+        const int h = item / HEAD_DIM, d = item % HEAD_DIM;
+        float best = -ATLAS_INF;
+#pragma unroll
+        for (int j = 0; j < GROUPS; ++j) best = fmaxf(best, merge_max[j][h]);
+        float total = 0.0f, value = 0.0f;
+        if (best != -ATLAS_INF) {
+#pragma unroll
+            for (int j = 0; j < GROUPS; ++j) {
+                const float weight = exp2f(merge_max[j][h] - best);
+                total += merge_sum[j][h] * weight;
+                value += merge_out[j][h][d] * weight;
+            }
+        }
+        const int head = first_head + h;
+        const float normalised = total > 0.0f ? value / total : 0.0f;
+        if (num_splits == 1) {
+            out[q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(normalised);
+        } else {
+            const long long slot = ((long long)seq * num_q_heads + head) * num_splits + split;
+            partial_out[slot * HEAD_DIM + d] = normalised;
+            if (d == 0) partial_lse[slot] = total > 0.0f ? best + log2f(total) : -ATLAS_INF;
+        }
+    }
+}
+
+#define DEFINE_DECODE(HEAD_DIM, HEADS)                                                                          \
+    extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode_d##HEAD_DIM##_h##HEADS(        \
+        const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, float* partial_out,                 \
+        float* partial_lse, const int* query_start_loc, const int* seq_lens, const int* block_tables,           \
+        int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, float scale_log2,            \
+        int sliding_window, int num_splits) {                                                                   \
+        attention_decode_impl<HEAD_DIM, HEADS>(q, k_plane, v_plane, out, partial_out, partial_lse,              \
+                                               query_start_loc, seq_lens, block_tables, block_table_stride,     \
+                                               num_q_heads, num_kv_heads, block_size, scale_log2,               \
+                                               sliding_window, num_splits);                                     \
+    }
+
+#define DEFINE_DECODE_HEADS(HEAD_DIM) \
+    DEFINE_DECODE(HEAD_DIM, 1)        \
+    DEFINE_DECODE(HEAD_DIM, 2)        \
+    DEFINE_DECODE(HEAD_DIM, 4)        \
+    DEFINE_DECODE(HEAD_DIM, 8)
+
+DEFINE_DECODE_HEADS(64)
+DEFINE_DECODE_HEADS(128)
+DEFINE_DECODE_HEADS(256)
+
+// grid = (sequence, query head), block = HEAD_DIM threads (<= 256): merge the splits of one head.
+extern "C" __global__ void attention_decode_merge(const float* __restrict__ partial_out,
+                                                  const float* __restrict__ partial_lse, bf16* __restrict__ out,
+                                                  const int* __restrict__ query_start_loc, int num_q_heads,
+                                                  int head_dim, int num_splits) {
+    const int seq = blockIdx.x, head = blockIdx.y;
+    const int token = query_start_loc[seq];
+    if (query_start_loc[seq + 1] - token != 1) return;
+    const long long first_slot = ((long long)seq * num_q_heads + head) * num_splits;
+    float best = -ATLAS_INF;
+    for (int z = 0; z < num_splits; ++z) best = fmaxf(best, partial_lse[first_slot + z]);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float total = 0.0f, value = 0.0f;
+        if (best != -ATLAS_INF) {
+            for (int z = 0; z < num_splits; ++z) {
+                const float weight = exp2f(partial_lse[first_slot + z] - best);
+                total += weight;
+                value += weight * partial_out[(first_slot + z) * head_dim + d];
+            }
+        }
+        out[((long long)token * num_q_heads + head) * head_dim + d] = from_float<bf16>(total > 0.0f ? value / total : 0.0f);
+    }
+}

@@ -1,0 +1,253 @@
+// Paged causal attention for the query tokens of a varlen batch (prefill chunks, speculative
+// verification, and decodes when the decode kernel is not launched), FlashAttention-2 style.
+//
+//   q, out   [N, Hq * D] bf16          k_plane, v_plane: this layer's pages [Hkv][block_size][D]
+//   query_start_loc [S + 1], seq_lens [S], block_tables [S, stride]  (see AttentionMetadata)
+//
+// Work split: the G = Hq / Hkv query heads that share a KV head are folded into the rows of a
+// tile, so one K/V tile load serves all of them (GQA costs no extra KV traffic):
+//
+//     tile rows r = 0..63 of sequence s, KV head h:   row index  R = 64 * tile + r
+//         token i = R / G   (query token i of s, at position seq_len - query_len + i)
+//         head    = h * G + R % G
+//
+// grid.x enumerates tiles of all sequences: sequence s owns tiles [T(s), T(s + 1)) with
+// T(s) = floor(query_start_loc[s] * G / 64) + s, which always covers ceil(query_len * G / 64);
+// each block finds its s by binary search, so the grid depends only on the host bounds (N, S).
+// grid.y = KV head.
+//
+// Per tile, 4 warps of 16 rows each run the online softmax over 64-key tiles of the context
+// (keys > the row's position, or outside the sliding window, are masked):
+//     S = Q K^T * scale (mma.sync m16n8k16, fp32), m' = max(m, rowmax S), P = exp2(S - m'),
+//     l = l * exp2(m - m') + rowsum P,  O = O * exp2(m - m') + P V,   out = O / l
+// K and V tiles arrive through cp.async; the scale is folded with log2(e) so exp2 is exact-cheap.
+//
+// FLOPs: 4 * sum over sequences of (query_len * context_len * Hq * D), halved by the causal mask
+// for prompts. Bytes: the K/V context of each sequence once per 64 rows of tile, plus q and out.
+// Long prompts are tensor-core bound (mma.sync reaches ~60% of Hopper's wgmma peak; a wgmma
+// variant belongs in kernels/sm90/).
+#include "atlas_common.cuh"
+
+#define PREFILL_BLOCK_M 64
+#define PREFILL_BLOCK_N 64
+#define PREFILL_WARPS 4
+
+template <int HEAD_DIM>
+__device__ __forceinline__ void attention_prefill_impl(
+    const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
+    bf16* __restrict__ out, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+    const int* __restrict__ block_tables, int block_table_stride, int num_seqs, int num_q_heads, int num_kv_heads,
+    int block_size, float scale_log2, int sliding_window, int skip_single_token) {
+    constexpr int STRIDE = HEAD_DIM + 8;  // padded row: conflict-free fragment loads
+    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int DIM_TILES = HEAD_DIM / 8;
+    extern __shared__ uint4 shared_raw[];
+    bf16* q_tile = reinterpret_cast<bf16*>(shared_raw);
+    bf16* k_tile = q_tile + PREFILL_BLOCK_M * STRIDE;
+    bf16* v_tile = k_tile + PREFILL_BLOCK_N * STRIDE;
+
+    const int group = num_q_heads / num_kv_heads;
+    const int kv_head = blockIdx.y;
+    const int tile_id = blockIdx.x;
+
+    // Which sequence owns this tile: the last s with T(s) <= tile_id.
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        const int start = (int)(((long long)query_start_loc[mid] * group) / PREFILL_BLOCK_M) + mid;
+        if (start <= tile_id) lo = mid; else hi = mid - 1;
+    }
+    const int seq = lo;
+    const int first_token = query_start_loc[seq];
+    const int query_len = query_start_loc[seq + 1] - first_token;
+    const int context_len = seq_lens[seq];
+    const int local_tile = tile_id - ((int)(((long long)first_token * group) / PREFILL_BLOCK_M) + seq);
+    const int first_row = local_tile * PREFILL_BLOCK_M;
+    const int num_rows = query_len * group;
+    if (query_len <= 0 || first_row >= num_rows || (skip_single_token && query_len == 1)) return;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const long long q_row_stride = (long long)num_q_heads * HEAD_DIM;
+    const int first_position = context_len - query_len;
+
+    // Q tile -> shared (rows past the sequence are zero-filled).
+    for (int c = tid; c < PREFILL_BLOCK_M * CHUNKS; c += PREFILL_WARPS * 32) {
+        const int r = c / CHUNKS, chunk = c % CHUNKS;
+        const int row = first_row + r;
+        const bool valid = row < num_rows;
+        const int token = valid ? row / group : 0;
+        const int head = kv_head * group + (valid ? row % group : 0);
+        const bf16* src = q + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM + chunk * 8;
+        cp_async_16(q_tile + r * STRIDE + chunk * 8, valid ? src : q, valid);
+    }
+    cp_async_commit();
+
+    // The two rows this thread owns in the accumulator layout: warp * 16 + g and + 8.
+    int row_position[2];
+    bool row_valid[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = first_row + warp * 16 + g + half * 8;
+        row_valid[half] = row < num_rows;
+        row_position[half] = first_position + (row_valid[half] ? row / group : 0);
+    }
+    const int last_row = min(first_row + PREFILL_BLOCK_M, num_rows) - 1;
+    const int lowest_position = first_position + first_row / group;
+    const int kv_end = first_position + last_row / group + 1;
+    const int kv_begin = sliding_window > 0 ? max(0, lowest_position - sliding_window + 1) : 0;
+
+    float o[DIM_TILES][4];
+#pragma unroll
+    for (int d = 0; d < DIM_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+    float row_max[2] = {-ATLAS_INF, -ATLAS_INF};
+    float row_sum[2] = {0.0f, 0.0f};
+    const int* table = block_tables + (long long)seq * block_table_stride;
+
+    for (int kv_start = kv_begin; kv_start < kv_end; kv_start += PREFILL_BLOCK_N) {
+        // K and V tiles -> shared through the page table (keys past kv_end are zero-filled).
+        for (int c = tid; c < PREFILL_BLOCK_N * CHUNKS; c += PREFILL_WARPS * 32) {
+            const int r = c / CHUNKS, chunk = c % CHUNKS;
+            const int key = kv_start + r;
+            const bool valid = key < kv_end;
+            long long offset = 0;
+            if (valid) {
+                const long long block = table[key / block_size];
+                offset = ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 8;
+            }
+            cp_async_16(k_tile + r * STRIDE + chunk * 8, k_plane + offset, valid);
+        }
+        cp_async_commit();
+        for (int c = tid; c < PREFILL_BLOCK_N * CHUNKS; c += PREFILL_WARPS * 32) {
+            const int r = c / CHUNKS, chunk = c % CHUNKS;
+            const int key = kv_start + r;
+            const bool valid = key < kv_end;
+            long long offset = 0;
+            if (valid) {
+                const long long block = table[key / block_size];
+                offset = ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 8;
+            }
+            cp_async_16(v_tile + r * STRIDE + chunk * 8, v_plane + offset, valid);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // Q and K have landed; V may still be in flight
+        __syncthreads();
+
+        // S = Q K^T for this warp's 16 rows x 64 keys.
+        float s[PREFILL_BLOCK_N / 8][4];
+#pragma unroll
+        for (int n = 0; n < PREFILL_BLOCK_N / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        const bf16* q_warp = q_tile + warp * 16 * STRIDE;
+#pragma unroll
+        for (int k = 0; k < HEAD_DIM / 16; ++k) {
+            u32 a[4];
+            a[0] = *reinterpret_cast<const u32*>(q_warp + g * STRIDE + k * 16 + 2 * t);
+            a[1] = *reinterpret_cast<const u32*>(q_warp + (g + 8) * STRIDE + k * 16 + 2 * t);
+            a[2] = *reinterpret_cast<const u32*>(q_warp + g * STRIDE + k * 16 + 8 + 2 * t);
+            a[3] = *reinterpret_cast<const u32*>(q_warp + (g + 8) * STRIDE + k * 16 + 8 + 2 * t);
+#pragma unroll
+            for (int n = 0; n < PREFILL_BLOCK_N / 8; ++n) {
+                u32 b[2];
+                b[0] = *reinterpret_cast<const u32*>(k_tile + (n * 8 + g) * STRIDE + k * 16 + 2 * t);
+                b[1] = *reinterpret_cast<const u32*>(k_tile + (n * 8 + g) * STRIDE + k * 16 + 8 + 2 * t);
+                mma_bf16_16816(s[n], a, b);
+            }
+        }
+
+        // Mask, scale, and the online-softmax update of both rows.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int position = row_position[half];
+            float tile_max = -ATLAS_INF;
+#pragma unroll
+            for (int n = 0; n < PREFILL_BLOCK_N / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = kv_start + n * 8 + 2 * t + e;
+                    const bool allowed = row_valid[half] && key < kv_end && key <= position &&
+                                         (sliding_window <= 0 || key > position - sliding_window);
+                    const float value = allowed ? s[n][half * 2 + e] * scale_log2 : -ATLAS_INF;
+                    s[n][half * 2 + e] = value;
+                    tile_max = fmaxf(tile_max, value);
+                }
+            }
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float new_max = fmaxf(row_max[half], tile_max);
+            const float reference = new_max == -ATLAS_INF ? 0.0f : new_max;  // a fully masked row so far
+            const float rescale = exp2f(row_max[half] - reference);
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < PREFILL_BLOCK_N / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(s[n][half * 2 + e] - reference);
+                    s[n][half * 2 + e] = p;
+                    tile_sum += p;
+                }
+            }
+            row_sum[half] = row_sum[half] * rescale + tile_sum;
+            row_max[half] = new_max;
+#pragma unroll
+            for (int d = 0; d < DIM_TILES; ++d) {
+                o[d][half * 2] *= rescale;
+                o[d][half * 2 + 1] *= rescale;
+            }
+        }
+
+        cp_async_wait<0>();
+        __syncthreads();
+
+        // O += P V: P from the score registers (C layout of two n-tiles = A layout of one k-step),
+        // V through ldmatrix.trans (rows = keys, columns = head dims).
+#pragma unroll
+        for (int kk = 0; kk < PREFILL_BLOCK_N / 16; ++kk) {
+            u32 a[4];
+            a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const int key_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int dd = 0; dd < HEAD_DIM / 16; ++dd) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, v_tile + key_row * STRIDE + dd * 16 + (lane >> 4) * 8);
+                mma_bf16_16816(o[2 * dd], a, b);
+                mma_bf16_16816(o[2 * dd + 1], a, b + 2);
+            }
+        }
+        __syncthreads();  // every warp is done with K and V before the next tile overwrites them
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float total = row_sum[half];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        if (!row_valid[half]) continue;
+        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        const int row = first_row + warp * 16 + g + half * 8;
+        const int token = row / group, head = kv_head * group + row % group;
+        bf16* dst = out + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM;
+#pragma unroll
+        for (int d = 0; d < DIM_TILES; ++d) {
+            const u32 pair = pack_bf16x2(o[d][half * 2] * inverse, o[d][half * 2 + 1] * inverse);
+            *reinterpret_cast<u32*>(dst + d * 8 + 2 * t) = pair;
+        }
+    }
+}
+
+#define DEFINE_PREFILL(HEAD_DIM)                                                                               \
+    extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * 32) attention_prefill_d##HEAD_DIM(            \
+        const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, const int* query_start_loc,        \
+        const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs, int num_q_heads,   \
+        int num_kv_heads, int block_size, float scale_log2, int sliding_window, int skip_single_token) {       \
+        attention_prefill_impl<HEAD_DIM>(q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables,    \
+                                         block_table_stride, num_seqs, num_q_heads, num_kv_heads, block_size,  \
+                                         scale_log2, sliding_window, skip_single_token);                       \
+    }
+
+DEFINE_PREFILL(64)
+DEFINE_PREFILL(128)
+DEFINE_PREFILL(256)

@@ -1,0 +1,125 @@
+// Row gathers (embedding lookup, gather_rows), gated activations (SwiGLU / GeGLU), 64-bit fill
+// and KV page copies. All are pure data movement, bound by HBM bandwidth.
+//
+// gather_rows_*:  dst[r, :] = src[indices[r], :]       rows of `row_bytes`, any element type.
+//                 An index outside [0, num_src_rows) writes a zero row (never reads out of bounds).
+//                 Bytes: 2 * R * row_bytes + 4 R.  FLOPs: 0.
+// act_mul_*:      out[n, i] = act(x[n, i]) * x[n, I + i]       x [N, 2I], out [N, I].
+//                 Bytes: 3 * N * I * sizeof(T).  FLOPs: ~10 N I (one exp or tanh each).
+// fill_u64:       every 8-byte element of dst set to `pattern` (i64 tensors; narrower types use
+//                 the driver's memset).  Bytes: 8 n.
+// copy_kv_pages:  pages src[i] -> dst[i] of every (layer, K|V) plane of the paged cache.
+//                 Bytes: 2 * C * 2 * num_layers * page_bytes.
+#include "atlas_common.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// One block per output row; the row is copied in units of U (uint4, u32 or unsigned char).
+template <typename U>
+__device__ __forceinline__ void gather_rows_impl(unsigned char* dst, const unsigned char* src, const int* indices,
+                                                 int num_src_rows, long long row_bytes) {
+    const int row = blockIdx.x;
+    const int index = indices[row];
+    const long long units = row_bytes / sizeof(U);
+    U* out = reinterpret_cast<U*>(dst + row * row_bytes);
+    if (index < 0 || index >= num_src_rows) {
+        const U zero{};
+        for (long long i = threadIdx.x; i < units; i += blockDim.x) out[i] = zero;
+        return;
+    }
+    const U* in = reinterpret_cast<const U*>(src + index * row_bytes);
+    for (long long i = threadIdx.x; i < units; i += blockDim.x) out[i] = in[i];
+}
+
+extern "C" __global__ void gather_rows_v16(unsigned char* dst, const unsigned char* src, const int* indices,
+                                           int num_src_rows, long long row_bytes) {
+    gather_rows_impl<uint4>(dst, src, indices, num_src_rows, row_bytes);
+}
+
+extern "C" __global__ void gather_rows_v4(unsigned char* dst, const unsigned char* src, const int* indices,
+                                          int num_src_rows, long long row_bytes) {
+    gather_rows_impl<u32>(dst, src, indices, num_src_rows, row_bytes);
+}
+
+extern "C" __global__ void gather_rows_v1(unsigned char* dst, const unsigned char* src, const int* indices,
+                                          int num_src_rows, long long row_bytes) {
+    gather_rows_impl<unsigned char>(dst, src, indices, num_src_rows, row_bytes);
+}
+
+// ---------------------------------------------------------------------------------------------
+struct SiluOp {
+    __device__ __forceinline__ float operator()(float g) const { return g / (1.0f + expf(-g)); }
+};
+
+struct GeluTanhOp {
+    __device__ __forceinline__ float operator()(float g) const {
+        const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+        return 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g)));
+    }
+};
+
+// Eight elements per thread: needs I % 8 == 0 (checked on the host).
+template <typename T, typename Act>
+__device__ __forceinline__ void act_mul_vec8(const T* x, T* out, int num_tokens, int inner) {
+    const long long chunks_per_row = inner / 8;
+    const long long num_chunks = num_tokens * chunks_per_row;
+    const Act act;
+    for (long long chunk = blockIdx.x * (long long)blockDim.x + threadIdx.x; chunk < num_chunks;
+         chunk += (long long)gridDim.x * blockDim.x) {
+        const long long row = chunk / chunks_per_row;
+        const long long col = (chunk - row * chunks_per_row) * 8;
+        float gate[8], up[8], result[8];
+        load8(x + row * 2 * inner + col, gate);
+        load8(x + row * 2 * inner + inner + col, up);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) result[i] = act(gate[i]) * up[i];
+        store8(out + row * inner + col, result);
+    }
+}
+
+template <typename T, typename Act>
+__device__ __forceinline__ void act_mul_scalar(const T* x, T* out, int num_tokens, int inner) {
+    const long long total = (long long)num_tokens * inner;
+    const Act act;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
+         i += (long long)gridDim.x * blockDim.x) {
+        const long long row = i / inner, col = i - row * inner;
+        const float gate = to_float(x[row * 2 * inner + col]);
+        const float up = to_float(x[row * 2 * inner + inner + col]);
+        out[i] = from_float<T>(act(gate) * up);
+    }
+}
+
+#define DEFINE_ACT_MUL(NAME, T, ACT)                                                                     \
+    extern "C" __global__ void act_mul_##NAME##_vec8(const T* x, T* out, int num_tokens, int inner) {    \
+        act_mul_vec8<T, ACT>(x, out, num_tokens, inner);                                                 \
+    }                                                                                                    \
+    extern "C" __global__ void act_mul_##NAME##_scalar(const T* x, T* out, int num_tokens, int inner) {  \
+        act_mul_scalar<T, ACT>(x, out, num_tokens, inner);                                               \
+    }
+
+DEFINE_ACT_MUL(silu_bf16, bf16, SiluOp)
+DEFINE_ACT_MUL(silu_f32, float, SiluOp)
+DEFINE_ACT_MUL(gelu_tanh_bf16, bf16, GeluTanhOp)
+DEFINE_ACT_MUL(gelu_tanh_f32, float, GeluTanhOp)
+
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void fill_u64(u64* dst, long long count, u64 pattern) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x)
+        dst[i] = pattern;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cache is one allocation of planes [num_layers][2 (K, V)][num_blocks][page]: each page
+// (block_size x num_kv_heads x head_dim elements) is contiguous, so a page copy is a flat copy.
+//   grid.x = pair i, grid.y = plane (layer * 2 + K|V).
+extern "C" __global__ void copy_kv_pages(unsigned char* cache, const int* src_block_ids, const int* dst_block_ids,
+                                         int num_blocks, long long page_bytes) {
+    const int pair = blockIdx.x, plane = blockIdx.y;
+    const int src = src_block_ids[pair], dst = dst_block_ids[pair];
+    if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks) return;
+    unsigned char* plane_base = cache + (long long)plane * num_blocks * page_bytes;
+    const uint4* from = reinterpret_cast<const uint4*>(plane_base + src * page_bytes);
+    uint4* to = reinterpret_cast<uint4*>(plane_base + dst * page_bytes);
+    for (long long i = threadIdx.x; i < page_bytes / 16; i += blockDim.x) to[i] = from[i];
+}

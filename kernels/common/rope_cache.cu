@@ -1,0 +1,105 @@
+// Split the fused QKV projection, optionally RMS-normalise each q/k head (Qwen3), rotate q and k
+// (half-split RoPE of the first `rotary_dim` dims), write q to q_out and k, v into the paged cache.
+//
+//   qkv      [N, (Hq + 2 Hkv) * D]  bf16      q heads | k heads | v heads, side by side
+//   table    [max_pos, r]           f32|bf16  cos of the r/2 pair angles, then their sin
+//   q_out    [N, Hq * D]            bf16
+//   k_plane, v_plane: this layer's K and V planes of the cache, pages of [Hkv][block_size][D]:
+//
+//       slot = block * block_size + offset
+//       element (slot, h, d) of a plane = ((block * Hkv + h) * block_size + offset) * D + d
+//
+//   Rotation of a head x (pairs (i, i + r/2), i < r/2; dims >= r pass through):
+//       y[i]       = x[i] cos[i] - x[i + r/2] sin[i]
+//       y[i + r/2] = x[i + r/2] cos[i] + x[i] sin[i]
+//   A negative slot skips the K/V write (padding rows of a captured graph).
+//
+// One block of 4 warps per token, a warp per head. Bytes: read N (Hq + 2 Hkv) D * 2 + N r * 4,
+// write the same amount of q, k, v. FLOPs: ~6 N (Hq + Hkv) D. Bandwidth bound.
+#include "atlas_common.cuh"
+
+#define ROPE_MAX_HEAD_DIM 256
+#define ROPE_WARPS 4
+
+template <typename TABLE, typename W>
+__device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* positions, const int* slot_mapping,
+                                                    const TABLE* table, int max_position, bf16* k_plane,
+                                                    bf16* v_plane, bf16* q_out, const W* q_norm, const W* k_norm,
+                                                    float eps, int num_q_heads, int num_kv_heads, int head_dim,
+                                                    int rotary_dim, int block_size) {
+    __shared__ float head_values[ROPE_WARPS][ROPE_MAX_HEAD_DIM];
+    const int token = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int total_heads = num_q_heads + 2 * num_kv_heads;
+    const long long row_stride = (long long)total_heads * head_dim;
+    const int half = rotary_dim / 2;
+
+    int position = positions[token];
+    position = position < 0 ? 0 : (position >= max_position ? max_position - 1 : position);
+    const TABLE* cos_row = table + (long long)position * rotary_dim;
+    const TABLE* sin_row = cos_row + half;
+    const int slot = slot_mapping[token];
+    float* values = head_values[warp];
+
+    for (int head = warp; head < total_heads; head += ROPE_WARPS) {
+        const bool is_q = head < num_q_heads;
+        const bool is_v = head >= num_q_heads + num_kv_heads;
+        const bf16* in = qkv + token * row_stride + (long long)head * head_dim;
+
+        float sum_squares = 0.0f;
+        for (int d = lane; d < head_dim; d += 32) {
+            const float v = to_float(in[d]);
+            values[d] = v;
+            sum_squares += v * v;
+        }
+        const W* norm = is_v ? nullptr : (is_q ? q_norm : k_norm);
+        if (norm != nullptr) {
+            const float inverse_rms = 1.0f / sqrtf(warp_sum(sum_squares) / head_dim + eps);
+            for (int d = lane; d < head_dim; d += 32) values[d] = values[d] * inverse_rms * to_float(norm[d]);
+        }
+        __syncwarp();
+
+        bf16* out;
+        if (is_q) {
+            out = q_out + (long long)token * num_q_heads * head_dim + (long long)head * head_dim;
+        } else {
+            if (slot < 0) {
+                __syncwarp();
+                continue;
+            }
+            const int kv_head = is_v ? head - num_q_heads - num_kv_heads : head - num_q_heads;
+            const long long block = slot / block_size, offset = slot % block_size;
+            bf16* plane = is_v ? v_plane : k_plane;
+            out = plane + ((block * num_kv_heads + kv_head) * block_size + offset) * head_dim;
+        }
+        for (int d = lane; d < head_dim; d += 32) {
+            float result = values[d];
+            if (!is_v && d < rotary_dim) {
+                if (d < half) {
+                    result = values[d] * to_float(cos_row[d]) - values[d + half] * to_float(sin_row[d]);
+                } else {
+                    const int i = d - half;
+                    result = values[d] * to_float(cos_row[i]) + values[i] * to_float(sin_row[i]);
+                }
+            }
+            out[d] = from_float<bf16>(result);
+        }
+        __syncwarp();
+    }
+}
+
+#define DEFINE_ROPE(SUFFIX, TABLE, W)                                                                          \
+    extern "C" __global__ void __launch_bounds__(ROPE_WARPS * 32) rope_and_cache_##SUFFIX(                     \
+        const bf16* qkv, const int* positions, const int* slot_mapping, const TABLE* table, int max_position,  \
+        bf16* k_plane, bf16* v_plane, bf16* q_out, const W* q_norm, const W* k_norm, float eps,                \
+        int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, int block_size) {                     \
+        rope_and_cache_impl<TABLE, W>(qkv, positions, slot_mapping, table, max_position, k_plane, v_plane,     \
+                                      q_out, q_norm, k_norm, eps, num_q_heads, num_kv_heads, head_dim,         \
+                                      rotary_dim, block_size);                                                 \
+    }
+
+// Table type, then q/k norm weight type.
+DEFINE_ROPE(f32_bf16, float, bf16)
+DEFINE_ROPE(f32_f32, float, float)
+DEFINE_ROPE(bf16_bf16, bf16, bf16)
+DEFINE_ROPE(bf16_f32, bf16, float)
