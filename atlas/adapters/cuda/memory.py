@@ -1,0 +1,205 @@
+"""Device memory: a caching allocator with accounting, and pinned host staging for copies.
+
+The pool rounds every request to a size class (512-byte steps below 1 MiB, 2 MiB steps above)
+and keeps freed blocks on a free list per class, so the steady state of a server allocates
+nothing from the driver. One stream orders every use of a block, so a block freed by Python
+can be handed out again at once: later work on the stream runs after earlier reads of it.
+When the driver is out of memory the pool returns its cached blocks and tries once more.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from atlas.adapters.cuda.driver import CudaError, check
+
+_SMALL_LIMIT_BYTES = 1 << 20
+_SMALL_STEP_BYTES = 512
+_LARGE_STEP_BYTES = 2 << 20
+
+
+def size_class(num_bytes: int) -> int:
+    """The rounded size a request of `num_bytes` occupies (at least one step)."""
+    step = _SMALL_STEP_BYTES if num_bytes < _SMALL_LIMIT_BYTES else _LARGE_STEP_BYTES
+    return max(step, -(-num_bytes // step) * step)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    allocated_bytes: int  # held by live tensors (rounded sizes)
+    reserved_bytes: int  # obtained from the driver, live or cached
+    peak_allocated_bytes: int
+    num_driver_allocations: int
+    num_reused: int
+
+    @property
+    def cached_bytes(self) -> int:
+        return self.reserved_bytes - self.allocated_bytes
+
+
+class DeviceAllocation:
+    """One block of the pool; returns itself to the pool when garbage collected."""
+
+    __slots__ = ("address", "num_bytes", "_pool")
+
+    def __init__(self, address: int, num_bytes: int, pool: DeviceMemoryPool) -> None:
+        self.address = address
+        self.num_bytes = num_bytes
+        self._pool = pool
+
+    def __del__(self) -> None:
+        pool = self._pool
+        if pool is not None:
+            self._pool = None
+            pool.release(self.address, self.num_bytes)
+
+
+class DeviceMemoryPool:
+    """Caching allocator over cuMemAlloc for one device context."""
+
+    def __init__(self, device_label: str) -> None:
+        self._device_label = device_label
+        self._free: dict[int, list[int]] = {}
+        self._allocated_bytes = 0
+        self._reserved_bytes = 0
+        self._peak_bytes = 0
+        self._num_driver_allocations = 0
+        self._num_reused = 0
+        self._closed = False
+
+    def allocate(self, num_bytes: int) -> DeviceAllocation:
+        """A block of at least `num_bytes`. Raises `MemoryError` naming the sizes involved."""
+        rounded = size_class(num_bytes)
+        cached = self._free.get(rounded)
+        if cached:
+            address = cached.pop()
+            self._num_reused += 1
+        else:
+            address = self._driver_allocate(rounded, num_bytes)
+            self._reserved_bytes += rounded
+            self._num_driver_allocations += 1
+        self._allocated_bytes += rounded
+        self._peak_bytes = max(self._peak_bytes, self._allocated_bytes)
+        return DeviceAllocation(address, rounded, self)
+
+    def release(self, address: int, rounded: int) -> None:
+        """Back onto its free list (called by `DeviceAllocation.__del__`)."""
+        if self._closed:
+            return
+        self._allocated_bytes -= rounded
+        self._free.setdefault(rounded, []).append(address)
+
+    def empty_cache(self) -> int:
+        """Give every cached block back to the driver; returns the bytes freed."""
+        freed = 0
+        for rounded, addresses in self._free.items():
+            for address in addresses:
+                check("cuMemFree", cu.cuMemFree(address))
+                freed += rounded
+        self._free.clear()
+        self._reserved_bytes -= freed
+        return freed
+
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            allocated_bytes=self._allocated_bytes,
+            reserved_bytes=self._reserved_bytes,
+            peak_allocated_bytes=self._peak_bytes,
+            num_driver_allocations=self._num_driver_allocations,
+            num_reused=self._num_reused,
+        )
+
+    def close(self) -> None:
+        """Free the cached blocks and stop accepting returns (the context is going away)."""
+        self.empty_cache()
+        self._closed = True
+
+    def _driver_allocate(self, rounded: int, asked: int) -> int:
+        for attempt in range(2):
+            try:
+                return int(check("cuMemAlloc", cu.cuMemAlloc(rounded)))
+            except CudaError as error:
+                if not error.is_out_of_memory:
+                    raise
+                if attempt == 0 and self._free:
+                    self.empty_cache()
+                    continue
+                free, total = check("cuMemGetInfo", cu.cuMemGetInfo())
+                raise MemoryError(
+                    f"CUDA {self._device_label}: cannot allocate {asked / 2**20:.1f} MiB; "
+                    f"{free / 2**20:.1f} MiB free of {total / 2**20:.1f} MiB, Atlas tensors hold "
+                    f"{self._allocated_bytes / 2**20:.1f} MiB (lower --max-num-seqs, --max-seq-len or "
+                    f"--gpu-memory-utilization)"
+                ) from error
+        raise AssertionError("unreachable")
+
+
+class PinnedStaging:
+    """Page-locked host slots for small copies that stay asynchronous.
+
+    A copy of up to `slot_bytes` goes through the next slot in turn; before a slot is written
+    again, the event recorded after its last copy is waited on, so the caller's array may be
+    reused as soon as `copy_from_host` returns while the GPU runs ahead. Larger copies use the
+    driver's pageable path (which stages and returns once the source has been read).
+    """
+
+    def __init__(self, stream_handle: int, num_slots: int = 8, slot_bytes: int = 2 << 20) -> None:
+        self.slot_bytes = slot_bytes
+        self._stream = stream_handle
+        self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))
+        buffer = (ctypes.c_uint8 * (num_slots * slot_bytes)).from_address(self._base)
+        self._host = np.ctypeslib.as_array(buffer)
+        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._events = [check("cuEventCreate", cu.cuEventCreate(flags)) for _ in range(num_slots)]
+        self._used = [False] * num_slots
+        self._next = 0
+
+    def upload(self, device_address: int, data: np.ndarray) -> None:
+        """Enqueue a copy of the contiguous `data` to `device_address` on the stream."""
+        num_bytes = data.nbytes
+        if num_bytes == 0:
+            return
+        if num_bytes > self.slot_bytes:
+            check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(device_address, data.ctypes.data, num_bytes, self._stream))
+            return
+        slot = self._take_slot()
+        start = slot * self.slot_bytes
+        self._host[start : start + num_bytes] = data.reshape(-1).view(np.uint8)
+        check(
+            "cuMemcpyHtoDAsync",
+            cu.cuMemcpyHtoDAsync(device_address, self._base + start, num_bytes, self._stream),
+        )
+        check("cuEventRecord", cu.cuEventRecord(self._events[slot], self._stream))
+        self._used[slot] = True
+
+    def download(self, device_address: int, out: np.ndarray) -> None:
+        """Copy into the contiguous `out` after everything enqueued so far (synchronises)."""
+        num_bytes = out.nbytes
+        if num_bytes == 0:
+            return
+        if num_bytes > self.slot_bytes:
+            check("cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync(out.ctypes.data, device_address, num_bytes, self._stream))
+            check("cuStreamSynchronize", cu.cuStreamSynchronize(self._stream))
+            return
+        slot = self._take_slot()
+        start = slot * self.slot_bytes
+        check("cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync(self._base + start, device_address, num_bytes, self._stream))
+        check("cuStreamSynchronize", cu.cuStreamSynchronize(self._stream))
+        out.reshape(-1).view(np.uint8)[...] = self._host[start : start + num_bytes]
+
+    def close(self) -> None:
+        for event in self._events:
+            cu.cuEventDestroy(event)
+        cu.cuMemFreeHost(self._base)
+
+    def _take_slot(self) -> int:
+        slot = self._next
+        self._next = (slot + 1) % len(self._events)
+        if self._used[slot]:
+            check("cuEventSynchronize", cu.cuEventSynchronize(self._events[slot]))
+            self._used[slot] = False
+        return slot

@@ -1,0 +1,277 @@
+"""KV-cache ops: fused RoPE + cache write, paged attention (prefill tiles and split-K decode),
+and page copies."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from atlas.adapters.cuda import checks
+from atlas.adapters.cuda.kv_cache import CudaKvCache
+from atlas.adapters.cuda.runtime import CudaRuntime
+from atlas.adapters.cuda.tensor import CudaTensor
+from atlas.ports.gpu import AttentionMetadata, DType, HeadLayout
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+_PREFILL_BLOCK_M = 64
+_PREFILL_BLOCK_N = 64
+_PREFILL_THREADS = 128
+_DECODE_THREADS = 128
+_MAX_SPLITS = 64
+# A decode split reads at least this many context tokens: fewer and the merge costs more than
+# the parallelism gains.
+_MIN_TOKENS_PER_SPLIT = 256
+
+
+def _check_cache(kv: object, heads: HeadLayout) -> CudaKvCache:
+    if not isinstance(kv, CudaKvCache):
+        raise ValueError(f"kv: expected a CudaKvCache, got {type(kv).__name__}")
+    spec = kv.spec
+    if spec.num_kv_heads != heads.num_kv_heads or spec.head_dim != heads.head_dim:
+        raise ValueError(
+            f"kv: cache has {spec.num_kv_heads} KV heads of {spec.head_dim}, heads say "
+            f"{heads.num_kv_heads} of {heads.head_dim}"
+        )
+    if spec.dtype is not DType.BF16:
+        raise ValueError(f"kv: dtype {spec.dtype.value} is not supported (bf16)")
+    return kv
+
+
+def _check_metadata(meta: AttentionMetadata) -> None:
+    checks.at_least_rows(meta.query_start_loc, "meta.query_start_loc", meta.num_seqs + 1)
+    checks.at_least_rows(meta.seq_lens, "meta.seq_lens", meta.num_seqs)
+    checks.at_least_rows(meta.block_tables, "meta.block_tables", meta.num_seqs)
+    checks.rank(meta.block_tables, "meta.block_tables", 2)
+    for name, value in (
+        ("positions", meta.positions),
+        ("slot_mapping", meta.slot_mapping),
+        ("query_start_loc", meta.query_start_loc),
+        ("seq_lens", meta.seq_lens),
+        ("block_tables", meta.block_tables),
+    ):
+        checks.dtype(value, f"meta.{name}", (DType.I32,))
+
+
+def rope_and_cache(
+    rt: CudaRuntime,
+    qkv: CudaTensor,
+    meta: AttentionMetadata,
+    rope_table: CudaTensor,
+    kv: object,
+    layer: int,
+    heads: HeadLayout,
+    q_out: CudaTensor,
+    q_norm: CudaTensor | None,
+    k_norm: CudaTensor | None,
+    norm_eps: float,
+) -> None:
+    cache = _check_cache(kv, heads)
+    _check_metadata(meta)
+    num_tokens = meta.num_tokens
+    head_dim = heads.head_dim
+    if head_dim > 256:
+        raise ValueError(f"heads.head_dim: {head_dim} is over the kernel's 256")
+    checks.dtype(qkv, "qkv", (DType.BF16,))
+    checks.dtype(q_out, "q_out", (DType.BF16,))
+    checks.at_least_rows(qkv, "qkv", num_tokens)
+    if qkv.shape[1:] != (heads.q_size + 2 * heads.kv_size,):
+        raise ValueError(f"qkv: width {qkv.shape[1:]} is not q + k + v = {heads.q_size + 2 * heads.kv_size}")
+    checks.at_least_rows(q_out, "q_out", num_tokens)
+    if q_out.shape[1:] != (heads.q_size,):
+        raise ValueError(f"q_out: width {q_out.shape[1:]} is not Hq * D = {heads.q_size}")
+    checks.rank(rope_table, "rope_table", 2)
+    checks.dtype(rope_table, "rope_table", (DType.F32, DType.BF16))
+    rotary_dim = rope_table.shape[1]
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rope_table: {rotary_dim} columns must be even and <= head_dim {head_dim}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm: give both or neither")
+    norm_dtype = DType.BF16
+    if q_norm is not None and k_norm is not None:
+        checks.shape(q_norm, "q_norm", (head_dim,))
+        checks.shape(k_norm, "k_norm", (head_dim,))
+        checks.dtype(q_norm, "q_norm", (DType.BF16, DType.F32))
+        if k_norm.dtype is not q_norm.dtype:
+            raise ValueError("k_norm: dtype differs from q_norm's")
+        norm_dtype = q_norm.dtype
+    if num_tokens == 0:
+        return
+    symbol = f"rope_and_cache_{checks.type_suffix(rope_table.dtype)}_{checks.type_suffix(norm_dtype)}"
+    rt.launch(
+        "rope_cache",
+        symbol,
+        (num_tokens,),
+        128,
+        qkv.address,
+        meta.positions.address,
+        meta.slot_mapping.address,
+        rope_table.address,
+        np.int32(rope_table.shape[0]),
+        cache.key_plane(layer),
+        cache.value_plane(layer),
+        q_out.address,
+        q_norm.address if q_norm is not None else 0,
+        k_norm.address if k_norm is not None else 0,
+        np.float32(norm_eps),
+        np.int32(heads.num_q_heads),
+        np.int32(heads.num_kv_heads),
+        np.int32(head_dim),
+        np.int32(rotary_dim),
+        np.int32(cache.spec.block_size),
+    )
+
+
+def attention(
+    rt: CudaRuntime,
+    q: CudaTensor,
+    kv: object,
+    layer: int,
+    meta: AttentionMetadata,
+    heads: HeadLayout,
+    scale: float,
+    out: CudaTensor,
+    sliding_window: int | None,
+) -> None:
+    cache = _check_cache(kv, heads)
+    _check_metadata(meta)
+    head_dim = heads.head_dim
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"heads.head_dim: {head_dim} has no attention kernel (have {SUPPORTED_HEAD_DIMS})")
+    if heads.num_q_heads % heads.num_kv_heads:
+        raise ValueError(f"heads: {heads.num_q_heads} query heads do not divide over {heads.num_kv_heads} KV heads")
+    for name, value in (("q", q), ("out", out)):
+        checks.dtype(value, name, (DType.BF16,))
+        checks.at_least_rows(value, name, meta.num_tokens)
+        if value.shape[1:] != (heads.q_size,):
+            raise ValueError(f"{name}: width {value.shape[1:]} is not Hq * D = {heads.q_size}")
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window: {sliding_window} must be positive (or None)")
+    if meta.num_seqs == 0 or meta.num_tokens == 0:
+        return
+    common = (
+        meta.query_start_loc.address,
+        meta.seq_lens.address,
+        meta.block_tables.address,
+        np.int32(meta.block_tables.shape[1]),
+    )
+    scale_log2 = np.float32(scale * math.log2(math.e))
+    window = np.int32(sliding_window or 0)
+    planes = (cache.key_plane(layer), cache.value_plane(layer))
+    if meta.max_query_len > 1:
+        _prefill(rt, q, out, planes, common, meta, heads, cache.spec.block_size, scale_log2, window)
+    _decode(rt, q, out, planes, common, meta, heads, cache.spec.block_size, scale_log2, window)
+
+
+def _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window) -> None:
+    group = heads.num_q_heads // heads.num_kv_heads
+    num_tiles = (meta.num_tokens * group) // _PREFILL_BLOCK_M + meta.num_seqs
+    stride = heads.head_dim + 8
+    shared_bytes = (_PREFILL_BLOCK_M + 2 * _PREFILL_BLOCK_N) * stride * 2
+    query_start_loc, seq_lens, block_tables, table_stride = common
+    rt.launch(
+        "attention_prefill",
+        f"attention_prefill_d{heads.head_dim}",
+        (num_tiles, heads.num_kv_heads),
+        _PREFILL_THREADS,
+        q.address,
+        planes[0],
+        planes[1],
+        out.address,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        table_stride,
+        np.int32(meta.num_seqs),
+        np.int32(heads.num_q_heads),
+        np.int32(heads.num_kv_heads),
+        np.int32(block_size),
+        scale_log2,
+        window,
+        np.int32(1),  # single-token queries go to the decode kernel, launched next
+        shared_bytes=shared_bytes,
+    )
+
+
+def decode_split_count(num_sms: int, num_blocks_per_split: int, max_seq_len: int) -> int:
+    """Splits of the context per (sequence, head group): enough blocks for two waves of SMs,
+    each split reading at least `_MIN_TOKENS_PER_SPLIT` tokens."""
+    if num_blocks_per_split >= 2 * num_sms:
+        return 1
+    wanted = -(-2 * num_sms // num_blocks_per_split)
+    by_length = max(1, -(-max_seq_len // _MIN_TOKENS_PER_SPLIT))
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window) -> None:
+    group = heads.num_q_heads // heads.num_kv_heads
+    heads_per_block = next(h for h in (1, 2, 4, 8) if h >= min(group, 8))
+    head_groups = -(-group // heads_per_block)
+    num_blocks = meta.num_seqs * heads.num_kv_heads * head_groups
+    splits = decode_split_count(rt.num_sms, num_blocks, meta.max_seq_len)
+    partial_out = partial_lse = 0
+    if splits > 1:
+        slots = meta.num_seqs * heads.num_q_heads * splits
+        partial_out = rt.workspace("attention_partial_out", slots * heads.head_dim * 4)
+        partial_lse = rt.workspace("attention_partial_lse", slots * 4)
+    query_start_loc, seq_lens, block_tables, table_stride = common
+    rt.launch(
+        "attention_decode",
+        f"attention_decode_d{heads.head_dim}_h{heads_per_block}",
+        (meta.num_seqs, heads.num_kv_heads * head_groups, splits),
+        _DECODE_THREADS,
+        q.address,
+        planes[0],
+        planes[1],
+        out.address,
+        partial_out,
+        partial_lse,
+        query_start_loc,
+        seq_lens,
+        block_tables,
+        table_stride,
+        np.int32(heads.num_q_heads),
+        np.int32(heads.num_kv_heads),
+        np.int32(block_size),
+        scale_log2,
+        window,
+        np.int32(splits),
+    )
+    if splits > 1:
+        rt.launch(
+            "attention_decode",
+            "attention_decode_merge",
+            (meta.num_seqs, heads.num_q_heads),
+            heads.head_dim,
+            partial_out,
+            partial_lse,
+            out.address,
+            query_start_loc,
+            np.int32(heads.num_q_heads),
+            np.int32(heads.head_dim),
+            np.int32(splits),
+        )
+
+
+def copy_blocks(rt: CudaRuntime, kv: object, src_block_ids: CudaTensor, dst_block_ids: CudaTensor) -> None:
+    if not isinstance(kv, CudaKvCache):
+        raise ValueError(f"kv: expected a CudaKvCache, got {type(kv).__name__}")
+    checks.dtype(src_block_ids, "src_block_ids", (DType.I32,))
+    checks.dtype(dst_block_ids, "dst_block_ids", (DType.I32,))
+    checks.rank(src_block_ids, "src_block_ids", 1)
+    checks.shape(dst_block_ids, "dst_block_ids", src_block_ids.shape)
+    num_pairs = src_block_ids.shape[0]
+    if num_pairs == 0:
+        return
+    spec = kv.spec
+    rt.launch(
+        "elementwise",
+        "copy_kv_pages",
+        (num_pairs, 2 * spec.num_layers),
+        256,
+        kv.base_address,
+        src_block_ids.address,
+        dst_block_ids.address,
+        np.int32(spec.num_blocks),
+        np.int64(kv.page_bytes),
+    )

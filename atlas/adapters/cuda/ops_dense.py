@@ -1,0 +1,195 @@
+"""Row-wise and dense ops: embedding, gathers, RMSNorm, gated activations, linear."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atlas.adapters.cuda import checks
+from atlas.adapters.cuda.cublaslt import WORKSPACE_BYTES, CublasLtGemm
+from atlas.adapters.cuda.runtime import CudaRuntime
+from atlas.adapters.cuda.tensor import CudaTensor
+from atlas.ports.gpu import Activation, DType
+
+_FLOAT_TYPES = (DType.BF16, DType.F32)
+# At most this many token rows go through the GEMV kernel; more go to cuBLASLt.
+GEMV_MAX_TOKENS = 8
+_GEMV_WARPS = 4
+_ACTIVATION_NAMES = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu_tanh"}
+
+
+def gather_rows(rt: CudaRuntime, source: CudaTensor, indices: CudaTensor, out: CudaTensor, what: str) -> None:
+    """out[r] = source[indices[r]] for any element type (an index out of range gives zeros)."""
+    checks.rank(source, f"{what}: table", 2)
+    checks.dtype(indices, f"{what}: indices", (DType.I32,))
+    checks.rank(indices, f"{what}: indices", 1)
+    checks.shape(out, f"{what}: out", (indices.shape[0], source.shape[1]))
+    if out.dtype is not source.dtype:
+        raise ValueError(f"{what}: out is {out.dtype.value} but the table is {source.dtype.value}")
+    num_rows = indices.shape[0]
+    if num_rows == 0:
+        return
+    row_bytes = source.shape[1] * source.dtype.itemsize
+    width = next(
+        w
+        for w in (16, 4, 1)
+        if row_bytes % w == 0 and checks.aligned(source.address, w) and checks.aligned(out.address, w)
+    )
+    symbol = f"gather_rows_v{width}"
+    threads = int(min(256, max(32, row_bytes // width)))
+    rt.launch(
+        "elementwise",
+        symbol,
+        (num_rows,),
+        threads,
+        out.address,
+        source.address,
+        indices.address,
+        np.int32(source.shape[0]),
+        np.int64(row_bytes),
+    )
+
+
+def rmsnorm(
+    rt: CudaRuntime,
+    x: CudaTensor,
+    residual: CudaTensor | None,
+    weight: CudaTensor,
+    eps: float,
+    out: CudaTensor,
+) -> None:
+    """rmsnorm, or residual += x then rmsnorm(residual) when `residual` is given."""
+    checks.rank(x, "x", 2)
+    checks.dtype(x, "x", _FLOAT_TYPES)
+    checks.dtype(weight, "weight", _FLOAT_TYPES)
+    num_tokens, hidden = x.shape
+    checks.shape(weight, "weight", (hidden,))
+    checks.shape(out, "out", x.shape)
+    if out.dtype is not x.dtype:
+        raise ValueError(f"out: dtype {out.dtype.value} differs from x's {x.dtype.value}")
+    if residual is not None:
+        checks.shape(residual, "residual", x.shape)
+        if residual.dtype is not x.dtype:
+            raise ValueError(f"residual: dtype {residual.dtype.value} differs from x's {x.dtype.value}")
+    if num_tokens == 0:
+        return
+    vector = hidden % 8 == 0
+    prefix = "add_rmsnorm" if residual is not None else "rmsnorm"
+    symbol = (
+        f"{prefix}_{checks.type_suffix(x.dtype)}_{checks.type_suffix(weight.dtype)}_{'vec8' if vector else 'scalar'}"
+    )
+    work_items = hidden // 8 if vector else hidden
+    threads = int(min(1024, max(64, -(-work_items // 32) * 32)))
+    if residual is not None:
+        args = (x.address, residual.address, weight.address, np.float32(eps), out.address, np.int32(hidden))
+    else:
+        args = (x.address, weight.address, np.float32(eps), out.address, np.int32(hidden))
+    rt.launch("norm", symbol, (num_tokens,), threads, *args)
+
+
+def act_mul(rt: CudaRuntime, x: CudaTensor, activation: Activation, out: CudaTensor) -> None:
+    """out = act(x[:, :I]) * x[:, I:]."""
+    checks.rank(x, "x", 2)
+    checks.dtype(x, "x", _FLOAT_TYPES)
+    num_tokens, width = x.shape
+    if width % 2:
+        raise ValueError(f"x: width {width} is not even (gate | up halves)")
+    inner = width // 2
+    checks.shape(out, "out", (num_tokens, inner))
+    if out.dtype is not x.dtype:
+        raise ValueError(f"out: dtype {out.dtype.value} differs from x's {x.dtype.value}")
+    if num_tokens == 0:
+        return
+    vector = inner % 8 == 0
+    symbol = f"act_mul_{_ACTIVATION_NAMES[activation]}_{checks.type_suffix(x.dtype)}_{'vec8' if vector else 'scalar'}"
+    items = num_tokens * inner // (8 if vector else 1)
+    blocks = int(min(-(-items // 256), rt.num_sms * 8))
+    rt.launch("elementwise", symbol, (blocks,), 256, x.address, out.address, np.int32(num_tokens), np.int32(inner))
+
+
+class LinearOp:
+    """`linear`: the GEMV kernel for a few token rows, cuBLASLt for the rest."""
+
+    def __init__(self, rt: CudaRuntime) -> None:
+        self._rt = rt
+        self._gemm: CublasLtGemm | None = None
+
+    def __call__(self, x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: CudaTensor | None) -> None:
+        checks.rank(x, "x", 2)
+        checks.rank(weight, "weight", 2)
+        checks.dtype(x, "x", (DType.BF16,))
+        checks.dtype(weight, "weight", (DType.BF16,))
+        checks.dtype(out, "out", _FLOAT_TYPES)
+        num_tokens, inner = x.shape
+        num_rows = weight.shape[0]
+        if weight.shape[1] != inner:
+            raise ValueError(f"weight: shape {list(weight.shape)} does not take x of width {inner}")
+        checks.shape(out, "out", (num_tokens, num_rows))
+        if bias is not None:
+            checks.shape(bias, "bias", (num_rows,))
+            checks.dtype(bias, "bias", (DType.BF16,))
+        if num_tokens == 0:
+            return
+        if num_tokens <= GEMV_MAX_TOKENS and inner % 8 == 0:
+            self._gemv(x, weight, out, bias, num_tokens, num_rows, inner)
+        else:
+            self._cublas(x, weight, out, bias, num_tokens, num_rows, inner)
+
+    def _gemv(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
+        # Enough warps to cover every SM several times over; more rows per warp when there are
+        # plenty, so each lane keeps more 16-byte loads in flight.
+        rows_per_warp = 1
+        for candidate in (4, 2):
+            if num_rows // candidate >= self._rt.num_sms * 16:
+                rows_per_warp = candidate
+                break
+        tokens = next(t for t in (1, 2, 4, 8) if t >= num_tokens)
+        symbol = f"gemv_{checks.type_suffix(out.dtype)}_r{rows_per_warp}_t{tokens}"
+        blocks = -(-num_rows // (_GEMV_WARPS * rows_per_warp))
+        self._rt.launch(
+            "gemv",
+            symbol,
+            (blocks,),
+            _GEMV_WARPS * 32,
+            x.address,
+            weight.address,
+            bias.address if bias is not None else 0,
+            out.address,
+            np.int32(num_tokens),
+            np.int32(num_rows),
+            np.int32(inner),
+        )
+
+    def _cublas(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
+        if self._gemm is None:
+            workspace = self._rt.workspace("cublaslt", WORKSPACE_BYTES)
+            self._gemm = CublasLtGemm(self._rt.stream_handle, workspace)
+        fused_bias = bias is not None and out.dtype is DType.BF16
+        self._gemm.matmul(
+            x.address,
+            weight.address,
+            out.address,
+            num_tokens,
+            num_rows,
+            inner,
+            DType.BF16,
+            out.dtype,
+            bias.address if fused_bias else None,
+        )
+        if bias is not None and not fused_bias:
+            total = num_tokens * num_rows
+            blocks = int(min(-(-total // 256), self._rt.num_sms * 8))
+            self._rt.launch(
+                "gemv",
+                f"add_bias_{checks.type_suffix(out.dtype)}",
+                (blocks,),
+                256,
+                out.address,
+                bias.address,
+                np.int32(num_tokens),
+                np.int32(num_rows),
+            )
+
+    def close(self) -> None:
+        if self._gemm is not None:
+            self._gemm.close()
+            self._gemm = None

@@ -1,0 +1,183 @@
+"""The device context every op runs in: one device, one stream, the pool, the kernels.
+
+`CudaRuntime` owns what the ops share: the stream their launches are ordered on, the memory
+pool, pinned staging, persistent workspaces, and the loaded kernel library. Ops call
+`launch(module, symbol, grid, block, *args)` with device addresses as Python ints and scalars
+as numpy scalars (np.int32, np.float32, np.int64) so each argument has the C type the kernel
+declares.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from cuda.bindings import driver as cu
+from cuda.core import Device, Kernel, LaunchConfig, ObjectCode, launch
+
+from atlas.adapters.cuda.compiler import KernelCompiler
+from atlas.adapters.cuda.driver import check
+from atlas.adapters.cuda.memory import DeviceAllocation, DeviceMemoryPool, PinnedStaging
+from atlas.adapters.cuda.registry import KernelModule, KernelTarget, arch_family, nvrtc_arch, select_modules
+
+log = logging.getLogger("atlas.cuda")
+
+
+class CaptureError(RuntimeError):
+    """Something a captured graph cannot hold was asked for while capturing."""
+
+
+class KernelLibrary:
+    """The selected modules of one target, compiled (or loaded from the cache) and loaded."""
+
+    def __init__(self, modules: dict[str, KernelModule], compiler: KernelCompiler) -> None:
+        self.modules = modules
+        self.compiler = compiler
+        started = time.perf_counter()
+        workers = max(1, min(len(modules), os.cpu_count() or 1, 8))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            cubins = dict(zip(modules, pool.map(compiler.cubin, modules.values())))
+        self._objects = {name: ObjectCode.from_cubin(data, name=name) for name, data in cubins.items()}
+        self._kernels: dict[tuple[str, str], Kernel] = {}
+        stats = compiler.stats
+        log.info(
+            "kernels for %s: %d compiled, %d loaded from cache (%s) in %.2f s",
+            compiler.arch,
+            len(stats.compiled),
+            len(stats.loaded_from_cache),
+            compiler.cache_dir,
+            time.perf_counter() - started,
+        )
+
+    def get(self, module: str, symbol: str) -> Kernel:
+        """The kernel `symbol` of `module`; `KeyError` naming both when either is missing."""
+        key = (module, symbol)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            source = self.modules.get(module)
+            if source is None:
+                raise KeyError(f"no kernel module {module!r} (have {sorted(self.modules)})")
+            try:
+                kernel = self._objects[module].get_kernel(symbol)
+            except Exception as error:
+                raise KeyError(f"kernel {symbol!r} is not defined by {source.source_path}") from error
+            self._kernels[key] = kernel
+        return kernel
+
+
+class CudaRuntime:
+    """Device, stream, memory and kernels of one `CudaGpuBackend`."""
+
+    def __init__(
+        self,
+        device_ordinal: int,
+        kernel_cache_dir: Path | None,
+        model_hint: str | None,
+        quant: str,
+    ) -> None:
+        self.device = Device(device_ordinal)
+        self.device.set_current()
+        self._thread = threading.get_ident()
+        capability = self.device.compute_capability
+        self.compute_capability = (int(capability.major), int(capability.minor))
+        self.arch = nvrtc_arch(self.compute_capability)
+        properties = self.device.properties
+        self.num_sms = int(properties.multiprocessor_count)
+        self.max_shared_optin = int(properties.max_shared_memory_per_block_optin)
+        self.device_name = str(self.device.name)
+        self.stream = self.device.create_stream()
+        self.stream_handle = int(self.stream.handle)
+        self.pool = DeviceMemoryPool(f"device {device_ordinal} ({self.device_name})")
+        self.staging = PinnedStaging(self.stream_handle)
+        target = KernelTarget(arch_family(self.compute_capability), model_hint or "any", quant)
+        self.target = target
+        self.kernels = KernelLibrary(select_modules(target), KernelCompiler(self.arch, kernel_cache_dir))
+        self.capturing = False
+        self._workspaces: dict[str, DeviceAllocation] = {}
+        self._shared_limits: dict[tuple[str, str], int] = {}
+        self._configs: dict[tuple, LaunchConfig] = {}
+
+    # -- context ---------------------------------------------------------------------------
+    def ensure_current(self) -> None:
+        """Make the device's context current when a new thread drives the backend."""
+        ident = threading.get_ident()
+        if ident != self._thread:
+            self.device.set_current()
+            self._thread = ident
+
+    def forbid_in_capture(self, what: str) -> None:
+        if self.capturing:
+            raise CaptureError(f"{what} cannot run while a CUDA graph is being captured")
+
+    # -- launches --------------------------------------------------------------------------
+    def launch(
+        self,
+        module: str,
+        symbol: str,
+        grid: tuple[int, ...],
+        block: int,
+        *args: object,
+        shared_bytes: int = 0,
+    ) -> None:
+        """Enqueue `symbol` of `module` on the stream."""
+        self.ensure_current()
+        kernel = self.kernels.get(module, symbol)
+        if shared_bytes > 48 * 1024:
+            self._raise_shared_limit(module, symbol, kernel, shared_bytes)
+        key = (grid, block, shared_bytes)
+        config = self._configs.get(key)
+        if config is None:
+            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+            self._configs[key] = config
+        launch(self.stream, config, kernel, *args)
+
+    def _raise_shared_limit(self, module: str, symbol: str, kernel: Kernel, shared_bytes: int) -> None:
+        if self._shared_limits.get((module, symbol), 0) >= shared_bytes:
+            return
+        if shared_bytes > self.max_shared_optin:
+            raise ValueError(
+                f"{symbol} needs {shared_bytes} bytes of shared memory; "
+                f"{self.device_name} allows {self.max_shared_optin}"
+            )
+        attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(
+            "cuKernelSetAttribute",
+            cu.cuKernelSetAttribute(attribute, shared_bytes, kernel.handle, self.device.device_id),
+        )
+        self._shared_limits[(module, symbol)] = shared_bytes
+
+    # -- memory ----------------------------------------------------------------------------
+    def workspace(self, name: str, num_bytes: int) -> int:
+        """Address of a persistent scratch buffer of at least `num_bytes`, grown on demand.
+
+        Raises `CaptureError` if it would have to grow during graph capture (run the step once
+        eagerly first, as every runner does before capturing).
+        """
+        current = self._workspaces.get(name)
+        if current is not None and current.num_bytes >= num_bytes:
+            return current.address
+        self.forbid_in_capture(f"growing the {name} workspace to {num_bytes} bytes")
+        if current is not None:
+            self.synchronize()  # the old buffer may still be read by queued work
+        allocation = self.pool.allocate(max(num_bytes, 1))
+        self._workspaces[name] = allocation
+        return allocation.address
+
+    def synchronize(self) -> None:
+        self.ensure_current()
+        check("cuStreamSynchronize", cu.cuStreamSynchronize(self.stream_handle))
+
+    def memory_info(self) -> tuple[int, int]:
+        self.ensure_current()
+        free, total = check("cuMemGetInfo", cu.cuMemGetInfo())
+        return int(free) + self.pool.stats().cached_bytes, int(total)
+
+    def close(self) -> None:
+        self._workspaces.clear()
+        self.synchronize()
+        self.staging.close()
+        self.pool.close()

@@ -1,0 +1,65 @@
+"""Device tensors: an address, a shape and a dtype, sharing the allocation they came from."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+
+from atlas.ports.gpu import DType
+
+NUMPY_DTYPES: dict[DType, np.dtype] = {
+    DType.BF16: np.dtype(ml_dtypes.bfloat16),
+    DType.F16: np.dtype(np.float16),
+    DType.F32: np.dtype(np.float32),
+    DType.I32: np.dtype(np.int32),
+    DType.I64: np.dtype(np.int64),
+    DType.U8: np.dtype(np.uint8),
+}
+
+
+def dtype_of(array: np.ndarray) -> DType:
+    """The port dtype of a numpy array; `ValueError` for one the backend cannot hold."""
+    for dtype, np_dtype in NUMPY_DTYPES.items():
+        if array.dtype == np_dtype:
+            return dtype
+    raise ValueError(f"no backend dtype for numpy dtype {array.dtype}")
+
+
+class CudaTensor:
+    """A dense, row-major array in device memory.
+
+    `owner` keeps the allocation alive: views and row slices hold the same owner, and the
+    memory returns to the pool only when the last of them is gone.
+    """
+
+    __slots__ = ("address", "shape", "dtype", "owner")
+
+    def __init__(self, address: int, shape: tuple[int, ...], dtype: DType, owner: object) -> None:
+        self.address = address
+        self.shape = shape
+        self.dtype = dtype
+        self.owner = owner
+
+    @property
+    def num_elements(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.num_elements * self.dtype.itemsize
+
+    def view(self, *shape: int) -> CudaTensor:
+        if math.prod(shape) != self.num_elements:
+            raise ValueError(f"cannot view {self.shape} as {shape}")
+        return CudaTensor(self.address, tuple(shape), self.dtype, self.owner)
+
+    def rows(self, start: int, stop: int) -> CudaTensor:
+        if not self.shape or not 0 <= start <= stop <= self.shape[0]:
+            raise ValueError(f"rows [{start}, {stop}) out of range for {self.shape}")
+        row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+        return CudaTensor(self.address + start * row_bytes, (stop - start, *self.shape[1:]), self.dtype, self.owner)
+
+    def __repr__(self) -> str:
+        return f"CudaTensor({self.shape}, {self.dtype.value}, 0x{self.address:x})"

@@ -1,0 +1,178 @@
+"""Helpers for comparing the CUDA backend with the mock: rounding, poisoning, paged KV cases."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from atlas.ports.gpu import AttentionMetadata, DType, HeadLayout, KvCacheSpec
+
+BF16_TOLERANCE = 1e-2
+
+
+def rel_l2(actual: np.ndarray, expected: np.ndarray) -> float:
+    """||actual - expected|| / ||expected|| in float64; NaN anywhere gives inf."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    if not np.all(np.isfinite(actual)):
+        return float("inf")
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+def bf16(array: np.ndarray) -> np.ndarray:
+    """float32 values exactly representable in bf16 (what both backends then see)."""
+    return np.asarray(array, dtype=np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def poisoned(backend, shape: tuple[int, ...], dtype: DType):
+    """An output tensor pre-filled with NaN (floats) or -7 (integers)."""
+    tensor = backend.empty(shape, dtype)
+    backend.fill(tensor, float("nan") if dtype.is_float else -7)
+    return tensor
+
+
+def host(backend, tensor) -> np.ndarray:
+    return np.asarray(backend.download(tensor), dtype=np.float64 if tensor.dtype.is_float else np.int64)
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    """A varlen batch over a paged cache: sequence s has `context_lens[s]` tokens, of which
+    the last `query_lens[s]` are this step's queries. Blocks are handed out in a shuffled order
+    (non-contiguous tables); every slot outside a context holds NaN."""
+
+    heads: HeadLayout
+    block_size: int
+    num_blocks: int
+    context_lens: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    query: np.ndarray  # [N, Hq * D] bf16 values as f32
+    keys: np.ndarray  # [num_blocks * block_size, Hkv, D]
+    values: np.ndarray
+    positions: np.ndarray
+    slot_mapping: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def spec(self) -> KvCacheSpec:
+        return KvCacheSpec(
+            1, self.num_blocks, self.block_size, self.heads.num_kv_heads, self.heads.head_dim, DType.BF16
+        )
+
+
+def paged_case(
+    rng: np.random.Generator,
+    heads: HeadLayout,
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int = 16,
+    spare_blocks: int = 5,
+) -> PagedCase:
+    blocks_needed = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(blocks_needed) + spare_blocks
+    order = [int(b) for b in rng.permutation(num_blocks)]
+    width = max(blocks_needed) + 2
+    tables = np.full((len(context_lens), width), num_blocks + 1000, dtype=np.int32)  # never read
+    num_slots = num_blocks * block_size
+    keys = np.full((num_slots, heads.num_kv_heads, heads.head_dim), np.nan, dtype=np.float32)
+    values = keys.copy()
+    positions, slot_mapping = [], []
+    for s, (context_len, query_len) in enumerate(zip(context_lens, query_lens)):
+        blocks = order[: blocks_needed[s]]
+        order = order[blocks_needed[s] :]
+        tables[s, : len(blocks)] = blocks
+        token_positions = np.arange(context_len)
+        slots = np.asarray(blocks)[token_positions // block_size] * block_size + token_positions % block_size
+        shape = (context_len, heads.num_kv_heads, heads.head_dim)
+        keys[slots] = bf16(rng.standard_normal(shape))
+        values[slots] = bf16(rng.standard_normal(shape))
+        positions.append(token_positions[context_len - query_len :])
+        slot_mapping.append(slots[context_len - query_len :])
+    num_tokens = sum(query_lens)
+    query = bf16(rng.standard_normal((num_tokens, heads.q_size)))
+    return PagedCase(
+        heads=heads,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        context_lens=tuple(context_lens),
+        query_lens=tuple(query_lens),
+        query=query,
+        keys=keys,
+        values=values,
+        positions=np.concatenate(positions).astype(np.int32),
+        slot_mapping=np.concatenate(slot_mapping).astype(np.int32),
+        query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32),
+        seq_lens=np.asarray(context_lens, dtype=np.int32),
+        block_tables=tables,
+    )
+
+
+def upload_metadata(backend, case: PagedCase) -> AttentionMetadata:
+    return AttentionMetadata(
+        positions=backend.upload(case.positions),
+        slot_mapping=backend.upload(case.slot_mapping),
+        query_start_loc=backend.upload(case.query_start_loc),
+        seq_lens=backend.upload(case.seq_lens),
+        block_tables=backend.upload(case.block_tables),
+        num_tokens=case.num_tokens,
+        num_seqs=len(case.context_lens),
+        max_query_len=max(case.query_lens),
+        max_seq_len=max(case.context_lens),
+    )
+
+
+def cuda_cache_with(backend, case: PagedCase):
+    """A CUDA cache whose layer 0 holds the case's K and V (NaN outside the contexts)."""
+    from atlas.adapters.cuda.tensor import CudaTensor
+
+    kv = backend.allocate_kv_cache(case.spec)
+    spec = case.spec
+    for address, slots in ((kv.key_plane(0), case.keys), (kv.value_plane(0), case.values)):
+        # slot-major [blocks * bs, Hkv, D] -> the adapter's head-major pages [blocks, Hkv, bs, D]
+        pages = slots.reshape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim).transpose(0, 2, 1, 3)
+        plane = CudaTensor(address, (pages.size,), DType.BF16, kv)
+        backend.copy_from_host(plane, np.ascontiguousarray(pages))
+    return kv
+
+
+def mock_cache_with(backend, case: PagedCase):
+    kv = backend.allocate_kv_cache(case.spec)
+    kv.keys[0] = case.keys
+    kv.values[0] = case.values
+    return kv
+
+
+def reference_attention(case: PagedCase, scale: float, sliding_window: int | None) -> np.ndarray:
+    """float64 causal attention per sequence with BLAS (for prompts too large for the mock)."""
+    heads = case.heads
+    group = heads.num_q_heads // heads.num_kv_heads
+    out = np.zeros((case.num_tokens, heads.num_q_heads, heads.head_dim))
+    queries = case.query.reshape(case.num_tokens, heads.num_q_heads, heads.head_dim).astype(np.float64)
+    for s, (context_len, query_len) in enumerate(zip(case.context_lens, case.query_lens)):
+        start = int(case.query_start_loc[s])
+        blocks = case.block_tables[s, : -(-context_len // case.block_size)]
+        slots = (blocks[:, None] * case.block_size + np.arange(case.block_size)).reshape(-1)[:context_len]
+        keys = case.keys[slots].astype(np.float64)
+        values = case.values[slots].astype(np.float64)
+        positions = np.arange(context_len - query_len, context_len)
+        key_positions = np.arange(context_len)
+        allowed = key_positions[None, :] <= positions[:, None]
+        if sliding_window is not None:
+            allowed &= key_positions[None, :] > positions[:, None] - sliding_window
+        for head in range(heads.num_q_heads):
+            kv_head = head // group
+            scores = queries[start : start + query_len, head] @ keys[:, kv_head].T * scale
+            scores = np.where(allowed, scores, -np.inf)
+            scores -= scores.max(axis=1, keepdims=True)
+            weights = np.exp(scores)
+            weights /= weights.sum(axis=1, keepdims=True)
+            out[start : start + query_len, head] = weights @ values[:, kv_head]
+    return out.reshape(case.num_tokens, heads.q_size)

@@ -1,0 +1,34 @@
+#!/bin/bash
+# One GPU-machine call: the CUDA op suite, a warm-start check, compute-sanitizer memcheck over
+# the op suite, and kernel timings. Full logs under $OUT; a short table is printed last.
+#   source .devkit/env.sh && bash tests/gpu/run_gpu_suite.sh [tests|sanitizer|bench ...]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+STEPS=${*:-tests cache sanitizer bench}
+export ATLAS_KERNEL_CACHE=/tmp/atlas-kernel-cache
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+: > "$OUT/summary.txt"
+step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
+    "$(grep -E 'passed|failed|error|ERROR SUMMARY' "$OUT/$name.log" | tail -n 1 | cut -c1-100)" >> "$OUT/summary.txt"; }
+for s in $STEPS; do case $s in
+  tests) step tests 330 python3 -m pytest tests/gpu -m gpu -q -rfE -p no:cacheprovider --tb=short ;;
+  cache) step cache 60 python3 -c "
+import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')
+from atlas.adapters.cuda import CudaGpuBackend
+for start in ('cold', 'warm'):
+    import tempfile, os
+    backend = CudaGpuBackend(kernel_cache_dir='/tmp/atlas-cache-check')
+    s = backend.runtime.kernels.compiler.stats
+    print(start, 'start:', len(s.compiled), 'compiled,', len(s.loaded_from_cache), 'loaded from cache')
+    backend.close()
+print('passed')" ;;
+  sanitizer) step sanitizer 200 compute-sanitizer --tool memcheck --print-limit 30 \
+      python3 -m pytest tests/gpu -m "gpu and not slow" -q -p no:cacheprovider --tb=line -x \
+      -k "not warm_start and not too_large and not oom" ;;
+  bench) step bench 150 python3 tests/gpu/bench_kernels.py ;;
+esac; done
+echo "--- tail of failures"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" 2>/dev/null | cut -c1-220 | head -40
+echo "--- bench"; cat "$OUT/bench.log" 2>/dev/null | tail -25
+echo "---"; cat "$OUT/summary.txt"

@@ -1,0 +1,198 @@
+"""CUDA RoPE + cache write, paged attention and page copies against the mock (and a float64
+BLAS reference for prompts too long for the mock's einsum)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from cuda_harness import (
+    BF16_TOLERANCE,
+    bf16,
+    cuda_cache_with,
+    host,
+    mock_cache_with,
+    paged_case,
+    poisoned,
+    reference_attention,
+    rel_l2,
+    upload_metadata,
+)
+
+from atlas.ports.gpu import DType, HeadLayout, KvCacheSpec
+
+pytestmark = pytest.mark.gpu
+
+
+def _rope_table(max_position: int, rotary_dim: int, theta: float = 10000.0) -> np.ndarray:
+    inverse = theta ** (-np.arange(0, rotary_dim, 2) / rotary_dim)
+    angles = np.arange(max_position)[:, None] * inverse[None, :]
+    return np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    "heads, rotary_dim, with_norm, table_dtype",
+    [
+        (HeadLayout(8, 2, 128), 128, False, DType.F32),
+        (HeadLayout(9, 3, 64), 64, False, DType.F32),  # SmolLM2-135M
+        (HeadLayout(16, 4, 128), 128, True, DType.F32),  # Qwen3-style q/k norms
+        (HeadLayout(4, 4, 128), 64, False, DType.BF16),  # partial rotary (GLM/Phi style)
+        (HeadLayout(8, 1, 256), 256, True, DType.F32),
+    ],
+)
+def test_rope_and_cache(cuda_backend, mock_backend, rng, heads, rotary_dim, with_norm, table_dtype):
+    case = paged_case(rng, heads, context_lens=[40, 1, 77], query_lens=[40, 1, 13])
+    width = heads.q_size + 2 * heads.kv_size
+    qkv = bf16(rng.standard_normal((case.num_tokens, width)))
+    table = _rope_table(256, rotary_dim)
+    if table_dtype is DType.BF16:
+        table = bf16(table)
+    norms = [bf16(rng.standard_normal(heads.head_dim) + 1) for _ in range(2)] if with_norm else [None, None]
+
+    c_kv = cuda_backend.allocate_kv_cache(case.spec)
+    m_kv = mock_backend.allocate_kv_cache(case.spec)
+    _poison_cache(cuda_backend, c_kv)  # unwritten slots must stay NaN
+    m_kv.keys[...] = np.nan
+    m_kv.values[...] = np.nan
+
+    c_meta, m_meta = upload_metadata(cuda_backend, case), upload_metadata(mock_backend, case)
+    c_out = poisoned(cuda_backend, (case.num_tokens, heads.q_size), DType.BF16)
+    m_out = mock_backend.empty((case.num_tokens, heads.q_size), DType.F32)
+    cuda_backend.rope_and_cache(
+        cuda_backend.upload(qkv, DType.BF16),
+        c_meta,
+        cuda_backend.upload(table, table_dtype),
+        c_kv,
+        0,
+        heads,
+        c_out,
+        *(cuda_backend.upload(n, DType.BF16) if n is not None else None for n in norms),
+        norm_eps=1e-6,
+    )
+    mock_backend.rope_and_cache(
+        mock_backend.upload(qkv),
+        m_meta,
+        mock_backend.upload(table),
+        m_kv,
+        0,
+        heads,
+        m_out,
+        *(mock_backend.upload(n) if n is not None else None for n in norms),
+        norm_eps=1e-6,
+    )
+    assert rel_l2(host(cuda_backend, c_out), host(mock_backend, m_out)) < BF16_TOLERANCE
+    c_keys, c_values = cuda_backend.kv_to_host(c_kv, 0)
+    m_keys, m_values = mock_backend.kv_to_host(m_kv, 0)
+    written = case.slot_mapping
+    for c_plane, m_plane in ((c_keys, m_keys), (c_values, m_values)):
+        c_slots = np.asarray(c_plane, np.float32).reshape(-1, heads.num_kv_heads, heads.head_dim)
+        m_slots = np.asarray(m_plane, np.float32).reshape(-1, heads.num_kv_heads, heads.head_dim)
+        assert rel_l2(c_slots[written], m_slots[written]) < BF16_TOLERANCE
+        untouched = np.setdiff1d(np.arange(c_slots.shape[0]), written)
+        assert np.isnan(c_slots[untouched]).all()
+
+
+def _poison_cache(backend, kv) -> None:
+    from atlas.adapters.cuda.tensor import CudaTensor
+
+    num_elements = 2 * kv.spec.num_layers * kv.plane_bytes // 2
+    backend.fill(CudaTensor(kv.base_address, (num_elements,), DType.BF16, kv), float("nan"))
+
+
+def _attention_pair(cuda_backend, mock_backend, case, scale, window, use_mock: bool):
+    c_kv = cuda_cache_with(cuda_backend, case)
+    c_meta = upload_metadata(cuda_backend, case)
+    out = poisoned(cuda_backend, (case.num_tokens, case.heads.q_size), DType.BF16)
+    cuda_backend.attention(cuda_backend.upload(case.query, DType.BF16), c_kv, 0, c_meta, case.heads, scale, out, window)
+    actual = host(cuda_backend, out)
+    if use_mock:
+        m_kv = mock_cache_with(mock_backend, case)
+        m_meta = upload_metadata(mock_backend, case)
+        expected_tensor = mock_backend.empty((case.num_tokens, case.heads.q_size), DType.F32)
+        mock_backend.attention(
+            mock_backend.upload(case.query), m_kv, 0, m_meta, case.heads, scale, expected_tensor, window
+        )
+        expected = host(mock_backend, expected_tensor)
+    else:
+        expected = reference_attention(case, scale, window)
+    return actual, expected
+
+
+ATTENTION_CASES = [
+    # (heads, context lens, query lens, sliding window, block size)
+    (HeadLayout(8, 8, 64), [1, 17, 64, 129], [1, 17, 64, 129], None, 16),  # MHA prompts
+    (HeadLayout(8, 2, 128), [300, 45, 1000, 7], [1, 1, 1, 1], None, 16),  # GQA 4 decode
+    (HeadLayout(32, 4, 128), [513, 90, 33, 2000], [1, 90, 5, 1], None, 16),  # GQA 8 mixed
+    (HeadLayout(9, 3, 64), [200, 31, 96], [50, 1, 96], None, 32),  # SmolLM2, chunked prefill
+    (HeadLayout(8, 2, 128), [700, 260, 3], [1, 100, 3], 128, 16),  # sliding window
+    (HeadLayout(16, 2, 64), [3000, 2500], [1, 1], None, 16),  # long decode: split-K
+    (HeadLayout(4, 1, 256), [300, 65], [1, 65], None, 16),  # head_dim 256
+    (HeadLayout(16, 16, 128), [5, 1, 3], [2, 1, 3], 2, 8),  # tiny window, spec-decode shapes
+]
+
+
+@pytest.mark.parametrize("heads, context_lens, query_lens, window, block_size", ATTENTION_CASES)
+def test_attention_against_mock(cuda_backend, mock_backend, rng, heads, context_lens, query_lens, window, block_size):
+    case = paged_case(rng, heads, context_lens, query_lens, block_size=block_size)
+    scale = 1 / math.sqrt(heads.head_dim)
+    actual, expected = _attention_pair(cuda_backend, mock_backend, case, scale, window, use_mock=True)
+    assert rel_l2(actual, expected) < BF16_TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "heads, context_lens, query_lens, window",
+    [
+        (HeadLayout(8, 1, 128), [4096], [4096], None),  # one 4k prompt, GQA 8
+        (HeadLayout(4, 4, 64), [4096, 1, 2048, 3000], [4096, 1, 1024, 1], None),  # mixed 4k batch
+        (HeadLayout(8, 2, 128), [4096, 4096], [4096, 1], 1024),  # long sliding window
+        (HeadLayout(8, 2, 128), [32768], [1], None),  # very long decode
+    ],
+)
+def test_attention_long_prompts_against_float64(cuda_backend, rng, heads, context_lens, query_lens, window):
+    case = paged_case(rng, heads, context_lens, query_lens, block_size=16)
+    scale = 1 / math.sqrt(heads.head_dim)
+    actual, expected = _attention_pair(cuda_backend, None, case, scale, window, use_mock=False)
+    assert rel_l2(actual, expected) < BF16_TOLERANCE
+
+
+def test_attention_output_depends_on_every_context_token(cuda_backend, mock_backend, rng):
+    """Changing one cached value of one sequence moves only that sequence's output rows."""
+    heads = HeadLayout(8, 2, 128)
+    case = paged_case(rng, heads, [600, 600], [1, 1])
+    scale = 1 / math.sqrt(heads.head_dim)
+    before, _ = _attention_pair(cuda_backend, mock_backend, case, scale, None, use_mock=False)
+    changed_slot = int(case.block_tables[0, 0]) * case.block_size + 3
+    case.values[changed_slot] += 50.0
+    after, _ = _attention_pair(cuda_backend, mock_backend, case, scale, None, use_mock=False)
+    assert np.abs(after[0] - before[0]).max() > 1e-3
+    np.testing.assert_array_equal(after[1], before[1])
+
+
+def test_copy_blocks_copies_every_layer(cuda_backend, rng):
+    from atlas.adapters.cuda.tensor import CudaTensor
+
+    spec = KvCacheSpec(num_layers=3, num_blocks=10, block_size=16, num_kv_heads=2, head_dim=64, dtype=DType.BF16)
+    kv = cuda_backend.allocate_kv_cache(spec)
+    contents = bf16(rng.standard_normal(kv.plane_bytes * 2 * spec.num_layers // 2))
+    cuda_backend.copy_from_host(CudaTensor(kv.base_address, (contents.size,), DType.BF16, kv), contents)
+    before = [cuda_backend.kv_to_host(kv, layer) for layer in range(spec.num_layers)]
+    src, dst = np.array([1, 7, 4], np.int32), np.array([0, 2, 9], np.int32)
+    cuda_backend.copy_blocks(kv, cuda_backend.upload(src), cuda_backend.upload(dst))
+    for layer in range(spec.num_layers):
+        keys, values = cuda_backend.kv_to_host(kv, layer)
+        for old, new in ((before[layer][0], keys), (before[layer][1], values)):
+            np.testing.assert_array_equal(np.asarray(new[dst], np.float32), np.asarray(old[src], np.float32))
+            untouched = [b for b in range(spec.num_blocks) if b not in dst]
+            np.testing.assert_array_equal(
+                np.asarray(new[untouched], np.float32), np.asarray(old[untouched], np.float32)
+            )
+
+
+def test_kv_cache_too_large_says_what_fits(cuda_backend):
+    _, total = cuda_backend.memory_info()
+    per_block = KvCacheSpec(32, 1, 16, 8, 128, DType.BF16).bytes_per_block
+    spec = KvCacheSpec(32, 2 * total // per_block, 16, 8, 128, DType.BF16)
+    with pytest.raises(MemoryError, match="blocks"):
+        cuda_backend.allocate_kv_cache(spec)

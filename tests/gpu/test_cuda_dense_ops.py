@@ -1,0 +1,163 @@
+"""CUDA dense ops against the mock: random inputs, outputs poisoned with NaN first."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cuda_harness import BF16_TOLERANCE, bf16, host, poisoned, rel_l2
+
+from atlas.ports.gpu import Activation, DType
+
+pytestmark = pytest.mark.gpu
+
+
+def test_upload_download_round_trip_every_dtype(cuda_backend, rng):
+    for dtype, values in (
+        (DType.BF16, bf16(rng.standard_normal((7, 33)))),
+        (DType.F32, rng.standard_normal((5, 9)).astype(np.float32)),
+        (DType.I32, rng.integers(-(2**31), 2**31 - 1, (11,), dtype=np.int32)),
+        (DType.I64, rng.integers(-(2**62), 2**62, (4, 3), dtype=np.int64)),
+        (DType.U8, rng.integers(0, 255, (300,), dtype=np.uint8)),
+    ):
+        tensor = cuda_backend.upload(values, dtype)
+        np.testing.assert_array_equal(np.asarray(cuda_backend.download(tensor), dtype=values.dtype), values)
+    large = rng.standard_normal((1200, 1000)).astype(np.float32)  # over a staging slot: pageable path
+    np.testing.assert_array_equal(cuda_backend.download(cuda_backend.upload(large)), large)
+
+
+def test_fill_poisons_every_element_and_rows_view_shares_memory(cuda_backend, rng):
+    tensor = cuda_backend.upload(rng.standard_normal((6, 8)).astype(np.float32))
+    cuda_backend.fill(tensor.rows(2, 4), float("nan"))
+    result = cuda_backend.download(tensor)
+    assert np.isnan(result[2:4]).all() and np.isfinite(result[:2]).all() and np.isfinite(result[4:]).all()
+    wide = cuda_backend.upload(rng.integers(0, 9, (5,), dtype=np.int64))
+    cuda_backend.fill(wide, -(2**40) - 3)
+    assert (cuda_backend.download(wide) == -(2**40) - 3).all()
+
+
+@pytest.mark.parametrize("hidden", [576, 4096, 100])
+def test_embedding(cuda_backend, mock_backend, rng, hidden):
+    table = bf16(rng.standard_normal((1000, hidden)))
+    ids = rng.integers(0, 1000, 37, dtype=np.int32)
+    out = poisoned(cuda_backend, (37, hidden), DType.BF16)
+    cuda_backend.embedding(cuda_backend.upload(ids), cuda_backend.upload(table, DType.BF16), out)
+    expected = mock_backend.empty((37, hidden), DType.F32)
+    mock_backend.embedding(mock_backend.upload(ids), mock_backend.upload(table), expected)
+    np.testing.assert_array_equal(host(cuda_backend, out), host(mock_backend, expected))
+
+
+def test_gather_rows_f32(cuda_backend, mock_backend, rng):
+    x = rng.standard_normal((50, 77)).astype(np.float32)
+    indices = rng.integers(0, 50, 13, dtype=np.int32)
+    out = poisoned(cuda_backend, (13, 77), DType.F32)
+    cuda_backend.gather_rows(cuda_backend.upload(x), cuda_backend.upload(indices), out)
+    np.testing.assert_array_equal(cuda_backend.download(out), x[indices])
+
+
+@pytest.mark.parametrize("hidden, weight_dtype", [(576, DType.BF16), (4096, DType.F32), (130, DType.BF16)])
+def test_rmsnorm_and_add_rmsnorm(cuda_backend, mock_backend, rng, hidden, weight_dtype):
+    num_tokens = 19
+    x = bf16(rng.standard_normal((num_tokens, hidden)) * 3)
+    residual = bf16(rng.standard_normal((num_tokens, hidden)))
+    weight = bf16(rng.standard_normal(hidden) + 1)
+    eps = 1e-5
+    cx, cw = cuda_backend.upload(x, DType.BF16), cuda_backend.upload(weight, weight_dtype)
+    mx, mw = mock_backend.upload(x), mock_backend.upload(weight)
+
+    out = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
+    expected = mock_backend.empty((num_tokens, hidden), DType.F32)
+    cuda_backend.rmsnorm(cx, cw, eps, out)
+    mock_backend.rmsnorm(mx, mw, eps, expected)
+    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+
+    c_residual, m_residual = cuda_backend.upload(residual, DType.BF16), mock_backend.upload(residual)
+    out = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
+    cuda_backend.add_rmsnorm(cx, c_residual, cw, eps, out)
+    mock_backend.add_rmsnorm(mx, m_residual, mw, eps, expected)
+    assert rel_l2(host(cuda_backend, c_residual), host(mock_backend, m_residual)) < BF16_TOLERANCE
+    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
+@pytest.mark.parametrize("inner", [1536, 36])
+def test_act_mul(cuda_backend, mock_backend, rng, activation, inner):
+    x = bf16(rng.standard_normal((23, 2 * inner)) * 2)
+    out = poisoned(cuda_backend, (23, inner), DType.BF16)
+    cuda_backend.act_mul(cuda_backend.upload(x, DType.BF16), activation, out)
+    expected = mock_backend.empty((23, inner), DType.F32)
+    mock_backend.act_mul(mock_backend.upload(x), activation, expected)
+    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+
+
+# GEMV for 1..8 token rows, cuBLASLt above; odd widths, f32 logits, and bias.
+@pytest.mark.parametrize(
+    "num_tokens, num_rows, inner, out_dtype, with_bias",
+    [
+        (1, 4096, 4096, DType.BF16, False),
+        (1, 11008, 4096, DType.BF16, False),  # rows per warp > 1
+        (3, 576, 576, DType.BF16, True),
+        (5, 1536, 576, DType.F32, False),
+        (8, 49152, 576, DType.F32, True),  # a logits projection
+        (2, 100, 264, DType.BF16, True),
+        (9, 1024, 512, DType.BF16, True),
+        (64, 4096, 4096, DType.BF16, False),
+        (300, 1536, 576, DType.F32, True),
+        (17, 96, 40, DType.BF16, False),
+        (3, 64, 36, DType.BF16, False),  # K % 8 != 0 goes to cuBLASLt
+    ],
+)
+def test_linear(cuda_backend, mock_backend, rng, num_tokens, num_rows, inner, out_dtype, with_bias):
+    x = bf16(rng.standard_normal((num_tokens, inner)))
+    weight = bf16(rng.standard_normal((num_rows, inner)) / np.sqrt(inner))
+    bias = bf16(rng.standard_normal(num_rows)) if with_bias else None
+    out = poisoned(cuda_backend, (num_tokens, num_rows), out_dtype)
+    cuda_backend.linear(
+        cuda_backend.upload(x, DType.BF16),
+        cuda_backend.upload(weight, DType.BF16),
+        out,
+        cuda_backend.upload(bias, DType.BF16) if bias is not None else None,
+    )
+    expected = mock_backend.empty((num_tokens, num_rows), DType.F32)
+    mock_backend.linear(
+        mock_backend.upload(x),
+        mock_backend.upload(weight),
+        expected,
+        mock_backend.upload(bias) if bias is not None else None,
+    )
+    tolerance = BF16_TOLERANCE if out_dtype is DType.BF16 else 1e-4
+    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < tolerance
+
+
+def test_linear_into_a_rows_view_leaves_other_rows(cuda_backend, rng):
+    x = bf16(rng.standard_normal((4, 256)))
+    weight = bf16(rng.standard_normal((128, 256)))
+    out = poisoned(cuda_backend, (10, 128), DType.F32)
+    cuda_backend.linear(cuda_backend.upload(x, DType.BF16), cuda_backend.upload(weight, DType.BF16), out.rows(3, 7))
+    result = cuda_backend.download(out)
+    assert np.isnan(result[:3]).all() and np.isnan(result[7:]).all()
+    assert rel_l2(result[3:7], x.astype(np.float64) @ weight.T) < 1e-4
+
+
+def test_shape_errors_name_the_argument(cuda_backend):
+    x = cuda_backend.empty((2, 64), DType.BF16)
+    weight = cuda_backend.empty((32, 48), DType.BF16)
+    with pytest.raises(ValueError, match="weight"):
+        cuda_backend.linear(x, weight, cuda_backend.empty((2, 32), DType.BF16))
+    with pytest.raises(ValueError, match="out"):
+        cuda_backend.rmsnorm(x, cuda_backend.empty((64,), DType.BF16), 1e-6, cuda_backend.empty((3, 64), DType.BF16))
+
+
+def test_memory_pool_reuses_freed_blocks_and_reports_oom(cuda_backend):
+    stats = cuda_backend.memory_stats()
+    tensor = cuda_backend.empty((1 << 20,), DType.F32)
+    address = tensor.address
+    del tensor
+    again = cuda_backend.empty((1 << 20,), DType.F32)
+    assert again.address == address
+    after = cuda_backend.memory_stats()
+    assert after.num_reused > stats.num_reused
+    assert after.peak_allocated_bytes >= after.allocated_bytes >= 4 << 20
+    free, total = cuda_backend.memory_info()
+    assert 0 < free <= total
+    with pytest.raises(MemoryError, match="cannot allocate"):
+        cuda_backend.empty((total // 2 + 1, 2), DType.F32)

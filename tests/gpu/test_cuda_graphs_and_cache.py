@@ -1,0 +1,103 @@
+"""Graph capture and replay equal eager execution; a warm start compiles no kernel."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+from cuda_harness import bf16, cuda_cache_with, paged_case, poisoned, rel_l2, upload_metadata
+
+from atlas.ports.gpu import Activation, DType, HeadLayout
+
+pytestmark = pytest.mark.gpu
+
+
+class _DecodeStep:
+    """A miniature decode step over persistent buffers: embed, norm, project, attend, sample."""
+
+    def __init__(self, backend, rng, case, vocab_size: int = 3000, hidden: int = 512) -> None:
+        heads = case.heads
+        self.backend = backend
+        self.case = case
+        self.token_ids = backend.upload(rng.integers(0, vocab_size, case.num_tokens, dtype=np.int32))
+        self.table = backend.upload(bf16(rng.standard_normal((vocab_size, hidden))), DType.BF16)
+        self.norm = backend.upload(bf16(rng.standard_normal(hidden) + 1), DType.BF16)
+        self.q_proj = backend.upload(bf16(rng.standard_normal((heads.q_size, hidden)) / 20), DType.BF16)
+        self.mlp = backend.upload(bf16(rng.standard_normal((2 * heads.q_size, heads.q_size)) / 20), DType.BF16)
+        self.head = backend.upload(bf16(rng.standard_normal((vocab_size, heads.q_size)) / 20), DType.BF16)
+        self.kv = cuda_cache_with(backend, case)
+        self.meta = upload_metadata(backend, case)
+        n = case.num_tokens
+        self.hidden = backend.empty((n, hidden), DType.BF16)
+        self.normed = backend.empty((n, hidden), DType.BF16)
+        self.q = backend.empty((n, heads.q_size), DType.BF16)
+        self.attended = backend.empty((n, heads.q_size), DType.BF16)
+        self.gated = backend.empty((n, 2 * heads.q_size), DType.BF16)
+        self.activated = backend.empty((n, heads.q_size), DType.BF16)
+        self.logits = backend.empty((n, vocab_size), DType.F32)
+
+    def run(self) -> None:
+        b, heads = self.backend, self.case.heads
+        b.embedding(self.token_ids, self.table, self.hidden)
+        b.rmsnorm(self.hidden, self.norm, 1e-6, self.normed)
+        b.linear(self.normed, self.q_proj, self.q)
+        b.attention(self.q, self.kv, 0, self.meta, heads, 1 / math.sqrt(heads.head_dim), self.attended)
+        b.linear(self.attended, self.mlp, self.gated)
+        b.act_mul(self.gated, Activation.SILU, self.activated)
+        b.linear(self.activated, self.head, self.logits)
+
+
+def test_graph_replay_equals_eager_and_follows_new_buffer_contents(cuda_backend, rng):
+    heads = HeadLayout(8, 2, 128)
+    case = paged_case(rng, heads, [700, 33, 1500, 64], [1, 1, 1, 1])
+    step = _DecodeStep(cuda_backend, rng, case)
+    step.run()  # eager warm-up: workspaces exist before capture
+    eager = cuda_backend.download(step.logits)
+    graph = cuda_backend.capture(step.run)
+    cuda_backend.fill(step.logits, float("nan"))
+    graph.replay()
+    np.testing.assert_array_equal(cuda_backend.download(step.logits), eager)
+
+    # New token ids and a longer context: replay reads the new contents.
+    new_ids = rng.integers(0, 3000, case.num_tokens, dtype=np.int32)
+    cuda_backend.copy_from_host(step.token_ids, new_ids)
+    cuda_backend.copy_from_host(step.meta.seq_lens, case.seq_lens - 5)
+    cuda_backend.fill(step.logits, float("nan"))
+    graph.replay()
+    replayed = cuda_backend.download(step.logits)
+    step.run()
+    np.testing.assert_array_equal(replayed, cuda_backend.download(step.logits))
+    assert rel_l2(replayed, eager) > 1e-3  # it really computed something new
+
+
+def test_capture_refuses_allocation_and_host_copies(cuda_backend):
+    from atlas.adapters.cuda.runtime import CaptureError
+
+    with pytest.raises(CaptureError, match="empty"):
+        cuda_backend.capture(lambda: cuda_backend.empty((4,), DType.F32))
+    # The stream is usable again after a failed capture.
+    tensor = cuda_backend.upload(np.arange(4, dtype=np.float32))
+    assert cuda_backend.download(tensor).tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_warm_start_compiles_no_kernel(kernel_cache_dir, tmp_path, caplog):
+    from atlas.adapters import cuda
+
+    if not cuda.available():
+        pytest.skip("no CUDA GPU")
+    first = cuda.CudaGpuBackend(kernel_cache_dir=tmp_path)
+    modules = len(first.runtime.kernels.modules)
+    assert len(first.runtime.kernels.compiler.stats.compiled) == modules
+    first.close()
+    with caplog.at_level(logging.INFO, logger="atlas.cuda"):
+        second = cuda.CudaGpuBackend(kernel_cache_dir=tmp_path)
+    stats = second.runtime.kernels.compiler.stats
+    assert stats.compiled == [] and len(stats.loaded_from_cache) == modules
+    assert f"0 compiled, {modules} loaded from cache" in caplog.text
+    # The warm backend computes: a poisoned output gets written.
+    out = poisoned(second, (2, 8), DType.F32)
+    second.gather_rows(second.upload(np.eye(8, dtype=np.float32)), second.upload(np.array([3, 5], np.int32)), out)
+    assert second.download(out).argmax(axis=1).tolist() == [3, 5]
+    second.close()

@@ -1,0 +1,188 @@
+"""The kernel registry and the CPU path's isolation from CUDA. These run everywhere (no GPU);
+the NVRTC checks run wherever cuda-python and NVRTC are installed, GPU or not."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from atlas.adapters.cuda.registry import (
+    KernelRegistryError,
+    KernelTarget,
+    arch_family,
+    describe,
+    kernels_root,
+    nvrtc_arch,
+    select_modules,
+)
+
+EXPECTED_MODULES = {"attention_decode", "attention_prefill", "elementwise", "gemv", "norm", "rope_cache", "sampling"}
+
+
+def _tree(root: Path, files: dict[str, str]) -> Path:
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root
+
+
+def test_shipped_tree_has_every_generic_module_and_headers():
+    modules = select_modules(KernelTarget("sm90", "llama", "bf16"))
+    assert set(modules) >= EXPECTED_MODULES
+    for module in modules.values():
+        text = module.source_path.read_text()
+        assert text.startswith("//"), f"{module.source_path} must open with its header comment"
+        assert module.include_dirs[-1] == kernels_root() / "common"
+
+
+def test_most_specific_folder_wins_by_module_name(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "common/gemv.cu": "// generic\n",
+            "common/norm.cu": "// generic\n",
+            "sm90/KERNELS.toml": '[[kernel]]\nname = "gemv"\n',
+            "sm90/gemv.cu": "// hopper\n",
+            "sm90/llama/KERNELS.toml": '[[kernel]]\nname = "gemv"\nnote = "llama shapes"\n',
+            "sm90/llama/gemv.cu": "// hopper llama\n",
+            "any/llama/bf16/KERNELS.toml": '[[kernel]]\nname = "norm"\nsource = "fused_norm.cu"\n'
+            "defines = { ROWS = 4 }\noptions = { max_register_count = 64 }\n",
+            "any/llama/bf16/fused_norm.cu": "// llama norm\n",
+            "sm80/llama/bf16/KERNELS.toml": '[[kernel]]\nname = "norm"\n',
+            "sm80/llama/bf16/norm.cu": "// ampere\n",
+        },
+    )
+    hopper_llama = select_modules(KernelTarget("sm90", "llama", "bf16"), root)
+    assert hopper_llama["gemv"].folder == "sm90/llama"
+    assert hopper_llama["gemv"].specificity == 6
+    assert "llama shapes" in describe(hopper_llama["gemv"])
+    assert hopper_llama["norm"].source_path.name == "fused_norm.cu"
+    assert hopper_llama["norm"].defines == (("ROWS", "4"),)
+    assert hopper_llama["norm"].options == (("max_register_count", 64),)
+
+    hopper_qwen = select_modules(KernelTarget("sm90", "qwen3", "bf16"), root)
+    assert hopper_qwen["gemv"].folder == "sm90"
+    assert hopper_qwen["norm"].folder == "common"
+
+    ampere_llama_fp8 = select_modules(KernelTarget("sm80", "llama", "fp8"), root)
+    assert ampere_llama_fp8["gemv"].folder == "common"
+    assert ampere_llama_fp8["norm"].folder == "common"  # both llama folders are bf16-only
+    assert select_modules(KernelTarget("sm80", "llama", "bf16"), root)["norm"].folder == "sm80/llama/bf16"
+
+
+def test_quant_mismatch_excludes_a_folder(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "common/gemv.cu": "// generic\n",
+            "any/any/fp8/KERNELS.toml": '[[kernel]]\nname = "gemv"\n',
+            "any/any/fp8/gemv.cu": "// fp8\n",
+        },
+    )
+    assert select_modules(KernelTarget("sm90", "llama", "bf16"), root)["gemv"].folder == "common"
+    assert select_modules(KernelTarget("sm90", "llama", "fp8"), root)["gemv"].folder == "any/any/fp8"
+
+
+def test_malformed_manifests_are_named(tmp_path):
+    _tree(tmp_path, {"common/gemv.cu": "//\n", "sm90/KERNELS.toml": '[[kernel]]\nname = "gemv"\n'})
+    with pytest.raises(KernelRegistryError, match="gemv.cu, which does not exist"):
+        select_modules(KernelTarget("sm90", "llama"), tmp_path)
+    (tmp_path / "sm90/KERNELS.toml").write_text("[[kernel]\n")
+    with pytest.raises(KernelRegistryError, match="KERNELS.toml"):
+        select_modules(KernelTarget("sm90", "llama"), tmp_path)
+
+
+def test_arch_names():
+    assert arch_family((9, 0)) == "sm90" and nvrtc_arch((9, 0)) == "sm_90a"
+    assert arch_family((8, 0)) == "sm80" and nvrtc_arch((8, 6)) == "sm_86"
+    assert nvrtc_arch((12, 0)) == "sm_120"
+
+
+def test_cpu_path_never_imports_cuda_python():
+    """The package, the mock backend and backend selection import no CUDA library."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import atlas.adapters.cuda as cuda_adapter
+        import atlas.adapters.mock.backend
+        import atlas.ports.gpu
+        from atlas.adapters.cuda.registry import KernelTarget, select_modules
+        select_modules(KernelTarget("sm90", "llama"))
+        loaded = sorted(m for m in sys.modules if m == "cuda" or m.startswith(("cuda.", "nvmath", "nccl")))
+        print(",".join(loaded))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == ""
+
+
+def test_available_is_false_without_the_cuda_extra(monkeypatch):
+    import importlib.util
+
+    import atlas.adapters.cuda as cuda_adapter
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name.split(".")[0] in {"cuda", "nvmath"} else real_find_spec(name, *a),
+    )
+    assert cuda_adapter.available() is False
+
+
+# -- NVRTC (no GPU needed) --------------------------------------------------------------------
+
+
+def _compiler(arch: str, cache_dir: Path):
+    pytest.importorskip("cuda.core", reason="the cuda extra is not installed")
+    from atlas.adapters.cuda.compiler import KernelCompileError, KernelCompiler
+
+    try:
+        return KernelCompiler(arch, cache_dir)
+    except (KernelCompileError, RuntimeError, OSError) as error:
+        pytest.skip(f"NVRTC is not usable here: {error}")
+    except Exception as error:  # cuda.pathfinder raises its own not-found errors
+        pytest.skip(f"NVRTC is not usable here: {error}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (12, 0)])
+def test_every_kernel_compiles_and_the_second_start_hits_the_cache(tmp_path, capability):
+    arch = nvrtc_arch(capability)
+    compiler = _compiler(arch, tmp_path)
+    modules = select_modules(KernelTarget(arch_family(capability), "llama"))
+    for module in modules.values():
+        assert compiler.cubin(module)[:4] == b"\x7fELF"
+    assert sorted(compiler.stats.compiled) == sorted(modules)
+    warm = _compiler(arch, tmp_path)
+    for module in modules.values():
+        warm.cubin(module)
+    assert warm.stats.compiled == [] and sorted(warm.stats.loaded_from_cache) == sorted(modules)
+
+
+def test_compile_error_names_the_kernel_and_shows_the_log(tmp_path):
+    compiler = _compiler("sm_90a", tmp_path / "cache")
+    from atlas.adapters.cuda.compiler import KernelCompileError
+
+    root = _tree(
+        tmp_path / "kernels", {"common/broken.cu": '// broken\nextern "C" __global__ void k() { undefined_name; }\n'}
+    )
+    module = select_modules(KernelTarget("sm90", "llama"), root)["broken"]
+    with pytest.raises(KernelCompileError) as raised:
+        compiler.cubin(module)
+    message = str(raised.value)
+    assert "broken.cu" in message and "undefined_name" in message and "sm_90a" in message
+
+
+def test_cache_key_changes_with_a_header(tmp_path):
+    compiler = _compiler("sm_90a", tmp_path / "cache")
+    root = _tree(tmp_path / "kernels", {"common/k.cu": '// k\n#include "h.cuh"\n', "common/h.cuh": "#define A 1\n"})
+    module = select_modules(KernelTarget("sm90", "llama"), root)["k"]
+    before = compiler.cache_key(module)
+    (root / "common/h.cuh").write_text("#define A 2\n")
+    assert compiler.cache_key(module) != before
