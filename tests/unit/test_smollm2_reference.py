@@ -96,3 +96,14 @@ def test_the_capital_of_france_is_paris(atlas_llm):
     answer = atlas_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                             SamplingParams(temperature=0.0, max_tokens=32))
     assert "Paris" in answer[0].outputs[0].text
+
+
+def test_sixteen_prompts_in_one_batch_give_the_tokens_each_gives_alone(atlas_llm):
+    subjects = ["the moon", "bread", "a river", "chess", "rain", "a violin", "winter", "bees",
+                "a lighthouse", "coffee", "maps", "volcanoes", "a library", "trains", "salt", "clocks"]
+    conversations = [[{"role": "user", "content": f"Tell me one fact about {s}."}] for s in subjects]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    together = [r.outputs[0].token_ids for r in atlas_llm.chat(conversations, params)]
+    alone = [atlas_llm.chat(c, params)[0].outputs[0].token_ids for c in conversations]
+    assert together == alone
+    assert len({tuple(t) for t in together}) > 8  # different prompts, different answers
