@@ -178,14 +178,17 @@ class HfTokenizer:
 
     @cached_property
     def vocab_size(self) -> int:
+        """Vocabulary entries plus added tokens."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
     @property
     def eos_token_ids(self) -> frozenset[int]:
+        """eos of tokenizer_config.json plus every eos id in generation_config.json and config.json."""
         return self._eos_token_ids
 
     @property
     def bos_token_id(self) -> int | None:
+        """The bos token's id (tokenizer_config.json, else config.json), or None."""
         return self._bos_token_id
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -194,6 +197,7 @@ class HfTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`; an incomplete UTF-8 tail comes out as U+FFFD."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def token_to_text(self, token_id: int) -> str:

@@ -117,6 +117,7 @@ class GgufTensorInfo:
 
     @property
     def num_elements(self) -> int:
+        """Values in the tensor (the product of its dims)."""
         return math.prod(self.dims)
 
 

@@ -218,6 +218,7 @@ class SafetensorsWeights:
         return paths
 
     def names(self) -> Iterable[str]:
+        """Every tensor name, over all files."""
         return list(self._file_of)
 
     def __contains__(self, name: str) -> bool:
@@ -233,6 +234,7 @@ class SafetensorsWeights:
             raise KeyError(f"tensor {name!r} is not in the checkpoint at {self.folder}") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of `name` without reading its data (KeyError when absent)."""
         return self._entry(name).shape
 
     def dtype(self, name: str) -> np.dtype:
@@ -240,6 +242,7 @@ class SafetensorsWeights:
         return self._entry(name).dtype
 
     def get(self, name: str) -> np.ndarray:
+        """A zero-copy read-only view of `name` in its stored dtype (KeyError when absent)."""
         self._entry(name)
         return self._file_of[name].get(name)
 
@@ -255,6 +258,7 @@ class SafetensorsWeights:
         return sum(e.end_bytes - e.begin_bytes for f in self._files.values() for e in f.entries.values())
 
     def close(self) -> None:
+        """Drop every file's mapping (views already handed out stay valid while referenced)."""
         for shard in self._files.values():
             shard.close()
 
@@ -269,6 +273,7 @@ class TensorSpec:
 
     @property
     def num_bytes(self) -> int:
+        """Bytes the tensor occupies in the file."""
         return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
@@ -328,6 +333,7 @@ class SafetensorsWriter:
         self._next_idx += 1
 
     def close(self) -> None:
+        """Finish the file; ValueError when a declared tensor was never written."""
         if self._handle.closed:
             return
         self._handle.close()
