@@ -169,7 +169,8 @@ class HfTokenizer:
                 special_tokens[role] = text
         generation_config = _read_json(folder / "generation_config.json")
         model_config = _read_json(folder / "config.json")
-        text_config = model_config.get("text_config") if isinstance(model_config.get("text_config"), dict) else {}
+        nested = model_config.get("text_config")  # multimodal configs keep the language model's ids here
+        text_config: dict[str, Any] = nested if isinstance(nested, dict) else {}
         eos_ids = [*_ids(generation_config.get("eos_token_id")), *_ids(model_config.get("eos_token_id")),
                    *_ids(text_config.get("eos_token_id"))]
         bos_ids = _ids(model_config.get("bos_token_id")) or _ids(generation_config.get("bos_token_id"))

@@ -108,7 +108,7 @@ class GgufTensorInfo:
     ggml_type: int
     dims: tuple[int, ...]  # ggml ne[], innermost first
     offset_bytes: int
-    num_bytes: int
+    num_bytes: int | None  # None for a type Atlas cannot read (its block size is unknown)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -252,14 +252,17 @@ class GgufFile:
                 f"{self.path}: tensor {name!r} ends {offset + num_bytes - len(self._mmap)} bytes past the end "
                 "of the file; the download is truncated, re-download the GGUF file"
             )
-        return GgufTensorInfo(name, ggml_type, dims, offset, -1 if num_bytes is None else num_bytes)
+        return GgufTensorInfo(name, ggml_type, dims, offset, num_bytes)
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's stored bytes, [rows, row_bytes] with rows = prod(shape[:-1])."""
         info = self._info(name)
+        num_bytes = info.num_bytes
+        if num_bytes is None:
+            raise _unsupported(info.ggml_type, name, self.path)
         num_rows = math.prod(info.dims[1:])
-        buffer = np.frombuffer(self._mmap, dtype=np.uint8, count=info.num_bytes, offset=info.offset_bytes)
-        return buffer.reshape(num_rows, info.num_bytes // max(num_rows, 1))
+        buffer = np.frombuffer(self._mmap, dtype=np.uint8, count=num_bytes, offset=info.offset_bytes)
+        return buffer.reshape(num_rows, num_bytes // max(num_rows, 1))
 
     def dequantize(self, name: str, row_start: int = 0, row_stop: int | None = None) -> np.ndarray:
         """Rows [row_start, row_stop) of the tensor as float32, in numpy shape.
@@ -279,7 +282,7 @@ class GgufFile:
         info = self.tensors.get(name)
         if info is None:
             raise KeyError(f"tensor {name!r} is not in {self.path}")
-        if info.num_bytes < 0:
+        if info.num_bytes is None:
             raise _unsupported(info.ggml_type, name, self.path)
         return info
 

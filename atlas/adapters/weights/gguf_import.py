@@ -67,12 +67,12 @@ class ImportDestinationError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class PlannedTensor:
-    """One output tensor: where it comes from and how many heads to unpermute by (0: none)."""
+    """One output tensor: where it comes from, and the head count to unpermute q/k rows by."""
 
     gguf_name: str
     hf_name: str
     shape: tuple[int, ...]
-    unpermute_heads: int
+    unpermute_heads: int | None
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -198,14 +198,14 @@ def _rope_scaling(gguf: GgufFile, arch: str, head_dim: int) -> dict[str, Any] | 
     factors = gguf.dequantize("rope_freqs.weight").astype(np.float64)
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     # Every Llama 3.x release uses these band edges; only the factor varies (8 for 3.1, 32 for 3.2).
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    if not np.allclose(factors, llama3_rope_factors(scaling, theta, head_dim), rtol=1e-3):
+    parameters = {"factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+    if not np.allclose(factors, llama3_rope_factors(parameters, theta, head_dim), rtol=1e-3):
         raise GgufImportError(
             f"{gguf.path}: rope_freqs.weight does not match Llama 3 rope scaling, which is the only per-frequency "
             "scaling config.json can express"
         )
-    return scaling
+    return {"rope_type": "llama3", **parameters}
 
 
 def llama3_rope_factors(scaling: Mapping[str, float], theta: float, head_dim: int) -> np.ndarray:
@@ -235,14 +235,14 @@ def plan_tensors(gguf: GgufFile, config: Mapping[str, Any]) -> list[PlannedTenso
     return sorted(plan, key=lambda t: _hf_order(t.hf_name))
 
 
-def _hf_name(gguf_name: str, config: Mapping[str, Any]) -> tuple[str | None, int]:
+def _hf_name(gguf_name: str, config: Mapping[str, Any]) -> tuple[str | None, int | None]:
     if gguf_name in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[gguf_name], 0
+        return GLOBAL_TENSORS[gguf_name], None
     match = _LAYER_NAME.fullmatch(gguf_name)
     if match is None or match.group(2) not in LAYER_TENSORS:
-        return None, 0
+        return None, None
     layer, kind, suffix = match.groups()
-    num_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(kind, 0)
+    num_heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}.get(kind)
     return f"model.layers.{layer}.{LAYER_TENSORS[kind]}.{suffix}", num_heads
 
 
@@ -292,7 +292,7 @@ def _converted(gguf: GgufFile, tensor: PlannedTensor) -> np.ndarray:
     for row_start in range(0, rows.shape[0], rows_per_chunk):
         row_stop = min(row_start + rows_per_chunk, rows.shape[0])
         rows[row_start:row_stop] = gguf.dequantize(tensor.gguf_name, row_start, row_stop).astype(BF16)
-    if tensor.unpermute_heads:
+    if tensor.unpermute_heads is not None:
         out = unpermute_rotary_rows(out, tensor.unpermute_heads)
     return out
 

@@ -198,8 +198,8 @@ class SafetensorsWeights:
                     )
                 self._file_of[name] = shard
         for name, file_name in (weight_map or {}).items():
-            shard = self._file_of.get(name)
-            if shard is None or shard.path.name != file_name:
+            holder = self._file_of.get(name)
+            if holder is None or holder.path.name != file_name:
                 raise WeightError(f"{index_path}: tensor {name!r} is not in {file_name}; {FIX_HINT}")
 
     def _shard_paths(self, weight_map: Mapping[str, str] | None) -> list[Path]:
