@@ -17,6 +17,8 @@ from atlas.app.arguments import (
     add_sampling_arguments,
     engine_settings,
 )
+from atlas.app.bench.serve import add_bench_serve_arguments
+from atlas.app.server import add_serve_arguments
 from atlas.domain.requests import SamplingParams
 
 EXIT_USER_ERROR = 2
@@ -64,6 +66,10 @@ def build_parser() -> ArgumentParser:
     add_engine_arguments(chat)
     chat.set_defaults(handler=_chat)
 
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_serve_arguments(serve)
+    serve.set_defaults(handler=_serve)
+
     pull = commands.add_parser("pull", help="fetch a model into Atlas's cache (smollm2)")
     pull.add_argument("name")
     pull.add_argument("--force", action="store_true", help="fetch and import again")
@@ -83,6 +89,9 @@ def build_parser() -> ArgumentParser:
     engine.add_argument("--output-len", type=int, default=64, help="tokens generated per sequence (default 64)")
     add_engine_arguments(engine)
     engine.set_defaults(handler=_bench)
+    serve_bench = bench_commands.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP")
+    add_bench_serve_arguments(serve_bench)
+    serve_bench.set_defaults(handler=_bench_serve)
     bench.set_defaults(handler=None, bench_parser=bench)
     return parser
 
@@ -180,6 +189,18 @@ def _bench(args: argparse.Namespace) -> int:
 
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     return run_decode_bench(engine_settings(args), batch_sizes, args.input_len, args.output_len)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from atlas.app.server import run_server
+
+    return run_server(args)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from atlas.app.bench.serve import run_serve_bench
+
+    return run_serve_bench(args)
 
 
 if __name__ == "__main__":

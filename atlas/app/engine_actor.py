@@ -1,11 +1,15 @@
 """The engine actor: owns the engine core and runs its step loop for async front ends.
 
 Front ends (the HTTP app, the async Python API) talk to it only through messages: `submit`
-puts an `AddRequest` in the inbox and returns the request's output stream; `abort` puts an
-`AbortRequest`. The loop applies commands between steps only, so the scheduler has a single
-writer, and runs each blocking step in a worker thread so the event loop stays free for I/O.
+puts an `AddRequest` per sequence in the inbox and returns one output stream for all of them;
+`abort` puts `AbortRequest`s. The loop applies commands between steps only, so the scheduler
+has a single writer, and runs each blocking step in a worker thread so the event loop stays
+free for I/O.
 
-    front end --AddRequest/AbortRequest--> inbox --> [apply; step in thread; publish] --> streams
+    front end --AddRequest/AbortRequest--> inbox --> [apply; step in thread; route] --> streams
+
+`EngineProcessClient` (engine_process.py) offers the same interface with the core in another
+process; both route outputs through `OutputRouter`.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -25,6 +29,8 @@ from atlas.domain.engine import EngineCore, EngineStats
 from atlas.domain.requests import ParameterError, Request
 
 log = logging.getLogger("atlas.engine")
+
+DEFAULT_STALL_TIMEOUT_S = 120.0
 
 
 class AddRequest(msgspec.Struct, tag=True):
@@ -59,38 +65,130 @@ class EngineHealth:
     progressing: bool  # False when work is pending but no step finished within the stall limit
     detail: str
 
+    @property
+    def is_healthy(self) -> bool:
+        return self.ready and self.progressing
+
+
+class _Route:
+    """The stream shared by the sequences of one front-end request, open while any runs."""
+
+    __slots__ = ("send", "num_open")
+
+    def __init__(self, send: ObjectSendStream[StreamItem], num_open: int) -> None:
+        self.send = send
+        self.num_open = num_open
+
+
+class OutputRouter:
+    """Maps sequence ids to the stream of the front-end request that owns them.
+
+    One request's sequences (the `n` choices) share a stream; it closes when the last of them
+    finishes, fails or is aborted, so a consumer's `async for` ends exactly then.
+    """
+
+    def __init__(self) -> None:
+        self._routes: dict[str, _Route] = {}
+
+    def __len__(self) -> int:
+        return len(self._routes)
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._routes
+
+    def open(self, seq_ids: Sequence[str]) -> ObjectReceiveStream[StreamItem]:
+        """A stream for `seq_ids`. Raises ValueError when one of them is already routed."""
+        duplicates = [seq_id for seq_id in seq_ids if seq_id in self._routes]
+        if duplicates or len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"request id {(duplicates or list(seq_ids))[0]!r} is already in use")
+        send, receive = anyio.create_memory_object_stream[StreamItem](math.inf)
+        route = _Route(send, len(seq_ids))
+        for seq_id in seq_ids:
+            self._routes[seq_id] = route
+        return receive
+
+    def deliver(self, outputs: Iterable[SequenceOutput]) -> None:
+        """Send each output to its stream; an output for an unknown id is dropped (aborted)."""
+        routes = self._routes
+        for output in outputs:
+            route = routes.get(output.seq_id)
+            if route is None:
+                continue
+            route.send.send_nowait(output)
+            if output.finish_reason is not None:
+                self._release(output.seq_id, route)
+
+    def fail(self, seq_id: str, failure: EngineFailure) -> list[str]:
+        """End `seq_id`'s request with `failure`; returns its siblings still routed (to abort)."""
+        route = self._routes.get(seq_id)
+        if route is None:
+            return []
+        siblings = [other for other, r in self._routes.items() if r is route and other != seq_id]
+        route.send.send_nowait(failure)
+        for other in (seq_id, *siblings):
+            self._release(other, route)
+        return siblings
+
+    def close(self, seq_ids: Iterable[str]) -> list[str]:
+        """Stop routing `seq_ids` (an abort); returns those that were still routed."""
+        closed = []
+        for seq_id in seq_ids:
+            route = self._routes.get(seq_id)
+            if route is not None:
+                self._release(seq_id, route)
+                closed.append(seq_id)
+        return closed
+
+    def fail_all(self, message: str) -> None:
+        for seq_id in list(self._routes):
+            self.fail(seq_id, EngineFailure(message))
+
+    def _release(self, seq_id: str, route: _Route) -> None:
+        del self._routes[seq_id]
+        route.num_open -= 1
+        if route.num_open == 0:
+            route.send.close()
+
 
 class EngineActor:
-    """Runs `EngineCore` steps off the event loop and fans outputs out to per-request streams."""
+    """Runs `EngineCore` steps off the event loop and routes outputs to per-request streams."""
 
-    def __init__(self, core: EngineCore, stall_timeout_s: float = 120.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        core: EngineCore,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._core = core
         self._clock = clock
         self._stall_timeout_s = stall_timeout_s
         self._inbox_send, self._inbox = anyio.create_memory_object_stream[Command](math.inf)
-        self._streams: dict[str, ObjectSendStream[StreamItem]] = {}
+        self._router = OutputRouter()
         self._running = False
         self._failed: str | None = None
         self._busy_since_s: float | None = None  # when the current step started
         self._stats = core.stats()
 
     # -- front-end side -------------------------------------------------------------------
-    def submit(self, request: Request) -> ObjectReceiveStream[StreamItem]:
-        """Queue `request`; its outputs (or one EngineFailure) arrive on the returned stream."""
-        send, receive = anyio.create_memory_object_stream[StreamItem](math.inf)
+    def submit(self, requests: Sequence[Request]) -> ObjectReceiveStream[StreamItem]:
+        """Queue `requests` (one front-end request's sequences); their outputs, or one
+        EngineFailure, arrive on the returned stream, which closes when all have finished.
+
+        Raises ValueError when a request id is already running.
+        """
         if self._failed is not None:
+            send, receive = anyio.create_memory_object_stream[StreamItem](1)
             send.send_nowait(EngineFailure(f"the engine stopped: {self._failed}"))
             send.close()
             return receive
-        self._streams[request.request_id] = send
-        self._inbox_send.send_nowait(AddRequest(request))
+        receive = self._router.open([request.request_id for request in requests])
+        for request in requests:
+            self._inbox_send.send_nowait(AddRequest(request))
         return receive
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request; its blocks are freed before the next step. Safe to call twice."""
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.close()
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop requests; their blocks are freed before the next step. Safe to call twice."""
+        for request_id in self._router.close(request_ids):
             self._inbox_send.send_nowait(AbortRequest(request_id))
 
     def shutdown(self) -> None:
@@ -111,7 +209,10 @@ class EngineActor:
 
     # -- the loop -------------------------------------------------------------------------
     async def run(self) -> None:
-        """The actor's loop; run it in a task group for the engine's lifetime."""
+        """The actor's loop; run it in a task group for the engine's lifetime.
+
+        Returns after `shutdown`; re-raises a step's exception after failing every request.
+        """
         self._running = True
         try:
             while True:
@@ -123,6 +224,8 @@ class EngineActor:
                     return
                 if self._core.has_unfinished:
                     await self._step()
+                else:
+                    self._stats = self._core.stats()  # aborts freed blocks without a step
         finally:
             self._running = False
 
@@ -137,18 +240,20 @@ class EngineActor:
 
     def _apply(self, command: Command) -> bool:
         if isinstance(command, Shutdown):
-            self._fail_all("the server is shutting down")
+            self._router.fail_all("the server is shutting down")
             return False
         if isinstance(command, AbortRequest):
             self._core.abort(command.request_id)
             return True
         request = command.request
-        if request.request_id not in self._streams:
+        if request.request_id not in self._router:
             return True  # aborted before it was added
         try:
             self._core.add_request(request)
         except ParameterError as error:
-            self._deliver_failure(request.request_id, EngineFailure(str(error), True, error.field))
+            failure = EngineFailure(str(error), True, error.field)
+            for sibling in self._router.fail(request.request_id, failure):
+                self._core.abort(sibling)
         return True
 
     async def _step(self) -> None:
@@ -158,25 +263,9 @@ class EngineActor:
         except Exception as error:  # a device fault: fail every request, stop serving
             log.exception("engine step failed")
             self._failed = f"{type(error).__name__}: {error}"
-            self._fail_all(self._failed)
+            self._router.fail_all(self._failed)
             raise
         finally:
             self._busy_since_s = None
         self._stats = self._core.stats()
-        for output in outputs:
-            stream = self._streams.get(output.seq_id)
-            if stream is None:
-                continue
-            stream.send_nowait(output)
-            if output.finish_reason is not None:
-                self._streams.pop(output.seq_id).close()
-
-    def _deliver_failure(self, request_id: str, failure: EngineFailure) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.send_nowait(failure)
-            stream.close()
-
-    def _fail_all(self, message: str) -> None:
-        for request_id in list(self._streams):
-            self._deliver_failure(request_id, EngineFailure(message))
+        self._router.deliver(outputs)

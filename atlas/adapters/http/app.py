@@ -1,0 +1,185 @@
+"""The Quart app: routes, auth, error objects, and the lifespan that loads the model.
+
+The lifespan starts the engine launcher in the background and returns at once, so the server
+listens while the model loads: `/health` answers 503 ("loading the model") until it is ready,
+and API requests get a 503 error object rather than a refused connection.
+
+Every error a client can cause is an OpenAI error object with a 4xx status: handlers raise
+`ApiError`; Quart's own errors (404 unknown route, 405 wrong method, 413 body too large) are
+converted here; anything unexpected is logged and answered with a 500 error object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from quart import Quart, Response, request
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
+
+from atlas.adapters.http import service
+from atlas.adapters.http.auth import BearerAuth
+from atlas.adapters.http.chat import chat_completions
+from atlas.adapters.http.completions import completions
+from atlas.adapters.http.engine_client import EngineLauncher
+from atlas.adapters.http.errors import ApiError, status_error
+from atlas.adapters.http.state import HttpConfig, ServerState
+
+log = logging.getLogger("atlas.http")
+JSON = "application/json"
+BODY_TIMEOUT_S = 60
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> Response:
+    return Response(error.body(), error.status, headers or {}, content_type=JSON)
+
+
+def create_app(
+    config: HttpConfig,
+    launcher: EngineLauncher,
+    on_fatal: Callable[[str], None] | None = None,
+) -> Quart:
+    """The ASGI app. `launcher` loads the model and runs the engine while its context is open;
+    `on_fatal(message)` is called when loading fails or the engine stops (the `atlas serve`
+    command shuts the server down then; under a bare hypercorn the server stays up with
+    /health at 503)."""
+    app = Quart("atlas")
+    app.config.update(
+        MAX_CONTENT_LENGTH=config.max_body_bytes,
+        BODY_TIMEOUT=BODY_TIMEOUT_S,
+        RESPONSE_TIMEOUT=None,  # streams last as long as generation; --request-timeout bounds them
+        PROVIDE_AUTOMATIC_OPTIONS=True,
+    )
+    state = ServerState(config)
+    app.extensions["atlas"] = state
+    auth = BearerAuth(config.auth_tokens) if config.require_auth else None
+    lifespan = _Lifespan(state, launcher, on_fatal)
+    app.before_serving(lifespan.start)
+    app.after_serving(lifespan.stop)
+
+    @app.before_request
+    async def check_auth() -> None:
+        if auth is not None and auth.protects(request.path):
+            auth.check(request.headers.get("Authorization"))
+
+    @app.after_request
+    async def count(response: Response) -> Response:
+        rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        state.metrics.requests.inc((rule, str(response.status_code)))
+        return response
+
+    async def body() -> bytes:
+        return await request.get_data(cache=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> Response:
+        return await chat_completions(state, await body())
+
+    @app.post("/v1/completions")
+    async def complete() -> Response:
+        return await completions(state, await body())
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return service.list_models(state)
+
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        return service.get_model(state, model_id)
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        return await service.tokenize_endpoint(state, await body())
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        return await service.detokenize_endpoint(state, await body())
+
+    @app.get("/health")
+    async def health() -> Response:
+        return service.health(state)
+
+    @app.get("/health/live")
+    async def live() -> Response:
+        return Response(b'{"status":"alive"}', 200, content_type=JSON)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return service.metrics(state)
+
+    @app.errorhandler(ApiError)
+    async def api_error(error: ApiError) -> Response:
+        return _error_response(error)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(error: HTTPException) -> Response:
+        status = error.code or 500
+        headers = {}
+        if isinstance(error, MethodNotAllowed) and error.valid_methods:
+            headers["Allow"] = ", ".join(error.valid_methods)
+        message = {404: f"no route {request.method} {request.path}",
+                   405: f"{request.method} is not allowed on {request.path}",
+                   413: f"the request body is larger than the limit of {config.max_body_bytes} bytes"}.get(
+            status, error.description or error.name)
+        return _error_response(status_error(status, message), headers)
+
+    @app.errorhandler(Exception)
+    async def unexpected(error: Exception) -> Response:
+        log.exception("unexpected error answering %s %s", request.method, request.path)
+        return _error_response(ApiError(500, f"internal error: {type(error).__name__}", "server_error"))
+
+    return app
+
+
+class _Lifespan:
+    """Starts the launcher in a background task and stops it at shutdown."""
+
+    def __init__(self, state: ServerState, launcher: EngineLauncher, on_fatal: Callable[[str], None] | None) -> None:
+        self._state = state
+        self._launcher = launcher
+        self._on_fatal = on_fatal
+        self._task: asyncio.Task | None = None
+        self._stopping: asyncio.Event | None = None
+
+    async def start(self) -> None:
+        self._stopping = asyncio.Event()
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        if self._stopping is not None:
+            self._stopping.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, SHUTDOWN_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("the engine did not stop within %.0fs", SHUTDOWN_TIMEOUT_S)
+        if self._state.dump is not None:
+            self._state.dump.close()
+
+    async def _run(self) -> None:
+        state = self._state
+        try:
+            async with self._launcher() as (model, engine):
+                state.attach(model, engine)
+                log.info("ready: serving %s (context %d tokens)", model.name, model.max_model_len)
+                await self._stopping.wait()
+                state.detach()
+        except Exception as error:  # loading failed, or the engine stopped serving
+            state.detach()
+            message = _describe(error)
+            state.load_error = message
+            if state.model is None:
+                log.error("the model failed to load: %s", message)
+            else:
+                log.error("the engine stopped: %s", message)
+            if self._on_fatal is not None:
+                self._on_fatal(message)
+
+
+def _describe(error: BaseException) -> str:
+    """The innermost error's message (task groups wrap failures in exception groups)."""
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return str(error) or type(error).__name__

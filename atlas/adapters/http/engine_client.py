@@ -1,0 +1,55 @@
+"""What the HTTP layer needs from the engine and the model, as the app layer provides it.
+
+The engine runs in this process (`EngineActor`) or in its own (`EngineProcessClient`); both
+satisfy `EngineClient`. An `EngineLauncher` loads the model and runs the engine for as long as
+its context is open; the app's lifespan enters it in the background so `/health` can answer
+503 while the model loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+from anyio.abc import ObjectReceiveStream
+
+from atlas.app.engine_actor import EngineHealth, StreamItem
+from atlas.domain.engine import EngineStats
+from atlas.domain.requests import Request
+from atlas.ports.tokenizer import Tokenizer
+
+
+class EngineClient(Protocol):
+    def submit(self, requests: Sequence[Request]) -> ObjectReceiveStream[StreamItem]:
+        """Run one front-end request's sequences; their outputs (or one EngineFailure) arrive
+        on the stream, which closes when every sequence has finished or been aborted."""
+        ...
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Stop sequences now; their KV blocks are freed before the engine's next step."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def health(self) -> EngineHealth: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """The model as clients see it."""
+
+    name: str  # the id in /v1/models and the `model` field
+    aliases: frozenset[str]  # other names accepted in the `model` field (the spec it was loaded from)
+    tokenizer: Tokenizer
+    max_model_len: int  # prompt + output tokens
+    vocab_size: int  # ids the model accepts (its embedding rows)
+    seed: int | None  # --seed: the base of seeds for requests that bring none
+    created_s: int  # when it was loaded, for /v1/models
+
+    def accepts(self, requested: str | None) -> bool:
+        return requested is None or requested == self.name or requested in self.aliases
+
+
+EngineLauncher = Callable[[], AbstractAsyncContextManager[tuple[ServedModel, EngineClient]]]

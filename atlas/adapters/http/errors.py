@@ -1,0 +1,88 @@
+"""OpenAI error objects: every failure a client can cause becomes a 4xx with one of these.
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+Handlers raise `ApiError`; the app turns it (and Quart's own 404/405/413) into this body. A
+`msgspec.ValidationError` names the offending field in its path (`$.messages[0].role`); the
+field becomes `param` so clients can point at it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+UNAVAILABLE = "service_unavailable_error"
+
+_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
+_NAMED_FIELD = re.compile(r"(unknown|missing required) field `([^`]*)`")
+
+
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI error body; raise it anywhere in a handler."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str = INVALID_REQUEST,
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.detail = ErrorDetail(message, error_type, param, code)
+
+    def body(self) -> bytes:
+        return msgspec.json.encode(ErrorBody(self.detail))
+
+
+def bad_request(param: str | None, message: str, code: str | None = None) -> ApiError:
+    return ApiError(400, message, INVALID_REQUEST, param, code)
+
+
+def from_validation_error(error: msgspec.ValidationError) -> ApiError:
+    """A 400 naming the field msgspec rejected (`$.stop[2]` -> param "stop[2]")."""
+    text = str(error)
+    match = _PATH.search(text)
+    named = _NAMED_FIELD.search(text)
+    if named is not None:
+        prefix = match.group(1) + "." if match and match.group(1) else ""
+        field = prefix + named.group(2)
+        if named.group(1) == "unknown":
+            return bad_request(field, f"unknown field '{field}': this server does not accept it")
+        return bad_request(field, f"missing required field '{field}'")
+    if match is None:
+        return bad_request(None, f"invalid request body: {text}")
+    field = match.group(1) or None
+    message = text[: match.start()]
+    return bad_request(field, f"invalid value for '{field}': {message}" if field else message)
+
+
+def malformed_json(error: Exception) -> ApiError:
+    return bad_request(None, f"the request body is not valid JSON ({error})", code="invalid_json")
+
+
+def status_error(status: int, message: str) -> ApiError:
+    """An error for a status Quart raised (404, 405, 413, ...)."""
+    if status == 404:
+        return ApiError(404, message, NOT_FOUND, code="not_found")
+    if status >= 500:
+        return ApiError(status, message, SERVER_ERROR)
+    return ApiError(status, message, INVALID_REQUEST)

@@ -1,0 +1,181 @@
+"""One HTTP request's generation: submit its sequences, turn outputs into text, abort on exit.
+
+A request has one or more prompts and `n` choices per prompt; choice `index` is
+`prompt_idx * n + choice_idx`, as OpenAI numbers them. All of its sequences share one engine
+stream. `batches()` waits for the next output, then takes everything else already queued, so
+a consumer that falls behind gets several tokens per wake-up instead of one wake-up per token:
+
+    engine step k   -> out(seq0), out(seq1)        \\
+    engine step k+1 -> out(seq0)                    >  one batch: [delta(0), delta(1), delta(0)]
+    consumer wakes  ------------------------------ /
+
+Leaving `batches()` early (client gone, handler error, timeout) aborts every sequence that
+has not finished, so its KV blocks are freed at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+
+from atlas.adapters.http.engine_client import EngineClient
+from atlas.adapters.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError
+from atlas.adapters.http.server_metrics import ServerMetrics
+from atlas.app.engine_actor import EngineFailure
+from atlas.app.frontend import SeedSource, SequenceText, TextDelta, fan_out
+from atlas.domain.requests import FinishReason, SamplingParams
+from atlas.ports.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDelta:
+    index: int
+    delta: TextDelta
+
+
+class _Choice:
+    __slots__ = ("index", "seq_id", "text", "finished", "num_output_tokens", "last_token_s")
+
+    def __init__(self, index: int, seq_id: str, text: SequenceText) -> None:
+        self.index = index
+        self.seq_id = seq_id
+        self.text = text
+        self.finished = False
+        self.num_output_tokens = 0
+        self.last_token_s: float | None = None
+
+
+class Generation:
+    """Drives the sequences of one request; iterate `batches()` once."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        tokenizer: Tokenizer,
+        request_id: str,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seeds: SeedSource,
+        metrics: ServerMetrics,
+        timeout_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._clock = clock
+        self.arrival_s = clock()
+        self._deadline_s = None if timeout_s is None else self.arrival_s + timeout_s
+        self.num_prompt_tokens = sum(len(p) for p in prompts)
+        self.requests = []
+        self._choices: dict[str, _Choice] = {}
+        for prompt_idx, prompt in enumerate(prompts):
+            base_id = request_id if len(prompts) == 1 else f"{request_id}-p{prompt_idx}"
+            for choice_idx, request in enumerate(fan_out(base_id, prompt, params, seeds)):
+                index = prompt_idx * params.n + choice_idx
+                text = SequenceText(tokenizer, request.prompt_token_ids, request.sampling)
+                self._choices[request.request_id] = _Choice(index, request.request_id, text)
+                self.requests.append(request)
+        self.num_choices = len(self.requests)
+        self.timed_out = False
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(choice.num_output_tokens for choice in self._choices.values())
+
+    async def batches(self) -> AsyncIterator[list[ChoiceDelta]]:
+        """Deltas in arrival order, several per batch when they queue up; ends when every
+        choice has finished. Raises ApiError for a request the engine rejects or cannot run."""
+        stream = self._engine.submit(self.requests)
+        unfinished = dict(self._choices)
+        try:
+            while unfinished:
+                items = await self._next_items(stream)
+                if items is None:  # the deadline passed
+                    self.timed_out = True
+                    self._metrics.aborted.inc(("timeout",))
+                    yield [self._end(choice, FinishReason.LENGTH, unfinished) for choice in list(unfinished.values())]
+                    return
+                if not items:  # the stream closed: every sequence finished or was aborted
+                    return
+                yield self._apply(items, unfinished)
+        finally:
+            if unfinished:
+                self._engine.abort(list(unfinished))
+            stream.close()
+
+    async def _next_items(self, stream) -> list | None:
+        """The next output and everything queued behind it; [] at end of stream, None at timeout."""
+        try:
+            if self._deadline_s is None:
+                first = await stream.receive()
+            else:
+                with anyio.move_on_after(self._deadline_s - self._clock()):
+                    first = await stream.receive()
+                    return self._drain(stream, first)
+                return None
+        except anyio.EndOfStream:
+            return []
+        return self._drain(stream, first)
+
+    @staticmethod
+    def _drain(stream, first) -> list:
+        items = [first]
+        while True:
+            try:
+                items.append(stream.receive_nowait())
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                return items
+
+    def _apply(self, items: list, unfinished: dict[str, _Choice]) -> list[ChoiceDelta]:
+        now = self._clock()
+        deltas = []
+        for item in items:
+            if isinstance(item, EngineFailure):
+                raise _failure_error(item)
+            choice = unfinished.get(item.seq_id)
+            if choice is None:
+                continue
+            delta = choice.text.apply(item)
+            num_new = len(delta.token_ids)
+            if num_new:
+                self._observe_tokens(choice, num_new, now)
+            choice.num_output_tokens = max(choice.num_output_tokens, delta.num_output_tokens)
+            if delta.finish_reason is not None:
+                if delta.stopped_by_text:
+                    self._engine.abort([choice.seq_id])
+                self._finish(choice, delta.finish_reason, unfinished, now)
+            deltas.append(ChoiceDelta(choice.index, delta))
+        return deltas
+
+    def _observe_tokens(self, choice: _Choice, num_new: int, now: float) -> None:
+        if choice.last_token_s is None:
+            self._metrics.time_to_first_token.observe(now - self.arrival_s)
+            num_new -= 1
+        else:
+            self._metrics.inter_token_latency.observe((now - choice.last_token_s) / num_new, num_new)
+            num_new = 0
+        if num_new > 0:  # tokens that arrived together with the first one
+            self._metrics.inter_token_latency.observe(0.0, num_new)
+        choice.last_token_s = now
+
+    def _finish(self, choice: _Choice, reason: FinishReason, unfinished: dict[str, _Choice], now: float) -> None:
+        choice.finished = True
+        del unfinished[choice.seq_id]
+        self._metrics.finished.inc((reason.value,))
+        if not unfinished:
+            self._metrics.request_duration.observe(now - self.arrival_s)
+
+    def _end(self, choice: _Choice, reason: FinishReason, unfinished: dict[str, _Choice]) -> ChoiceDelta:
+        self._engine.abort([choice.seq_id])
+        self._finish(choice, reason, unfinished, self._clock())
+        delta = TextDelta("", (), reason, None, (), self.num_prompt_tokens, choice.num_output_tokens)
+        return ChoiceDelta(choice.index, delta)
+
+
+def _failure_error(failure: EngineFailure) -> ApiError:
+    if failure.is_user_error:
+        return ApiError(400, failure.message, INVALID_REQUEST, failure.field)
+    return ApiError(503, f"the engine could not run this request: {failure.message}", SERVER_ERROR)

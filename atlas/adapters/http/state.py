@@ -1,0 +1,101 @@
+"""The server's shared state: configuration, the loaded model and engine, metrics, dump."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+
+from atlas.adapters.http.dump import DumpWriter
+from atlas.adapters.http.engine_client import EngineClient, ServedModel
+from atlas.adapters.http.errors import UNAVAILABLE, ApiError, bad_request, from_validation_error, malformed_json
+from atlas.adapters.http.responses import TokenTexts
+from atlas.adapters.http.server_metrics import ServerMetrics
+from atlas.app.engine_actor import EngineHealth
+from atlas.app.frontend import SeedSource
+from atlas.domain.engine import EngineStats
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    """The HTTP side's settings (the engine's are `EngineSettings`)."""
+
+    served_name: str | None = None  # --model-name; default: the model spec
+    request_timeout_s: float | None = None  # --request-timeout: a request still running then ends
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get 413
+    require_auth: bool = False
+    auth_tokens: frozenset[str] = frozenset()
+    dump_path: Path | None = None
+
+
+class ServerState:
+    """Everything handlers share. `model`/`engine` are None until the lifespan has loaded them."""
+
+    def __init__(self, config: HttpConfig) -> None:
+        self.config = config
+        self.model: ServedModel | None = None
+        self.engine: EngineClient | None = None
+        self.load_error: str | None = None
+        self.seeds = SeedSource(None)
+        self.token_texts: TokenTexts | None = None  # set with the model, before the engine
+        self.metrics = ServerMetrics(self.engine_stats, lambda: self.health().is_healthy)
+        self.dump = DumpWriter(config.dump_path) if config.dump_path is not None else None
+
+    def attach(self, model: ServedModel, engine: EngineClient) -> None:
+        self.token_texts = TokenTexts(model.tokenizer)
+        self.seeds = SeedSource(model.seed)
+        self.model, self.engine = model, engine
+
+    def detach(self) -> None:
+        self.engine = None
+
+    def engine_stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    def health(self) -> EngineHealth:
+        if self.load_error is not None:
+            return EngineHealth(False, False, f"the model failed to load: {self.load_error}")
+        if self.engine is None:
+            return EngineHealth(False, False, "loading the model" if self.model is None else "shutting down")
+        return self.engine.health()
+
+    def ready(self, requested_model: str | None) -> tuple[ServedModel, EngineClient]:
+        """The model and engine for a request naming `requested_model`; 503 while loading or
+        after an engine failure, 404 for another model's name."""
+        model, engine = self.model, self.engine
+        if model is None or engine is None:
+            raise ApiError(503, f"the server is not ready: {self.health().detail}", UNAVAILABLE)
+        health = engine.health()
+        if not health.ready:
+            raise ApiError(503, f"the engine is not available: {health.detail}", UNAVAILABLE)
+        if not model.accepts(requested_model):
+            raise ApiError(404, f"the model '{requested_model}' does not exist; this server serves "
+                                f"'{model.name}' (GET /v1/models)", "invalid_request_error", "model",
+                           "model_not_found")
+        return model, engine
+
+
+_decoders: dict[type, msgspec.json.Decoder] = {}
+
+
+def decode_body(body: bytes, schema: type):
+    """The request body as `schema`; a 400 naming the field (or saying the JSON is malformed)."""
+    if not body.strip():
+        raise bad_request(None, "the request body is empty; send a JSON object", code="invalid_json")
+    decoder = _decoders.get(schema)
+    if decoder is None:
+        decoder = _decoders[schema] = msgspec.json.Decoder(schema)
+    try:
+        return decoder.decode(body)
+    except msgspec.ValidationError as error:
+        raise from_validation_error(error) from None
+    except (msgspec.DecodeError, UnicodeDecodeError) as error:
+        raise malformed_json(error) from None
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,401 @@
+"""The engine core in its own process, so HTTP work never holds the GIL the step loop needs.
+
+The API process spawns `python -m atlas.app.engine_process FD` with one end of a socket pair.
+Frames are a 4-byte big-endian length and a msgpack body (msgspec):
+
+    API -> engine:  Start(settings)            once; the engine loads the model
+                    Commands([AddRequest | AbortRequest | Shutdown, ...])
+    engine -> API:  Ready(...) | LoadFailed(...)
+                    StepOutputs(outputs, failures, stats)   after each step, and after
+                                                            commands that changed the state
+                    Crashed(message)                        the step loop died
+
+The engine loop is synchronous: it blocks on the socket only while it has no work, reads
+whatever commands have arrived between steps, and publishes one frame per step with every
+sequence's outputs. Either side closing the socket ends the other: the engine exits on EOF,
+and the API fails every open request when the engine's frames stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+
+import anyio
+import anyio.abc
+import msgspec
+from anyio.abc import ObjectReceiveStream
+
+from atlas.app.engine_actor import (
+    DEFAULT_STALL_TIMEOUT_S,
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineFailure,
+    EngineHealth,
+    OutputRouter,
+    Shutdown,
+    StreamItem,
+)
+from atlas.app.settings import EngineSettings
+from atlas.domain.batch import SequenceOutput
+from atlas.domain.engine import EngineCore, EngineStats
+from atlas.domain.requests import ParameterError, Request
+
+log = logging.getLogger("atlas.engine")
+
+HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 1 << 30
+_RECEIVE_BYTES = 1 << 20
+_EXIT_WAIT_S = 10.0
+
+
+class Start(msgspec.Struct, tag=True):
+    settings: EngineSettings
+
+
+class Commands(msgspec.Struct, tag=True):
+    commands: list[Command]
+
+
+class Ready(msgspec.Struct, tag=True):
+    model_dir: str
+    max_model_len: int
+    vocab_size: int
+    stats: EngineStats
+
+
+class LoadFailed(msgspec.Struct, tag=True):
+    message: str
+    is_user_error: bool  # a ValueError/MemoryError naming the fix, not a bug
+
+
+class RequestFailure(msgspec.Struct):
+    request_id: str
+    failure: EngineFailure
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    outputs: list[SequenceOutput]
+    failures: list[RequestFailure]
+    stats: EngineStats
+
+
+class Crashed(msgspec.Struct, tag=True):
+    message: str
+
+
+ToEngine = Start | Commands
+FromEngine = Ready | LoadFailed | StepOutputs | Crashed
+
+
+class FrameBuffer:
+    """Splits a byte stream into length-prefixed frames.
+
+        | len (4 bytes, big-endian) | body (len bytes) | len | body | ...
+    """
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        """Add received bytes; return the frames now complete (a partial one stays buffered).
+        Raises ValueError for a frame longer than MAX_FRAME_BYTES (a corrupt stream)."""
+        self._buffer += data
+        frames = []
+        start = 0
+        while len(self._buffer) - start >= HEADER.size:
+            (length,) = HEADER.unpack_from(self._buffer, start)
+            if length > MAX_FRAME_BYTES:
+                raise ValueError(f"frame of {length} bytes exceeds the limit; the stream is corrupt")
+            end = start + HEADER.size + length
+            if end > len(self._buffer):
+                break
+            frames.append(bytes(self._buffer[start + HEADER.size : end]))
+            start = end
+        del self._buffer[:start]
+        return frames
+
+
+def frame(body: bytes) -> bytes:
+    return HEADER.pack(len(body)) + body
+
+
+class EngineLoop:
+    """The engine process's side: apply commands between steps, publish one frame per step."""
+
+    def __init__(self, core: EngineCore, sock: socket.socket, frames: FrameBuffer) -> None:
+        self._core = core
+        self._sock = sock
+        self._frames = frames  # may hold bytes that arrived with Start
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decoder = msgspec.msgpack.Decoder(ToEngine)
+
+    def send(self, message: FromEngine) -> None:
+        self._sock.sendall(frame(self._encode(message)))
+
+    def run(self) -> None:
+        """Until Shutdown or EOF; a step's exception is reported as Crashed and re-raised."""
+        core = self._core
+        while True:
+            commands = self._receive(block=not core.has_unfinished)
+            if commands is None:
+                return
+            failures: list[RequestFailure] = []
+            for command in commands:
+                if isinstance(command, Shutdown):
+                    return
+                self._apply(command, failures)
+            if core.has_unfinished:
+                try:
+                    outputs = core.step()
+                except Exception as error:
+                    self.send(Crashed(f"{type(error).__name__}: {error}"))
+                    raise
+                self.send(StepOutputs(outputs, failures, core.stats()))
+            elif commands:
+                self.send(StepOutputs([], failures, core.stats()))
+
+    def _apply(self, command: Command, failures: list[RequestFailure]) -> None:
+        if isinstance(command, AbortRequest):
+            self._core.abort(command.request_id)
+            return
+        request = command.request
+        try:
+            self._core.add_request(request)
+        except ParameterError as error:
+            failures.append(RequestFailure(request.request_id, EngineFailure(str(error), True, error.field)))
+
+    def _receive(self, block: bool) -> list[Command] | None:
+        """Commands that have arrived (waiting for at least one frame when `block`); None at EOF."""
+        commands: list[Command] = []
+        while True:
+            try:
+                data = self._sock.recv(_RECEIVE_BYTES, 0 if block else socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return commands
+            if not data:
+                return None
+            for body in self._frames.feed(data):
+                message = self._decoder.decode(body)
+                if isinstance(message, Commands):
+                    commands.extend(message.commands)
+            if commands:
+                block = False  # got work: take what else is queued without waiting
+
+
+class EngineStopped(RuntimeError):
+    """The engine process crashed or exited while serving."""
+
+
+class EngineProcess:
+    """The API side: `EngineClient` over the socket, plus spawning and stopping the process.
+
+    `start()` spawns the process and waits for the model to load (raising ValueError with the
+    engine's message when loading fails); `run()` then pumps frames both ways until `shutdown()`
+    (returns) or the engine dies (fails every open request, raises EngineStopped).
+    """
+
+    def __init__(
+        self,
+        settings: EngineSettings,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._stall_timeout_s = stall_timeout_s
+        self._clock = clock
+        self._router = OutputRouter()
+        self._outbox_send, self._outbox = anyio.create_memory_object_stream[Command](math.inf)
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decoder = msgspec.msgpack.Decoder(FromEngine)
+        self._frames = FrameBuffer()
+        self._process: subprocess.Popen | None = None
+        self._stream: anyio.abc.SocketStream | None = None
+        self._stats: EngineStats | None = None
+        self._ready: Ready | None = None
+        self._failed: str | None = None
+        self._stopping = False
+        self._last_progress_s = clock()
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> Ready:
+        parent, child = socket.socketpair()
+        command = [sys.executable, "-m", "atlas.app.engine_process", str(child.fileno())]
+        self._process = subprocess.Popen(command, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
+                                         env=_engine_environment())
+        child.close()
+        self._stream = await anyio.abc.SocketStream.from_socket(parent)
+        await self._stream.send(frame(self._encode(Start(self._settings))))
+        while self._ready is None:
+            for message in await self._receive_messages():
+                if isinstance(message, LoadFailed):
+                    await self.close()
+                    raise (ValueError if message.is_user_error else RuntimeError)(message.message)
+                if isinstance(message, Ready):
+                    self._ready, self._stats = message, message.stats
+        self._last_progress_s = self._clock()
+        return self._ready
+
+    async def run(self) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._write_commands)
+                await self._read_outputs()
+                group.cancel_scope.cancel()
+        finally:
+            await self.close()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._outbox_send.send_nowait(Shutdown())
+
+    # -- EngineClient -------------------------------------------------------------------
+    def submit(self, requests: Sequence[Request]) -> ObjectReceiveStream[StreamItem]:
+        if self._failed is not None:
+            send, receive = anyio.create_memory_object_stream[StreamItem](1)
+            send.send_nowait(EngineFailure(f"the engine stopped: {self._failed}"))
+            send.close()
+            return receive
+        if not len(self._router):
+            self._last_progress_s = self._clock()  # idle until now: the stall clock starts here
+        receive = self._router.open([request.request_id for request in requests])
+        for request in requests:
+            self._outbox_send.send_nowait(AddRequest(request))
+        return receive
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in self._router.close(request_ids):
+            self._outbox_send.send_nowait(AbortRequest(request_id))
+
+    def stats(self) -> EngineStats | None:
+        return self._stats
+
+    def health(self) -> EngineHealth:
+        if self._failed is not None:
+            return EngineHealth(False, False, f"engine failed: {self._failed}")
+        if self._ready is None:
+            return EngineHealth(False, False, "loading the model")
+        waited_s = self._clock() - self._last_progress_s
+        if len(self._router) and waited_s > self._stall_timeout_s:
+            return EngineHealth(True, False, f"no step finished for {waited_s:.0f}s")
+        return EngineHealth(True, True, "ok")
+
+    # -- pumps --------------------------------------------------------------------------
+    async def _write_commands(self) -> None:
+        while True:
+            commands = [await self._outbox.receive()]
+            while True:
+                try:
+                    commands.append(self._outbox.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            await self._stream.send(frame(self._encode(Commands(commands))))
+
+    async def _read_outputs(self) -> None:
+        try:
+            while True:
+                for message in await self._receive_messages():
+                    if isinstance(message, StepOutputs):
+                        self._apply(message)
+                    elif isinstance(message, Crashed):
+                        raise EngineStopped(message.message)
+        except anyio.EndOfStream:
+            if self._stopping:
+                self._router.fail_all("the server is shutting down")
+                return
+            self._fail("the engine process exited unexpectedly")
+            raise EngineStopped(self._failed) from None
+        except (EngineStopped, OSError, anyio.BrokenResourceError) as error:
+            self._fail(str(error))
+            raise EngineStopped(self._failed) from None
+
+    def _apply(self, message: StepOutputs) -> None:
+        self._stats = message.stats
+        self._last_progress_s = self._clock()
+        for failure in message.failures:
+            self.abort(self._router.fail(failure.request_id, failure.failure))
+        self._router.deliver(message.outputs)
+
+    async def _receive_messages(self) -> list[FromEngine]:
+        while True:
+            bodies = self._frames.feed(await self._stream.receive(_RECEIVE_BYTES))
+            if bodies:
+                return [self._decoder.decode(body) for body in bodies]
+
+    def _fail(self, message: str) -> None:
+        self._failed = message
+        self._router.fail_all(message)
+
+    async def close(self) -> None:
+        """Close the socket and wait for the process to exit (killing it after a grace period)."""
+        if self._stream is not None:
+            await self._stream.aclose()
+        process = self._process
+        if process is None:
+            return
+        try:
+            await anyio.to_thread.run_sync(process.wait, _EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("the engine process did not exit; killing it")
+            process.kill()
+            await anyio.to_thread.run_sync(process.wait)
+
+
+def _engine_environment() -> dict[str, str]:
+    """The child's environment. Unless the user chose, BLAS gets every core but one, which is
+    left to the API process (numpy's OpenBLAS otherwise spins a thread per core and, on a small
+    machine, fights the HTTP side for it)."""
+    env = dict(os.environ)
+    if not any(name in env for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
+        env["OPENBLAS_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) - 1))
+    return env
+
+
+def child_main(fd: int) -> int:
+    """The engine process: read Start, load the model, serve commands until told to stop."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    sock = socket.socket(fileno=fd)
+    frames = FrameBuffer()
+    decoder = msgspec.msgpack.Decoder(ToEngine)
+    encode = msgspec.msgpack.Encoder().encode
+    start: Start | None = None
+    while start is None:
+        data = sock.recv(_RECEIVE_BYTES)
+        if not data:
+            return 0
+        for body in frames.feed(data):
+            message = decoder.decode(body)
+            if isinstance(message, Start):
+                start = message
+    from atlas.app.builder import build_engine
+
+    try:
+        engine = build_engine(start.settings, show_progress=True)
+    except (ValueError, MemoryError) as error:
+        sock.sendall(frame(encode(LoadFailed(str(error), True))))
+        return 2
+    except Exception as error:
+        traceback.print_exc()
+        sock.sendall(frame(encode(LoadFailed(f"{type(error).__name__}: {error}", False))))
+        return 1
+    sock.sendall(frame(encode(Ready(str(engine.model_dir), engine.max_model_len, engine.config.vocab_size,
+                                    engine.core.stats()))))
+    try:
+        EngineLoop(engine.core, sock, frames).run()
+    except (BrokenPipeError, ConnectionResetError):
+        return 0  # the API process went away
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(int(sys.argv[1])))

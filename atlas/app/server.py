@@ -1,0 +1,215 @@
+"""`atlas serve MODEL [flags]` and the ASGI app `atlas.app.serve` (for `hypercorn atlas.app:serve`).
+
+Both read the same flags; the bare hypercorn form takes them from ATLAS_* variables
+(ATLAS_MODEL, ATLAS_MAX_SEQ_LEN, ATLAS_REQUIRE_AUTH, ...), and serves `smollm2` when
+ATLAS_MODEL is unset. The engine core runs in its own process unless `--single-process`.
+
+(This module is not called `serve.py`: importing a submodule `atlas.app.serve` would replace
+the package attribute `atlas.app.serve`, which must stay the ASGI app.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import logging
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import datetime
+from pathlib import Path
+
+import anyio
+
+from atlas.app.arguments import ArgumentParser, add_engine_arguments, engine_settings
+from atlas.app.arguments import _env as env_default
+from atlas.app.settings import EngineSettings
+
+log = logging.getLogger("atlas.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8888
+DEFAULT_MODEL = "smollm2"
+EXIT_FATAL = 2
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `serve` flags: the model, where to listen, auth, limits, dumping, engine flags."""
+    parser.add_argument("model", nargs="?", default=env_default("model", DEFAULT_MODEL),
+                        help="a model folder, a pulled name or an HF repo id (default: $ATLAS_MODEL or smollm2)")
+    group = parser.add_argument_group("server")
+    group.add_argument("--bind", "--host", dest="host", default=env_default("bind", DEFAULT_HOST),
+                       help="address to listen on (default 127.0.0.1; 0.0.0.0 exposes the API to the network)")
+    group.add_argument("--port", type=int, default=env_default("port", DEFAULT_PORT, int), help="default 8888")
+    group.add_argument("--model-name", default=env_default("model_name", None),
+                       help="the model id clients send and /v1/models lists (default: MODEL as given)")
+    group.add_argument("--require-auth", action="store_true", default=env_default("require_auth", False, bool),
+                       help="require 'Authorization: Bearer TOKEN' on /v1/*, /tokenize and /detokenize")
+    group.add_argument("--auth-token", action="append", default=_env_list("auth_token"),
+                       help="an accepted bearer token (repeatable; env ATLAS_AUTH_TOKEN)")
+    group.add_argument("--auth-tokens-file", default=env_default("auth_tokens_file", None),
+                       help="a file of accepted tokens, one per line")
+    group.add_argument("--request-timeout", type=float, default=env_default("request_timeout", None, float),
+                       help="seconds after which a request still generating ends with finish_reason 'length'")
+    group.add_argument("--max-request-bytes", type=int, default=env_default("max_request_bytes", 16 << 20, int),
+                       help="largest request body accepted; larger ones get 413 (default 16 MiB)")
+    group.add_argument("--dump", nargs="?", const="", default=env_default("dump", None), metavar="PATH",
+                       help="append every request and its response to a JSONL file "
+                            "(default PATH: ./atlas-dump-<time>.jsonl)")
+    group.add_argument("--single-process", action="store_true", default=env_default("single_process", False, bool),
+                       help="run the engine core in the API process (a thread) instead of its own process")
+    group.add_argument("--access-log", action="store_true", default=env_default("access_log", False, bool),
+                       help="log every HTTP request")
+    add_engine_arguments(parser)
+
+
+def _env_list(name: str) -> list[str] | None:
+    value = env_default(name, None)
+    return [value] if value else None
+
+
+def http_config(args: argparse.Namespace):
+    """The HTTP settings from parsed flags. Raises ValueError naming the flag to fix."""
+    from atlas.adapters.http.auth import BearerAuth, read_tokens_file
+    from atlas.adapters.http.state import HttpConfig
+
+    tokens = list(args.auth_token or [])
+    if args.auth_tokens_file:
+        tokens.extend(read_tokens_file(args.auth_tokens_file))
+    if args.require_auth:
+        BearerAuth(tokens)  # raises naming --auth-token / --auth-tokens-file when there are none
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ValueError(f"--request-timeout must be positive (got {args.request_timeout})")
+    if args.max_request_bytes < 1024:
+        raise ValueError(f"--max-request-bytes must be at least 1024 (got {args.max_request_bytes})")
+    dump_path = None
+    if args.dump is not None:
+        dump_path = Path(args.dump or f"atlas-dump-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
+    return HttpConfig(
+        served_name=args.model_name,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_request_bytes,
+        require_auth=args.require_auth,
+        auth_tokens=frozenset(tokens),
+        dump_path=dump_path,
+    )
+
+
+def _served_model(settings: EngineSettings, served_name: str | None, model_dir: Path, tokenizer,
+                  max_model_len: int, vocab_size: int):
+    from atlas.adapters.http.engine_client import ServedModel
+
+    name = served_name or settings.model
+    aliases = frozenset({settings.model, str(model_dir)} - {name})
+    return ServedModel(name, aliases, tokenizer, max_model_len, vocab_size, settings.seed, int(time.time()))
+
+
+def engine_launcher(settings: EngineSettings, served_name: str | None, single_process: bool):
+    """The lifespan's launcher: load the model, run the engine while the context is open."""
+
+    @asynccontextmanager
+    async def in_this_process() -> AsyncIterator:
+        from atlas.app.builder import build_engine
+        from atlas.app.engine_actor import EngineActor
+
+        engine = await anyio.to_thread.run_sync(build_engine, settings)
+        actor = EngineActor(engine.core)
+        model = _served_model(settings, served_name, engine.model_dir, engine.tokenizer, engine.max_model_len,
+                              engine.config.vocab_size)
+        async with anyio.create_task_group() as group:
+            group.start_soon(actor.run)
+            yield model, actor
+            actor.shutdown()
+
+    @asynccontextmanager
+    async def in_own_process() -> AsyncIterator:
+        from atlas.adapters.tokenizers.hf import HfTokenizer
+        from atlas.app.engine_process import EngineProcess
+        from atlas.app.model_store import resolve_model
+
+        model_dir = resolve_model(settings.model)
+        tokenizer = await anyio.to_thread.run_sync(HfTokenizer.from_folder, model_dir)
+        process = EngineProcess(settings)
+        try:
+            ready = await process.start()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await process.close()
+            raise
+        model = _served_model(settings, served_name, model_dir, tokenizer, ready.max_model_len, ready.vocab_size)
+        async with anyio.create_task_group() as group:
+            group.start_soon(process.run)
+            yield model, process
+            process.shutdown()
+
+    return in_this_process if single_process else in_own_process
+
+
+def build_app(args: argparse.Namespace, on_fatal=None):
+    """The Quart app for parsed `serve` flags. Raises ValueError for a bad flag value."""
+    from atlas.adapters.http import create_app
+
+    settings = engine_settings(args)
+    config = http_config(args)
+    return create_app(config, engine_launcher(settings, args.model_name, args.single_process), on_fatal)
+
+
+def app_from_environment():
+    """`atlas.app.serve`: the app configured from ATLAS_* variables only."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = ArgumentParser(prog="atlas.app:serve")
+    add_serve_arguments(parser)
+    return build_app(parser.parse_args([]))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """`atlas serve`: check the configuration, then serve until Ctrl-C or SIGTERM."""
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    from atlas.app.model_store import resolve_model
+
+    resolve_model(args.model)  # a missing model is a one-line error now, not after startup
+    fatal: list[str] = []
+    stop = asyncio.Event()
+
+    def on_fatal(message: str) -> None:
+        fatal.append(message)
+        stop.set()
+
+    app = build_app(args, on_fatal)
+    config = Config()
+    host = args.host
+    config.bind = [f"[{host}]:{args.port}" if ":" in host else f"{host}:{args.port}"]
+    config.accesslog = logging.getLogger("atlas.access") if args.access_log else None
+    config.graceful_timeout = 5.0
+    if not _is_loopback(host):
+        log.warning("listening on %s: the API is reachable from other machines%s", host,
+                    "" if args.require_auth else "; consider --require-auth")
+    log.info("Atlas listening on http://%s:%d (model %s loads in the background; /health is 503 until ready)",
+             host, args.port, args.model_name or args.model)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await serve(app, config, shutdown_trigger=stop.wait)
+
+    asyncio.run(main())
+    if fatal:
+        print(f"atlas: error: {fatal[0]}", file=sys.stderr)
+        return EXIT_FATAL
+    return 0
