@@ -18,7 +18,7 @@ from quart import Response
 
 from atlas.adapters.http import sse
 from atlas.adapters.http.choices import ChoiceResults, merge_batch
-from atlas.adapters.http.errors import ApiError, bad_request
+from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import check_prompt_fits, sampling_params
 from atlas.adapters.http.prompts import render_chat, tokenize
@@ -72,10 +72,14 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
                          include_usage=bool(options and options.include_usage),
                          continuous_usage=bool(options and options.continuous_usage_stats))
         return Response(sse.with_errors(frames), 200, sse.HEADERS)
-    async with aclosing(generation.batches()) as batches:
-        async for batch in batches:
-            for update in merge_batch(batch):
-                results.add(update)
+    state.metrics.in_flight += 1
+    try:
+        async with aclosing(generation.batches()) as batches:
+            async for batch in batches:
+                for update in merge_batch(batch):
+                    results.add(update)
+    finally:
+        state.metrics.in_flight -= 1
     answer = _completion(reply, generation, results, token_texts)
     if state.dump is not None:
         state.dump.write("chat", 200, False, started_s, body, answer)
@@ -110,7 +114,6 @@ async def _stream(
     continuous_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
     with_logprobs = results.logprobs is not None
-    ended_by: str | None = "client_disconnected"  # None once the stream completed
     state.metrics.in_flight += 1
     try:
         yield b"".join(
@@ -133,13 +136,7 @@ async def _stream(
         if include_usage:
             yield sse.event(ChatChunk(reply.id, reply.created, reply.model, [], usage=_usage(generation)))
         yield sse.DONE
-        ended_by = None
-    except ApiError:
-        ended_by = "error"
-        raise
     finally:
         state.metrics.in_flight -= 1
-        if ended_by is not None:
-            state.metrics.aborted.inc((ended_by,))
         if state.dump is not None:
             state.dump.write("chat", 200, True, started_s, body, _completion(reply, generation, results, token_texts))

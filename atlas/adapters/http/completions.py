@@ -16,7 +16,7 @@ from quart import Response
 
 from atlas.adapters.http import sse
 from atlas.adapters.http.choices import ChoiceResults, merge_batch
-from atlas.adapters.http.errors import ApiError, bad_request
+from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import check_prompt_fits, sampling_params
 from atlas.adapters.http.prompts import completion_prompts
@@ -69,10 +69,14 @@ async def completions(state: ServerState, body: bytes) -> Response:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         frames = _stream(state, generation, reply, results, token_texts, body, started_s, include_usage)
         return Response(sse.with_errors(frames), 200, sse.HEADERS)
-    async with aclosing(generation.batches()) as batches:
-        async for batch in batches:
-            for update in merge_batch(batch):
-                results.add(update)
+    state.metrics.in_flight += 1
+    try:
+        async with aclosing(generation.batches()) as batches:
+            async for batch in batches:
+                for update in merge_batch(batch):
+                    results.add(update)
+    finally:
+        state.metrics.in_flight -= 1
     answer = _completion(reply, generation, results, token_texts)
     if state.dump is not None:
         state.dump.write("completions", 200, False, started_s, body, answer)
@@ -108,7 +112,6 @@ async def _stream(
 ) -> AsyncGenerator[bytes, None]:
     with_logprobs = results.logprobs is not None
     offsets = [len(reply.echo(index)) for index in range(generation.num_choices)]
-    ended_by: str | None = "client_disconnected"
     state.metrics.in_flight += 1
     try:
         echoes = [
@@ -135,14 +138,8 @@ async def _stream(
         if include_usage:
             yield sse.event(Completion(reply.id, reply.created, reply.model, [], _usage(generation)))
         yield sse.DONE
-        ended_by = None
-    except ApiError:
-        ended_by = "error"
-        raise
     finally:
         state.metrics.in_flight -= 1
-        if ended_by is not None:
-            state.metrics.aborted.inc((ended_by,))
         if state.dump is not None:
             state.dump.write("completions", 200, True, started_s, body,
                              _completion(reply, generation, results, token_texts))

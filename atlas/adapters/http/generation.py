@@ -90,6 +90,7 @@ class Generation:
         choice has finished. Raises ApiError for a request the engine rejects or cannot run."""
         stream = self._engine.submit(self.requests)
         unfinished = dict(self._choices)
+        cause = "client_disconnected"  # why sequences were left unfinished, if they were
         try:
             while unfinished:
                 items = await self._next_items(stream)
@@ -98,12 +99,17 @@ class Generation:
                     self._metrics.aborted.inc(("timeout",))
                     yield [self._end(choice, FinishReason.LENGTH, unfinished) for choice in list(unfinished.values())]
                     return
-                if not items:  # the stream closed: every sequence finished or was aborted
+                if not items:  # the stream closed early: the engine is shutting down
+                    cause = "engine_stopped"
                     return
                 yield self._apply(items, unfinished)
+        except ApiError:
+            cause = "error"
+            raise
         finally:
             if unfinished:
                 self._engine.abort(list(unfinished))
+                self._metrics.aborted.inc((cause,))
             stream.close()
 
     async def _next_items(self, stream) -> list | None:
