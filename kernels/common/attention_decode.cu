@@ -7,8 +7,8 @@
 // [start, end) of the context once and serves HEADS (1, 2, 4 or 8, the host picks the smallest
 // power of two >= min(G, 8)) query heads of its GQA group from it.
 // Inside the block, lanes form groups of D / 8 (one 16-byte chunk of a K or V row per lane);
-// each group walks its own strided subset of tokens with a private online softmax, two tokens at
-// a time so four 16-byte loads per lane are in flight:
+// each group walks its own strided subset of tokens with a private online softmax, four tokens
+// at a time so eight 16-byte loads per lane are in flight and one rescale covers four tokens:
 //
 //     group j of the block handles tokens start + j, start + j + GROUPS, ...
 //     score = q . k (reduced over the group's lanes by shuffles), m, l, o updated per token
@@ -25,6 +25,7 @@
 #include "atlas_common.cuh"
 
 #define DECODE_THREADS 128
+#define DECODE_UNROLL 4
 
 template <int HEAD_DIM, int HEADS>
 __device__ __forceinline__ void attention_decode_impl(
@@ -83,13 +84,14 @@ __device__ __forceinline__ void attention_decode_impl(
     }
 
     // Every group runs the same number of iterations (shuffles need the whole warp in step); a
-    // token past `end` is loaded as nothing and leaves the state unchanged.
+    // token past `end` is loaded as nothing and leaves the state unchanged. UNROLL tokens per
+    // group per step: 2 * UNROLL 16-byte loads in flight per lane, one rescale per step.
     const int* table = block_tables + (long long)seq * block_table_stride;
-    for (int base = start; base < end; base += 2 * GROUPS) {
-        float k_values[2][8], v_values[2][8];
-        bool present[2];
+    for (int base = start; base < end; base += DECODE_UNROLL * GROUPS) {
+        float k_values[DECODE_UNROLL][8], v_values[DECODE_UNROLL][8];
+        bool present[DECODE_UNROLL];
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int u = 0; u < DECODE_UNROLL; ++u) {
             const int key = base + group + u * GROUPS;
             present[u] = key < end;
             if (present[u]) {
@@ -104,24 +106,36 @@ __device__ __forceinline__ void attention_decode_impl(
             }
         }
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
+        for (int h = 0; h < HEADS; ++h) {
+            float scores[DECODE_UNROLL];
+            float step_max = -ATLAS_INF;
 #pragma unroll
-            for (int h = 0; h < HEADS; ++h) {
+            for (int u = 0; u < DECODE_UNROLL; ++u) {
                 float score = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 8; ++i) score = fmaf(qv[h][i], k_values[u][i], score);
 #pragma unroll
                 for (int offset = LANES / 2; offset > 0; offset >>= 1)
                     score += __shfl_xor_sync(0xffffffffu, score, offset);
-                if (!present[u]) continue;
-                const float new_max = fmaxf(m[h], score);
-                const float rescale = exp2f(m[h] - new_max);
-                const float p = exp2f(score - new_max);
-                l[h] = l[h] * rescale + p;
-#pragma unroll
-                for (int i = 0; i < 8; ++i) o[h][i] = fmaf(o[h][i], rescale, p * v_values[u][i]);
-                m[h] = new_max;
+                scores[u] = present[u] ? score : -ATLAS_INF;
+                step_max = fmaxf(step_max, scores[u]);
             }
+            // A step with no token of this group (past `end`) changes nothing: with no score yet
+            // the reference is 0, so every exp2 below is of -inf.
+            const float new_max = fmaxf(m[h], step_max);
+            const float reference = new_max == -ATLAS_INF ? 0.0f : new_max;
+            const float rescale = exp2f(m[h] - reference);
+            l[h] *= rescale;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) o[h][i] *= rescale;
+#pragma unroll
+            for (int u = 0; u < DECODE_UNROLL; ++u) {
+                const float p = exp2f(scores[u] - reference);
+                l[h] += p;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) o[h][i] = fmaf(p, v_values[u][i], o[h][i]);
+            }
+            m[h] = new_max;
         }
     }
 

@@ -20,7 +20,8 @@
 // (keys > the row's position, or outside the sliding window, are masked):
 //     S = Q K^T * scale (mma.sync m16n8k16, fp32), m' = max(m, rowmax S), P = exp2(S - m'),
 //     l = l * exp2(m - m') + rowsum P,  O = O * exp2(m - m') + P V,   out = O / l
-// K and V tiles arrive through cp.async; the scale is folded with log2(e) so exp2 is exact-cheap.
+// K and V tiles arrive through cp.async, double-buffered (the next tile loads while this one
+// computes) where shared memory allows; the scale is folded with log2(e) so exp2 does the work.
 //
 // FLOPs: 4 * sum over sequences of (query_len * context_len * Hq * D), halved by the causal mask
 // for prompts. Bytes: the K/V context of each sequence once per 64 rows of tile, plus q and out.
@@ -32,7 +33,7 @@
 #define PREFILL_BLOCK_N 64
 #define PREFILL_WARPS 4
 
-template <int HEAD_DIM>
+template <int HEAD_DIM, int STAGES>
 __device__ __forceinline__ void attention_prefill_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
     bf16* __restrict__ out, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
@@ -42,9 +43,9 @@ __device__ __forceinline__ void attention_prefill_impl(
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
     constexpr int DIM_TILES = HEAD_DIM / 8;
     extern __shared__ uint4 shared_raw[];
+    // Shared memory: Q [64][STRIDE], then per stage K [64][STRIDE] and V [64][STRIDE].
     bf16* q_tile = reinterpret_cast<bf16*>(shared_raw);
-    bf16* k_tile = q_tile + PREFILL_BLOCK_M * STRIDE;
-    bf16* v_tile = k_tile + PREFILL_BLOCK_N * STRIDE;
+    bf16* kv_tiles = q_tile + PREFILL_BLOCK_M * STRIDE;
 
     const int group = num_q_heads / num_kv_heads;
     const int kv_head = blockIdx.y;
@@ -104,8 +105,11 @@ __device__ __forceinline__ void attention_prefill_impl(
     float row_sum[2] = {0.0f, 0.0f};
     const int* table = block_tables + (long long)seq * block_table_stride;
 
-    for (int kv_start = kv_begin; kv_start < kv_end; kv_start += PREFILL_BLOCK_N) {
-        // K and V tiles -> shared through the page table (keys past kv_end are zero-filled).
+    // K and V tiles -> shared through the page table (keys past kv_end are zero-filled), one
+    // cp.async group per tile. With two stages the next tile streams in while this one computes.
+    auto load_tile = [&](int kv_start, int stage) {
+        bf16* k_dst = kv_tiles + stage * 2 * PREFILL_BLOCK_N * STRIDE;
+        bf16* v_dst = k_dst + PREFILL_BLOCK_N * STRIDE;
         for (int c = tid; c < PREFILL_BLOCK_N * CHUNKS; c += PREFILL_WARPS * 32) {
             const int r = c / CHUNKS, chunk = c % CHUNKS;
             const int key = kv_start + r;
@@ -115,23 +119,27 @@ __device__ __forceinline__ void attention_prefill_impl(
                 const long long block = table[key / block_size];
                 offset = ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 8;
             }
-            cp_async_16(k_tile + r * STRIDE + chunk * 8, k_plane + offset, valid);
+            cp_async_16(k_dst + r * STRIDE + chunk * 8, k_plane + offset, valid);
+            cp_async_16(v_dst + r * STRIDE + chunk * 8, v_plane + offset, valid);
         }
         cp_async_commit();
-        for (int c = tid; c < PREFILL_BLOCK_N * CHUNKS; c += PREFILL_WARPS * 32) {
-            const int r = c / CHUNKS, chunk = c % CHUNKS;
-            const int key = kv_start + r;
-            const bool valid = key < kv_end;
-            long long offset = 0;
-            if (valid) {
-                const long long block = table[key / block_size];
-                offset = ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 8;
-            }
-            cp_async_16(v_tile + r * STRIDE + chunk * 8, v_plane + offset, valid);
+    };
+    const int num_kv_tiles = (kv_end - kv_begin + PREFILL_BLOCK_N - 1) / PREFILL_BLOCK_N;
+    const int highest_position = kv_end - 1;
+    if (num_kv_tiles > 0) load_tile(kv_begin, 0);
+
+    for (int tile = 0; tile < num_kv_tiles; ++tile) {
+        const int kv_start = kv_begin + tile * PREFILL_BLOCK_N;
+        const int stage = STAGES == 2 ? tile & 1 : 0;
+        if (STAGES == 2 && tile + 1 < num_kv_tiles) {
+            load_tile(kv_start + PREFILL_BLOCK_N, stage ^ 1);
+            cp_async_wait<1>();  // everything but the tile just issued has landed
+        } else {
+            cp_async_wait<0>();
         }
-        cp_async_commit();
-        cp_async_wait<1>();  // Q and K have landed; V may still be in flight
         __syncthreads();
+        const bf16* k_tile = kv_tiles + stage * 2 * PREFILL_BLOCK_N * STRIDE;
+        const bf16* v_tile = k_tile + PREFILL_BLOCK_N * STRIDE;
 
         // S = Q K^T for this warp's 16 rows x 64 keys.
         float s[PREFILL_BLOCK_N / 8][4];
@@ -154,6 +162,11 @@ __device__ __forceinline__ void attention_prefill_impl(
             }
         }
 
+        // A tile wholly inside every row's causal window needs no mask (rows past the sequence
+        // hold zero queries there: finite, and never stored).
+        const bool unmasked = kv_start + PREFILL_BLOCK_N <= kv_end && kv_start + PREFILL_BLOCK_N - 1 <= lowest_position &&
+                              (sliding_window <= 0 || kv_start > highest_position - sliding_window);
+
         // Mask, scale, and the online-softmax update of both rows.
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -164,8 +177,8 @@ __device__ __forceinline__ void attention_prefill_impl(
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = kv_start + n * 8 + 2 * t + e;
-                    const bool allowed = row_valid[half] && key < kv_end && key <= position &&
-                                         (sliding_window <= 0 || key > position - sliding_window);
+                    const bool allowed = unmasked || (row_valid[half] && key < kv_end && key <= position &&
+                                                      (sliding_window <= 0 || key > position - sliding_window));
                     const float value = allowed ? s[n][half * 2 + e] * scale_log2 : -ATLAS_INF;
                     s[n][half * 2 + e] = value;
                     tile_max = fmaxf(tile_max, value);
@@ -195,9 +208,6 @@ __device__ __forceinline__ void attention_prefill_impl(
             }
         }
 
-        cp_async_wait<0>();
-        __syncthreads();
-
         // O += P V: P from the score registers (C layout of two n-tiles = A layout of one k-step),
         // V through ldmatrix.trans (rows = keys, columns = head dims).
 #pragma unroll
@@ -216,7 +226,8 @@ __device__ __forceinline__ void attention_prefill_impl(
                 mma_bf16_16816(o[2 * dd + 1], a, b + 2);
             }
         }
-        __syncthreads();  // every warp is done with K and V before the next tile overwrites them
+        __syncthreads();  // every warp is done with this stage before a later load overwrites it
+        if (STAGES == 1 && tile + 1 < num_kv_tiles) load_tile(kv_start + PREFILL_BLOCK_N, 0);
     }
     cp_async_wait<0>();
 
@@ -238,16 +249,17 @@ __device__ __forceinline__ void attention_prefill_impl(
     }
 }
 
-#define DEFINE_PREFILL(HEAD_DIM)                                                                               \
+#define DEFINE_PREFILL(HEAD_DIM, STAGES)                                                                       \
     extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * 32) attention_prefill_d##HEAD_DIM(            \
         const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, const int* query_start_loc,        \
         const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs, int num_q_heads,   \
         int num_kv_heads, int block_size, float scale_log2, int sliding_window, int skip_single_token) {       \
-        attention_prefill_impl<HEAD_DIM>(q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables,    \
+        attention_prefill_impl<HEAD_DIM, STAGES>(q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables,    \
                                          block_table_stride, num_seqs, num_q_heads, num_kv_heads, block_size,  \
                                          scale_log2, sliding_window, skip_single_token);                       \
     }
 
-DEFINE_PREFILL(64)
-DEFINE_PREFILL(128)
-DEFINE_PREFILL(256)
+// Two K/V stages where shared memory allows it on every target (sm_120 caps a block at 99 KB).
+DEFINE_PREFILL(64, 2)
+DEFINE_PREFILL(128, 2)
+DEFINE_PREFILL(256, 1)

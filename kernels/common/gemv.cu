@@ -6,15 +6,17 @@
 //
 // Bytes: M K 2 (the weight, read once) + N K 2 + N M sizeof(out); FLOPs: 2 N M K.  At N <= 8 the
 // arithmetic intensity is <= 8 FLOP/byte, far under the ridge (~200 on an H200), so the kernel
-// must run at HBM bandwidth: every lane issues 16-byte loads of ROWS weight rows at once (and the
-// loop is unrolled twice), giving 32 * 16 * ROWS * 2 bytes in flight per warp; weights stream
-// through the non-coherent path while x stays hot in L1.
+// must run at HBM bandwidth.
 //
-// Layout of the work: a warp owns ROWS consecutive output features, its lanes stride over K in
-// chunks of 8 elements; the TOKENS accumulators per row are reduced across the warp at the end.
+// Layout of the work: a block owns ROWS consecutive output features; its 4 warps split K
+// (split-K inside the block, so even a small M fills the GPU with ROWS-row blocks), each lane
+// loading 16 bytes of every one of the ROWS weight rows per step (ROWS * 16 * 2 bytes in flight
+// per lane with the 2x unroll). x chunks are converted once and reused by all ROWS rows, so
+// L1 traffic for x is N / ROWS times the weight traffic. Partial sums meet in shared memory.
 //
-//     w rows m0 .. m0+ROWS-1:  | lane0: k 0..7 | lane1: k 8..15 | ... | lane31 | lane0: k 256.. |
-//     x rows 0 .. N-1, same k chunks, reused by every row of the warp
+//     block b: rows m0 = b * ROWS .. m0 + ROWS - 1
+//     warp w, lane l: k chunks (w * 32 + l) * 8, then + 4 * 32 * 8, ...
+//     w rows:  | w0 l0 | w0 l1 | ... | w0 l31 | w1 l0 | ... | w3 l31 | w0 l0 | ...
 #include "atlas_common.cuh"
 
 #define GEMV_WARPS 4
@@ -27,26 +29,23 @@ __device__ __forceinline__ uint4 load_streaming(const bf16* p) {
     return v;
 }
 
-__device__ __forceinline__ float dot8(uint4 a, uint4 b) {
-    const bf16x2* pa = reinterpret_cast<const bf16x2*>(&a);
-    const bf16x2* pb = reinterpret_cast<const bf16x2*>(&b);
-    float sum = 0.0f;
+__device__ __forceinline__ void bf16x8_to_floats(uint4 raw, float* out) {
+    const bf16x2* pairs = reinterpret_cast<const bf16x2*>(&raw);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        const float2 fa = __bfloat1622float2(pa[i]);
-        const float2 fb = __bfloat1622float2(pb[i]);
-        sum = fmaf(fa.x, fb.x, sum);
-        sum = fmaf(fa.y, fb.y, sum);
+        const float2 f = __bfloat1622float2(pairs[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
     }
-    return sum;
 }
 
 template <typename OUT, int ROWS, int TOKENS>
-__device__ __forceinline__ void gemv_impl(const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens,
+__device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                          const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
                                           int num_rows, int inner) {
+    __shared__ float partial[GEMV_WARPS][ROWS][TOKENS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int first_row = (blockIdx.x * GEMV_WARPS + warp) * ROWS;
-    if (first_row >= num_rows) return;
+    const int first_row = blockIdx.x * ROWS;
 
     float acc[ROWS][TOKENS];
 #pragma unroll
@@ -63,29 +62,39 @@ __device__ __forceinline__ void gemv_impl(const bf16* x, const bf16* w, const bf
     }
 
 #pragma unroll 2
-    for (int k = lane * 8; k < inner; k += 32 * 8) {
-        uint4 weights[ROWS];
+    for (int k = (warp * 32 + lane) * 8; k < inner; k += GEMV_WARPS * 32 * 8) {
+        float weights[ROWS][8];
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) weights[r] = load_streaming(w_rows[r] + k);
+        for (int r = 0; r < ROWS; ++r) bf16x8_to_floats(load_streaming(w_rows[r] + k), weights[r]);
 #pragma unroll
         for (int n = 0; n < TOKENS; ++n) {
             if (n < num_tokens) {
-                const uint4 xs = *reinterpret_cast<const uint4*>(x + (long long)n * inner + k);
+                float xs[8];
+                bf16x8_to_floats(*reinterpret_cast<const uint4*>(x + (long long)n * inner + k), xs);
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) acc[r][n] += dot8(weights[r], xs);
+                for (int r = 0; r < ROWS; ++r)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[r][n] = fmaf(weights[r][i], xs[i], acc[r][n]);
             }
         }
     }
 
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        const int row = first_row + r;
-        const float bias_value = (bias != nullptr && row < num_rows) ? to_float(bias[row]) : 0.0f;
+    for (int r = 0; r < ROWS; ++r)
 #pragma unroll
         for (int n = 0; n < TOKENS; ++n) {
             const float total = warp_sum(acc[r][n]);
-            if (lane == 0 && n < num_tokens && row < num_rows)
-                out[(long long)n * num_rows + row] = from_float<OUT>(total + bias_value);
+            if (lane == 0) partial[warp][r][n] = total;
+        }
+    __syncthreads();
+    if (threadIdx.x < ROWS * TOKENS) {
+        const int r = threadIdx.x / TOKENS, n = threadIdx.x % TOKENS;
+        const int row = first_row + r;
+        if (row < num_rows && n < num_tokens) {
+            float total = bias != nullptr ? to_float(bias[row]) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < GEMV_WARPS; ++j) total += partial[j][r][n];
+            out[(long long)n * num_rows + row] = from_float<OUT>(total);
         }
     }
 }

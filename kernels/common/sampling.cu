@@ -109,6 +109,29 @@ __device__ __forceinline__ float counter_uniform(u64 stream_key, u64 token_id) {
     return __fmul_rn((float)(x >> 41) + 0.5f, 1.1920928955078125e-07f);  // * 2**-23
 }
 
+// Adds one count (and `mass`) to bin `bin` for every lane with `active`: lanes that share a bin
+// are summed first, so a warp issues one shared-memory atomic per distinct bin instead of one per
+// lane (the top bins of a row hold most tokens; per-lane atomics would serialise on them).
+// Every lane of the warp must call it.
+__device__ __forceinline__ void histogram_add(bool active, int bin, double mass, int* counts, double* masses) {
+    const int lane = threadIdx.x & 31;
+    unsigned pending = __ballot_sync(0xffffffffu, active);
+    while (pending) {
+        const int leader = __ffs(pending) - 1;
+        const int leader_bin = __shfl_sync(0xffffffffu, bin, leader);
+        const bool mine = active && bin == leader_bin;
+        const unsigned group = __ballot_sync(0xffffffffu, mine);
+        if (masses != nullptr) {
+            double total = mine ? mass : 0.0;
+#pragma unroll
+            for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
+            if (lane == leader) atomicAdd(&masses[leader_bin], total);
+        }
+        if (lane == leader) atomicAdd(&counts[leader_bin], __popc(group));
+        pending &= ~group;
+    }
+}
+
 // The `need`-th (1-based) smallest id v < V with predicate(v) true; -1 when there are fewer.
 template <typename Predicate>
 __device__ int nth_matching_id(int vocab_size, int need, Predicate predicate, SampleShared& shared) {
@@ -195,9 +218,11 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
         for (int shift = 24; shift >= 0; shift -= 8) {
             for (int b = tid; b < RADIX_BINS; b += SAMPLE_THREADS) shared.counts[b] = 0;
             __syncthreads();
-            for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) {
-                const u32 key = order_key(row[v]);
-                if ((key & prefix_mask) == prefix) atomicAdd(&shared.counts[(key >> shift) & 0xff], 1);
+            for (int base = 0; base < vocab_size; base += SAMPLE_THREADS) {
+                const int v = base + tid;
+                const u32 key = v < vocab_size ? order_key(row[v]) : 0u;
+                const bool active = v < vocab_size && (key & prefix_mask) == prefix;
+                histogram_add(active, (key >> shift) & 0xff, 0.0, shared.counts, nullptr);
             }
             __syncthreads();
             if (tid == 0) {
@@ -253,15 +278,14 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
                 shared.masses[b] = 0.0;
             }
             __syncthreads();
-            for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) {
-                const float value = row[v];
+            for (int base = 0; base < vocab_size; base += SAMPLE_THREADS) {
+                const int v = base + tid;
+                const float value = v < vocab_size ? row[v] : 0.0f;
                 const u32 key = order_key(value);
-                if ((key & prefix_mask) == prefix && in_top_k(v, key)) {
-                    const int bin = (key >> shift) & 0xff;
-                    atomicAdd(&shared.counts[bin], 1);
-                    atomicAdd(&shared.masses[bin],
-                              (double)expf(__fdiv_rn(__fsub_rn(value, max_value), temperature)));
-                }
+                const bool active = v < vocab_size && (key & prefix_mask) == prefix && in_top_k(v, key);
+                const double mass =
+                    active ? (double)expf(__fdiv_rn(__fsub_rn(value, max_value), temperature)) : 0.0;
+                histogram_add(active, (key >> shift) & 0xff, mass, shared.counts, shared.masses);
             }
             __syncthreads();
             if (tid == 0) {

@@ -4,7 +4,7 @@
 #   source .devkit/env.sh && bash tests/gpu/run_gpu_suite.sh [tests|sanitizer|bench ...]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${*:-tests cache sanitizer bench}
+STEPS=${*:-tests cache sanitizer probe bench}
 export ATLAS_KERNEL_CACHE=/tmp/atlas-kernel-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 : > "$OUT/summary.txt"
@@ -27,6 +27,7 @@ print('passed')" ;;
   sanitizer) step sanitizer 200 compute-sanitizer --tool memcheck --print-limit 30 \
       python3 -m pytest tests/gpu -m "gpu and not slow" -q -p no:cacheprovider --tb=line -x \
       -k "not warm_start and not too_large and not oom" ;;
+  probe) step probe 60 compute-sanitizer --tool memcheck --print-limit 3 python3 tests/gpu/sanitizer_probe.py ;;
   bench) step bench 150 python3 tests/gpu/bench_kernels.py ;;
 esac; done
 echo "--- tail of failures"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" 2>/dev/null | cut -c1-220 | head -40

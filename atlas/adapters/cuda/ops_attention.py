@@ -166,8 +166,9 @@ def attention(
 def _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window) -> None:
     group = heads.num_q_heads // heads.num_kv_heads
     num_tiles = (meta.num_tokens * group) // _PREFILL_BLOCK_M + meta.num_seqs
-    stride = heads.head_dim + 8
-    shared_bytes = (_PREFILL_BLOCK_M + 2 * _PREFILL_BLOCK_N) * stride * 2
+    stride = heads.head_dim + 8  # padded rows, as the kernel lays them out
+    stages = 2 if heads.head_dim <= 128 else 1  # DEFINE_PREFILL in attention_prefill.cu
+    shared_bytes = (_PREFILL_BLOCK_M + stages * 2 * _PREFILL_BLOCK_N) * stride * 2
     query_start_loc, seq_lens, block_tables, table_stride = common
     rt.launch(
         "attention_prefill",

@@ -135,20 +135,16 @@ class LinearOp:
             self._cublas(x, weight, out, bias, num_tokens, num_rows, inner)
 
     def _gemv(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
-        # Enough warps to cover every SM several times over; more rows per warp when there are
-        # plenty, so each lane keeps more 16-byte loads in flight.
-        rows_per_warp = 1
-        for candidate in (4, 2):
-            if num_rows // candidate >= self._rt.num_sms * 16:
-                rows_per_warp = candidate
-                break
+        # A block per ROWS output features (its warps split K). More rows per block while there
+        # are still two blocks per SM: each lane then keeps more 16-byte loads in flight and x is
+        # reread from L1 less often.
+        rows_per_block = next((r for r in (4, 2) if num_rows // r >= 2 * self._rt.num_sms), 1)
         tokens = next(t for t in (1, 2, 4, 8) if t >= num_tokens)
-        symbol = f"gemv_{checks.type_suffix(out.dtype)}_r{rows_per_warp}_t{tokens}"
-        blocks = -(-num_rows // (_GEMV_WARPS * rows_per_warp))
+        symbol = f"gemv_{checks.type_suffix(out.dtype)}_r{rows_per_block}_t{tokens}"
         self._rt.launch(
             "gemv",
             symbol,
-            (blocks,),
+            (-(-num_rows // rows_per_block),),
             _GEMV_WARPS * 32,
             x.address,
             weight.address,
