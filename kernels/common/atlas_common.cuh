@@ -134,7 +134,8 @@ __device__ __forceinline__ float block_max(float x, float* scratch) {
 //   B: b0 (k 2t..2t+1, col g)    b1 (k 2t+8..2t+9, col g)
 //   C: c0 c1 (row g, col 2t..2t+1)   c2 c3 (row g+8, col 2t..2t+1)
 __device__ __forceinline__ void mma_bf16_16816(float* c, const u32* a, const u32* b) {
-    asm volatile(
+    // Not volatile: a pure function of its operands, so the compiler may schedule loads around it.
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])

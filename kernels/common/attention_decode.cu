@@ -88,22 +88,31 @@ __device__ __forceinline__ void attention_decode_impl(
     // group per step: 2 * UNROLL 16-byte loads in flight per lane, one rescale per step.
     const int* table = block_tables + (long long)seq * block_table_stride;
     for (int base = start; base < end; base += DECODE_UNROLL * GROUPS) {
-        float k_values[DECODE_UNROLL][8], v_values[DECODE_UNROLL][8];
+        // Branch-free: a token past `end` reads the last token of the range instead (always a
+        // valid page) and is masked below, so the four page-table loads issue together, then
+        // the eight K/V loads, instead of one dependent chain per token.
         bool present[DECODE_UNROLL];
+        long long offsets[DECODE_UNROLL];
 #pragma unroll
         for (int u = 0; u < DECODE_UNROLL; ++u) {
             const int key = base + group + u * GROUPS;
             present[u] = key < end;
-            if (present[u]) {
-                const long long block = table[key / block_size];
-                const long long offset =
-                    ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + dim;
-                load8(k_plane + offset, k_values[u]);
-                load8(v_plane + offset, v_values[u]);
-            } else {
+            const int safe_key = present[u] ? key : end - 1;
+            const long long block = __ldg(table + safe_key / block_size);
+            offsets[u] = ((block * num_kv_heads + kv_head) * block_size + safe_key % block_size) * HEAD_DIM + dim;
+        }
+        uint4 k_raw[DECODE_UNROLL], v_raw[DECODE_UNROLL];
 #pragma unroll
-                for (int i = 0; i < 8; ++i) k_values[u][i] = v_values[u][i] = 0.0f;
-            }
+        for (int u = 0; u < DECODE_UNROLL; ++u) {
+            k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_plane + offsets[u]));
+            v_raw[u] = __ldg(reinterpret_cast<const uint4*>(v_plane + offsets[u]));
+        }
+        float k_values[DECODE_UNROLL][8];
+#pragma unroll
+        for (int u = 0; u < DECODE_UNROLL; ++u) {
+            Vec8<bf16> packed;
+            packed.raw = k_raw[u];
+            packed.to_floats(k_values[u]);
         }
 #pragma unroll
         for (int h = 0; h < HEADS; ++h) {
@@ -132,8 +141,12 @@ __device__ __forceinline__ void attention_decode_impl(
             for (int u = 0; u < DECODE_UNROLL; ++u) {
                 const float p = exp2f(scores[u] - reference);
                 l[h] += p;
+                float v_values[8];
+                Vec8<bf16> packed;
+                packed.raw = v_raw[u];
+                packed.to_floats(v_values);
 #pragma unroll
-                for (int i = 0; i < 8; ++i) o[h][i] = fmaf(p, v_values[u][i], o[h][i]);
+                for (int i = 0; i < 8; ++i) o[h][i] = fmaf(p, v_values[i], o[h][i]);
             }
             m[h] = new_max;
         }

@@ -23,7 +23,7 @@
 
 __device__ __forceinline__ uint4 load_streaming(const bf16* p) {
     uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
@@ -117,6 +117,91 @@ DEFINE_GEMV_TOKENS(bf16, bf16, 4)
 DEFINE_GEMV_TOKENS(f32, float, 1)
 DEFINE_GEMV_TOKENS(f32, float, 2)
 DEFINE_GEMV_TOKENS(f32, float, 4)
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core variant for 2..8 token rows: at N = 8 the fp32 FMAs of the SIMT kernel cost more
+// than the bytes (8 FMAs per weight element), so the products go to mma.sync m16n8k16 with the
+// N tokens as the n = 8 columns. A warp owns 16 weight rows; its lane (g = lane / 4, t = lane % 4)
+// loads 16 bytes of rows g and g + 8 and of token g's x at k = k0 + 8t .. 8t + 7 for each 32-wide
+// chunk k0, and feeds them to two mma steps. The k order inside a chunk is permuted the same way
+// for weights and x (a dot product does not care), which turns the mma fragment layout into
+// plain 16-byte loads:
+//
+//     mma step s (0, 1), logical k 2t + i  <-  physical k0 + 8t + 4s + i
+//                        logical k 2t+8+i  <-  physical k0 + 8t + 4s + 2 + i        (i = 0, 1)
+//
+// The block's 8 warps split K and meet in shared memory. K % 32 == 0 (the host checks).
+#define GEMV_MMA_WARPS 8
+
+template <typename OUT>
+__device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                              const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
+                                              int num_rows, int inner) {
+    __shared__ float partial[GEMV_MMA_WARPS][16][8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int first_row = blockIdx.x * 16;
+    const bf16* row_a = w + (long long)min(first_row + g, num_rows - 1) * inner;
+    const bf16* row_b = w + (long long)min(first_row + g + 8, num_rows - 1) * inner;
+    const bool has_token = g < num_tokens;
+    const bf16* x_row = x + (long long)(has_token ? g : 0) * inner;
+
+    // Full steps of four chunks load 8 x 16 bytes of weights per lane before the first mma; the
+    // remaining chunks go one at a time.
+    constexpr int STEP = GEMV_MMA_WARPS * 32;
+    constexpr int BATCH = 4;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    auto multiply = [&](uint4 wa, uint4 wb, uint4 xs) {
+        const u32 a0[4] = {wa.x, wb.x, wa.y, wb.y};
+        const u32 b0[2] = {xs.x, xs.y};
+        mma_bf16_16816(acc, a0, b0);
+        const u32 a1[4] = {wa.z, wb.z, wa.w, wb.w};
+        const u32 b1[2] = {xs.z, xs.w};
+        mma_bf16_16816(acc, a1, b1);
+    };
+    int k = warp * 32 + 8 * t;
+    for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
+        uint4 wa[BATCH], wb[BATCH], xs[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            wa[u] = load_streaming(row_a + k + u * STEP);
+            wb[u] = load_streaming(row_b + k + u * STEP);
+            xs[u] = *reinterpret_cast<const uint4*>(x_row + k + u * STEP);
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], has_token ? xs[u] : make_uint4(0, 0, 0, 0));
+    }
+    for (; k < inner; k += STEP) {
+        const uint4 xs = *reinterpret_cast<const uint4*>(x_row + k);
+        multiply(load_streaming(row_a + k), load_streaming(row_b + k), has_token ? xs : make_uint4(0, 0, 0, 0));
+    }
+    // acc: (row g, tokens 2t, 2t + 1) and (row g + 8, tokens 2t, 2t + 1)
+    partial[warp][g][2 * t] = acc[0];
+    partial[warp][g][2 * t + 1] = acc[1];
+    partial[warp][g + 8][2 * t] = acc[2];
+    partial[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    if (threadIdx.x < 16 * 8) {
+        const int r = threadIdx.x / 8, n = threadIdx.x % 8;
+        const int row = first_row + r;
+        if (row < num_rows && n < num_tokens) {
+            float total = bias != nullptr ? to_float(bias[row]) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < GEMV_MMA_WARPS; ++j) total += partial[j][r][n];
+            out[(long long)n * num_rows + row] = from_float<OUT>(total);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
+    gemv_mma_bf16(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int num_tokens, int num_rows, int inner) {
+    gemv_mma_impl<bf16>(x, w, bias, out, num_tokens, num_rows, inner);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
+    gemv_mma_f32(const bf16* x, const bf16* w, const bf16* bias, float* out, int num_tokens, int num_rows, int inner) {
+    gemv_mma_impl<float>(x, w, bias, out, num_tokens, num_rows, inner);
+}
 
 // Bias for the cuBLASLt path when its epilogue cannot take it (f32 output): out[n, m] += bias[m].
 template <typename OUT>

@@ -172,6 +172,7 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
                            int* __restrict__ out_id, SampleShared& shared) {
     const int tid = threadIdx.x;
     // 1-2: the processed row.
+    #pragma unroll 4
     for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) row[v] = to_float(logits_row[v]);
     __syncthreads();
     for (int e = penalty_begin + tid; e < penalty_end; e += SAMPLE_THREADS) {
@@ -195,6 +196,7 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
     // 3: the argmax is the answer for greedy rows and the fallback when nothing is kept.
     float max_value = -ATLAS_INF;
     int argmax_id = 0x7fffffff;
+    #pragma unroll 4
     for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) {
         if (ranks_before(row[v], v, max_value, argmax_id)) {
             max_value = row[v];
@@ -263,6 +265,7 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
     int top_p_last_tie = 0x7fffffff;
     if (use_top_p) {
         double partial = 0.0;
+        #pragma unroll 4
         for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) {
             const float value = row[v];
             if (in_top_k(v, order_key(value)))
@@ -347,6 +350,7 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
     int best_id = 0x7fffffff;
     bool any_kept = false;
     if (!use_top_p || any_top_p) {
+        #pragma unroll 4
         for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) {
             const float value = row[v];
             const u32 key = order_key(value);
@@ -378,6 +382,7 @@ __device__ void row_logprobs(const LOGIT* __restrict__ logits_row, int vocab_siz
     const int tid = threadIdx.x;
     float max_value = -ATLAS_INF;
     int max_id = 0x7fffffff;
+    #pragma unroll 4
     for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) {
         const float value = to_float(logits_row[v]);
         if (ranks_before(value, v, max_value, max_id)) {
@@ -387,6 +392,7 @@ __device__ void row_logprobs(const LOGIT* __restrict__ logits_row, int vocab_siz
     }
     block_argmax(max_value, max_id, shared);
     double partial = 0.0;
+    #pragma unroll 4
     for (int v = tid; v < vocab_size; v += SAMPLE_THREADS)
         partial += (double)expf(__fsub_rn(to_float(logits_row[v]), max_value));
     const float log_total = (float)log(block_sum_f64(partial, shared));

@@ -98,7 +98,9 @@ def test_act_mul(cuda_backend, mock_backend, rng, activation, inner):
         (3, 576, 576, DType.BF16, True),
         (5, 1536, 576, DType.F32, False),
         (8, 49152, 576, DType.F32, True),  # a logits projection
-        (2, 100, 264, DType.BF16, True),
+        (2, 100, 264, DType.BF16, True),  # K % 32 != 0: the SIMT kernel
+        (4, 1000, 4096, DType.BF16, True),  # tensor-core GEMV, a partial 16-row tile
+        (7, 4096, 1024, DType.F32, False),
         (9, 1024, 512, DType.BF16, True),
         (64, 4096, 4096, DType.BF16, False),
         (300, 1536, 576, DType.F32, True),

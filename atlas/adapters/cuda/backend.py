@@ -123,15 +123,17 @@ class CudaGpuBackend:
         else:
             if not math.isfinite(value) or value != int(value):
                 raise ValueError(f"fill: {value} is not an integer for a {dst.dtype.value} tensor")
-            bits = np.array([int(value)], dtype=NUMPY_DTYPES[dst.dtype])
+            pattern = np.array([int(value)], dtype=NUMPY_DTYPES[dst.dtype])
             if dst.dtype is DType.U8:
-                check("cuMemsetD8Async", cu.cuMemsetD8Async(dst.address, int(bits.view(np.uint8)[0]), count, stream))
+                byte = int(pattern.view(np.uint8)[0])
+                check("cuMemsetD8Async", cu.cuMemsetD8Async(dst.address, byte, count, stream))
             elif dst.dtype is DType.I32:
-                check("cuMemsetD32Async", cu.cuMemsetD32Async(dst.address, int(bits.view(np.uint32)[0]), count, stream))
+                word = int(pattern.view(np.uint32)[0])
+                check("cuMemsetD32Async", cu.cuMemsetD32Async(dst.address, word, count, stream))
             else:
-                pattern = np.uint64(bits.view(np.uint64)[0])
+                wide = np.uint64(pattern.view(np.uint64)[0])
                 blocks = int(min(-(-count // 256), self._rt.num_sms * 8))
-                self._rt.launch("elementwise", "fill_u64", (blocks,), 256, dst.address, np.int64(count), pattern)
+                self._rt.launch("elementwise", "fill_u64", (blocks,), 256, dst.address, np.int64(count), wide)
 
     def memory_info(self) -> tuple[int, int]:
         return self._rt.memory_info()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from atlas.adapters.cuda.tensor import CudaTensor
-from atlas.ports.gpu import DType
+from atlas.ports.gpu import DType, Tensor
 
 
 def tensor(value: object, name: str) -> CudaTensor:
@@ -14,24 +14,29 @@ def tensor(value: object, name: str) -> CudaTensor:
     return value
 
 
-def dtype(value: CudaTensor, name: str, allowed: Iterable[DType]) -> None:
+def address(value: Tensor, name: str) -> int:
+    """The device address of a port tensor, which must be this backend's."""
+    return tensor(value, name).address
+
+
+def dtype(value: Tensor, name: str, allowed: Iterable[DType]) -> None:
     allowed = tuple(allowed)
     if value.dtype not in allowed:
         names = ", ".join(d.value for d in allowed)
         raise ValueError(f"{name}: dtype {value.dtype.value} is not supported here (expected {names})")
 
 
-def shape(value: CudaTensor, name: str, expected: tuple[int, ...]) -> None:
+def shape(value: Tensor, name: str, expected: tuple[int, ...]) -> None:
     if value.shape != expected:
         raise ValueError(f"{name}: shape {list(value.shape)} does not match the expected {list(expected)}")
 
 
-def rank(value: CudaTensor, name: str, num_dims: int) -> None:
+def rank(value: Tensor, name: str, num_dims: int) -> None:
     if len(value.shape) != num_dims:
         raise ValueError(f"{name}: expected {num_dims} dimensions, got shape {list(value.shape)}")
 
 
-def at_least_rows(value: CudaTensor, name: str, num_rows: int) -> None:
+def at_least_rows(value: Tensor, name: str, num_rows: int) -> None:
     if not value.shape or value.shape[0] < num_rows:
         raise ValueError(f"{name}: needs at least {num_rows} rows, has shape {list(value.shape)}")
 

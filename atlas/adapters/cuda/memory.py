@@ -49,7 +49,7 @@ class DeviceAllocation:
     def __init__(self, address: int, num_bytes: int, pool: DeviceMemoryPool) -> None:
         self.address = address
         self.num_bytes = num_bytes
-        self._pool = pool
+        self._pool: DeviceMemoryPool | None = pool
 
     def __del__(self) -> None:
         pool = self._pool

@@ -104,8 +104,8 @@ def rope_and_cache(
         (num_tokens,),
         128,
         qkv.address,
-        meta.positions.address,
-        meta.slot_mapping.address,
+        checks.address(meta.positions, "meta.positions"),
+        checks.address(meta.slot_mapping, "meta.slot_mapping"),
         rope_table.address,
         np.int32(rope_table.shape[0]),
         cache.key_plane(layer),
@@ -150,9 +150,9 @@ def attention(
     if meta.num_seqs == 0 or meta.num_tokens == 0:
         return
     common = (
-        meta.query_start_loc.address,
-        meta.seq_lens.address,
-        meta.block_tables.address,
+        checks.address(meta.query_start_loc, "meta.query_start_loc"),
+        checks.address(meta.seq_lens, "meta.seq_lens"),
+        checks.address(meta.block_tables, "meta.block_tables"),
         np.int32(meta.block_tables.shape[1]),
     )
     scale_log2 = np.float32(scale * math.log2(math.e))

@@ -14,6 +14,7 @@ _FLOAT_TYPES = (DType.BF16, DType.F32)
 # At most this many token rows go through the GEMV kernel; more go to cuBLASLt.
 GEMV_MAX_TOKENS = 8
 _GEMV_WARPS = 4
+_GEMV_MMA_WARPS = 8
 _ACTIVATION_NAMES = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu_tanh"}
 
 
@@ -79,6 +80,7 @@ def rmsnorm(
     )
     work_items = hidden // 8 if vector else hidden
     threads = int(min(1024, max(64, -(-work_items // 32) * 32)))
+    args: tuple[object, ...]
     if residual is not None:
         args = (x.address, residual.address, weight.address, np.float32(eps), out.address, np.int32(hidden))
     else:
@@ -129,7 +131,9 @@ class LinearOp:
             checks.dtype(bias, "bias", (DType.BF16,))
         if num_tokens == 0:
             return
-        if num_tokens <= GEMV_MAX_TOKENS and inner % 8 == 0:
+        if 2 <= num_tokens <= GEMV_MAX_TOKENS and inner % 32 == 0:
+            self._gemv_tensor_cores(x, weight, out, bias, num_tokens, num_rows, inner)
+        elif num_tokens <= GEMV_MAX_TOKENS and inner % 8 == 0:
             self._gemv(x, weight, out, bias, num_tokens, num_rows, inner)
         else:
             self._cublas(x, weight, out, bias, num_tokens, num_rows, inner)
@@ -146,6 +150,22 @@ class LinearOp:
             symbol,
             (-(-num_rows // rows_per_block),),
             _GEMV_WARPS * 32,
+            x.address,
+            weight.address,
+            bias.address if bias is not None else 0,
+            out.address,
+            np.int32(num_tokens),
+            np.int32(num_rows),
+            np.int32(inner),
+        )
+
+    def _gemv_tensor_cores(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
+        # 16 output features per block of 8 warps; the tokens are the mma's n = 8 columns.
+        self._rt.launch(
+            "gemv",
+            f"gemv_mma_{checks.type_suffix(out.dtype)}",
+            (-(-num_rows // 16),),
+            _GEMV_MMA_WARPS * 32,
             x.address,
             weight.address,
             bias.address if bias is not None else 0,

@@ -100,9 +100,11 @@ def sample(
     vocab_size = logits.shape[1]
     workspace = rt.workspace("sampling_rows", num_rows * vocab_size * 4)
     num_top = logprobs.num_top if logprobs is not None else 0
-    sampled = logprobs.sampled.address if logprobs is not None else 0
-    top_ids = logprobs.top_ids.address if logprobs is not None and num_top else 0
-    top_logprobs = logprobs.top_logprobs.address if logprobs is not None and num_top else 0
+    sampled = checks.address(logprobs.sampled, "logprobs.sampled") if logprobs is not None else 0
+    top_ids = checks.address(logprobs.top_ids, "logprobs.top_ids") if logprobs is not None and num_top else 0
+    top_logprobs = (
+        checks.address(logprobs.top_logprobs, "logprobs.top_logprobs") if logprobs is not None and num_top else 0
+    )
     rt.launch(
         "sampling",
         f"sample_{checks.type_suffix(logits.dtype)}",
