@@ -22,7 +22,8 @@
 // Logprobs (when asked) are log_softmax of the raw logits: the sampled token's, and the K most
 // likely (ties: lowest id) by K rounds of a block argmax below the previous pick.
 //
-// One block of 1024 threads per row; the processed row lives in a float32 workspace [R, V].
+// One block of 1024 threads per row (64 KiB of dynamic shared memory for per-warp top-p
+// histograms); the processed row lives in a float32 workspace [R, V].
 // Bytes: ~15 passes over V * 4 bytes per row (L2 resident after the first). FLOPs: negligible
 // except one splitmix64 hash and two logf per token in the race. Bound by the single SM's L2
 // bandwidth per row; batches spread rows over SMs.
@@ -39,6 +40,7 @@ struct SampleShared {
     int best_ids[SAMPLE_WARPS];
     int warp_counts[SAMPLE_WARPS];
     double sums[SAMPLE_WARPS];
+    double lane_masses[SAMPLE_WARPS][32];
     int chosen_bin;
     int remaining;
     double mass_above;
@@ -109,27 +111,28 @@ __device__ __forceinline__ float counter_uniform(u64 stream_key, u64 token_id) {
     return __fmul_rn((float)(x >> 41) + 0.5f, 1.1920928955078125e-07f);  // * 2**-23
 }
 
-// Adds one count (and `mass`) to bin `bin` for every lane with `active`: lanes that share a bin
-// are summed first, so a warp issues one shared-memory atomic per distinct bin instead of one per
-// lane (the top bins of a row hold most tokens; per-lane atomics would serialise on them).
-// Every lane of the warp must call it.
-__device__ __forceinline__ void histogram_add(bool active, int bin, double mass, int* counts, double* masses) {
+// Adds one count (and `mass`) to bin `bin` for every lane with `active`. Lanes that share a bin
+// find each other with one match instruction; the lowest of them (the leader) issues the count
+// atomic for all and sums their masses in lane order from a per-warp scratch row, then adds the
+// sum to the warp's own histogram row `warp_masses` with a plain add (float64 shared-memory
+// atomics are compare-and-swap loops that crawl under contention; the fixed order also keeps
+// the result deterministic). Every lane of the warp must call it.
+__device__ __forceinline__ void histogram_add(bool active, int bin, double mass, int* counts, double* warp_masses,
+                                              double* lane_masses) {
     const int lane = threadIdx.x & 31;
-    unsigned pending = __ballot_sync(0xffffffffu, active);
-    while (pending) {
-        const int leader = __ffs(pending) - 1;
-        const int leader_bin = __shfl_sync(0xffffffffu, bin, leader);
-        const bool mine = active && bin == leader_bin;
-        const unsigned group = __ballot_sync(0xffffffffu, mine);
-        if (masses != nullptr) {
-            double total = mine ? mass : 0.0;
-#pragma unroll
-            for (int offset = 16; offset > 0; offset >>= 1) total += __shfl_xor_sync(0xffffffffu, total, offset);
-            if (lane == leader) atomicAdd(&masses[leader_bin], total);
+    const unsigned peers = __match_any_sync(0xffffffffu, active ? bin : -1);
+    const bool leader = active && lane == __ffs(peers) - 1;
+    if (warp_masses != nullptr) {
+        lane_masses[lane] = mass;
+        __syncwarp();
+        if (leader) {
+            double total = 0.0;
+            for (unsigned rest = peers; rest != 0; rest &= rest - 1) total += lane_masses[__ffs(rest) - 1];
+            warp_masses[bin] += total;
         }
-        if (lane == leader) atomicAdd(&counts[leader_bin], __popc(group));
-        pending &= ~group;
+        __syncwarp();
     }
+    if (leader) atomicAdd(&counts[bin], __popc(peers));
 }
 
 // The `need`-th (1-based) smallest id v < V with predicate(v) true; -1 when there are fewer.
@@ -169,11 +172,19 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
                            const int* __restrict__ penalty_ids, const int* __restrict__ penalty_counts,
                            float repetition, float presence, float frequency, int bias_begin, int bias_end,
                            const int* __restrict__ bias_ids, const float* __restrict__ bias_values,
-                           int* __restrict__ out_id, SampleShared& shared) {
+                           int* __restrict__ out_id, SampleShared& shared, double* warp_masses) {
     const int tid = threadIdx.x;
     // 1-2: the processed row.
-    #pragma unroll 4
-    for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) row[v] = to_float(logits_row[v]);
+        const bool vector_rows = vocab_size % 8 == 0;  // rows then start 16-byte aligned
+    if (vector_rows) {
+        for (int chunk = tid; chunk < vocab_size / 8; chunk += SAMPLE_THREADS) {
+            float values[8];
+            load8(logits_row + chunk * 8, values);
+            store8(row + chunk * 8, values);
+        }
+    } else {
+        for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) row[v] = to_float(logits_row[v]);
+    }
     __syncthreads();
     for (int e = penalty_begin + tid; e < penalty_end; e += SAMPLE_THREADS) {
         const int id = penalty_ids[e];
@@ -196,11 +207,24 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
     // 3: the argmax is the answer for greedy rows and the fallback when nothing is kept.
     float max_value = -ATLAS_INF;
     int argmax_id = 0x7fffffff;
-    #pragma unroll 4
-    for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) {
-        if (ranks_before(row[v], v, max_value, argmax_id)) {
-            max_value = row[v];
-            argmax_id = v;
+        if (vector_rows) {
+        for (int chunk = tid; chunk < vocab_size / 8; chunk += SAMPLE_THREADS) {
+            float values[8];
+            load8(row + chunk * 8, values);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (ranks_before(values[i], chunk * 8 + i, max_value, argmax_id)) {
+                    max_value = values[i];
+                    argmax_id = chunk * 8 + i;
+                }
+            }
+        }
+    } else {
+        for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) {
+            if (ranks_before(row[v], v, max_value, argmax_id)) {
+                max_value = row[v];
+                argmax_id = v;
+            }
         }
     }
     block_argmax(max_value, argmax_id, shared);
@@ -224,7 +248,7 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
                 const int v = base + tid;
                 const u32 key = v < vocab_size ? order_key(row[v]) : 0u;
                 const bool active = v < vocab_size && (key & prefix_mask) == prefix;
-                histogram_add(active, (key >> shift) & 0xff, 0.0, shared.counts, nullptr);
+                histogram_add(active, (key >> shift) & 0xff, 0.0, shared.counts, nullptr, nullptr);
             }
             __syncthreads();
             if (tid == 0) {
@@ -276,10 +300,8 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
         u32 prefix = 0, prefix_mask = 0;
         if (tid == 0) shared.mass_above = 0.0;
         for (int shift = 24; shift >= 0 && any_top_p; shift -= 8) {
-            for (int b = tid; b < RADIX_BINS; b += SAMPLE_THREADS) {
-                shared.counts[b] = 0;
-                shared.masses[b] = 0.0;
-            }
+            for (int b = tid; b < RADIX_BINS; b += SAMPLE_THREADS) shared.counts[b] = 0;
+            for (int b = tid; b < SAMPLE_WARPS * RADIX_BINS; b += SAMPLE_THREADS) warp_masses[b] = 0.0;
             __syncthreads();
             for (int base = 0; base < vocab_size; base += SAMPLE_THREADS) {
                 const int v = base + tid;
@@ -288,7 +310,14 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
                 const bool active = v < vocab_size && (key & prefix_mask) == prefix && in_top_k(v, key);
                 const double mass =
                     active ? (double)expf(__fdiv_rn(__fsub_rn(value, max_value), temperature)) : 0.0;
-                histogram_add(active, (key >> shift) & 0xff, mass, shared.counts, shared.masses);
+                histogram_add(active, (key >> shift) & 0xff, mass, shared.counts, warp_masses + (tid >> 5) * RADIX_BINS,
+                              shared.lane_masses[tid >> 5]);
+            }
+            __syncthreads();
+            for (int b = tid; b < RADIX_BINS; b += SAMPLE_THREADS) {
+                double bin_mass = 0.0;
+                for (int w = 0; w < SAMPLE_WARPS; ++w) bin_mass += warp_masses[w * RADIX_BINS + b];
+                shared.masses[b] = bin_mass;
             }
             __syncthreads();
             if (tid == 0) {
@@ -436,6 +465,7 @@ __device__ __forceinline__ void sample_kernel_impl(
     const int* bias_token_ids, const float* bias_values, int any_penalties, int any_bias, int all_greedy,
     int* out_token_ids, float* sampled_logprobs, int* top_ids, float* top_logprobs, int num_top) {
     __shared__ SampleShared shared;
+    extern __shared__ double warp_masses[];  // [SAMPLE_WARPS][RADIX_BINS], 64 KiB (dynamic)
     const int r = blockIdx.x;
     const LOGIT* logits_row = logits + (long long)r * vocab_size;
     RowParams params;
@@ -452,7 +482,7 @@ __device__ __forceinline__ void sample_kernel_impl(
                       penalty_begin, penalty_end, penalty_token_ids, penalty_output_counts,
                       any_penalties ? repetition_penalty[r] : 1.0f, any_penalties ? presence_penalty[r] : 0.0f,
                       any_penalties ? frequency_penalty[r] : 0.0f, bias_begin, bias_end, bias_token_ids,
-                      bias_values, out_token_ids + r, shared);
+                      bias_values, out_token_ids + r, shared, warp_masses);
     if (sampled_logprobs != nullptr) {
         __syncthreads();
         const int sampled_id = out_token_ids[r];

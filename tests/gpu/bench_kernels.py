@@ -170,12 +170,20 @@ def _sampling_rows(backend, timer, rng):
     logits = backend.upload(bf16_random(rng, (num_rows, vocab_size), 3.0), DType.BF16)
     out = backend.empty((num_rows,), DType.I32)
     result = []
-    for label, temperature, top_p in (("greedy", 0.0, 1.0), ("T=0.8 top_p=0.9", 0.8, 0.9)):
+    variants = (
+        ("greedy", 0.0, 0, 1.0, 0.0),
+        ("T=0.8", 0.8, 0, 1.0, 0.0),
+        ("T=0.8 top_k=50", 0.8, 50, 1.0, 0.0),
+        ("T=0.8 min_p=0.05", 0.8, 0, 1.0, 0.05),
+        ("T=0.8 top_p=0.9", 0.8, 0, 0.9, 0.0),
+        ("T=0.8 top_k=50 top_p=0.9", 0.8, 50, 0.9, 0.0),
+    )
+    for label, temperature, top_k, top_p, min_p in variants:
         params = SamplingTensors(
             temperature=backend.upload(np.full(num_rows, temperature, np.float32)),
-            top_k=backend.upload(np.zeros(num_rows, np.int32)),
+            top_k=backend.upload(np.full(num_rows, top_k, np.int32)),
             top_p=backend.upload(np.full(num_rows, top_p, np.float32)),
-            min_p=backend.upload(np.zeros(num_rows, np.float32)),
+            min_p=backend.upload(np.full(num_rows, min_p, np.float32)),
             seeds=backend.upload(np.arange(num_rows, dtype=np.int64)),
             counters=backend.upload(np.zeros(num_rows, np.int64)),
             repetition_penalty=backend.upload(np.ones(num_rows, np.float32)),

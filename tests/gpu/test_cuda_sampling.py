@@ -96,7 +96,9 @@ def _sample_both(cuda_backend, mock_backend, logits: np.ndarray, rows, logits_dt
     return results
 
 
-@pytest.mark.parametrize("vocab_size, logits_dtype", [(32000, DType.BF16), (49152, DType.F32), (151936, DType.BF16)])
+@pytest.mark.parametrize(
+    "vocab_size, logits_dtype", [(32000, DType.BF16), (49152, DType.F32), (151936, DType.BF16), (1001, DType.F32)]
+)
 def test_sampled_ids_equal_the_mock(cuda_backend, mock_backend, rng, vocab_size, logits_dtype):
     num_rows = 24
     # bf16 logits tie often: the tie rules are exercised, not just the common case.

@@ -11,6 +11,9 @@ from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.ports.gpu import DType, LogprobsOut, SamplingTensors
 
 _THREADS = 1024
+_RADIX_BINS = 256
+# Per-warp float64 top-p histograms in dynamic shared memory (see sampling.cu).
+_SHARED_BYTES = (_THREADS // 32) * _RADIX_BINS * 8
 
 _PER_ROW = (
     ("temperature", DType.F32),
@@ -123,4 +126,5 @@ def sample(
         top_ids,
         top_logprobs,
         np.int32(num_top),
+        shared_bytes=_SHARED_BYTES,
     )
