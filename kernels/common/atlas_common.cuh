@@ -151,6 +151,14 @@ __device__ __forceinline__ u32 smem_address(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }
 
+// Four 8x8 bf16 matrices: lane L passes the address of row L % 8 of matrix L / 8 and receives,
+// from each matrix m, elements (g, 2t) and (g, 2t + 1) in r[m].
+__device__ __forceinline__ void ldmatrix_x4(u32* r, const void* row_address) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_address(row_address)));
+}
+
 // Four 8x8 bf16 matrices, transposed on the way in: lane L passes the address of row L % 8 of
 // matrix L / 8 and receives, from each matrix m, elements (2t, g) and (2t + 1, g) in r[m].
 __device__ __forceinline__ void ldmatrix_x4_trans(u32* r, const void* row_address) {

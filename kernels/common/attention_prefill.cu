@@ -29,11 +29,9 @@
 // variant belongs in kernels/sm90/).
 #include "atlas_common.cuh"
 
-#define PREFILL_BLOCK_M 64
 #define PREFILL_BLOCK_N 64
-#define PREFILL_WARPS 4
 
-template <int HEAD_DIM, int STAGES>
+template <int HEAD_DIM, int STAGES, int BLOCK_M>
 __device__ __forceinline__ void attention_prefill_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
     bf16* __restrict__ out, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
@@ -42,10 +40,11 @@ __device__ __forceinline__ void attention_prefill_impl(
     constexpr int STRIDE = HEAD_DIM + 8;  // padded row: conflict-free fragment loads
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
     constexpr int DIM_TILES = HEAD_DIM / 8;
+    constexpr int THREADS = BLOCK_M / 16 * 32;  // a warp per 16 rows
     extern __shared__ uint4 shared_raw[];
     // Shared memory: Q [64][STRIDE], then per stage K [64][STRIDE] and V [64][STRIDE].
     bf16* q_tile = reinterpret_cast<bf16*>(shared_raw);
-    bf16* kv_tiles = q_tile + PREFILL_BLOCK_M * STRIDE;
+    bf16* kv_tiles = q_tile + BLOCK_M * STRIDE;
 
     const int group = num_q_heads / num_kv_heads;
     const int kv_head = blockIdx.y;
@@ -55,15 +54,15 @@ __device__ __forceinline__ void attention_prefill_impl(
     int lo = 0, hi = num_seqs - 1;
     while (lo < hi) {
         const int mid = (lo + hi + 1) >> 1;
-        const int start = (int)(((long long)query_start_loc[mid] * group) / PREFILL_BLOCK_M) + mid;
+        const int start = (int)(((long long)query_start_loc[mid] * group) / BLOCK_M) + mid;
         if (start <= tile_id) lo = mid; else hi = mid - 1;
     }
     const int seq = lo;
     const int first_token = query_start_loc[seq];
     const int query_len = query_start_loc[seq + 1] - first_token;
     const int context_len = seq_lens[seq];
-    const int local_tile = tile_id - ((int)(((long long)first_token * group) / PREFILL_BLOCK_M) + seq);
-    const int first_row = local_tile * PREFILL_BLOCK_M;
+    const int local_tile = tile_id - ((int)(((long long)first_token * group) / BLOCK_M) + seq);
+    const int first_row = local_tile * BLOCK_M;
     const int num_rows = query_len * group;
     if (query_len <= 0 || first_row >= num_rows || (skip_single_token && query_len == 1)) return;
 
@@ -73,7 +72,7 @@ __device__ __forceinline__ void attention_prefill_impl(
     const int first_position = context_len - query_len;
 
     // Q tile -> shared (rows past the sequence are zero-filled).
-    for (int c = tid; c < PREFILL_BLOCK_M * CHUNKS; c += PREFILL_WARPS * 32) {
+    for (int c = tid; c < BLOCK_M * CHUNKS; c += THREADS) {
         const int r = c / CHUNKS, chunk = c % CHUNKS;
         const int row = first_row + r;
         const bool valid = row < num_rows;
@@ -93,7 +92,7 @@ __device__ __forceinline__ void attention_prefill_impl(
         row_valid[half] = row < num_rows;
         row_position[half] = first_position + (row_valid[half] ? row / group : 0);
     }
-    const int last_row = min(first_row + PREFILL_BLOCK_M, num_rows) - 1;
+    const int last_row = min(first_row + BLOCK_M, num_rows) - 1;
     const int lowest_position = first_position + first_row / group;
     const int kv_end = first_position + last_row / group + 1;
     const int kv_begin = sliding_window > 0 ? max(0, lowest_position - sliding_window + 1) : 0;
@@ -110,7 +109,7 @@ __device__ __forceinline__ void attention_prefill_impl(
     auto load_tile = [&](int kv_start, int stage) {
         bf16* k_dst = kv_tiles + stage * 2 * PREFILL_BLOCK_N * STRIDE;
         bf16* v_dst = k_dst + PREFILL_BLOCK_N * STRIDE;
-        for (int c = tid; c < PREFILL_BLOCK_N * CHUNKS; c += PREFILL_WARPS * 32) {
+        for (int c = tid; c < PREFILL_BLOCK_N * CHUNKS; c += THREADS) {
             const int r = c / CHUNKS, chunk = c % CHUNKS;
             const int key = kv_start + r;
             const bool valid = key < kv_end;
@@ -145,20 +144,22 @@ __device__ __forceinline__ void attention_prefill_impl(
         float s[PREFILL_BLOCK_N / 8][4];
 #pragma unroll
         for (int n = 0; n < PREFILL_BLOCK_N / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-        const bf16* q_warp = q_tile + warp * 16 * STRIDE;
+        // Fragments through ldmatrix.x4: lane L addresses row L % 8 of 8x8 matrix L / 8.
+        //   Q (A, 16 x 16): matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), row-half = bit 0 of L / 8
+        //   K (B, two n-tiles x 16 k): matrices (keys n..n+7 | n+8..n+15) x (k 0-7 | 8-15),
+        //     k-half = bit 0 of L / 8, key-half = bit 1
+        const bf16* q_lane = q_tile + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
+        const bf16* k_lane = k_tile + ((lane & 7) + (lane >> 4) * 8) * STRIDE + ((lane >> 3) & 1) * 8;
 #pragma unroll
         for (int k = 0; k < HEAD_DIM / 16; ++k) {
             u32 a[4];
-            a[0] = *reinterpret_cast<const u32*>(q_warp + g * STRIDE + k * 16 + 2 * t);
-            a[1] = *reinterpret_cast<const u32*>(q_warp + (g + 8) * STRIDE + k * 16 + 2 * t);
-            a[2] = *reinterpret_cast<const u32*>(q_warp + g * STRIDE + k * 16 + 8 + 2 * t);
-            a[3] = *reinterpret_cast<const u32*>(q_warp + (g + 8) * STRIDE + k * 16 + 8 + 2 * t);
+            ldmatrix_x4(a, q_lane + k * 16);
 #pragma unroll
-            for (int n = 0; n < PREFILL_BLOCK_N / 8; ++n) {
-                u32 b[2];
-                b[0] = *reinterpret_cast<const u32*>(k_tile + (n * 8 + g) * STRIDE + k * 16 + 2 * t);
-                b[1] = *reinterpret_cast<const u32*>(k_tile + (n * 8 + g) * STRIDE + k * 16 + 8 + 2 * t);
+            for (int n = 0; n < PREFILL_BLOCK_N / 8; n += 2) {
+                u32 b[4];
+                ldmatrix_x4(b, k_lane + n * 8 * STRIDE + k * 16);
                 mma_bf16_16816(s[n], a, b);
+                mma_bf16_16816(s[n + 1], a, b + 2);
             }
         }
 
@@ -249,17 +250,20 @@ __device__ __forceinline__ void attention_prefill_impl(
     }
 }
 
-#define DEFINE_PREFILL(HEAD_DIM, STAGES)                                                                       \
-    extern "C" __global__ void __launch_bounds__(PREFILL_WARPS * 32) attention_prefill_d##HEAD_DIM(            \
+#define DEFINE_PREFILL(HEAD_DIM, STAGES, BLOCK_M)                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_d##HEAD_DIM##_m##BLOCK_M( \
         const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, const int* query_start_loc,        \
         const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs, int num_q_heads,   \
         int num_kv_heads, int block_size, float scale_log2, int sliding_window, int skip_single_token) {       \
-        attention_prefill_impl<HEAD_DIM, STAGES>(q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables,    \
-                                         block_table_stride, num_seqs, num_q_heads, num_kv_heads, block_size,  \
-                                         scale_log2, sliding_window, skip_single_token);                       \
+        attention_prefill_impl<HEAD_DIM, STAGES, BLOCK_M>(                                                     \
+            q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables, block_table_stride, num_seqs,   \
+            num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, skip_single_token);             \
     }
 
-// Two K/V stages where shared memory allows it on every target (sm_120 caps a block at 99 KB).
-DEFINE_PREFILL(64, 2)
-DEFINE_PREFILL(128, 2)
-DEFINE_PREFILL(256, 1)
+// Shared memory is (BLOCK_M + 2 STAGES 64) (D + 8) 2 bytes. 128-row tiles (8 warps) halve the K/V
+// traffic per query row; the host takes them when the device allows the shared memory
+// (d128_m128 needs 102 KB: Hopper and A100 yes, sm_120's 99 KB no, so d128_m64 exists too).
+DEFINE_PREFILL(64, 2, 128)
+DEFINE_PREFILL(128, 2, 128)
+DEFINE_PREFILL(128, 2, 64)
+DEFINE_PREFILL(256, 1, 64)

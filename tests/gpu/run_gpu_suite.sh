@@ -24,8 +24,8 @@ for start in ('cold', 'warm'):
     print(start, 'start:', len(s.compiled), 'compiled,', len(s.loaded_from_cache), 'loaded from cache')
     backend.close()
 print('passed')" ;;
-  sanitizer) step sanitizer 200 compute-sanitizer --tool memcheck --print-limit 30 \
-      python3 -m pytest tests/gpu -m "gpu and not slow" -q -p no:cacheprovider --tb=line -x \
+  sanitizer) step sanitizer 280 compute-sanitizer --tool memcheck --print-limit 30 \
+      python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider --tb=line -x \
       -k "not warm_start and not too_large and not oom" ;;
   probe) step probe 60 compute-sanitizer --tool memcheck --print-limit 3 python3 tests/gpu/sanitizer_probe.py ;;
   bench) step bench 150 python3 tests/gpu/bench_kernels.py ;;

@@ -196,3 +196,16 @@ def test_kv_cache_too_large_says_what_fits(cuda_backend):
     spec = KvCacheSpec(32, 2 * total // per_block, 16, 8, 128, DType.BF16)
     with pytest.raises(MemoryError, match="blocks"):
         cuda_backend.allocate_kv_cache(spec)
+
+
+def test_prefill_falls_back_to_64_row_tiles_where_shared_memory_is_scarce(cuda_backend, mock_backend, rng, monkeypatch):
+    """sm_120 gives a block 99 KB: head_dim 128 then runs the 64-row variant; check it here."""
+    from atlas.adapters.cuda.ops_attention import prefill_tile
+
+    assert prefill_tile(128, 101376)[0] == 64 and prefill_tile(128, 232448)[0] == 128
+    monkeypatch.setattr(cuda_backend.runtime, "max_shared_optin", 101376)
+    heads = HeadLayout(32, 4, 128)
+    case = paged_case(rng, heads, [513, 90, 200], [300, 90, 1])
+    scale = 1 / math.sqrt(heads.head_dim)
+    actual, expected = _attention_pair(cuda_backend, mock_backend, case, scale, None, use_mock=True)
+    assert rel_l2(actual, expected) < BF16_TOLERANCE

@@ -14,9 +14,9 @@ from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.ports.gpu import AttentionMetadata, DType, HeadLayout
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-_PREFILL_BLOCK_M = 64
 _PREFILL_BLOCK_N = 64
-_PREFILL_THREADS = 128
+# (head_dim, rows per tile) pairs attention_prefill.cu defines.
+_PREFILL_VARIANTS = {(64, 128), (128, 128), (128, 64), (256, 64)}
 _DECODE_THREADS = 128
 _MAX_SPLITS = 64
 # A decode split reads at least this many context tokens: fewer and the merge costs more than
@@ -163,18 +163,28 @@ def attention(
     _decode(rt, q, out, planes, common, meta, heads, cache.spec.block_size, scale_log2, window)
 
 
+def prefill_tile(head_dim: int, max_shared_bytes: int) -> tuple[int, int, int]:
+    """(rows per tile, K/V stages, shared bytes) of the prefill kernel variant to launch: 128-row
+    tiles where the device gives a block enough shared memory, else 64 (attention_prefill.cu)."""
+    stride = head_dim + 8  # padded rows, as the kernel lays them out
+    stages = 2 if head_dim <= 128 else 1
+    for rows in (128, 64):
+        shared_bytes = (rows + stages * 2 * _PREFILL_BLOCK_N) * stride * 2
+        if (head_dim, rows) in _PREFILL_VARIANTS and shared_bytes <= max_shared_bytes:
+            return rows, stages, shared_bytes
+    raise ValueError(f"heads.head_dim: {head_dim} needs more shared memory than the device has")
+
+
 def _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window) -> None:
     group = heads.num_q_heads // heads.num_kv_heads
-    num_tiles = (meta.num_tokens * group) // _PREFILL_BLOCK_M + meta.num_seqs
-    stride = heads.head_dim + 8  # padded rows, as the kernel lays them out
-    stages = 2 if heads.head_dim <= 128 else 1  # DEFINE_PREFILL in attention_prefill.cu
-    shared_bytes = (_PREFILL_BLOCK_M + stages * 2 * _PREFILL_BLOCK_N) * stride * 2
+    rows, _, shared_bytes = prefill_tile(heads.head_dim, rt.max_shared_optin)
+    num_tiles = (meta.num_tokens * group) // rows + meta.num_seqs
     query_start_loc, seq_lens, block_tables, table_stride = common
     rt.launch(
         "attention_prefill",
-        f"attention_prefill_d{heads.head_dim}",
+        f"attention_prefill_d{heads.head_dim}_m{rows}",
         (num_tiles, heads.num_kv_heads),
-        _PREFILL_THREADS,
+        rows // 16 * 32,
         q.address,
         planes[0],
         planes[1],
