@@ -251,7 +251,7 @@ __device__ __forceinline__ void attention_prefill_impl(
 }
 
 #define DEFINE_PREFILL(HEAD_DIM, STAGES, BLOCK_M)                                                              \
-    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32) attention_prefill_d##HEAD_DIM##_m##BLOCK_M( \
+    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32, 2) attention_prefill_d##HEAD_DIM##_m##BLOCK_M( \
         const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, const int* query_start_loc,        \
         const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs, int num_q_heads,   \
         int num_kv_heads, int block_size, float scale_log2, int sliding_window, int skip_single_token) {       \
@@ -260,6 +260,8 @@ __device__ __forceinline__ void attention_prefill_impl(
             num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, skip_single_token);             \
     }
 
+// Two blocks per SM (the register cap of __launch_bounds__(.., 2) costs d128_m128 20 bytes of
+// spills and doubles the warps that hide latency).
 // Shared memory is (BLOCK_M + 2 STAGES 64) (D + 8) 2 bytes. 128-row tiles (8 warps) halve the K/V
 // traffic per query row; the host takes them when the device allows the shared memory
 // (d128_m128 needs 102 KB: Hopper and A100 yes, sm_120's 99 KB no, so d128_m64 exists too).

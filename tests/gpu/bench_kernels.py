@@ -102,6 +102,18 @@ def main() -> int:
             )
         del weights
 
+    # cuBLASLt at batch sizes past the GEMV (decode batches, then a prefill chunk).
+    for num_rows, inner in ((4096, 4096), (14336, 4096)):
+        weight = backend.upload(bf16_random(rng, (num_rows, inner), 0.02), DType.BF16)
+        for num_tokens in (16, 64, 256, 8192):
+            x = backend.upload(bf16_random(rng, (num_tokens, inner)), DType.BF16)
+            out = backend.empty((num_tokens, num_rows), DType.BF16)
+            us = timer.per_call_us(lambda x=x, out=out, weight=weight: backend.linear(x, weight, out), rounds=5)
+            moved = (num_rows * inner + num_tokens * (inner + num_rows)) * 2
+            flops = 2 * num_tokens * num_rows * inner
+            rate = f"{moved / (us * 1e-6) / 1e12:.2f} TB/s, {flops / (us * 1e-6) / 1e12:.0f} TFLOP/s"
+            rows.append((f"cublaslt N={num_tokens} {num_rows}x{inner}", f"{us:.1f} us", rate))
+
     # Attention: an 8k-token prompt (causal) and a batch-64 decode over 4k contexts.
     heads = HeadLayout(32, 8, 128)
     rows += _attention_rows(backend, timer, rng, heads, [8192], [8192], "prefill 8192 tok, 32/8 heads", True)

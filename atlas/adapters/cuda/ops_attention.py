@@ -18,7 +18,7 @@ _PREFILL_BLOCK_N = 64
 # (head_dim, rows per tile) pairs attention_prefill.cu defines.
 _PREFILL_VARIANTS = {(64, 128), (128, 128), (128, 64), (256, 64)}
 _DECODE_THREADS = 128
-_MAX_SPLITS = 64
+_MAX_SPLITS = 128
 # A decode split reads at least this many context tokens: fewer and the merge costs more than
 # the parallelism gains.
 _MIN_TOKENS_PER_SPLIT = 256
@@ -205,11 +205,12 @@ def _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, wi
 
 
 def decode_split_count(num_sms: int, num_blocks_per_split: int, max_seq_len: int) -> int:
-    """Splits of the context per (sequence, head group): enough blocks for two waves of SMs,
-    each split reading at least `_MIN_TOKENS_PER_SPLIT` tokens."""
+    """Splits of the context per (sequence, head group): none once there are two blocks per SM;
+    below that, about four blocks per SM (what fits at once), each split reading at least
+    `_MIN_TOKENS_PER_SPLIT` tokens."""
     if num_blocks_per_split >= 2 * num_sms:
         return 1
-    wanted = -(-2 * num_sms // num_blocks_per_split)
+    wanted = -(-4 * num_sms // num_blocks_per_split)
     by_length = max(1, -(-max_seq_len // _MIN_TOKENS_PER_SPLIT))
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
