@@ -107,16 +107,29 @@ class OutputRouter:
             self._routes[seq_id] = route
         return receive
 
-    def deliver(self, outputs: Iterable[SequenceOutput]) -> None:
-        """Send each output to its stream; an output for an unknown id is dropped (aborted)."""
+    def deliver(self, outputs: Iterable[SequenceOutput]) -> list[str]:
+        """Send each output to its stream; an output for an unknown id is dropped (aborted).
+
+        Returns the ids whose consumer closed its stream without aborting them: they are no
+        longer routed, and the caller must abort them in the engine.
+        """
         routes = self._routes
+        orphans = []
         for output in outputs:
             route = routes.get(output.seq_id)
             if route is None:
                 continue
-            route.send.send_nowait(output)
+            try:
+                route.send.send_nowait(output)
+            except anyio.BrokenResourceError:
+                orphans.extend(seq_id for seq_id, r in list(routes.items()) if r is route)
+                for seq_id in orphans:
+                    if routes.get(seq_id) is route:
+                        self._release(seq_id, route)
+                continue
             if output.finish_reason is not None:
                 self._release(output.seq_id, route)
+        return orphans
 
     def fail(self, seq_id: str, failure: EngineFailure) -> list[str]:
         """End `seq_id`'s request with `failure`; returns its siblings still routed (to abort)."""
@@ -124,7 +137,10 @@ class OutputRouter:
         if route is None:
             return []
         siblings = [other for other, r in self._routes.items() if r is route and other != seq_id]
-        route.send.send_nowait(failure)
+        try:
+            route.send.send_nowait(failure)
+        except anyio.BrokenResourceError:
+            pass  # nobody is listening any more
         for other in (seq_id, *siblings):
             self._release(other, route)
         return siblings
@@ -268,4 +284,5 @@ class EngineActor:
         finally:
             self._busy_since_s = None
         self._stats = self._core.stats()
-        self._router.deliver(outputs)
+        for orphan in self._router.deliver(outputs):
+            self._core.abort(orphan)

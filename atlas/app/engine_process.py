@@ -323,7 +323,9 @@ class EngineProcess:
         self._last_progress_s = self._clock()
         for failure in message.failures:
             self.abort(self._router.fail(failure.request_id, failure.failure))
-        self._router.deliver(message.outputs)
+        orphans = self._router.deliver(message.outputs)
+        for orphan in orphans:
+            self._outbox_send.send_nowait(AbortRequest(orphan))
 
     async def _receive_messages(self) -> list[FromEngine]:
         while True:

@@ -175,6 +175,14 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def exposure_warning(host: str, require_auth: bool) -> str | None:
+    """The warning logged when the server listens beyond this machine, else None."""
+    if _is_loopback(host):
+        return None
+    advice = "" if require_auth else "; anyone who can reach it can use it: consider --require-auth"
+    return f"listening on {host}: the API is reachable from other machines{advice}"
+
+
 def run_server(args: argparse.Namespace) -> int:
     """`atlas serve`: check the configuration, then serve until Ctrl-C or SIGTERM."""
     from hypercorn.asyncio import serve
@@ -196,9 +204,9 @@ def run_server(args: argparse.Namespace) -> int:
     config.bind = [f"[{host}]:{args.port}" if ":" in host else f"{host}:{args.port}"]
     config.accesslog = logging.getLogger("atlas.access") if args.access_log else None
     config.graceful_timeout = 5.0
-    if not _is_loopback(host):
-        log.warning("listening on %s: the API is reachable from other machines%s", host,
-                    "" if args.require_auth else "; consider --require-auth")
+    warning = exposure_warning(host, args.require_auth)
+    if warning is not None:
+        log.warning("%s", warning)
     log.info("Atlas listening on http://%s:%d (model %s loads in the background; /health is 503 until ready)",
              host, args.port, args.model_name or args.model)
 

@@ -72,6 +72,8 @@ def render_chat(
         raise bad_request("messages", str(error)) from None
     except TypeError as error:  # a chat_template_kwargs key that collides with a template argument
         raise bad_request("chat_template_kwargs", f"chat_template_kwargs cannot be applied: {error}") from None
+    except RecursionError:
+        raise bad_request("messages", "the messages or tools are nested too deeply to render") from None
 
 
 async def tokenize(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:

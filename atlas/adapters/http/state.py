@@ -93,7 +93,7 @@ def decode_body(body: bytes, schema: type):
         return decoder.decode(body)
     except msgspec.ValidationError as error:
         raise from_validation_error(error) from None
-    except (msgspec.DecodeError, UnicodeDecodeError) as error:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as error:
         raise malformed_json(error) from None
 
 

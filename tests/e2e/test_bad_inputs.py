@@ -1,0 +1,189 @@
+"""Hostile and malformed requests: each gets a 4xx with an OpenAI error object, none a 500,
+and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+from conftest import MAX_SEQ_LEN
+
+pytestmark = pytest.mark.e2e
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**fields):
+    return ("POST", "/v1/chat/completions", json.dumps({"model": "tiny", "messages": USER, **fields}).encode())
+
+
+def chat_raw(raw: bytes):
+    return ("POST", "/v1/chat/completions", raw)
+
+
+def completion(**fields):
+    return ("POST", "/v1/completions", json.dumps({"model": "tiny", **fields}).encode())
+
+
+CASES = {
+    "not json": chat_raw(b"{not json"),
+    "empty body": chat_raw(b""),
+    "array body": chat_raw(b"[1, 2]"),
+    "null body": chat_raw(b"null"),
+    "invalid utf-8": chat_raw(b'{"messages":[{"role":"user","content":"\xff\xfe"}]}'),
+    "lone surrogate": chat_raw(b'{"messages":[{"role":"user","content":"\\ud800"}]}'),
+    "nested 100k deep": chat_raw(b'{"messages":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    "NaN literal": chat_raw(b'{"messages":[{"role":"user","content":"x"}],"temperature":NaN}'),
+    "messages missing": ("POST", "/v1/chat/completions", b'{"model":"tiny"}'),
+    "messages empty": chat(messages=[]),
+    "messages a string": chat(messages="hello"),
+    "role missing": chat(messages=[{"content": "x"}]),
+    "role unknown": chat(messages=[{"role": "wizard", "content": "x"}]),
+    "content a number": chat(messages=[{"role": "user", "content": 123}]),
+    "content an image": chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+    "content missing": chat(messages=[{"role": "user"}]),
+    "max_tokens a string": chat(max_tokens="10"),
+    "max_tokens negative": chat(max_tokens=-5),
+    "max_tokens zero": chat(max_tokens=0),
+    "max_tokens huge": chat(max_tokens=10**12),
+    "max_tokens beyond int64": chat(max_tokens=10**30),
+    "max_completion_tokens huge": chat(max_completion_tokens=MAX_SEQ_LEN * 10),
+    "temperature negative": chat(temperature=-1),
+    "temperature overflow": chat_raw(b'{"messages":[{"role":"user","content":"x"}],"temperature":1e400}'),
+    "temperature a word": chat(temperature="hot"),
+    "top_p zero": chat(top_p=0),
+    "top_p two": chat(top_p=2),
+    "top_k negative": chat(top_k=-5),
+    "top_k beyond int32": chat(top_k=2**40),
+    "min_p above one": chat(min_p=1.5),
+    "n zero": chat(n=0),
+    "n a thousand": chat(n=1000),
+    "presence_penalty large": chat(presence_penalty=5),
+    "frequency_penalty small": chat(frequency_penalty=-3),
+    "repetition_penalty zero": chat(repetition_penalty=0),
+    "logit_bias key not an id": chat(logit_bias={"abc": 1}),
+    "logit_bias id out of vocabulary": chat(logit_bias={"999999": 1}),
+    "logit_bias value too large": chat(logit_bias={"5": 500}),
+    "seventeen stop strings": chat(stop=[f"s{i}" for i in range(17)]),
+    "empty stop string": chat(stop=[""]),
+    "stop a number": chat(stop=123),
+    "stop_token_ids negative": chat(stop_token_ids=[-1]),
+    "stop_token_ids out of vocabulary": chat(stop_token_ids=[10**6]),
+    "seed beyond 64 bits": chat(seed=2**70),
+    "seed a string": chat(seed="x"),
+    "top_logprobs too many": chat(logprobs=True, top_logprobs=50),
+    "top_logprobs without logprobs": chat(top_logprobs=2),
+    "logprobs a string": chat(logprobs="yes"),
+    "unknown field (typo)": chat(max_token=5),
+    "unsupported field": chat(guided_json={"type": "object"}),
+    "json_schema response format": chat(response_format={"type": "json_schema"}),
+    "forced tool choice": chat(tool_choice="required"),
+    "stream a string": chat(stream="yes"),
+    "stream_options unknown field": chat(stream=True, stream_options={"include_everything": True}),
+    "prompt over the context": chat(messages=[{"role": "user", "content": "word " * (2 * MAX_SEQ_LEN)}]),
+    "ten thousand messages": chat(messages=[{"role": "user", "content": "x"}] * 10_000),
+    "chat_template_kwargs a string": chat(chat_template_kwargs="x"),
+    "min_tokens above max_tokens": chat(min_tokens=20, max_tokens=5),
+    "min_tokens negative": chat(min_tokens=-1),
+    "model of another name": chat(model="gpt-4o"),
+    "model a number": chat(model=5),
+    "prompt missing": completion(max_tokens=3),
+    "prompt empty list": completion(prompt=[]),
+    "prompt empty id list": completion(prompt=[[]]),
+    "prompt mixed list": completion(prompt=[1, "a"]),
+    "prompt a bool": completion(prompt=True),
+    "prompt ids out of vocabulary": completion(prompt=[5, 999_999]),
+    "prompt ids negative": completion(prompt=[-1, 5]),
+    "prompt ids beyond int64": completion(prompt=[10**30]),
+    "prompt empty string": completion(prompt=""),
+    "three hundred prompts": completion(prompt=["x"] * 300),
+    "prompt ids over the context": completion(prompt=[5] * (MAX_SEQ_LEN + 10)),
+    "echo with logprobs": completion(prompt="x", echo=True, logprobs=2),
+    "suffix": completion(prompt="x", suffix="y"),
+    "best_of above n": completion(prompt="x", best_of=3),
+    "completion logprobs too many": completion(prompt="x", logprobs=21),
+    "tokenize neither prompt nor messages": ("POST", "/tokenize", b'{"model":"tiny"}'),
+    "detokenize out of vocabulary": ("POST", "/detokenize", b'{"tokens":[1, 999999]}'),
+    "detokenize strings": ("POST", "/detokenize", b'{"tokens":["a"]}'),
+    "wrong method": ("GET", "/v1/chat/completions", b""),
+    "unknown route": ("POST", "/v1/nothing-here", b"{}"),
+    "delete models": ("DELETE", "/v1/models", b""),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_hostile_request_gets_a_4xx_error_object(server, name):
+    method, path, body = CASES[name]
+    response = httpx.request(method, server.url + path, content=body, timeout=60,
+                             headers={"Content-Type": "application/json"})
+    assert 400 <= response.status_code < 500, (name, response.status_code, response.text[:300])
+    error = response.json()["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] in ("invalid_request_error", "not_found_error")
+
+
+def test_there_are_at_least_forty_cases():
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("field,param", [
+    ("max_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"), ("n", "n"),
+    ("stop", "stop"), ("top_k", "top_k"), ("min_p", "min_p"),
+])
+def test_invalid_values_name_their_field(server, field, param):
+    bad = {"max_tokens": -1, "temperature": -1, "top_p": 5, "n": 0, "stop": [""], "top_k": -9, "min_p": 9}[field]
+    response = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, field: bad}, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == param
+
+
+def test_long_prompt_error_names_the_token_counts(server):
+    response = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * 600, "max_tokens": 2}, timeout=30)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "600" in message and str(MAX_SEQ_LEN) in message
+
+
+def test_huge_bodies_get_413(server):
+    big = b'{"prompt":"' + b"a" * (17 << 20) + b'"}'
+    response = httpx.post(server.url + "/v1/completions", content=big, timeout=60)
+    assert response.status_code == 413
+    assert response.json()["error"]["message"]
+
+    def chunks():
+        for _ in range(20):
+            yield b"a" * (1 << 20)
+
+    chunked = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60)  # no Content-Length
+    assert chunked.status_code == 413
+
+
+def test_garbage_on_the_socket_does_not_stop_the_server(server):
+    for garbage in (b"\x00\x01\x02GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+                    b"GET / HTTP/9.9\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(garbage)
+            try:
+                sock.recv(1024)
+            except OSError:
+                pass
+
+
+def test_unknown_fields_openai_clients_send_are_accepted(server):
+    body = {"model": "tiny", "messages": USER + [{"role": "assistant", "content": "hello", "refusal": None,
+                                                  "annotations": [], "audio": None}],
+            "max_tokens": 3, "user": "someone", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "parallel_tool_calls": True}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 200, response.text
+
+
+def test_server_still_answers_after_the_abuse_and_logged_no_traceback(server):
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                          content=b'{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":4}')
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] is not None
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert "Traceback" not in server.log() and "unexpected error" not in server.log()

@@ -1,0 +1,289 @@
+"""The Quart app against a scripted engine: lifecycle, streaming shape, stops, timeouts, failures,
+disconnects and metrics, with no model in the loop (the tokenizer is the tiny model's)."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+
+from atlas.adapters.http import HttpConfig, ServedModel, create_app
+from atlas.adapters.tokenizers.hf import HfTokenizer
+from atlas.app.bench.tiny_model import write_tiny_model
+from atlas.app.engine_actor import EngineFailure, EngineHealth, OutputRouter
+from atlas.domain.batch import SequenceOutput
+from atlas.domain.engine import EngineStats
+from atlas.domain.requests import FinishReason, Request
+
+SCRIPT_TEXT = " the sea is blue and the sky is grey over the hills today"
+NUM_BLOCKS = 100
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> HfTokenizer:
+    return HfTokenizer.from_folder(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+class ScriptedEngine:
+    """An EngineClient that plays every sequence the same token ids, one per tick.
+
+    `stall_after` stops producing after that many tokens; `failure` answers every request
+    with that EngineFailure instead.
+    """
+
+    def __init__(self, token_ids: list[int], stall_after: int | None = None,
+                 failure: EngineFailure | None = None) -> None:
+        self.token_ids = token_ids
+        self.stall_after = stall_after
+        self.failure = failure
+        self.router = OutputRouter()
+        self.active: dict[str, tuple[Request, deque[int], int]] = {}
+        self.aborted: list[str] = []
+        self.submitted: list[Request] = []
+
+    def submit(self, requests):
+        stream = self.router.open([r.request_id for r in requests])
+        for request in requests:
+            self.submitted.append(request)
+            if self.failure is not None:
+                self.router.fail(request.request_id, self.failure)
+                return stream
+            script = self.token_ids[: request.sampling.max_tokens or len(self.token_ids)]
+            self.active[request.request_id] = (request, deque(script), len(script))
+        return stream
+
+    def abort(self, request_ids):
+        for request_id in self.router.close(request_ids):
+            self.aborted.append(request_id)
+            self.active.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(len(self.active), 0, NUM_BLOCKS, NUM_BLOCKS - len(self.active), 0, 0, 0, 0)
+
+    def health(self) -> EngineHealth:
+        return EngineHealth(True, True, "ok")
+
+    async def run(self) -> None:
+        while True:
+            await anyio.sleep(0.001)
+            outputs = []
+            for request_id, (request, queue, num_scripted) in list(self.active.items()):
+                done = num_scripted - len(queue)
+                if not queue or (self.stall_after is not None and done >= self.stall_after):
+                    continue
+                token = queue.popleft()
+                finish = FinishReason.LENGTH if not queue else None
+                outputs.append(SequenceOutput(request_id, (token,), finish, len(request.prompt_token_ids), done + 1))
+                if finish is not None:
+                    del self.active[request_id]
+            self.router.deliver(outputs)
+
+
+def make_app(engine, tokenizer, config=HttpConfig(), gate: anyio.Event | None = None,
+             failure: Exception | None = None, fatal: list | None = None):
+    @asynccontextmanager
+    async def launch():
+        if gate is not None:
+            await gate.wait()
+        if failure is not None:
+            raise failure
+        model = ServedModel("tiny", frozenset({"/models/tiny"}), tokenizer, 256, tokenizer.vocab_size, 7, 0)
+        async with anyio.create_task_group() as group:
+            group.start_soon(engine.run)
+            yield model, engine
+            group.cancel_scope.cancel()
+
+    return create_app(config, launch, fatal.append if fatal is not None else None)
+
+
+async def wait_healthy(client) -> None:
+    with anyio.fail_after(10):
+        while (await client.get("/health")).status_code != 200:
+            await anyio.sleep(0.01)
+
+
+def sse_payloads(body: bytes) -> list:
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
+
+
+@pytest.mark.anyio
+async def test_health_is_503_while_loading_then_200(tokenizer):
+    gate = anyio.Event()
+    app = make_app(ScriptedEngine(tokenizer.encode(SCRIPT_TEXT)), tokenizer, gate=gate)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        loading = await client.get("/health")
+        assert loading.status_code == 503
+        assert (await loading.get_json())["error"]["code"] == "loading"
+        assert (await client.get("/health/live")).status_code == 200
+        refused = await client.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 503 and "loading" in (await refused.get_json())["error"]["message"]
+        assert (await client.get("/v1/models")).status_code == 503
+        gate.set()
+        await wait_healthy(client)
+        models = await (await client.get("/v1/models")).get_json()
+        assert [m["id"] for m in models["data"]] == ["tiny"] and models["data"][0]["max_model_len"] == 256
+
+
+@pytest.mark.anyio
+async def test_a_failed_load_keeps_health_at_503_and_reports_it(tokenizer):
+    fatal: list[str] = []
+    app = make_app(ScriptedEngine([]), tokenizer, failure=MemoryError("the KV cache needs 3 GiB; lower --max-seq-len"),
+                   fatal=fatal)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        with anyio.fail_after(10):
+            while not fatal:
+                await anyio.sleep(0.01)
+        response = await client.get("/health")
+        assert response.status_code == 503
+        assert "--max-seq-len" in (await response.get_json())["error"]["message"]
+    assert fatal == ["the KV cache needs 3 GiB; lower --max-seq-len"]
+
+
+@pytest.mark.anyio
+async def test_stream_shape_for_two_choices(tokenizer):
+    script = tokenizer.encode(SCRIPT_TEXT)
+    app = make_app(ScriptedEngine(script), tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        response = await client.post("/v1/chat/completions", json={
+            **CHAT, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 200})
+        assert response.status_code == 200 and response.content_type.startswith("text/event-stream")
+        chunks = sse_payloads(await response.get_data())
+    assert len({(c["id"], c["created"], c["model"]) for c in chunks}) == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2 * len(script)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in mine) == tokenizer.decode(script)
+        assert [c["finish_reason"] for c in mine].count("length") == 1 and mine[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.anyio
+async def test_a_stop_string_cuts_the_text_and_aborts_the_sequence(tokenizer):
+    engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT))
+    app = make_app(engine, tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        response = await client.post("/v1/completions", json={"prompt": "x", "stop": ["sky"], "max_tokens": 200})
+        choice = (await response.get_json())["choices"][0]
+    assert choice["text"] == " the sea is blue and the " and choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] == "sky"
+    assert engine.aborted == [engine.submitted[0].request_id]
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_request_timeout_ends_a_stalled_request_with_length(tokenizer, stream):
+    script = tokenizer.encode(SCRIPT_TEXT)
+    engine = ScriptedEngine(script, stall_after=3)
+    app = make_app(engine, tokenizer, HttpConfig(request_timeout_s=0.3))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 100, "stream": stream})
+        assert response.status_code == 200
+        if stream:
+            chunks = sse_payloads(await response.get_data())
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+            finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+        else:
+            choice = (await response.get_json())["choices"][0]
+            text, finishes = choice["text"], [choice["finish_reason"]]
+        metrics = await (await client.get("/metrics")).get_data()
+    assert finishes == ["length"]
+    assert text == tokenizer.decode(script[:3])
+    assert engine.aborted == [engine.submitted[0].request_id]
+    assert b'atlas_requests_aborted_total{cause="timeout"} 1' in metrics
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("failure,status", [
+    (EngineFailure("prompt: token id 900 is outside the vocabulary", True, "prompt"), 400),
+    (EngineFailure("RuntimeError: device lost"), 503),
+])
+async def test_engine_failures_become_error_objects(tokenizer, failure, status):
+    app = make_app(ScriptedEngine([], failure=failure), tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        response = await client.post("/v1/chat/completions", json=CHAT)
+        assert response.status_code == status
+        error = (await response.get_json())["error"]
+        assert failure.message in error["message"] and error["param"] == failure.field
+        streamed = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        events = sse_payloads(await streamed.get_data())
+        assert failure.message in events[-1]["error"]["message"]
+
+
+@pytest.mark.anyio
+async def test_a_client_that_disconnects_mid_stream_aborts_its_sequences(tokenizer):
+    engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT) * 50, stall_after=5)
+    app = make_app(engine, tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        async with client.request("/v1/chat/completions", method="POST") as connection:
+            await connection.send(json.dumps({**CHAT, "n": 3, "stream": True}).encode())
+            await connection.send_complete()
+            received = b""
+            while received.count(b"data: ") < 3 * 4:
+                received += await connection.receive()
+            await connection.disconnect()
+        with anyio.fail_after(5):
+            while len(engine.aborted) < 3:
+                await anyio.sleep(0.01)
+        metrics = (await (await client.get("/metrics")).get_data()).decode()
+    assert sorted(engine.aborted) == sorted(r.request_id for r in engine.submitted)
+    assert not engine.active and len(engine.router) == 0
+    assert 'atlas_requests_aborted_total{cause="client_disconnected"} 1' in metrics
+    assert "atlas_requests_in_flight 0" in metrics
+
+
+@pytest.mark.anyio
+async def test_metrics_count_requests_and_latencies(tokenizer):
+    app = make_app(ScriptedEngine(tokenizer.encode(SCRIPT_TEXT)), tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        for _ in range(3):
+            assert (await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4})).status_code == 200
+        assert (await client.post("/v1/chat/completions", json={**CHAT, "n": 0})).status_code == 400
+        response = await client.get("/metrics")
+        text = (await response.get_data()).decode()
+    assert response.content_type.startswith("text/plain")
+    assert 'atlas_requests_total{endpoint="/v1/chat/completions",status="200"} 3' in text
+    assert 'atlas_requests_total{endpoint="/v1/chat/completions",status="400"} 1' in text
+    assert "atlas_time_to_first_token_seconds_count 3" in text
+    assert "atlas_inter_token_latency_seconds_count 9" in text  # 3 gaps in each of the 3 answers
+    assert 'atlas_sequences_finished_total{finish_reason="length"} 3' in text
+    assert f"atlas_kv_blocks_free {NUM_BLOCKS}" in text
+
+
+@pytest.mark.anyio
+async def test_curl_style_form_content_type_is_read_as_json(tokenizer):
+    app = make_app(ScriptedEngine(tokenizer.encode(SCRIPT_TEXT)), tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        response = await client.post("/v1/chat/completions", data=json.dumps({**CHAT, "max_tokens": 3}),
+                                     headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert response.status_code == 200
+        assert (await response.get_json())["usage"]["completion_tokens"] == 3
