@@ -61,22 +61,45 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
         w_rows[r] = w + (long long)row * inner;
     }
 
-#pragma unroll 2
-    for (int k = (warp * 32 + lane) * 8; k < inner; k += GEMV_WARPS * 32 * 8) {
+    // Full steps of BATCH chunks issue all their loads before the first FMA (BATCH * ROWS * 16
+    // bytes of weights in flight per lane); the remaining chunks go one at a time.
+    constexpr int STEP = GEMV_WARPS * 32 * 8;
+    constexpr int BATCH = TOKENS <= 2 ? 4 : 2;
+    auto accumulate = [&](const uint4* weights_raw, const uint4* x_raw) {
         float weights[ROWS][8];
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) bf16x8_to_floats(load_streaming(w_rows[r] + k), weights[r]);
+        for (int r = 0; r < ROWS; ++r) bf16x8_to_floats(weights_raw[r], weights[r]);
 #pragma unroll
         for (int n = 0; n < TOKENS; ++n) {
             if (n < num_tokens) {
                 float xs[8];
-                bf16x8_to_floats(*reinterpret_cast<const uint4*>(x + (long long)n * inner + k), xs);
+                bf16x8_to_floats(x_raw[n], xs);
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r)
 #pragma unroll
                     for (int i = 0; i < 8; ++i) acc[r][n] = fmaf(weights[r][i], xs[i], acc[r][n]);
             }
         }
+    };
+    auto load_chunk = [&](int k, uint4* weights_raw, uint4* x_raw) {
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) weights_raw[r] = load_streaming(w_rows[r] + k);
+#pragma unroll
+        for (int n = 0; n < TOKENS; ++n)
+            x_raw[n] = n < num_tokens ? *reinterpret_cast<const uint4*>(x + (long long)n * inner + k) : make_uint4(0, 0, 0, 0);
+    };
+    int k = (warp * 32 + lane) * 8;
+    for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
+        uint4 weights_raw[BATCH][ROWS], x_raw[BATCH][TOKENS];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) load_chunk(k + u * STEP, weights_raw[u], x_raw[u]);
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) accumulate(weights_raw[u], x_raw[u]);
+    }
+    for (; k < inner; k += STEP) {
+        uint4 weights_raw[ROWS], x_raw[TOKENS];
+        load_chunk(k, weights_raw, x_raw);
+        accumulate(weights_raw, x_raw);
     }
 
 #pragma unroll
