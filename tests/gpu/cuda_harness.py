@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from atlas.ports.gpu import AttentionMetadata, DType, HeadLayout, KvCacheSpec
+from atlas.domain.sampling import PackedSampling
+from atlas.ports.gpu import AttentionMetadata, DType, HeadLayout, KvCacheSpec, SamplingTensors
 
 BF16_TOLERANCE = 1e-2
 
@@ -176,3 +177,34 @@ def reference_attention(case: PagedCase, scale: float, sliding_window: int | Non
             weights /= weights.sum(axis=1, keepdims=True)
             out[start : start + query_len, head] = weights @ values[:, kv_head]
     return out.reshape(case.num_tokens, heads.q_size)
+
+
+def sampling_tensors(backend, packed: PackedSampling) -> SamplingTensors:
+    """`packed` uploaded to `backend` as the op's tensors."""
+    return SamplingTensors(
+        temperature=backend.upload(packed.temperature),
+        top_k=backend.upload(packed.top_k),
+        top_p=backend.upload(packed.top_p),
+        min_p=backend.upload(packed.min_p),
+        seeds=backend.upload(packed.seeds),
+        counters=backend.upload(packed.counters),
+        repetition_penalty=backend.upload(packed.repetition_penalty),
+        presence_penalty=backend.upload(packed.presence_penalty),
+        frequency_penalty=backend.upload(packed.frequency_penalty),
+        penalty_offsets=backend.upload(packed.penalty_offsets),
+        penalty_token_ids=backend.upload(_non_empty(packed.penalty_token_ids, np.int32)),
+        penalty_output_counts=backend.upload(_non_empty(packed.penalty_output_counts, np.int32)),
+        bias_offsets=backend.upload(packed.bias_offsets),
+        bias_token_ids=backend.upload(_non_empty(packed.bias_token_ids, np.int32)),
+        bias_values=backend.upload(_non_empty(packed.bias_values, np.float32)),
+        num_rows=packed.num_rows,
+        all_greedy=packed.all_greedy,
+        any_penalties=packed.any_penalties,
+        any_bias=packed.any_bias,
+    )
+
+
+def _non_empty(array: np.ndarray, dtype) -> np.ndarray:
+    """A one-element placeholder for an empty CSR array (a device buffer of size 0 is legal,
+    but keeping one element matches what a persistent runner buffer looks like)."""
+    return array.astype(dtype) if array.size else np.zeros(1, dtype=dtype)

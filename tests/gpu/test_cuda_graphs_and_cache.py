@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from cuda_harness import bf16, cuda_cache_with, paged_case, poisoned, rel_l2, upload_metadata
+from cuda_harness import bf16, cuda_cache_with, paged_case, poisoned, rel_l2, sampling_tensors, upload_metadata
 
 from atlas.ports.gpu import Activation, DType, HeadLayout
 
@@ -101,3 +101,29 @@ def test_warm_start_compiles_no_kernel(kernel_cache_dir, tmp_path, caplog):
     second.gather_rows(second.upload(np.eye(8, dtype=np.float32)), second.upload(np.array([3, 5], np.int32)), out)
     assert second.download(out).argmax(axis=1).tolist() == [3, 5]
     second.close()
+
+
+def test_graph_keeps_its_workspace_after_an_eager_step_outgrows_it(cuda_backend, rng):
+    """An outgrown workspace is retired, not freed: an earlier graph still writes to it."""
+    from atlas.domain.batch import SamplingRow
+    from atlas.domain.sampling import pack_rows
+
+    rows = [SamplingRow(temperature=0.7, top_k=0, top_p=0.8, min_p=0.0, seed=11 + r, counter=r) for r in range(4)]
+    logits = cuda_backend.upload(bf16(rng.standard_normal((4, 5000)) * 2), DType.BF16)
+    params = sampling_tensors(cuda_backend, pack_rows(rows))
+    ids = cuda_backend.empty((4,), DType.I32)
+    cuda_backend.sample(logits, params, ids)
+    expected = cuda_backend.download(ids)
+    graph = cuda_backend.capture(lambda: cuda_backend.sample(logits, params, ids))
+
+    wide_rows = [SamplingRow(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=r, counter=0) for r in range(64)]
+    wide_logits = cuda_backend.upload(bf16(rng.standard_normal((64, 50000))), DType.BF16)
+    cuda_backend.sample(
+        wide_logits, sampling_tensors(cuda_backend, pack_rows(wide_rows)), cuda_backend.empty((64,), DType.I32)
+    )
+    bystander = poisoned(cuda_backend, (4 * 5000,), DType.F32)  # the old workspace's size class
+
+    cuda_backend.fill(ids, -1)
+    graph.replay()
+    np.testing.assert_array_equal(cuda_backend.download(ids), expected)
+    assert np.isnan(cuda_backend.download(bystander)).all()

@@ -4,43 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from cuda_harness import bf16, poisoned
+from cuda_harness import bf16, poisoned, sampling_tensors
 
 from atlas.domain.batch import SamplingRow
-from atlas.domain.sampling import PackedSampling, pack_rows
-from atlas.ports.gpu import DType, LogprobsOut, SamplingTensors
+from atlas.domain.sampling import pack_rows
+from atlas.ports.gpu import DType, LogprobsOut
 
 pytestmark = pytest.mark.gpu
-
-
-def _tensors(backend, packed: PackedSampling) -> SamplingTensors:
-    return SamplingTensors(
-        temperature=backend.upload(packed.temperature),
-        top_k=backend.upload(packed.top_k),
-        top_p=backend.upload(packed.top_p),
-        min_p=backend.upload(packed.min_p),
-        seeds=backend.upload(packed.seeds),
-        counters=backend.upload(packed.counters),
-        repetition_penalty=backend.upload(packed.repetition_penalty),
-        presence_penalty=backend.upload(packed.presence_penalty),
-        frequency_penalty=backend.upload(packed.frequency_penalty),
-        penalty_offsets=backend.upload(packed.penalty_offsets),
-        penalty_token_ids=backend.upload(_non_empty(packed.penalty_token_ids, np.int32)),
-        penalty_output_counts=backend.upload(_non_empty(packed.penalty_output_counts, np.int32)),
-        bias_offsets=backend.upload(packed.bias_offsets),
-        bias_token_ids=backend.upload(_non_empty(packed.bias_token_ids, np.int32)),
-        bias_values=backend.upload(_non_empty(packed.bias_values, np.float32)),
-        num_rows=packed.num_rows,
-        all_greedy=packed.all_greedy,
-        any_penalties=packed.any_penalties,
-        any_bias=packed.any_bias,
-    )
-
-
-def _non_empty(array: np.ndarray, dtype) -> np.ndarray:
-    """A one-element placeholder for an empty CSR array (a device buffer of size 0 is legal,
-    but keeping one element matches what a persistent runner buffer looks like)."""
-    return array.astype(dtype) if array.size else np.zeros(1, dtype=dtype)
 
 
 def _random_rows(rng: np.random.Generator, vocab_size: int, num_rows: int) -> list[SamplingRow]:
@@ -85,7 +55,7 @@ def _sample_both(cuda_backend, mock_backend, logits: np.ndarray, rows, logits_dt
                 top_logprobs=poisoned(backend, (num_rows, num_top), DType.F32),
                 num_top=num_top,
             )
-        backend.sample(backend.upload(logits, dtype), _tensors(backend, packed), ids, logprobs)
+        backend.sample(backend.upload(logits, dtype), sampling_tensors(backend, packed), ids, logprobs)
         results.append(
             (
                 backend.download(ids),

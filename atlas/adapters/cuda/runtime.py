@@ -98,6 +98,7 @@ class CudaRuntime:
         self.kernels = KernelLibrary(select_modules(target), KernelCompiler(self.arch, kernel_cache_dir))
         self.capturing = False
         self._workspaces: dict[str, DeviceAllocation] = {}
+        self._retired_workspaces: list[DeviceAllocation] = []
         self._shared_limits: dict[tuple[str, str], int] = {}
         self._configs: dict[tuple, LaunchConfig] = {}
 
@@ -154,15 +155,18 @@ class CudaRuntime:
     def workspace(self, name: str, num_bytes: int) -> int:
         """Address of a persistent scratch buffer of at least `num_bytes`, grown on demand.
 
-        Raises `CaptureError` if it would have to grow during graph capture (run the step once
-        eagerly first, as every runner does before capturing).
+        A buffer that is outgrown is retired, never freed: a graph captured earlier still
+        writes to it on replay. Growth doubles, so the retired ones add at most the size of
+        the current one. Raises `CaptureError` if it would have to grow during graph capture
+        (run the step once eagerly first, as every runner does before capturing).
         """
         current = self._workspaces.get(name)
         if current is not None and current.num_bytes >= num_bytes:
             return current.address
         self.forbid_in_capture(f"growing the {name} workspace to {num_bytes} bytes")
         if current is not None:
-            self.synchronize()  # the old buffer may still be read by queued work
+            self._retired_workspaces.append(current)
+            num_bytes = max(num_bytes, 2 * current.num_bytes)
         allocation = self.pool.allocate(max(num_bytes, 1))
         self._workspaces[name] = allocation
         return allocation.address
@@ -178,6 +182,7 @@ class CudaRuntime:
 
     def close(self) -> None:
         self._workspaces.clear()
+        self._retired_workspaces.clear()
         self.synchronize()
         self.staging.close()
         self.pool.close()
