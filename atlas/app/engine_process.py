@@ -251,6 +251,11 @@ class EngineProcess:
                 group.start_soon(self._write_commands)
                 await self._read_outputs()
                 group.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            stopped = group.subgroup(EngineStopped)
+            if stopped is None:
+                raise
+            raise stopped.exceptions[0] from None
         finally:
             await self.close()
 
