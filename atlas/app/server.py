@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import json
 import logging
 import signal
 import sys
@@ -59,6 +60,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dump", nargs="?", const="", default=env_default("dump", None), metavar="PATH",
                        help="append every request and its response to a JSONL file "
                             "(default PATH: ./atlas-dump-<time>.jsonl)")
+    group.add_argument("--override-generation-config", default=env_default("override_generation_config", None),
+                       metavar="JSON",
+                       help="defaults for sampling fields a request leaves out, over the model's "
+                            "generation_config.json, e.g. '{\"temperature\": 0.7, \"top_p\": 0.9}' "
+                            "(without either: greedy)")
     group.add_argument("--single-process", action="store_true", default=env_default("single_process", False, bool),
                        help="run the engine core in the API process (a thread) instead of its own process")
     group.add_argument("--access-log", action="store_true", default=env_default("access_log", False, bool),
@@ -98,16 +104,62 @@ def http_config(args: argparse.Namespace):
     )
 
 
+SAMPLING_DEFAULT_KEYS = {"temperature": float, "top_p": float, "top_k": int, "min_p": float,
+                         "repetition_penalty": float}
+
+
+def sampling_defaults(model_dir: Path, override_json: str | None):
+    """Request defaults from the model's generation_config.json, then `override_json`.
+
+    Raises ValueError naming --override-generation-config for bad JSON, an unknown key or an
+    out-of-range value; an unreadable generation_config.json is ignored with a warning.
+    """
+    from atlas.adapters.http.engine_client import SamplingDefaults
+    from atlas.domain.requests import ParameterError, SamplingParams
+
+    values: dict[str, float | int] = {}
+    path = model_dir / "generation_config.json"
+    try:
+        generation_config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as error:
+        log.warning("ignoring %s: %s", path, error)
+        generation_config = {}
+    override: dict = {}
+    if override_json:
+        try:
+            override = json.loads(override_json)
+        except ValueError as error:
+            raise ValueError(f"--override-generation-config is not valid JSON ({error})") from None
+        if not isinstance(override, dict):
+            raise ValueError("--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.7}'")
+        unknown = sorted(set(override) - set(SAMPLING_DEFAULT_KEYS))
+        if unknown:
+            raise ValueError(f"--override-generation-config: unknown key {unknown[0]!r}; "
+                             f"use {', '.join(SAMPLING_DEFAULT_KEYS)}")
+    for source in (generation_config, override):
+        for key, cast in SAMPLING_DEFAULT_KEYS.items():
+            value = source.get(key) if isinstance(source, dict) else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                values[key] = cast(value)
+    try:
+        SamplingParams(**values)
+    except ParameterError as error:
+        raise ValueError(f"--override-generation-config / {path.name}: {error}") from None
+    return SamplingDefaults(**values)
+
+
 def _served_model(settings: EngineSettings, served_name: str | None, model_dir: Path, tokenizer,
-                  max_model_len: int, vocab_size: int):
+                  max_model_len: int, vocab_size: int, override_json: str | None):
     from atlas.adapters.http.engine_client import ServedModel
 
     name = served_name or settings.model
     aliases = frozenset({settings.model, str(model_dir)} - {name})
-    return ServedModel(name, aliases, tokenizer, max_model_len, vocab_size, settings.seed, int(time.time()))
+    return ServedModel(name, aliases, tokenizer, max_model_len, vocab_size, settings.seed, int(time.time()),
+                       sampling_defaults(model_dir, override_json))
 
 
-def engine_launcher(settings: EngineSettings, served_name: str | None, single_process: bool):
+def engine_launcher(settings: EngineSettings, served_name: str | None, single_process: bool,
+                    override_json: str | None = None):
     """The lifespan's launcher: load the model, run the engine while the context is open."""
 
     @asynccontextmanager
@@ -118,7 +170,7 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
         engine = await anyio.to_thread.run_sync(build_engine, settings)
         actor = EngineActor(engine.core)
         model = _served_model(settings, served_name, engine.model_dir, engine.tokenizer, engine.max_model_len,
-                              engine.config.vocab_size)
+                              engine.config.vocab_size, override_json)
         async with anyio.create_task_group() as group:
             group.start_soon(actor.run)
             yield model, actor
@@ -139,7 +191,8 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
             with anyio.CancelScope(shield=True):
                 await process.close()
             raise
-        model = _served_model(settings, served_name, model_dir, tokenizer, ready.max_model_len, ready.vocab_size)
+        model = _served_model(settings, served_name, model_dir, tokenizer, ready.max_model_len, ready.vocab_size,
+                              override_json)
         async with anyio.create_task_group() as group:
             group.start_soon(process.run)
             yield model, process
@@ -154,7 +207,8 @@ def build_app(args: argparse.Namespace, on_fatal=None):
 
     settings = engine_settings(args)
     config = http_config(args)
-    return create_app(config, engine_launcher(settings, args.model_name, args.single_process), on_fatal)
+    launcher = engine_launcher(settings, args.model_name, args.single_process, args.override_generation_config)
+    return create_app(config, launcher, on_fatal)
 
 
 def app_from_environment():
@@ -190,7 +244,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     from atlas.app.model_store import resolve_model
 
-    resolve_model(args.model)  # a missing model is a one-line error now, not after startup
+    model_dir = resolve_model(args.model)  # a missing model is a one-line error now, not after startup
+    sampling_defaults(model_dir, args.override_generation_config)
     fatal: list[str] = []
     stop = asyncio.Event()
 

@@ -33,6 +33,11 @@ def test_require_auth_without_tokens_is_a_startup_error_naming_the_flags(tiny_mo
     assert "Traceback" not in result.stderr
 
 
+def test_a_bad_generation_config_override_is_a_startup_error(tiny_model):
+    result = atlas("serve", str(tiny_model), "--device", "mock", "--override-generation-config", '{"top_p": 3}')
+    assert result.returncode == 2 and "top_p" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_a_missing_model_is_a_one_line_error(tmp_path):
     result = atlas("serve", str(tmp_path / "no-such-model"), "--device", "mock")
     assert result.returncode == 2

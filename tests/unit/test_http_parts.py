@@ -11,6 +11,7 @@ import pytest
 from atlas.adapters.http.auth import AuthConfigError, BearerAuth, read_tokens_file
 from atlas.adapters.http.choices import merge_batch
 from atlas.adapters.http.errors import ApiError, from_validation_error
+from atlas.adapters.http.engine_client import SamplingDefaults
 from atlas.adapters.http.generation import ChoiceDelta
 from atlas.adapters.http.metrics import MetricsRegistry
 from atlas.adapters.http.params import sampling_params
@@ -18,7 +19,7 @@ from atlas.adapters.http.schemas import ChatCompletionRequest, CompletionRequest
 from atlas.adapters.http.state import decode_body
 from atlas.app.arguments import ArgumentParser
 from atlas.app.frontend import TextDelta
-from atlas.app.server import add_serve_arguments, exposure_warning, http_config
+from atlas.app.server import add_serve_arguments, exposure_warning, http_config, sampling_defaults
 from atlas.domain.batch import TokenLogprobs
 from atlas.domain.requests import FinishReason
 
@@ -33,9 +34,26 @@ def completion(**fields) -> CompletionRequest:
     return msgspec.convert({"prompt": "x", **fields}, CompletionRequest)
 
 
-def test_chat_defaults_fill_the_context_and_sample_at_temperature_one():
+def test_chat_defaults_fill_the_context_and_decode_greedily():
     params = sampling_params(chat(), num_prompt_tokens=30, max_model_len=100, vocab_size=50)
-    assert params.max_tokens == 70 and params.temperature == 1.0 and params.n == 1 and params.logprobs is None
+    assert params.max_tokens == 70 and params.temperature == 0.0 and params.n == 1 and params.logprobs is None
+
+
+def test_absent_sampling_fields_take_the_served_defaults():
+    defaults = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20)
+    params = sampling_params(chat(top_k=5), 1, 100, 50, defaults)
+    assert (params.temperature, params.top_p, params.top_k) == (0.6, 0.9, 5)
+
+
+def test_sampling_defaults_read_generation_config_then_the_override(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.6, "top_p": 0.95, "eos_token_id": 2}')
+    assert sampling_defaults(tmp_path, None) == SamplingDefaults(temperature=0.6, top_p=0.95)
+    assert sampling_defaults(tmp_path, '{"temperature": 0.2}') == SamplingDefaults(temperature=0.2, top_p=0.95)
+    assert sampling_defaults(tmp_path / "elsewhere", None) == SamplingDefaults()
+    for bad, message in (("{", "JSON"), ('{"temprature": 1}', "temprature"), ('{"top_p": 7}', "top_p"),
+                         ("[1]", "object")):
+        with pytest.raises(ValueError, match=message):
+            sampling_defaults(tmp_path, bad)
 
 
 def test_completions_default_to_sixteen_tokens():

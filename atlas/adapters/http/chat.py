@@ -61,7 +61,8 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
     if not prompt_ids:
         raise bad_request("messages", "the rendered prompt is empty")
     check_prompt_fits(len(prompt_ids), model.max_model_len, "messages")
-    params = sampling_params(request, len(prompt_ids), model.max_model_len, model.vocab_size)
+    params = sampling_params(request, len(prompt_ids), model.max_model_len, model.vocab_size,
+                             model.sampling_defaults)
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", now_s(), model.name)
     generation = Generation(engine, model.tokenizer, reply.id, [prompt_ids], params, state.seeds, state.metrics,
                             state.config.request_timeout_s)

@@ -56,7 +56,8 @@ async def completions(state: ServerState, body: bytes) -> Response:
         if not ids:
             raise bad_request("prompt", "the prompt is empty")
         check_prompt_fits(len(ids), model.max_model_len, "prompt")
-    params = sampling_params(request, max(len(ids) for _, ids in prompts), model.max_model_len, model.vocab_size)
+    params = sampling_params(request, max(len(ids) for _, ids in prompts), model.max_model_len, model.vocab_size,
+                             model.sampling_defaults)
     echo_texts = [
         (text if text is not None else model.tokenizer.decode(ids, skip_special_tokens=False)) if request.echo else ""
         for text, ids in prompts

@@ -37,6 +37,19 @@ class EngineClient(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """Values for sampling fields a request leaves out: the model's generation_config.json,
+    then --override-generation-config, then greedy decoding (as `atlas generate` and `atlas chat`
+    do), so a bare request gets the model's most likely answer."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
 class ServedModel:
     """The model as clients see it."""
 
@@ -47,6 +60,7 @@ class ServedModel:
     vocab_size: int  # ids the model accepts (its embedding rows)
     seed: int | None  # --seed: the base of seeds for requests that bring none
     created_s: int  # when it was loaded, for /v1/models
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
 
     def accepts(self, requested: str | None) -> bool:
         return requested is None or requested == self.name or requested in self.aliases

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from atlas.adapters.http.engine_client import SamplingDefaults
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.schemas import ChatCompletionRequest, CompletionRequest
 from atlas.domain.requests import ParameterError, SamplingParams
@@ -54,11 +55,12 @@ def sampling_params(
     num_prompt_tokens: int,
     max_model_len: int,
     vocab_size: int,
+    defaults: SamplingDefaults = SamplingDefaults(),
 ) -> SamplingParams:
     """The engine's parameters for `request`; raises ApiError(400) naming the bad field.
 
     Call after `check_prompt_fits`. An absent max_tokens means "until the context is full"
-    for chat and 16 for completions, as OpenAI does.
+    for chat and 16 for completions, as OpenAI does; absent sampling fields take `defaults`.
     """
     is_chat = isinstance(request, ChatCompletionRequest)
     if is_chat:
@@ -78,12 +80,13 @@ def sampling_params(
     try:
         params = SamplingParams(
             n=request.n if request.n is not None else 1,
-            temperature=request.temperature if request.temperature is not None else 1.0,
-            top_p=request.top_p if request.top_p is not None else 1.0,
-            top_k=request.top_k if request.top_k is not None else 0,
-            min_p=request.min_p if request.min_p is not None else 0.0,
+            temperature=request.temperature if request.temperature is not None else defaults.temperature,
+            top_p=request.top_p if request.top_p is not None else defaults.top_p,
+            top_k=request.top_k if request.top_k is not None else defaults.top_k,
+            min_p=request.min_p if request.min_p is not None else defaults.min_p,
             seed=request.seed,
-            repetition_penalty=request.repetition_penalty if request.repetition_penalty is not None else 1.0,
+            repetition_penalty=(request.repetition_penalty if request.repetition_penalty is not None
+                                else defaults.repetition_penalty),
             presence_penalty=request.presence_penalty or 0.0,
             frequency_penalty=request.frequency_penalty or 0.0,
             logit_bias=_logit_bias(request.logit_bias),
