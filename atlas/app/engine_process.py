@@ -1,14 +1,8 @@
 """The engine core in its own process, so HTTP work never holds the GIL the step loop needs.
 
-The API process spawns `python -m atlas.app.engine_process FD` with one end of a socket pair.
-Frames are a 4-byte big-endian length and a msgpack body (msgspec):
-
-    API -> engine:  Start(settings)            once; the engine loads the model
-                    Commands([AddRequest | AbortRequest | Shutdown, ...])
-    engine -> API:  Ready(...) | LoadFailed(...)
-                    StepOutputs(outputs, failures, stats)   after each step, and after
-                                                            commands that changed the state
-                    Crashed(message)                        the step loop died
+The API process spawns `python -m atlas.app.engine_process FD` with one end of a socket pair
+and talks to it in the frames of `engine_protocol`. `EngineProcess` is the API side (the
+`EngineClient` the HTTP layer uses); `EngineLoop` and `child_main` are the engine side.
 
 The engine loop is synchronous: it blocks on the socket only while it has no work, reads
 whatever commands have arrived between steps, and publishes one frame per step with every
@@ -22,7 +16,6 @@ import logging
 import math
 import os
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -45,88 +38,27 @@ from atlas.app.engine_actor import (
     Shutdown,
     StreamItem,
 )
+from atlas.app.engine_protocol import (
+    Commands,
+    Crashed,
+    FrameBuffer,
+    FromEngine,
+    LoadFailed,
+    Ready,
+    RequestFailure,
+    Start,
+    StepOutputs,
+    ToEngine,
+    frame,
+)
 from atlas.app.settings import EngineSettings
-from atlas.domain.batch import SequenceOutput
 from atlas.domain.engine import EngineCore, EngineStats
 from atlas.domain.requests import ParameterError, Request
 
 log = logging.getLogger("atlas.engine")
 
-HEADER = struct.Struct(">I")
-MAX_FRAME_BYTES = 1 << 30
 _RECEIVE_BYTES = 1 << 20
 _EXIT_WAIT_S = 10.0
-
-
-class Start(msgspec.Struct, tag=True):
-    settings: EngineSettings
-
-
-class Commands(msgspec.Struct, tag=True):
-    commands: list[Command]
-
-
-class Ready(msgspec.Struct, tag=True):
-    model_dir: str
-    max_model_len: int
-    vocab_size: int
-    stats: EngineStats
-
-
-class LoadFailed(msgspec.Struct, tag=True):
-    message: str
-    is_user_error: bool  # a ValueError/MemoryError naming the fix, not a bug
-
-
-class RequestFailure(msgspec.Struct):
-    request_id: str
-    failure: EngineFailure
-
-
-class StepOutputs(msgspec.Struct, tag=True):
-    outputs: list[SequenceOutput]
-    failures: list[RequestFailure]
-    stats: EngineStats
-
-
-class Crashed(msgspec.Struct, tag=True):
-    message: str
-
-
-ToEngine = Start | Commands
-FromEngine = Ready | LoadFailed | StepOutputs | Crashed
-
-
-class FrameBuffer:
-    """Splits a byte stream into length-prefixed frames.
-
-        | len (4 bytes, big-endian) | body (len bytes) | len | body | ...
-    """
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-
-    def feed(self, data: bytes) -> list[bytes]:
-        """Add received bytes; return the frames now complete (a partial one stays buffered).
-        Raises ValueError for a frame longer than MAX_FRAME_BYTES (a corrupt stream)."""
-        self._buffer += data
-        frames = []
-        start = 0
-        while len(self._buffer) - start >= HEADER.size:
-            (length,) = HEADER.unpack_from(self._buffer, start)
-            if length > MAX_FRAME_BYTES:
-                raise ValueError(f"frame of {length} bytes exceeds the limit; the stream is corrupt")
-            end = start + HEADER.size + length
-            if end > len(self._buffer):
-                break
-            frames.append(bytes(self._buffer[start + HEADER.size : end]))
-            start = end
-        del self._buffer[:start]
-        return frames
-
-
-def frame(body: bytes) -> bytes:
-    return HEADER.pack(len(body)) + body
 
 
 class EngineLoop:

@@ -9,9 +9,14 @@ from conftest import LiveServer, tiny_server_args
 
 pytestmark = pytest.mark.e2e
 
-PROTECTED = [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-             ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}), ("POST", "/tokenize", {"prompt": "x"}),
-             ("POST", "/detokenize", {"tokens": [5]})]
+PROTECTED = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+    ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
+    ("POST", "/tokenize", {"prompt": "x"}),
+    ("POST", "/detokenize", {"tokens": [5]}),
+]
+WRONG = [None, "Bearer wrong", "Bearer flag-token-x", "Basic flag-token", "Bearer", "flag-token"]
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +31,7 @@ def auth_server(tiny_model, tmp_path_factory):
 
 
 @pytest.mark.parametrize("method,path,body", PROTECTED)
-@pytest.mark.parametrize("authorization", [None, "Bearer wrong", "Bearer flag-token-x", "Basic flag-token", "Bearer", "flag-token"])
+@pytest.mark.parametrize("authorization", WRONG)
 def test_missing_or_wrong_tokens_get_401(auth_server, method, path, body, authorization):
     headers = {"Authorization": authorization} if authorization is not None else {}
     response = httpx.request(method, auth_server.url + path, json=body, headers=headers, timeout=30)

@@ -53,7 +53,7 @@ def test_stream_has_one_role_chunk_and_one_finish_chunk_per_choice_with_stable_i
         assert len(chunk.choices) == 1
         per_choice[chunk.choices[0].index].append(chunk.choices[0])
     num_tokens = 0
-    for index, choices in per_choice.items():
+    for choices in per_choice.values():
         assert choices[0].delta.role == "assistant"
         assert [c.finish_reason for c in choices].count("length") == 1
         assert [c.finish_reason is not None for c in choices][-1]  # the finish chunk comes last

@@ -4,8 +4,10 @@ disconnects and metrics, with no model in the loop (the tokenizer is the tiny mo
 from __future__ import annotations
 
 import json
+import shutil
 from collections import deque
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import pytest
@@ -28,8 +30,13 @@ def anyio_backend():
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> HfTokenizer:
-    return HfTokenizer.from_folder(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir) -> HfTokenizer:
+    return HfTokenizer.from_folder(model_dir)
 
 
 class ScriptedEngine:
@@ -87,7 +94,10 @@ class ScriptedEngine:
             self.router.deliver(outputs)
 
 
-def make_app(engine, tokenizer, config=HttpConfig(), gate: anyio.Event | None = None,
+DEFAULT_CONFIG = HttpConfig()
+
+
+def make_app(engine, tokenizer, config=DEFAULT_CONFIG, gate: anyio.Event | None = None,
              failure: Exception | None = None, fatal: list | None = None):
     @asynccontextmanager
     async def launch():
@@ -287,3 +297,40 @@ async def test_curl_style_form_content_type_is_read_as_json(tokenizer):
                                      headers={"Content-Type": "application/x-www-form-urlencoded"})
         assert response.status_code == 200
         assert (await response.get_json())["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.anyio
+async def test_chat_template_kwargs_reach_the_template(model_dir, tmp_path):
+    folder = tmp_path / "shouting"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% if shout %}LOUD {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    shouting = HfTokenizer.from_folder(folder)
+    engine = ScriptedEngine(shouting.encode(SCRIPT_TEXT))
+    app = make_app(engine, shouting)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        for kwargs in ({}, {"chat_template_kwargs": {"shout": True}}):
+            response = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2, **kwargs})
+            assert response.status_code == 200
+        counted = await client.post("/tokenize", json={"messages": CHAT["messages"],
+                                                       "chat_template_kwargs": {"shout": True}})
+        assert (await counted.get_json())["tokens"] == list(engine.submitted[1].prompt_token_ids)
+    plain, loud = (shouting.decode(r.prompt_token_ids) for r in engine.submitted)
+    assert (plain, loud) == ("hello", "LOUD hello")
+
+
+@pytest.mark.anyio
+async def test_tokenize_and_detokenize_round_trip(tokenizer):
+    app = make_app(ScriptedEngine([]), tokenizer)
+    text = "The capital of France is Paris, 42 and 日本!"
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        tokenized = await (await client.post("/tokenize", json={"prompt": text, "return_token_strs": True})).get_json()
+        assert tokenized["count"] == len(tokenized["tokens"]) == len(tokenized["token_strs"]) > 5
+        assert tokenized["tokens"] == tokenizer.encode(text) and tokenized["max_model_len"] == 256
+        back = await (await client.post("/detokenize", json={"tokens": tokenized["tokens"]})).get_json()
+        assert back == {"prompt": text}

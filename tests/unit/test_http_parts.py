@@ -10,8 +10,8 @@ import pytest
 
 from atlas.adapters.http.auth import AuthConfigError, BearerAuth, read_tokens_file
 from atlas.adapters.http.choices import merge_batch
-from atlas.adapters.http.errors import ApiError, from_validation_error
 from atlas.adapters.http.engine_client import SamplingDefaults
+from atlas.adapters.http.errors import ApiError, from_validation_error
 from atlas.adapters.http.generation import ChoiceDelta
 from atlas.adapters.http.metrics import MetricsRegistry
 from atlas.adapters.http.params import sampling_params
@@ -168,8 +168,8 @@ def test_merge_batch_folds_each_choice_into_one_update():
     def delta(index, text, ids, finish=None, logprobs=()):
         return ChoiceDelta(index, TextDelta(text, ids, finish, "END" if finish else None, logprobs, 3, len(ids)))
 
-    updates = merge_batch([delta(0, "a", (1,), logprobs=(lp,)), delta(1, "x", (2,)), delta(0, "b", (4,), logprobs=(lp,)),
-                           delta(2, "", ()), delta(0, "", (), FinishReason.STOP)])
+    updates = merge_batch([delta(0, "a", (1,), logprobs=(lp,)), delta(1, "x", (2,)),
+                           delta(0, "b", (4,), logprobs=(lp,)), delta(2, "", ()), delta(0, "", (), FinishReason.STOP)])
     assert [(u.index, u.text, u.num_tokens, len(u.logprobs), u.finish_reason, u.stop_reason) for u in updates] == [
         (0, "ab", 2, 2, "stop", "END"), (1, "x", 1, 0, None, None)]
 

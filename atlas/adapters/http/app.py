@@ -54,10 +54,17 @@ def create_app(
     )
     state = ServerState(config)
     app.extensions["atlas"] = state
-    auth = BearerAuth(config.auth_tokens) if config.require_auth else None
     lifespan = _Lifespan(state, launcher, on_fatal)
     app.before_serving(lifespan.start)
     app.after_serving(lifespan.stop)
+    _add_hooks(app, state)
+    _add_routes(app, state)
+    _add_error_handlers(app, config)
+    return app
+
+
+def _add_hooks(app: Quart, state: ServerState) -> None:
+    auth = BearerAuth(state.config.auth_tokens) if state.config.require_auth else None
 
     @app.before_request
     async def check_auth() -> None:
@@ -70,6 +77,8 @@ def create_app(
         state.metrics.requests.inc((rule, str(response.status_code)))
         return response
 
+
+def _add_routes(app: Quart, state: ServerState) -> None:
     async def body() -> bytes:
         return await request.get_data(cache=False)
 
@@ -109,6 +118,8 @@ def create_app(
     async def metrics() -> Response:
         return service.metrics(state)
 
+
+def _add_error_handlers(app: Quart, config: HttpConfig) -> None:
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
         return _error_response(error)
@@ -129,8 +140,6 @@ def create_app(
     async def unexpected(error: Exception) -> Response:
         log.exception("unexpected error answering %s %s", request.method, request.path)
         return _error_response(ApiError(500, f"internal error: {type(error).__name__}", "server_error"))
-
-    return app
 
 
 class _Lifespan:

@@ -92,7 +92,9 @@ def _usage(generation: Generation) -> Usage:
     return Usage(prompt, completion, prompt + completion)
 
 
-def _completion(reply: _Reply, generation: Generation, results: ChoiceResults, token_texts: TokenTexts) -> ChatCompletion:
+def _completion(
+    reply: _Reply, generation: Generation, results: ChoiceResults, token_texts: TokenTexts
+) -> ChatCompletion:
     choices = []
     for index in range(results.num_choices):
         logprobs = None

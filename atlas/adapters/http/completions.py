@@ -52,7 +52,7 @@ async def completions(state: ServerState, body: bytes) -> Response:
         raise bad_request(*unsupported)
     add_special = request.add_special_tokens if request.add_special_tokens is not None else True
     prompts = await completion_prompts(model.tokenizer, request.prompt, add_special, model.vocab_size)
-    for text, ids in prompts:
+    for _, ids in prompts:
         if not ids:
             raise bad_request("prompt", "the prompt is empty")
         check_prompt_fits(len(ids), model.max_model_len, "prompt")

@@ -20,7 +20,7 @@ DURATION_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.
 
 
 def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{name}="{_escape(value)}"' for name, value in zip(names, values)]
+    parts = [f'{name}="{_escape(value)}"' for name, value in zip(names, values, strict=True)]
     if extra:
         parts.append(extra)
     return "{" + ",".join(parts) + "}" if parts else ""
@@ -89,7 +89,7 @@ class Histogram:
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
         cumulative = 0
-        for bound, count in zip(self.bounds, self._counts):
+        for bound, count in zip(self.bounds, self._counts[:-1], strict=True):
             cumulative += count
             lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
         lines.append(f'{self.name}_bucket{{le="+Inf"}} {self._count}')

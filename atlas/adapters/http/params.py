@@ -50,33 +50,38 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     return bias
 
 
+GREEDY = SamplingDefaults()
+
+
+def _client_fields(request: ChatCompletionRequest | CompletionRequest) -> tuple[str, int, str, int | None]:
+    """(max-tokens field name, requested max tokens, logprobs field name, engine logprobs) as the
+    endpoint defines them; 400 for top_logprobs without logprobs."""
+    if isinstance(request, CompletionRequest):
+        requested = request.max_tokens if request.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+        return "max_tokens", requested, "logprobs", request.logprobs
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    if request.max_completion_tokens is not None:
+        return "max_completion_tokens", request.max_completion_tokens, "top_logprobs", logprobs
+    return "max_tokens", request.max_tokens, "top_logprobs", logprobs
+
+
 def sampling_params(
     request: ChatCompletionRequest | CompletionRequest,
     num_prompt_tokens: int,
     max_model_len: int,
     vocab_size: int,
-    defaults: SamplingDefaults = SamplingDefaults(),
+    defaults: SamplingDefaults = GREEDY,
 ) -> SamplingParams:
     """The engine's parameters for `request`; raises ApiError(400) naming the bad field.
 
     Call after `check_prompt_fits`. An absent max_tokens means "until the context is full"
     for chat and 16 for completions, as OpenAI does; absent sampling fields take `defaults`.
     """
-    is_chat = isinstance(request, ChatCompletionRequest)
-    if is_chat:
-        max_param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
-        requested = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        logprobs_param = "top_logprobs"
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        if request.top_logprobs and not request.logprobs:
-            raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
-    else:
-        max_param, logprobs_param = "max_tokens", "logprobs"
-        requested = request.max_tokens if request.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        logprobs = request.logprobs
+    max_param, requested, logprobs_param, logprobs = _client_fields(request)
     max_tokens = _max_tokens(requested, max_param, num_prompt_tokens, max_model_len)
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    renamed = {"logprobs": logprobs_param, "max_tokens": max_param}
     try:
         params = SamplingParams(
             n=request.n if request.n is not None else 1,
@@ -101,7 +106,7 @@ def sampling_params(
         )
         validate_token_ids(params, vocab_size)
     except ParameterError as error:
-        param = renamed.get(error.field, error.field)
+        param = {"logprobs": logprobs_param, "max_tokens": max_param}.get(error.field, error.field)
         message = str(error).split(": ", 1)[-1]
         raise bad_request(param, f"{param}: {message}") from None
     return params

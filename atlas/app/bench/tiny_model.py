@@ -117,6 +117,38 @@ def _write_weights(path: Path, shape: TinyModelShape, vocab_size: int, damped_id
             writer.write(name, values.astype(np.float32).astype(ml_dtypes.bfloat16))
 
 
+def _config(shape: TinyModelShape, vocab_size: int, bos_id: int, eos_id: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def _tokenizer_config(shape: TinyModelShape) -> dict:
+    return {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|im_end|>",
+        "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": shape.max_position_embeddings,
+    }
+
+
 def write_tiny_model(out_dir: Path | str, seed: int = 0, shape: TinyModelShape = TinyModelShape()) -> Path:
     """Write the folder (config, tokenizer files, bf16 safetensors) atomically; returns its path.
 
@@ -131,34 +163,8 @@ def write_tiny_model(out_dir: Path | str, seed: int = 0, shape: TinyModelShape =
         vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         eos_id = tokenizer.token_to_id("<|im_end|>")
         bos_id = tokenizer.token_to_id("<|im_start|>")
-        config = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "vocab_size": vocab_size,
-            "hidden_size": shape.hidden_size,
-            "intermediate_size": shape.intermediate_size,
-            "num_hidden_layers": shape.num_layers,
-            "num_attention_heads": shape.num_heads,
-            "num_key_value_heads": shape.num_kv_heads,
-            "max_position_embeddings": shape.max_position_embeddings,
-            "rms_norm_eps": 1e-5,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": False,
-            "bos_token_id": bos_id,
-            "eos_token_id": eos_id,
-            "torch_dtype": "bfloat16",
-        }
-        tokenizer_config = {
-            "bos_token": "<|im_start|>",
-            "eos_token": "<|im_end|>",
-            "unk_token": "<|endoftext|>",
-            "pad_token": "<|im_end|>",
-            "add_bos_token": False,
-            "chat_template": CHAT_TEMPLATE,
-            "model_max_length": shape.max_position_embeddings,
-        }
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        (staging / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+        (staging / "config.json").write_text(json.dumps(_config(shape, vocab_size, bos_id, eos_id), indent=2))
+        (staging / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(shape), indent=2))
         (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, "bos_token_id": bos_id}))
         # single-byte tokens get small logits: the text comes out as word pieces, not raw bytes
         single_bytes = [i for token, i in tokenizer.get_vocab().items() if len(token) == 1]
