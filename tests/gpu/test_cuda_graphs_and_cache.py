@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from cuda_harness import bf16, cuda_cache_with, paged_case, poisoned, rel_l2, sampling_tensors, upload_metadata
 
+from atlas.domain.batch import SamplingRow
+from atlas.domain.sampling import pack_rows
 from atlas.ports.gpu import Activation, DType, HeadLayout
 
 pytestmark = pytest.mark.gpu
@@ -105,9 +107,6 @@ def test_warm_start_compiles_no_kernel(kernel_cache_dir, tmp_path, caplog):
 
 def test_graph_keeps_its_workspace_after_an_eager_step_outgrows_it(cuda_backend, rng):
     """An outgrown workspace is retired, not freed: an earlier graph still writes to it."""
-    from atlas.domain.batch import SamplingRow
-    from atlas.domain.sampling import pack_rows
-
     rows = [SamplingRow(temperature=0.7, top_k=0, top_p=0.8, min_p=0.0, seed=11 + r, counter=r) for r in range(4)]
     logits = cuda_backend.upload(bf16(rng.standard_normal((4, 5000)) * 2), DType.BF16)
     params = sampling_tensors(cuda_backend, pack_rows(rows))
@@ -127,3 +126,44 @@ def test_graph_keeps_its_workspace_after_an_eager_step_outgrows_it(cuda_backend,
     graph.replay()
     np.testing.assert_array_equal(cuda_backend.download(ids), expected)
     assert np.isnan(cuda_backend.download(bystander)).all()
+
+
+def test_capture_without_warm_up_creates_the_workspaces_it_needs(kernel_cache_dir, rng):
+    """A fresh backend captures a step whose ops need workspaces (split-K partials, the sampler's
+    rows, a cuBLASLt plan) it never ran eagerly; replay equals the eager run afterwards."""
+    from atlas.adapters import cuda
+
+    if not cuda.available():
+        pytest.skip("no CUDA GPU")
+    backend = cuda.CudaGpuBackend(kernel_cache_dir=kernel_cache_dir)
+    heads = HeadLayout(16, 2, 128)
+    case = paged_case(rng, heads, [3000, 2200], [1, 1])  # long contexts: split-K decode
+    kv = cuda_cache_with(backend, case)
+    meta = upload_metadata(backend, case)
+    q = backend.upload(case.query, DType.BF16)
+    attended = backend.empty((2, heads.q_size), DType.BF16)
+    x16 = backend.upload(bf16(rng.standard_normal((16, 512))), DType.BF16)
+    weight = backend.upload(bf16(rng.standard_normal((256, 512)) / 20), DType.BF16)
+    projected = backend.empty((16, 256), DType.F32)
+    logits = backend.upload(bf16(rng.standard_normal((3, 7000)) * 2), DType.BF16)
+    rows = [SamplingRow(temperature=0.9, top_k=0, top_p=0.95, min_p=0.0, seed=5 + r, counter=2) for r in range(3)]
+    params = sampling_tensors(backend, pack_rows(rows))
+    ids = backend.empty((3,), DType.I32)
+
+    def step() -> None:
+        backend.attention(q, kv, 0, meta, heads, 1 / math.sqrt(heads.head_dim), attended)
+        backend.linear(x16, weight, projected)
+        backend.sample(logits, params, ids)
+
+    graph = backend.capture(step)
+    for tensor in (attended, projected):
+        backend.fill(tensor, float("nan"))
+    backend.fill(ids, -1)
+    graph.replay()
+    replayed = [backend.download(t) for t in (attended, projected, ids)]
+    step()
+    eager = [backend.download(t) for t in (attended, projected, ids)]
+    for a, b in zip(replayed, eager, strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
+    assert np.isfinite(np.asarray(replayed[0], np.float64)).all() and (replayed[2] >= 0).all()
+    backend.close()

@@ -41,12 +41,15 @@ def capture(rt: CudaRuntime, fn: Callable[[], None]) -> CudaGraph:
     """Run `fn` under stream capture and instantiate what it enqueued.
 
     If `fn` raises, capture is ended and the partial graph discarded before the error
-    propagates. Ops that would allocate, upload or download raise `CaptureError` inside.
+    propagates. `empty`, uploads and downloads raise `CaptureError` inside; workspaces the ops
+    need may be created during capture, so no eager warm-up is required.
     """
     rt.ensure_current()
     if rt.capturing:
         raise RuntimeError("capture: already capturing (captures do not nest)")
-    mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+    # Relaxed: a workspace may be allocated while capturing (cuMemAlloc is not a stream
+    # operation); the ops themselves never synchronise.
+    mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
     check("cuStreamBeginCapture", cu.cuStreamBeginCapture(rt.stream_handle, mode))
     rt.capturing = True
     try:

@@ -113,7 +113,8 @@ class LinearOp:
 
     def __init__(self, rt: CudaRuntime) -> None:
         self._rt = rt
-        self._gemm: CublasLtGemm | None = None
+        # Created now, not at the first large linear: that one may be inside a graph capture.
+        self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, rt.workspace("cublaslt", WORKSPACE_BYTES))
 
     def __call__(self, x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: CudaTensor | None) -> None:
         checks.rank(x, "x", 2)
@@ -177,8 +178,7 @@ class LinearOp:
 
     def _cublas(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
         if self._gemm is None:
-            workspace = self._rt.workspace("cublaslt", WORKSPACE_BYTES)
-            self._gemm = CublasLtGemm(self._rt.stream_handle, workspace)
+            raise RuntimeError("linear: the backend was closed")
         fused_bias = bias is not None and out.dtype is DType.BF16
         self._gemm.matmul(
             x.address,

@@ -157,13 +157,12 @@ class CudaRuntime:
 
         A buffer that is outgrown is retired, never freed: a graph captured earlier still
         writes to it on replay. Growth doubles, so the retired ones add at most the size of
-        the current one. Raises `CaptureError` if it would have to grow during graph capture
-        (run the step once eagerly first, as every runner does before capturing).
+        the current one. Growing during graph capture is fine (capture is in relaxed mode and
+        an allocation is no stream operation): the graph keeps the new buffer.
         """
         current = self._workspaces.get(name)
         if current is not None and current.num_bytes >= num_bytes:
             return current.address
-        self.forbid_in_capture(f"growing the {name} workspace to {num_bytes} bytes")
         if current is not None:
             self._retired_workspaces.append(current)
             num_bytes = max(num_bytes, 2 * current.num_bytes)
