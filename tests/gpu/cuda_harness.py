@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -14,12 +15,22 @@ BF16_TOLERANCE = 1e-2
 
 
 def rel_l2(actual: np.ndarray, expected: np.ndarray) -> float:
-    """||actual - expected|| / ||expected|| in float64; NaN anywhere gives inf."""
+    """||actual - expected|| / ||expected|| in float64; NaN anywhere gives inf.
+
+    With ATLAS_ERROR_LOG set, each value is appended to that file with the current test's id,
+    so a GPU run can report the error figures, not only pass or fail.
+    """
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
-    if not np.all(np.isfinite(actual)):
-        return float("inf")
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+    error = float("inf")
+    if np.all(np.isfinite(actual)):
+        error = float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+    log_path = os.environ.get("ATLAS_ERROR_LOG")
+    if log_path:
+        test_id = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(log_path, "a") as log:
+            log.write(f"{error:.3e} {test_id}\n")
+    return error
 
 
 def bf16(array: np.ndarray) -> np.ndarray:

@@ -13,7 +13,7 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
     "$(grep -E 'passed|failed|error|ERROR SUMMARY' "$OUT/$name.log" | tail -n 1 | cut -c1-100)" >> "$OUT/summary.txt"; }
 for s in $STEPS; do case $s in
-  tests) step tests 330 python3 -m pytest tests/gpu -m gpu -q -rfE -p no:cacheprovider --tb=short ;;
+  tests) ATLAS_ERROR_LOG=$OUT/errors.txt step tests 330 python3 -m pytest tests/gpu -m gpu -q -rfE -p no:cacheprovider --tb=short ;;
   cache) step cache 60 python3 -c "
 import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')
 from atlas.adapters.cuda import CudaGpuBackend
@@ -31,5 +31,7 @@ print('passed')" ;;
   bench) step bench 150 python3 tests/gpu/bench_kernels.py ;;
 esac; done
 echo "--- tail of failures"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" 2>/dev/null | cut -c1-220 | head -40
+echo "--- largest relative L2 error per test (bf16 bound 1e-2)"
+sort -k2,2 -k1,1gr "$OUT/errors.txt" 2>/dev/null | awk '!seen[$2]++' | sed 's#tests/gpu/##' | cut -c1-150
 echo "--- bench"; cat "$OUT/bench.log" 2>/dev/null | tail -25
 echo "---"; cat "$OUT/summary.txt"
