@@ -112,6 +112,9 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         kv,
         WorkerConfig(max_num_tokens, settings.max_num_seqs, max_model_len, graph_sizes),
     )
+    if worker.graph_batch_sizes:
+        log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
+        worker.capture_graphs()
     pool = BlockPool(plan.num_blocks, settings.block_size)
     scheduler = Scheduler(
         SchedulerConfig(

@@ -51,6 +51,9 @@ class ScheduledSequence:
     start_position: int
     block_ids: tuple[int, ...]  # the whole block table, covering every position computed
     sampling: SamplingRow | None  # None: a prefill chunk that does not reach the last token
+    # The last token is a placeholder (PLACEHOLDER_TOKEN) sampled by the previous step, still
+    # on the device: its id is that step's sampled id of this row.
+    placeholder_row: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,12 @@
 """The engine core: the step loop over the scheduler and a worker, with no I/O of its own.
 
-    batch = scheduler.schedule()
-    result = worker.execute(batch)
-    outputs = scheduler.commit(batch, result)
+    batch = scheduler.schedule()            # step N+1, while step N runs on the device
+    pending = worker.submit(batch)
+    outputs = scheduler.commit(batch_N, pending_N.result())
+
+Steps overlap by one: the next step is scheduled and enqueued before the previous one's ids
+are read back, so host work hides behind device work. Sequences whose next penalty context
+needs the token still in flight make the core commit first (the steps then do not overlap).
 
 Transports (the Python API, the engine actor behind HTTP, a separate engine process) wrap
 this object; they decide when to call `step` and where outputs go.
@@ -10,20 +14,30 @@ this object; they decide when to call `step` and where outputs go.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
 from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
 from atlas.domain.kv_blocks import BlockPool
-from atlas.domain.requests import ParameterError, Request, Sequence
+from atlas.domain.requests import ParameterError, Request
+from atlas.domain.sequence import Sequence
 from atlas.domain.sampling import validate_token_ids
 from atlas.domain.scheduler import Scheduler
 
 
-class StepExecutor(Protocol):
-    """Runs a scheduled batch (the worker, in this process or behind a transport)."""
+class PendingResult(Protocol):
+    def result(self) -> StepResult:
+        """Block until the step's sampled ids are on the host."""
+        ...
 
-    def execute(self, batch: ScheduledBatch) -> StepResult: ...
+
+class StepExecutor(Protocol):
+    """Runs scheduled batches (the worker, in this process or behind a transport)."""
+
+    def submit(self, batch: ScheduledBatch) -> PendingResult:
+        """Enqueue the step and return at once; steps run in submission order."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +75,7 @@ class EngineCore:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_finished_preemptions = 0
+        self._in_flight: deque[tuple[ScheduledBatch, PendingResult]] = deque()
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ParameterError naming the field when it cannot run."""
@@ -91,16 +106,29 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._in_flight)
 
     def step(self) -> list[SequenceOutput]:
-        """Schedule, execute and commit one step; the outputs of every sequence it advanced."""
+        """Enqueue the next step and commit the previous one; the outputs that commit produced.
+
+        The first call after idle returns no outputs (its step is still in flight); call again
+        while `has_unfinished`.
+        """
+        outputs: list[SequenceOutput] = []
+        if self._in_flight and self.scheduler.has_pending_penalties:
+            outputs += self._commit_oldest()
         batch = self.scheduler.schedule()
-        if batch.is_empty:
-            return []
-        result = self.executor.execute(batch)
+        if not batch.is_empty:
+            self._in_flight.append((batch, self.executor.submit(batch)))
+            self._num_steps += 1
+        if self._in_flight and (len(self._in_flight) > 1 or batch.is_empty):
+            outputs += self._commit_oldest()
+        return outputs
+
+    def _commit_oldest(self) -> list[SequenceOutput]:
+        batch, pending = self._in_flight.popleft()
+        result = pending.result()
         outputs = self.scheduler.commit(batch, result)
-        self._num_steps += 1
         self._num_generated_tokens += len(result.token_ids)
         for output in outputs:
             if output.finish_reason is not None:

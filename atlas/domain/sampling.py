@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from atlas.domain.batch import SamplingRow
-from atlas.domain.requests import ParameterError, SamplingParams, Sequence
+from atlas.domain.requests import ParameterError, SamplingParams
+from atlas.domain.sequence import Sequence
 
 NEG_INF = float("-inf")
 

@@ -17,8 +17,12 @@ prompt and output later, which yields the same tokens. Nothing can livelock on a
 too small: `add` refuses a prompt larger than the whole pool, and a sequence whose next token
 would need more positions than the whole pool holds finishes with LENGTH.
 
-Every non-empty batch from `schedule()` must be passed to `commit()` before the next
-`schedule()`; sequences aborted in between are skipped.
+Steps overlap: `schedule()` may build step N+1 while step N is in flight (at most one
+uncommitted batch). Scheduling a step advances `num_computed_tokens` at once and gives each
+sampling sequence a pending placeholder token (`atlas.domain.sequence`), so step N+1 can
+already decode it: its id is read on the device from step N's samples. `commit(N)` resolves the
+placeholders and applies the stop rules; sequences aborted or preempted in between are skipped,
+and a step computed for a sequence that finished meanwhile is simply discarded.
 """
 
 from __future__ import annotations
@@ -28,10 +32,11 @@ from dataclasses import dataclass
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence, SequenceOutput, StepResult, TokenLogprobs
 from atlas.domain.kv_blocks import BlockPool
-from atlas.domain.requests import FinishReason, ParameterError, Sequence, SequenceStatus
+from atlas.domain.requests import FinishReason, ParameterError, SequenceStatus
+from atlas.domain.sequence import PLACEHOLDER_TOKEN, PendingToken, Sequence
 from atlas.domain.sampling import sampling_row
 from atlas.domain.scheduling_policy import FifoPolicy, SchedulingPolicy
-from atlas.domain.stopping import stop_reason
+from atlas.domain.stopping import ends_by_length, stop_reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +103,7 @@ class Scheduler:
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in admission order
         self._live: dict[str, Sequence] = {}  # every waiting or running sequence by id
-        self._in_flight: _InFlight | None = None
+        self._in_flight: deque[_InFlight] = deque()
         self._next_step_id = 0
 
     @property
@@ -172,12 +177,12 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Build the next step; an empty batch when there is nothing to run.
 
-        Raises RuntimeError if the previous non-empty batch was not committed yet, and
-        ValueError if the policy names a victim or admits a sequence outside its contract.
+        Raises RuntimeError if two batches are already in flight, and ValueError if the policy
+        names a victim or admits a sequence outside its contract.
         """
-        if self._in_flight is not None:
+        if len(self._in_flight) > 1:
             raise RuntimeError(
-                f"step {self._in_flight.step_id} was scheduled but not committed; commit it before scheduling again"
+                f"steps {[f.step_id for f in self._in_flight]} are in flight; commit one before scheduling again"
             )
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
@@ -185,10 +190,28 @@ class Scheduler:
             self._admit_waiting(plan)
         step_id = self._next_step_id
         self._next_step_id += 1
-        if plan.planned:
-            self._in_flight = _InFlight(step_id, tuple(plan.planned))
         scheduled = tuple(_scheduled_sequence(p) for p in plan.planned)
+        sample_row = 0
+        for planned in plan.planned:  # the step is as good as run: advance, and await its samples
+            planned.seq.mark_computed(planned.num_tokens)
+            if planned.samples:
+                planned.seq.append_pending(PendingToken(step_id, sample_row))
+                sample_row += 1
+        if plan.planned:
+            self._in_flight.append(_InFlight(step_id, tuple(plan.planned)))
         return ScheduledBatch(step_id=step_id, sequences=scheduled, block_size=self.pool.block_size)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Scheduled batches not committed yet (0, 1 or 2)."""
+        return len(self._in_flight)
+
+    @property
+    def has_pending_penalties(self) -> bool:
+        """A sequence awaits a token its next penalty context needs: commit before scheduling."""
+        return any(
+            p.samples and p.seq.sampling.has_penalties for flight in self._in_flight for p in flight.planned
+        )
 
     def commit(self, batch: ScheduledBatch, result: StepResult) -> list[SequenceOutput]:
         """Apply a step's result: advance computed counts, append sampled tokens, finish and free.
@@ -199,19 +222,20 @@ class Scheduler:
         match it.
         """
         in_flight = self._check_commit(batch, result)
-        self._in_flight = None
+        self._in_flight.popleft()
         outputs: list[SequenceOutput] = []
         row_idx = 0
         for planned in in_flight.planned:
-            seq = planned.seq
-            sample_idx = row_idx
-            if planned.samples:
-                row_idx += 1
+            if not planned.samples:
+                continue
+            seq, sample_idx = planned.seq, row_idx
+            row_idx += 1
             if self._live.get(seq.seq_id) is not seq:
                 continue  # aborted after schedule(): its blocks are already back in the pool
-            seq.mark_computed(planned.num_tokens)
-            if planned.samples:
-                outputs.append(self._append_sampled(seq, result, sample_idx))
+            pending = seq.pending
+            if not pending or pending[0].step_id != batch.step_id:
+                continue  # preempted after schedule(): it samples this token again later
+            outputs.append(self._append_sampled(seq, result, sample_idx))
         return outputs
 
     def check_invariants(self) -> None:
@@ -232,10 +256,9 @@ class Scheduler:
         for seq in self._waiting:
             if seq.status is not SequenceStatus.WAITING or seq.num_blocks or seq.num_computed_tokens:
                 raise AssertionError(f"a waiting sequence holds cache state: {seq!r}")
-        in_flight_tokens = {id(p.seq): p.num_tokens for p in self._in_flight.planned} if self._in_flight else {}
         holders: Counter[int] = Counter()
         for seq in self._running:
-            covered = seq.num_computed_tokens + in_flight_tokens.get(id(seq), 0)
+            covered = seq.num_computed_tokens  # in-flight tokens included
             expected_blocks = BlockPool.blocks_needed(covered, self.pool.block_size)
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens < 1:
                 raise AssertionError(f"a running sequence is not running or has nothing to compute: {seq!r}")
@@ -262,6 +285,9 @@ class Scheduler:
         idx = 0
         while idx < len(self._running) and plan.budget_left > 0:
             seq = self._running[idx]
+            if seq.pending and ends_by_length(seq):
+                idx += 1  # its pending token is its last: nothing more to compute
+                continue
             num_tokens = min(seq.num_uncomputed_tokens, plan.budget_left)
             if self._grow(seq, num_tokens, idx, plan):
                 plan.add(seq, num_tokens)
@@ -328,7 +354,7 @@ class Scheduler:
 
     def _append_sampled(self, seq: Sequence, result: StepResult, row_idx: int) -> SequenceOutput:
         token_id = result.token_ids[row_idx]
-        seq.append_token(token_id)
+        seq.resolve_pending(token_id)
         reason = stop_reason(seq)
         if reason is None and seq.num_tokens > self._capacity_tokens:
             # Sampling again would need every token in the cache, more than the whole pool holds.
@@ -339,10 +365,10 @@ class Scheduler:
         return _output(seq, (token_id,), (token_logprobs,) if token_logprobs is not None else ())
 
     def _check_commit(self, batch: ScheduledBatch, result: StepResult) -> _InFlight:
-        in_flight = self._in_flight
+        in_flight = self._in_flight[0] if self._in_flight else None
         if in_flight is None or batch.step_id != in_flight.step_id or len(batch.sequences) != len(in_flight.planned):
             pending = "none" if in_flight is None else f"step {in_flight.step_id}"
-            raise ValueError(f"batch of step {batch.step_id} is not the one in flight ({pending})")
+            raise ValueError(f"batch of step {batch.step_id} is not the oldest in flight ({pending})")
         if result.step_id != batch.step_id:
             raise ValueError(f"result of step {result.step_id} committed against batch of step {batch.step_id}")
         if len(result.token_ids) != batch.num_sampled:
@@ -357,14 +383,23 @@ class Scheduler:
 
 
 def _scheduled_sequence(planned: _Planned) -> ScheduledSequence:
+    """The step's view of `planned`, taken before the step advances the sequence."""
     seq = planned.seq
     start = seq.num_computed_tokens
+    token_ids = tuple(seq.tokens_slice(start, start + planned.num_tokens))
+    pending = seq.pending
+    placeholder_row = None
+    if token_ids[-1] == PLACEHOLDER_TOKEN:
+        # only the newest placeholder can be computed: the previous step samples it
+        assert len(pending) == 1 and start + planned.num_tokens == seq.num_tokens
+        placeholder_row = pending[-1].sample_row
     return ScheduledSequence(
         seq_id=seq.seq_id,
-        token_ids=tuple(seq.tokens_slice(start, start + planned.num_tokens)),
+        token_ids=token_ids,
         start_position=start,
         block_ids=seq.block_ids,
         sampling=sampling_row(seq) if planned.samples else None,
+        placeholder_row=placeholder_row,
     )
 
 
@@ -374,6 +409,6 @@ def _output(seq: Sequence, new_token_ids: tuple[int, ...], logprobs: tuple[Token
         new_token_ids=new_token_ids,
         finish_reason=seq.finish_reason,
         num_prompt_tokens=seq.num_prompt_tokens,
-        num_output_tokens=seq.num_output_tokens,
+        num_output_tokens=seq.num_resolved_tokens - seq.num_prompt_tokens,
         logprobs=logprobs,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Sequence as SequenceList
 from typing import Protocol
 
-from atlas.domain.requests import Sequence
+from atlas.domain.sequence import Sequence
 
 
 class SchedulingPolicy(Protocol):

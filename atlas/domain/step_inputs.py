@@ -22,6 +22,8 @@ class HostStepInputs:
     seq_lens: np.ndarray  # [S] i32
     block_tables: np.ndarray  # [S, W] i32, rows padded with the scratch block
     sample_indices: np.ndarray  # [R] i32: the last token row of each sampling sequence
+    token_gather: np.ndarray  # [N] i32: where each token id comes from (see StepBuffers)
+    has_placeholders: bool  # some token ids are the previous step's samples, on the device
     max_query_len: int
     max_seq_len: int
 
@@ -38,8 +40,13 @@ class HostStepInputs:
         return int(self.sample_indices.shape[0])
 
 
-def build_step_inputs(batch: ScheduledBatch, table_width: int, scratch_block: int) -> HostStepInputs:
+def build_step_inputs(
+    batch: ScheduledBatch, table_width: int, scratch_block: int, num_sample_slots: int
+) -> HostStepInputs:
     """Flatten a batch into varlen arrays.
+
+    Token i's id is read from row `token_gather[i]` of the token source: the previous step's
+    sampled ids occupy rows [0, num_sample_slots), this step's host tokens follow.
 
     Raises ValueError when a sequence's block table is wider than `table_width` or does not
     cover the positions it computes (a scheduler bug that must never reach a kernel).
@@ -53,6 +60,7 @@ def build_step_inputs(batch: ScheduledBatch, table_width: int, scratch_block: in
     seq_lens = np.zeros(num_seqs, np.int32)
     block_tables = np.full((num_seqs, table_width), scratch_block, np.int32)
     sample_indices = []
+    placeholders: list[tuple[int, int]] = []  # (token row, previous step's sample row)
     for index, seq in enumerate(batch.sequences):
         if len(seq.block_ids) > table_width:
             raise ValueError(f"sequence {seq.seq_id!r} has {len(seq.block_ids)} blocks, more than {table_width}")
@@ -68,6 +76,12 @@ def build_step_inputs(batch: ScheduledBatch, table_width: int, scratch_block: in
         seq_lens[index] = seq.context_len
         if seq.sampling is not None:
             sample_indices.append(query_start[index + 1] - 1)
+        if seq.placeholder_row is not None:
+            placeholders.append((int(query_start[index + 1]) - 1, seq.placeholder_row))
+    num_tokens = len(token_ids)
+    token_gather = np.arange(num_sample_slots, num_sample_slots + num_tokens, dtype=np.int32)
+    for row, sample_row in placeholders:
+        token_gather[row] = sample_row
     return HostStepInputs(
         token_ids=np.asarray(token_ids, np.int32),
         positions=np.concatenate(positions).astype(np.int32) if positions else np.zeros(0, np.int32),
@@ -76,12 +90,16 @@ def build_step_inputs(batch: ScheduledBatch, table_width: int, scratch_block: in
         seq_lens=seq_lens,
         block_tables=block_tables,
         sample_indices=np.asarray(sample_indices, np.int32),
+        token_gather=token_gather,
+        has_placeholders=bool(placeholders),
         max_query_len=max((s.num_tokens for s in batch.sequences), default=0),
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
     )
 
 
-def pad_decode_inputs(inputs: HostStepInputs, num_seqs: int, scratch_block: int, block_size: int) -> HostStepInputs:
+def pad_decode_inputs(
+    inputs: HostStepInputs, num_seqs: int, scratch_block: int, block_size: int, num_sample_slots: int
+) -> HostStepInputs:
     """Pad a decode-only step (one token per sequence) to `num_seqs` rows for a captured graph.
 
     Padding rows compute one token at position 0 of the scratch block and are sampled into
@@ -92,6 +110,9 @@ def pad_decode_inputs(inputs: HostStepInputs, num_seqs: int, scratch_block: int,
         raise ValueError("only decode steps (one token per sequence) can be padded")
     width = inputs.block_tables.shape[1]
     scratch_slot = scratch_block * block_size
+    padded_gather = np.concatenate(
+        [inputs.token_gather, num_sample_slots + np.arange(inputs.num_tokens, num_seqs, dtype=np.int32)]
+    )
     return HostStepInputs(
         token_ids=np.concatenate([inputs.token_ids, np.zeros(extra, np.int32)]),
         positions=np.concatenate([inputs.positions, np.zeros(extra, np.int32)]),
@@ -100,6 +121,9 @@ def pad_decode_inputs(inputs: HostStepInputs, num_seqs: int, scratch_block: int,
         seq_lens=np.concatenate([inputs.seq_lens, np.ones(extra, np.int32)]),
         block_tables=np.concatenate([inputs.block_tables, np.full((extra, width), scratch_block, np.int32)]),
         sample_indices=np.arange(num_seqs, dtype=np.int32),
+        token_gather=padded_gather,
+        has_placeholders=inputs.has_placeholders,
         max_query_len=1,
         max_seq_len=inputs.max_seq_len,
     )
+

@@ -12,24 +12,32 @@ STOP wins over LENGTH when both hold: the model ended on its own.
 
 from __future__ import annotations
 
-from atlas.domain.requests import FinishReason, Sequence
+from atlas.domain.requests import FinishReason
+from atlas.domain.sequence import Sequence
 
 
 def stop_reason(seq: Sequence) -> FinishReason | None:
-    """Why `seq` is finished after its last token was appended, or None to keep going.
+    """Why `seq` is finished after its last resolved token, or None to keep going.
 
     `min_tokens` is enforced by the sampler banning eos and stop ids; as a second guard an eos or
     stop id is not honoured unless at least `min_tokens` outputs come before it. Never raises for
     a sequence that holds at least one output token.
     """
-    if seq.num_output_tokens > seq.sampling.min_tokens and _is_stop_token(seq, seq.last_token_id):
+    num_output = seq.num_resolved_tokens - seq.num_prompt_tokens
+    if num_output > seq.sampling.min_tokens and _is_stop_token(seq, seq.last_resolved_token_id):
         return FinishReason.STOP
     max_tokens = seq.sampling.max_tokens
-    if max_tokens is not None and seq.num_output_tokens >= max_tokens:
-        return FinishReason.LENGTH
-    if seq.num_tokens >= seq.max_total_tokens:
+    if (max_tokens is not None and num_output >= max_tokens) or seq.num_resolved_tokens >= seq.max_total_tokens:
         return FinishReason.LENGTH
     return None
+
+
+def ends_by_length(seq: Sequence) -> bool:
+    """True when the last token (real or pending) is the last `max_tokens` or the length limit allow."""
+    max_tokens = seq.sampling.max_tokens
+    if max_tokens is not None and seq.num_output_tokens >= max_tokens:
+        return True
+    return seq.num_tokens >= seq.max_total_tokens
 
 
 def _is_stop_token(seq: Sequence, token_id: int) -> bool:

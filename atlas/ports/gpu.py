@@ -213,6 +213,12 @@ class Capabilities:
     device_name: str
 
 
+class PendingDownload(Protocol):
+    def wait(self) -> np.ndarray:
+        """Block until the copy has landed; return it (the same array on every call)."""
+        ...
+
+
 class Graph(Protocol):
     def replay(self) -> None:
         """Run the captured ops again, reading the current contents of their buffers."""
@@ -248,6 +254,14 @@ class GpuBackend(Protocol):
     def download(self, src: Tensor) -> np.ndarray:
         """A host copy of `src` after every op enqueued before it (bf16 comes back as
         ml_dtypes.bfloat16)."""
+        ...
+
+    def begin_download(self, src: Tensor) -> PendingDownload:
+        """Start copying `src` to the host once every op enqueued before has run.
+
+        Returns at once; ops enqueued later may overwrite `src` without changing the copy. This
+        is how the worker reads step N's token ids while step N+1 is already queued.
+        """
         ...
 
     def fill(self, dst: Tensor, value: float) -> None:

@@ -21,12 +21,13 @@ MAX_LEN = 128
 EOS = frozenset({96})
 
 
-def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0):
+def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=()):
     config = ModelConfig.from_dict(TINY_LLAMA)
-    backend = MockGpuBackend()
+    backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed)), backend, MAX_LEN)
     spec = KvCacheSpec(config.num_layers, num_blocks + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
-    worker = Worker(backend, model, backend.allocate_kv_cache(spec), WorkerConfig(budget, max_num_seqs, MAX_LEN))
+    worker_config = WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes)
+    worker = Worker(backend, model, backend.allocate_kv_cache(spec), worker_config)
     pool = BlockPool(num_blocks, BLOCK_SIZE)
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), pool)
     return EngineCore(scheduler, pool, worker, MAX_LEN, config.vocab_size, EOS)
@@ -97,6 +98,7 @@ def test_abort_frees_blocks_at_every_stage(rng):
         core.step()
     assert core.abort("decoding") is not None and core.abort("waiting") is not None
     assert core.abort("decoding") is None
+    assert core.step() == []  # drains the step still in flight; its tokens are void
     assert not core.has_unfinished
     assert core.stats().num_blocks_free == 100
 
@@ -123,3 +125,62 @@ def test_max_tokens_and_eos_finish_requests(rng):
     result = run(core, [Request("b", (7, 8, 9), SamplingParams(temperature=0.0, max_tokens=5, logit_bias=bias), seed=0)])
     assert result["b"] == [96]
     np.testing.assert_equal(core.stats().num_blocks_free, 400)
+
+
+def run_strictly_synchronous(core, requests):
+    """The reference: schedule, execute, commit, one step at a time, no overlap."""
+    tokens = {r.request_id: [] for r in requests}
+    for request in requests:
+        core.add_request(request)
+    scheduler, worker = core.scheduler, core.executor
+    while scheduler.has_unfinished:
+        batch = scheduler.schedule()
+        assert not any(s.placeholder_row is not None for s in batch.sequences)
+        for output in scheduler.commit(batch, worker.execute(batch)):
+            tokens[output.seq_id].extend(output.new_token_ids)
+    return tokens
+
+
+PLAIN = [SamplingParams(temperature=0.0, max_tokens=14), SamplingParams(temperature=0.9, top_k=20, max_tokens=14)]
+PENALISED = [
+    SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=14),
+    SamplingParams(temperature=0.0, presence_penalty=1.5, max_tokens=14, min_tokens=6),
+]
+
+
+@pytest.mark.parametrize("mixes, overlaps", [(PLAIN, True), (PLAIN + PENALISED, False)], ids=["plain", "penalties"])
+def test_the_pipelined_engine_matches_a_strictly_synchronous_loop(rng, mixes, overlaps):
+    """Penalties need the host to know the last token, so with them the steps do not overlap."""
+    requests = [Request(f"r{i}", p, mixes[i % len(mixes)], seed=100 + i) for i, p in enumerate(prompts(12, rng))]
+    expected = run_strictly_synchronous(build_core(), requests)
+    core = build_core()
+    placeholders_used = []
+    original_submit = core.executor.submit
+
+    def spying_submit(batch):
+        placeholders_used.append(any(s.placeholder_row is not None for s in batch.sequences))
+        return original_submit(batch)
+
+    core.executor.submit = spying_submit
+    assert run(core, requests) == expected
+    assert any(placeholders_used) == overlaps
+    assert core.stats().num_blocks_free == 400
+
+
+def test_decode_graphs_padded_to_buckets_give_the_eager_tokens(rng):
+    """The graph path (bucket padding, token gather, replay over persistent buffers) on the CPU."""
+    mixes = PLAIN + PENALISED
+    requests = [Request(f"r{i}", p, mixes[i % 4], seed=7 + i) for i, p in enumerate(prompts(11, rng))]
+    eager = run(build_core(), requests)
+    graphed_core = build_core(graph_sizes=(1, 2, 4, 8, 16))
+    replays = []
+    original = graphed_core.executor._capture
+
+    def counting_capture(bucket):
+        replays.append(bucket)
+        return original(bucket)
+
+    graphed_core.executor._capture = counting_capture
+    assert run(graphed_core, requests) == eager
+    assert replays and set(replays) <= {1, 2, 4, 8, 16}
+    assert graphed_core.stats().num_blocks_free == 400

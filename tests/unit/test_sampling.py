@@ -14,7 +14,8 @@ import pytest
 
 from atlas.adapters.mock.sampler import apply_penalties_and_bias, sample_rows
 from atlas.domain.batch import SamplingRow
-from atlas.domain.requests import ParameterError, Request, SamplingParams, Sequence
+from atlas.domain.requests import ParameterError, Request, SamplingParams
+from atlas.domain.sequence import Sequence
 from atlas.domain.sampling import counter_uniforms, pack_rows, sampling_row, validate_token_ids
 
 MASK = 2**64 - 1

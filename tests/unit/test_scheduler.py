@@ -17,7 +17,8 @@ import pytest
 
 from atlas.domain.batch import ScheduledBatch, StepResult, TokenLogprobs
 from atlas.domain.kv_blocks import BlockPool
-from atlas.domain.requests import FinishReason, ParameterError, Request, SamplingParams, Sequence, SequenceStatus
+from atlas.domain.requests import FinishReason, ParameterError, Request, SamplingParams, SequenceStatus
+from atlas.domain.sequence import Sequence
 from atlas.domain.sampling import sampling_row
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import SchedulingPolicy
@@ -38,17 +39,23 @@ class PagedFakeWorker:
 
     def __init__(self, num_blocks: int) -> None:
         self.slots: list[int | None] = [None] * (num_blocks * BLOCK_SIZE)
+        self.last_sampled: tuple[int, ...] = ()  # like the device's sampled-ids buffer
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         sampled = []
         for scheduled in batch.sequences:
             assert len(scheduled.block_ids) == BlockPool.blocks_needed(scheduled.context_len, BLOCK_SIZE)
-            for offset, token_id in enumerate(scheduled.token_ids):
+            token_ids = list(scheduled.token_ids)
+            if scheduled.placeholder_row is not None:  # sampled by the previous step, not known to the host
+                token_ids[-1] = self.last_sampled[scheduled.placeholder_row]
+            assert min(token_ids) >= 0
+            for offset, token_id in enumerate(token_ids):
                 self.slots[self._slot(scheduled.block_ids, scheduled.start_position + offset)] = token_id
             if scheduled.sampling is not None:
                 assert scheduled.sampling.is_greedy
                 context = tuple(self.slots[self._slot(scheduled.block_ids, p)] for p in range(scheduled.context_len))
                 sampled.append(greedy_next_token(context))
+        self.last_sampled = tuple(sampled)
         return StepResult(step_id=batch.step_id, token_ids=tuple(sampled))
 
     @staticmethod
@@ -179,10 +186,11 @@ def test_prompt_longer_than_the_budget_is_prefilled_in_chunks() -> None:
     assert batch.sequences[0].token_ids == (24, 25, 26, 27) and outputs == []
     assert seq.num_computed_tokens == 8 and seq.num_output_tokens == 0
 
+    expected_row = sampling_row(seq)  # taken before the step: scheduling advances the sequence
     batch = scheduler.schedule()
     assert batch_shape(batch) == [("long", 8, 2, (0, 1, 2), True)]
     assert batch.sequences[0].token_ids == (28, 29)
-    assert batch.sequences[0].sampling == sampling_row(seq)
+    assert batch.sequences[0].sampling == expected_row
     assert batch.sequences[0].sampling.bias_token_ids == ()  # no eos ids to ban
     outputs = scheduler.commit(batch, worker.execute(batch))
     assert [o.new_token_ids for o in outputs] == [(greedy_next_token(tuple(prompt)),)]
@@ -271,9 +279,10 @@ def test_preemption_takes_the_newest_running_sequence_and_requeues_it_first() ->
     assert (scheduler.num_running, scheduler.num_waiting) == (0, 2)
 
     # b went ahead of c; it recomputes prompt + output in the blocks freed in that order.
+    b_output = b.output_token_ids
     batch = scheduler.schedule()
     assert batch_shape(batch) == [("b", 0, 9, (3, 0, 1), True), ("c", 0, 2, (2,), True)]
-    assert batch.sequences[0].token_ids == (8, 9, 10, 11, 12, 13, 14) + b.output_token_ids
+    assert batch.sequences[0].token_ids == (8, 9, 10, 11, 12, 13, 14) + b_output
     scheduler.commit(batch, worker.execute(batch))
     run_to_completion(scheduler, worker)
     assert b.output_token_ids == tuple(greedy_reference(b.request.prompt_token_ids, 6))
@@ -390,7 +399,7 @@ def test_abort_between_schedule_and_commit_is_skipped_silently() -> None:
 
     # result.token_ids[1] is b's even though a, sampled first, is gone.
     assert [(o.seq_id, o.new_token_ids) for o in outputs] == [("b", (result.token_ids[1],))]
-    assert a.num_output_tokens == 1 and a.num_computed_tokens == 3
+    assert a.num_output_tokens == 1 and a.num_computed_tokens == 4  # the step advanced it; its token is void
     assert b.output_token_ids == tuple(greedy_reference([4, 5, 6], 2))
     assert pool.num_free_blocks == 7 and pool.ref_count(1) == 1
 
@@ -484,20 +493,25 @@ def test_commit_and_schedule_refuse_out_of_order_calls() -> None:
     scheduler.add(make_seq("a", [1, 2, 3]))
     idle = scheduler.schedule()
     assert not idle.is_empty
-    with pytest.raises(RuntimeError, match="not committed"):
+    ahead = scheduler.schedule()  # one step may be prepared while another is in flight
+    assert ahead.sequences[0].placeholder_row == 0
+    with pytest.raises(RuntimeError, match="in flight"):
         scheduler.schedule()
     with pytest.raises(ValueError, match="samples 1 tokens but the result has 2"):
         scheduler.commit(idle, StepResult(step_id=idle.step_id, token_ids=(1, 2)))
     with pytest.raises(ValueError, match="result of step"):
         scheduler.commit(idle, StepResult(step_id=idle.step_id + 1, token_ids=(1,)))
     stale = ScheduledBatch(step_id=idle.step_id + 5, sequences=idle.sequences, block_size=BLOCK_SIZE)
-    with pytest.raises(ValueError, match="not the one in flight"):
+    with pytest.raises(ValueError, match="not the oldest in flight"):
         scheduler.commit(stale, worker.execute(stale))
+    with pytest.raises(ValueError, match="not the oldest in flight"):
+        scheduler.commit(ahead, StepResult(step_id=ahead.step_id, token_ids=(1,)))
     scheduler.check_invariants()
     outputs = scheduler.commit(idle, worker.execute(idle))
     assert [o.num_output_tokens for o in outputs] == [1]
-    with pytest.raises(ValueError, match="not the one in flight"):
+    with pytest.raises(ValueError, match="not the oldest in flight"):
         scheduler.commit(idle, worker.execute(idle))
+    assert [o.num_output_tokens for o in scheduler.commit(ahead, worker.execute(ahead))] == [2]
 
 
 def test_nothing_to_do_gives_an_empty_batch_that_needs_no_commit() -> None:
@@ -569,8 +583,10 @@ def expected_greedy_run(seq: Sequence) -> Finished:
     return Finished(continuation, FinishReason.LENGTH)
 
 
+@pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workloads_with_arrivals_and_aborts_match_the_reference(seed: int) -> None:
+def test_random_workloads_with_arrivals_and_aborts_match_the_reference(seed: int, pipelined: bool) -> None:
+    """Pipelined: step N+1 is scheduled (and run) before step N is committed, as the engine does."""
     rng = random.Random(seed)
     num_blocks = rng.randint(10, 16)  # at least max_model_len slots
     scheduler, pool, worker = make_scheduler(
@@ -587,22 +603,23 @@ def test_random_workloads_with_arrivals_and_aborts_match_the_reference(seed: int
     ]
     arrivals = list(sequences)
     to_abort = {seq.seq_id for seq in rng.sample(sequences, 3)}
+    in_flight: list[tuple[ScheduledBatch, StepResult]] = []
     for _ in range(1000):
-        if not arrivals and not scheduler.has_unfinished:
+        if not arrivals and not scheduler.has_unfinished and not in_flight:
             break
         if arrivals and rng.random() < 0.5:
             scheduler.add(arrivals.pop(0))
         batch = scheduler.schedule()
         scheduler.check_invariants()
-        if batch.is_empty:
-            continue
-        result = worker.execute(batch)
-        for scheduled in batch.sequences:
-            if scheduled.seq_id in to_abort and rng.random() < 0.3:
-                to_abort.discard(scheduled.seq_id)
-                assert scheduler.abort(scheduled.seq_id).finish_reason is FinishReason.ABORT
-        scheduler.commit(batch, result)
-        scheduler.check_invariants()
+        if not batch.is_empty:
+            in_flight.append((batch, worker.execute(batch)))
+            for scheduled in batch.sequences:
+                if scheduled.seq_id in to_abort and rng.random() < 0.3:
+                    to_abort.discard(scheduled.seq_id)
+                    assert scheduler.abort(scheduled.seq_id).finish_reason is FinishReason.ABORT
+        while in_flight and (len(in_flight) > 1 or not pipelined or batch.is_empty):
+            scheduler.commit(*in_flight.pop(0))
+            scheduler.check_invariants()
     assert not arrivals and not scheduler.has_unfinished, "livelock"
     assert pool.num_free_blocks == num_blocks
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from atlas.domain.requests import FinishReason, Request, SamplingParams, Sequence
+from atlas.domain.requests import FinishReason, Request, SamplingParams
+from atlas.domain.sequence import Sequence
 from atlas.domain.stopping import stop_reason
 
 EOS_IDS = frozenset({2, 7})

@@ -50,6 +50,16 @@ class MockKvCache:
         return self._spec
 
 
+class _CompletedDownload:
+    """Ops run synchronously on the mock, so a download is complete when it starts."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self._array = array
+
+    def wait(self) -> np.ndarray:
+        return self._array
+
+
 class _MockGraph:
     """No graphs on a CPU: replay re-runs the captured function on the buffers' contents."""
 
@@ -63,8 +73,13 @@ class _MockGraph:
 class MockGpuBackend:
     """The numpy backend. `memory_bytes` caps what it may allocate (default: 80% of free RAM)."""
 
-    def __init__(self, activation_dtype: DType = DType.F32, memory_bytes: int | None = None) -> None:
+    def __init__(
+        self, activation_dtype: DType = DType.F32, memory_bytes: int | None = None, emulate_graphs: bool = False
+    ) -> None:
+        """`emulate_graphs` reports graph support so the worker's graph path (padding, capture,
+        replay over persistent buffers) runs on the CPU; replay re-runs the captured function."""
         self._activation_dtype = activation_dtype
+        self._emulate_graphs = emulate_graphs
         self._total_bytes = memory_bytes if memory_bytes is not None else _default_memory_bytes()
         self._allocated_bytes = 0
         self._faults: dict[str, Exception] = {}
@@ -80,7 +95,7 @@ class MockGpuBackend:
         return Capabilities(
             activation_dtype=self._activation_dtype,
             kv_dtypes=(DType.F32, DType.BF16, DType.F16),
-            supports_graphs=False,
+            supports_graphs=self._emulate_graphs,
             device_name=f"numpy on {os.cpu_count()} CPU cores",
         )
 
@@ -138,6 +153,10 @@ class MockGpuBackend:
     def download(self, src: MockTensor) -> np.ndarray:
         self._enter("download")
         return src.data.copy()
+
+    def begin_download(self, src: MockTensor) -> _CompletedDownload:
+        self._enter("download")
+        return _CompletedDownload(src.data.copy())
 
     def fill(self, dst: MockTensor, value: float) -> None:
         dst.data[...] = value

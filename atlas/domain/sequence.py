@@ -1,0 +1,194 @@
+"""A request being run: its tokens, its block table, and the token a step in flight will sample.
+
+A sequence owns its tokens and block table and changes only through named methods. With the
+engine preparing step N+1 while step N runs, a sequence sampled in step N carries a *pending*
+token: a placeholder whose id only the device knows until step N is committed. Step N+1 can
+already compute it (the worker reads the id from step N's sampled ids on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atlas.domain.requests import FinishReason, ParameterError, Request, SamplingParams, SequenceStatus
+
+PLACEHOLDER_TOKEN = -1
+
+
+@dataclass(frozen=True, slots=True)
+class PendingToken:
+    """Where the id of a sequence's last token will come from."""
+
+    step_id: int  # the step that samples it
+    sample_row: int  # its row among that step's sampled ids
+
+
+class Sequence:
+    """A request being run: its tokens, how many are in the KV cache, and its blocks.
+
+    `token_ids` holds the prompt then the output. `num_computed_tokens` counts tokens whose
+    K/V are in the cache; the scheduler feeds the next ones until it catches up with
+    `num_tokens`, then each step samples one more.
+    """
+
+    __slots__ = (
+        "request",
+        "_token_ids",
+        "num_computed_tokens",
+        "_block_ids",
+        "status",
+        "finish_reason",
+        "max_total_tokens",
+        "eos_token_ids",
+        "stop_token_ids",
+        "num_preemptions",
+        "_penalty_counts",
+        "_pending",
+    )
+
+    def __init__(self, request: Request, max_total_tokens: int, eos_token_ids: frozenset[int]) -> None:
+        if not request.prompt_token_ids:
+            raise ParameterError("prompt", "the prompt is empty")
+        self.request = request
+        self._token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self._block_ids: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.max_total_tokens = max_total_tokens
+        self.eos_token_ids = frozenset() if request.sampling.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(request.sampling.stop_token_ids)
+        self.num_preemptions = 0
+        self._pending: list[PendingToken] = []  # oldest first; the last len(_pending) tokens
+        # token id -> occurrences in the output, kept only when penalties need it; prompt tokens
+        # enter with 0 when the repetition penalty also covers the prompt
+        self._penalty_counts: dict[int, int] | None = None
+        if request.sampling.has_penalties:
+            covers_prompt = request.sampling.repetition_penalty != 1.0
+            self._penalty_counts = dict.fromkeys(request.prompt_token_ids, 0) if covers_prompt else {}
+
+    @property
+    def seq_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return tuple(self._token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._token_ids) - len(self.request.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        return tuple(self._token_ids[self.num_prompt_tokens :])
+
+    @property
+    def last_token_id(self) -> int:
+        return self._token_ids[-1]
+
+    @property
+    def block_ids(self) -> tuple[int, ...]:
+        return tuple(self._block_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._block_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self._token_ids) - self.num_computed_tokens
+
+    def tokens_slice(self, start: int, stop: int) -> list[int]:
+        return self._token_ids[start:stop]
+
+    def append_token(self, token_id: int) -> None:
+        if self._pending:
+            raise AssertionError(f"{self.seq_id}: a token is appended while one is pending")
+        self._token_ids.append(token_id)
+        self._count_for_penalties(token_id)
+
+    @property
+    def pending(self) -> tuple[PendingToken, ...]:
+        """Tokens steps in flight are sampling for this sequence, oldest first (at most two)."""
+        return tuple(self._pending)
+
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens whose ids the host knows (all but the pending ones)."""
+        return len(self._token_ids) - len(self._pending)
+
+    @property
+    def last_resolved_token_id(self) -> int:
+        return self._token_ids[self.num_resolved_tokens - 1]
+
+    def append_pending(self, pending: PendingToken) -> None:
+        """Add the next token as a placeholder; `resolve_pending` fills in its id."""
+        self._token_ids.append(PLACEHOLDER_TOKEN)
+        self._pending.append(pending)
+
+    def resolve_pending(self, token_id: int) -> None:
+        """The oldest step in flight sampled `token_id`: it replaces that placeholder."""
+        if not self._pending:
+            raise AssertionError(f"{self.seq_id}: no pending token to resolve")
+        self._token_ids[self.num_resolved_tokens] = token_id
+        self._pending.pop(0)
+        self._count_for_penalties(token_id)
+
+    def _drop_pending(self) -> None:
+        if self._pending:
+            del self._token_ids[-len(self._pending) :]
+            self._pending.clear()
+
+    def _count_for_penalties(self, token_id: int) -> None:
+        if self._penalty_counts is not None:
+            self._penalty_counts[token_id] = self._penalty_counts.get(token_id, 0) + 1
+
+    def penalty_counts(self) -> dict[int, int]:
+        """Tokens the penalties apply to, with their output counts (empty without penalties)."""
+        return self._penalty_counts if self._penalty_counts is not None else {}
+
+    def attach_blocks(self, block_ids: list[int]) -> None:
+        self._block_ids.extend(block_ids)
+
+    def mark_computed(self, num_tokens: int) -> None:
+        if self.num_computed_tokens + num_tokens > len(self._token_ids):
+            raise AssertionError("computed more tokens than the sequence holds")
+        self.num_computed_tokens += num_tokens
+
+    def release_blocks(self) -> list[int]:
+        """Detach the block table (the caller returns the blocks to the pool)."""
+        blocks, self._block_ids = self._block_ids, []
+        return blocks
+
+    def reset_for_recompute(self) -> list[int]:
+        """Preemption by recompute: forget the cache (and a pending token, sampled again later);
+        prompt and output are refilled later."""
+        self._drop_pending()
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+        self.num_preemptions += 1
+        return self.release_blocks()
+
+    def finish(self, reason: FinishReason) -> None:
+        self._drop_pending()  # finished while steps sample for it: those tokens are void
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.seq_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={self._block_ids}, {self.status.value})"
+        )
