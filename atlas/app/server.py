@@ -15,6 +15,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -211,13 +212,29 @@ def build_app(args: argparse.Namespace, on_fatal=None):
     return create_app(config, launcher, on_fatal)
 
 
+def limit_blas_threads(single_process: bool) -> None:
+    """With the engine in this process, bound BLAS threads before numpy loads (its thread pool
+    reads the variables once, at import). Logs a warning when numpy is already loaded."""
+    if not single_process:
+        return
+    from atlas.app.engine_process import blas_thread_variables
+
+    variables = blas_thread_variables()
+    if variables and "numpy" in sys.modules:
+        log.warning("numpy was imported before the server could limit its BLAS threads; set %s yourself",
+                    " and ".join(f"{k}={v}" for k, v in variables.items()))
+    os.environ.update(variables)
+
+
 def app_from_environment():
     """`atlas.app.serve`: the app configured from ATLAS_* variables only."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = ArgumentParser(prog="atlas.app:serve")
     add_serve_arguments(parser)
-    return build_app(parser.parse_args([]))
+    args = parser.parse_args([])
+    limit_blas_threads(args.single_process)
+    return build_app(args)
 
 
 def _is_loopback(host: str) -> bool:
@@ -244,6 +261,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from atlas.app.model_store import resolve_model
 
+    limit_blas_threads(args.single_process)
     model_dir = resolve_model(args.model)  # a missing model is a one-line error now, not after startup
     sampling_defaults(model_dir, args.override_generation_config)
     fatal: list[str] = []

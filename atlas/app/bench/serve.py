@@ -269,7 +269,11 @@ def print_summary(summary: dict) -> None:
 def run_serve_bench(args: argparse.Namespace) -> int:
     if args.concurrency < 1 or args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--concurrency, --num-prompts, --input-len and --output-len must be positive")
-    summary = asyncio.run(run_load(args))
+    try:
+        summary = asyncio.run(run_load(args))
+    except (OSError, KeyError, IndexError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot benchmark {args.url}: {type(error).__name__}: {error} "
+                         "(is the server running? pass --model when it has no /v1/models)") from None
     if args.json:
         print(json.dumps(summary))
     else:
