@@ -8,7 +8,7 @@ import os
 import sys
 from typing import NoReturn
 
-from atlas.app.settings import DEVICES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineSettings
+from atlas.app.settings import DEVICES, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineSettings
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -59,6 +59,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--device", choices=DEVICES, default=_env("device", "auto"),
                        help="cuda, mock (numpy on the CPU) or auto (cuda when a GPU is present)")
+    group.add_argument("--dtype", choices=DTYPES, default=_env("dtype", "auto"),
+                       help="activation type: auto (f32 on the mock, bf16 on GPUs), bf16, f32 (mock only)")
     group.add_argument("--max-seq-len", type=int, default=_env("max_seq_len", None, int),
                        help="longest sequence, prompt + output (default: the model's max_position_embeddings)")
     group.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 128, int),
@@ -86,6 +88,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
     return EngineSettings(
         model=args.model,
         device=args.device,
+        dtype=args.dtype,
         max_seq_len=args.max_seq_len,
         max_num_seqs=args.max_num_seqs,
         max_batch_size=args.max_batch_size,

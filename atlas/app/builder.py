@@ -70,7 +70,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     weights = SafetensorsWeights(model_dir)
     max_model_len = settings.max_seq_len or config.max_position_embeddings
 
-    backend = make_backend(settings.device, config.model_type)
+    backend = make_backend(settings.device, config.model_type, settings.dtype)
     free_bytes, total_bytes = backend.memory_info()
     weight_bytes = 2 * config.num_parameters()
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)

@@ -80,6 +80,13 @@ def build_parser() -> ArgumentParser:
     import_gguf.add_argument("out_dir")
     import_gguf.set_defaults(handler=_import_gguf)
 
+    kernels = commands.add_parser("kernels", help="list the CUDA kernels Atlas selects for a model and device")
+    kernels.add_argument("model", help="a model (its config.json gives the model type)")
+    kernels.add_argument("--arch", help="compute capability like 9.0 or sm_90, instead of asking the GPU")
+    kernels.add_argument("--quant", default="bf16")
+    kernels.add_argument("--device-ordinal", type=int, default=0)
+    kernels.set_defaults(handler=_kernels)
+
     bench = commands.add_parser("bench", help="benchmarks that print figures (engine decode by default)")
     bench_commands = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", parser_class=ArgumentParser)
     engine = bench_commands.add_parser("engine", help="decode tokens/s of a model on this machine (the default)")
@@ -181,6 +188,31 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
     path = import_gguf(args.file, args.out_dir)
     print(path)
+    return 0
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    from atlas.adapters.cuda import describe_kernels
+    from atlas.app.builder import read_model_config
+    from atlas.app.model_store import resolve_model
+
+    config = read_model_config(resolve_model(args.model))
+    capability = None
+    if args.arch:
+        digits = args.arch.lower().removeprefix("sm_").removeprefix("sm").replace(".", "")
+        if not digits.isdigit() or len(digits) < 2:
+            raise ValueError(f"--arch {args.arch!r} is not a compute capability like 9.0 or sm_90")
+        capability = (int(digits[:-1]), int(digits[-1]))
+    if capability is None:
+        from atlas.app.backends import cuda_available
+
+        if not cuda_available():
+            raise ValueError("no CUDA GPU here (or the cuda extra is missing); pass --arch 9.0 for an H100/H200")
+    choices = describe_kernels(config.model_type, args.quant, args.device_ordinal, capability)
+    print(f"{'module':<20} {'cached':<7} {'source':<58} reason")
+    for choice in choices:
+        cached = "?" if choice.cached is None else ("yes" if choice.cached else "no")
+        print(f"{choice.name:<20} {cached:<7} {choice.source_path:<58} {choice.reason}")
     return 0
 
 

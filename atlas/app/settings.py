@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEVICES = ("auto", "cuda", "mock")
+DTYPES = ("auto", "bf16", "f32")
 KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32")
 SCHEDULING_POLICIES = ("fifo",)
 
@@ -17,6 +18,7 @@ class SettingsError(ValueError):
 class EngineSettings:
     model: str
     device: str = "auto"
+    dtype: str = "auto"  # activations: auto = f32 on the mock (the reference), bf16 on GPUs
     max_seq_len: int | None = None  # default: the model's max_position_embeddings
     max_num_seqs: int = 128  # sequences running at once
     max_batch_size: int | None = None  # largest decode batch captured as a graph (default: max_num_seqs)
@@ -31,6 +33,7 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         _choice("--device", self.device, DEVICES)
+        _choice("--dtype", self.dtype, DTYPES)
         _choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.max_seq_len is not None and self.max_seq_len < 2:

@@ -1,13 +1,17 @@
-"""The persistent device buffers a step reads, and the copies that fill them.
+"""The persistent device buffers a step reads, filled by a few large copies instead of many.
 
 Buffers are sized for the largest step; a step uses their leading rows, so a captured graph
-replays over the same addresses with new contents. Token ids arrive through a *token source*:
+replays over the same addresses with new contents. Every per-step integer lives in one int32
+arena, laid out so that one copy of a prefix refreshes all of it:
 
-    token_source  [ sampled ids of the previous step (S rows) | this step's host tokens (N) ]
-    token_ids[i]  = token_source[token_gather[i]]
+    int32 arena: | sampled ids [S] | host tokens [T] | token gather [T] | positions [T] |
+                 | slot mapping [T] | query start [S+1] | seq lens [S] | sample rows [S] |
+                 | top-k [S] | penalty offsets [S+1] | bias offsets [S+1] | block tables [S, W] |
+                 ^ written by `sample` on the device; the host copy starts after it
 
-so a placeholder token (sampled by the step still in flight) is read on the device from the
-previous step's samples, and the host never waits for it.
+Token ids are gathered on the device, `token_ids[i] = arena[token_gather[i]]`: a placeholder
+token reads the previous step's sample (rows [0, S)), every other token its host copy. The
+float and 64-bit sampling parameters sit in two more small arenas ([6, S] f32, [2, S] i64).
 """
 
 from __future__ import annotations
@@ -20,6 +24,40 @@ from atlas.domain.step_inputs import HostStepInputs
 from atlas.ports.gpu import AttentionMetadata, DType, GpuBackend, SamplingTensors, Tensor
 
 _INITIAL_CSR_CAPACITY = 1024
+_NUM_F32_FIELDS = 6  # temperature, top_p, min_p, repetition, presence and frequency penalties
+
+
+class _Layout:
+    """Offsets of the int32 arena's regions (see the module docstring)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, table_width: int) -> None:
+        sizes = [
+            ("sampled_ids", max_seqs),
+            ("host_tokens", max_tokens),
+            ("token_gather", max_tokens),
+            ("positions", max_tokens),
+            ("slot_mapping", max_tokens),
+            ("query_start_loc", max_seqs + 1),
+            ("seq_lens", max_seqs),
+            ("sample_indices", max_seqs),
+            ("top_k", max_seqs),
+            ("penalty_offsets", max_seqs + 1),
+            ("bias_offsets", max_seqs + 1),
+            ("block_tables", max_seqs * table_width),
+        ]
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for name, size in sizes:
+            self.offsets[name] = offset
+            offset += size
+        self.total = offset
+        self.table_width = table_width
+        # build_step_inputs addresses host tokens as rows max_seqs.. of the arena
+        assert self.offsets["sampled_ids"] == 0 and self.offsets["host_tokens"] == max_seqs
+
+    def region(self, name: str, length: int) -> slice:
+        start = self.offsets[name]
+        return slice(start, start + length)
 
 
 class StepBuffers:
@@ -28,69 +66,71 @@ class StepBuffers:
     def __init__(self, backend: GpuBackend, max_tokens: int, max_seqs: int, table_width: int) -> None:
         self._backend = backend
         self.max_seqs = max_seqs
+        self.max_tokens = max_tokens
+        layout = _Layout(max_tokens, max_seqs, table_width)
+        self._layout = layout
+        self._arena = backend.empty((layout.total,), DType.I32)
+        self._host_arena = np.zeros(layout.total, np.int32)
+        self._f32_arena = backend.empty((_NUM_F32_FIELDS, max_seqs), DType.F32)
+        self._host_f32 = np.zeros((_NUM_F32_FIELDS, max_seqs), np.float32)
+        self._i64_arena = backend.empty((2, max_seqs), DType.I64)  # seeds, counters
+        self._host_i64 = np.zeros((2, max_seqs), np.int64)
+        self._num_table_rows = 0
+        self._sampling_staged = False
 
-        def i32(*shape: int) -> Tensor:
-            return backend.empty(shape, DType.I32)
+        self.sampled_ids = self._region("sampled_ids", max_seqs)
+        self.token_gather = self._region("token_gather", max_tokens)
+        self.positions = self._region("positions", max_tokens)
+        self.slot_mapping = self._region("slot_mapping", max_tokens)
+        self.query_start_loc = self._region("query_start_loc", max_seqs + 1)
+        self.seq_lens = self._region("seq_lens", max_seqs)
+        self.sample_indices = self._region("sample_indices", max_seqs)
+        self.block_tables = self._region("block_tables", max_seqs * table_width).view(max_seqs, table_width)
+        self.token_ids = backend.empty((max_tokens,), DType.I32)
+        self.sampled_logprobs = backend.empty((max_seqs,), DType.F32)
+        self.top_ids = backend.empty((max_seqs, MAX_LOGPROBS), DType.I32)
+        self.top_logprobs = backend.empty((max_seqs, MAX_LOGPROBS), DType.F32)
+        self.penalty_token_ids = backend.empty((_INITIAL_CSR_CAPACITY,), DType.I32)
+        self.penalty_output_counts = backend.empty((_INITIAL_CSR_CAPACITY,), DType.I32)
+        self.bias_token_ids = backend.empty((_INITIAL_CSR_CAPACITY,), DType.I32)
+        self.bias_values = backend.empty((_INITIAL_CSR_CAPACITY,), DType.F32)
 
-        def f32(*shape: int) -> Tensor:
-            return backend.empty(shape, DType.F32)
-
-        self.token_source = i32(max_seqs + max_tokens)
-        self.sampled_ids = self.token_source.rows(0, max_seqs)  # written by `sample`
-        self.host_tokens = self.token_source.rows(max_seqs, max_seqs + max_tokens)
-        self.token_gather = i32(max_tokens)
-        self.token_ids = i32(max_tokens)
-        self.positions = i32(max_tokens)
-        self.slot_mapping = i32(max_tokens)
-        self.query_start_loc = i32(max_seqs + 1)
-        self.seq_lens = i32(max_seqs)
-        self.block_tables = i32(max_seqs, table_width)
-        self.sample_indices = i32(max_seqs)
-        self.sampled_logprobs = f32(max_seqs)
-        self.top_ids = i32(max_seqs, MAX_LOGPROBS)
-        self.top_logprobs = f32(max_seqs, MAX_LOGPROBS)
-        self.temperature = f32(max_seqs)
-        self.top_k = i32(max_seqs)
-        self.top_p = f32(max_seqs)
-        self.min_p = f32(max_seqs)
-        self.seeds = backend.empty((max_seqs,), DType.I64)
-        self.counters = backend.empty((max_seqs,), DType.I64)
-        self.repetition_penalty = f32(max_seqs)
-        self.presence_penalty = f32(max_seqs)
-        self.frequency_penalty = f32(max_seqs)
-        self.penalty_offsets = i32(max_seqs + 1)
-        self.bias_offsets = i32(max_seqs + 1)
-        self.penalty_token_ids = i32(_INITIAL_CSR_CAPACITY)
-        self.penalty_output_counts = i32(_INITIAL_CSR_CAPACITY)
-        self.bias_token_ids = i32(_INITIAL_CSR_CAPACITY)
-        self.bias_values = f32(_INITIAL_CSR_CAPACITY)
+    def _region(self, name: str, length: int) -> Tensor:
+        start = self._layout.offsets[name]
+        return self._arena.rows(start, start + length)
 
     # -- step inputs ----------------------------------------------------------------------
-    def upload_inputs(self, inputs: HostStepInputs, gather_always: bool) -> bool:
-        """Copy a step's arrays in. Returns whether `gather_tokens` must run before the model
-        (placeholders present, or `gather_always` for a captured graph that always gathers)."""
-        copy = self._backend.copy_from_host
+    def stage_inputs(self, inputs: HostStepInputs) -> None:
+        """Write a step's arrays into the host arena (sent by `send`)."""
+        host, layout = self._host_arena, self._layout
         num_tokens, num_seqs, num_rows = inputs.num_tokens, inputs.num_seqs, inputs.num_sample_rows
-        gather = gather_always or inputs.has_placeholders
-        if gather:
-            copy(self.host_tokens.rows(0, num_tokens), inputs.token_ids)
-            copy(self.token_gather.rows(0, num_tokens), inputs.token_gather)
-        else:
-            copy(self.token_ids.rows(0, num_tokens), inputs.token_ids)
-        copy(self.positions.rows(0, num_tokens), inputs.positions)
-        copy(self.slot_mapping.rows(0, num_tokens), inputs.slot_mapping)
-        copy(self.query_start_loc.rows(0, num_seqs + 1), inputs.query_start_loc)
-        copy(self.seq_lens.rows(0, num_seqs), inputs.seq_lens)
-        copy(self.block_tables.rows(0, num_seqs), inputs.block_tables)
-        if num_rows:
-            copy(self.sample_indices.rows(0, num_rows), inputs.sample_indices)
-        return gather
+        host[layout.region("host_tokens", num_tokens)] = inputs.token_ids
+        host[layout.region("token_gather", num_tokens)] = inputs.token_gather  # rows of this arena
+        host[layout.region("positions", num_tokens)] = inputs.positions
+        host[layout.region("slot_mapping", num_tokens)] = inputs.slot_mapping
+        host[layout.region("query_start_loc", num_seqs + 1)] = inputs.query_start_loc
+        host[layout.region("seq_lens", num_seqs)] = inputs.seq_lens
+        host[layout.region("sample_indices", num_rows)] = inputs.sample_indices
+        host[layout.region("block_tables", num_seqs * layout.table_width)] = inputs.block_tables.reshape(-1)
+        self._num_table_rows = num_seqs
+
+    def send(self) -> None:
+        """Copy what was staged: the int32 arena from past the sampled ids through the block
+        tables in use (step inputs and the sampling integers ride together), and the parameter
+        arenas when sampling was staged. Ordered with the ops on the stream."""
+        layout, copy = self._layout, self._backend.copy_from_host
+        start = layout.offsets["host_tokens"]
+        stop = layout.offsets["block_tables"] + self._num_table_rows * layout.table_width
+        copy(self._arena.rows(start, stop), self._host_arena[start:stop])
+        if self._sampling_staged:
+            copy(self._f32_arena, self._host_f32)
+            copy(self._i64_arena, self._host_i64)
+            self._sampling_staged = False
 
     def gather_tokens(self, num_tokens: int) -> None:
-        """token_ids[:n] = token_source[token_gather[:n]] (enqueued; capturable)."""
-        total = self.token_source.shape[0]
+        """token_ids[:n] = arena[token_gather[:n]] (enqueued; capturable)."""
         self._backend.gather_rows(
-            self.token_source.view(total, 1),
+            self._arena.view(self._layout.total, 1),
             self.token_gather.rows(0, num_tokens),
             self.token_ids.rows(0, num_tokens).view(num_tokens, 1),
         )
@@ -109,28 +149,49 @@ class StepBuffers:
         )
 
     # -- sampling -------------------------------------------------------------------------
-    def upload_sampling(self, packed: PackedSampling) -> SamplingTensors:
-        """Copy packed sampling rows in (growing the variable-length arrays when needed)."""
+    def stage_sampling(self, packed: PackedSampling) -> None:
+        """Write a step's sampling rows into the host arenas (sent by `send`)."""
         num_rows = packed.num_rows
+        layout, host = self._layout, self._host_arena
+        host[layout.region("top_k", num_rows)] = packed.top_k[:num_rows]
+        host[layout.region("penalty_offsets", num_rows + 1)] = packed.penalty_offsets[: num_rows + 1]
+        host[layout.region("bias_offsets", num_rows + 1)] = packed.bias_offsets[: num_rows + 1]
+        f32_values = (
+            packed.temperature, packed.top_p, packed.min_p,
+            packed.repetition_penalty, packed.presence_penalty, packed.frequency_penalty,
+        )
+        for index, values in enumerate(f32_values):
+            self._host_f32[index, :num_rows] = values[:num_rows]
+        self._host_i64[0, :num_rows] = packed.seeds[:num_rows]
+        self._host_i64[1, :num_rows] = packed.counters[:num_rows]
+        self._sampling_staged = True
+
+    def sampling_tensors(self, packed: PackedSampling) -> SamplingTensors:
+        """Views of the sent sampling rows, with the variable-length penalty and bias arrays
+        copied in (only steps that have them pay for those copies)."""
+        num_rows, max_seqs = packed.num_rows, self.max_seqs
         num_penalties, num_biases = packed.penalty_token_ids.shape[0], packed.bias_token_ids.shape[0]
         self._ensure_csr_capacity(num_penalties, num_biases)
-        put = self._put
+
+        def f32_row(index: int) -> Tensor:
+            return self._f32_arena.rows(index, index + 1).view(max_seqs).rows(0, num_rows)
+
         return SamplingTensors(
-            temperature=put(self.temperature, packed.temperature, num_rows),
-            top_k=put(self.top_k, packed.top_k, num_rows),
-            top_p=put(self.top_p, packed.top_p, num_rows),
-            min_p=put(self.min_p, packed.min_p, num_rows),
-            seeds=put(self.seeds, packed.seeds, num_rows),
-            counters=put(self.counters, packed.counters, num_rows),
-            repetition_penalty=put(self.repetition_penalty, packed.repetition_penalty, num_rows),
-            presence_penalty=put(self.presence_penalty, packed.presence_penalty, num_rows),
-            frequency_penalty=put(self.frequency_penalty, packed.frequency_penalty, num_rows),
-            penalty_offsets=put(self.penalty_offsets, packed.penalty_offsets, num_rows + 1),
-            penalty_token_ids=put(self.penalty_token_ids, packed.penalty_token_ids, num_penalties),
-            penalty_output_counts=put(self.penalty_output_counts, packed.penalty_output_counts, num_penalties),
-            bias_offsets=put(self.bias_offsets, packed.bias_offsets, num_rows + 1),
-            bias_token_ids=put(self.bias_token_ids, packed.bias_token_ids, num_biases),
-            bias_values=put(self.bias_values, packed.bias_values, num_biases),
+            temperature=f32_row(0),
+            top_k=self._region("top_k", num_rows),
+            top_p=f32_row(1),
+            min_p=f32_row(2),
+            seeds=self._i64_arena.rows(0, 1).view(max_seqs).rows(0, num_rows),
+            counters=self._i64_arena.rows(1, 2).view(max_seqs).rows(0, num_rows),
+            repetition_penalty=f32_row(3),
+            presence_penalty=f32_row(4),
+            frequency_penalty=f32_row(5),
+            penalty_offsets=self._region("penalty_offsets", num_rows + 1),
+            penalty_token_ids=self._put(self.penalty_token_ids, packed.penalty_token_ids, num_penalties),
+            penalty_output_counts=self._put(self.penalty_output_counts, packed.penalty_output_counts, num_penalties),
+            bias_offsets=self._region("bias_offsets", num_rows + 1),
+            bias_token_ids=self._put(self.bias_token_ids, packed.bias_token_ids, num_biases),
+            bias_values=self._put(self.bias_values, packed.bias_values, num_biases),
             num_rows=num_rows,
             all_greedy=packed.all_greedy,
             any_penalties=packed.any_penalties,

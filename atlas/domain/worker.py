@@ -16,7 +16,7 @@ import numpy as np
 
 from atlas.domain.batch import SamplingRow, ScheduledBatch, StepResult, TokenLogprobs
 from atlas.domain.models.transformer import StepTensors, Transformer
-from atlas.domain.sampling import pack_rows
+from atlas.domain.sampling import PackedSampling, pack_rows
 from atlas.domain.step_buffers import StepBuffers
 from atlas.domain.step_inputs import HostStepInputs, build_step_inputs, pad_decode_inputs
 from atlas.ports.gpu import GpuBackend, Graph, KvCache, LogprobsOut, PendingDownload, Tensor
@@ -95,10 +95,11 @@ class Worker:
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
         if batch.is_empty:
             return PendingStep(batch.step_id, None, None, [])
-        logits = self._forward(batch)
-        if not rows:
+        packed = pack_rows(rows) if rows else None
+        logits = self._forward(batch, packed)
+        if packed is None:
             return PendingStep(batch.step_id, None, None, [])
-        return self._sample(batch.step_id, logits.rows(0, len(rows)), rows)
+        return self._sample(batch.step_id, logits.rows(0, len(rows)), rows, packed)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one step to completion."""
@@ -114,7 +115,7 @@ class Worker:
             if bucket not in self._graphs:
                 self._capture(bucket)
 
-    def _forward(self, batch: ScheduledBatch) -> Tensor:
+    def _forward(self, batch: ScheduledBatch, packed: PackedSampling | None = None) -> Tensor:
         if batch.num_tokens > self.config.max_num_tokens or len(batch.sequences) > self.config.max_num_seqs:
             raise ValueError(
                 f"step of {batch.num_tokens} tokens / {len(batch.sequences)} sequences exceeds the worker's "
@@ -125,12 +126,15 @@ class Worker:
         bucket = self._graph_bucket(batch)
         if bucket is not None:
             graph, logits = self._graphs.get(bucket) or self._capture(bucket)  # capturing uses the buffers
-            padded = pad_decode_inputs(inputs, bucket, self.scratch_block, self.block_size, buffers.max_seqs)
-            buffers.upload_inputs(padded, gather_always=True)
+            inputs = pad_decode_inputs(inputs, bucket, self.scratch_block, self.block_size, buffers.max_seqs)
+        buffers.stage_inputs(inputs)
+        if packed is not None:
+            buffers.stage_sampling(packed)
+        buffers.send()
+        if bucket is not None:
             graph.replay()
             return logits
-        if buffers.upload_inputs(inputs, gather_always=False):
-            buffers.gather_tokens(inputs.num_tokens)
+        buffers.gather_tokens(inputs.num_tokens)
         return self.model.forward(self._step_tensors(inputs), self.kv, self.workspace, inputs.num_sample_rows)
 
     def _step_tensors(self, inputs: HostStepInputs) -> StepTensors:
@@ -168,9 +172,8 @@ class Worker:
             block_tables=np.zeros((0, self.table_width), np.int32), sample_indices=np.zeros(0, np.int32),
             token_gather=np.zeros(0, np.int32), has_placeholders=False, max_query_len=1, max_seq_len=1,
         )
-        buffers.upload_inputs(
-            pad_decode_inputs(empty, bucket, self.scratch_block, self.block_size, buffers.max_seqs), gather_always=True
-        )
+        buffers.stage_inputs(pad_decode_inputs(empty, bucket, self.scratch_block, self.block_size, buffers.max_seqs))
+        buffers.send()
         outputs: list[Tensor] = []
 
         def run_step() -> None:
@@ -182,10 +185,9 @@ class Worker:
         self._graphs[bucket] = (graph, outputs[0])
         return self._graphs[bucket]
 
-    def _sample(self, step_id: int, logits: Tensor, rows: list[SamplingRow]) -> PendingStep:
+    def _sample(self, step_id: int, logits: Tensor, rows: list[SamplingRow], packed: PackedSampling) -> PendingStep:
         buffers, backend = self.buffers, self.backend
-        packed = pack_rows(rows)
-        tensors = buffers.upload_sampling(packed)
+        tensors = buffers.sampling_tensors(packed)
         wanted = [row.num_logprobs for row in rows]
         num_top = max((n for n in wanted if n is not None), default=None)
         num_rows = packed.num_rows

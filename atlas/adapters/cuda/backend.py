@@ -17,7 +17,7 @@ from cuda.bindings import driver as cu
 from atlas.adapters.cuda import checks, graphs, ops_attention, ops_dense, ops_sampling
 from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.kv_cache import CudaKvCache
-from atlas.adapters.cuda.memory import PoolStats
+from atlas.adapters.cuda.memory import PendingCopy, PoolStats
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import NUMPY_DTYPES, CudaTensor, dtype_of
 from atlas.ports.gpu import (
@@ -106,6 +106,12 @@ class CudaGpuBackend:
         out = np.empty(src.shape, dtype=NUMPY_DTYPES[src.dtype])
         self._rt.staging.download(src.address, out)
         return out
+
+    def begin_download(self, src: CudaTensor) -> PendingCopy:
+        self._rt.ensure_current()
+        self._rt.forbid_in_capture("begin_download")
+        checks.tensor(src, "src")
+        return self._rt.downloads.begin(src.address, src.shape, NUMPY_DTYPES[src.dtype])
 
     def fill(self, dst: CudaTensor, value: float) -> None:
         self._rt.ensure_current()

@@ -196,6 +196,76 @@ class PinnedStaging:
             cu.cuEventDestroy(event)
         cu.cuMemFreeHost(self._base)
 
+
+class PinnedDownloads:
+    """Asynchronous device-to-host copies into a ring of page-locked slots.
+
+    `begin` enqueues the copy and records an event; `PendingCopy.wait` waits for that event
+    only, so the host can read step N's ids while step N+1 is already queued behind it. A slot
+    is reused after `num_slots` later copies; a copy not waited for by then is reported lost.
+    """
+
+    def __init__(self, stream_handle: int, num_slots: int = 32, slot_bytes: int = 1 << 20) -> None:
+        self.slot_bytes = slot_bytes
+        self._stream = stream_handle
+        self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))
+        buffer = (ctypes.c_uint8 * (num_slots * slot_bytes)).from_address(self._base)
+        self._host = np.ctypeslib.as_array(buffer)
+        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._events = [check("cuEventCreate", cu.cuEventCreate(flags)) for _ in range(num_slots)]
+        self._generations = [0] * num_slots
+        self._next = 0
+
+    def begin(self, device_address: int, shape: tuple[int, ...], dtype: np.dtype) -> PendingCopy:
+        num_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        if num_bytes > self.slot_bytes:
+            raise ValueError(f"an asynchronous download of {num_bytes} bytes exceeds the {self.slot_bytes}-byte slots")
+        slot = self._next
+        self._next = (slot + 1) % len(self._events)
+        check("cuEventSynchronize", cu.cuEventSynchronize(self._events[slot]))  # its last copy has landed
+        self._generations[slot] += 1
+        start = slot * self.slot_bytes
+        if num_bytes:
+            check(
+                "cuMemcpyDtoHAsync",
+                cu.cuMemcpyDtoHAsync(self._base + start, device_address, num_bytes, self._stream),
+            )
+        check("cuEventRecord", cu.cuEventRecord(self._events[slot], self._stream))
+        return PendingCopy(self, slot, self._generations[slot], shape, np.dtype(dtype), start, num_bytes)
+
+    def finish(self, copy: PendingCopy) -> np.ndarray:
+        if self._generations[copy.slot] != copy.generation:
+            raise RuntimeError("a device-to-host copy was not waited for before its slot was reused")
+        check("cuEventSynchronize", cu.cuEventSynchronize(self._events[copy.slot]))
+        raw = self._host[copy.start : copy.start + copy.num_bytes].copy()
+        return raw.view(copy.dtype).reshape(copy.shape)
+
+    def close(self) -> None:
+        for event in self._events:
+            cu.cuEventDestroy(event)
+        cu.cuMemFreeHost(self._base)
+
+
+class PendingCopy:
+    """One `PinnedDownloads.begin`; `wait()` returns the host array (the same one every call)."""
+
+    __slots__ = ("_owner", "slot", "generation", "shape", "dtype", "start", "num_bytes", "_result")
+
+    def __init__(self, owner: PinnedDownloads, slot: int, generation: int, shape, dtype, start: int, num_bytes: int):
+        self._owner = owner
+        self.slot = slot
+        self.generation = generation
+        self.shape = shape
+        self.dtype = dtype
+        self.start = start
+        self.num_bytes = num_bytes
+        self._result: np.ndarray | None = None
+
+    def wait(self) -> np.ndarray:
+        if self._result is None:
+            self._result = self._owner.finish(self)
+        return self._result
+
     def _take_slot(self) -> int:
         slot = self._next
         self._next = (slot + 1) % len(self._events)

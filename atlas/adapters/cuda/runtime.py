@@ -21,7 +21,7 @@ from cuda.core import Device, Kernel, LaunchConfig, ObjectCode, launch
 
 from atlas.adapters.cuda.compiler import KernelCompiler
 from atlas.adapters.cuda.driver import check
-from atlas.adapters.cuda.memory import DeviceAllocation, DeviceMemoryPool, PinnedStaging
+from atlas.adapters.cuda.memory import DeviceAllocation, DeviceMemoryPool, PinnedDownloads, PinnedStaging
 from atlas.adapters.cuda.registry import KernelModule, KernelTarget, arch_family, nvrtc_arch, select_modules
 
 log = logging.getLogger("atlas.cuda")
@@ -93,6 +93,7 @@ class CudaRuntime:
         self.stream_handle = int(self.stream.handle)
         self.pool = DeviceMemoryPool(f"device {device_ordinal} ({self.device_name})")
         self.staging = PinnedStaging(self.stream_handle)
+        self.downloads = PinnedDownloads(self.stream_handle)
         target = KernelTarget(arch_family(self.compute_capability), model_hint or "any", quant)
         self.target = target
         self.kernels = KernelLibrary(select_modules(target), KernelCompiler(self.arch, kernel_cache_dir))
@@ -184,4 +185,5 @@ class CudaRuntime:
         self._retired_workspaces.clear()
         self.synchronize()
         self.staging.close()
+        self.downloads.close()
         self.pool.close()

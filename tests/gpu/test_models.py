@@ -1,0 +1,180 @@
+"""Whole models on CUDA: random-weight real configs against transformers, SmolLM2 against the mock.
+
+Run on a GPU machine: `python -m pytest tests/gpu/test_models.py -m gpu`. The transformers
+reference runs on the same GPU when torch sees it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from fakes import DictWeights  # noqa: E402
+from tiny_models import build_reference  # noqa: E402
+
+from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
+from atlas.domain.models.config import ModelConfig  # noqa: E402
+from atlas.domain.models.families import load_model  # noqa: E402
+from atlas.domain.requests import SamplingParams  # noqa: E402
+from atlas.domain.worker import Worker, WorkerConfig  # noqa: E402
+from atlas.ports.gpu import DType, KvCacheSpec  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+BLOCK_SIZE = 16
+
+# Real configs, cut to a few layers (head dims, GQA ratios, vocabularies and RoPE are the real ones).
+LLAMA_3_2_1B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=2048,
+    intermediate_size=8192, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+    rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+    initializer_range=0.02,
+)
+QWEN3_0_6B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
+    intermediate_size=3072, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+    attention_bias=False, initializer_range=0.02,
+)
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _hf_logits(model, token_ids: list[int], dtype) -> np.ndarray:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = model.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        logits = model(torch.tensor([token_ids], device=device)).logits[0]
+    return logits.float().cpu().numpy()
+
+
+@pytest.mark.parametrize("config", [LLAMA_3_2_1B, QWEN3_0_6B], ids=["llama3.2-1b-4l", "qwen3-0.6b-6l"])
+def test_random_real_configs_match_transformers_within_its_own_bf16_error(config, cuda_backend, rng):
+    reference, tensors = build_reference(config, seed=3)
+    model_config = ModelConfig.from_dict(config)
+    model = load_model(model_config, DictWeights(tensors), cuda_backend, max_positions=2048)
+    spec = KvCacheSpec(model_config.num_layers, 129, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
+                       DType.BF16)
+    worker = Worker(cuda_backend, model, cuda_backend.allocate_kv_cache(spec), WorkerConfig(1024, 8, 2048))
+    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (1, 17, 500)]
+    free_blocks = list(rng.permutation(128))
+    tables = []
+    for prompt in prompts:
+        count = -(-(len(prompt) + 1) // BLOCK_SIZE)
+        tables.append(tuple(int(b) for b in free_blocks[:count]))
+        free_blocks = free_blocks[count:]
+    # step 1: three prefills in one batch; step 2: each decodes one more token, batched with a new prompt
+    steps = [
+        [(prompt, 0, len(prompt), table) for prompt, table in zip(prompts, tables)],
+        [(prompt + [7], len(prompt), len(prompt) + 1, table) for prompt, table in zip(prompts, tables)],
+    ]
+    for step_id, step in enumerate(steps):
+        batch = ScheduledBatch(step_id, tuple(
+            ScheduledSequence(f"s{i}", tuple(tokens[start:stop]), start, table, GREEDY)
+            for i, (tokens, start, stop, table) in enumerate(step)
+        ), BLOCK_SIZE)
+        ours = worker.compute_logits(batch)
+        for row, (tokens, _, stop, _) in enumerate(step):
+            exact = _hf_logits(reference, tokens[:stop], torch.float32)[-1]
+            hf_bf16 = _hf_logits(reference, tokens[:stop], torch.bfloat16)[-1]
+            reference.float()
+            ours_error, hf_error = _relative(ours[row], exact), _relative(hf_bf16, exact)
+            print(f"{config['model_type']} step {step_id} len {stop}: atlas {ours_error:.2e} transformers-bf16 {hf_error:.2e}")
+            assert ours_error <= 1.5 * hf_error, (step_id, stop, ours_error, hf_error)
+
+
+def _smollm2_dir() -> Path:
+    folder = Path(os.environ.get("ATLAS_SMOLLM2_DIR", Path.home() / ".cache/atlas/models/smollm2"))
+    if not (folder / "config.json").exists():
+        pytest.skip("SmolLM2 is not here (set ATLAS_SMOLLM2_DIR)")
+    return folder
+
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a prime number is in one sentence.",
+    "List three colours of the rainbow.",
+    "How do I boil an egg?",
+]
+
+
+def test_smollm2_greedy_on_cuda_equals_the_mock(kernel_cache_dir):
+    from atlas.app.llm import LLM
+
+    folder = str(_smollm2_dir())
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=False)
+    conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
+    cuda = LLM(folder, device="cuda", show_progress=False, max_seq_len=1024)
+    on_cuda = [r.outputs[0].token_ids for r in cuda.chat(conversations, params)]
+    mock = LLM(folder, device="mock", dtype="bf16", show_progress=False, max_seq_len=1024)
+    on_mock = [r.outputs[0].token_ids for r in mock.chat(conversations, params)]
+    for prompt, got, expected in zip(CHAT_PROMPTS, on_cuda, on_mock):
+        print(f"{prompt!r}: cuda {len(got)} tokens, mock {len(expected)}, equal={got == expected}")
+    assert on_cuda == on_mock
+    assert "Paris" in cuda.chat(conversations[0], params)[0].outputs[0].text
+
+
+SMALL_LLAMA = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=256,
+    intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+    max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+)
+
+
+def _engine(backend, graph_sizes):
+    from fakes import random_llama_weights
+
+    from atlas.domain.engine import EngineCore
+    from atlas.domain.kv_blocks import BlockPool
+    from atlas.domain.scheduler import Scheduler, SchedulerConfig
+
+    config = ModelConfig.from_dict(SMALL_LLAMA)
+    model = load_model(config, DictWeights(random_llama_weights(SMALL_LLAMA, seed=5, scale=0.1)), backend, 512)
+    spec = KvCacheSpec(config.num_layers, 201, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
+    worker = Worker(backend, model, backend.allocate_kv_cache(spec), WorkerConfig(256, 16, 512, graph_sizes))
+    worker.capture_graphs()
+    pool = BlockPool(200, BLOCK_SIZE)
+    scheduler = Scheduler(SchedulerConfig(512, 16, 256, BLOCK_SIZE), pool)
+    return EngineCore(scheduler, pool, worker, 512, 512, frozenset())
+
+
+def test_the_engine_on_cuda_graphs_and_overlap_give_the_eager_tokens(cuda_backend, rng):
+    from atlas.domain.requests import Request
+
+    mixes = [
+        SamplingParams(temperature=0.0, max_tokens=20),
+        SamplingParams(temperature=0.9, top_p=0.8, max_tokens=20),
+        SamplingParams(temperature=0.7, repetition_penalty=1.2, max_tokens=20, logprobs=3),
+    ]
+    requests = [
+        Request(f"r{i}", tuple(int(t) for t in rng.integers(0, 512, size=int(rng.integers(2, 60)))), mixes[i % 3], 11 + i)
+        for i in range(11)
+    ]
+
+    def run(core):
+        tokens = {r.request_id: [] for r in requests}
+        for request in requests:
+            core.add_request(request)
+        while core.has_unfinished:
+            for output in core.step():
+                tokens[output.seq_id].extend(output.new_token_ids)
+        assert core.stats().num_blocks_free == 200
+        return tokens
+
+    eager = run(_engine(cuda_backend, ()))
+    graphed = run(_engine(cuda_backend, (1, 2, 4, 8, 16)))
+    assert graphed == eager
+    assert all(len(t) == 20 for t in eager.values())
