@@ -120,3 +120,27 @@ async def test_a_dead_engine_process_fails_open_requests_and_health(settings):
     assert not health.ready and "exited" in health.detail
     late = [item async for item in engine.submit([request("late", 3)])]
     assert isinstance(late[0], EngineFailure)
+
+
+@pytest.mark.anyio
+async def test_health_reports_an_engine_that_stops_making_progress(settings):
+    now = [0.0]
+    engine = EngineProcess(settings, stall_timeout_s=30.0, clock=lambda: now[0])
+    await engine.start()
+    async with anyio.create_task_group() as group:
+        group.start_soon(engine.run)
+        now[0] = 1000.0  # a long idle spell is not a stall
+        assert engine.health().is_healthy
+        stream = engine.submit([request("slow", 100)])
+        await stream.receive()
+        os.kill(engine._process.pid, signal.SIGSTOP)
+        try:
+            now[0] += 31.0
+            health = engine.health()
+            assert health.ready and not health.progressing and "31" in health.detail
+        finally:
+            os.kill(engine._process.pid, signal.SIGCONT)
+        async for _ in stream:
+            pass
+        assert engine.health().is_healthy
+        engine.shutdown()
