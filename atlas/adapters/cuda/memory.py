@@ -197,6 +197,15 @@ class PinnedStaging:
         cu.cuMemFreeHost(self._base)
 
 
+    def _take_slot(self) -> int:
+        slot = self._next
+        self._next = (slot + 1) % len(self._events)
+        if self._used[slot]:
+            check("cuEventSynchronize", cu.cuEventSynchronize(self._events[slot]))
+            self._used[slot] = False
+        return slot
+
+
 class PinnedDownloads:
     """Asynchronous device-to-host copies into a ring of page-locked slots.
 
@@ -265,11 +274,3 @@ class PendingCopy:
         if self._result is None:
             self._result = self._owner.finish(self)
         return self._result
-
-    def _take_slot(self) -> int:
-        slot = self._next
-        self._next = (slot + 1) % len(self._events)
-        if self._used[slot]:
-            check("cuEventSynchronize", cu.cuEventSynchronize(self._events[slot]))
-            self._used[slot] = False
-        return slot
