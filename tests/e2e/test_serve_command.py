@@ -77,8 +77,9 @@ def test_single_process_mode_and_dump(tiny_model, tmp_path):
     finally:
         assert live.stop() == 0
     records = [json.loads(line) for line in dump.read_text().splitlines()]
-    assert [(r["endpoint"], r["stream"], r["status"]) for r in records] == [("chat", False, 200),
-                                                                            ("completions", True, 200)]
+    assert [(r["endpoint"], r["stream"], r["status"]) for r in records] == [
+        ("chat", False, 200), ("completions", True, 200), ("chat", False, 400)]
+    assert records[2]["request"] == {"messages": []} and records[2]["response"]["error"]["param"] == "messages"
     assert records[0]["request"]["messages"] == [{"role": "user", "content": "hi"}]
     assert records[0]["response"]["choices"][0]["message"]["content"] == whole.choices[0].message.content
     assert records[1]["response"]["choices"][0]["text"] == streamed

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
-from quart import Quart, Response, request
+import msgspec
+from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from atlas.adapters.http import service
@@ -28,6 +30,7 @@ from atlas.adapters.http.state import HttpConfig, ServerState
 
 log = logging.getLogger("atlas.http")
 JSON = "application/json"
+DUMPED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 BODY_TIMEOUT_S = 60
 SHUTDOWN_TIMEOUT_S = 30.0
 
@@ -59,7 +62,7 @@ def create_app(
     app.after_serving(lifespan.stop)
     _add_hooks(app, state)
     _add_routes(app, state)
-    _add_error_handlers(app, config)
+    _add_error_handlers(app, state)
     return app
 
 
@@ -68,6 +71,7 @@ def _add_hooks(app: Quart, state: ServerState) -> None:
 
     @app.before_request
     async def check_auth() -> None:
+        g.started_s = time.monotonic()
         if auth is not None and auth.protects(request.path):
             auth.check(request.headers.get("Authorization"))
 
@@ -80,7 +84,7 @@ def _add_hooks(app: Quart, state: ServerState) -> None:
 
 def _add_routes(app: Quart, state: ServerState) -> None:
     async def body() -> bytes:
-        return await request.get_data(cache=False)
+        return await request.get_data()  # kept for the request, so an error can be dumped with it
 
     @app.post("/v1/chat/completions")
     async def chat() -> Response:
@@ -119,9 +123,27 @@ def _add_routes(app: Quart, state: ServerState) -> None:
         return service.metrics(state)
 
 
-def _add_error_handlers(app: Quart, config: HttpConfig) -> None:
+async def _dump_error(state: ServerState, error: ApiError) -> None:
+    """--dump records failed generation requests too, with their error object."""
+    endpoint = DUMPED_PATHS.get(request.path)
+    if state.dump is None or endpoint is None:
+        return
+    body = b""
+    if error.status != 413:  # the body is what was too large: record the request without it
+        try:
+            body = await request.get_data()
+        except HTTPException:
+            body = b""
+    started_s = g.get("started_s", time.monotonic())
+    state.dump.write(endpoint, error.status, False, started_s, body, msgspec.json.decode(error.body()))
+
+
+def _add_error_handlers(app: Quart, state: ServerState) -> None:
+    config = state.config
+
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:
+        await _dump_error(state, error)
         return _error_response(error)
 
     @app.errorhandler(HTTPException)
@@ -134,7 +156,9 @@ def _add_error_handlers(app: Quart, config: HttpConfig) -> None:
                    405: f"{request.method} is not allowed on {request.path}",
                    413: f"the request body is larger than the limit of {config.max_body_bytes} bytes"}.get(
             status, error.description or error.name)
-        return _error_response(status_error(status, message), headers)
+        api_error = status_error(status, message)
+        await _dump_error(state, api_error)
+        return _error_response(api_error, headers)
 
     @app.errorhandler(Exception)
     async def unexpected(error: Exception) -> Response:
