@@ -17,10 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from atlas.app.bench.tiny_model import write_tiny_model
+from atlas.app.bench.tiny_model import TinyModelShape, write_tiny_model
 
 STARTUP_TIMEOUT_S = 90.0
 MAX_SEQ_LEN = 512
+# The device the live servers run on: the mock everywhere, `cuda` on a GPU machine
+# (ATLAS_E2E_DEVICE=cuda python -m pytest tests/e2e), where the tiny model gets 64-dim heads.
+DEVICE = os.environ.get("ATLAS_E2E_DEVICE", "mock")
 
 
 def free_port() -> int:
@@ -92,11 +95,12 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    shape = TinyModelShape(hidden_size=256, intermediate_size=512) if DEVICE == "cuda" else TinyModelShape()
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny", shape=shape)
 
 
 def tiny_server_args(model: Path, *extra: str) -> list[str]:
-    return [str(model), "--device", "mock", "--kv-cache-gb", "0.25", "--max-seq-len", str(MAX_SEQ_LEN),
+    return [str(model), "--device", DEVICE, "--kv-cache-gb", "0.25", "--max-seq-len", str(MAX_SEQ_LEN),
             "--model-name", "tiny", *extra]
 
 

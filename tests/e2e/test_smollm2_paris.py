@@ -11,7 +11,7 @@ import subprocess
 import httpx
 import openai
 import pytest
-from conftest import LiveServer
+from conftest import DEVICE, LiveServer
 
 from atlas.app.model_store import is_model_folder, models_dir
 
@@ -24,7 +24,7 @@ QUESTION = {"model": "smollm2", "messages": [{"role": "user", "content": "What i
 def smollm2_server(tmp_path_factory):
     if not is_model_folder(models_dir() / "smollm2"):
         pytest.skip("SmolLM2 is not pulled (atlas pull smollm2)")
-    live = LiveServer(["smollm2", "--device", "mock", "--max-seq-len", "1024", "--kv-cache-gb", "0.25"],
+    live = LiveServer(["smollm2", "--device", DEVICE, "--max-seq-len", "1024", "--kv-cache-gb", "0.25"],
                       tmp_path_factory.mktemp("smollm2") / "server.log")
     yield live.wait_ready(timeout_s=300)
     live.stop()

@@ -1,8 +1,9 @@
 #!/bin/bash
 # One GPU-machine call for the model-level checks: random real configs against transformers,
 # the engine on CUDA (graphs and overlapped steps against eager), and the CUDA op suite.
-#   source .devkit/env.sh && bash tests/gpu/run_model_checks.sh [models ops smollm2 e2e]
-# SmolLM2 is looked up in $ATLAS_SMOLLM2_DIR (built from a GGUF by `atlas import-gguf`).
+#   source .devkit/env.sh && bash tests/gpu/run_model_checks.sh [models ops smolprep smollm2 e2e]
+# smolprep joins the SmolLM2 GGUF carried in pieces (.smol1/part .smol2/part .smol3/part, as
+# `split -n 3` cut it) and imports it into Atlas's cache, where `smollm2` then resolves.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${*:-models ops}
@@ -16,6 +17,9 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
 for s in $STEPS; do case $s in
   models) step models 400 python3 -m pytest tests/gpu/test_models.py -m gpu -q -s -rfE -p no:cacheprovider --tb=short -k "not smollm2" ;;
   ops) step ops 330 python3 -m pytest tests/gpu -m gpu -q -rfE -p no:cacheprovider --tb=short --ignore=tests/gpu/test_models.py ;;
+  smolprep) cat .smol1/part .smol2/part .smol3/part > /tmp/smollm2.gguf && md5sum /tmp/smollm2.gguf | tee -a "$OUT/summary.txt"
+    step smolprep 120 python3 -m atlas.app.cli import-gguf /tmp/smollm2.gguf "$HOME/.cache/atlas/models/smollm2" ;;
+  e2e) export ATLAS_E2E_DEVICE=cuda; step e2e 400 python3 -m pytest tests/e2e -q -rfE -p no:cacheprovider --tb=short ;;
   smollm2) step smollm2 400 python3 -m pytest tests/gpu/test_models.py -m gpu -q -s -rfE -p no:cacheprovider --tb=short -k smollm2 ;;
 esac; done
 echo "--- failures"; grep -hE "^(FAILED|ERROR)|Error|error:" "$OUT"/*.log 2>/dev/null | cut -c1-240 | head -30

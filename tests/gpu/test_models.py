@@ -129,8 +129,10 @@ def test_smollm2_greedy_on_cuda_equals_the_mock(kernel_cache_dir):
     on_cuda = [r.outputs[0].token_ids for r in cuda.chat(conversations, params)]
     mock = LLM(folder, device="mock", dtype="bf16", show_progress=False, max_seq_len=1024)
     on_mock = [r.outputs[0].token_ids for r in mock.chat(conversations, params)]
-    for prompt, got, expected in zip(CHAT_PROMPTS, on_cuda, on_mock):
+    for prompt, conversation, got, expected in zip(CHAT_PROMPTS, conversations, on_cuda, on_mock):
         print(f"{prompt!r}: cuda {len(got)} tokens, mock {len(expected)}, equal={got == expected}")
+        if got != expected:
+            _report_divergence(cuda, mock, conversation, got, expected)
     assert on_cuda == on_mock
     assert "Paris" in cuda.chat(conversations[0], params)[0].outputs[0].text
 
@@ -222,3 +224,17 @@ def test_the_engine_on_cuda_runs_overlapped_graphed_steps_to_completion(cuda_bac
     again = run(_engine(cuda_backend, (1, 2, 4, 8, 16)))
     assert first == again  # same kernels, same seeds: reproducible
     assert all(len(t) == 20 for t in first.values())
+
+
+def _report_divergence(cuda, mock, conversation, got, expected) -> None:
+    """Print both backends' two best logits where the greedy paths part (a near-tie shows)."""
+    index = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+    prompt_ids = cuda.tokenizer.encode(cuda.render_chat(conversation), add_special_tokens=False)
+    context = tuple(prompt_ids) + tuple(got[:index])
+    for name, llm in (("cuda", cuda), ("mock", mock)):
+        blocks = tuple(range(-(-len(context) // BLOCK_SIZE)))
+        batch = ScheduledBatch(0, (ScheduledSequence("probe", context, 0, blocks, GREEDY),), BLOCK_SIZE)
+        logits = llm.engine.core.executor.compute_logits(batch)[0]
+        best = np.argsort(logits)[::-1][:2]
+        print(f"  diverges at output token {index}: {name} top-2 {best[0]}={logits[best[0]]:.4f} "
+              f"{best[1]}={logits[best[1]]:.4f} gap {logits[best[0]] - logits[best[1]]:.4f}")
