@@ -17,7 +17,9 @@ from atlas.app.arguments import (
     add_sampling_arguments,
     engine_settings,
 )
+from atlas.app.bench.engine_arguments import add_engine_bench_arguments
 from atlas.app.bench.serve import add_bench_serve_arguments
+from atlas.app.bench.startup import add_startup_bench_arguments
 from atlas.app.server import add_serve_arguments
 from atlas.domain.requests import SamplingParams
 
@@ -89,13 +91,15 @@ def build_parser() -> ArgumentParser:
 
     bench = commands.add_parser("bench", help="benchmarks that print figures (engine decode by default)")
     bench_commands = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", parser_class=ArgumentParser)
-    engine = bench_commands.add_parser("engine", help="decode tokens/s of a model on this machine (the default)")
-    engine.add_argument("model")
-    engine.add_argument("--batch-sizes", default="1,16", help="comma-separated decode batch sizes (default 1,16)")
-    engine.add_argument("--input-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
-    engine.add_argument("--output-len", type=int, default=64, help="tokens generated per sequence (default 64)")
+    engine = bench_commands.add_parser("engine", help="decode and prefill throughput against the device's ceilings "
+                                       "(the default)")
+    add_engine_bench_arguments(engine)
     add_engine_arguments(engine)
     engine.set_defaults(handler=_bench)
+    startup = bench_commands.add_parser("startup", help="seconds from `atlas serve` starting to its first token, "
+                                        "with a cold and a warm kernel cache")
+    add_startup_bench_arguments(startup)
+    startup.set_defaults(handler=_bench_startup)
     serve_bench = bench_commands.add_parser("serve", help="load-test an OpenAI-compatible server over HTTP")
     add_bench_serve_arguments(serve_bench)
     serve_bench.set_defaults(handler=_bench_serve)
@@ -217,10 +221,15 @@ def _kernels(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from atlas.app.bench import run_decode_bench
+    from atlas.app.bench.engine import run_engine_bench
 
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-    return run_decode_bench(engine_settings(args), batch_sizes, args.input_len, args.output_len)
+    return run_engine_bench(args, engine_settings(args))
+
+
+def _bench_startup(args: argparse.Namespace) -> int:
+    from atlas.app.bench.startup import run_startup_bench
+
+    return run_startup_bench(args)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,23 @@
+"""Flags of `atlas bench engine` (kept apart so parsing the CLI imports no numpy)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", help="a model folder or name (or use --random)")
+    parser.add_argument("--random", metavar="CONFIG", help="build a random-weight checkpoint of a real config: "
+                        "llama-3.1-8b, qwen3-8b or smollm2-135m (written once under ~/.cache/atlas/bench)")
+    parser.add_argument("--batch-sizes", default="1,16", help="decode batch sizes (default 1,16)")
+    parser.add_argument("--input-len", "--context", dest="context", type=int, default=512,
+                        help="context of each decoding sequence (default 512)")
+    parser.add_argument("--output-len", "--decode-tokens", dest="decode_tokens", type=int, default=64,
+                        help="decode steps timed per batch (default 64)")
+    parser.add_argument("--prefill-lens", default=None,
+                        help="prompt lengths for prefill (default 512,2048,8192 on a GPU, none on the mock)")
+    parser.add_argument("--reference", choices=("none", "hf"), default="none",
+                        help="also run transformers on the same weights (needs torch + transformers)")
+    parser.add_argument("--reference-batch-sizes", default="1", help="decode batch sizes for the reference")
+    parser.add_argument("--json", dest="json_path", help="write every figure to this JSON file")
+    parser.add_argument("--plot", dest="plot_path", help="write tokens/s vs batch with the roofline to this PNG")

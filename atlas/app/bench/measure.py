@@ -1,0 +1,172 @@
+"""The measurements behind `atlas bench engine`, each on a loaded engine (no HTTP).
+
+Every figure is host wall time around device work that is synchronised at both ends and
+repeated enough to dwarf the clock; the device ceilings (copy bandwidth, bf16 GEMM rate) are
+measured in the same process, so ratios compare like with like.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from atlas.app.builder import LoadedEngine
+from atlas.domain.batch import ScheduledBatch
+from atlas.domain.requests import Request, SamplingParams
+from atlas.ports.gpu import DType, GpuBackend
+
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class Ceilings:
+    copy_bytes_per_s: float  # read + write of a large device-to-device copy
+    gemm_flops_per_s: float  # bf16 [n, n] x [n, n]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    batch: int
+    context_len: int
+    steps: int
+    step_s: float  # engine step, host included (steps overlap)
+    device_step_s: float  # the same step replayed back to back: device time alone
+    roofline_step_s: float  # (weight + KV bytes read) / copy bandwidth
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.step_s
+
+    @property
+    def roofline_fraction(self) -> float:
+        return self.roofline_step_s / self.step_s
+
+    @property
+    def host_gap_fraction(self) -> float:
+        return max(self.step_s - self.device_step_s, 0.0) / self.step_s
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    num_tokens: int
+    seconds: float  # request in -> first token out (the TTFT of a lone prompt)
+    flops: float  # 2 x params x tokens + causal attention (the issue's count)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+
+def measure_ceilings(backend: GpuBackend, copy_bytes: int, gemm_size: int, repeats: int = 10) -> Ceilings:
+    """Copy bandwidth (gather_rows over `copy_bytes`, counting read + write) and GEMM rate."""
+    rng = np.random.default_rng(0)
+    width = 16384
+    rows = max(copy_bytes // (width * 2), 1)
+    source = backend.upload(rng.standard_normal((rows, width), dtype=np.float32), DType.BF16)
+    target = backend.empty((rows, width), DType.BF16)
+    indices = backend.upload(np.arange(rows, dtype=np.int32))
+    copy_s = _time(backend, lambda: backend.gather_rows(source, indices, target), repeats)
+    del source, target
+    x = backend.upload(rng.standard_normal((gemm_size, gemm_size), dtype=np.float32), DType.BF16)
+    w = backend.upload(rng.standard_normal((gemm_size, gemm_size), dtype=np.float32) * 0.02, DType.BF16)
+    out = backend.empty((gemm_size, gemm_size), DType.BF16)
+    gemm_s = _time(backend, lambda: backend.linear(x, w, out), repeats)
+    return Ceilings(2 * rows * width * 2 / copy_s, 2 * gemm_size**3 / gemm_s)
+
+
+def _time(backend: GpuBackend, fn, repeats: int) -> float:
+    fn()
+    backend.synchronize()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    backend.synchronize()
+    return (time.perf_counter() - started) / repeats
+
+
+def weight_bytes_per_step(engine: LoadedEngine) -> int:
+    """Bytes of weights a decode step reads: every matrix once (the embedding only if tied,
+    where it doubles as the lm head); norms included, embedding-row lookups neglected."""
+    config = engine.config
+    embedding_bytes = 2 * config.vocab_size * config.hidden_size
+    total = 2 * config.num_parameters()
+    return total if config.tie_word_embeddings else total - embedding_bytes
+
+
+def kv_bytes_per_token(engine: LoadedEngine) -> int:
+    config = engine.config
+    itemsize = engine.core.executor.kv.spec.dtype.itemsize
+    return config.kv_bytes_per_token_per_dtype_byte * itemsize
+
+
+def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_tokens: int,
+                   bandwidth: float, seed: int = 0) -> DecodeResult:
+    """`batch` sequences of `context_len` random tokens, then `decode_tokens` timed decode steps."""
+    core, worker = engine.core, engine.core.executor
+    rng = np.random.default_rng(seed)
+    vocab = engine.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens + 1, ignore_eos=True)
+    for index in range(batch):
+        prompt = tuple(int(t) for t in rng.integers(0, vocab, size=context_len))
+        core.add_request(Request(f"decode-{batch}-{seed}-{index}", prompt, params, seed=index))
+    seen: set[str] = set()
+    while len(seen) < batch:  # prefill until every sequence has its first token
+        seen.update(o.seq_id for o in core.step())
+    decode_batches: list[ScheduledBatch] = []
+    original_submit = worker.submit
+
+    def recording_submit(step_batch: ScheduledBatch):
+        decode_batches.append(step_batch)
+        return original_submit(step_batch)
+
+    worker.submit = recording_submit
+    steps = 0
+    started = time.perf_counter()
+    try:
+        while core.has_unfinished:
+            core.step()
+            steps += 1
+    finally:
+        del worker.submit
+    step_s = (time.perf_counter() - started) / max(steps, 1)
+    full = [b for b in decode_batches if len(b.sequences) == batch]
+    device_step_s = _replay_device_time(engine, full[len(full) // 2]) if full else float("nan")
+    mean_context = context_len + decode_tokens / 2
+    read_bytes = weight_bytes_per_step(engine) + batch * mean_context * kv_bytes_per_token(engine)
+    return DecodeResult(batch, context_len, steps, step_s, device_step_s, read_bytes / bandwidth)
+
+
+def _replay_device_time(engine: LoadedEngine, batch: ScheduledBatch, repeats: int = 30) -> float:
+    """Submit one recorded decode step back to back: the host enqueues faster than the device
+    runs, so the time per step is the device's (graph replay + sampling + the id copy)."""
+    worker = engine.core.executor
+    worker.submit(batch).result()
+    started = time.perf_counter()
+    pending = [worker.submit(batch) for _ in range(repeats)]
+    pending[-1].result()
+    return (time.perf_counter() - started) / repeats
+
+
+def prefill_flops(engine: LoadedEngine, num_tokens: int) -> float:
+    config = engine.config
+    attention = 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * (num_tokens + 1) / 2
+    return 2 * config.num_parameters() * num_tokens + attention
+
+
+def measure_prefill(engine: LoadedEngine, num_tokens: int, repeats: int = 2) -> PrefillResult:
+    """One prompt of `num_tokens` in one step (the budget must allow it): request in, first token out."""
+    core = engine.core
+    rng = np.random.default_rng(num_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    best = float("inf")
+    for attempt in range(repeats + 1):  # the first run warms up (lazy workspaces, autotuning)
+        prompt = tuple(int(t) for t in rng.integers(0, engine.config.vocab_size, size=num_tokens))
+        started = time.perf_counter()
+        core.add_request(Request(f"prefill-{num_tokens}-{attempt}", prompt, params, seed=attempt))
+        while core.has_unfinished:
+            core.step()
+        if attempt:
+            best = min(best, time.perf_counter() - started)
+    return PrefillResult(num_tokens, best, prefill_flops(engine, num_tokens))

@@ -1,0 +1,151 @@
+"""Random-weight checkpoints of real model configs, for benchmarks.
+
+`write_random_model("llama-3.1-8b", folder)` writes an HF-format folder (config.json, sharded
+bf16 safetensors, a tokenizer) that Atlas and transformers load alike. The values come from a
+pool of normal samples read at random offsets, so 8 billion parameters take seconds, not the
+minutes i.i.d. sampling would; no two tensors share content and none is zero. The tokenizer is
+a placeholder (one word-level token per id): benchmarks feed token ids, not text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from atlas.adapters.weights.safetensors import SafetensorsWriter, TensorSpec, plan_shards, shard_filenames, write_index
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, hidden_act="silu",
+        attention_bias=False, mlp_bias=False, torch_dtype="bfloat16",
+    ),
+    "qwen3-8b": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645, hidden_act="silu",
+        attention_bias=False, torch_dtype="bfloat16",
+    ),
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
+        intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, hidden_act="silu", torch_dtype="bfloat16",
+    ),
+}
+
+_POOL_SIZE = 1 << 26  # 64M bf16 values (128 MB)
+_WEIGHT_STD = 0.02
+
+
+def tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """HF names and shapes of a Llama-family checkpoint for `config`."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    shapes = [("model.embed_tokens.weight", (config["vocab_size"], hidden))]
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        shapes += [
+            (f"{prefix}.input_layernorm.weight", (hidden,)),
+            (f"{prefix}.self_attn.q_proj.weight", (heads * head_dim, hidden)),
+            (f"{prefix}.self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
+            (f"{prefix}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
+            (f"{prefix}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
+            (f"{prefix}.post_attention_layernorm.weight", (hidden,)),
+            (f"{prefix}.mlp.gate_proj.weight", (inter, hidden)),
+            (f"{prefix}.mlp.up_proj.weight", (inter, hidden)),
+            (f"{prefix}.mlp.down_proj.weight", (hidden, inter)),
+        ]
+        if config["model_type"] == "qwen3":
+            shapes += [(f"{prefix}.self_attn.q_norm.weight", (head_dim,)), (f"{prefix}.self_attn.k_norm.weight", (head_dim,))]
+    shapes.append(("model.norm.weight", (hidden,)))
+    if not config.get("tie_word_embeddings"):
+        shapes.append(("lm_head.weight", (config["vocab_size"], hidden)))
+    return shapes
+
+
+def write_random_model(name_or_config: str | dict[str, Any], out_dir: Path | str, seed: int = 0,
+                       progress: bool = True) -> Path:
+    """Write the folder atomically; an existing complete folder with the same config is reused."""
+    config = CONFIGS[name_or_config] if isinstance(name_or_config, str) else dict(name_or_config)
+    out_dir = Path(out_dir).expanduser().resolve()
+    config_path = out_dir / "config.json"
+    if config_path.exists() and json.loads(config_path.read_text()) == config:
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".random-", dir=out_dir.parent))
+    try:
+        _write_weights(config, staging, np.random.default_rng(seed), progress)
+        _write_tokenizer(config, staging)
+        (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out_dir
+
+
+def _write_weights(config: dict[str, Any], folder: Path, rng: np.random.Generator, progress: bool) -> None:
+    pool = (rng.standard_normal(_POOL_SIZE, dtype=np.float32) * _WEIGHT_STD).astype(ml_dtypes.bfloat16)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    specs = [TensorSpec(name, bf16, shape) for name, shape in tensor_shapes(config)]
+    shards = plan_shards(specs, 5 << 30)
+    filenames = shard_filenames(len(shards))
+    total = sum(spec.num_bytes for spec in specs)
+    written = 0
+    for shard, filename in zip(shards, filenames):
+        with SafetensorsWriter(folder / filename, shard) as writer:
+            for spec in shard:
+                writer.write(spec.name, _tensor(spec, pool, rng))
+                written += spec.num_bytes
+                if progress:
+                    print(f"\rwriting random weights: {written / 2**30:.1f}/{total / 2**30:.1f} GiB", end="",
+                          file=sys.stderr, flush=True)
+    if progress:
+        print(file=sys.stderr)
+    if len(shards) > 1:
+        write_index(folder, shards, filenames)
+
+
+def _tensor(spec: TensorSpec, pool: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    count = int(np.prod(spec.shape))
+    if spec.name.endswith("norm.weight"):
+        return (1.0 + 0.05 * rng.standard_normal(count)).astype(ml_dtypes.bfloat16).reshape(spec.shape)
+    start = int(rng.integers(0, _POOL_SIZE))
+    if count <= _POOL_SIZE - start:
+        return pool[start : start + count].reshape(spec.shape)
+    pieces, remaining = [pool[start:]], count - (_POOL_SIZE - start)
+    while remaining > 0:  # wrap around the pool
+        pieces.append(pool[: min(remaining, _POOL_SIZE)])
+        remaining -= pieces[-1].shape[0]
+    return np.concatenate(pieces).reshape(spec.shape)
+
+
+def _write_tokenizer(config: dict[str, Any], folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    eos = f"t{config['eos_token_id']}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": eos, "bos_token": f"t{config['bos_token_id']}", "model_max_length": config["max_position_embeddings"],
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    }))
