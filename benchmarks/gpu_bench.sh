@@ -1,0 +1,29 @@
+#!/bin/bash
+# The speed issue's measurements on a GPU machine, one step per argument; logs and JSON in $OUT.
+#   source .devkit/env.sh && bash benchmarks/gpu_bench.sh [quick llama8b smollm2 startup serve]
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export ATLAS_KERNEL_CACHE=${ATLAS_KERNEL_CACHE:-/tmp/atlas-kernel-cache}
+ATLAS="python3 -m atlas.app.cli"
+LLAMA=$HOME/.cache/atlas/bench/llama-3.1-8b
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s"; grep -vE "^(loading|writing)|INFO|^\s*$" "$OUT/$name.log" | tail -n 25; }
+for step in ${*:-quick llama8b}; do case $step in
+  quick) run quick 300 $ATLAS bench --random llama-3.1-8b --device cuda --batch-sizes 1,64 --prefill-lens 512 \
+           --output-len 16 ;;
+  llama8b) run llama8b 560 $ATLAS bench --random llama-3.1-8b --device cuda --batch-sizes 1,8,32,64,128 \
+           --reference hf --json "$OUT/llama8b.json" --plot "$OUT/llama8b.png" ;;
+  smollm2) run smollm2 200 $ATLAS bench --random smollm2-135m --device cuda --batch-sizes 1,16,64 \
+           --output-len 256 --json "$OUT/smollm2.json" ;;
+  startup) run startup 400 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "--max-seq-len 8192" ;;
+  serve) run engine64 200 $ATLAS bench --random llama-3.1-8b --device cuda --batch-sizes 64 --prefill-lens 8 \
+           --context 512 --output-len 128
+         $ATLAS serve "$LLAMA" --device cuda --port 8899 --max-seq-len 4096 --max-num-seqs 64 > "$OUT/server.log" 2>&1 &
+         server=$!
+         for _ in $(seq 300); do curl -sf http://127.0.0.1:8899/health > /dev/null && break; sleep 1; done
+         run serve 300 $ATLAS bench serve --url http://127.0.0.1:8899 --concurrency 64 --num-prompts 256 \
+           --input-len 512 --output-len 128
+         kill $server ;;
+esac; done
