@@ -37,19 +37,17 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     model = _model_folder(args)
     batch_sizes = _sizes(args.batch_sizes, "--batch-sizes")
     reference = _run_reference(model, args) if args.reference == "hf" else None
-    prefill_lens = _sizes(args.prefill_lens, "--prefill-lens") if args.prefill_lens else None
+    prefill_lens = _sizes(args.prefill_lens, "--prefill-lens") if args.prefill_lens else _default_prefill(settings)
     settings = dataclasses.replace(
         settings,
         model=str(model),
         max_num_seqs=max(settings.max_num_seqs, max(batch_sizes)),
         max_batch_size=max(settings.max_batch_size or 0, max(batch_sizes)),
-        max_prefill_tokens=max(settings.max_prefill_tokens, max(prefill_lens or [0])),
-        max_seq_len=settings.max_seq_len or max(max(prefill_lens or [0]), args.context + args.decode_tokens) + 16,
+        max_prefill_tokens=max(settings.max_prefill_tokens, max(prefill_lens, default=0)),
+        max_seq_len=settings.max_seq_len or max(max(prefill_lens, default=0), args.context + 5 * args.decode_tokens + 64) + 16,
     )
     engine = build_engine(settings)
     on_mock = engine.backend.name == "mock"
-    if prefill_lens is None:
-        prefill_lens = [] if on_mock else [512, 2048, 8192]
     device = engine.backend.capabilities.device_name
     print(f"atlas bench engine: {engine.config.architecture} from {model} on {device}", file=sys.stderr)
     ceilings = measure_ceilings(engine.backend, copy_bytes=(256 << 20) if on_mock else (2 << 30),
@@ -69,6 +67,14 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     if args.plot_path:
         _plot(report, args.plot_path)
     return 0
+
+
+def _default_prefill(settings: EngineSettings) -> list[int]:
+    """512, 2048 and 8192-token prompts on a GPU; none on the mock (minutes each on a CPU)."""
+    from atlas.app.backends import cuda_available
+
+    on_gpu = settings.device == "cuda" or (settings.device == "auto" and cuda_available())
+    return [512, 2048, 8192] if on_gpu else []
 
 
 def _model_folder(args: argparse.Namespace) -> Path | str:

@@ -107,39 +107,51 @@ def kv_bytes_per_token(engine: LoadedEngine) -> int:
 
 def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_tokens: int,
                    bandwidth: float, seed: int = 0) -> DecodeResult:
-    """`batch` sequences of `context_len` random tokens, then `decode_tokens` timed decode steps."""
+    """`batch` sequences of `context_len` random tokens, then `decode_tokens` timed steps in which
+    every one of them decodes (none finishes inside the window; all are aborted after it).
+
+    The roofline counts the KV bytes each timed step really reads (the contexts it scheduled).
+    """
     core, worker = engine.core, engine.core.executor
     rng = np.random.default_rng(seed)
     vocab = engine.config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens + 1, ignore_eos=True)
-    for index in range(batch):
+    # generous: sequences that finished prefilling first keep decoding until the window closes
+    params = SamplingParams(temperature=0.0, max_tokens=4 * decode_tokens + 64, ignore_eos=True)
+    request_ids = [f"decode-{batch}-{seed}-{index}" for index in range(batch)]
+    for index, request_id in enumerate(request_ids):
         prompt = tuple(int(t) for t in rng.integers(0, vocab, size=context_len))
-        core.add_request(Request(f"decode-{batch}-{seed}-{index}", prompt, params, seed=index))
+        core.add_request(Request(request_id, prompt, params, seed=index))
     seen: set[str] = set()
     while len(seen) < batch:  # prefill until every sequence has its first token
         seen.update(o.seq_id for o in core.step())
-    decode_batches: list[ScheduledBatch] = []
+    recorded: list[ScheduledBatch] = []
     original_submit = worker.submit
 
     def recording_submit(step_batch: ScheduledBatch):
-        decode_batches.append(step_batch)
+        recorded.append(step_batch)
         return original_submit(step_batch)
 
     worker.submit = recording_submit
-    steps = 0
-    started = time.perf_counter()
     try:
-        while core.has_unfinished:
+        core.step()  # the first step after prefill may still hold a prefill's commit
+        recorded.clear()
+        started = time.perf_counter()
+        for _ in range(decode_tokens):
             core.step()
-            steps += 1
+        step_s = (time.perf_counter() - started) / decode_tokens
     finally:
         del worker.submit
-    step_s = (time.perf_counter() - started) / max(steps, 1)
-    full = [b for b in decode_batches if len(b.sequences) == batch]
-    device_step_s = _replay_device_time(engine, full[len(full) // 2]) if full else float("nan")
-    mean_context = context_len + decode_tokens / 2
-    read_bytes = weight_bytes_per_step(engine) + batch * mean_context * kv_bytes_per_token(engine)
-    return DecodeResult(batch, context_len, steps, step_s, device_step_s, read_bytes / bandwidth)
+    for request_id in request_ids:
+        core.abort(request_id)
+    while core.has_unfinished:
+        core.step()
+    decoding = [b for b in recorded if len(b.sequences) == batch and b.num_tokens == batch]
+    if len(decoding) != len(recorded):
+        raise RuntimeError(f"batch {batch}: {len(recorded) - len(decoding)} timed steps were not full decode steps")
+    device_step_s = _replay_device_time(engine, decoding[len(decoding) // 2])
+    mean_context = np.mean([sum(s.context_len for s in b.sequences) for b in decoding])
+    read_bytes = weight_bytes_per_step(engine) + mean_context * kv_bytes_per_token(engine)
+    return DecodeResult(batch, context_len, decode_tokens, step_s, device_step_s, read_bytes / bandwidth)
 
 
 def _replay_device_time(engine: LoadedEngine, batch: ScheduledBatch, repeats: int = 30) -> float:
