@@ -18,7 +18,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 
 import anyio
 import msgspec
@@ -26,6 +25,7 @@ from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from atlas.domain.batch import SequenceOutput
 from atlas.domain.engine import EngineCore, EngineStats
+from atlas.domain.engine_events import EngineFailure, EngineHealth, StreamItem
 from atlas.domain.requests import ParameterError, Request
 
 log = logging.getLogger("atlas.engine")
@@ -46,28 +46,6 @@ class Shutdown(msgspec.Struct, tag=True):
 
 
 Command = AddRequest | AbortRequest | Shutdown
-
-
-class EngineFailure(msgspec.Struct, tag=True):
-    """Delivered on a request's stream when the engine could not run it."""
-
-    message: str
-    is_user_error: bool = False  # a ParameterError: the request was invalid (a 400, not a 500)
-    field: str | None = None
-
-
-StreamItem = SequenceOutput | EngineFailure
-
-
-@dataclass(frozen=True, slots=True)
-class EngineHealth:
-    ready: bool
-    progressing: bool  # False when work is pending but no step finished within the stall limit
-    detail: str
-
-    @property
-    def is_healthy(self) -> bool:
-        return self.ready and self.progressing
 
 
 class _Route:

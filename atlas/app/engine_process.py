@@ -32,12 +32,10 @@ from atlas.app.engine_actor import (
     AbortRequest,
     AddRequest,
     Command,
-    EngineFailure,
-    EngineHealth,
     OutputRouter,
     Shutdown,
-    StreamItem,
 )
+from atlas.domain.engine_events import EngineFailure, EngineHealth, StreamItem
 from atlas.app.engine_protocol import (
     Commands,
     Crashed,

@@ -17,7 +17,8 @@ import struct
 
 import msgspec
 
-from atlas.app.engine_actor import Command, EngineFailure
+from atlas.app.engine_actor import Command
+from atlas.domain.engine_events import EngineFailure
 from atlas.app.settings import EngineSettings
 from atlas.domain.batch import SequenceOutput
 from atlas.domain.engine import EngineStats

@@ -6,13 +6,15 @@ same front-end text handling the server uses.
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from atlas.app.builder import LoadedEngine, build_engine
-from atlas.app.frontend import SeedSource, SequenceText, TextDelta, fan_out
+from atlas.domain.fan_out import SeedSource, fan_out
+from atlas.domain.text.sequence_text import SequenceText, TextDelta
 from atlas.app.settings import EngineSettings
 from atlas.domain.batch import TokenLogprobs
 from atlas.domain.requests import Request, SamplingParams
@@ -49,13 +51,13 @@ class LLM:
 
     def __init__(self, model: str, *, show_progress: bool = True, **settings: Any) -> None:
         self.engine: LoadedEngine = build_engine(EngineSettings(model=model, **settings), show_progress)
-        self._seeds = SeedSource(self.engine.settings.seed)
+        self._seeds = SeedSource(self.engine.settings.seed, _fresh_seed)
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, show_progress: bool = True) -> LLM:
         llm = cls.__new__(cls)
         llm.engine = build_engine(settings, show_progress)
-        llm._seeds = SeedSource(settings.seed)
+        llm._seeds = SeedSource(settings.seed, _fresh_seed)
         return llm
 
     @property
@@ -155,3 +157,7 @@ class LLM:
 
 def _new_id() -> str:
     return uuid.uuid4().hex
+
+
+def _fresh_seed() -> int:
+    return secrets.randbits(64)

@@ -15,7 +15,8 @@ import pytest
 from atlas.adapters.http import HttpConfig, ServedModel, create_app
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.app.bench.tiny_model import write_tiny_model
-from atlas.app.engine_actor import EngineFailure, EngineHealth, OutputRouter
+from atlas.app.engine_actor import OutputRouter
+from atlas.domain.engine_events import EngineFailure, EngineHealth
 from atlas.domain.batch import SequenceOutput
 from atlas.domain.engine import EngineStats
 from atlas.domain.requests import FinishReason, Request

@@ -9,7 +9,8 @@ import pytest
 from fakes import TINY_LLAMA, DictWeights, random_llama_weights
 
 from atlas.adapters.mock.backend import MockGpuBackend
-from atlas.app.engine_actor import EngineActor, EngineFailure, OutputRouter
+from atlas.app.engine_actor import EngineActor, OutputRouter
+from atlas.domain.engine_events import EngineFailure
 from atlas.domain.batch import SequenceOutput
 from atlas.domain.engine import EngineCore
 from atlas.domain.kv_blocks import BlockPool

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from atlas.app.bench.tiny_model import TinyModelShape, write_tiny_model
-from atlas.app.engine_actor import EngineFailure
+from atlas.domain.engine_events import EngineFailure
 from atlas.app.engine_process import EngineProcess, EngineStopped
 from atlas.app.engine_protocol import HEADER, MAX_FRAME_BYTES, FrameBuffer, frame
 from atlas.app.settings import EngineSettings

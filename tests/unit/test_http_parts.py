@@ -18,7 +18,7 @@ from atlas.adapters.http.params import sampling_params
 from atlas.adapters.http.schemas import ChatCompletionRequest, CompletionRequest, unsupported_features
 from atlas.adapters.http.state import decode_body
 from atlas.app.arguments import ArgumentParser
-from atlas.app.frontend import TextDelta
+from atlas.domain.text.sequence_text import TextDelta
 from atlas.app.server import add_serve_arguments, exposure_warning, http_config, sampling_defaults
 from atlas.domain.batch import TokenLogprobs
 from atlas.domain.requests import FinishReason

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from anyio.abc import ObjectReceiveStream
 
-from atlas.app.engine_actor import EngineHealth, StreamItem
+from atlas.domain.engine_events import EngineHealth, StreamItem
 from atlas.domain.engine import EngineStats
 from atlas.domain.requests import Request
 from atlas.ports.tokenizer import Tokenizer

@@ -24,8 +24,9 @@ import anyio
 from atlas.adapters.http.engine_client import EngineClient
 from atlas.adapters.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError
 from atlas.adapters.http.server_metrics import ServerMetrics
-from atlas.app.engine_actor import EngineFailure
-from atlas.app.frontend import SeedSource, SequenceText, TextDelta, fan_out
+from atlas.domain.engine_events import EngineFailure
+from atlas.domain.fan_out import SeedSource, fan_out
+from atlas.domain.text.sequence_text import SequenceText, TextDelta
 from atlas.domain.requests import FinishReason, SamplingParams
 from atlas.ports.tokenizer import Tokenizer
 

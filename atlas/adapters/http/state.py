@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,9 +14,9 @@ from atlas.adapters.http.engine_client import EngineClient, ServedModel
 from atlas.adapters.http.errors import UNAVAILABLE, ApiError, bad_request, from_validation_error, malformed_json
 from atlas.adapters.http.responses import TokenTexts
 from atlas.adapters.http.server_metrics import ServerMetrics
-from atlas.app.engine_actor import EngineHealth
-from atlas.app.frontend import SeedSource
 from atlas.domain.engine import EngineStats
+from atlas.domain.engine_events import EngineHealth
+from atlas.domain.fan_out import SeedSource
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -40,14 +41,14 @@ class ServerState:
         self.model: ServedModel | None = None
         self.engine: EngineClient | None = None
         self.load_error: str | None = None
-        self.seeds = SeedSource(None)
+        self.seeds = SeedSource(None, _fresh_seed)
         self.token_texts: TokenTexts | None = None  # set with the model, before the engine
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.health().is_healthy)
         self.dump = DumpWriter(config.dump_path) if config.dump_path is not None else None
 
     def attach(self, model: ServedModel, engine: EngineClient) -> None:
         self.token_texts = TokenTexts(model.tokenizer)
-        self.seeds = SeedSource(model.seed)
+        self.seeds = SeedSource(model.seed, _fresh_seed)
         self.model, self.engine = model, engine
 
     def detach(self) -> None:
@@ -99,3 +100,7 @@ def decode_body(body: bytes, schema: type):
 
 def now_s() -> int:
     return int(time.time())
+
+
+def _fresh_seed() -> int:
+    return secrets.randbits(64)

@@ -62,22 +62,26 @@ class PrefillResult:
 def measure_ceilings(backend: GpuBackend, copy_bytes: int, gemm_size: int, repeats: int = 10) -> Ceilings:
     """Copy bandwidth (gather_rows over `copy_bytes`, counting read + write) and GEMM rate."""
     rng = np.random.default_rng(0)
+    return Ceilings(_copy_rate(backend, rng, copy_bytes, repeats), _gemm_rate(backend, rng, gemm_size, repeats))
+
+
+def _copy_rate(backend: GpuBackend, rng: np.random.Generator, copy_bytes: int, repeats: int) -> float:
     width = 16384
     rows = max(copy_bytes // (width * 2), 1)
     # random values (never zeros), tiled from a smaller draw so gigabytes take no time to make
-    block = rng.standard_normal(1 << 22, dtype=np.float32)
-    values = np.resize(block, rows * width).reshape(rows, width)
+    values = np.resize(rng.standard_normal(1 << 22, dtype=np.float32), rows * width).reshape(rows, width)
     source = backend.upload(values, DType.BF16)
-    del values
     target = backend.empty((rows, width), DType.BF16)
     indices = backend.upload(np.arange(rows, dtype=np.int32))
-    copy_s = _time(backend, lambda: backend.gather_rows(source, indices, target), repeats)
-    del source, target
-    x = backend.upload(rng.standard_normal((gemm_size, gemm_size), dtype=np.float32), DType.BF16)
-    w = backend.upload(rng.standard_normal((gemm_size, gemm_size), dtype=np.float32) * 0.02, DType.BF16)
-    out = backend.empty((gemm_size, gemm_size), DType.BF16)
-    gemm_s = _time(backend, lambda: backend.linear(x, w, out), repeats)
-    return Ceilings(2 * rows * width * 2 / copy_s, 2 * gemm_size**3 / gemm_s)
+    seconds = _time(backend, lambda: backend.gather_rows(source, indices, target), repeats)
+    return 2 * rows * width * 2 / seconds
+
+
+def _gemm_rate(backend: GpuBackend, rng: np.random.Generator, size: int, repeats: int) -> float:
+    x = backend.upload(rng.standard_normal((size, size), dtype=np.float32), DType.BF16)
+    w = backend.upload(rng.standard_normal((size, size), dtype=np.float32) * 0.02, DType.BF16)
+    out = backend.empty((size, size), DType.BF16)
+    return 2 * size**3 / _time(backend, lambda: backend.linear(x, w, out), repeats)
 
 
 def _time(backend: GpuBackend, fn, repeats: int) -> float:

@@ -1,27 +1,20 @@
-"""Front-end work around the engine: fan-out of `n`, seeds, incremental text and stop strings.
+"""A sequence's text as the engine's outputs arrive: incremental detokenizing, then stop strings.
 
-The engine deals in token ids only. Each sequence's `SequenceText` turns its outputs into text
-deltas: detokenize incrementally, then hold back text that may become a stop string. When a
-stop string completes, the delta says so and the caller aborts the engine request.
+The engine deals in token ids only. `SequenceText` turns one sequence's outputs into text
+deltas; text that may still become a stop string is held back. When a stop string completes,
+the delta says so and the caller aborts the engine request.
 """
 
 from __future__ import annotations
 
-import itertools
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import msgspec
-
 from atlas.domain.batch import SequenceOutput, TokenLogprobs
-from atlas.domain.requests import FinishReason, Request, SamplingParams
+from atlas.domain.requests import FinishReason, SamplingParams
 from atlas.domain.text.detokenizer import IncrementalDetokenizer
 from atlas.domain.text.stop_strings import StopStringMatcher
 from atlas.ports.tokenizer import Tokenizer
-
-_SEED_STRIDE = 0x9E3779B97F4A7C15
-_UINT64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,39 +90,3 @@ class SequenceText:
         """Finish with ABORT (client gone, timeout), releasing nothing further."""
         self._finished = True
         return TextDelta("", (), FinishReason.ABORT, None, (), 0, 0)
-
-
-class SeedSource:
-    """Seeds for requests that bring none: fresh random ones, or a reproducible series."""
-
-    def __init__(self, base_seed: int | None) -> None:
-        self._counter = itertools.count() if base_seed is not None else None
-        self._base = base_seed
-
-    def next(self) -> int:
-        if self._counter is None or self._base is None:
-            return secrets.randbits(64)
-        return (self._base + next(self._counter) * _SEED_STRIDE) & _UINT64
-
-
-def fan_out(
-    request_id: str,
-    prompt_token_ids: Sequence[int],
-    params: SamplingParams,
-    seeds: SeedSource,
-    arrival_s: float = 0.0,
-) -> list[Request]:
-    """The engine requests for `params.n` choices: ids `request_id` (n=1) or `request_id-i`.
-
-    Choice i of a seeded request uses seed + i * stride, so every choice differs and the whole
-    response reproduces.
-    """
-    base_seed = params.seed if params.seed is not None else seeds.next()
-    single = msgspec.structs.replace(params, n=1) if params.n != 1 else params
-    prompt = tuple(prompt_token_ids)
-    if params.n == 1:
-        return [Request(request_id, prompt, single, base_seed & _UINT64, arrival_s)]
-    return [
-        Request(f"{request_id}-{index}", prompt, single, (base_seed + index * _SEED_STRIDE) & _UINT64, arrival_s)
-        for index in range(params.n)
-    ]
