@@ -20,6 +20,27 @@ typedef long long i64;
 #define ATLAS_LOG2E 1.4426950408889634f
 
 // ---------------------------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90 and later). The host launches kernels with programmatic
+// stream serialization, so a kernel's blocks may be scheduled while the previous kernel in the
+// stream is still running. Every kernel therefore calls `dependent_launch_entry()` before it
+// touches memory:
+//
+//     griddepcontrol.wait               returns once the previous grid has completed and its
+//                                       writes are visible (at once without the attribute)
+//     griddepcontrol.launch_dependents  lets the next kernel's blocks be scheduled now; they
+//                                       wait in their own entry in turn
+//
+// so the stream stays ordered exactly as without PDL, but the next kernel's launch latency and
+// block scheduling overlap this kernel's run instead of following its last block.
+// tests/gpu/test_kernel_registry.py checks that every __global__ function makes the call.
+__device__ __forceinline__ void dependent_launch_entry() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // Scalar conversions: one spelling for every element type the kernels are instantiated with.
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
@@ -176,5 +197,7 @@ __device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
+// The memory clobber keeps the compiler from hoisting a shared-memory read of the copied data
+// above the wait (a kernel whose threads read back only their own copies has no barrier there).
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }

@@ -32,16 +32,19 @@ __device__ __forceinline__ void gather_rows_impl(unsigned char* dst, const unsig
 
 extern "C" __global__ void gather_rows_v16(unsigned char* dst, const unsigned char* src, const int* indices,
                                            int num_src_rows, long long row_bytes) {
+    dependent_launch_entry();
     gather_rows_impl<uint4>(dst, src, indices, num_src_rows, row_bytes);
 }
 
 extern "C" __global__ void gather_rows_v4(unsigned char* dst, const unsigned char* src, const int* indices,
                                           int num_src_rows, long long row_bytes) {
+    dependent_launch_entry();
     gather_rows_impl<u32>(dst, src, indices, num_src_rows, row_bytes);
 }
 
 extern "C" __global__ void gather_rows_v1(unsigned char* dst, const unsigned char* src, const int* indices,
                                           int num_src_rows, long long row_bytes) {
+    dependent_launch_entry();
     gather_rows_impl<unsigned char>(dst, src, indices, num_src_rows, row_bytes);
 }
 
@@ -91,9 +94,11 @@ __device__ __forceinline__ void act_mul_scalar(const T* x, T* out, int num_token
 
 #define DEFINE_ACT_MUL(NAME, T, ACT)                                                                     \
     extern "C" __global__ void act_mul_##NAME##_vec8(const T* x, T* out, int num_tokens, int inner) {    \
+        dependent_launch_entry();                                                                        \
         act_mul_vec8<T, ACT>(x, out, num_tokens, inner);                                                 \
     }                                                                                                    \
     extern "C" __global__ void act_mul_##NAME##_scalar(const T* x, T* out, int num_tokens, int inner) {  \
+        dependent_launch_entry();                                                                        \
         act_mul_scalar<T, ACT>(x, out, num_tokens, inner);                                               \
     }
 
@@ -104,6 +109,7 @@ DEFINE_ACT_MUL(gelu_tanh_f32, float, GeluTanhOp)
 
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void fill_u64(u64* dst, long long count, u64 pattern) {
+    dependent_launch_entry();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x)
         dst[i] = pattern;
@@ -115,6 +121,7 @@ extern "C" __global__ void fill_u64(u64* dst, long long count, u64 pattern) {
 //   grid.x = pair i, grid.y = plane (layer * 2 + K|V).
 extern "C" __global__ void copy_kv_pages(unsigned char* cache, const int* src_block_ids, const int* dst_block_ids,
                                          int num_blocks, long long page_bytes) {
+    dependent_launch_entry();
     const int pair = blockIdx.x, plane = blockIdx.y;
     const int src = src_block_ids[pair], dst = dst_block_ids[pair];
     if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks) return;

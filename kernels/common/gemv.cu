@@ -125,6 +125,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
 #define DEFINE_GEMV(OUT_NAME, OUT, ROWS, TOKENS)                                                               \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_##OUT_NAME##_r##ROWS##_t##TOKENS(       \
         const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens, int num_rows, int inner) {   \
+        dependent_launch_entry();                                                                              \
         gemv_impl<OUT, ROWS, TOKENS>(x, w, bias, out, num_tokens, num_rows, inner);                            \
     }
 
@@ -218,11 +219,13 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
 
 extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
     gemv_mma_bf16(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int num_tokens, int num_rows, int inner) {
+    dependent_launch_entry();
     gemv_mma_impl<bf16>(x, w, bias, out, num_tokens, num_rows, inner);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
     gemv_mma_f32(const bf16* x, const bf16* w, const bf16* bias, float* out, int num_tokens, int num_rows, int inner) {
+    dependent_launch_entry();
     gemv_mma_impl<float>(x, w, bias, out, num_tokens, num_rows, inner);
 }
 
@@ -236,9 +239,11 @@ __device__ __forceinline__ void add_bias_impl(OUT* out, const bf16* bias, int nu
 }
 
 extern "C" __global__ void add_bias_bf16(bf16* out, const bf16* bias, int num_tokens, int num_rows) {
+    dependent_launch_entry();
     add_bias_impl<bf16>(out, bias, num_tokens, num_rows);
 }
 
 extern "C" __global__ void add_bias_f32(float* out, const bf16* bias, int num_tokens, int num_rows) {
+    dependent_launch_entry();
     add_bias_impl<float>(out, bias, num_tokens, num_rows);
 }

@@ -68,18 +68,22 @@ __device__ __forceinline__ void rmsnorm_row(const T* x, T* residual, const W* we
 #define DEFINE_RMSNORM(SUFFIX, T, W)                                                                           \
     extern "C" __global__ void rmsnorm_##SUFFIX##_vec8(const T* x, const W* weight, float eps, T* out,          \
                                                        int hidden) {                                           \
+        dependent_launch_entry();                                                                              \
         rmsnorm_row<T, W, false, true>(x, nullptr, weight, eps, out, hidden);                                  \
     }                                                                                                          \
     extern "C" __global__ void rmsnorm_##SUFFIX##_scalar(const T* x, const W* weight, float eps, T* out,        \
                                                          int hidden) {                                         \
+        dependent_launch_entry();                                                                              \
         rmsnorm_row<T, W, false, false>(x, nullptr, weight, eps, out, hidden);                                 \
     }                                                                                                          \
     extern "C" __global__ void add_rmsnorm_##SUFFIX##_vec8(const T* x, T* residual, const W* weight, float eps, \
                                                            T* out, int hidden) {                               \
+        dependent_launch_entry();                                                                              \
         rmsnorm_row<T, W, true, true>(x, residual, weight, eps, out, hidden);                                  \
     }                                                                                                          \
     extern "C" __global__ void add_rmsnorm_##SUFFIX##_scalar(const T* x, T* residual, const W* weight,          \
                                                              float eps, T* out, int hidden) {                  \
+        dependent_launch_entry();                                                                              \
         rmsnorm_row<T, W, true, false>(x, residual, weight, eps, out, hidden);                                 \
     }
 

@@ -93,6 +93,7 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
         const bf16* qkv, const int* positions, const int* slot_mapping, const TABLE* table, int max_position,  \
         bf16* k_plane, bf16* v_plane, bf16* q_out, const W* q_norm, const W* k_norm, float eps,                \
         int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, int block_size) {                     \
+        dependent_launch_entry();                                                                              \
         rope_and_cache_impl<TABLE, W>(qkv, positions, slot_mapping, table, max_position, k_plane, v_plane,     \
                                       q_out, q_norm, k_norm, eps, num_q_heads, num_kv_heads, head_dim,         \
                                       rotary_dim, block_size);                                                 \

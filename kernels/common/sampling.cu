@@ -500,6 +500,7 @@ __device__ __forceinline__ void sample_kernel_impl(
         const int* bias_offsets, const int* bias_token_ids, const float* bias_values, int any_penalties,         \
         int any_bias, int all_greedy, int* out_token_ids, float* sampled_logprobs, int* top_ids,                 \
         float* top_logprobs, int num_top) {                                                                      \
+        dependent_launch_entry();                                                                                \
         sample_kernel_impl<LOGIT>(logits, vocab_size, workspace, temperature, top_k, top_p, min_p, seeds,        \
                                   counters, repetition_penalty, presence_penalty, frequency_penalty,             \
                                   penalty_offsets, penalty_token_ids, penalty_output_counts, bias_offsets,       \

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from cuda.bindings import driver as cu
@@ -29,6 +30,49 @@ log = logging.getLogger("atlas.cuda")
 
 class CaptureError(RuntimeError):
     """Something a captured graph cannot hold was asked for while capturing."""
+
+
+FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
+
+
+@dataclass(frozen=True, slots=True)
+class CudaFeatures:
+    """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
+    of `pdl`, `wgmma`, `gemm_tuning`) turns some off, for debugging and A/B timings.
+
+    programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
+        kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
+        atlas_common.cuh).
+    wgmma_attention: prefill attention through the wgmma kernels where the loaded module has them.
+    gemm_tuning: cuBLASLt times its top algorithms once per shape and keeps the fastest.
+    """
+
+    programmatic_launch: bool = True
+    wgmma_attention: bool = True
+    gemm_tuning: bool = True
+
+    @classmethod
+    def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
+        """The defaults for a device, minus whatever the environment disables. Raises
+        `ValueError` naming an unknown entry of `ATLAS_CUDA_DISABLE`."""
+        disabled = {item.strip() for item in os.environ.get(FEATURES_ENVIRONMENT, "").split(",") if item.strip()}
+        unknown = disabled - {"pdl", "wgmma", "gemm_tuning"}
+        if unknown:
+            raise ValueError(f"{FEATURES_ENVIRONMENT}: unknown {sorted(unknown)} (known: pdl, wgmma, gemm_tuning)")
+        hopper_or_later = compute_capability[0] >= 9
+        return cls(
+            programmatic_launch=hopper_or_later and "pdl" not in disabled and _launch_config_has_pdl(),
+            wgmma_attention="wgmma" not in disabled,
+            gemm_tuning="gemm_tuning" not in disabled,
+        )
+
+
+def _launch_config_has_pdl() -> bool:
+    try:
+        LaunchConfig(grid=1, block=1, programmatic_stream_serialization=True)
+    except TypeError:  # a cuda.core without the field: launch without PDL
+        return False
+    return True
 
 
 class KernelLibrary:
@@ -52,6 +96,14 @@ class KernelLibrary:
             compiler.cache_dir,
             time.perf_counter() - started,
         )
+
+    def provides(self, module: str, symbol: str) -> bool:
+        """Whether the loaded `module` defines `symbol` (a tuned module may add kernels)."""
+        try:
+            self.get(module, symbol)
+        except KeyError:
+            return False
+        return True
 
     def get(self, module: str, symbol: str) -> Kernel:
         """The kernel `symbol` of `module`; `KeyError` naming both when either is missing."""
@@ -97,6 +149,7 @@ class CudaRuntime:
         target = KernelTarget(arch_family(self.compute_capability), model_hint or "any", quant)
         self.target = target
         self.kernels = KernelLibrary(select_modules(target), KernelCompiler(self.arch, kernel_cache_dir))
+        self.features = CudaFeatures.for_device(self.compute_capability)
         self.capturing = False
         self._workspaces: dict[str, DeviceAllocation] = {}
         self._retired_workspaces: list[DeviceAllocation] = []
@@ -125,15 +178,22 @@ class CudaRuntime:
         *args: object,
         shared_bytes: int = 0,
     ) -> None:
-        """Enqueue `symbol` of `module` on the stream."""
+        """Enqueue `symbol` of `module` on the stream (with programmatic stream serialization
+        when `features.programmatic_launch` is on)."""
         self.ensure_current()
         kernel = self.kernels.get(module, symbol)
         if shared_bytes > 48 * 1024:
             self._raise_shared_limit(module, symbol, kernel, shared_bytes)
-        key = (grid, block, shared_bytes)
+        programmatic = self.features.programmatic_launch
+        key = (grid, block, shared_bytes, programmatic)
         config = self._configs.get(key)
         if config is None:
-            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+            if programmatic:
+                config = LaunchConfig(
+                    grid=grid, block=block, shmem_size=shared_bytes, programmatic_stream_serialization=True
+                )
+            else:
+                config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
             self._configs[key] = config
         launch(self.stream, config, kernel, *args)
 
