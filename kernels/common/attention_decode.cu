@@ -13,7 +13,16 @@
 //     group j of the block handles tokens start + j, start + j + GROUPS, ...
 //     score = q . k (reduced over the group's lanes by shuffles), m, l, o updated per token
 //
-// then the groups are merged through shared memory (the same rescaling as the split merge).
+// K and V reach the lanes through a per-thread ring in shared memory: each lane cp.async-copies
+// its own 16-byte chunks of the step DECODE_STAGES - 1 ahead and reads back only what it copied
+// itself, so cp.async.wait_group orders it without a barrier, the page-table loads and the K/V
+// traffic of later steps overlap this step's arithmetic, and no register holds data in flight:
+//
+//     ring [DECODE_STAGES][DECODE_UNROLL][K | V][thread] 16-byte slots (48 KB at 3 stages)
+//     step i: issue step i + STAGES - 1, wait for step i, compute step i
+//
+// then the groups are merged through shared memory (the same rescaling as the split merge; the
+// merge buffers reuse the ring's memory).
 // With one split the block writes `out`; otherwise it writes its normalised partial output and
 // log2-sum-exp to the workspace and `attention_decode_merge` combines the splits:
 //
@@ -26,6 +35,7 @@
 
 #define DECODE_THREADS 128
 #define DECODE_UNROLL 4
+#define DECODE_STAGES 3
 
 template <int HEAD_DIM, int HEADS>
 __device__ __forceinline__ void attention_decode_impl(
@@ -36,9 +46,15 @@ __device__ __forceinline__ void attention_decode_impl(
     int sliding_window, int num_splits) {
     constexpr int LANES = HEAD_DIM / 8;                 // lanes per token row
     constexpr int GROUPS = DECODE_THREADS / LANES;      // token groups per block
-    __shared__ float merge_max[GROUPS][HEADS];
-    __shared__ float merge_sum[GROUPS][HEADS];
-    __shared__ float merge_out[GROUPS][HEADS][HEAD_DIM];
+    constexpr int STEP = DECODE_UNROLL * GROUPS;        // tokens per step of the block
+    constexpr int RING_SLOTS = DECODE_STAGES * DECODE_UNROLL * 2 * DECODE_THREADS;
+    constexpr int MERGE_FLOATS = GROUPS * HEADS * (2 + HEAD_DIM);
+    constexpr int SHARED_SLOTS = RING_SLOTS > MERGE_FLOATS / 4 + 1 ? RING_SLOTS : MERGE_FLOATS / 4 + 1;
+    __shared__ uint4 shared[SHARED_SLOTS];
+    // ring slot of (stage, u, K | V) for this thread: consecutive threads, consecutive 16 bytes
+    auto ring_slot = [&](int stage, int u, int plane) -> uint4* {
+        return shared + ((stage * DECODE_UNROLL + u) * 2 + plane) * DECODE_THREADS + threadIdx.x;
+    };
 
     const int seq = blockIdx.x;
     const int token = query_start_loc[seq];
@@ -83,30 +99,49 @@ __device__ __forceinline__ void attention_decode_impl(
         for (int i = 0; i < 8; ++i) o[h][i] = 0.0f;
     }
 
-    // Every group runs the same number of iterations (shuffles need the whole warp in step); a
-    // token past `end` is loaded as nothing and leaves the state unchanged. UNROLL tokens per
-    // group per step: 2 * UNROLL 16-byte loads in flight per lane, one rescale per step.
+    // Every group runs the same number of steps (shuffles need the whole warp in step); a token
+    // past `end` reads the last token of the range instead (always a valid page), so every copy is
+    // unconditional and the page-table loads of a step issue together, and it is masked below.
     const int* table = block_tables + (long long)seq * block_table_stride;
-    for (int base = start; base < end; base += DECODE_UNROLL * GROUPS) {
-        // Branch-free: a token past `end` reads the last token of the range instead (always a
-        // valid page) and is masked below, so the four page-table loads issue together, then
-        // the eight K/V loads, instead of one dependent chain per token.
-        bool present[DECODE_UNROLL];
+    const int num_steps = end > start ? (end - start + STEP - 1) / STEP : 0;
+    auto issue_step = [&](int step, int stage) {
+        const int base = start + step * STEP;
         long long offsets[DECODE_UNROLL];
 #pragma unroll
         for (int u = 0; u < DECODE_UNROLL; ++u) {
             const int key = base + group + u * GROUPS;
-            present[u] = key < end;
-            const int safe_key = present[u] ? key : end - 1;
+            const int safe_key = key < end ? key : end - 1;
             const long long block = __ldg(table + safe_key / block_size);
             offsets[u] = ((block * num_kv_heads + kv_head) * block_size + safe_key % block_size) * HEAD_DIM + dim;
         }
+#pragma unroll
+        for (int u = 0; u < DECODE_UNROLL; ++u) {
+            cp_async_16(ring_slot(stage, u, 0), k_plane + offsets[u], true);
+            cp_async_16(ring_slot(stage, u, 1), v_plane + offsets[u], true);
+        }
+    };
+    // One commit group per step, empty ones included, so wait_group counts steps exactly.
+#pragma unroll
+    for (int step = 0; step < DECODE_STAGES - 1; ++step) {
+        if (step < num_steps) issue_step(step, step);
+        cp_async_commit();
+    }
+    int read_stage = 0, write_stage = DECODE_STAGES - 1;
+    for (int step = 0; step < num_steps; ++step) {
+        if (step + DECODE_STAGES - 1 < num_steps) issue_step(step + DECODE_STAGES - 1, write_stage);
+        cp_async_commit();
+        cp_async_wait<DECODE_STAGES - 1>();  // this thread's copies of `step` have landed
+        const int base = start + step * STEP;
+        bool present[DECODE_UNROLL];
         uint4 k_raw[DECODE_UNROLL], v_raw[DECODE_UNROLL];
 #pragma unroll
         for (int u = 0; u < DECODE_UNROLL; ++u) {
-            k_raw[u] = __ldg(reinterpret_cast<const uint4*>(k_plane + offsets[u]));
-            v_raw[u] = __ldg(reinterpret_cast<const uint4*>(v_plane + offsets[u]));
+            present[u] = base + group + u * GROUPS < end;
+            k_raw[u] = *ring_slot(read_stage, u, 0);
+            v_raw[u] = *ring_slot(read_stage, u, 1);
         }
+        read_stage = read_stage + 1 == DECODE_STAGES ? 0 : read_stage + 1;
+        write_stage = write_stage + 1 == DECODE_STAGES ? 0 : write_stage + 1;
         float k_values[DECODE_UNROLL][8];
 #pragma unroll
         for (int u = 0; u < DECODE_UNROLL; ++u) {
@@ -152,15 +187,20 @@ __device__ __forceinline__ void attention_decode_impl(
         }
     }
 
-    // Merge the groups of this block.
+    // Merge the groups of this block, in the ring's memory once every thread is done with it.
+    cp_async_wait<0>();
+    __syncthreads();
+    float* merge_max = reinterpret_cast<float*>(shared);  // [GROUPS][HEADS]
+    float* merge_sum = merge_max + GROUPS * HEADS;        // [GROUPS][HEADS]
+    float* merge_out = merge_sum + GROUPS * HEADS;        // [GROUPS][HEADS][HEAD_DIM]
 #pragma unroll
     for (int h = 0; h < HEADS; ++h) {
         if (lane_in_group == 0) {
-            merge_max[group][h] = m[h];
-            merge_sum[group][h] = l[h];
+            merge_max[group * HEADS + h] = m[h];
+            merge_sum[group * HEADS + h] = l[h];
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) merge_out[group][h][dim + i] = o[h][i];
+        for (int i = 0; i < 8; ++i) merge_out[(group * HEADS + h) * HEAD_DIM + dim + i] = o[h][i];
     }
     __syncthreads();
 
@@ -168,14 +208,14 @@ __device__ __forceinline__ void attention_decode_impl(
         const int h = item / HEAD_DIM, d = item % HEAD_DIM;
         float best = -ATLAS_INF;
 #pragma unroll
-        for (int j = 0; j < GROUPS; ++j) best = fmaxf(best, merge_max[j][h]);
+        for (int j = 0; j < GROUPS; ++j) best = fmaxf(best, merge_max[j * HEADS + h]);
         float total = 0.0f, value = 0.0f;
         if (best != -ATLAS_INF) {
 #pragma unroll
             for (int j = 0; j < GROUPS; ++j) {
-                const float weight = exp2f(merge_max[j][h] - best);
-                total += merge_sum[j][h] * weight;
-                value += merge_out[j][h][d] * weight;
+                const float weight = exp2f(merge_max[j * HEADS + h] - best);
+                total += merge_sum[j * HEADS + h] * weight;
+                value += merge_out[(j * HEADS + h) * HEAD_DIM + d] * weight;
             }
         }
         const int head = first_head + h;
@@ -196,6 +236,7 @@ __device__ __forceinline__ void attention_decode_impl(
         float* partial_lse, const int* query_start_loc, const int* seq_lens, const int* block_tables,           \
         int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, float scale_log2,            \
         int sliding_window, int num_splits) {                                                                   \
+        dependent_launch_entry();                                                                               \
         attention_decode_impl<HEAD_DIM, HEADS>(q, k_plane, v_plane, out, partial_out, partial_lse,              \
                                                query_start_loc, seq_lens, block_tables, block_table_stride,     \
                                                num_q_heads, num_kv_heads, block_size, scale_log2,               \
@@ -217,6 +258,7 @@ extern "C" __global__ void attention_decode_merge(const float* __restrict__ part
                                                   const float* __restrict__ partial_lse, bf16* __restrict__ out,
                                                   const int* __restrict__ query_start_loc, int num_q_heads,
                                                   int head_dim, int num_splits) {
+    dependent_launch_entry();
     const int seq = blockIdx.x, head = blockIdx.y;
     const int token = query_start_loc[seq];
     if (query_start_loc[seq + 1] - token != 1) return;
