@@ -3,6 +3,7 @@ the NVRTC checks run wherever cuda-python and NVRTC are installed, GPU or not.""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -38,6 +39,45 @@ def test_shipped_tree_has_every_generic_module_and_headers():
         text = module.source_path.read_text()
         assert text.startswith("//"), f"{module.source_path} must open with its header comment"
         assert module.include_dirs[-1] == kernels_root() / "common"
+
+
+def test_every_kernel_waits_for_the_previous_grid_first():
+    """Kernels are launched with programmatic stream serialization (PDL), so each must call
+    dependent_launch_entry() (atlas_common.cuh) before it touches memory."""
+    kernels = 0
+    for source in sorted(kernels_root().rglob("*.cu*")):
+        text = source.read_text()
+        for match in re.finditer(r'extern "C" __global__[^{;]*\{', text):
+            first_statement = text[match.end() :].lstrip(" \\\n").split(";", 1)[0].strip()
+            signature = " ".join(match.group(0).split())[:100]
+            assert first_statement == "dependent_launch_entry()", f"{source.name}: {signature} starts otherwise"
+            kernels += 1
+    assert kernels >= 22
+
+
+def test_hopper_takes_the_wgmma_prefill_module_which_keeps_every_generic_kernel():
+    hopper = select_modules(KernelTarget("sm90", "llama"))["attention_prefill"]
+    assert hopper.folder == "sm90"
+    assert '#include "attention_prefill_mma.cuh"' in hopper.source_path.read_text()
+    assert '#include "attention_prefill_mma.cuh"' in (kernels_root() / "common/attention_prefill.cu").read_text()
+    assert select_modules(KernelTarget("sm80", "llama"))["attention_prefill"].folder == "common"
+    assert select_modules(KernelTarget("sm120", "llama"))["attention_prefill"].folder == "common"
+
+
+def test_features_follow_the_device_and_the_environment(monkeypatch):
+    pytest.importorskip("cuda.core", reason="the cuda extra is not installed")
+    from atlas.adapters.cuda.runtime import CudaFeatures
+
+    monkeypatch.delenv("ATLAS_CUDA_DISABLE", raising=False)
+    assert not CudaFeatures.for_device((8, 0)).programmatic_launch
+    monkeypatch.setenv("ATLAS_CUDA_DISABLE", "wgmma, gemm_tuning")
+    features = CudaFeatures.for_device((9, 0))
+    assert not features.wgmma_attention and not features.gemm_tuning
+    monkeypatch.setenv("ATLAS_CUDA_DISABLE", "pdl")
+    assert not CudaFeatures.for_device((9, 0)).programmatic_launch
+    monkeypatch.setenv("ATLAS_CUDA_DISABLE", "pdll")
+    with pytest.raises(ValueError, match="pdll"):
+        CudaFeatures.for_device((9, 0))
 
 
 def test_most_specific_folder_wins_by_module_name(tmp_path):

@@ -4,6 +4,7 @@ and page copies."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,6 +18,11 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _PREFILL_BLOCK_N = 64
 # (head_dim, rows per tile) pairs attention_prefill.cu defines.
 _PREFILL_VARIANTS = {(64, 128), (128, 128), (128, 64), (256, 64)}
+# Head dims kernels/sm90/attention_prefill.cu has wgmma kernels for; their tiles are 128 rows of
+# two warpgroups.
+_WGMMA_HEAD_DIMS = (64, 128)
+_WGMMA_ROWS = 128
+_WGMMA_THREADS = 256
 _DECODE_THREADS = 128
 _MAX_SPLITS = 128
 # A decode split reads at least this many context tokens: fewer and the merge costs more than
@@ -163,6 +169,34 @@ def attention(
     _decode(rt, q, out, planes, common, meta, heads, cache.spec.block_size, scale_log2, window)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillKernel:
+    """The prefill attention kernel to launch and its launch shape."""
+
+    symbol: str
+    rows: int  # query rows (token x head-in-group) per tile
+    threads: int
+    shared_bytes: int
+
+
+def wgmma_prefill_shared_bytes(head_dim: int) -> int:
+    """Shared memory of `attention_prefill_wgmma_d{head_dim}`: Q [128 rows] plus two stages of K and
+    V [128 keys], bf16, plus 1 KB to align the swizzle atoms (WgmmaTile in the kernel)."""
+    return (_WGMMA_ROWS + 2 * 2 * 128) * head_dim * 2 + 1024
+
+
+def prefill_kernel(rt: CudaRuntime, head_dim: int) -> PrefillKernel:
+    """The wgmma kernel where the loaded module has it (kernels/sm90 on Hopper), the device gives a
+    block its shared memory and `rt.features.wgmma_attention` is on; else the mma.sync kernel."""
+    if head_dim in _WGMMA_HEAD_DIMS and rt.features.wgmma_attention:
+        symbol = f"attention_prefill_wgmma_d{head_dim}"
+        shared_bytes = wgmma_prefill_shared_bytes(head_dim)
+        if shared_bytes <= rt.max_shared_optin and rt.kernels.provides("attention_prefill", symbol):
+            return PrefillKernel(symbol, _WGMMA_ROWS, _WGMMA_THREADS, shared_bytes)
+    rows, _, shared_bytes = prefill_tile(head_dim, rt.max_shared_optin)
+    return PrefillKernel(f"attention_prefill_d{head_dim}_m{rows}", rows, rows // 16 * 32, shared_bytes)
+
+
 def prefill_tile(head_dim: int, max_shared_bytes: int) -> tuple[int, int, int]:
     """(rows per tile, K/V stages, shared bytes) of the prefill kernel variant to launch: 128-row
     tiles where the device gives a block enough shared memory, else 64 (attention_prefill.cu)."""
@@ -177,14 +211,14 @@ def prefill_tile(head_dim: int, max_shared_bytes: int) -> tuple[int, int, int]:
 
 def _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window) -> None:
     group = heads.num_q_heads // heads.num_kv_heads
-    rows, _, shared_bytes = prefill_tile(heads.head_dim, rt.max_shared_optin)
-    num_tiles = (meta.num_tokens * group) // rows + meta.num_seqs
+    kernel = prefill_kernel(rt, heads.head_dim)
+    num_tiles = (meta.num_tokens * group) // kernel.rows + meta.num_seqs
     query_start_loc, seq_lens, block_tables, table_stride = common
     rt.launch(
         "attention_prefill",
-        f"attention_prefill_d{heads.head_dim}_m{rows}",
+        kernel.symbol,
         (num_tiles, heads.num_kv_heads),
-        rows // 16 * 32,
+        kernel.threads,
         q.address,
         planes[0],
         planes[1],
@@ -200,7 +234,7 @@ def _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, wi
         scale_log2,
         window,
         np.int32(1),  # single-token queries go to the decode kernel, launched next
-        shared_bytes=shared_bytes,
+        shared_bytes=kernel.shared_bytes,
     )
 
 

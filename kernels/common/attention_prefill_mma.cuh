@@ -1,0 +1,274 @@
+// Paged causal attention for the query tokens of a varlen batch (prefill chunks, speculative
+// verification, and decodes when the decode kernel is not launched), FlashAttention-2 style.
+//
+//   q, out   [N, Hq * D] bf16          k_plane, v_plane: this layer's pages [Hkv][block_size][D]
+//   query_start_loc [S + 1], seq_lens [S], block_tables [S, stride]  (see AttentionMetadata)
+//
+// Work split: the G = Hq / Hkv query heads that share a KV head are folded into the rows of a
+// tile, so one K/V tile load serves all of them (GQA costs no extra KV traffic):
+//
+//     tile rows r = 0..63 of sequence s, KV head h:   row index  R = 64 * tile + r
+//         token i = R / G   (query token i of s, at position seq_len - query_len + i)
+//         head    = h * G + R % G
+//
+// grid.x enumerates tiles of all sequences: sequence s owns tiles [T(s), T(s + 1)) with
+// T(s) = floor(query_start_loc[s] * G / 64) + s, which always covers ceil(query_len * G / 64);
+// each block finds its s by binary search, so the grid depends only on the host bounds (N, S).
+// grid.y = KV head.
+//
+// Per tile, 4 warps of 16 rows each run the online softmax over 64-key tiles of the context
+// (keys > the row's position, or outside the sliding window, are masked):
+//     S = Q K^T * scale (mma.sync m16n8k16, fp32), m' = max(m, rowmax S), P = exp2(S - m'),
+//     l = l * exp2(m - m') + rowsum P,  O = O * exp2(m - m') + P V,   out = O / l
+// K and V tiles arrive through cp.async, double-buffered (the next tile loads while this one
+// computes) where shared memory allows; the scale is folded with log2(e) so exp2 does the work.
+//
+// FLOPs: 4 * sum over sequences of (query_len * context_len * Hq * D), halved by the causal mask
+// for prompts. Bytes: the K/V context of each sequence once per 64 rows of tile, plus q and out.
+// Long prompts are tensor-core bound (mma.sync reaches ~60% of Hopper's wgmma peak; a wgmma
+// variant is kernels/sm90/attention_prefill.cu).
+#pragma once
+
+#include "atlas_common.cuh"
+
+#define PREFILL_BLOCK_N 64
+
+template <int HEAD_DIM, int STAGES, int BLOCK_M>
+__device__ __forceinline__ void attention_prefill_impl(
+    const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
+    bf16* __restrict__ out, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+    const int* __restrict__ block_tables, int block_table_stride, int num_seqs, int num_q_heads, int num_kv_heads,
+    int block_size, float scale_log2, int sliding_window, int skip_single_token) {
+    constexpr int STRIDE = HEAD_DIM + 8;  // padded row: conflict-free fragment loads
+    constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int DIM_TILES = HEAD_DIM / 8;
+    constexpr int THREADS = BLOCK_M / 16 * 32;  // a warp per 16 rows
+    extern __shared__ uint4 shared_raw[];
+    // Shared memory: Q [64][STRIDE], then per stage K [64][STRIDE] and V [64][STRIDE].
+    bf16* q_tile = reinterpret_cast<bf16*>(shared_raw);
+    bf16* kv_tiles = q_tile + BLOCK_M * STRIDE;
+
+    const int group = num_q_heads / num_kv_heads;
+    const int kv_head = blockIdx.y;
+    const int tile_id = blockIdx.x;
+
+    // Which sequence owns this tile: the last s with T(s) <= tile_id.
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        const int start = (int)(((long long)query_start_loc[mid] * group) / BLOCK_M) + mid;
+        if (start <= tile_id) lo = mid; else hi = mid - 1;
+    }
+    const int seq = lo;
+    const int first_token = query_start_loc[seq];
+    const int query_len = query_start_loc[seq + 1] - first_token;
+    const int context_len = seq_lens[seq];
+    const int local_tile = tile_id - ((int)(((long long)first_token * group) / BLOCK_M) + seq);
+    const int first_row = local_tile * BLOCK_M;
+    const int num_rows = query_len * group;
+    if (query_len <= 0 || first_row >= num_rows || (skip_single_token && query_len == 1)) return;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const long long q_row_stride = (long long)num_q_heads * HEAD_DIM;
+    const int first_position = context_len - query_len;
+
+    // Q tile -> shared (rows past the sequence are zero-filled).
+    for (int c = tid; c < BLOCK_M * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, chunk = c % CHUNKS;
+        const int row = first_row + r;
+        const bool valid = row < num_rows;
+        const int token = valid ? row / group : 0;
+        const int head = kv_head * group + (valid ? row % group : 0);
+        const bf16* src = q + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM + chunk * 8;
+        cp_async_16(q_tile + r * STRIDE + chunk * 8, valid ? src : q, valid);
+    }
+    cp_async_commit();
+
+    // The two rows this thread owns in the accumulator layout: warp * 16 + g and + 8.
+    int row_position[2];
+    bool row_valid[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = first_row + warp * 16 + g + half * 8;
+        row_valid[half] = row < num_rows;
+        row_position[half] = first_position + (row_valid[half] ? row / group : 0);
+    }
+    const int last_row = min(first_row + BLOCK_M, num_rows) - 1;
+    const int lowest_position = first_position + first_row / group;
+    const int kv_end = first_position + last_row / group + 1;
+    const int kv_begin = sliding_window > 0 ? max(0, lowest_position - sliding_window + 1) : 0;
+
+    float o[DIM_TILES][4];
+#pragma unroll
+    for (int d = 0; d < DIM_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+    float row_max[2] = {-ATLAS_INF, -ATLAS_INF};
+    float row_sum[2] = {0.0f, 0.0f};
+    const int* table = block_tables + (long long)seq * block_table_stride;
+
+    // K and V tiles -> shared through the page table (keys past kv_end are zero-filled), one
+    // cp.async group per tile. With two stages the next tile streams in while this one computes.
+    auto load_tile = [&](int kv_start, int stage) {
+        bf16* k_dst = kv_tiles + stage * 2 * PREFILL_BLOCK_N * STRIDE;
+        bf16* v_dst = k_dst + PREFILL_BLOCK_N * STRIDE;
+        for (int c = tid; c < PREFILL_BLOCK_N * CHUNKS; c += THREADS) {
+            const int r = c / CHUNKS, chunk = c % CHUNKS;
+            const int key = kv_start + r;
+            const bool valid = key < kv_end;
+            long long offset = 0;
+            if (valid) {
+                const long long block = table[key / block_size];
+                offset = ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 8;
+            }
+            cp_async_16(k_dst + r * STRIDE + chunk * 8, k_plane + offset, valid);
+            cp_async_16(v_dst + r * STRIDE + chunk * 8, v_plane + offset, valid);
+        }
+        cp_async_commit();
+    };
+    const int num_kv_tiles = (kv_end - kv_begin + PREFILL_BLOCK_N - 1) / PREFILL_BLOCK_N;
+    const int highest_position = kv_end - 1;
+    if (num_kv_tiles > 0) load_tile(kv_begin, 0);
+
+    for (int tile = 0; tile < num_kv_tiles; ++tile) {
+        const int kv_start = kv_begin + tile * PREFILL_BLOCK_N;
+        const int stage = STAGES == 2 ? tile & 1 : 0;
+        if (STAGES == 2 && tile + 1 < num_kv_tiles) {
+            load_tile(kv_start + PREFILL_BLOCK_N, stage ^ 1);
+            cp_async_wait<1>();  // everything but the tile just issued has landed
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const bf16* k_tile = kv_tiles + stage * 2 * PREFILL_BLOCK_N * STRIDE;
+        const bf16* v_tile = k_tile + PREFILL_BLOCK_N * STRIDE;
+
+        // S = Q K^T for this warp's 16 rows x 64 keys.
+        float s[PREFILL_BLOCK_N / 8][4];
+#pragma unroll
+        for (int n = 0; n < PREFILL_BLOCK_N / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        // Fragments through ldmatrix.x4: lane L addresses row L % 8 of 8x8 matrix L / 8.
+        //   Q (A, 16 x 16): matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15), row-half = bit 0 of L / 8
+        //   K (B, two n-tiles x 16 k): matrices (keys n..n+7 | n+8..n+15) x (k 0-7 | 8-15),
+        //     k-half = bit 0 of L / 8, key-half = bit 1
+        const bf16* q_lane = q_tile + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
+        const bf16* k_lane = k_tile + ((lane & 7) + (lane >> 4) * 8) * STRIDE + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int k = 0; k < HEAD_DIM / 16; ++k) {
+            u32 a[4];
+            ldmatrix_x4(a, q_lane + k * 16);
+#pragma unroll
+            for (int n = 0; n < PREFILL_BLOCK_N / 8; n += 2) {
+                u32 b[4];
+                ldmatrix_x4(b, k_lane + n * 8 * STRIDE + k * 16);
+                mma_bf16_16816(s[n], a, b);
+                mma_bf16_16816(s[n + 1], a, b + 2);
+            }
+        }
+
+        // A tile wholly inside every row's causal window needs no mask (rows past the sequence
+        // hold zero queries there: finite, and never stored).
+        const bool unmasked = kv_start + PREFILL_BLOCK_N <= kv_end && kv_start + PREFILL_BLOCK_N - 1 <= lowest_position &&
+                              (sliding_window <= 0 || kv_start > highest_position - sliding_window);
+
+        // Mask, scale, and the online-softmax update of both rows.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int position = row_position[half];
+            float tile_max = -ATLAS_INF;
+#pragma unroll
+            for (int n = 0; n < PREFILL_BLOCK_N / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = kv_start + n * 8 + 2 * t + e;
+                    const bool allowed = unmasked || (row_valid[half] && key < kv_end && key <= position &&
+                                                      (sliding_window <= 0 || key > position - sliding_window));
+                    const float value = allowed ? s[n][half * 2 + e] * scale_log2 : -ATLAS_INF;
+                    s[n][half * 2 + e] = value;
+                    tile_max = fmaxf(tile_max, value);
+                }
+            }
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float new_max = fmaxf(row_max[half], tile_max);
+            const float reference = new_max == -ATLAS_INF ? 0.0f : new_max;  // a fully masked row so far
+            const float rescale = exp2f(row_max[half] - reference);
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < PREFILL_BLOCK_N / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(s[n][half * 2 + e] - reference);
+                    s[n][half * 2 + e] = p;
+                    tile_sum += p;
+                }
+            }
+            row_sum[half] = row_sum[half] * rescale + tile_sum;
+            row_max[half] = new_max;
+#pragma unroll
+            for (int d = 0; d < DIM_TILES; ++d) {
+                o[d][half * 2] *= rescale;
+                o[d][half * 2 + 1] *= rescale;
+            }
+        }
+
+        // O += P V: P from the score registers (C layout of two n-tiles = A layout of one k-step),
+        // V through ldmatrix.trans (rows = keys, columns = head dims).
+#pragma unroll
+        for (int kk = 0; kk < PREFILL_BLOCK_N / 16; ++kk) {
+            u32 a[4];
+            a[0] = pack_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+            a[1] = pack_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+            a[2] = pack_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+            a[3] = pack_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+            const int key_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int dd = 0; dd < HEAD_DIM / 16; ++dd) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, v_tile + key_row * STRIDE + dd * 16 + (lane >> 4) * 8);
+                mma_bf16_16816(o[2 * dd], a, b);
+                mma_bf16_16816(o[2 * dd + 1], a, b + 2);
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before a later load overwrites it
+        if (STAGES == 1 && tile + 1 < num_kv_tiles) load_tile(kv_start + PREFILL_BLOCK_N, 0);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float total = row_sum[half];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        if (!row_valid[half]) continue;
+        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        const int row = first_row + warp * 16 + g + half * 8;
+        const int token = row / group, head = kv_head * group + row % group;
+        bf16* dst = out + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM;
+#pragma unroll
+        for (int d = 0; d < DIM_TILES; ++d) {
+            const u32 pair = pack_bf16x2(o[d][half * 2] * inverse, o[d][half * 2 + 1] * inverse);
+            *reinterpret_cast<u32*>(dst + d * 8 + 2 * t) = pair;
+        }
+    }
+}
+
+#define DEFINE_PREFILL(HEAD_DIM, STAGES, BLOCK_M)                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32, 2) attention_prefill_d##HEAD_DIM##_m##BLOCK_M( \
+        const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, const int* query_start_loc,        \
+        const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs, int num_q_heads,   \
+        int num_kv_heads, int block_size, float scale_log2, int sliding_window, int skip_single_token) {       \
+        dependent_launch_entry();                                                                              \
+        attention_prefill_impl<HEAD_DIM, STAGES, BLOCK_M>(                                                     \
+            q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables, block_table_stride, num_seqs,   \
+            num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, skip_single_token);             \
+    }
+
+// Two blocks per SM (the register cap of __launch_bounds__(.., 2) costs d128_m128 20 bytes of
+// spills and doubles the warps that hide latency).
+// Shared memory is (BLOCK_M + 2 STAGES 64) (D + 8) 2 bytes. 128-row tiles (8 warps) halve the K/V
+// traffic per query row; the host takes them when the device allows the shared memory
+// (d128_m128 needs 102 KB: Hopper and A100 yes, sm_120's 99 KB no, so d128_m64 exists too).
+DEFINE_PREFILL(64, 2, 128)
+DEFINE_PREFILL(128, 2, 128)
+DEFINE_PREFILL(128, 2, 64)
+DEFINE_PREFILL(256, 1, 64)

@@ -1,0 +1,284 @@
+// Paged causal prefill attention on Hopper (sm_90a): warpgroup MMA (wgmma) kernels for head_dim 64
+// and 128, plus every generic mma.sync kernel (attention_prefill_mma.cuh) so that this module
+// can stand in for kernels/common/attention_prefill.cu (the host launches the wgmma kernel when
+// the module defines it, see ops_attention.prefill_kernel).
+//
+// Same contract and work split as the generic kernel: the G = Hq / Hkv query heads of a KV head
+// are folded into the rows of a tile (row R of sequence s: token R / G, head h * G + R % G), one
+// block per 128-row tile and KV head, grid.x enumerating the tiles of all sequences
+// (T(s) = floor(query_start_loc[s] * G / 128) + s). Blocks take the tiles in reverse order so
+// the longest causal rows start first and the short ones fill the tail.
+//
+// A block is two warpgroups (8 warps); warpgroup w owns rows 64w .. 64w + 63 of the tile. Per
+// 128-key tile of the context, both warpgroups share one K/V tile in shared memory:
+//
+//     S[64 x 128]  = Q K^T             wgmma m64n128k16, Q and K from shared memory (K-major)
+//     online softmax on S in registers (mask, max, exp2, sum: the same update as the generic kernel)
+//     O[64 x D]   += P V               wgmma m64nDk16, P from registers (bf16), V from shared
+//                                      memory (MN-major: V's rows are the keys)
+//
+// Shared memory holds 128-byte-swizzled panels (wgmma.cuh): Q [D/64][128 rows][64], and two
+// stages of K and V [D/64][128 keys][64] each; the next tile's cp.async loads run while this one
+// computes. Bytes: D 128 needs 32 + 2 x 64 KB (+1 KB alignment slack), one block per SM.
+//
+// FLOPs: 4 * query_len * context_len * Hq * D per sequence (about half of it masked for a prompt).
+#include "attention_prefill_mma.cuh"
+#include "wgmma.cuh"
+
+#define WG_BLOCK_M 128  // query rows per block: two warpgroups of 64
+#define WG_BLOCK_N 128  // keys per K/V tile
+#define WG_THREADS 256
+
+template <int HEAD_DIM>
+struct WgmmaTile {
+    static constexpr int PANELS = HEAD_DIM / 64;  // 128-byte panels per row
+    static constexpr int CHUNKS = HEAD_DIM / 8;   // 16-byte chunks per row
+    static constexpr int Q_BYTES = PANELS * WG_BLOCK_M * 128;
+    static constexpr int KV_BYTES = PANELS * WG_BLOCK_N * 128;  // K (or V) of one tile
+    static constexpr int SHARED_BYTES = Q_BYTES + 2 * 2 * KV_BYTES + 1024;
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `rows` rows stored as panels.
+__device__ __forceinline__ u32 tile_chunk_offset(int rows, int row, int chunk) {
+    return (u32)((chunk >> 3) * rows * 128) + swizzled_panel_offset(row, chunk & 7);
+}
+
+template <int HEAD_DIM>
+__device__ __forceinline__ void attention_prefill_wgmma_impl(
+    const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
+    bf16* __restrict__ out, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+    const int* __restrict__ block_tables, int block_table_stride, int num_seqs, int num_q_heads, int num_kv_heads,
+    int block_size, float scale_log2, int sliding_window, int skip_single_token) {
+    using Tile = WgmmaTile<HEAD_DIM>;
+    constexpr int S_REGS = WG_BLOCK_N / 2;  // m64n128 accumulators per thread
+    constexpr int O_REGS = HEAD_DIM / 2;
+    extern __shared__ uint4 shared_raw[];
+    // Swizzle atoms are 1024 bytes and must start 1024-byte aligned.
+    const u32 raw_address = smem_address(shared_raw);
+    unsigned char* smem = reinterpret_cast<unsigned char*>(shared_raw) + (((raw_address + 1023u) & ~1023u) - raw_address);
+    unsigned char* q_tile = smem;
+    unsigned char* kv_tiles = smem + Tile::Q_BYTES;  // stage s: K at 2 s KV_BYTES, V right after
+
+    const int group = num_q_heads / num_kv_heads;
+    const int kv_head = blockIdx.y;
+    const int tile_id = gridDim.x - 1 - blockIdx.x;
+
+    // Which sequence owns this tile: the last s with T(s) <= tile_id.
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        const int start = (int)(((long long)query_start_loc[mid] * group) / WG_BLOCK_M) + mid;
+        if (start <= tile_id) lo = mid; else hi = mid - 1;
+    }
+    const int seq = lo;
+    const int first_token = query_start_loc[seq];
+    const int query_len = query_start_loc[seq + 1] - first_token;
+    const int context_len = seq_lens[seq];
+    const int local_tile = tile_id - ((int)(((long long)first_token * group) / WG_BLOCK_M) + seq);
+    const int first_row = local_tile * WG_BLOCK_M;
+    const int num_rows = query_len * group;
+    if (query_len <= 0 || first_row >= num_rows || (skip_single_token && query_len == 1)) return;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int warpgroup = warp >> 2;
+    const int g = lane >> 2, t = lane & 3;
+    const long long q_row_stride = (long long)num_q_heads * HEAD_DIM;
+    const int first_position = context_len - query_len;
+
+    // Q tile -> shared (rows past the sequence are zero-filled).
+    for (int c = tid; c < WG_BLOCK_M * Tile::CHUNKS; c += WG_THREADS) {
+        const int r = c / Tile::CHUNKS, chunk = c % Tile::CHUNKS;
+        const int row = first_row + r;
+        const bool valid = row < num_rows;
+        const int token = valid ? row / group : 0;
+        const int head = kv_head * group + (valid ? row % group : 0);
+        const bf16* src = q + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM + chunk * 8;
+        cp_async_16(q_tile + tile_chunk_offset(WG_BLOCK_M, r, chunk), valid ? src : q, valid);
+    }
+    cp_async_commit();
+
+    // The two rows this thread owns in the accumulator layout.
+    const int warp_row = warpgroup * 64 + (warp & 3) * 16 + g;
+    int row_position[2];
+    bool row_valid[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int row = first_row + warp_row + half * 8;
+        row_valid[half] = row < num_rows;
+        row_position[half] = first_position + (row_valid[half] ? row / group : 0);
+    }
+    const int last_row = min(first_row + WG_BLOCK_M, num_rows) - 1;
+    const int lowest_position = first_position + first_row / group;
+    const int kv_end = first_position + last_row / group + 1;
+    const int kv_begin = sliding_window > 0 ? max(0, lowest_position - sliding_window + 1) : 0;
+
+    float o[O_REGS];
+#pragma unroll
+    for (int i = 0; i < O_REGS; ++i) o[i] = 0.0f;
+    float row_max[2] = {-ATLAS_INF, -ATLAS_INF};
+    float row_sum[2] = {0.0f, 0.0f};
+    const int* table = block_tables + (long long)seq * block_table_stride;
+
+    // K and V tiles -> shared through the page table (keys past kv_end are zero-filled), one
+    // cp.async group per tile.
+    auto load_tile = [&](int kv_start, int stage) {
+        unsigned char* k_dst = kv_tiles + stage * 2 * Tile::KV_BYTES;
+        unsigned char* v_dst = k_dst + Tile::KV_BYTES;
+        for (int c = tid; c < WG_BLOCK_N * Tile::CHUNKS; c += WG_THREADS) {
+            const int r = c / Tile::CHUNKS, chunk = c % Tile::CHUNKS;
+            const int key = kv_start + r;
+            const bool valid = key < kv_end;
+            long long offset = 0;
+            if (valid) {
+                const long long block = table[key / block_size];
+                offset = ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 8;
+            }
+            const u32 dst = tile_chunk_offset(WG_BLOCK_N, r, chunk);
+            cp_async_16(k_dst + dst, k_plane + offset, valid);
+            cp_async_16(v_dst + dst, v_plane + offset, valid);
+        }
+        cp_async_commit();
+    };
+    const int num_kv_tiles = (kv_end - kv_begin + WG_BLOCK_N - 1) / WG_BLOCK_N;
+    const int highest_position = kv_end - 1;
+    if (num_kv_tiles > 0) load_tile(kv_begin, 0);
+
+    for (int tile = 0; tile < num_kv_tiles; ++tile) {
+        const int kv_start = kv_begin + tile * WG_BLOCK_N;
+        const int stage = tile & 1;
+        if (tile + 1 < num_kv_tiles) {
+            load_tile(kv_start + WG_BLOCK_N, stage ^ 1);
+            cp_async_wait<1>();  // everything but the tile just issued has landed
+        } else {
+            cp_async_wait<0>();
+        }
+        fence_proxy_async_shared();  // cp.async wrote through the generic proxy; wgmma reads async
+        __syncthreads();
+        const unsigned char* k_tile = kv_tiles + stage * 2 * Tile::KV_BYTES;
+        const unsigned char* v_tile = k_tile + Tile::KV_BYTES;
+
+        // S = Q K^T for this warpgroup's 64 rows x 128 keys.
+        float s[S_REGS];
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) s[i] = 0.0f;
+        wgmma_fence_registers<S_REGS>(s);
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < HEAD_DIM / 16; ++k) {
+            const u64 desc_q = wgmma_descriptor(
+                q_tile + (k >> 2) * (WG_BLOCK_M * 128) + warpgroup * (64 * 128) + (k & 3) * 32, 16, 1024);
+            const u64 desc_k = wgmma_descriptor(k_tile + (k >> 2) * (WG_BLOCK_N * 128) + (k & 3) * 32, 16, 1024);
+            wgmma_m64n128k16_ss(s, desc_q, desc_k, 1);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_registers<S_REGS>(s);
+
+        // A tile wholly inside every row's causal window needs no mask (rows past the sequence
+        // hold zero queries there: finite, and never stored).
+        const bool unmasked = kv_start + WG_BLOCK_N <= kv_end && kv_start + WG_BLOCK_N - 1 <= lowest_position &&
+                              (sliding_window <= 0 || kv_start > highest_position - sliding_window);
+
+        // Mask, scale, and the online-softmax update of both rows. s[4n + 2 half + e] is row
+        // (g + 8 half), key kv_start + 8n + 2t + e.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int position = row_position[half];
+            float tile_max = -ATLAS_INF;
+#pragma unroll
+            for (int n = 0; n < WG_BLOCK_N / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = kv_start + n * 8 + 2 * t + e;
+                    const bool allowed = unmasked || (row_valid[half] && key < kv_end && key <= position &&
+                                                      (sliding_window <= 0 || key > position - sliding_window));
+                    const int index = 4 * n + 2 * half + e;
+                    const float value = allowed ? s[index] * scale_log2 : -ATLAS_INF;
+                    s[index] = value;
+                    tile_max = fmaxf(tile_max, value);
+                }
+            }
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float new_max = fmaxf(row_max[half], tile_max);
+            const float reference = new_max == -ATLAS_INF ? 0.0f : new_max;  // a fully masked row so far
+            const float rescale = exp2f(row_max[half] - reference);
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < WG_BLOCK_N / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int index = 4 * n + 2 * half + e;
+                    const float p = exp2f(s[index] - reference);
+                    s[index] = p;
+                    tile_sum += p;
+                }
+            }
+            row_sum[half] = row_sum[half] * rescale + tile_sum;
+            row_max[half] = new_max;
+#pragma unroll
+            for (int d = 0; d < HEAD_DIM / 8; ++d) {
+                o[4 * d + 2 * half] *= rescale;
+                o[4 * d + 2 * half + 1] *= rescale;
+            }
+        }
+
+        // O += P V: the C layout of two 8-key blocks is the A fragment of one 16-key step.
+        u32 p[WG_BLOCK_N / 4];
+#pragma unroll
+        for (int kk = 0; kk < WG_BLOCK_N / 16; ++kk) {
+            p[4 * kk + 0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+            p[4 * kk + 1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+            p[4 * kk + 2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+            p[4 * kk + 3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+        }
+        wgmma_fence_registers<O_REGS>(o);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BLOCK_N / 16; ++kk) {
+            const u64 desc_v = wgmma_descriptor(v_tile + kk * 16 * 128, WG_BLOCK_N * 128, 1024);
+            if constexpr (HEAD_DIM == 128) {
+                wgmma_m64n128k16_rs_transposed_b(o, p + 4 * kk, desc_v);
+            } else {
+                wgmma_m64n64k16_rs_transposed_b(o, p + 4 * kk, desc_v);
+            }
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_registers<O_REGS>(o);
+        __syncthreads();  // both warpgroups are done with this stage before a later load overwrites it
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float total = row_sum[half];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        if (!row_valid[half]) continue;
+        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        const int row = first_row + warp_row + half * 8;
+        const int token = row / group, head = kv_head * group + row % group;
+        bf16* dst = out + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM;
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 8; ++d) {
+            const u32 pair = pack_bf16x2(o[4 * d + 2 * half] * inverse, o[4 * d + 2 * half + 1] * inverse);
+            *reinterpret_cast<u32*>(dst + d * 8 + 2 * t) = pair;
+        }
+    }
+}
+
+#define DEFINE_PREFILL_WGMMA(HEAD_DIM)                                                                         \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attention_prefill_wgmma_d##HEAD_DIM(          \
+        const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, const int* query_start_loc,        \
+        const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs, int num_q_heads,   \
+        int num_kv_heads, int block_size, float scale_log2, int sliding_window, int skip_single_token) {       \
+        dependent_launch_entry();                                                                              \
+        attention_prefill_wgmma_impl<HEAD_DIM>(q, k_plane, v_plane, out, query_start_loc, seq_lens,            \
+                                               block_tables, block_table_stride, num_seqs, num_q_heads,        \
+                                               num_kv_heads, block_size, scale_log2, sliding_window,           \
+                                               skip_single_token);                                             \
+    }
+
+DEFINE_PREFILL_WGMMA(64)
+DEFINE_PREFILL_WGMMA(128)
