@@ -8,43 +8,81 @@ B = x seen as K x N (ld K):
     row-major x [N, K]  ==  column-major B [K, N]
     row-major out [N, M] == column-major D [M, N]   (ld M)
 
-A plan (descriptors, layouts and the heuristic's algorithm) is built once per shape and reused;
-the workspace is persistent so the call can be captured in a graph. fp32 accumulation.
+A plan (descriptors, layouts, candidate algorithms) is built once per shape and reused; the
+workspace is persistent so the call can be captured in a graph. fp32 accumulation.
+
+Algorithm choice: at a shape's first call the plan takes the stored winner of its token bucket
+when the heuristic's candidates hold it (gemm_tuning.py); otherwise, when the call may
+synchronise (not while a graph is captured), the heuristic's top `_HEURISTIC_CANDIDATES` (plus
+split-K variants of its first two picks when N <= `_SPLIT_K_MAX_TOKENS`, for decode batches) are
+timed and the fastest is kept and stored. Otherwise, and with tuning off, the heuristic's first
+pick runs. A plan never changes its choice afterwards, so every call of a shape in a process
+computes the same rounding (a graph captured cold and an eager call agree bit for bit); an eager
+call of a shape before its capture, or a store from an earlier run, puts tuned algorithms into
+graphs.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
 from nvmath.bindings import cublas
 from nvmath.bindings import cublasLt as lt
 
+from atlas.adapters.cuda.gemm_tuning import CandidateTimer, GemmTuningStore, token_bucket
 from atlas.ports.gpu import DType
+
+log = logging.getLogger("atlas.cuda")
 
 _DATA_TYPES = {DType.BF16: 14, DType.F16: 2, DType.F32: 0}  # cudaDataType: CUDA_R_16BF, _16F, _32F
 _OP_N, _OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
+_HEURISTIC_CANDIDATES = 8
+_SPLIT_K_MAX_TOKENS = 128
+_SPLIT_K_FACTORS = (2, 4)
+_HEURISTIC_DTYPE = np.dtype(lt.matmul_heuristic_result_dtype)
 
 
 @dataclass(slots=True)
 class _Plan:
     descriptor: int
     layouts: tuple[int, int, int]
-    heuristic: np.ndarray  # keeps the algorithm struct alive; its address is passed to matmul
+    candidates: np.ndarray  # heuristic results; keeps the algorithm structs alive for matmul
+    choice: int  # the candidate that runs
+    tuning_key: str
     bias_attribute: np.ndarray | None
+
+    @property
+    def algorithm_address(self) -> int:
+        return self.candidates.ctypes.data + self.choice * _HEURISTIC_DTYPE.itemsize
+
+    def algorithm_bytes(self, index: int) -> bytes:
+        return self.candidates[index]["algo"].tobytes()
 
 
 class CublasLtGemm:
-    """Cached cuBLASLt plans over one handle, stream and workspace."""
+    """Cached cuBLASLt plans over one handle, stream and workspace.
 
-    def __init__(self, stream_handle: int, workspace_address: int) -> None:
+    `tuning` None runs the heuristic's first pick always; a store makes `matmul` time the
+    candidates of a new shape when the caller allows it.
+    """
+
+    def __init__(self, stream_handle: int, workspace_address: int, tuning: GemmTuningStore | None = None) -> None:
         self._handle = lt.create()
         self._stream = stream_handle
         self._workspace = workspace_address
         self._plans: dict[tuple, _Plan] = {}
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = np.zeros(1, dtype=np.float32)
+        self._tuning = tuning
+        self._timer = CandidateTimer(stream_handle) if tuning is not None else None
+
+    @staticmethod
+    def library_version() -> int:
+        return int(lt.get_version())
 
     def matmul(
         self,
@@ -57,11 +95,15 @@ class CublasLtGemm:
         in_dtype: DType,
         out_dtype: DType,
         bias_address: int | None = None,
+        may_synchronize: bool = False,
     ) -> None:
-        """Enqueue out = x @ w^T (+ bias) on the stream. Raises `RuntimeError` when cuBLASLt
-        has no algorithm for the shape (the message names it)."""
+        """Enqueue out = x @ w^T (+ bias) on the stream. With `may_synchronize` (never while a
+        graph is captured) a shape's first call may time the candidates, running the product
+        several times on these buffers and waiting for the stream. Raises `RuntimeError` when
+        cuBLASLt has no algorithm for the shape (the message names it)."""
         key = (num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None)
         plan = self._plans.get(key)
+        new_plan = plan is None
         if plan is None:
             plan = self._build(num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None)
             self._plans[key] = plan
@@ -73,6 +115,13 @@ class CublasLtGemm:
                 plan.bias_attribute.ctypes.data,
                 plan.bias_attribute.itemsize,
             )
+        operands = (x_address, w_address, out_address)
+        if new_plan and self._tuning is not None:
+            self._choose(plan, operands, may_synchronize)
+        self._enqueue(plan, plan.choice, operands)
+
+    def _enqueue(self, plan: _Plan, candidate: int, operands: tuple[int, int, int]) -> None:
+        x_address, w_address, out_address = operands
         a_layout, b_layout, d_layout = plan.layouts
         lt.matmul(
             self._handle,
@@ -87,11 +136,41 @@ class CublasLtGemm:
             d_layout,
             out_address,
             d_layout,
-            plan.heuristic.ctypes.data,
+            plan.candidates.ctypes.data + candidate * _HEURISTIC_DTYPE.itemsize,
             self._workspace,
             WORKSPACE_BYTES,
             self._stream,
         )
+
+    def _choose(self, plan: _Plan, operands: tuple[int, int, int], may_synchronize: bool) -> None:
+        """Take the bucket's stored winner when the candidates hold it; else time them all (only
+        when allowed to synchronise) and store the fastest."""
+        assert self._tuning is not None and self._timer is not None
+        if len(plan.candidates) == 1:
+            return
+        winner = self._tuning.get(plan.tuning_key)
+        if winner is not None:
+            for index in range(len(plan.candidates)):
+                if plan.algorithm_bytes(index) == winner:
+                    plan.choice = index
+                    return
+        if not may_synchronize:
+            return
+        times = [self._time(plan, index, operands) for index in range(len(plan.candidates))]
+        best = int(np.argmin(times))
+        if not math.isfinite(times[best]):
+            return  # every candidate failed to run: keep the heuristic's pick
+        plan.choice = best
+        self._tuning.put(plan.tuning_key, plan.algorithm_bytes(best))
+        log.debug("cuBLASLt %s: candidate %d of %d (%.1f us)", plan.tuning_key, best, len(times), times[best] * 1e6)
+
+    def _time(self, plan: _Plan, candidate: int, operands: tuple[int, int, int]) -> float:
+        assert self._timer is not None
+        try:
+            return self._timer.seconds(lambda: self._enqueue(plan, candidate, operands))
+        except lt.cuBLASLtError as error:  # a candidate the library refuses at run time
+            log.debug("cuBLASLt %s: candidate %d fails (%s)", plan.tuning_key, candidate, error)
+            return math.inf
 
     def _build(
         self, num_tokens: int, num_rows: int, inner: int, in_dtype: DType, out_dtype: DType, with_bias: bool
@@ -107,7 +186,22 @@ class CublasLtGemm:
         a_layout = lt.matrix_layout_create(_DATA_TYPES[in_dtype], inner, num_rows, inner)
         b_layout = lt.matrix_layout_create(_DATA_TYPES[in_dtype], inner, num_tokens, inner)
         d_layout = lt.matrix_layout_create(_DATA_TYPES[out_dtype], num_rows, num_tokens, num_rows)
+        layouts = (a_layout, b_layout, d_layout)
 
+        wanted = _HEURISTIC_CANDIDATES if self._tuning is not None else 1
+        candidates = self._heuristic(descriptor, layouts, wanted)
+        if len(candidates) == 0:
+            raise RuntimeError(
+                f"cuBLASLt has no algorithm for x [{num_tokens}, {inner}] @ w [{num_rows}, {inner}]^T "
+                f"({in_dtype.value} -> {out_dtype.value})"
+            )
+        if self._tuning is not None and num_tokens <= _SPLIT_K_MAX_TOKENS:
+            candidates = np.concatenate([candidates, self._split_k_variants(descriptor, layouts, candidates[:2])])
+        key = f"{token_bucket(num_tokens)},{num_rows},{inner},{in_dtype.value},{out_dtype.value},{int(with_bias)}"
+        return _Plan(descriptor, layouts, candidates, 0, key, bias_attribute)
+
+    def _heuristic(self, descriptor: int, layouts: tuple[int, int, int], wanted: int) -> np.ndarray:
+        a_layout, b_layout, d_layout = layouts
         preference = lt.matmul_preference_create()
         workspace_limit = np.array([WORKSPACE_BYTES], dtype=np.uint64)
         lt.matmul_preference_set_attribute(
@@ -116,27 +210,50 @@ class CublasLtGemm:
             workspace_limit.ctypes.data,
             workspace_limit.itemsize,
         )
-        heuristic = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+        results = np.zeros(wanted, dtype=_HEURISTIC_DTYPE)
         found = np.zeros(1, dtype=np.int32)
-        lt.matmul_algo_get_heuristic(
-            self._handle,
-            descriptor,
-            a_layout,
-            b_layout,
-            d_layout,
-            d_layout,
-            preference,
-            1,
-            heuristic.ctypes.data,
-            found.ctypes.data,
-        )
-        lt.matmul_preference_destroy(preference)
-        if found[0] < 1:
-            raise RuntimeError(
-                f"cuBLASLt has no algorithm for x [{num_tokens}, {inner}] @ w [{num_rows}, {inner}]^T "
-                f"({in_dtype.value} -> {out_dtype.value})"
+        try:
+            lt.matmul_algo_get_heuristic(
+                self._handle,
+                descriptor,
+                a_layout,
+                b_layout,
+                d_layout,
+                d_layout,
+                preference,
+                wanted,
+                results.ctypes.data,
+                found.ctypes.data,
             )
-        return _Plan(descriptor, (a_layout, b_layout, d_layout), heuristic, bias_attribute)
+        finally:
+            lt.matmul_preference_destroy(preference)
+        return results[: int(found[0])].copy()
+
+    def _split_k_variants(self, descriptor: int, layouts: tuple[int, int, int], bases: np.ndarray) -> np.ndarray:
+        """Copies of `bases` that split K over 2 or 4 blocks (reducing in fp32 in the workspace),
+        where cuBLASLt accepts them for this shape and they fit the workspace."""
+        a_layout, b_layout, d_layout = layouts
+        variants = []
+        for base in bases:
+            for factor in _SPLIT_K_FACTORS:
+                variant = np.zeros(1, dtype=_HEURISTIC_DTYPE)
+                variant[0]["algo"] = base["algo"]
+                algorithm = variant.ctypes.data  # the algo struct is the record's first field
+                checked = np.zeros(1, dtype=_HEURISTIC_DTYPE)
+                try:
+                    _set_config(algorithm, lt.MatmulAlgoConfigAttribute.SPLITK_NUM, factor)
+                    _set_config(
+                        algorithm, lt.MatmulAlgoConfigAttribute.REDUCTION_SCHEME, int(lt.ReductionScheme.COMPUTE_TYPE)
+                    )
+                    lt.matmul_algo_check(
+                        self._handle, descriptor, a_layout, b_layout, d_layout, d_layout, algorithm, checked.ctypes.data
+                    )
+                except lt.cuBLASLtError:
+                    continue
+                if int(checked[0]["workspace_size"]) <= WORKSPACE_BYTES:
+                    variant[0]["workspace_size"] = checked[0]["workspace_size"]
+                    variants.append(variant)
+        return np.concatenate(variants) if variants else np.zeros(0, dtype=_HEURISTIC_DTYPE)
 
     def close(self) -> None:
         for plan in self._plans.values():
@@ -144,9 +261,16 @@ class CublasLtGemm:
                 lt.matrix_layout_destroy(layout)
             lt.matmul_desc_destroy(plan.descriptor)
         self._plans.clear()
+        if self._timer is not None:
+            self._timer.close()
         lt.destroy(self._handle)
 
 
 def _set(descriptor: int, attribute: lt.MatmulDescAttribute, value: int) -> None:
     buffer = np.array([value], dtype=lt.get_matmul_desc_attribute_dtype(attribute))
     lt.matmul_desc_set_attribute(descriptor, attribute, buffer.ctypes.data, buffer.itemsize)
+
+
+def _set_config(algorithm_address: int, attribute: lt.MatmulAlgoConfigAttribute, value: int) -> None:
+    buffer = np.array([value], dtype=lt.get_matmul_algo_config_attribute_dtype(attribute))
+    lt.matmul_algo_config_set_attribute(algorithm_address, attribute, buffer.ctypes.data, buffer.itemsize)

@@ -6,6 +6,7 @@ import numpy as np
 
 from atlas.adapters.cuda import checks
 from atlas.adapters.cuda.cublaslt import WORKSPACE_BYTES, CublasLtGemm
+from atlas.adapters.cuda.gemm_tuning import GemmTuningStore
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.ports.gpu import Activation, DType
@@ -114,7 +115,12 @@ class LinearOp:
     def __init__(self, rt: CudaRuntime) -> None:
         self._rt = rt
         # Created now, not at the first large linear: that one may be inside a graph capture.
-        self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, rt.workspace("cublaslt", WORKSPACE_BYTES))
+        tuning = None
+        if rt.features.gemm_tuning:
+            folder = rt.kernels.compiler.cache_dir
+            tuning = GemmTuningStore(GemmTuningStore.file_for(folder, rt.device_name, CublasLtGemm.library_version()))
+        workspace = rt.workspace("cublaslt", WORKSPACE_BYTES)
+        self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, workspace, tuning)
 
     def __call__(self, x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: CudaTensor | None) -> None:
         checks.rank(x, "x", 2)
@@ -190,6 +196,7 @@ class LinearOp:
             DType.BF16,
             out.dtype,
             bias.address if fused_bias else None,
+            may_synchronize=not self._rt.capturing,
         )
         if bias is not None and not fused_bias:
             total = num_tokens * num_rows

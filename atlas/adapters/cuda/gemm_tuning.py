@@ -1,0 +1,113 @@
+"""Choosing among cuBLASLt's algorithms by timing them: the winners' store and the timer.
+
+cuBLASLt's heuristic ranks algorithms by a model; its first pick is often not the fastest on the
+device at hand (8192^3 bf16 on an H200: 675-701 TFLOP/s first pick, ~790 for the best). The GEMM
+wrapper (cublaslt.py) times its candidates once per shape and keeps the fastest. A winner also
+serves every shape of the same token bucket (next power of two of N) and weight shape, so steps
+of varying N do not re-time: a winner is the algorithm struct itself, reused where the new
+shape's candidate list holds the same struct.
+
+Winners are kept per process and, when a folder is given, in a JSON file named by device and
+cuBLASLt version next to the kernel cache, so a restart (and a graph captured before any eager
+call) starts with them. A stored winner that the heuristic no longer offers is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import statistics
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from cuda.bindings import driver as cu
+
+from atlas.adapters.cuda.driver import check
+
+log = logging.getLogger("atlas.cuda")
+
+_TIMED_RUNS = 3
+
+
+def token_bucket(num_tokens: int) -> int:
+    """The power of two >= `num_tokens` (at least 16): shapes in one bucket share a winner."""
+    bucket = 16
+    while bucket < num_tokens:
+        bucket *= 2
+    return bucket
+
+
+class GemmTuningStore:
+    """Winning algorithm structs (raw bytes) by (bucket, M, K, dtypes, bias) key.
+
+    `path` None keeps them in memory only. A file that cannot be read or written is logged
+    once and otherwise ignored: tuning is an optimisation, never a failure.
+    """
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._winners: dict[str, bytes] = {}
+        if path is not None:
+            self._load(path)
+
+    @staticmethod
+    def file_for(folder: Path, device_name: str, library_version: int) -> Path:
+        """The store's file in `folder` for one device model and cuBLASLt version."""
+        slug = re.sub(r"[^A-Za-z0-9]+", "-", device_name).strip("-").lower() or "gpu"
+        return folder / f"cublaslt-{slug}-{library_version}.json"
+
+    def get(self, key: str) -> bytes | None:
+        return self._winners.get(key)
+
+    def put(self, key: str, algorithm: bytes) -> None:
+        """Record a winner and rewrite the file (atomically: temporary name, then rename)."""
+        self._winners[key] = algorithm
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporary = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
+            with os.fdopen(handle, "w") as file:
+                json.dump({k: v.hex() for k, v in sorted(self._winners.items())}, file, indent=0)
+            os.replace(temporary, self.path)
+        except OSError as error:
+            log.warning("cuBLASLt tuning: cannot write %s (%s); winners stay in memory", self.path, error)
+            self.path = None
+
+    def _load(self, path: Path) -> None:
+        try:
+            stored = json.loads(path.read_text())
+            self._winners = {str(k): bytes.fromhex(v) for k, v in stored.items()}
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, AttributeError) as error:
+            log.warning("cuBLASLt tuning: ignoring unreadable %s (%s)", path, error)
+
+
+class CandidateTimer:
+    """Device time of enqueued work on one stream, by events (synchronises the stream)."""
+
+    def __init__(self, stream_handle: int) -> None:
+        self._stream = stream_handle
+        flags = cu.CUevent_flags.CU_EVENT_DEFAULT
+        self._start = check("cuEventCreate", cu.cuEventCreate(flags))
+        self._stop = check("cuEventCreate", cu.cuEventCreate(flags))
+
+    def seconds(self, run: Callable[[], None]) -> float:
+        """Median seconds of `run` over a few calls after one warm-up; `run` must only enqueue."""
+        run()
+        samples = []
+        for _ in range(_TIMED_RUNS):
+            check("cuEventRecord", cu.cuEventRecord(self._start, self._stream))
+            run()
+            check("cuEventRecord", cu.cuEventRecord(self._stop, self._stream))
+            check("cuEventSynchronize", cu.cuEventSynchronize(self._stop))
+            samples.append(check("cuEventElapsedTime", cu.cuEventElapsedTime(self._start, self._stop)) * 1e-3)
+        return statistics.median(samples)
+
+    def close(self) -> None:
+        for event in (self._start, self._stop):
+            cu.cuEventDestroy(event)

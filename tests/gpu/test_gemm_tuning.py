@@ -1,0 +1,90 @@
+"""cuBLASLt algorithm tuning: the winners' store (CPU) and tuned GEMMs on the GPU (results against
+float64, winners reused by a fresh backend without timing again)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from cuda_harness import BF16_TOLERANCE, bf16, host, poisoned, rel_l2
+
+from atlas.ports.gpu import DType
+
+pytest.importorskip("cuda.bindings", reason="the cuda extra is not installed")
+
+from atlas.adapters.cuda.gemm_tuning import GemmTuningStore, token_bucket
+
+
+def test_token_buckets_are_powers_of_two_from_16():
+    assert [token_bucket(n) for n in (1, 9, 16, 17, 64, 65, 8192, 8193)] == [16, 16, 16, 32, 64, 128, 8192, 16384]
+
+
+def test_store_round_trips_through_its_file_and_survives_bad_files(tmp_path):
+    path = GemmTuningStore.file_for(tmp_path, "NVIDIA H200", 130100)
+    assert path.name == "cublaslt-nvidia-h200-130100.json"
+    store = GemmTuningStore(path)
+    store.put("64,4096,4096,bf16,bf16,0", bytes(range(64)))
+    assert GemmTuningStore(path).get("64,4096,4096,bf16,bf16,0") == bytes(range(64))
+    assert json.loads(path.read_text())["64,4096,4096,bf16,bf16,0"] == bytes(range(64)).hex()
+    path.write_text("{not json")
+    assert GemmTuningStore(path).get("64,4096,4096,bf16,bf16,0") is None
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    in_memory = GemmTuningStore(blocked / "store.json")  # its folder cannot exist
+    in_memory.put("k", b"\x01")
+    assert in_memory.get("k") == b"\x01" and in_memory.path is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_tokens, num_rows, inner, out_dtype, with_bias",
+    [
+        (9, 14336, 4096, DType.BF16, False),  # decode batches: split-K candidates join the race
+        (64, 4096, 4096, DType.BF16, True),
+        (128, 6144, 4096, DType.F32, False),
+        (1000, 4096, 1024, DType.BF16, True),  # a prefill chunk
+    ],
+)
+def test_tuned_linear_matches_float64(cuda_backend, rng, num_tokens, num_rows, inner, out_dtype, with_bias):
+    x = bf16(rng.standard_normal((num_tokens, inner)))
+    weight = bf16(rng.standard_normal((num_rows, inner)) / np.sqrt(inner))
+    bias = bf16(rng.standard_normal(num_rows)) if with_bias else None
+    out = poisoned(cuda_backend, (num_tokens, num_rows), out_dtype)
+    cuda_backend.linear(
+        cuda_backend.upload(x, DType.BF16),
+        cuda_backend.upload(weight, DType.BF16),
+        out,
+        cuda_backend.upload(bias, DType.BF16) if bias is not None else None,
+    )
+    expected = x.astype(np.float64) @ weight.astype(np.float64).T + (bias if bias is not None else 0.0)
+    tolerance = BF16_TOLERANCE if out_dtype is DType.BF16 else 1e-4
+    assert rel_l2(host(cuda_backend, out), expected) < tolerance
+
+
+@pytest.mark.gpu
+def test_a_fresh_backend_takes_the_stored_winner_without_timing(tmp_path, rng, monkeypatch):
+    from atlas.adapters import cuda
+    from atlas.adapters.cuda import gemm_tuning
+
+    if not cuda.available():
+        pytest.skip("no CUDA GPU")
+    x = bf16(rng.standard_normal((200, 2048)))
+    weight = bf16(rng.standard_normal((3072, 2048)) / 45)
+    results = []
+    for run in range(2):
+        backend = cuda.CudaGpuBackend(kernel_cache_dir=tmp_path)
+        if run == 1:  # the winner of bucket 256 is on disk now: no candidate may be timed
+            monkeypatch.setattr(gemm_tuning.CandidateTimer, "seconds", _refuse_timing)
+        out = poisoned(backend, (200, 3072), DType.BF16)
+        backend.linear(backend.upload(x, DType.BF16), backend.upload(weight, DType.BF16), out)
+        results.append(host(backend, out))
+        backend.close()
+    stores = list(tmp_path.glob("cublaslt-*.json"))
+    assert len(stores) == 1 and "256,3072,2048,bf16,bf16,0" in json.loads(stores[0].read_text())
+    np.testing.assert_array_equal(results[0], results[1])  # the same algorithm both times
+    assert rel_l2(results[1], x.astype(np.float64) @ weight.astype(np.float64).T) < BF16_TOLERANCE
+
+
+def _refuse_timing(self, run):
+    raise AssertionError("a stored winner should have been used")
