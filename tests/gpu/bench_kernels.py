@@ -8,6 +8,7 @@ device-to-device copy (bytes read + written) and a large cuBLASLt bf16 GEMM.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import sys
@@ -17,6 +18,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from atlas.adapters.cuda import CudaGpuBackend
+from atlas.adapters.cuda.cublaslt import WORKSPACE_BYTES, CublasLtGemm
 from atlas.adapters.cuda.driver import check
 from atlas.ports.gpu import AttentionMetadata, DType, HeadLayout, KvCacheSpec, SamplingTensors
 
@@ -73,14 +75,29 @@ def main() -> int:
     bandwidth = 2 * num_rows * row_bytes / (copy_us * 1e-6)
     rows.append(("copy 2 GiB (kernel)", f"{copy_us:.0f} us", f"{bandwidth / 1e12:.2f} TB/s (read + write)"))
 
-    # Ceiling 2: cuBLASLt bf16 GEMM 8192^3.
+    # Ceiling 2: cuBLASLt bf16 GEMM 8192^3, the tuned choice (backend.linear) and the heuristic's
+    # first pick (a second GEMM object without tuning, on the same stream).
+    rt = backend.runtime
+    untuned = CublasLtGemm(rt.stream_handle, rt.workspace("bench-cublaslt", WORKSPACE_BYTES), None)
+
+    def heuristic_linear(x, w, out) -> None:
+        n, k = x.shape
+        untuned.matmul(x.address, w.address, out.address, n, w.shape[0], k, DType.BF16, out.dtype)
+
     size = 8192
     a = backend.upload(bf16_random(rng, (size, size)), DType.BF16)
     b = backend.upload(bf16_random(rng, (size, size)), DType.BF16)
     c = backend.empty((size, size), DType.BF16)
     gemm_us = timer.per_call_us(lambda: backend.linear(a, b, c), rounds=5)
+    first_pick_us = timer.per_call_us(lambda: heuristic_linear(a, b, c), rounds=5)
     gemm_rate = 2 * size**3 / (gemm_us * 1e-6)
-    rows.append(("cuBLASLt bf16 8192^3", f"{gemm_us:.0f} us", f"{gemm_rate / 1e12:.0f} TFLOP/s"))
+    rows.append(
+        (
+            "cuBLASLt bf16 8192^3",
+            f"{gemm_us:.0f} us",
+            f"{gemm_rate / 1e12:.0f} TFLOP/s (heuristic's pick {2 * size**3 / first_pick_us / 1e6:.0f})",
+        )
+    )
 
     # GEMV at decode sizes; 6 weight copies rotate so each call reads HBM.
     for num_rows, inner in ((4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (576, 576)):
@@ -109,15 +126,31 @@ def main() -> int:
             x = backend.upload(bf16_random(rng, (num_tokens, inner)), DType.BF16)
             out = backend.empty((num_tokens, num_rows), DType.BF16)
             us = timer.per_call_us(lambda x=x, out=out, weight=weight: backend.linear(x, weight, out), rounds=5)
+            first_pick_us = timer.per_call_us(
+                lambda x=x, out=out, weight=weight: heuristic_linear(x, weight, out), rounds=5
+            )
             moved = (num_rows * inner + num_tokens * (inner + num_rows)) * 2
             flops = 2 * num_tokens * num_rows * inner
             rate = f"{moved / (us * 1e-6) / 1e12:.2f} TB/s, {flops / (us * 1e-6) / 1e12:.0f} TFLOP/s"
+            rate += f" (heuristic's pick {first_pick_us:.1f} us)"
             rows.append((f"cublaslt N={num_tokens} {num_rows}x{inner}", f"{us:.1f} us", rate))
+    untuned.close()
 
-    # Attention: an 8k-token prompt (causal) and a batch-64 decode over 4k contexts.
+    # Attention: 8k-token prompts (causal) with both prefill kernels, then decode batches.
     heads = HeadLayout(32, 8, 128)
-    rows += _attention_rows(backend, timer, rng, heads, [8192], [8192], "prefill 8192 tok, 32/8 heads", True)
+    smollm2_heads = HeadLayout(9, 3, 64)
+    for wgmma in (True, False):
+        rt.features = dataclasses.replace(rt.features, wgmma_attention=wgmma)
+        kind = "wgmma" if wgmma else "mma.sync"
+        rows += _attention_rows(
+            backend, timer, rng, heads, [8192], [8192], f"prefill 8192 tok, 32/8 x 128, {kind}", True
+        )
+        rows += _attention_rows(
+            backend, timer, rng, smollm2_heads, [8192], [8192], f"prefill 8192 tok, 9/3 x 64, {kind}", True
+        )
+    rt.features = dataclasses.replace(rt.features, wgmma_attention=True)
     rows += _attention_rows(backend, timer, rng, heads, [4096] * 64, [1] * 64, "decode 64 x 4096 ctx", False)
+    rows += _attention_rows(backend, timer, rng, heads, [512] * 64, [1] * 64, "decode 64 x 512 ctx", False)
     rows += _attention_rows(backend, timer, rng, heads, [32768], [1], "decode 1 x 32768 ctx", False)
 
     # Sampling: 64 rows over a 128k vocabulary.

@@ -1,10 +1,11 @@
 #!/bin/bash
 # One GPU-machine call: the CUDA op suite, a warm-start check, compute-sanitizer memcheck over
-# the op suite, and kernel timings. Full logs under $OUT; a short table is printed last.
-#   source .devkit/env.sh && bash tests/gpu/run_gpu_suite.sh [tests|sanitizer|bench ...]
+# the op suite, kernel timings and whole-model step timings (random weights). Full logs under
+# $OUT; a short table is printed last.
+#   source .devkit/env.sh && bash tests/gpu/run_gpu_suite.sh [tests|cache|sanitizer|probe|bench|model ...]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-STEPS=${*:-tests cache sanitizer probe bench}
+STEPS=${*:-tests cache sanitizer probe bench model}
 export ATLAS_KERNEL_CACHE=/tmp/atlas-kernel-cache
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 : > "$OUT/summary.txt"
@@ -29,9 +30,11 @@ print('passed')" ;;
       -k "not warm_start and not too_large and not oom" ;;
   probe) step probe 60 compute-sanitizer --tool memcheck --print-limit 3 python3 tests/gpu/sanitizer_probe.py ;;
   bench) step bench 150 python3 tests/gpu/bench_kernels.py ;;
+  model) step model 240 python3 tests/gpu/bench_model_step.py ;;
 esac; done
 echo "--- tail of failures"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" 2>/dev/null | cut -c1-220 | head -40
 echo "--- largest relative L2 error per test (bf16 bound 1e-2)"
 sort -k2,2 -k1,1gr "$OUT/errors.txt" 2>/dev/null | awk '!seen[$2]++' | sed 's#tests/gpu/##' | cut -c1-150
-echo "--- bench"; cat "$OUT/bench.log" 2>/dev/null | tail -25
+echo "--- bench"; cat "$OUT/bench.log" 2>/dev/null | tail -34
+echo "--- model"; cat "$OUT/model.log" 2>/dev/null | tail -14
 echo "---"; cat "$OUT/summary.txt"
