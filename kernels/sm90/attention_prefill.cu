@@ -10,31 +10,35 @@
 // the longest causal rows start first and the short ones fill the tail.
 //
 // A block is two warpgroups (8 warps); warpgroup w owns rows 64w .. 64w + 63 of the tile. Per
-// 128-key tile of the context, both warpgroups share one K/V tile in shared memory:
+// tile of BLOCK_N (64 or 128) keys of the context, both warpgroups share one K/V tile in shared
+// memory:
 //
-//     S[64 x 128]  = Q K^T             wgmma m64n128k16, Q and K from shared memory (K-major)
+//     S[64 x N]    = Q K^T             wgmma m64nNk16, Q and K from shared memory (K-major)
 //     online softmax on S in registers (mask, max, exp2, sum: the same update as the generic kernel)
 //     O[64 x D]   += P V               wgmma m64nDk16, P from registers (bf16), V from shared
 //                                      memory (MN-major: V's rows are the keys)
 //
 // Shared memory holds 128-byte-swizzled panels (wgmma.cuh): Q [D/64][128 rows][64], and two
-// stages of K and V [D/64][128 keys][64] each; the next tile's cp.async loads run while this one
-// computes. Bytes: D 128 needs 32 + 2 x 64 KB (+1 KB alignment slack), one block per SM.
+// stages of K and V [D/64][N keys][64] each; the next tile's cp.async loads run while this one
+// computes. Variants (the host picks, ops_attention.WGMMA_KEYS_PER_TILE):
+//
+//     _n128: 128-key tiles, one block per SM (D 128: 32 + 2 x 64 KB of shared memory, 186 registers)
+//     _n64:  64-key tiles, two blocks per SM (D 128: 32 + 2 x 32 KB, 128 registers), so one
+//            block's softmax can overlap the other's wgmma
 //
 // FLOPs: 4 * query_len * context_len * Hq * D per sequence (about half of it masked for a prompt).
 #include "attention_prefill_mma.cuh"
 #include "wgmma.cuh"
 
 #define WG_BLOCK_M 128  // query rows per block: two warpgroups of 64
-#define WG_BLOCK_N 128  // keys per K/V tile
 #define WG_THREADS 256
 
-template <int HEAD_DIM>
+template <int HEAD_DIM, int BLOCK_N>
 struct WgmmaTile {
     static constexpr int PANELS = HEAD_DIM / 64;  // 128-byte panels per row
     static constexpr int CHUNKS = HEAD_DIM / 8;   // 16-byte chunks per row
     static constexpr int Q_BYTES = PANELS * WG_BLOCK_M * 128;
-    static constexpr int KV_BYTES = PANELS * WG_BLOCK_N * 128;  // K (or V) of one tile
+    static constexpr int KV_BYTES = PANELS * BLOCK_N * 128;  // K (or V) of one tile
     static constexpr int SHARED_BYTES = Q_BYTES + 2 * 2 * KV_BYTES + 1024;
 };
 
@@ -43,14 +47,14 @@ __device__ __forceinline__ u32 tile_chunk_offset(int rows, int row, int chunk) {
     return (u32)((chunk >> 3) * rows * 128) + swizzled_panel_offset(row, chunk & 7);
 }
 
-template <int HEAD_DIM>
+template <int HEAD_DIM, int BLOCK_N>
 __device__ __forceinline__ void attention_prefill_wgmma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
     bf16* __restrict__ out, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int block_table_stride, int num_seqs, int num_q_heads, int num_kv_heads,
     int block_size, float scale_log2, int sliding_window, int skip_single_token) {
-    using Tile = WgmmaTile<HEAD_DIM>;
-    constexpr int S_REGS = WG_BLOCK_N / 2;  // m64n128 accumulators per thread
+    using Tile = WgmmaTile<HEAD_DIM, BLOCK_N>;
+    constexpr int S_REGS = BLOCK_N / 2;  // m64nBLOCK_N accumulators per thread
     constexpr int O_REGS = HEAD_DIM / 2;
     extern __shared__ uint4 shared_raw[];
     // Swizzle atoms are 1024 bytes and must start 1024-byte aligned.
@@ -121,33 +125,40 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
 
     // K and V tiles -> shared through the page table (keys past kv_end are zero-filled), one
     // cp.async group per tile.
+    // A thread always copies the same 16-byte chunk of its rows (WG_THREADS is a multiple of
+    // CHUNKS). The one-block-per-SM variant unrolls the passes so their page-table loads issue
+    // together; the two-block variant keeps them rolled (unrolled, they spill at its 128 registers).
+    constexpr int ROWS_PER_PASS = WG_THREADS / Tile::CHUNKS;
+    constexpr int LOAD_UNROLL = BLOCK_N == 128 ? BLOCK_N / ROWS_PER_PASS : 1;
+    const int load_chunk = tid % Tile::CHUNKS;
     auto load_tile = [&](int kv_start, int stage) {
         unsigned char* k_dst = kv_tiles + stage * 2 * Tile::KV_BYTES;
         unsigned char* v_dst = k_dst + Tile::KV_BYTES;
-        for (int c = tid; c < WG_BLOCK_N * Tile::CHUNKS; c += WG_THREADS) {
-            const int r = c / Tile::CHUNKS, chunk = c % Tile::CHUNKS;
+#pragma unroll LOAD_UNROLL
+        for (int pass = 0; pass < BLOCK_N / ROWS_PER_PASS; ++pass) {
+            const int r = tid / Tile::CHUNKS + pass * ROWS_PER_PASS;
             const int key = kv_start + r;
             const bool valid = key < kv_end;
             long long offset = 0;
             if (valid) {
                 const long long block = table[key / block_size];
-                offset = ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 8;
+                offset = ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + load_chunk * 8;
             }
-            const u32 dst = tile_chunk_offset(WG_BLOCK_N, r, chunk);
+            const u32 dst = tile_chunk_offset(BLOCK_N, r, load_chunk);
             cp_async_16(k_dst + dst, k_plane + offset, valid);
             cp_async_16(v_dst + dst, v_plane + offset, valid);
         }
         cp_async_commit();
     };
-    const int num_kv_tiles = (kv_end - kv_begin + WG_BLOCK_N - 1) / WG_BLOCK_N;
+    const int num_kv_tiles = (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N;
     const int highest_position = kv_end - 1;
     if (num_kv_tiles > 0) load_tile(kv_begin, 0);
 
     for (int tile = 0; tile < num_kv_tiles; ++tile) {
-        const int kv_start = kv_begin + tile * WG_BLOCK_N;
+        const int kv_start = kv_begin + tile * BLOCK_N;
         const int stage = tile & 1;
         if (tile + 1 < num_kv_tiles) {
-            load_tile(kv_start + WG_BLOCK_N, stage ^ 1);
+            load_tile(kv_start + BLOCK_N, stage ^ 1);
             cp_async_wait<1>();  // everything but the tile just issued has landed
         } else {
             cp_async_wait<0>();
@@ -157,7 +168,7 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
         const unsigned char* k_tile = kv_tiles + stage * 2 * Tile::KV_BYTES;
         const unsigned char* v_tile = k_tile + Tile::KV_BYTES;
 
-        // S = Q K^T for this warpgroup's 64 rows x 128 keys.
+        // S = Q K^T for this warpgroup's 64 rows x BLOCK_N keys.
         float s[S_REGS];
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) s[i] = 0.0f;
@@ -167,8 +178,12 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
         for (int k = 0; k < HEAD_DIM / 16; ++k) {
             const u64 desc_q = wgmma_descriptor(
                 q_tile + (k >> 2) * (WG_BLOCK_M * 128) + warpgroup * (64 * 128) + (k & 3) * 32, 16, 1024);
-            const u64 desc_k = wgmma_descriptor(k_tile + (k >> 2) * (WG_BLOCK_N * 128) + (k & 3) * 32, 16, 1024);
-            wgmma_m64n128k16_ss(s, desc_q, desc_k, 1);
+            const u64 desc_k = wgmma_descriptor(k_tile + (k >> 2) * (BLOCK_N * 128) + (k & 3) * 32, 16, 1024);
+            if constexpr (BLOCK_N == 128) {
+                wgmma_m64n128k16_ss(s, desc_q, desc_k, 1);
+            } else {
+                wgmma_m64n64k16_ss(s, desc_q, desc_k, 1);
+            }
         }
         wgmma_commit();
         wgmma_wait<0>();
@@ -176,7 +191,7 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
 
         // A tile wholly inside every row's causal window needs no mask (rows past the sequence
         // hold zero queries there: finite, and never stored).
-        const bool unmasked = kv_start + WG_BLOCK_N <= kv_end && kv_start + WG_BLOCK_N - 1 <= lowest_position &&
+        const bool unmasked = kv_start + BLOCK_N <= kv_end && kv_start + BLOCK_N - 1 <= lowest_position &&
                               (sliding_window <= 0 || kv_start > highest_position - sliding_window);
 
         // Mask, scale, and the online-softmax update of both rows. s[4n + 2 half + e] is row
@@ -186,7 +201,7 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
             const int position = row_position[half];
             float tile_max = -ATLAS_INF;
 #pragma unroll
-            for (int n = 0; n < WG_BLOCK_N / 8; ++n) {
+            for (int n = 0; n < BLOCK_N / 8; ++n) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = kv_start + n * 8 + 2 * t + e;
@@ -205,7 +220,7 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
             const float rescale = exp2f(row_max[half] - reference);
             float tile_sum = 0.0f;
 #pragma unroll
-            for (int n = 0; n < WG_BLOCK_N / 8; ++n) {
+            for (int n = 0; n < BLOCK_N / 8; ++n) {
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int index = 4 * n + 2 * half + e;
@@ -224,9 +239,9 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
         }
 
         // O += P V: the C layout of two 8-key blocks is the A fragment of one 16-key step.
-        u32 p[WG_BLOCK_N / 4];
+        u32 p[BLOCK_N / 4];
 #pragma unroll
-        for (int kk = 0; kk < WG_BLOCK_N / 16; ++kk) {
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
             p[4 * kk + 0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
             p[4 * kk + 1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
             p[4 * kk + 2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
@@ -235,8 +250,8 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
         wgmma_fence_registers<O_REGS>(o);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < WG_BLOCK_N / 16; ++kk) {
-            const u64 desc_v = wgmma_descriptor(v_tile + kk * 16 * 128, WG_BLOCK_N * 128, 1024);
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            const u64 desc_v = wgmma_descriptor(v_tile + kk * 16 * 128, BLOCK_N * 128, 1024);
             if constexpr (HEAD_DIM == 128) {
                 wgmma_m64n128k16_rs_transposed_b(o, p + 4 * kk, desc_v);
             } else {
@@ -268,17 +283,21 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
     }
 }
 
-#define DEFINE_PREFILL_WGMMA(HEAD_DIM)                                                                         \
-    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attention_prefill_wgmma_d##HEAD_DIM(          \
-        const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, const int* query_start_loc,        \
-        const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs, int num_q_heads,   \
-        int num_kv_heads, int block_size, float scale_log2, int sliding_window, int skip_single_token) {       \
+#define DEFINE_PREFILL_WGMMA(HEAD_DIM, BLOCK_N, MIN_BLOCKS)                                                   \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, MIN_BLOCKS)                                      \
+        attention_prefill_wgmma_d##HEAD_DIM##_n##BLOCK_N(                                                      \
+            const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, const int* query_start_loc,    \
+            const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs,                \
+            int num_q_heads, int num_kv_heads, int block_size, float scale_log2, int sliding_window,           \
+            int skip_single_token) {                                                                           \
         dependent_launch_entry();                                                                              \
-        attention_prefill_wgmma_impl<HEAD_DIM>(q, k_plane, v_plane, out, query_start_loc, seq_lens,            \
-                                               block_tables, block_table_stride, num_seqs, num_q_heads,        \
-                                               num_kv_heads, block_size, scale_log2, sliding_window,           \
-                                               skip_single_token);                                             \
+        attention_prefill_wgmma_impl<HEAD_DIM, BLOCK_N>(q, k_plane, v_plane, out, query_start_loc, seq_lens,   \
+                                                        block_tables, block_table_stride, num_seqs,            \
+                                                        num_q_heads, num_kv_heads, block_size, scale_log2,     \
+                                                        sliding_window, skip_single_token);                    \
     }
 
-DEFINE_PREFILL_WGMMA(64)
-DEFINE_PREFILL_WGMMA(128)
+DEFINE_PREFILL_WGMMA(64, 128, 1)
+DEFINE_PREFILL_WGMMA(128, 128, 1)
+DEFINE_PREFILL_WGMMA(64, 64, 2)
+DEFINE_PREFILL_WGMMA(128, 64, 2)

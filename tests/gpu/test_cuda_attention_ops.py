@@ -209,3 +209,26 @@ def test_prefill_falls_back_to_64_row_tiles_where_shared_memory_is_scarce(cuda_b
     scale = 1 / math.sqrt(heads.head_dim)
     actual, expected = _attention_pair(cuda_backend, mock_backend, case, scale, None, use_mock=True)
     assert rel_l2(actual, expected) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("keys_per_tile", [64, 128])
+def test_wgmma_prefill_tiles_against_float64(cuda_backend, rng, monkeypatch, keys_per_tile):
+    """Both wgmma variants (64-key tiles at two blocks per SM, 128-key tiles at one) on Hopper:
+    long and short prompts, a prompt continuing a cached context, GQA 4 and 3, a sliding window."""
+    from atlas.adapters.cuda import ops_attention
+
+    if cuda_backend.runtime.compute_capability != (9, 0):
+        pytest.skip("the wgmma kernels are built for sm_90a")
+    for head_dim in (64, 128):
+        monkeypatch.setitem(ops_attention.WGMMA_KEYS_PER_TILE, head_dim, keys_per_tile)
+        chosen = ops_attention.prefill_kernel(cuda_backend.runtime, head_dim).symbol
+        assert chosen == f"attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}"
+    for heads, context_lens, query_lens, window in (
+        (HeadLayout(32, 8, 128), [1500, 300, 77], [1500, 200, 77], None),
+        (HeadLayout(9, 3, 64), [1000, 129, 1], [1000, 64, 1], None),
+        (HeadLayout(8, 2, 128), [900, 400], [900, 1], 256),
+    ):
+        case = paged_case(rng, heads, context_lens, query_lens, block_size=16)
+        scale = 1 / math.sqrt(heads.head_dim)
+        actual, expected = _attention_pair(cuda_backend, None, case, scale, window, use_mock=False)
+        assert rel_l2(actual, expected) < BF16_TOLERANCE

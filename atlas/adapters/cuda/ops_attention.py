@@ -18,9 +18,9 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _PREFILL_BLOCK_N = 64
 # (head_dim, rows per tile) pairs attention_prefill.cu defines.
 _PREFILL_VARIANTS = {(64, 128), (128, 128), (128, 64), (256, 64)}
-# Head dims kernels/sm90/attention_prefill.cu has wgmma kernels for; their tiles are 128 rows of
-# two warpgroups.
-_WGMMA_HEAD_DIMS = (64, 128)
+# kernels/sm90/attention_prefill.cu: wgmma kernels for these head dims, with 128-row tiles of two
+# warpgroups and K/V tiles of 64 keys (two blocks per SM) or 128 keys (one block per SM).
+WGMMA_KEYS_PER_TILE = {64: 64, 128: 64}
 _WGMMA_ROWS = 128
 _WGMMA_THREADS = 256
 _DECODE_THREADS = 128
@@ -179,18 +179,19 @@ class PrefillKernel:
     shared_bytes: int
 
 
-def wgmma_prefill_shared_bytes(head_dim: int) -> int:
-    """Shared memory of `attention_prefill_wgmma_d{head_dim}`: Q [128 rows] plus two stages of K and
-    V [128 keys], bf16, plus 1 KB to align the swizzle atoms (WgmmaTile in the kernel)."""
-    return (_WGMMA_ROWS + 2 * 2 * 128) * head_dim * 2 + 1024
+def wgmma_prefill_shared_bytes(head_dim: int, keys_per_tile: int) -> int:
+    """Shared memory of `attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}`: Q [128 rows] plus
+    two stages of K and V tiles, bf16, plus 1 KB to align the swizzle atoms (WgmmaTile)."""
+    return (_WGMMA_ROWS + 2 * 2 * keys_per_tile) * head_dim * 2 + 1024
 
 
 def prefill_kernel(rt: CudaRuntime, head_dim: int) -> PrefillKernel:
     """The wgmma kernel where the loaded module has it (kernels/sm90 on Hopper), the device gives a
     block its shared memory and `rt.features.wgmma_attention` is on; else the mma.sync kernel."""
-    if head_dim in _WGMMA_HEAD_DIMS and rt.features.wgmma_attention:
-        symbol = f"attention_prefill_wgmma_d{head_dim}"
-        shared_bytes = wgmma_prefill_shared_bytes(head_dim)
+    keys_per_tile = WGMMA_KEYS_PER_TILE.get(head_dim)
+    if keys_per_tile is not None and rt.features.wgmma_attention:
+        symbol = f"attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}"
+        shared_bytes = wgmma_prefill_shared_bytes(head_dim, keys_per_tile)
         if shared_bytes <= rt.max_shared_optin and rt.kernels.provides("attention_prefill", symbol):
             return PrefillKernel(symbol, _WGMMA_ROWS, _WGMMA_THREADS, shared_bytes)
     rows, _, shared_bytes = prefill_tile(head_dim, rt.max_shared_optin)
