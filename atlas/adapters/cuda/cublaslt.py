@@ -32,6 +32,7 @@ import numpy as np
 from nvmath.bindings import cublas
 from nvmath.bindings import cublasLt as lt
 
+from atlas.adapters.cuda.driver import CudaError
 from atlas.adapters.cuda.gemm_tuning import CandidateTimer, GemmTuningStore, token_bucket
 from atlas.ports.gpu import DType
 
@@ -43,6 +44,7 @@ WORKSPACE_BYTES = 32 << 20
 _HEURISTIC_CANDIDATES = 8
 _SPLIT_K_MAX_TOKENS = 128
 _SPLIT_K_FACTORS = (2, 4)
+_MIN_GAIN = 0.97  # another candidate must be 3% faster than the heuristic's pick to replace it
 _HEURISTIC_DTYPE = np.dtype(lt.matmul_heuristic_result_dtype)
 
 
@@ -160,6 +162,8 @@ class CublasLtGemm:
         best = int(np.argmin(times))
         if not math.isfinite(times[best]):
             return  # every candidate failed to run: keep the heuristic's pick
+        if times[best] > _MIN_GAIN * times[0]:
+            best = 0  # within the timing noise of the heuristic's pick: keep that
         plan.choice = best
         self._tuning.put(plan.tuning_key, plan.algorithm_bytes(best))
         log.debug("cuBLASLt %s: candidate %d of %d (%.1f us)", plan.tuning_key, best, len(times), times[best] * 1e6)
@@ -168,7 +172,7 @@ class CublasLtGemm:
         assert self._timer is not None
         try:
             return self._timer.seconds(lambda: self._enqueue(plan, candidate, operands))
-        except lt.cuBLASLtError as error:  # a candidate the library refuses at run time
+        except (lt.cuBLASLtError, CudaError) as error:  # refused at run time, or not capturable
             log.debug("cuBLASLt %s: candidate %d fails (%s)", plan.tuning_key, candidate, error)
             return math.inf
 
