@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 from cuda.bindings import driver as cu
 
-from atlas.adapters.cuda import CudaGpuBackend
+from atlas.adapters.cuda import CudaGpuBackend, ops_attention
 from atlas.adapters.cuda.cublaslt import WORKSPACE_BYTES, CublasLtGemm
 from atlas.adapters.cuda.driver import check
 from atlas.ports.gpu import AttentionMetadata, DType, HeadLayout, KvCacheSpec, SamplingTensors
@@ -139,15 +139,18 @@ def main() -> int:
     # Attention: 8k-token prompts (causal) with both prefill kernels, then decode batches.
     heads = HeadLayout(32, 8, 128)
     smollm2_heads = HeadLayout(9, 3, 64)
-    for wgmma in (True, False):
-        rt.features = dataclasses.replace(rt.features, wgmma_attention=wgmma)
-        kind = "wgmma" if wgmma else "mma.sync"
+    default_keys = dict(ops_attention.WGMMA_KEYS_PER_TILE)
+    for kind in ("wgmma n64", "wgmma n128", "mma.sync"):
+        rt.features = dataclasses.replace(rt.features, wgmma_attention=kind != "mma.sync")
+        keys = 128 if kind == "wgmma n128" else 64
+        ops_attention.WGMMA_KEYS_PER_TILE.update({64: keys, 128: keys})
         rows += _attention_rows(
             backend, timer, rng, heads, [8192], [8192], f"prefill 8192 tok, 32/8 x 128, {kind}", True
         )
         rows += _attention_rows(
             backend, timer, rng, smollm2_heads, [8192], [8192], f"prefill 8192 tok, 9/3 x 64, {kind}", True
         )
+    ops_attention.WGMMA_KEYS_PER_TILE.update(default_keys)
     rt.features = dataclasses.replace(rt.features, wgmma_attention=True)
     rows += _attention_rows(backend, timer, rng, heads, [4096] * 64, [1] * 64, "decode 64 x 4096 ctx", False)
     rows += _attention_rows(backend, timer, rng, heads, [512] * 64, [1] * 64, "decode 64 x 512 ctx", False)

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from cuda.bindings import driver as cu
 
-from atlas.adapters.cuda import CudaGpuBackend
+from atlas.adapters.cuda import CudaGpuBackend, ops_attention
 from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.domain.models.config import ModelConfig
@@ -90,7 +90,36 @@ class RandomFill:
             check("cuMemcpyDtoDAsync", cu.cuMemcpyDtoDAsync(address + offset, self.pool.address, count, stream))
 
 
-def build_model(backend: CudaGpuBackend, fill: RandomFill, raw_config: dict, max_positions: int) -> Transformer:
+class FusedMlpTransformer(Transformer):
+    """The model loop with each MLP's act_mul fused into its down projection (`linear_act_mul`),
+    as transformer.py would call it: one kernel fewer per layer. Bench-only, to time the change."""
+
+    def _layer(self, index, layer, next_norm, meta, kv, workspace, num_tokens) -> None:
+        backend, eps, attention = self.backend, self.config.rms_norm_eps, layer.attention
+        residual = workspace.residual.rows(0, num_tokens)
+        normed = workspace.normed.rows(0, num_tokens)
+        delta = workspace.delta.rows(0, num_tokens)
+        qkv = workspace.qkv.rows(0, num_tokens)
+        queries = workspace.queries.rows(0, num_tokens)
+        attention_out = workspace.attention_out.rows(0, num_tokens)
+        mlp_hidden = workspace.mlp_hidden.rows(0, num_tokens)
+        backend.linear(normed, attention.qkv, qkv, attention.qkv_bias)
+        backend.rope_and_cache(
+            qkv, meta, self.rope_table, kv, index, self.heads, queries, attention.q_norm, attention.k_norm, eps
+        )
+        backend.attention(
+            queries, kv, index, meta, self.heads, self.attention_scale, attention_out, layer.sliding_window
+        )
+        backend.linear(attention_out, attention.output, delta)
+        backend.add_rmsnorm(delta, residual, layer.post_attention_norm, eps, normed)
+        backend.linear(normed, layer.mlp.gate_up, mlp_hidden)
+        backend.linear_act_mul(mlp_hidden, layer.mlp.activation, layer.mlp.down, delta)
+        backend.add_rmsnorm(delta, residual, next_norm, eps, normed)
+
+
+def build_model(
+    backend: CudaGpuBackend, fill: RandomFill, raw_config: dict, max_positions: int, kind: type = Transformer
+) -> Transformer:
     config = ModelConfig.from_dict(raw_config)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * d
@@ -110,7 +139,14 @@ def build_model(backend: CudaGpuBackend, fill: RandomFill, raw_config: dict, max
     embedding = fill.tensor((config.vocab_size, h))
     lm_head = embedding if config.tie_word_embeddings else fill.tensor((config.vocab_size, h))
     table = backend.upload(rope_table(config, max_positions), DType.F32)
-    return Transformer(config, backend, embedding, layers, ones, lm_head, table)
+    return kind(config, backend, embedding, layers, ones, lm_head, table)
+
+
+def fused(model: Transformer) -> FusedMlpTransformer:
+    """The same weights under the fused MLP loop."""
+    return FusedMlpTransformer(
+        model.config, model.backend, model.embedding, model.layers, model.final_norm, model.lm_head, model.rope_table
+    )
 
 
 def weight_bytes_per_step(model: Transformer) -> int:
@@ -237,6 +273,8 @@ def smollm2_rows(backend, events, rng) -> list[tuple[str, str, str]]:
     with_features(backend, programmatic_launch=True)
     us = decode_step_us(backend, events, fill, model, kv, 1, 512, sample=False)
     rows.append(("SmolLM2-135M decode b1 ctx512, forward only", f"{us:.1f} us", ""))
+    us = decode_step_us(backend, events, fill, fused(model), kv, 1, 512)
+    rows.append(("SmolLM2-135M decode b1 ctx512, PDL + fused MLP", f"{us:.1f} us", f"{1e6 / us:.0f} tokens/s"))
     return rows
 
 
@@ -263,6 +301,9 @@ def llama_rows(backend, events, rng, copy_bandwidth: float) -> list[tuple[str, s
             )
         )
     rows.append(("Llama-3.1-8B decode b64 / b1", f"{step_us[64] / step_us[1]:.3f}", "target <= 1.35"))
+    us = decode_step_us(backend, events, fill, fused(model), kv, 1, 512)
+    ideal_us = (weights + 512 * kv_per_token) / copy_bandwidth * 1e6
+    rows.append(("Llama-3.1-8B decode b1 ctx512, fused MLP", f"{us:.0f} us", f"{ideal_us / us:.0%} of roofline"))
 
     # GEMM rate of this run, then an 8192-token prefill (eager; cuBLASLt tuned in the warm-up).
     gemm_rate = prefill_gemm_rate(backend, events, fill)
@@ -274,20 +315,23 @@ def llama_rows(backend, events, rng, copy_bandwidth: float) -> list[tuple[str, s
     layer_matrices = weights // 2 - math.prod(model.lm_head.shape)
     flops = 2 * layer_matrices * tokens + 2 * math.prod(model.lm_head.shape)
     flops += config.num_layers * 4 * tokens * tokens / 2 * config.num_heads * config.head_dim
-    for wgmma in (True, False):
-        with_features(backend, wgmma_attention=wgmma)
+    default_keys = dict(ops_attention.WGMMA_KEYS_PER_TILE)
+    for kind in ("wgmma n64", "wgmma n128", "mma.sync"):
+        with_features(backend, wgmma_attention=kind != "mma.sync")
+        keys = 128 if kind == "wgmma n128" else 64
+        ops_attention.WGMMA_KEYS_PER_TILE.update({64: keys, 128: keys})
         model.forward(step, kv, workspace, 1)
         backend.synchronize()
         us = events.median_us(lambda: model.forward(step, kv, workspace, 1), repeats=1, rounds=3)
         rate = flops / (us * 1e-6)
-        label = "wgmma" if wgmma else "mma.sync"
         rows.append(
             (
-                f"Llama-3.1-8B prefill 8192 ({label} attention)",
+                f"Llama-3.1-8B prefill 8192 ({kind} attention)",
                 f"{us / 1e3:.1f} ms",
                 f"{rate / 1e12:.0f} TFLOP/s = {rate / gemm_rate:.0%} of the GEMM rate",
             )
         )
+    ops_attention.WGMMA_KEYS_PER_TILE.update(default_keys)
     with_features(backend, wgmma_attention=True)
     return rows
 
