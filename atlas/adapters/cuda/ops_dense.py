@@ -148,7 +148,10 @@ class LinearOp:
     def gated(self, x: CudaTensor, activation: Activation, weight: CudaTensor, out: CudaTensor) -> None:
         """`linear_act_mul`: out = act_mul(x) @ weight^T. Up to 8 token rows with a bf16 `out` run
         the gated GEMV (the gate computed where x is loaded); otherwise act_mul into a workspace,
-        then `linear`. Raises `ValueError` naming the argument whose shape or dtype does not fit."""
+        then `linear`. Raises `ValueError` naming the argument whose shape or dtype does not fit.
+
+        Measured on an H200 (docs/cuda-notes.md, run 2): slower than act_mul + linear for a large
+        down projection (every GEMV block recomputes the gate over all of K), even for SmolLM2."""
         checks.rank(x, "x", 2)
         checks.rank(weight, "weight", 2)
         checks.dtype(x, "x", (DType.BF16,))
