@@ -344,15 +344,6 @@ class GpuBackend(Protocol):
         """out = act(x[:, :I]) * x[:, I:].  x [N, 2I], out [N, I]."""
         ...
 
-    def linear_act_mul(self, x: Tensor, activation: Activation, weight: Tensor, out: Tensor) -> None:
-        """out = act_mul(x) @ weight.T in one op (an MLP's down projection with its gate fused in).
-
-        x [N, 2I] (gate | up halves), weight [M, I], out [N, M]; no bias. The gated product is
-        rounded to x's dtype before the product, exactly as `act_mul` then `linear` would round
-        it, so the two spellings agree. Raises `ValueError` for shapes that do not fit.
-        """
-        ...
-
     def gather_rows(self, x: Tensor, indices: Tensor, out: Tensor) -> None:
         """out[r] = x[indices[r]].  x [N, H], indices [R] i32, out [R, H]."""
         ...

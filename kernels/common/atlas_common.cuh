@@ -109,20 +109,6 @@ __device__ __forceinline__ void store8(T* p, const float* in) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Gate activations of act_mul (elementwise.cu) and of the GEMV that fuses it (gemv.cu): one
-// definition, so the fused and unfused paths round identically.
-struct SiluOp {
-    __device__ __forceinline__ float operator()(float g) const { return g / (1.0f + expf(-g)); }
-};
-
-struct GeluTanhOp {
-    __device__ __forceinline__ float operator()(float g) const {
-        const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-        return 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g)));
-    }
-};
-
-// ---------------------------------------------------------------------------------------------
 // Reductions.
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll

@@ -49,7 +49,17 @@ extern "C" __global__ void gather_rows_v1(unsigned char* dst, const unsigned cha
 }
 
 // ---------------------------------------------------------------------------------------------
-// Gated activations (SiluOp, GeluTanhOp: atlas_common.cuh, shared with the fused GEMV).
+struct SiluOp {
+    __device__ __forceinline__ float operator()(float g) const { return g / (1.0f + expf(-g)); }
+};
+
+struct GeluTanhOp {
+    __device__ __forceinline__ float operator()(float g) const {
+        const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+        return 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g)));
+    }
+};
+
 // Eight elements per thread: needs I % 8 == 0 (checked on the host).
 template <typename T, typename Act>
 __device__ __forceinline__ void act_mul_vec8(const T* x, T* out, int num_tokens, int inner) {

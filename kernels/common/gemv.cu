@@ -17,11 +17,6 @@
 //     block b: rows m0 = b * ROWS .. m0 + ROWS - 1
 //     warp w, lane l: k chunks (w * 32 + l) * 8, then + 4 * 32 * 8, ...
 //     w rows:  | w0 l0 | w0 l1 | ... | w0 l31 | w1 l0 | ... | w3 l31 | w0 l0 | ...
-//
-// Gated variants (`gemv_silu_*`, `gemv_mma_gelu_tanh_*`, ...) are `linear_act_mul`: x is then
-// [N, 2K] (gate | up) and each x chunk is act(gate) * up, rounded to bf16 as act_mul would store
-// it, computed where it is loaded. Every block recomputes the gate for all K (K exp per block,
-// hidden under the weight stream) instead of a separate act_mul kernel writing and rereading x.
 #include "atlas_common.cuh"
 
 #define GEMV_WARPS 4
@@ -44,63 +39,7 @@ __device__ __forceinline__ void bf16x8_to_floats(uint4 raw, float* out) {
     }
 }
 
-// x as the kernels read it: GATE 0 is x itself, GATE 1 (silu) and 2 (gelu_tanh) the gated
-// product of x = [gate | up]. A chunk holds the raw 16-byte loads (8 elements of k..k + 7);
-// the gate is applied at use, so the loads of a batch all issue before any arithmetic.
-#define GATE_NONE 0
-#define GATE_SILU 1
-#define GATE_GELU_TANH 2
-
-template <int GATE>
-struct XChunk {
-    uint4 first;   // x, or the gate half
-    uint4 second;  // the up half (gated only)
-};
-
-template <int GATE>
-__device__ __forceinline__ XChunk<GATE> load_x_chunk(const bf16* x, int token, int inner, int k) {
-    XChunk<GATE> chunk;
-    if constexpr (GATE == GATE_NONE) {
-        chunk.first = *reinterpret_cast<const uint4*>(x + (long long)token * inner + k);
-    } else {
-        const bf16* row = x + (long long)token * 2 * inner;
-        chunk.first = *reinterpret_cast<const uint4*>(row + k);
-        chunk.second = *reinterpret_cast<const uint4*>(row + inner + k);
-    }
-    return chunk;
-}
-
-template <int GATE>
-__device__ __forceinline__ XChunk<GATE> zero_x_chunk() {
-    XChunk<GATE> chunk;
-    chunk.first = chunk.second = make_uint4(0, 0, 0, 0);
-    return chunk;
-}
-
-// The chunk's 8 x values as packed bf16 (the gated product rounded like act_mul's output).
-template <int GATE>
-__device__ __forceinline__ uint4 x_chunk_bf16(const XChunk<GATE>& chunk) {
-    if constexpr (GATE == GATE_NONE) {
-        return chunk.first;
-    } else {
-        float gate[8], up[8];
-        bf16x8_to_floats(chunk.first, gate);
-        bf16x8_to_floats(chunk.second, up);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            if constexpr (GATE == GATE_SILU) {
-                gate[i] = SiluOp()(gate[i]) * up[i];
-            } else {
-                gate[i] = GeluTanhOp()(gate[i]) * up[i];
-            }
-        }
-        Vec8<bf16> product;
-        product.from_floats(gate);
-        return product.raw;
-    }
-}
-
-template <typename OUT, int ROWS, int TOKENS, int GATE>
+template <typename OUT, int ROWS, int TOKENS>
 __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                           const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
                                           int num_rows, int inner) {
@@ -126,7 +65,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
     // bytes of weights in flight per lane); the remaining chunks go one at a time.
     constexpr int STEP = GEMV_WARPS * 32 * 8;
     constexpr int BATCH = TOKENS <= 2 ? 4 : 2;
-    auto accumulate = [&](const uint4* weights_raw, const XChunk<GATE>* x_raw) {
+    auto accumulate = [&](const uint4* weights_raw, const uint4* x_raw) {
         float weights[ROWS][8];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) bf16x8_to_floats(weights_raw[r], weights[r]);
@@ -134,7 +73,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
         for (int n = 0; n < TOKENS; ++n) {
             if (n < num_tokens) {
                 float xs[8];
-                bf16x8_to_floats(x_chunk_bf16<GATE>(x_raw[n]), xs);
+                bf16x8_to_floats(x_raw[n], xs);
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r)
 #pragma unroll
@@ -142,25 +81,23 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
             }
         }
     };
-    auto load_chunk = [&](int k, uint4* weights_raw, XChunk<GATE>* x_raw) {
+    auto load_chunk = [&](int k, uint4* weights_raw, uint4* x_raw) {
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) weights_raw[r] = load_streaming(w_rows[r] + k);
 #pragma unroll
         for (int n = 0; n < TOKENS; ++n)
-            x_raw[n] = n < num_tokens ? load_x_chunk<GATE>(x, n, inner, k) : zero_x_chunk<GATE>();
+            x_raw[n] = n < num_tokens ? *reinterpret_cast<const uint4*>(x + (long long)n * inner + k) : make_uint4(0, 0, 0, 0);
     };
     int k = (warp * 32 + lane) * 8;
     for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
-        uint4 weights_raw[BATCH][ROWS];
-        XChunk<GATE> x_raw[BATCH][TOKENS];
+        uint4 weights_raw[BATCH][ROWS], x_raw[BATCH][TOKENS];
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) load_chunk(k + u * STEP, weights_raw[u], x_raw[u]);
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) accumulate(weights_raw[u], x_raw[u]);
     }
     for (; k < inner; k += STEP) {
-        uint4 weights_raw[ROWS];
-        XChunk<GATE> x_raw[TOKENS];
+        uint4 weights_raw[ROWS], x_raw[TOKENS];
         load_chunk(k, weights_raw, x_raw);
         accumulate(weights_raw, x_raw);
     }
@@ -189,15 +126,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_##OUT_NAME##_r##ROWS##_t##TOKENS(       \
         const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens, int num_rows, int inner) {   \
         dependent_launch_entry();                                                                              \
-        gemv_impl<OUT, ROWS, TOKENS, GATE_NONE>(x, w, bias, out, num_tokens, num_rows, inner);                 \
-    }
-
-// linear_act_mul for one token row: x [1, 2K] = gate | up, bf16 out, no bias.
-#define DEFINE_GATED_GEMV(GATE_NAME, GATE, ROWS)                                                                \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_##GATE_NAME##_bf16_r##ROWS##_t1(        \
-        const bf16* x, const bf16* w, bf16* out, int num_rows, int inner) {                                     \
-        dependent_launch_entry();                                                                               \
-        gemv_impl<bf16, ROWS, 1, GATE>(x, w, nullptr, out, 1, num_rows, inner);                                 \
+        gemv_impl<OUT, ROWS, TOKENS>(x, w, bias, out, num_tokens, num_rows, inner);                            \
     }
 
 #define DEFINE_GEMV_TOKENS(OUT_NAME, OUT, ROWS) \
@@ -212,12 +141,6 @@ DEFINE_GEMV_TOKENS(bf16, bf16, 4)
 DEFINE_GEMV_TOKENS(f32, float, 1)
 DEFINE_GEMV_TOKENS(f32, float, 2)
 DEFINE_GEMV_TOKENS(f32, float, 4)
-DEFINE_GATED_GEMV(silu, GATE_SILU, 1)
-DEFINE_GATED_GEMV(silu, GATE_SILU, 2)
-DEFINE_GATED_GEMV(silu, GATE_SILU, 4)
-DEFINE_GATED_GEMV(gelu_tanh, GATE_GELU_TANH, 1)
-DEFINE_GATED_GEMV(gelu_tanh, GATE_GELU_TANH, 2)
-DEFINE_GATED_GEMV(gelu_tanh, GATE_GELU_TANH, 4)
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core variant for 2..8 token rows: at N = 8 the fp32 FMAs of the SIMT kernel cost more
@@ -234,7 +157,7 @@ DEFINE_GATED_GEMV(gelu_tanh, GATE_GELU_TANH, 4)
 // The block's 8 warps split K and meet in shared memory. K % 32 == 0 (the host checks).
 #define GEMV_MMA_WARPS 8
 
-template <typename OUT, int GATE>
+template <typename OUT>
 __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                               const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
                                               int num_rows, int inner) {
@@ -245,7 +168,7 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     const bf16* row_a = w + (long long)min(first_row + g, num_rows - 1) * inner;
     const bf16* row_b = w + (long long)min(first_row + g + 8, num_rows - 1) * inner;
     const bool has_token = g < num_tokens;
-    const int x_token = has_token ? g : 0;
+    const bf16* x_row = x + (long long)(has_token ? g : 0) * inner;
 
     // Full steps of four chunks load 8 x 16 bytes of weights per lane before the first mma; the
     // remaining chunks go one at a time.
@@ -262,22 +185,19 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     };
     int k = warp * 32 + 8 * t;
     for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
-        uint4 wa[BATCH], wb[BATCH];
-        XChunk<GATE> xs[BATCH];
+        uint4 wa[BATCH], wb[BATCH], xs[BATCH];
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
             wa[u] = load_streaming(row_a + k + u * STEP);
             wb[u] = load_streaming(row_b + k + u * STEP);
-            xs[u] = load_x_chunk<GATE>(x, x_token, inner, k + u * STEP);
+            xs[u] = *reinterpret_cast<const uint4*>(x_row + k + u * STEP);
         }
 #pragma unroll
-        for (int u = 0; u < BATCH; ++u)
-            multiply(wa[u], wb[u], has_token ? x_chunk_bf16<GATE>(xs[u]) : make_uint4(0, 0, 0, 0));
+        for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], has_token ? xs[u] : make_uint4(0, 0, 0, 0));
     }
     for (; k < inner; k += STEP) {
-        const XChunk<GATE> xs = load_x_chunk<GATE>(x, x_token, inner, k);
-        multiply(load_streaming(row_a + k), load_streaming(row_b + k),
-                 has_token ? x_chunk_bf16<GATE>(xs) : make_uint4(0, 0, 0, 0));
+        const uint4 xs = *reinterpret_cast<const uint4*>(x_row + k);
+        multiply(load_streaming(row_a + k), load_streaming(row_b + k), has_token ? xs : make_uint4(0, 0, 0, 0));
     }
     // acc: (row g, tokens 2t, 2t + 1) and (row g + 8, tokens 2t, 2t + 1)
     partial[warp][g][2 * t] = acc[0];
@@ -300,26 +220,13 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
 extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
     gemv_mma_bf16(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int num_tokens, int num_rows, int inner) {
     dependent_launch_entry();
-    gemv_mma_impl<bf16, GATE_NONE>(x, w, bias, out, num_tokens, num_rows, inner);
+    gemv_mma_impl<bf16>(x, w, bias, out, num_tokens, num_rows, inner);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
     gemv_mma_f32(const bf16* x, const bf16* w, const bf16* bias, float* out, int num_tokens, int num_rows, int inner) {
     dependent_launch_entry();
-    gemv_mma_impl<float, GATE_NONE>(x, w, bias, out, num_tokens, num_rows, inner);
-}
-
-// linear_act_mul for 2..8 token rows: x [N, 2K] = gate | up, bf16 out, no bias.
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
-    gemv_mma_silu_bf16(const bf16* x, const bf16* w, bf16* out, int num_tokens, int num_rows, int inner) {
-    dependent_launch_entry();
-    gemv_mma_impl<bf16, GATE_SILU>(x, w, nullptr, out, num_tokens, num_rows, inner);
-}
-
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
-    gemv_mma_gelu_tanh_bf16(const bf16* x, const bf16* w, bf16* out, int num_tokens, int num_rows, int inner) {
-    dependent_launch_entry();
-    gemv_mma_impl<bf16, GATE_GELU_TANH>(x, w, nullptr, out, num_tokens, num_rows, inner);
+    gemv_mma_impl<float>(x, w, bias, out, num_tokens, num_rows, inner);
 }
 
 // Bias for the cuBLASLt path when its epilogue cannot take it (f32 output): out[n, m] += bias[m].

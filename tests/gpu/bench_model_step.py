@@ -90,33 +90,6 @@ class RandomFill:
             check("cuMemcpyDtoDAsync", cu.cuMemcpyDtoDAsync(address + offset, self.pool.address, count, stream))
 
 
-class FusedMlpTransformer(Transformer):
-    """The model loop with each MLP's act_mul fused into its down projection (`linear_act_mul`),
-    as transformer.py would call it: one kernel fewer per layer. Bench-only, to time the change."""
-
-    def _layer(self, index, layer, next_norm, meta, kv, workspace, num_tokens) -> None:
-        backend, eps, attention = self.backend, self.config.rms_norm_eps, layer.attention
-        residual = workspace.residual.rows(0, num_tokens)
-        normed = workspace.normed.rows(0, num_tokens)
-        delta = workspace.delta.rows(0, num_tokens)
-        qkv = workspace.qkv.rows(0, num_tokens)
-        queries = workspace.queries.rows(0, num_tokens)
-        attention_out = workspace.attention_out.rows(0, num_tokens)
-        mlp_hidden = workspace.mlp_hidden.rows(0, num_tokens)
-        backend.linear(normed, attention.qkv, qkv, attention.qkv_bias)
-        backend.rope_and_cache(
-            qkv, meta, self.rope_table, kv, index, self.heads, queries, attention.q_norm, attention.k_norm, eps
-        )
-        backend.attention(
-            queries, kv, index, meta, self.heads, self.attention_scale, attention_out, layer.sliding_window
-        )
-        backend.linear(attention_out, attention.output, delta)
-        backend.add_rmsnorm(delta, residual, layer.post_attention_norm, eps, normed)
-        backend.linear(normed, layer.mlp.gate_up, mlp_hidden)
-        backend.linear_act_mul(mlp_hidden, layer.mlp.activation, layer.mlp.down, delta)
-        backend.add_rmsnorm(delta, residual, next_norm, eps, normed)
-
-
 def build_model(
     backend: CudaGpuBackend, fill: RandomFill, raw_config: dict, max_positions: int, kind: type = Transformer
 ) -> Transformer:
@@ -140,13 +113,6 @@ def build_model(
     lm_head = embedding if config.tie_word_embeddings else fill.tensor((config.vocab_size, h))
     table = backend.upload(rope_table(config, max_positions), DType.F32)
     return kind(config, backend, embedding, layers, ones, lm_head, table)
-
-
-def fused(model: Transformer) -> FusedMlpTransformer:
-    """The same weights under the fused MLP loop."""
-    return FusedMlpTransformer(
-        model.config, model.backend, model.embedding, model.layers, model.final_norm, model.lm_head, model.rope_table
-    )
 
 
 def weight_bytes_per_step(model: Transformer) -> int:
@@ -273,8 +239,6 @@ def smollm2_rows(backend, events, rng) -> list[tuple[str, str, str]]:
     with_features(backend, programmatic_launch=True)
     us = decode_step_us(backend, events, fill, model, kv, 1, 512, sample=False)
     rows.append(("SmolLM2-135M decode b1 ctx512, forward only", f"{us:.1f} us", ""))
-    us = decode_step_us(backend, events, fill, fused(model), kv, 1, 512)
-    rows.append(("SmolLM2-135M decode b1 ctx512, PDL + fused MLP", f"{us:.1f} us", f"{1e6 / us:.0f} tokens/s"))
     return rows
 
 
@@ -301,9 +265,6 @@ def llama_rows(backend, events, rng, copy_bandwidth: float) -> list[tuple[str, s
             )
         )
     rows.append(("Llama-3.1-8B decode b64 / b1", f"{step_us[64] / step_us[1]:.3f}", "target <= 1.35"))
-    us = decode_step_us(backend, events, fill, fused(model), kv, 1, 512)
-    ideal_us = (weights + 512 * kv_per_token) / copy_bandwidth * 1e6
-    rows.append(("Llama-3.1-8B decode b1 ctx512, fused MLP", f"{us:.0f} us", f"{ideal_us / us:.0%} of roofline"))
 
     # GEMM rate of this run, then an 8192-token prefill (eager; cuBLASLt tuned in the warm-up).
     gemm_rate = prefill_gemm_rate(backend, events, fill)

@@ -130,45 +130,6 @@ def test_linear(cuda_backend, mock_backend, rng, num_tokens, num_rows, inner, ou
     assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < tolerance
 
 
-@pytest.mark.parametrize(
-    "num_tokens, inner, num_rows, activation, out_dtype",
-    [
-        (1, 1536, 576, Activation.SILU, DType.BF16),  # SmolLM2's down projection: the gated GEMV
-        (1, 14336, 4096, Activation.SILU, DType.BF16),  # Llama-3.1-8B's, four rows per block
-        (1, 1536, 576, Activation.GELU_TANH, DType.BF16),
-        (5, 1536, 576, Activation.SILU, DType.BF16),  # the gated tensor-core GEMV
-        (8, 14336, 4096, Activation.GELU_TANH, DType.BF16),
-        (1, 1536, 576, Activation.SILU, DType.F32),  # f32 out: act_mul, then linear
-        (64, 1536, 576, Activation.SILU, DType.BF16),  # a batch for cuBLASLt
-        (3, 100, 64, Activation.SILU, DType.BF16),  # I % 32 != 0
-    ],
-)
-def test_linear_act_mul(cuda_backend, mock_backend, rng, num_tokens, inner, num_rows, activation, out_dtype):
-    x = bf16(rng.standard_normal((num_tokens, 2 * inner)) * 2)
-    weight = bf16(rng.standard_normal((num_rows, inner)) / np.sqrt(inner))
-    cx, cw = cuda_backend.upload(x, DType.BF16), cuda_backend.upload(weight, DType.BF16)
-    fused = poisoned(cuda_backend, (num_tokens, num_rows), out_dtype)
-    cuda_backend.linear_act_mul(cx, activation, cw, fused)
-    expected = mock_backend.empty((num_tokens, num_rows), DType.F32)
-    mock_backend.linear_act_mul(mock_backend.upload(x), activation, mock_backend.upload(weight), expected)
-    assert rel_l2(host(cuda_backend, fused), host(mock_backend, expected)) < BF16_TOLERANCE
-    # The same numbers as the two ops it replaces (the gate rounded to bf16 in between).
-    gated = cuda_backend.empty((num_tokens, inner), DType.BF16)
-    cuda_backend.act_mul(cx, activation, gated)
-    unfused = poisoned(cuda_backend, (num_tokens, num_rows), out_dtype)
-    cuda_backend.linear(gated, cw, unfused)
-    assert rel_l2(host(cuda_backend, fused), host(cuda_backend, unfused)) < 1e-3
-
-
-def test_linear_act_mul_shape_errors_name_the_argument(cuda_backend):
-    x = cuda_backend.empty((2, 64), DType.BF16)
-    with pytest.raises(ValueError, match="weight"):
-        cuda_backend.linear_act_mul(x, Activation.SILU, cuda_backend.empty((16, 64), DType.BF16), x)
-    with pytest.raises(ValueError, match="x: width"):
-        odd = cuda_backend.empty((2, 33), DType.BF16)
-        cuda_backend.linear_act_mul(odd, Activation.SILU, cuda_backend.empty((16, 16), DType.BF16), x)
-
-
 def test_linear_into_a_rows_view_leaves_other_rows(cuda_backend, rng):
     x = bf16(rng.standard_normal((4, 256)))
     weight = bf16(rng.standard_normal((128, 256)))

@@ -178,21 +178,3 @@ def test_fault_injection_and_memory_cap():
     assert backend.memory_info()[0] == free_before + (1 << 19)
     with pytest.raises(MemoryError, match="holds"):
         backend.allocate_kv_cache(KvCacheSpec(4, 1000, 16, 8, 64, DType.F32))
-
-
-@pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
-@pytest.mark.parametrize("activation_dtype", [DType.F32, DType.BF16])
-def test_linear_act_mul_is_act_mul_then_linear(activation, activation_dtype, rng):
-    backend = MockGpuBackend(activation_dtype=activation_dtype)
-    x = backend.upload(rng.standard_normal((5, 24)).astype(np.float32), activation_dtype)
-    weight = backend.upload(rng.standard_normal((7, 12)).astype(np.float32), activation_dtype)
-    gated = backend.empty((5, 12), activation_dtype)
-    backend.act_mul(x, activation, gated)
-    expected = backend.empty((5, 7), DType.F32)
-    backend.linear(gated, weight, expected)
-    fused = backend.empty((5, 7), DType.F32)
-    backend.linear_act_mul(x, activation, weight, fused)
-    np.testing.assert_allclose(backend.download(fused), backend.download(expected), rtol=1e-6, atol=1e-6)
-    assert np.abs(backend.download(fused)).max() > 0.1
-    with pytest.raises(ValueError, match="linear_act_mul"):
-        backend.linear_act_mul(x, activation, backend.empty((7, 11), activation_dtype), fused)

@@ -191,9 +191,6 @@ class CudaGpuBackend:
     def act_mul(self, x: CudaTensor, activation: Activation, out: CudaTensor) -> None:
         ops_dense.act_mul(self._rt, x, activation, out)
 
-    def linear_act_mul(self, x: CudaTensor, activation: Activation, weight: CudaTensor, out: CudaTensor) -> None:
-        self._linear.gated(x, activation, weight, out)
-
     def rope_and_cache(
         self,
         qkv: CudaTensor,

@@ -145,68 +145,11 @@ class LinearOp:
         else:
             self._cublas(x, weight, out, bias, num_tokens, num_rows, inner)
 
-    def gated(self, x: CudaTensor, activation: Activation, weight: CudaTensor, out: CudaTensor) -> None:
-        """`linear_act_mul`: out = act_mul(x) @ weight^T. Up to 8 token rows with a bf16 `out` run
-        the gated GEMV (the gate computed where x is loaded); otherwise act_mul into a workspace,
-        then `linear`. Raises `ValueError` naming the argument whose shape or dtype does not fit.
-
-        Measured on an H200 (docs/cuda-notes.md, run 2): slower than act_mul + linear for a large
-        down projection (every GEMV block recomputes the gate over all of K), even for SmolLM2."""
-        checks.rank(x, "x", 2)
-        checks.rank(weight, "weight", 2)
-        checks.dtype(x, "x", (DType.BF16,))
-        checks.dtype(weight, "weight", (DType.BF16,))
-        checks.dtype(out, "out", _FLOAT_TYPES)
-        num_tokens, width = x.shape
-        if width % 2:
-            raise ValueError(f"x: width {width} is not even (gate | up halves)")
-        inner, num_rows = width // 2, weight.shape[0]
-        if weight.shape[1] != inner:
-            raise ValueError(f"weight: shape {list(weight.shape)} does not take act_mul(x) of width {inner}")
-        checks.shape(out, "out", (num_tokens, num_rows))
-        if num_tokens == 0:
-            return
-        name = _ACTIVATION_NAMES[activation]
-        if out.dtype is DType.BF16 and num_tokens == 1 and inner % 8 == 0:
-            rows_per_block = self._gemv_rows_per_block(num_rows)
-            self._rt.launch(
-                "gemv",
-                f"gemv_{name}_bf16_r{rows_per_block}_t1",
-                (-(-num_rows // rows_per_block),),
-                _GEMV_WARPS * 32,
-                x.address,
-                weight.address,
-                out.address,
-                np.int32(num_rows),
-                np.int32(inner),
-            )
-        elif out.dtype is DType.BF16 and num_tokens <= GEMV_MAX_TOKENS and inner % 32 == 0:
-            self._rt.launch(
-                "gemv",
-                f"gemv_mma_{name}_bf16",
-                (-(-num_rows // 16),),
-                _GEMV_MMA_WARPS * 32,
-                x.address,
-                weight.address,
-                out.address,
-                np.int32(num_tokens),
-                np.int32(num_rows),
-                np.int32(inner),
-            )
-        else:
-            scratch = self._rt.workspace("linear_act_mul", num_tokens * inner * DType.BF16.itemsize)
-            product = CudaTensor(scratch, (num_tokens, inner), DType.BF16, None)
-            act_mul(self._rt, x, activation, product)
-            self(product, weight, out, None)
-
-    def _gemv_rows_per_block(self, num_rows: int) -> int:
+    def _gemv(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
         # A block per ROWS output features (its warps split K). More rows per block while there
         # are still two blocks per SM: each lane then keeps more 16-byte loads in flight and x is
         # reread from L1 less often.
-        return next((r for r in (4, 2) if num_rows // r >= 2 * self._rt.num_sms), 1)
-
-    def _gemv(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
-        rows_per_block = self._gemv_rows_per_block(num_rows)
+        rows_per_block = next((r for r in (4, 2) if num_rows // r >= 2 * self._rt.num_sms), 1)
         tokens = next(t for t in (1, 2, 4, 8) if t >= num_tokens)
         symbol = f"gemv_{checks.type_suffix(out.dtype)}_r{rows_per_block}_t{tokens}"
         self._rt.launch(

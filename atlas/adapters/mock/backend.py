@@ -274,18 +274,14 @@ class MockGpuBackend:
 
     def act_mul(self, x: MockTensor, activation: Activation, out: MockTensor) -> None:
         self._enter("act_mul")
-        out.data[...] = _gated(x.as_f32(), activation)
-
-    def linear_act_mul(self, x: MockTensor, activation: Activation, weight: MockTensor, out: MockTensor) -> None:
-        self._enter("linear_act_mul")
-        inner = x.shape[1] // 2
-        if x.shape[1] % 2 or weight.shape[1] != inner or out.shape != (x.shape[0], weight.shape[0]):
-            raise ValueError(
-                f"linear_act_mul: act_mul(x {x.shape}) @ weight {weight.shape}.T does not fit out {out.shape}"
-            )
-        # Rounded to x's dtype, as act_mul's output would be before `linear` reads it.
-        gated = _gated(x.as_f32(), activation).astype(x.data.dtype).astype(np.float32)
-        out.data[...] = gated @ weight.weight_f32().T
+        values = x.as_f32()
+        half = values.shape[1] // 2
+        gate, up = values[:, :half], values[:, half:]
+        if activation is Activation.SILU:
+            activated = gate / (1.0 + np.exp(-gate))
+        else:
+            activated = 0.5 * gate * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)))
+        out.data[...] = activated * up
 
     def gather_rows(self, x: MockTensor, indices: MockTensor, out: MockTensor) -> None:
         self._enter("gather_rows")
@@ -394,14 +390,3 @@ def _default_memory_bytes() -> int:
     except OSError:
         pass
     return 8 * 2**30
-
-
-def _gated(values: np.ndarray, activation: Activation) -> np.ndarray:
-    """act(values[:, :I]) * values[:, I:] in float32."""
-    half = values.shape[1] // 2
-    gate, up = values[:, :half], values[:, half:]
-    if activation is Activation.SILU:
-        activated = gate / (1.0 + np.exp(-gate))
-    else:
-        activated = 0.5 * gate * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)))
-    return activated * up
