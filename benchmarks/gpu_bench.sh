@@ -19,11 +19,15 @@ for step in ${*:-quick llama8b}; do case $step in
            --output-len 256 --json "$OUT/smollm2.json" ;;
   startup) run startup 400 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "--max-seq-len 8192" ;;
   serve) run engine64 200 $ATLAS bench --random llama-3.1-8b --device cuda --batch-sizes 64 --prefill-lens 8 \
-           --context 512 --output-len 128
+           --context 512 --output-len 256
          $ATLAS serve "$LLAMA" --device cuda --port 8899 --max-seq-len 4096 --max-num-seqs 64 > "$OUT/server.log" 2>&1 &
          server=$!
          for _ in $(seq 300); do curl -sf http://127.0.0.1:8899/health > /dev/null && break; sleep 1; done
-         run serve 300 $ATLAS bench serve --url http://127.0.0.1:8899 --concurrency 64 --num-prompts 256 \
+         # one wave of 64 long streams: steady-state decode behind HTTP, comparable with engine64
+         run serve 300 $ATLAS bench serve --url http://127.0.0.1:8899 --concurrency 64 --num-prompts 64 \
+           --input-len 512 --output-len 1024
+         # four waves of short requests: prefill of each wave interleaved with the decodes
+         run serve-waves 300 $ATLAS bench serve --url http://127.0.0.1:8899 --concurrency 64 --num-prompts 256 \
            --input-len 512 --output-len 128
          kill $server ;;
 esac; done
