@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+import ml_dtypes
 import numpy as np
 
 
@@ -42,6 +43,24 @@ class DType(enum.Enum):
 
 
 _ITEMSIZE = {DType.BF16: 2, DType.F16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8, DType.U8: 1}
+
+# How each dtype looks on the host: what `upload` takes and `download` returns.
+NUMPY_DTYPES: dict[DType, np.dtype] = {
+    DType.BF16: np.dtype(ml_dtypes.bfloat16),
+    DType.F16: np.dtype(np.float16),
+    DType.F32: np.dtype(np.float32),
+    DType.I32: np.dtype(np.int32),
+    DType.I64: np.dtype(np.int64),
+    DType.U8: np.dtype(np.uint8),
+}
+
+
+def dtype_of(array: np.ndarray) -> DType:
+    """The port dtype of a host array; `ValueError` for one no backend holds."""
+    for dtype, np_dtype in NUMPY_DTYPES.items():
+        if array.dtype == np_dtype:
+            return dtype
+    raise ValueError(f"no backend dtype for numpy dtype {array.dtype}")
 
 
 class Activation(enum.Enum):

@@ -19,8 +19,9 @@ from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.kv_cache import CudaKvCache
 from atlas.adapters.cuda.memory import PendingCopy, PoolStats
 from atlas.adapters.cuda.runtime import CudaRuntime
-from atlas.adapters.cuda.tensor import NUMPY_DTYPES, CudaTensor, dtype_of
+from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.ports.gpu import (
+    NUMPY_DTYPES,
     Activation,
     AttentionMetadata,
     Capabilities,
@@ -29,6 +30,7 @@ from atlas.ports.gpu import (
     KvCacheSpec,
     LogprobsOut,
     SamplingTensors,
+    dtype_of,
 )
 
 

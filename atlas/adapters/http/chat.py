@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from quart import Response
 
 from atlas.adapters.http import sse
-from atlas.adapters.http.choices import ChoiceResults, merge_batch
+from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import check_prompt_fits, sampling_params
@@ -73,14 +73,7 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
                          include_usage=bool(options and options.include_usage),
                          continuous_usage=bool(options and options.continuous_usage_stats))
         return Response(sse.with_errors(frames), 200, sse.HEADERS)
-    state.metrics.in_flight += 1
-    try:
-        async with aclosing(generation.batches()) as batches:
-            async for batch in batches:
-                for update in merge_batch(batch):
-                    results.add(update)
-    finally:
-        state.metrics.in_flight -= 1
+    await collect(generation, results, state.metrics)
     answer = _completion(reply, generation, results, token_texts)
     if state.dump is not None:
         state.dump.write("chat", 200, False, started_s, body, answer)

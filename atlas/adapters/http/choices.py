@@ -1,14 +1,17 @@
 """Per-choice bookkeeping shared by the chat and completions endpoints.
 
 `merge_batch` folds the deltas of one batch into one update per choice (a stream chunk each);
-`ChoiceResults` accumulates whole choices for non-streamed answers and for `--dump`.
+`ChoiceResults` accumulates whole choices for non-streamed answers and for `--dump`;
+`collect` runs a non-streamed request into one.
 """
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from dataclasses import dataclass
 
-from atlas.adapters.http.generation import ChoiceDelta
+from atlas.adapters.http.generation import ChoiceDelta, Generation
+from atlas.adapters.http.server_metrics import ServerMetrics
 from atlas.domain.batch import TokenLogprobs
 
 
@@ -75,3 +78,15 @@ class ChoiceResults:
     @property
     def num_choices(self) -> int:
         return len(self._parts)
+
+
+async def collect(generation: Generation, results: ChoiceResults, metrics: ServerMetrics) -> None:
+    """Run a non-streamed request to its end, folding every delta into `results`."""
+    metrics.in_flight += 1
+    try:
+        async with aclosing(generation.batches()) as batches:
+            async for batch in batches:
+                for update in merge_batch(batch):
+                    results.add(update)
+    finally:
+        metrics.in_flight -= 1

@@ -15,12 +15,17 @@ from contextlib import aclosing
 from quart import Response
 
 from atlas.adapters.http import sse
-from atlas.adapters.http.choices import ChoiceResults, merge_batch
+from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import check_prompt_fits, sampling_params
 from atlas.adapters.http.prompts import completion_prompts
-from atlas.adapters.http.responses import Completion, CompletionChoice, TokenTexts, Usage
+from atlas.adapters.http.responses import (
+    Completion,
+    CompletionChoice,
+    TokenTexts,
+    Usage,
+)
 from atlas.adapters.http.schemas import CompletionRequest, unsupported_features
 from atlas.adapters.http.state import ServerState, decode_body, now_s
 
@@ -70,14 +75,7 @@ async def completions(state: ServerState, body: bytes) -> Response:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         frames = _stream(state, generation, reply, results, token_texts, body, started_s, include_usage)
         return Response(sse.with_errors(frames), 200, sse.HEADERS)
-    state.metrics.in_flight += 1
-    try:
-        async with aclosing(generation.batches()) as batches:
-            async for batch in batches:
-                for update in merge_batch(batch):
-                    results.add(update)
-    finally:
-        state.metrics.in_flight -= 1
+    await collect(generation, results, state.metrics)
     answer = _completion(reply, generation, results, token_texts)
     if state.dump is not None:
         state.dump.write("completions", 200, False, started_s, body, answer)

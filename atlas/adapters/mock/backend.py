@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from atlas.adapters.mock.sampler import sample_rows
-from atlas.adapters.mock.tensor import NUMPY_DTYPES, MockTensor, dtype_of
+from atlas.adapters.mock.tensor import MockTensor
 from atlas.domain.sampling import PackedSampling
 from atlas.ports.gpu import (
+    NUMPY_DTYPES,
     Activation,
     AttentionMetadata,
     Capabilities,
@@ -27,6 +28,7 @@ from atlas.ports.gpu import (
     KvCacheSpec,
     LogprobsOut,
     SamplingTensors,
+    dtype_of,
 )
 
 # Queries attend in tiles of this many rows so a 4k-token prompt never builds a 4k x 4k x heads

@@ -2,26 +2,9 @@
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from atlas.ports.gpu import DType
-
-NUMPY_DTYPES: dict[DType, np.dtype] = {
-    DType.BF16: np.dtype(ml_dtypes.bfloat16),
-    DType.F16: np.dtype(np.float16),
-    DType.F32: np.dtype(np.float32),
-    DType.I32: np.dtype(np.int32),
-    DType.I64: np.dtype(np.int64),
-    DType.U8: np.dtype(np.uint8),
-}
-
-
-def dtype_of(array: np.ndarray) -> DType:
-    for dtype, np_dtype in NUMPY_DTYPES.items():
-        if array.dtype == np_dtype:
-            return dtype
-    raise ValueError(f"no backend dtype for numpy dtype {array.dtype}")
 
 
 class MockTensor:
