@@ -10,17 +10,21 @@ a placeholder (one word-level token per id): benchmarks feed token ids, not text
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from atlas.adapters.weights.safetensors import SafetensorsWriter, TensorSpec, plan_shards, shard_filenames, write_index
+from atlas.adapters.weights.safetensors import (
+    SafetensorsWriter,
+    TensorSpec,
+    plan_shards,
+    shard_filenames,
+    write_index,
+)
+from atlas.app.bench.folders import staged_folder
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(
@@ -86,18 +90,11 @@ def write_random_model(name_or_config: str | dict[str, Any], out_dir: Path | str
     config_path = out_dir / "config.json"
     if config_path.exists() and json.loads(config_path.read_text()) == config:
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".random-", dir=out_dir.parent))
-    try:
+    with staged_folder(out_dir) as staging:
         _write_weights(config, staging, np.random.default_rng(seed), progress)
         _write_tokenizer(config, staging)
         (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
         (staging / "config.json").write_text(json.dumps(config, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 

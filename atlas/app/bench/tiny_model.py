@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from atlas.adapters.weights.safetensors import SafetensorsWriter, TensorSpec
+from atlas.app.bench.folders import staged_folder
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -155,9 +153,7 @@ def write_tiny_model(out_dir: Path | str, seed: int = 0, shape: TinyModelShape =
     An existing folder at `out_dir` is replaced. Raises OSError when the parent is not writable.
     """
     out_dir = Path(out_dir).expanduser().resolve()
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".tiny-", dir=out_dir.parent))
-    try:
+    with staged_folder(out_dir) as staging:
         tokenizer = train_tokenizer(shape.vocab_size)
         tokenizer.save(str(staging / "tokenizer.json"))
         vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -169,11 +165,6 @@ def write_tiny_model(out_dir: Path | str, seed: int = 0, shape: TinyModelShape =
         # single-byte tokens get small logits: the text comes out as word pieces, not raw bytes
         single_bytes = [i for token, i in tokenizer.get_vocab().items() if len(token) == 1]
         _write_weights(staging / "model.safetensors", shape, vocab_size, single_bytes, seed)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(staging, out_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
 
