@@ -27,6 +27,16 @@ class HostStepInputs:
     max_query_len: int
     max_seq_len: int
 
+    @classmethod
+    def empty(cls, table_width: int) -> HostStepInputs:
+        """A step with no sequences (padded into a graph's warm-up inputs)."""
+        none = np.zeros(0, np.int32)
+        return cls(
+            token_ids=none, positions=none, slot_mapping=none, query_start_loc=np.zeros(1, np.int32),
+            seq_lens=none, block_tables=np.zeros((0, table_width), np.int32), sample_indices=none,
+            token_gather=none, has_placeholders=False, max_query_len=1, max_seq_len=1,
+        )
+
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])

@@ -166,13 +166,10 @@ class Worker:
             sample_indices=buffers.sample_indices.rows(0, bucket),
         )
         # valid inputs for the warm-up run: every row a padding row in the scratch block
-        empty = HostStepInputs(
-            token_ids=np.zeros(0, np.int32), positions=np.zeros(0, np.int32), slot_mapping=np.zeros(0, np.int32),
-            query_start_loc=np.zeros(1, np.int32), seq_lens=np.zeros(0, np.int32),
-            block_tables=np.zeros((0, self.table_width), np.int32), sample_indices=np.zeros(0, np.int32),
-            token_gather=np.zeros(0, np.int32), has_placeholders=False, max_query_len=1, max_seq_len=1,
+        padding = pad_decode_inputs(
+            HostStepInputs.empty(self.table_width), bucket, self.scratch_block, self.block_size, buffers.max_seqs
         )
-        buffers.stage_inputs(pad_decode_inputs(empty, bucket, self.scratch_block, self.block_size, buffers.max_seqs))
+        buffers.stage_inputs(padding)
         buffers.send()
         outputs: list[Tensor] = []
 
