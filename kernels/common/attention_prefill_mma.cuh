@@ -31,6 +31,32 @@
 
 #include "atlas_common.cuh"
 
+// A varlen prefill grid: sequence s owns T(s) = floor(query_start[s] * G / block_m) + s tiles
+// onwards, each tile block_m query rows (token x head-in-group) of that sequence.
+struct PrefillTile {
+    int seq, first_token, query_len, context_len, first_row, num_rows;
+};
+
+__device__ __forceinline__ PrefillTile locate_prefill_tile(const int* query_start_loc, const int* seq_lens,
+                                                           int num_seqs, int group, int block_m, int tile_id) {
+    int lo = 0, hi = num_seqs - 1;  // the last s with T(s) <= tile_id
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        const int start = (int)(((long long)query_start_loc[mid] * group) / block_m) + mid;
+        if (start <= tile_id) lo = mid; else hi = mid - 1;
+    }
+    PrefillTile tile;
+    tile.seq = lo;
+    tile.first_token = query_start_loc[lo];
+    tile.query_len = query_start_loc[lo + 1] - tile.first_token;
+    tile.context_len = seq_lens[lo];
+    const int local_tile = tile_id - ((int)(((long long)tile.first_token * group) / block_m) + lo);
+    tile.first_row = local_tile * block_m;
+    tile.num_rows = tile.query_len * group;
+    return tile;
+}
+
+
 #define PREFILL_BLOCK_N 64
 
 template <int HEAD_DIM, int STAGES, int BLOCK_M>
@@ -52,20 +78,9 @@ __device__ __forceinline__ void attention_prefill_impl(
     const int kv_head = blockIdx.y;
     const int tile_id = blockIdx.x;
 
-    // Which sequence owns this tile: the last s with T(s) <= tile_id.
-    int lo = 0, hi = num_seqs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        const int start = (int)(((long long)query_start_loc[mid] * group) / BLOCK_M) + mid;
-        if (start <= tile_id) lo = mid; else hi = mid - 1;
-    }
-    const int seq = lo;
-    const int first_token = query_start_loc[seq];
-    const int query_len = query_start_loc[seq + 1] - first_token;
-    const int context_len = seq_lens[seq];
-    const int local_tile = tile_id - ((int)(((long long)first_token * group) / BLOCK_M) + seq);
-    const int first_row = local_tile * BLOCK_M;
-    const int num_rows = query_len * group;
+    const PrefillTile tile = locate_prefill_tile(query_start_loc, seq_lens, num_seqs, group, BLOCK_M, tile_id);
+    const int seq = tile.seq, first_token = tile.first_token, query_len = tile.query_len;
+    const int context_len = tile.context_len, first_row = tile.first_row, num_rows = tile.num_rows;
     if (query_len <= 0 || first_row >= num_rows || (skip_single_token && query_len == 1)) return;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

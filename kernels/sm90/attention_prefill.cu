@@ -67,20 +67,9 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
     const int kv_head = blockIdx.y;
     const int tile_id = gridDim.x - 1 - blockIdx.x;
 
-    // Which sequence owns this tile: the last s with T(s) <= tile_id.
-    int lo = 0, hi = num_seqs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        const int start = (int)(((long long)query_start_loc[mid] * group) / WG_BLOCK_M) + mid;
-        if (start <= tile_id) lo = mid; else hi = mid - 1;
-    }
-    const int seq = lo;
-    const int first_token = query_start_loc[seq];
-    const int query_len = query_start_loc[seq + 1] - first_token;
-    const int context_len = seq_lens[seq];
-    const int local_tile = tile_id - ((int)(((long long)first_token * group) / WG_BLOCK_M) + seq);
-    const int first_row = local_tile * WG_BLOCK_M;
-    const int num_rows = query_len * group;
+    const PrefillTile tile = locate_prefill_tile(query_start_loc, seq_lens, num_seqs, group, WG_BLOCK_M, tile_id);
+    const int seq = tile.seq, first_token = tile.first_token, query_len = tile.query_len;
+    const int context_len = tile.context_len, first_row = tile.first_row, num_rows = tile.num_rows;
     if (query_len <= 0 || first_row >= num_rows || (skip_single_token && query_len == 1)) return;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
