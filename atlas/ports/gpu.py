@@ -316,6 +316,44 @@ class GpuBackend(Protocol):
         """out = x @ weight.T (+ bias).  x [N, K], weight [M, K], out [N, M], bias [M]."""
         ...
 
+    def linear_add(self, x: Tensor, weight: Tensor, residual: Tensor, scratch: Tensor) -> None:
+        """residual += x @ weight.T, rounded once (a layer's output projection into the residual
+        stream). x [N, K], weight [H, K], residual [N, H]; scratch [N, H] f32 may hold the product
+        (a backend that adds inside its GEMV leaves it unwritten)."""
+        ...
+
+    def rmsnorm_linear(
+        self,
+        x: Tensor,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        out: Tensor,
+        normed: Tensor,
+        bias: Tensor | None = None,
+    ) -> None:
+        """out = rmsnorm(x) @ weight.T (+ bias): `rmsnorm(x, norm_weight, eps, normed)` then
+        `linear(normed, weight, out, bias)`, as one op so that a backend may normalise x inside
+        the product (and leave `normed` unwritten). x, normed [N, K], weight [M, K], out [N, M]."""
+        ...
+
+    def rmsnorm_gated_linear(
+        self,
+        x: Tensor,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        activation: Activation,
+        out: Tensor,
+        normed: Tensor,
+        scratch: Tensor,
+    ) -> None:
+        """`rmsnorm(x, norm_weight, eps, normed)`, `linear(normed, weight, scratch)`, then
+        `act_mul(scratch, activation, out)`: out = act(n @ gate.T) * (n @ up.T) with n = rmsnorm(x)
+        and weight = [gate; up] [2I, K], as one op that a backend may fuse (leaving `normed` and
+        `scratch` [N, 2I] unwritten). x [N, K], out [N, I]."""
+        ...
+
     def rope_and_cache(
         self,
         qkv: Tensor,

@@ -41,6 +41,31 @@ __device__ __forceinline__ void dependent_launch_entry() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// "Last block done": a grid whose blocks each produce part of a result lets the last block to
+// finish run a step over the whole of it (the residual add + RMSNorm after a GEMV, the merge of
+// a decode attention's splits), which saves a kernel launch and a grid drain. Every thread calls
+// it after writing its part; it returns true in exactly one block, once `arrivals` blocks have
+// counted themselves at `counter`, and that block then sees every other block's writes. The
+// counter must start at zero; the last block puts it back to zero, so the next launch (which
+// waits for this grid in dependent_launch_entry before touching it) finds it ready. The last
+// block reads the others' results from L2 (ld.global.cg), never through L1.
+__device__ __forceinline__ bool last_block_done(unsigned* counter, unsigned arrivals) {
+    // The barrier orders the block's writes before thread 0's fence, which releases them all
+    // device-wide before the block is counted (one fence per block, as cooperative groups do).
+    __syncthreads();
+    bool is_last = false;
+    if (threadIdx.x == 0) {
+        __threadfence();
+        is_last = atomicAdd(counter, 1u) == arrivals - 1;
+        if (is_last) {
+            *counter = 0u;
+            __threadfence();
+        }
+    }
+    return __syncthreads_or(is_last);  // the barrier broadcasts it (no shared memory taken)
+}
+
+// ---------------------------------------------------------------------------------------------
 // Scalar conversions: one spelling for every element type the kernels are instantiated with.
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
@@ -56,6 +81,7 @@ template <typename T> struct Vec8;
 template <> struct Vec8<bf16> {
     uint4 raw;
     __device__ __forceinline__ void load(const bf16* p) { raw = *reinterpret_cast<const uint4*>(p); }
+    __device__ __forceinline__ void load_from_l2(const bf16* p) { raw = __ldcg(reinterpret_cast<const uint4*>(p)); }
     __device__ __forceinline__ void store(bf16* p) const { *reinterpret_cast<uint4*>(p) = raw; }
     __device__ __forceinline__ void to_floats(float* out) const {
         const bf16x2* pairs = reinterpret_cast<const bf16x2*>(&raw);
@@ -78,6 +104,10 @@ template <> struct Vec8<float> {
     __device__ __forceinline__ void load(const float* p) {
         lo = reinterpret_cast<const float4*>(p)[0];
         hi = reinterpret_cast<const float4*>(p)[1];
+    }
+    __device__ __forceinline__ void load_from_l2(const float* p) {
+        lo = __ldcg(reinterpret_cast<const float4*>(p));
+        hi = __ldcg(reinterpret_cast<const float4*>(p) + 1);
     }
     __device__ __forceinline__ void store(float* p) const {
         reinterpret_cast<float4*>(p)[0] = lo;
@@ -107,6 +137,19 @@ __device__ __forceinline__ void store8(T* p, const float* in) {
     v.from_floats(in);
     v.store(p);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Gated activations: act(gate) of SwiGLU (SiLU) and GeGLU (tanh-approximated GELU).
+struct SiluOp {
+    __device__ __forceinline__ float operator()(float g) const { return g / (1.0f + expf(-g)); }
+};
+
+struct GeluTanhOp {
+    __device__ __forceinline__ float operator()(float g) const {
+        const float k = 0.7978845608028654f;  // sqrt(2 / pi)
+        return 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g)));
+    }
+};
 
 // ---------------------------------------------------------------------------------------------
 // Reductions.

@@ -24,7 +24,8 @@
 // then the groups are merged through shared memory (the same rescaling as the split merge; the
 // merge buffers reuse the ring's memory).
 // With one split the block writes `out`; otherwise it writes its normalised partial output and
-// log2-sum-exp to the workspace and `attention_decode_merge` combines the splits:
+// log2-sum-exp to the workspace, and the last split of its (sequence, head group) to finish
+// (counted in split_counters [S, Hkv x head groups], zero between launches) combines them:
 //
 //     partial_out [S, Hq, splits, D] f32, partial_lse [S, Hq, splits] f32 (log2 domain)
 //     out = sum_z exp2(lse_z - M) o_z / sum_z exp2(lse_z - M),  M = max_z lse_z
@@ -41,7 +42,7 @@ template <int HEAD_DIM, int HEADS>
 __device__ __forceinline__ void attention_decode_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
     bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
-    const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
+    unsigned* __restrict__ split_counters, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
     int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, float scale_log2,
     int sliding_window, int num_splits) {
     constexpr int LANES = HEAD_DIM / 8;                 // lanes per token row
@@ -228,19 +229,37 @@ __device__ __forceinline__ void attention_decode_impl(
             if (d == 0) partial_lse[slot] = total > 0.0f ? best + log2f(total) : -ATLAS_INF;
         }
     }
+    if (num_splits == 1 || !last_block_done(split_counters + (long long)seq * gridDim.y + blockIdx.y, num_splits))
+        return;
+    // The last split to finish merges every split of this block's heads (read from L2).
+    for (int item = threadIdx.x; item < num_heads * HEAD_DIM; item += DECODE_THREADS) {
+        const int head = first_head + item / HEAD_DIM, d = item % HEAD_DIM;
+        const long long first_slot = ((long long)seq * num_q_heads + head) * num_splits;
+        float best = -ATLAS_INF;
+        for (int z = 0; z < num_splits; ++z) best = fmaxf(best, __ldcg(partial_lse + first_slot + z));
+        float total = 0.0f, value = 0.0f;
+        if (best != -ATLAS_INF) {
+            for (int z = 0; z < num_splits; ++z) {
+                const float weight = exp2f(__ldcg(partial_lse + first_slot + z) - best);
+                total += weight;
+                value += weight * __ldcg(partial_out + (first_slot + z) * HEAD_DIM + d);
+            }
+        }
+        out[q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(total > 0.0f ? value / total : 0.0f);
+    }
 }
 
 #define DEFINE_DECODE(HEAD_DIM, HEADS)                                                                          \
     extern "C" __global__ void __launch_bounds__(DECODE_THREADS) attention_decode_d##HEAD_DIM##_h##HEADS(        \
         const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, float* partial_out,                 \
-        float* partial_lse, const int* query_start_loc, const int* seq_lens, const int* block_tables,           \
-        int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, float scale_log2,            \
-        int sliding_window, int num_splits) {                                                                   \
+        float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,          \
+        const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size,     \
+        float scale_log2, int sliding_window, int num_splits) {                                                 \
         dependent_launch_entry();                                                                               \
         attention_decode_impl<HEAD_DIM, HEADS>(q, k_plane, v_plane, out, partial_out, partial_lse,              \
-                                               query_start_loc, seq_lens, block_tables, block_table_stride,     \
-                                               num_q_heads, num_kv_heads, block_size, scale_log2,               \
-                                               sliding_window, num_splits);                                     \
+                                               split_counters, query_start_loc, seq_lens, block_tables,         \
+                                               block_table_stride, num_q_heads, num_kv_heads, block_size,       \
+                                               scale_log2, sliding_window, num_splits);                         \
     }
 
 #define DEFINE_DECODE_HEADS(HEAD_DIM) \
@@ -252,28 +271,3 @@ __device__ __forceinline__ void attention_decode_impl(
 DEFINE_DECODE_HEADS(64)
 DEFINE_DECODE_HEADS(128)
 DEFINE_DECODE_HEADS(256)
-
-// grid = (sequence, query head), block = HEAD_DIM threads (<= 256): merge the splits of one head.
-extern "C" __global__ void attention_decode_merge(const float* __restrict__ partial_out,
-                                                  const float* __restrict__ partial_lse, bf16* __restrict__ out,
-                                                  const int* __restrict__ query_start_loc, int num_q_heads,
-                                                  int head_dim, int num_splits) {
-    dependent_launch_entry();
-    const int seq = blockIdx.x, head = blockIdx.y;
-    const int token = query_start_loc[seq];
-    if (query_start_loc[seq + 1] - token != 1) return;
-    const long long first_slot = ((long long)seq * num_q_heads + head) * num_splits;
-    float best = -ATLAS_INF;
-    for (int z = 0; z < num_splits; ++z) best = fmaxf(best, partial_lse[first_slot + z]);
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float total = 0.0f, value = 0.0f;
-        if (best != -ATLAS_INF) {
-            for (int z = 0; z < num_splits; ++z) {
-                const float weight = exp2f(partial_lse[first_slot + z] - best);
-                total += weight;
-                value += weight * partial_out[(first_slot + z) * head_dim + d];
-            }
-        }
-        out[((long long)token * num_q_heads + head) * head_dim + d] = from_float<bf16>(total > 0.0f ? value / total : 0.0f);
-    }
-}

@@ -6,6 +6,8 @@
 //                 Bytes: 2 * R * row_bytes + 4 R.  FLOPs: 0.
 // act_mul_*:      out[n, i] = act(x[n, i]) * x[n, I + i]       x [N, 2I], out [N, I].
 //                 Bytes: 3 * N * I * sizeof(T).  FLOPs: ~10 N I (one exp or tanh each).
+// add_f32_into_bf16: residual[i] = bf16(residual[i] + delta[i]): the residual add after a GEMM
+//                 with f32 output.  Bytes: 8 n.
 // fill_u64:       every 8-byte element of dst set to `pattern` (i64 tensors; narrower types use
 //                 the driver's memset).  Bytes: 8 n.
 // copy_kv_pages:  pages src[i] -> dst[i] of every (layer, K|V) plane of the paged cache.
@@ -49,17 +51,6 @@ extern "C" __global__ void gather_rows_v1(unsigned char* dst, const unsigned cha
 }
 
 // ---------------------------------------------------------------------------------------------
-struct SiluOp {
-    __device__ __forceinline__ float operator()(float g) const { return g / (1.0f + expf(-g)); }
-};
-
-struct GeluTanhOp {
-    __device__ __forceinline__ float operator()(float g) const {
-        const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-        return 0.5f * g * (1.0f + tanhf(k * (g + 0.044715f * g * g * g)));
-    }
-};
-
 // Eight elements per thread: needs I % 8 == 0 (checked on the host).
 template <typename T, typename Act>
 __device__ __forceinline__ void act_mul_vec8(const T* x, T* out, int num_tokens, int inner) {
@@ -106,6 +97,14 @@ DEFINE_ACT_MUL(silu_bf16, bf16, SiluOp)
 DEFINE_ACT_MUL(silu_f32, float, SiluOp)
 DEFINE_ACT_MUL(gelu_tanh_bf16, bf16, GeluTanhOp)
 DEFINE_ACT_MUL(gelu_tanh_f32, float, GeluTanhOp)
+
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void add_f32_into_bf16(bf16* residual, const float* delta, long long count) {
+    dependent_launch_entry();
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x)
+        residual[i] = from_float<bf16>(to_float(residual[i]) + delta[i]);
+}
 
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void fill_u64(u64* dst, long long count, u64 pattern) {

@@ -1,5 +1,5 @@
 // Skinny matrix product for decode: out[n, m] = sum_k x[n, k] * w[m, k] (+ bias[m]) for a few
-// token rows n < N <= 8.
+// token rows n < N <= 8, and the same product with the op that follows it fused in.
 //
 //   x [N, K] bf16, w [M, K] bf16 row-major (the checkpoint's [out, in]), bias [M] bf16 or null,
 //   out [N, M] bf16 or f32.  K % 8 == 0 (16-byte loads; the host checks).
@@ -17,6 +17,21 @@
 //     block b: rows m0 = b * ROWS .. m0 + ROWS - 1
 //     warp w, lane l: k chunks (w * 32 + l) * 8, then + 4 * 32 * 8, ...
 //     w rows:  | w0 l0 | w0 l1 | ... | w0 l31 | w1 l0 | ... | w3 l31 | w0 l0 | ...
+//
+// The weights do not depend on the previous kernel, so each lane requests its first chunks of
+// them before waiting for that kernel (dependent_launch_entry comes after those loads): the
+// GEMV's HBM ramp-up overlaps the tail of the small kernel before it.
+//
+// Fused variants (each removes a kernel, its launch and its grid drain, from every decode layer):
+//   rmsnorm:  x is the residual stream; each block first takes the inverse RMS of its token rows
+//             (the whole row, from L2) and multiplies by it and norm_weight as it loads x, rounding
+//             to bf16 as the norm kernel's output would be: out = rmsnorm(x) w^T. Every block
+//             re-reads the row, so the host uses it for narrow rows only (ops_dense.py).
+//   gated:    w = [gate; up] [2I, K], out [N, I] = act(x gate^T) * (x up^T): a block owns
+//             features f (gate row f and up row I + f), so the product needs no second pass.
+//             Gate and up are rounded to bf16 before act, as the unfused linear + act_mul.
+//   add:      out is the residual stream: out[n, m] += x w^T (one rounding), each element by the
+//             thread that owns it.
 #include "atlas_common.cuh"
 
 #define GEMV_WARPS 4
@@ -24,6 +39,16 @@
 __device__ __forceinline__ uint4 load_streaming(const bf16* p) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// The same load, issued where it stands: before the wait for the previous grid (volatile asm
+// statements keep their order, so the compiler cannot sink it below griddepcontrol.wait).
+__device__ __forceinline__ uint4 load_streaming_early(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
     return v;
@@ -39,13 +64,100 @@ __device__ __forceinline__ void bf16x8_to_floats(uint4 raw, float* out) {
     }
 }
 
-template <typename OUT, int ROWS, int TOKENS>
+// What a block's row sums become. Plain: out[n, m] = sum (+ bias). Gated<Act>: the block's rows
+// are gate rows then up rows of the same features, and out[n, f] = act(gate) * up.
+struct Plain {
+    static constexpr bool gated = false;
+};
+
+template <typename Act>
+struct Gated {
+    static constexpr bool gated = true;
+};
+
+struct AddTo {
+    static constexpr bool gated = false;
+};
+
+// What the block stores for feature value `total` (and `up`, gated) at `slot` of out.
+template <typename EPI, typename OUT>
+__device__ __forceinline__ void store_feature(OUT* slot, float total, float up);
+
+template <typename EPI>
+struct ActOf {
+    typedef SiluOp type;  // unused for Plain
+};
+template <typename Act>
+struct ActOf<Gated<Act>> {
+    typedef Act type;
+};
+
+template <typename EPI, typename OUT>
+__device__ __forceinline__ void store_feature(OUT* slot, float total, float up) {
+    if (EPI::gated) {
+        const typename ActOf<EPI>::type act;
+        total = act(to_float(from_float<bf16>(total))) * to_float(from_float<bf16>(up));
+    }
+    *slot = from_float<OUT>(total);
+}
+
+template <>
+__device__ __forceinline__ void store_feature<AddTo, bf16>(bf16* slot, float total, float) {
+    *slot = from_float<bf16>(to_float(*slot) + total);
+}
+
+// x chunks as the products see them: the raw 8 bf16 values, or (rmsnorm) those values times the
+// row's inverse RMS and the norm weight, rounded to bf16 again.
+template <bool NORM, typename NW>
+__device__ __forceinline__ uint4 input_chunk(const bf16* x, int k, const NW* norm_weight, float inverse_rms) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(x + k);
+    if (!NORM) return raw;
+    float values[8], scales[8];
+    bf16x8_to_floats(raw, values);
+    load8(norm_weight + k, scales);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) values[i] = values[i] * inverse_rms * scales[i];
+    Vec8<bf16> normed;
+    normed.from_floats(values);
+    return normed.raw;
+}
+
+// 1 / sqrt(mean(row^2) + eps) of a row of `inner` bf16 values, summed by a whole block (the
+// result reaches every thread) or by one warp.
+__device__ __forceinline__ float row_sum_squares(const bf16* row, int inner, int first, int stride) {
+    float sum = 0.0f;
+    for (int k = first * 8; k < inner; k += stride * 8) {
+        float values[8];
+        load8(row + k, values);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum += values[i] * values[i];
+    }
+    return sum;
+}
+
+__device__ __forceinline__ float inverse_rms_of(float sum_squares, int inner, float eps) {
+    return 1.0f / sqrtf(sum_squares / inner + eps);
+}
+
+// Weight row of the block's r-th row: features first .. first + FEATURES - 1, then (gated) their
+// up rows at num_features + f. Rows past the end re-read the last valid one (never stored).
+template <typename EPI, int FEATURES>
+__device__ __forceinline__ long long weight_row(int first, int r, int num_features) {
+    const int feature = min(first + r % FEATURES, num_features - 1);
+    return EPI::gated && r >= FEATURES ? (long long)num_features + feature : (long long)feature;
+}
+
+// num_rows counts output features: the weight's rows, or half of them when gated. With NORM,
+// x is normalised on the way in (norm_weight [K], eps).
+template <typename OUT, int ROWS, int TOKENS, typename EPI, bool NORM = false, typename NW = bf16>
 __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                           const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
-                                          int num_rows, int inner) {
+                                          int num_rows, int inner, const NW* __restrict__ norm_weight = nullptr,
+                                          float eps = 0.0f) {
+    constexpr int FEATURES = EPI::gated ? ROWS / 2 : ROWS;
     __shared__ float partial[GEMV_WARPS][ROWS][TOKENS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int first_row = blockIdx.x * ROWS;
+    const int first = blockIdx.x * FEATURES;
 
     float acc[ROWS][TOKENS];
 #pragma unroll
@@ -55,11 +167,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
 
     const bf16* w_rows[ROWS];
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-        // Rows past the end re-read the last valid row; their results are never stored.
-        const int row = min(first_row + r, num_rows - 1);
-        w_rows[r] = w + (long long)row * inner;
-    }
+    for (int r = 0; r < ROWS; ++r) w_rows[r] = w + weight_row<EPI, FEATURES>(first, r, num_rows) * inner;
 
     // Full steps of BATCH chunks issue all their loads before the first FMA (BATCH * ROWS * 16
     // bytes of weights in flight per lane); the remaining chunks go one at a time.
@@ -81,24 +189,57 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
             }
         }
     };
-    auto load_chunk = [&](int k, uint4* weights_raw, uint4* x_raw) {
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) weights_raw[r] = load_streaming(w_rows[r] + k);
+    float inverse_rms[TOKENS];
+    auto load_x = [&](int k, uint4* x_raw) {
 #pragma unroll
         for (int n = 0; n < TOKENS; ++n)
-            x_raw[n] = n < num_tokens ? *reinterpret_cast<const uint4*>(x + (long long)n * inner + k) : make_uint4(0, 0, 0, 0);
+            x_raw[n] = n < num_tokens ? input_chunk<NORM>(x + (long long)n * inner, k, norm_weight, inverse_rms[n])
+                                      : make_uint4(0, 0, 0, 0);
     };
     int k = (warp * 32 + lane) * 8;
+    {
+        // The first step's weights are requested before the previous kernel is waited for.
+        const bool full = k + (BATCH - 1) * STEP < inner;
+        uint4 weights_raw[BATCH][ROWS], x_raw[BATCH][TOKENS];
+        if (full) {
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u)
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) weights_raw[u][r] = load_streaming_early(w_rows[r] + k + u * STEP);
+        }
+        dependent_launch_entry();
+        if (NORM) {
+            __shared__ float scratch[32];
+#pragma unroll
+            for (int n = 0; n < TOKENS; ++n) {
+                const float sum = n < num_tokens ? row_sum_squares(x + (long long)n * inner, inner, threadIdx.x, blockDim.x) : 0.0f;
+                inverse_rms[n] = inverse_rms_of(block_sum(sum, scratch), inner, eps);
+            }
+        }
+        if (full) {
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) load_x(k + u * STEP, x_raw[u]);
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) accumulate(weights_raw[u], x_raw[u]);
+            k += BATCH * STEP;
+        }
+    }
     for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
         uint4 weights_raw[BATCH][ROWS], x_raw[BATCH][TOKENS];
 #pragma unroll
-        for (int u = 0; u < BATCH; ++u) load_chunk(k + u * STEP, weights_raw[u], x_raw[u]);
+        for (int u = 0; u < BATCH; ++u) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) weights_raw[u][r] = load_streaming(w_rows[r] + k + u * STEP);
+            load_x(k + u * STEP, x_raw[u]);
+        }
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) accumulate(weights_raw[u], x_raw[u]);
     }
     for (; k < inner; k += STEP) {
         uint4 weights_raw[ROWS], x_raw[TOKENS];
-        load_chunk(k, weights_raw, x_raw);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) weights_raw[r] = load_streaming(w_rows[r] + k);
+        load_x(k, x_raw);
         accumulate(weights_raw, x_raw);
     }
 
@@ -110,37 +251,21 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
             if (lane == 0) partial[warp][r][n] = total;
         }
     __syncthreads();
-    if (threadIdx.x < ROWS * TOKENS) {
-        const int r = threadIdx.x / TOKENS, n = threadIdx.x % TOKENS;
-        const int row = first_row + r;
-        if (row < num_rows && n < num_tokens) {
-            float total = bias != nullptr ? to_float(bias[row]) : 0.0f;
+    if (threadIdx.x < FEATURES * TOKENS) {
+        const int f = threadIdx.x / TOKENS, n = threadIdx.x % TOKENS;
+        const int feature = first + f;
+        if (feature < num_rows && n < num_tokens) {
+            float total = bias != nullptr ? to_float(bias[feature]) : 0.0f, up = 0.0f;
 #pragma unroll
-            for (int j = 0; j < GEMV_WARPS; ++j) total += partial[j][r][n];
-            out[(long long)n * num_rows + row] = from_float<OUT>(total);
+            for (int j = 0; j < GEMV_WARPS; ++j) total += partial[j][f][n];
+            if (EPI::gated) {
+#pragma unroll
+                for (int j = 0; j < GEMV_WARPS; ++j) up += partial[j][f + FEATURES][n];
+            }
+            store_feature<EPI>(out + (long long)n * num_rows + feature, total, up);
         }
     }
 }
-
-#define DEFINE_GEMV(OUT_NAME, OUT, ROWS, TOKENS)                                                               \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_##OUT_NAME##_r##ROWS##_t##TOKENS(       \
-        const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens, int num_rows, int inner) {   \
-        dependent_launch_entry();                                                                              \
-        gemv_impl<OUT, ROWS, TOKENS>(x, w, bias, out, num_tokens, num_rows, inner);                            \
-    }
-
-#define DEFINE_GEMV_TOKENS(OUT_NAME, OUT, ROWS) \
-    DEFINE_GEMV(OUT_NAME, OUT, ROWS, 1)         \
-    DEFINE_GEMV(OUT_NAME, OUT, ROWS, 2)         \
-    DEFINE_GEMV(OUT_NAME, OUT, ROWS, 4)         \
-    DEFINE_GEMV(OUT_NAME, OUT, ROWS, 8)
-
-DEFINE_GEMV_TOKENS(bf16, bf16, 1)
-DEFINE_GEMV_TOKENS(bf16, bf16, 2)
-DEFINE_GEMV_TOKENS(bf16, bf16, 4)
-DEFINE_GEMV_TOKENS(f32, float, 1)
-DEFINE_GEMV_TOKENS(f32, float, 2)
-DEFINE_GEMV_TOKENS(f32, float, 4)
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core variant for 2..8 token rows: at N = 8 the fp32 FMAs of the SIMT kernel cost more
@@ -154,19 +279,22 @@ DEFINE_GEMV_TOKENS(f32, float, 4)
 //     mma step s (0, 1), logical k 2t + i  <-  physical k0 + 8t + 4s + i
 //                        logical k 2t+8+i  <-  physical k0 + 8t + 4s + 2 + i        (i = 0, 1)
 //
+// Gated, the 16 rows are the gate rows of 8 features (g) and their up rows (g + 8).
 // The block's 8 warps split K and meet in shared memory. K % 32 == 0 (the host checks).
 #define GEMV_MMA_WARPS 8
 
-template <typename OUT>
+template <typename OUT, typename EPI, bool NORM = false, typename NW = bf16>
 __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                               const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
-                                              int num_rows, int inner) {
+                                              int num_rows, int inner, const NW* __restrict__ norm_weight = nullptr,
+                                              float eps = 0.0f) {
+    constexpr int FEATURES = EPI::gated ? 8 : 16;
     __shared__ float partial[GEMV_MMA_WARPS][16][8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int first_row = blockIdx.x * 16;
-    const bf16* row_a = w + (long long)min(first_row + g, num_rows - 1) * inner;
-    const bf16* row_b = w + (long long)min(first_row + g + 8, num_rows - 1) * inner;
+    const int first = blockIdx.x * FEATURES;
+    const bf16* row_a = w + weight_row<EPI, FEATURES>(first, g, num_rows) * inner;
+    const bf16* row_b = w + weight_row<EPI, FEATURES>(first, g + 8, num_rows) * inner;
     const bool has_token = g < num_tokens;
     const bf16* x_row = x + (long long)(has_token ? g : 0) * inner;
 
@@ -183,51 +311,136 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
         const u32 b1[2] = {xs.z, xs.w};
         mma_bf16_16816(acc, a1, b1);
     };
+    float inverse_rms = 0.0f;  // of token g's row (NORM)
+    auto load_x = [&](int k) {
+        return has_token ? input_chunk<NORM>(x_row, k, norm_weight, inverse_rms) : make_uint4(0, 0, 0, 0);
+    };
     int k = warp * 32 + 8 * t;
+    {
+        // The first step's weights are requested before the previous kernel is waited for.
+        const bool full = k + (BATCH - 1) * STEP < inner;
+        uint4 wa[BATCH], wb[BATCH];
+        if (full) {
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                wa[u] = load_streaming_early(row_a + k + u * STEP);
+                wb[u] = load_streaming_early(row_b + k + u * STEP);
+            }
+        }
+        dependent_launch_entry();
+        if (NORM) {
+            // Warp j sums token j's row (8 warps, at most 8 tokens).
+            __shared__ float row_inverse_rms[GEMV_MMA_WARPS];
+            if (warp < num_tokens) {
+                const float sum = warp_sum(row_sum_squares(x + (long long)warp * inner, inner, lane, 32));
+                if (lane == 0) row_inverse_rms[warp] = inverse_rms_of(sum, inner, eps);
+            }
+            __syncthreads();
+            inverse_rms = has_token ? row_inverse_rms[g] : 0.0f;
+        }
+        if (full) {
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], load_x(k + u * STEP));
+            k += BATCH * STEP;
+        }
+    }
     for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
         uint4 wa[BATCH], wb[BATCH], xs[BATCH];
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
             wa[u] = load_streaming(row_a + k + u * STEP);
             wb[u] = load_streaming(row_b + k + u * STEP);
-            xs[u] = *reinterpret_cast<const uint4*>(x_row + k + u * STEP);
+            xs[u] = load_x(k + u * STEP);
         }
 #pragma unroll
-        for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], has_token ? xs[u] : make_uint4(0, 0, 0, 0));
+        for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], xs[u]);
     }
-    for (; k < inner; k += STEP) {
-        const uint4 xs = *reinterpret_cast<const uint4*>(x_row + k);
-        multiply(load_streaming(row_a + k), load_streaming(row_b + k), has_token ? xs : make_uint4(0, 0, 0, 0));
-    }
+    for (; k < inner; k += STEP) multiply(load_streaming(row_a + k), load_streaming(row_b + k), load_x(k));
     // acc: (row g, tokens 2t, 2t + 1) and (row g + 8, tokens 2t, 2t + 1)
     partial[warp][g][2 * t] = acc[0];
     partial[warp][g][2 * t + 1] = acc[1];
     partial[warp][g + 8][2 * t] = acc[2];
     partial[warp][g + 8][2 * t + 1] = acc[3];
     __syncthreads();
-    if (threadIdx.x < 16 * 8) {
-        const int r = threadIdx.x / 8, n = threadIdx.x % 8;
-        const int row = first_row + r;
-        if (row < num_rows && n < num_tokens) {
-            float total = bias != nullptr ? to_float(bias[row]) : 0.0f;
+    if (threadIdx.x < FEATURES * 8) {
+        const int f = threadIdx.x / 8, n = threadIdx.x % 8;
+        const int feature = first + f;
+        if (feature < num_rows && n < num_tokens) {
+            float total = bias != nullptr ? to_float(bias[feature]) : 0.0f, up = 0.0f;
 #pragma unroll
-            for (int j = 0; j < GEMV_MMA_WARPS; ++j) total += partial[j][r][n];
-            out[(long long)n * num_rows + row] = from_float<OUT>(total);
+            for (int j = 0; j < GEMV_MMA_WARPS; ++j) total += partial[j][f][n];
+            if (EPI::gated) {
+#pragma unroll
+                for (int j = 0; j < GEMV_MMA_WARPS; ++j) up += partial[j][f + 8][n];
+            }
+            store_feature<EPI>(out + (long long)n * num_rows + feature, total, up);
         }
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Entry points. They wait for the previous grid inside the impl, after the first weight loads.
+#define DEFINE_GEMV(OUT_NAME, OUT, ROWS, TOKENS)                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_##OUT_NAME##_r##ROWS##_t##TOKENS(       \
+        const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens, int num_rows, int inner) {   \
+        gemv_impl<OUT, ROWS, TOKENS, Plain>(x, w, bias, out, num_tokens, num_rows, inner);                     \
+    }
+
+#define DEFINE_GEMV_TOKENS(OUT_NAME, OUT, ROWS) \
+    DEFINE_GEMV(OUT_NAME, OUT, ROWS, 1)         \
+    DEFINE_GEMV(OUT_NAME, OUT, ROWS, 2)         \
+    DEFINE_GEMV(OUT_NAME, OUT, ROWS, 4)         \
+    DEFINE_GEMV(OUT_NAME, OUT, ROWS, 8)
+
+DEFINE_GEMV_TOKENS(bf16, bf16, 1)
+DEFINE_GEMV_TOKENS(bf16, bf16, 2)
+DEFINE_GEMV_TOKENS(bf16, bf16, 4)
+DEFINE_GEMV_TOKENS(f32, float, 1)
+DEFINE_GEMV_TOKENS(f32, float, 2)
+DEFINE_GEMV_TOKENS(f32, float, 4)
+
 extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
     gemv_mma_bf16(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int num_tokens, int num_rows, int inner) {
-    dependent_launch_entry();
-    gemv_mma_impl<bf16>(x, w, bias, out, num_tokens, num_rows, inner);
+    gemv_mma_impl<bf16, Plain>(x, w, bias, out, num_tokens, num_rows, inner);
 }
 
 extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
     gemv_mma_f32(const bf16* x, const bf16* w, const bf16* bias, float* out, int num_tokens, int num_rows, int inner) {
-    dependent_launch_entry();
-    gemv_mma_impl<float>(x, w, bias, out, num_tokens, num_rows, inner);
+    gemv_mma_impl<float, Plain>(x, w, bias, out, num_tokens, num_rows, inner);
 }
+
+// The fused decode variants: one token row on the SIMT kernel, 2..8 on the mma kernel.
+// [rmsnorm_<norm weight type>_]gated_<act>, rmsnorm_<norm weight type>: out = [act-gated]
+// [rmsnorm](x) w^T;  add: out += x w^T.
+#define DEFINE_GEMV_FUSED_ROWS(NAME, EPI, NORM, NW, ROWS)                                                     \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_##NAME##_r##ROWS##_t1(                \
+        const bf16* x, const bf16* w, const bf16* bias, bf16* out, int num_tokens, int num_rows, int inner,   \
+        const NW* norm_weight, float eps) {                                                                   \
+        gemv_impl<bf16, ROWS, 1, EPI, NORM, NW>(x, w, bias, out, num_tokens, num_rows, inner, norm_weight,    \
+                                                eps);                                                         \
+    }
+
+#define DEFINE_GEMV_FUSED(NAME, EPI, NORM, NW)                                                                \
+    DEFINE_GEMV_FUSED_ROWS(NAME, EPI, NORM, NW, 2)                                                            \
+    DEFINE_GEMV_FUSED_ROWS(NAME, EPI, NORM, NW, 4)                                                            \
+    extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32) gemv_mma_##NAME(                        \
+        const bf16* x, const bf16* w, const bf16* bias, bf16* out, int num_tokens, int num_rows, int inner,   \
+        const NW* norm_weight, float eps) {                                                                   \
+        gemv_mma_impl<bf16, EPI, NORM, NW>(x, w, bias, out, num_tokens, num_rows, inner, norm_weight, eps);   \
+    }
+
+DEFINE_GEMV_FUSED_ROWS(rmsnorm_bf16, Plain, true, bf16, 1)
+DEFINE_GEMV_FUSED_ROWS(rmsnorm_f32, Plain, true, float, 1)
+DEFINE_GEMV_FUSED_ROWS(add, AddTo, false, bf16, 1)
+DEFINE_GEMV_FUSED(rmsnorm_bf16, Plain, true, bf16)
+DEFINE_GEMV_FUSED(rmsnorm_f32, Plain, true, float)
+DEFINE_GEMV_FUSED(rmsnorm_bf16_gated_silu, Gated<SiluOp>, true, bf16)
+DEFINE_GEMV_FUSED(rmsnorm_f32_gated_silu, Gated<SiluOp>, true, float)
+DEFINE_GEMV_FUSED(rmsnorm_bf16_gated_gelu_tanh, Gated<GeluTanhOp>, true, bf16)
+DEFINE_GEMV_FUSED(rmsnorm_f32_gated_gelu_tanh, Gated<GeluTanhOp>, true, float)
+DEFINE_GEMV_FUSED(gated_silu, Gated<SiluOp>, false, bf16)
+DEFINE_GEMV_FUSED(gated_gelu_tanh, Gated<GeluTanhOp>, false, bf16)
+DEFINE_GEMV_FUSED(add, AddTo, false, bf16)
 
 // Bias for the cuBLASLt path when its epilogue cannot take it (f32 output): out[n, m] += bias[m].
 template <typename OUT>

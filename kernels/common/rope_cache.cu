@@ -14,7 +14,8 @@
 //       y[i + r/2] = x[i + r/2] cos[i] + x[i] sin[i]
 //   A negative slot skips the K/V write (padding rows of a captured graph).
 //
-// One block of 4 warps per token, a warp per head. Bytes: read N (Hq + 2 Hkv) D * 2 + N r * 4,
+// grid = (token, group of 4 heads): a block of 4 warps, a warp per head (a decode token's heads
+// spread over the SMs instead of queueing in one block). Bytes: read N (Hq + 2 Hkv) D * 2 + N r * 4,
 // write the same amount of q, k, v. FLOPs: ~6 N (Hq + Hkv) D. Bandwidth bound.
 #include "atlas_common.cuh"
 
@@ -41,50 +42,46 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
     const int slot = slot_mapping[token];
     float* values = head_values[warp];
 
-    for (int head = warp; head < total_heads; head += ROPE_WARPS) {
-        const bool is_q = head < num_q_heads;
-        const bool is_v = head >= num_q_heads + num_kv_heads;
-        const bf16* in = qkv + token * row_stride + (long long)head * head_dim;
+    const int head = blockIdx.y * ROPE_WARPS + warp;
+    if (head >= total_heads) return;
+    const bool is_q = head < num_q_heads;
+    const bool is_v = head >= num_q_heads + num_kv_heads;
+    const bf16* in = qkv + token * row_stride + (long long)head * head_dim;
 
-        float sum_squares = 0.0f;
-        for (int d = lane; d < head_dim; d += 32) {
-            const float v = to_float(in[d]);
-            values[d] = v;
-            sum_squares += v * v;
-        }
-        const W* norm = is_v ? nullptr : (is_q ? q_norm : k_norm);
-        if (norm != nullptr) {
-            const float inverse_rms = 1.0f / sqrtf(warp_sum(sum_squares) / head_dim + eps);
-            for (int d = lane; d < head_dim; d += 32) values[d] = values[d] * inverse_rms * to_float(norm[d]);
-        }
-        __syncwarp();
+    float sum_squares = 0.0f;
+    for (int d = lane; d < head_dim; d += 32) {
+        const float v = to_float(in[d]);
+        values[d] = v;
+        sum_squares += v * v;
+    }
+    const W* norm = is_v ? nullptr : (is_q ? q_norm : k_norm);
+    if (norm != nullptr) {
+        const float inverse_rms = 1.0f / sqrtf(warp_sum(sum_squares) / head_dim + eps);
+        for (int d = lane; d < head_dim; d += 32) values[d] = values[d] * inverse_rms * to_float(norm[d]);
+    }
+    __syncwarp();
 
-        bf16* out;
-        if (is_q) {
-            out = q_out + (long long)token * num_q_heads * head_dim + (long long)head * head_dim;
-        } else {
-            if (slot < 0) {
-                __syncwarp();
-                continue;
+    bf16* out;
+    if (is_q) {
+        out = q_out + (long long)token * num_q_heads * head_dim + (long long)head * head_dim;
+    } else {
+        if (slot < 0) return;
+        const int kv_head = is_v ? head - num_q_heads - num_kv_heads : head - num_q_heads;
+        const long long block = slot / block_size, offset = slot % block_size;
+        bf16* plane = is_v ? v_plane : k_plane;
+        out = plane + ((block * num_kv_heads + kv_head) * block_size + offset) * head_dim;
+    }
+    for (int d = lane; d < head_dim; d += 32) {
+        float result = values[d];
+        if (!is_v && d < rotary_dim) {
+            if (d < half) {
+                result = values[d] * to_float(cos_row[d]) - values[d + half] * to_float(sin_row[d]);
+            } else {
+                const int i = d - half;
+                result = values[d] * to_float(cos_row[i]) + values[i] * to_float(sin_row[i]);
             }
-            const int kv_head = is_v ? head - num_q_heads - num_kv_heads : head - num_q_heads;
-            const long long block = slot / block_size, offset = slot % block_size;
-            bf16* plane = is_v ? v_plane : k_plane;
-            out = plane + ((block * num_kv_heads + kv_head) * block_size + offset) * head_dim;
         }
-        for (int d = lane; d < head_dim; d += 32) {
-            float result = values[d];
-            if (!is_v && d < rotary_dim) {
-                if (d < half) {
-                    result = values[d] * to_float(cos_row[d]) - values[d + half] * to_float(sin_row[d]);
-                } else {
-                    const int i = d - half;
-                    result = values[d] * to_float(cos_row[i]) + values[i] * to_float(sin_row[i]);
-                }
-            }
-            out[d] = from_float<bf16>(result);
-        }
-        __syncwarp();
+        out[d] = from_float<bf16>(result);
     }
 }
 

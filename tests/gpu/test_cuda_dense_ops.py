@@ -61,7 +61,10 @@ def test_rmsnorm_and_add_rmsnorm(cuda_backend, mock_backend, rng, hidden, weight
     residual = bf16(rng.standard_normal((num_tokens, hidden)))
     weight = bf16(rng.standard_normal(hidden) + 1)
     eps = 1e-5
-    cx, cw = cuda_backend.upload(x, DType.BF16), cuda_backend.upload(weight, weight_dtype)
+    cx, cw = (
+        cuda_backend.upload(x, DType.BF16),
+        cuda_backend.upload(weight, weight_dtype),
+    )
     mx, mw = mock_backend.upload(x), mock_backend.upload(weight)
 
     out = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
@@ -70,7 +73,10 @@ def test_rmsnorm_and_add_rmsnorm(cuda_backend, mock_backend, rng, hidden, weight
     mock_backend.rmsnorm(mx, mw, eps, expected)
     assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
 
-    c_residual, m_residual = cuda_backend.upload(residual, DType.BF16), mock_backend.upload(residual)
+    c_residual, m_residual = (
+        cuda_backend.upload(residual, DType.BF16),
+        mock_backend.upload(residual),
+    )
     out = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
     cuda_backend.add_rmsnorm(cx, c_residual, cw, eps, out)
     mock_backend.add_rmsnorm(mx, m_residual, mw, eps, expected)
@@ -134,7 +140,11 @@ def test_linear_into_a_rows_view_leaves_other_rows(cuda_backend, rng):
     x = bf16(rng.standard_normal((4, 256)))
     weight = bf16(rng.standard_normal((128, 256)))
     out = poisoned(cuda_backend, (10, 128), DType.F32)
-    cuda_backend.linear(cuda_backend.upload(x, DType.BF16), cuda_backend.upload(weight, DType.BF16), out.rows(3, 7))
+    cuda_backend.linear(
+        cuda_backend.upload(x, DType.BF16),
+        cuda_backend.upload(weight, DType.BF16),
+        out.rows(3, 7),
+    )
     result = cuda_backend.download(out)
     assert np.isnan(result[:3]).all() and np.isnan(result[7:]).all()
     assert rel_l2(result[3:7], x.astype(np.float64) @ weight.T) < 1e-4
@@ -146,7 +156,12 @@ def test_shape_errors_name_the_argument(cuda_backend):
     with pytest.raises(ValueError, match="weight"):
         cuda_backend.linear(x, weight, cuda_backend.empty((2, 32), DType.BF16))
     with pytest.raises(ValueError, match="out"):
-        cuda_backend.rmsnorm(x, cuda_backend.empty((64,), DType.BF16), 1e-6, cuda_backend.empty((3, 64), DType.BF16))
+        cuda_backend.rmsnorm(
+            x,
+            cuda_backend.empty((64,), DType.BF16),
+            1e-6,
+            cuda_backend.empty((3, 64), DType.BF16),
+        )
 
 
 def test_memory_pool_reuses_freed_blocks_and_reports_oom(cuda_backend):
@@ -163,3 +178,136 @@ def test_memory_pool_reuses_freed_blocks_and_reports_oom(cuda_backend):
     assert 0 < free <= total
     with pytest.raises(MemoryError, match="cannot allocate"):
         cuda_backend.empty((total // 2 + 1, 2), DType.F32)
+
+
+# The fused decode ops: one GEMV that normalises x as it loads it (and applies the gated
+# activation to its own rows), or that adds into the residual (1..8 rows); else the unfused ops
+# (cuBLASLt rows, odd widths). Each must give what the separate ops give on CUDA (bit for bit,
+# but for the norm's sum of squares, which the GEMV reduces in its own order) and match the mock.
+_FUSED_SHAPES = [
+    (1, 4096, 4096),  # SIMT GEMV, four rows per block
+    (1, 576, 1536),  # SmolLM2: two rows per block
+    (1, 100, 264),
+    (2, 576, 576),  # tensor-core GEMV
+    (8, 4096, 1024),
+    (5, 1000, 4096),  # a partial tile
+    (3, 96, 264),  # K % 32 != 0 with several rows: unfused
+    (16, 576, 1536),  # cuBLASLt: unfused
+]
+
+
+def _norm_inputs(rng, num_tokens, rows, inner):
+    x = bf16(rng.standard_normal((num_tokens, inner)) * 3)
+    norm = bf16(rng.standard_normal(inner) * 0.5 + 1)
+    weight = bf16(rng.standard_normal((rows, inner)) / np.sqrt(inner) * 2)
+    return x, norm, weight
+
+
+@pytest.mark.parametrize("norm_dtype, with_bias", [(DType.BF16, False), (DType.F32, True)])
+@pytest.mark.parametrize("num_tokens, rows, inner", _FUSED_SHAPES)
+def test_rmsnorm_linear(cuda_backend, mock_backend, rng, norm_dtype, with_bias, num_tokens, rows, inner):
+    x, norm, weight = _norm_inputs(rng, num_tokens, rows, inner)
+    bias = bf16(rng.standard_normal(rows)) if with_bias else None
+    cx, cn, cw = (
+        cuda_backend.upload(x, DType.BF16),
+        cuda_backend.upload(norm, norm_dtype),
+        cuda_backend.upload(weight, DType.BF16),
+    )
+    cb = cuda_backend.upload(bias, DType.BF16) if bias is not None else None
+    normed = poisoned(cuda_backend, (num_tokens, inner), DType.BF16)
+    unfused = poisoned(cuda_backend, (num_tokens, rows), DType.BF16)
+    cuda_backend.rmsnorm(cx, cn, 1e-5, normed)
+    cuda_backend.linear(normed, cw, unfused, cb)
+    out = poisoned(cuda_backend, (num_tokens, rows), DType.BF16)
+    cuda_backend.rmsnorm_linear(
+        cx,
+        cn,
+        1e-5,
+        cw,
+        out,
+        poisoned(cuda_backend, (num_tokens, inner), DType.BF16),
+        cb,
+    )
+    assert rel_l2(host(cuda_backend, out), host(cuda_backend, unfused)) < 1e-3
+
+    expected = mock_backend.empty((num_tokens, rows), DType.F32)
+    m_normed = mock_backend.empty((num_tokens, inner), DType.F32)
+    mb = mock_backend.upload(bias) if bias is not None else None
+    mock_backend.rmsnorm_linear(
+        mock_backend.upload(x),
+        mock_backend.upload(norm),
+        1e-5,
+        mock_backend.upload(weight),
+        expected,
+        m_normed,
+        mb,
+    )
+    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
+@pytest.mark.parametrize("num_tokens, features, inner", _FUSED_SHAPES)
+def test_rmsnorm_gated_linear(cuda_backend, mock_backend, rng, activation, num_tokens, features, inner):
+    x, norm, weight = _norm_inputs(rng, num_tokens, 2 * features, inner)
+    cx, cn, cw = (
+        cuda_backend.upload(x, DType.BF16),
+        cuda_backend.upload(norm, DType.BF16),
+        cuda_backend.upload(weight, DType.BF16),
+    )
+    normed = poisoned(cuda_backend, (num_tokens, inner), DType.BF16)
+    gated = poisoned(cuda_backend, (num_tokens, 2 * features), DType.BF16)
+    unfused = poisoned(cuda_backend, (num_tokens, features), DType.BF16)
+    cuda_backend.rmsnorm(cx, cn, 1e-5, normed)
+    cuda_backend.linear(normed, cw, gated)
+    cuda_backend.act_mul(gated, activation, unfused)
+    out = poisoned(cuda_backend, (num_tokens, features), DType.BF16)
+    cuda_backend.rmsnorm_gated_linear(
+        cx,
+        cn,
+        1e-5,
+        cw,
+        activation,
+        out,
+        poisoned(cuda_backend, (num_tokens, inner), DType.BF16),
+        poisoned(cuda_backend, (num_tokens, 2 * features), DType.BF16),
+    )
+    assert rel_l2(host(cuda_backend, out), host(cuda_backend, unfused)) < 1e-3
+
+    expected = mock_backend.empty((num_tokens, features), DType.F32)
+    mock_backend.rmsnorm_gated_linear(
+        mock_backend.upload(x),
+        mock_backend.upload(norm),
+        1e-5,
+        mock_backend.upload(weight),
+        activation,
+        expected,
+        mock_backend.empty((num_tokens, inner), DType.F32),
+        mock_backend.empty((num_tokens, 2 * features), DType.F32),
+    )
+    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("num_tokens, hidden, inner", _FUSED_SHAPES)
+def test_linear_add_rounds_once_into_the_residual(cuda_backend, mock_backend, rng, num_tokens, hidden, inner):
+    x = bf16(rng.standard_normal((num_tokens, inner)))
+    weight = bf16(rng.standard_normal((hidden, inner)) / np.sqrt(inner))
+    residual = bf16(rng.standard_normal((num_tokens, hidden)) * 4)
+    cx, cw = cuda_backend.upload(x, DType.BF16), cuda_backend.upload(weight, DType.BF16)
+    product = poisoned(cuda_backend, (num_tokens, hidden), DType.F32)
+    cuda_backend.linear(cx, cw, product)
+    expected_cuda = bf16(residual.astype(np.float32) + cuda_backend.download(product))
+    c_residual = cuda_backend.upload(residual, DType.BF16)
+    for step in range(2):  # a second add, onto the first one's result
+        cuda_backend.linear_add(cx, cw, c_residual, poisoned(cuda_backend, (num_tokens, hidden), DType.F32))
+        if step == 0:
+            np.testing.assert_array_equal(host(cuda_backend, c_residual), expected_cuda.astype(np.float64))
+
+    m_residual = mock_backend.upload(residual)
+    for _ in range(2):
+        mock_backend.linear_add(
+            mock_backend.upload(x),
+            mock_backend.upload(weight),
+            m_residual,
+            mock_backend.empty((num_tokens, hidden), DType.F32),
+        )
+    assert rel_l2(host(cuda_backend, c_residual), host(mock_backend, m_residual)) < BF16_TOLERANCE

@@ -190,6 +190,34 @@ class CudaGpuBackend:
     def linear(self, x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: CudaTensor | None = None) -> None:
         self._linear(x, weight, out, bias)
 
+    def linear_add(self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor) -> None:
+        self._linear.linear_add(x, weight, residual, scratch)
+
+    def rmsnorm_linear(
+        self,
+        x: CudaTensor,
+        norm_weight: CudaTensor,
+        eps: float,
+        weight: CudaTensor,
+        out: CudaTensor,
+        normed: CudaTensor,
+        bias: CudaTensor | None = None,
+    ) -> None:
+        self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, bias)
+
+    def rmsnorm_gated_linear(
+        self,
+        x: CudaTensor,
+        norm_weight: CudaTensor,
+        eps: float,
+        weight: CudaTensor,
+        activation: Activation,
+        out: CudaTensor,
+        normed: CudaTensor,
+        scratch: CudaTensor,
+    ) -> None:
+        self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, None, activation, scratch)
+
     def act_mul(self, x: CudaTensor, activation: Activation, out: CudaTensor) -> None:
         ops_dense.act_mul(self._rt, x, activation, out)
 

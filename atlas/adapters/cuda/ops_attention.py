@@ -24,10 +24,11 @@ WGMMA_KEYS_PER_TILE = {64: 64, 128: 64}
 _WGMMA_ROWS = 128
 _WGMMA_THREADS = 256
 _DECODE_THREADS = 128
+_ROPE_WARPS = 4  # heads per block of rope_and_cache (a warp each)
 _MAX_SPLITS = 128
-# A decode split reads at least this many context tokens: fewer and the merge costs more than
-# the parallelism gains.
-_MIN_TOKENS_PER_SPLIT = 256
+# A decode split reads at least this many context tokens: shorter ones spend more on their
+# prologue and on the merge (in the last split's block) than the parallelism gains.
+_MIN_TOKENS_PER_SPLIT = 128
 
 
 def _check_cache(kv: object, heads: HeadLayout) -> CudaKvCache:
@@ -104,11 +105,12 @@ def rope_and_cache(
     if num_tokens == 0:
         return
     symbol = f"rope_and_cache_{checks.type_suffix(rope_table.dtype)}_{checks.type_suffix(norm_dtype)}"
+    total_heads = heads.num_q_heads + 2 * heads.num_kv_heads
     rt.launch(
         "rope_cache",
         symbol,
-        (num_tokens,),
-        128,
+        (num_tokens, -(-total_heads // _ROPE_WARPS)),
+        _ROPE_WARPS * 32,
         qkv.address,
         checks.address(meta.positions, "meta.positions"),
         checks.address(meta.slot_mapping, "meta.slot_mapping"),
@@ -256,11 +258,12 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
     head_groups = -(-group // heads_per_block)
     num_blocks = meta.num_seqs * heads.num_kv_heads * head_groups
     splits = decode_split_count(rt.num_sms, num_blocks, meta.max_seq_len)
-    partial_out = partial_lse = 0
+    partial_out = partial_lse = counters = 0
     if splits > 1:
         slots = meta.num_seqs * heads.num_q_heads * splits
         partial_out = rt.workspace("attention_partial_out", slots * heads.head_dim * 4)
         partial_lse = rt.workspace("attention_partial_lse", slots * 4)
+        counters = rt.counters("attention_split_counters", num_blocks)
     query_start_loc, seq_lens, block_tables, table_stride = common
     rt.launch(
         "attention_decode",
@@ -273,6 +276,7 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
         out.address,
         partial_out,
         partial_lse,
+        counters,
         query_start_loc,
         seq_lens,
         block_tables,
@@ -284,20 +288,6 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
         window,
         np.int32(splits),
     )
-    if splits > 1:
-        rt.launch(
-            "attention_decode",
-            "attention_decode_merge",
-            (meta.num_seqs, heads.num_q_heads),
-            heads.head_dim,
-            partial_out,
-            partial_lse,
-            out.address,
-            query_start_loc,
-            np.int32(heads.num_q_heads),
-            np.int32(heads.head_dim),
-            np.int32(splits),
-        )
 
 
 def copy_blocks(rt: CudaRuntime, kv: object, src_block_ids: CudaTensor, dst_block_ids: CudaTensor) -> None:

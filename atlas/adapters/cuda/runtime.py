@@ -38,32 +38,38 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 @dataclass(frozen=True, slots=True)
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
-    of `pdl`, `wgmma`, `gemm_tuning`) turns some off, for debugging and A/B timings.
+    of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`) turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
         atlas_common.cuh).
     wgmma_attention: prefill attention through the wgmma kernels where the loaded module has them.
     gemm_tuning: cuBLASLt times its top algorithms once per shape and keeps the fastest.
+    gemv_fused: at decode sizes `rmsnorm_linear`, `rmsnorm_gated_linear` and `linear_add` are
+        each one GEMV (the norm taken as x is loaded, the activation or residual add applied to
+        the block's own rows).
     """
 
     programmatic_launch: bool = True
     wgmma_attention: bool = True
     gemm_tuning: bool = True
+    gemv_fused: bool = True
 
     @classmethod
     def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
         """The defaults for a device, minus whatever the environment disables. Raises
         `ValueError` naming an unknown entry of `ATLAS_CUDA_DISABLE`."""
         disabled = {item.strip() for item in os.environ.get(FEATURES_ENVIRONMENT, "").split(",") if item.strip()}
-        unknown = disabled - {"pdl", "wgmma", "gemm_tuning"}
+        known = ("pdl", "wgmma", "gemm_tuning", "gemv_fused")
+        unknown = disabled - set(known)
         if unknown:
-            raise ValueError(f"{FEATURES_ENVIRONMENT}: unknown {sorted(unknown)} (known: pdl, wgmma, gemm_tuning)")
+            raise ValueError(f"{FEATURES_ENVIRONMENT}: unknown {sorted(unknown)} (known: {', '.join(known)})")
         hopper_or_later = compute_capability[0] >= 9
         return cls(
             programmatic_launch=hopper_or_later and "pdl" not in disabled and _launch_config_has_pdl(),
             wgmma_attention="wgmma" not in disabled,
             gemm_tuning="gemm_tuning" not in disabled,
+            gemv_fused="gemv_fused" not in disabled,
         )
 
 
@@ -230,6 +236,19 @@ class CudaRuntime:
         allocation = self.pool.allocate(max(num_bytes, 1))
         self._workspaces[name] = allocation
         return allocation.address
+
+    def counters(self, name: str, count: int) -> int:
+        """Address of `count` u32 counters, all zero, for kernels whose last block to finish does
+        the grid's closing step (`last_block_done` in atlas_common.cuh); each such block puts its
+        counter back to zero. A new or grown buffer is zeroed on the stream, ahead of the launch
+        that uses it (inside a capture, as a node of the graph)."""
+        num_bytes = 4 * max(count, 1)
+        current = self._workspaces.get(name)
+        address = self.workspace(name, num_bytes)
+        if current is None or current.address != address:
+            grown = self._workspaces[name]
+            check("cuMemsetD32Async", cu.cuMemsetD32Async(address, 0, grown.num_bytes // 4, self.stream_handle))
+        return address
 
     def synchronize(self) -> None:
         self.ensure_current()

@@ -211,6 +211,39 @@ class MockGpuBackend:
             result += bias.weight_f32()
         out.data[...] = result
 
+    def linear_add(self, x: MockTensor, weight: MockTensor, residual: MockTensor, scratch: MockTensor) -> None:
+        self.linear(x, weight, scratch)
+        self._enter("add")
+        residual.data[...] = residual.as_f32() + scratch.as_f32()
+
+    def rmsnorm_linear(
+        self,
+        x: MockTensor,
+        norm_weight: MockTensor,
+        eps: float,
+        weight: MockTensor,
+        out: MockTensor,
+        normed: MockTensor,
+        bias: MockTensor | None = None,
+    ) -> None:
+        self.rmsnorm(x, norm_weight, eps, normed)
+        self.linear(normed, weight, out, bias)
+
+    def rmsnorm_gated_linear(
+        self,
+        x: MockTensor,
+        norm_weight: MockTensor,
+        eps: float,
+        weight: MockTensor,
+        activation: Activation,
+        out: MockTensor,
+        normed: MockTensor,
+        scratch: MockTensor,
+    ) -> None:
+        self.rmsnorm(x, norm_weight, eps, normed)
+        self.linear(normed, weight, scratch)
+        self.act_mul(scratch, activation, out)
+
     def rope_and_cache(
         self,
         qkv: MockTensor,

@@ -5,15 +5,19 @@ their loader fills `DecoderLayer`s (fused projections, biases, q/k norms, window
 the loop. Every op writes into a `Workspace` sized for the largest step, so a step of N
 tokens uses the first N rows of each buffer and a captured graph can replay the same calls.
 
-The residual stream (pre-norm, with the add fused into the next norm):
+The residual stream (pre-norm): each norm is issued with the projection that reads it, and each
+output projection adds into the residual itself:
 
-    residual = embed(ids);  normed = rmsnorm(residual, input_norm[0])
+    residual = embed(ids)
     for each layer i:
-        delta = o_proj(attention(rope(qkv_proj(normed))))
-        residual += delta;  normed = rmsnorm(residual, post_attention_norm[i])
-        delta = down_proj(act(gate_up_proj(normed)))
-        residual += delta;  normed = rmsnorm(residual, input_norm[i + 1] or final_norm)
-    logits = lm_head(normed[sample rows])
+        qkv = rmsnorm_linear(residual, input_norm[i], qkv_proj)
+        residual += o_proj(attention(rope(qkv)))                            # linear_add
+        residual += down_proj(rmsnorm_gated_linear(residual, post_attention_norm[i], gate_up_proj))
+    logits = lm_head(rmsnorm(residual[sample rows], final_norm))
+
+A backend may fuse each of these pairs: on CUDA a decode step's GEMVs normalise x as they load
+it, apply the activation to their own rows and add into the residual, so a layer is six
+kernels (qkv, rope + cache write, attention, o_proj, gate_up, down).
 """
 
 from __future__ import annotations
@@ -65,14 +69,15 @@ class Workspace:
     max_tokens: int
     max_sample_rows: int
     residual: Tensor  # [T, H]
-    normed: Tensor  # [T, H]
-    delta: Tensor  # [T, H]
+    normed: Tensor  # [T, H]: rmsnorm(residual) where the backend does not fuse it into a product
+    delta: Tensor  # [T, H] f32: a projection's output before it is added to the residual (likewise)
     qkv: Tensor  # [T, (Hq + 2 Hkv) * D]
     queries: Tensor  # [T, Hq * D]
     attention_out: Tensor  # [T, Hq * D]
-    mlp_hidden: Tensor  # [T, 2 I]
+    mlp_hidden: Tensor  # [T, 2 I]: gate | up before the activation (likewise)
     mlp_out: Tensor  # [T, I]
     sample_hidden: Tensor  # [R, H]
+    sample_normed: Tensor  # [R, H]
     logits: Tensor  # [R, V] f32
 
 
@@ -116,13 +121,14 @@ class Transformer:
             max_sample_rows=max_sample_rows,
             residual=backend.empty((max_tokens, config.hidden_size), dtype),
             normed=backend.empty((max_tokens, config.hidden_size), dtype),
-            delta=backend.empty((max_tokens, config.hidden_size), dtype),
+            delta=backend.empty((max_tokens, config.hidden_size), DType.F32),
             qkv=backend.empty((max_tokens, qkv_size), dtype),
             queries=backend.empty((max_tokens, self.heads.q_size), dtype),
             attention_out=backend.empty((max_tokens, self.heads.q_size), dtype),
             mlp_hidden=backend.empty((max_tokens, 2 * config.intermediate_size), dtype),
             mlp_out=backend.empty((max_tokens, config.intermediate_size), dtype),
             sample_hidden=backend.empty((max_sample_rows, config.hidden_size), dtype),
+            sample_normed=backend.empty((max_sample_rows, config.hidden_size), dtype),
             logits=backend.empty((max_sample_rows, self.vocab_size), DType.F32),
         )
 
@@ -130,10 +136,10 @@ class Transformer:
         """What `allocate_workspace` will take, for the startup memory check."""
         config = self.config
         itemsize = self.backend.capabilities.activation_dtype.itemsize
-        per_token = 3 * config.hidden_size + self.heads.q_size * 3 + 2 * self.heads.kv_size
+        per_token = 2 * config.hidden_size + self.heads.q_size * 3 + 2 * self.heads.kv_size
         per_token += 3 * config.intermediate_size
-        per_row = config.hidden_size * itemsize + self.vocab_size * 4
-        return max_tokens * per_token * itemsize + max_sample_rows * per_row
+        per_row = 2 * config.hidden_size * itemsize + self.vocab_size * 4
+        return max_tokens * (per_token * itemsize + config.hidden_size * 4) + max_sample_rows * per_row
 
     def forward(self, step: StepTensors, kv: KvCache, workspace: Workspace, num_sample_rows: int) -> Tensor:
         """Run every layer over the step's tokens; return logits [num_sample_rows, V] (a view)."""
@@ -142,21 +148,20 @@ class Transformer:
         residual = workspace.residual.rows(0, num_tokens)
         normed = workspace.normed.rows(0, num_tokens)
         backend.embedding(step.token_ids, self.embedding, residual)
-        backend.rmsnorm(residual, self.layers[0].input_norm, eps, normed)
         for index, layer in enumerate(self.layers):
-            next_norm = self.layers[index + 1].input_norm if index + 1 < len(self.layers) else self.final_norm
-            self._layer(index, layer, next_norm, step.meta, kv, workspace, num_tokens)
+            self._layer(index, layer, step.meta, kv, workspace, num_tokens)
         sample_hidden = workspace.sample_hidden.rows(0, num_sample_rows)
+        sample_normed = workspace.sample_normed.rows(0, num_sample_rows)
         logits = workspace.logits.rows(0, num_sample_rows)
-        backend.gather_rows(normed, step.sample_indices, sample_hidden)
-        backend.linear(sample_hidden, self.lm_head, logits)
+        backend.gather_rows(residual, step.sample_indices, sample_hidden)
+        backend.rmsnorm(sample_hidden, self.final_norm, eps, sample_normed)
+        backend.linear(sample_normed, self.lm_head, logits)
         return logits
 
     def _layer(
         self,
         index: int,
         layer: DecoderLayer,
-        next_norm: Tensor,
         meta: AttentionMetadata,
         kv: KvCache,
         workspace: Workspace,
@@ -172,14 +177,12 @@ class Transformer:
         mlp_hidden = workspace.mlp_hidden.rows(0, num_tokens)
         mlp_out = workspace.mlp_out.rows(0, num_tokens)
 
-        backend.linear(normed, attention.qkv, qkv, attention.qkv_bias)
+        backend.rmsnorm_linear(residual, layer.input_norm, eps, attention.qkv, qkv, normed, attention.qkv_bias)
         backend.rope_and_cache(
             qkv, meta, self.rope_table, kv, index, self.heads, queries, attention.q_norm, attention.k_norm, eps
         )
         backend.attention(queries, kv, index, meta, self.heads, self.attention_scale, attention_out, layer.sliding_window)
-        backend.linear(attention_out, attention.output, delta)
-        backend.add_rmsnorm(delta, residual, layer.post_attention_norm, eps, normed)
-        backend.linear(normed, layer.mlp.gate_up, mlp_hidden)
-        backend.act_mul(mlp_hidden, layer.mlp.activation, mlp_out)
-        backend.linear(mlp_out, layer.mlp.down, delta)
-        backend.add_rmsnorm(delta, residual, next_norm, eps, normed)
+        backend.linear_add(attention_out, attention.output, residual, delta)
+        post_norm, mlp = layer.post_attention_norm, layer.mlp
+        backend.rmsnorm_gated_linear(residual, post_norm, eps, mlp.gate_up, mlp.activation, mlp_out, normed, mlp_hidden)
+        backend.linear_add(mlp_out, layer.mlp.down, residual, delta)
