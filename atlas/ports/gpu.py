@@ -317,9 +317,9 @@ class GpuBackend(Protocol):
         ...
 
     def linear_add(self, x: Tensor, weight: Tensor, residual: Tensor, scratch: Tensor) -> None:
-        """residual += x @ weight.T, rounded once (a layer's output projection into the residual
-        stream). x [N, K], weight [H, K], residual [N, H]; scratch [N, H] f32 may hold the product
-        (a backend that adds inside its GEMV leaves it unwritten)."""
+        """`linear(x, weight, scratch)` then residual += scratch (a layer's output projection into
+        the residual stream), as one op that a backend may fuse (leaving `scratch` unwritten).
+        x [N, K], weight [H, K], residual, scratch [N, H] of the activation dtype."""
         ...
 
     def rmsnorm_linear(

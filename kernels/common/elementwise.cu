@@ -6,8 +6,8 @@
 //                 Bytes: 2 * R * row_bytes + 4 R.  FLOPs: 0.
 // act_mul_*:      out[n, i] = act(x[n, i]) * x[n, I + i]       x [N, 2I], out [N, I].
 //                 Bytes: 3 * N * I * sizeof(T).  FLOPs: ~10 N I (one exp or tanh each).
-// add_f32_into_bf16: residual[i] = bf16(residual[i] + delta[i]): the residual add after a GEMM
-//                 with f32 output.  Bytes: 8 n.
+// add_into_bf16:  residual[i] = bf16(residual[i] + delta[i]), both bf16: the residual add after
+//                 a GEMM.  Bytes: 6 n.
 // fill_u64:       every 8-byte element of dst set to `pattern` (i64 tensors; narrower types use
 //                 the driver's memset).  Bytes: 8 n.
 // copy_kv_pages:  pages src[i] -> dst[i] of every (layer, K|V) plane of the paged cache.
@@ -99,11 +99,11 @@ DEFINE_ACT_MUL(gelu_tanh_bf16, bf16, GeluTanhOp)
 DEFINE_ACT_MUL(gelu_tanh_f32, float, GeluTanhOp)
 
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void add_f32_into_bf16(bf16* residual, const float* delta, long long count) {
+extern "C" __global__ void add_into_bf16(bf16* residual, const bf16* delta, long long count) {
     dependent_launch_entry();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x)
-        residual[i] = from_float<bf16>(to_float(residual[i]) + delta[i]);
+        residual[i] = from_float<bf16>(to_float(residual[i]) + to_float(delta[i]));
 }
 
 // ---------------------------------------------------------------------------------------------

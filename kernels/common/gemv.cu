@@ -30,8 +30,8 @@
 //   gated:    w = [gate; up] [2I, K], out [N, I] = act(x gate^T) * (x up^T): a block owns
 //             features f (gate row f and up row I + f), so the product needs no second pass.
 //             Gate and up are rounded to bf16 before act, as the unfused linear + act_mul.
-//   add:      out is the residual stream: out[n, m] += x w^T (one rounding), each element by the
-//             thread that owns it.
+//   add:      out is the residual stream: out[n, m] += x w^T, each element by the thread that
+//             owns it; the product is rounded to bf16 before the add, as a linear + add would.
 #include "atlas_common.cuh"
 
 #define GEMV_WARPS 4
@@ -103,7 +103,7 @@ __device__ __forceinline__ void store_feature(OUT* slot, float total, float up) 
 
 template <>
 __device__ __forceinline__ void store_feature<AddTo, bf16>(bf16* slot, float total, float) {
-    *slot = from_float<bf16>(to_float(*slot) + total);
+    *slot = from_float<bf16>(to_float(*slot) + to_float(from_float<bf16>(total)));
 }
 
 // x chunks as the products see them: the raw 8 bf16 values, or (rmsnorm) those values times the

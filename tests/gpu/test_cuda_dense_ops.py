@@ -288,26 +288,22 @@ def test_rmsnorm_gated_linear(cuda_backend, mock_backend, rng, activation, num_t
 
 
 @pytest.mark.parametrize("num_tokens, hidden, inner", _FUSED_SHAPES)
-def test_linear_add_rounds_once_into_the_residual(cuda_backend, mock_backend, rng, num_tokens, hidden, inner):
+def test_linear_add_is_linear_then_add(cuda_backend, mock_backend, rng, num_tokens, hidden, inner):
     x = bf16(rng.standard_normal((num_tokens, inner)))
     weight = bf16(rng.standard_normal((hidden, inner)) / np.sqrt(inner))
     residual = bf16(rng.standard_normal((num_tokens, hidden)) * 4)
     cx, cw = cuda_backend.upload(x, DType.BF16), cuda_backend.upload(weight, DType.BF16)
-    product = poisoned(cuda_backend, (num_tokens, hidden), DType.F32)
+    product = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
     cuda_backend.linear(cx, cw, product)
-    expected_cuda = bf16(residual.astype(np.float32) + cuda_backend.download(product))
+    expected_cuda = bf16(residual + cuda_backend.download(product).astype(np.float32))
     c_residual = cuda_backend.upload(residual, DType.BF16)
     for step in range(2):  # a second add, onto the first one's result
-        cuda_backend.linear_add(cx, cw, c_residual, poisoned(cuda_backend, (num_tokens, hidden), DType.F32))
+        cuda_backend.linear_add(cx, cw, c_residual, poisoned(cuda_backend, (num_tokens, hidden), DType.BF16))
         if step == 0:
             np.testing.assert_array_equal(host(cuda_backend, c_residual), expected_cuda.astype(np.float64))
 
     m_residual = mock_backend.upload(residual)
     for _ in range(2):
-        mock_backend.linear_add(
-            mock_backend.upload(x),
-            mock_backend.upload(weight),
-            m_residual,
-            mock_backend.empty((num_tokens, hidden), DType.F32),
-        )
+        m_scratch = mock_backend.empty((num_tokens, hidden), DType.BF16)
+        mock_backend.linear_add(mock_backend.upload(x), mock_backend.upload(weight), m_residual, m_scratch)
     assert rel_l2(host(cuda_backend, c_residual), host(mock_backend, m_residual)) < BF16_TOLERANCE

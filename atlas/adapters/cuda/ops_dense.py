@@ -115,15 +115,15 @@ def act_mul(rt: CudaRuntime, x: CudaTensor, activation: Activation, out: CudaTen
 
 
 def add_into(rt: CudaRuntime, delta: CudaTensor, residual: CudaTensor) -> None:
-    """residual += delta (f32 into bf16, rounded once)."""
-    checks.dtype(delta, "delta", (DType.F32,))
+    """residual += delta (bf16)."""
+    checks.dtype(delta, "delta", (DType.BF16,))
     checks.dtype(residual, "residual", (DType.BF16,))
     checks.shape(delta, "delta", residual.shape)
     count = int(np.prod(residual.shape))
     if count == 0:
         return
     blocks = int(min(-(-count // 256), rt.num_sms * 8))
-    rt.launch("elementwise", "add_f32_into_bf16", (blocks,), 256, residual.address, delta.address, np.int64(count))
+    rt.launch("elementwise", "add_into_bf16", (blocks,), 256, residual.address, delta.address, np.int64(count))
 
 
 def _check_linear(x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: CudaTensor | None) -> tuple[int, int, int]:
@@ -176,10 +176,10 @@ class LinearOp:
 
     def linear_add(self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor) -> None:
         """residual += x weight^T: for a few token rows one GEMV that adds into the residual
-        itself, else the product into `scratch` (f32, so the sum is rounded once) and an add."""
+        itself, else the product into `scratch` and an add."""
         num_tokens = _check_linear(x, weight, residual, None)[0]
         checks.dtype(residual, "residual", (DType.BF16,))
-        checks.dtype(scratch, "scratch", (DType.F32,))
+        checks.dtype(scratch, "scratch", (DType.BF16,))
         checks.shape(scratch, "scratch", residual.shape)
         if num_tokens == 0:
             return

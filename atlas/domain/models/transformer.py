@@ -70,7 +70,7 @@ class Workspace:
     max_sample_rows: int
     residual: Tensor  # [T, H]
     normed: Tensor  # [T, H]: rmsnorm(residual) where the backend does not fuse it into a product
-    delta: Tensor  # [T, H] f32: a projection's output before it is added to the residual (likewise)
+    delta: Tensor  # [T, H]: a projection's output before it is added to the residual (likewise)
     qkv: Tensor  # [T, (Hq + 2 Hkv) * D]
     queries: Tensor  # [T, Hq * D]
     attention_out: Tensor  # [T, Hq * D]
@@ -121,7 +121,7 @@ class Transformer:
             max_sample_rows=max_sample_rows,
             residual=backend.empty((max_tokens, config.hidden_size), dtype),
             normed=backend.empty((max_tokens, config.hidden_size), dtype),
-            delta=backend.empty((max_tokens, config.hidden_size), DType.F32),
+            delta=backend.empty((max_tokens, config.hidden_size), dtype),
             qkv=backend.empty((max_tokens, qkv_size), dtype),
             queries=backend.empty((max_tokens, self.heads.q_size), dtype),
             attention_out=backend.empty((max_tokens, self.heads.q_size), dtype),
@@ -136,10 +136,10 @@ class Transformer:
         """What `allocate_workspace` will take, for the startup memory check."""
         config = self.config
         itemsize = self.backend.capabilities.activation_dtype.itemsize
-        per_token = 2 * config.hidden_size + self.heads.q_size * 3 + 2 * self.heads.kv_size
+        per_token = 3 * config.hidden_size + self.heads.q_size * 3 + 2 * self.heads.kv_size
         per_token += 3 * config.intermediate_size
         per_row = 2 * config.hidden_size * itemsize + self.vocab_size * 4
-        return max_tokens * (per_token * itemsize + config.hidden_size * 4) + max_sample_rows * per_row
+        return max_tokens * per_token * itemsize + max_sample_rows * per_row
 
     def forward(self, step: StepTensors, kv: KvCache, workspace: Workspace, num_sample_rows: int) -> Tensor:
         """Run every layer over the step's tokens; return logits [num_sample_rows, V] (a view)."""
