@@ -44,7 +44,7 @@ __device__ __forceinline__ void attention_decode_impl(
     bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
     unsigned* __restrict__ split_counters, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens, const int* __restrict__ block_tables,
     int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, float scale_log2,
-    int sliding_window, int num_splits) {
+    int sliding_window, int num_splits, int min_split_tokens) {
     constexpr int LANES = HEAD_DIM / 8;                 // lanes per token row
     constexpr int GROUPS = DECODE_THREADS / LANES;      // token groups per block
     constexpr int STEP = DECODE_UNROLL * GROUPS;        // tokens per step of the block
@@ -69,7 +69,10 @@ __device__ __forceinline__ void attention_decode_impl(
     const int context_len = seq_lens[seq];
     const int position = context_len - 1;
     const int lo = sliding_window > 0 ? max(0, position - sliding_window + 1) : 0;
-    const int chunk = (context_len - lo + num_splits - 1) / num_splits;
+    // A graph bakes in the split count of its longest context; a shorter one uses fewer splits
+    // (each at least min_split_tokens long), and the blocks of the others have nothing to read.
+    const int used_splits = max(1, min(num_splits, (context_len - lo + min_split_tokens - 1) / min_split_tokens));
+    const int chunk = (context_len - lo + used_splits - 1) / used_splits;
     const int split = blockIdx.z;
     const int start = lo + split * chunk;
     const int end = min(context_len, start + chunk);
@@ -236,10 +239,10 @@ __device__ __forceinline__ void attention_decode_impl(
         const int head = first_head + item / HEAD_DIM, d = item % HEAD_DIM;
         const long long first_slot = ((long long)seq * num_q_heads + head) * num_splits;
         float best = -ATLAS_INF;
-        for (int z = 0; z < num_splits; ++z) best = fmaxf(best, __ldcg(partial_lse + first_slot + z));
+        for (int z = 0; z < used_splits; ++z) best = fmaxf(best, __ldcg(partial_lse + first_slot + z));
         float total = 0.0f, value = 0.0f;
         if (best != -ATLAS_INF) {
-            for (int z = 0; z < num_splits; ++z) {
+            for (int z = 0; z < used_splits; ++z) {
                 const float weight = exp2f(__ldcg(partial_lse + first_slot + z) - best);
                 total += weight;
                 value += weight * __ldcg(partial_out + (first_slot + z) * HEAD_DIM + d);
@@ -254,12 +257,12 @@ __device__ __forceinline__ void attention_decode_impl(
         const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, float* partial_out,                 \
         float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,          \
         const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size,     \
-        float scale_log2, int sliding_window, int num_splits) {                                                 \
+        float scale_log2, int sliding_window, int num_splits, int min_split_tokens) {                           \
         dependent_launch_entry();                                                                               \
         attention_decode_impl<HEAD_DIM, HEADS>(q, k_plane, v_plane, out, partial_out, partial_lse,              \
                                                split_counters, query_start_loc, seq_lens, block_tables,         \
                                                block_table_stride, num_q_heads, num_kv_heads, block_size,       \
-                                               scale_log2, sliding_window, num_splits);                         \
+                                               scale_log2, sliding_window, num_splits, min_split_tokens);       \
     }
 
 #define DEFINE_DECODE_HEADS(HEAD_DIM) \

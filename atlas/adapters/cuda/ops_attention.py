@@ -287,6 +287,7 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
         scale_log2,
         window,
         np.int32(splits),
+        np.int32(_MIN_TOKENS_PER_SPLIT),
     )
 
 
