@@ -42,9 +42,8 @@ __device__ __forceinline__ void dependent_launch_entry() {
 
 // ---------------------------------------------------------------------------------------------
 // "Last block done": a grid whose blocks each produce part of a result lets the last block to
-// finish run a step over the whole of it (the residual add + RMSNorm after a GEMV, the merge of
-// a decode attention's splits), which saves a kernel launch and a grid drain. Every thread calls
-// it after writing its part; it returns true in exactly one block, once `arrivals` blocks have
+// finish run a step over the whole of it (the merge of a decode attention's splits), which
+// saves a kernel launch and a grid drain. Every thread calls it after writing its part; it returns true in exactly one block, once `arrivals` blocks have
 // counted themselves at `counter`, and that block then sees every other block's writes. The
 // counter must start at zero; the last block puts it back to zero, so the next launch (which
 // waits for this grid in dependent_launch_entry before touching it) finds it ready. The last
@@ -81,7 +80,6 @@ template <typename T> struct Vec8;
 template <> struct Vec8<bf16> {
     uint4 raw;
     __device__ __forceinline__ void load(const bf16* p) { raw = *reinterpret_cast<const uint4*>(p); }
-    __device__ __forceinline__ void load_from_l2(const bf16* p) { raw = __ldcg(reinterpret_cast<const uint4*>(p)); }
     __device__ __forceinline__ void store(bf16* p) const { *reinterpret_cast<uint4*>(p) = raw; }
     __device__ __forceinline__ void to_floats(float* out) const {
         const bf16x2* pairs = reinterpret_cast<const bf16x2*>(&raw);
@@ -104,10 +102,6 @@ template <> struct Vec8<float> {
     __device__ __forceinline__ void load(const float* p) {
         lo = reinterpret_cast<const float4*>(p)[0];
         hi = reinterpret_cast<const float4*>(p)[1];
-    }
-    __device__ __forceinline__ void load_from_l2(const float* p) {
-        lo = __ldcg(reinterpret_cast<const float4*>(p));
-        hi = __ldcg(reinterpret_cast<const float4*>(p) + 1);
     }
     __device__ __forceinline__ void store(float* p) const {
         reinterpret_cast<float4*>(p)[0] = lo;

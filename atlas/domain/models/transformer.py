@@ -15,9 +15,10 @@ output projection adds into the residual itself:
         residual += down_proj(rmsnorm_gated_linear(residual, post_attention_norm[i], gate_up_proj))
     logits = lm_head(rmsnorm(residual[sample rows], final_norm))
 
-A backend may fuse each of these pairs: on CUDA a decode step's GEMVs normalise x as they load
-it, apply the activation to their own rows and add into the residual, so a layer is six
-kernels (qkv, rope + cache write, attention, o_proj, gate_up, down).
+A backend may fuse each of these pairs: on CUDA a decode step's GEMVs apply the activation to
+their own rows, add into the residual and (rows up to 2048 wide) normalise x as they load it,
+so a layer is six kernels (qkv, rope + cache write, attention, o_proj, gate_up, down), plus
+the two norms for wider models.
 """
 
 from __future__ import annotations
