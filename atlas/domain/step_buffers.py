@@ -1,20 +1,26 @@
-"""The persistent device buffers a step reads, filled by a few large copies instead of many.
+"""The persistent device buffers a step reads, filled by one copy instead of many.
 
 Buffers are sized for the largest step; a step uses their leading rows, so a captured graph
-replays over the same addresses with new contents. Every per-step integer lives in one int32
+replays over the same addresses with new contents. Every per-step value lives in one int32
 arena, laid out so that one copy of a prefix refreshes all of it:
 
     int32 arena: | sampled ids [S] | host tokens [T] | token gather [T] | positions [T] |
                  | slot mapping [T] | query start [S+1] | seq lens [S] | sample rows [S] |
-                 | top-k [S] | penalty offsets [S+1] | bias offsets [S+1] | block tables [S, W] |
+                 | top-k [S] | penalty offsets [S+1] | bias offsets [S+1] | f32 params [6, S] |
+                 | (pad) | i64 params [2, S] (two words each) | block tables [S, W] |
                  ^ written by `sample` on the device; the host copy starts after it
 
 Token ids are gathered on the device, `token_ids[i] = arena[token_gather[i]]`: a placeholder
 token reads the previous step's sample (rows [0, S)), every other token its host copy. The
-float and 64-bit sampling parameters sit in two more small arenas ([6, S] f32, [2, S] i64).
+float sampling parameters (temperature, top-p, min-p, the three penalties) and the 64-bit ones
+(seeds, counters) are the same words read through `bitcast` views; the i64 rows start on an even
+word (8-byte aligned, as the arena's base is), after a pad word where needed. They precede the
+block tables because the copy ends at the last table row in use.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 
@@ -25,10 +31,11 @@ from atlas.ports.gpu import AttentionMetadata, DType, GpuBackend, SamplingTensor
 
 _INITIAL_CSR_CAPACITY = 1024
 _NUM_F32_FIELDS = 6  # temperature, top_p, min_p, repetition, presence and frequency penalties
+_NUM_I64_FIELDS = 2  # seeds, counters
 
 
 class _Layout:
-    """Offsets of the int32 arena's regions (see the module docstring)."""
+    """Offsets of the int32 arena's regions, in words (see the module docstring)."""
 
     def __init__(self, max_tokens: int, max_seqs: int, table_width: int) -> None:
         sizes = [
@@ -43,11 +50,15 @@ class _Layout:
             ("top_k", max_seqs),
             ("penalty_offsets", max_seqs + 1),
             ("bias_offsets", max_seqs + 1),
+            ("sampling_f32", _NUM_F32_FIELDS * max_seqs),
+            ("sampling_i64", 2 * _NUM_I64_FIELDS * max_seqs),
             ("block_tables", max_seqs * table_width),
         ]
         self.offsets: dict[str, int] = {}
         offset = 0
         for name, size in sizes:
+            if name == "sampling_i64":
+                offset += offset % 2  # the pad word: int64 values need 8-byte alignment
             self.offsets[name] = offset
             offset += size
         self.total = offset
@@ -71,12 +82,17 @@ class StepBuffers:
         self._layout = layout
         self._arena = backend.empty((layout.total,), DType.I32)
         self._host_arena = np.zeros(layout.total, np.int32)
-        self._f32_arena = backend.empty((_NUM_F32_FIELDS, max_seqs), DType.F32)
-        self._host_f32 = np.zeros((_NUM_F32_FIELDS, max_seqs), np.float32)
-        self._i64_arena = backend.empty((2, max_seqs), DType.I64)  # seeds, counters
-        self._host_i64 = np.zeros((2, max_seqs), np.int64)
         self._num_table_rows = 0
-        self._sampling_staged = False
+
+        num_f32_words, num_i64_words = _NUM_F32_FIELDS * max_seqs, 2 * _NUM_I64_FIELDS * max_seqs
+        host_f32 = self._host_arena[layout.region("sampling_f32", num_f32_words)].view(np.float32)
+        host_i64 = self._host_arena[layout.region("sampling_i64", num_i64_words)].view(np.int64)
+        self._host_f32 = host_f32.reshape(_NUM_F32_FIELDS, max_seqs)  # views: staged into the host arena
+        self._host_i64 = host_i64.reshape(_NUM_I64_FIELDS, max_seqs)
+        f32 = self._region("sampling_f32", num_f32_words).bitcast(DType.F32)
+        i64 = self._region("sampling_i64", num_i64_words).bitcast(DType.I64)
+        self._f32_fields = [f32.rows(i * max_seqs, (i + 1) * max_seqs) for i in range(_NUM_F32_FIELDS)]
+        self._i64_fields = [i64.rows(i * max_seqs, (i + 1) * max_seqs) for i in range(_NUM_I64_FIELDS)]
 
         self.sampled_ids = self._region("sampled_ids", max_seqs)
         self.token_gather = self._region("token_gather", max_tokens)
@@ -115,17 +131,13 @@ class StepBuffers:
         self._num_table_rows = num_seqs
 
     def send(self) -> None:
-        """Copy what was staged: the int32 arena from past the sampled ids through the block
-        tables in use (step inputs and the sampling integers ride together), and the parameter
-        arenas when sampling was staged. Ordered with the ops on the stream."""
-        layout, copy = self._layout, self._backend.copy_from_host
+        """Copy what was staged, in one copy: the host arena from past the sampled ids through
+        the block tables in use (step inputs and sampling parameters ride together). Ordered
+        with the ops on the stream."""
+        layout = self._layout
         start = layout.offsets["host_tokens"]
         stop = layout.offsets["block_tables"] + self._num_table_rows * layout.table_width
-        copy(self._arena.rows(start, stop), self._host_arena[start:stop])
-        if self._sampling_staged:
-            copy(self._f32_arena, self._host_f32)
-            copy(self._i64_arena, self._host_i64)
-            self._sampling_staged = False
+        self._backend.copy_from_host(self._arena.rows(start, stop), self._host_arena[start:stop])
 
     def gather_tokens(self, num_tokens: int) -> None:
         """token_ids[:n] = arena[token_gather[:n]] (enqueued; capturable)."""
@@ -150,49 +162,67 @@ class StepBuffers:
 
     # -- sampling -------------------------------------------------------------------------
     def stage_sampling(self, packed: PackedSampling) -> None:
-        """Write a step's sampling rows into the host arenas (sent by `send`)."""
+        """Write a step's sampling rows into the host arena (sent by `send`)."""
         num_rows = packed.num_rows
         layout, host = self._layout, self._host_arena
         host[layout.region("top_k", num_rows)] = packed.top_k[:num_rows]
         host[layout.region("penalty_offsets", num_rows + 1)] = packed.penalty_offsets[: num_rows + 1]
         host[layout.region("bias_offsets", num_rows + 1)] = packed.bias_offsets[: num_rows + 1]
         f32_values = (
-            packed.temperature, packed.top_p, packed.min_p,
-            packed.repetition_penalty, packed.presence_penalty, packed.frequency_penalty,
+            packed.temperature,
+            packed.top_p,
+            packed.min_p,
+            packed.repetition_penalty,
+            packed.presence_penalty,
+            packed.frequency_penalty,
         )
         for index, values in enumerate(f32_values):
             self._host_f32[index, :num_rows] = values[:num_rows]
         self._host_i64[0, :num_rows] = packed.seeds[:num_rows]
         self._host_i64[1, :num_rows] = packed.counters[:num_rows]
-        self._sampling_staged = True
+
+    def graph_sampling_tensors(self, num_rows: int) -> SamplingTensors:
+        """Views of the first `num_rows` sampling rows for a sampler that a graph bakes in:
+        temperature (0 keeps a row greedy), top-k, top-p, min-p and the random stream. Penalties
+        and bias are off, so the empty penalty and bias arrays are never read; steps that need
+        them sample again with `sampling_tensors`."""
+        temperature, top_p, min_p, repetition, presence, frequency = (
+            field.rows(0, num_rows) for field in self._f32_fields
+        )
+        seeds, counters = (field.rows(0, num_rows) for field in self._i64_fields)
+        return SamplingTensors(
+            temperature=temperature,
+            top_k=self._region("top_k", num_rows),
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds,
+            counters=counters,
+            repetition_penalty=repetition,
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            penalty_offsets=self._region("penalty_offsets", num_rows + 1),
+            penalty_token_ids=self.penalty_token_ids.rows(0, 0),
+            penalty_output_counts=self.penalty_output_counts.rows(0, 0),
+            bias_offsets=self._region("bias_offsets", num_rows + 1),
+            bias_token_ids=self.bias_token_ids.rows(0, 0),
+            bias_values=self.bias_values.rows(0, 0),
+            num_rows=num_rows,
+            all_greedy=False,
+            any_penalties=False,
+            any_bias=False,
+        )
 
     def sampling_tensors(self, packed: PackedSampling) -> SamplingTensors:
         """Views of the sent sampling rows, with the variable-length penalty and bias arrays
         copied in (only steps that have them pay for those copies)."""
-        num_rows, max_seqs = packed.num_rows, self.max_seqs
         num_penalties, num_biases = packed.penalty_token_ids.shape[0], packed.bias_token_ids.shape[0]
         self._ensure_csr_capacity(num_penalties, num_biases)
-
-        def f32_row(index: int) -> Tensor:
-            return self._f32_arena.rows(index, index + 1).view(max_seqs).rows(0, num_rows)
-
-        return SamplingTensors(
-            temperature=f32_row(0),
-            top_k=self._region("top_k", num_rows),
-            top_p=f32_row(1),
-            min_p=f32_row(2),
-            seeds=self._i64_arena.rows(0, 1).view(max_seqs).rows(0, num_rows),
-            counters=self._i64_arena.rows(1, 2).view(max_seqs).rows(0, num_rows),
-            repetition_penalty=f32_row(3),
-            presence_penalty=f32_row(4),
-            frequency_penalty=f32_row(5),
-            penalty_offsets=self._region("penalty_offsets", num_rows + 1),
+        return replace(
+            self.graph_sampling_tensors(packed.num_rows),
             penalty_token_ids=self._put(self.penalty_token_ids, packed.penalty_token_ids, num_penalties),
             penalty_output_counts=self._put(self.penalty_output_counts, packed.penalty_output_counts, num_penalties),
-            bias_offsets=self._region("bias_offsets", num_rows + 1),
             bias_token_ids=self._put(self.bias_token_ids, packed.bias_token_ids, num_biases),
             bias_values=self._put(self.bias_values, packed.bias_values, num_biases),
-            num_rows=num_rows,
             all_greedy=packed.all_greedy,
             any_penalties=packed.any_penalties,
             any_bias=packed.any_bias,
@@ -209,7 +239,8 @@ class StepBuffers:
         return view
 
     def _ensure_csr_capacity(self, num_penalties: int, num_biases: int) -> None:
-        """Grow the variable-length arrays (sampling runs outside captured graphs)."""
+        """Grow the variable-length arrays. A captured graph holds empty views of the old ones,
+        which its sampler never reads (see `graph_sampling_tensors`)."""
         backend = self._backend
         if num_penalties > self.penalty_token_ids.shape[0]:
             size = 1 << (num_penalties - 1).bit_length()

@@ -1,16 +1,19 @@
 """The worker: runs a `ScheduledBatch` on a device and returns only the sampled ids.
 
-`submit` enqueues a whole step — copies into persistent buffers, the model (eagerly, or by
-replaying the graph captured for the decode batch size), sampling, and the start of the ids'
-download — and returns at once, so the engine can schedule the next step while the device runs
-this one. `PendingStep.result()` waits for the ids. The worker never calls back into the
-scheduler.
+`submit` enqueues a whole step — one copy into persistent buffers, the model and sampling
+(eagerly, or by replaying the graph captured for the decode batch size, which samples too), and
+the start of the ids' download — and returns at once, so the engine can schedule the next step
+while the device runs this one. `PendingStep.result()` waits for the ids. The worker never calls
+back into the scheduler.
+
+A graph's sampler covers temperature, top-k, top-p, min-p and the seeded stream; a step that
+also wants penalties, logit bias or logprobs samples again eagerly after the replay.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -19,7 +22,10 @@ from atlas.domain.models.transformer import StepTensors, Transformer
 from atlas.domain.sampling import PackedSampling, pack_rows
 from atlas.domain.step_buffers import StepBuffers
 from atlas.domain.step_inputs import HostStepInputs, build_step_inputs, pad_decode_inputs
-from atlas.ports.gpu import GpuBackend, Graph, KvCache, LogprobsOut, PendingDownload, Tensor
+from atlas.ports.gpu import DType, GpuBackend, Graph, KvCache, LogprobsOut, PendingDownload, Tensor
+
+# What a graph's padding rows sample with: greedy, no filters (their ids are never read).
+_PADDING_ROW = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,22 +98,34 @@ class Worker:
 
     def submit(self, batch: ScheduledBatch) -> PendingStep:
         """Enqueue one step. Raises ValueError if the batch exceeds the configured sizes."""
-        rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
         if batch.is_empty:
             return PendingStep(batch.step_id, None, None, [])
-        packed = pack_rows(rows) if rows else None
-        logits = self._forward(batch, packed)
-        if packed is None:
+        rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
+        bucket = self._graph_bucket(batch)
+        staged = _pack(rows, bucket)
+        logits = self._forward(batch, bucket, staged)
+        if staged is None:
             return PendingStep(batch.step_id, None, None, [])
-        return self._sample(batch.step_id, logits.rows(0, len(rows)), rows, packed)
+        wanted = [row.num_logprobs for row in rows]
+        if bucket is not None and not _needs_eager_sampling(staged, wanted):
+            ids_download = self.backend.begin_download(self.buffers.sampled_ids.rows(0, len(rows)))
+            return PendingStep(batch.step_id, ids_download, None, wanted)
+        # After a replay this overwrites the graph's ids: draws are counter-based and stateless,
+        # so sampling twice is as deterministic as once.
+        packed = replace(staged, num_rows=len(rows))  # without a graph's padding rows
+        return self._sample(batch.step_id, logits.rows(0, len(rows)), wanted, packed)
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         """Run one step to completion."""
         return self.submit(batch).result()
 
     def compute_logits(self, batch: ScheduledBatch) -> np.ndarray:
-        """Run one step and return the float32 logits [R, V] of its sampling rows, unsampled."""
-        return self.backend.download(self._forward(batch).rows(0, batch.num_sampled))
+        """Run one step and return the float32 logits [R, V] of its sampling rows, unsampled
+        (a replayed graph still samples; its ids are ignored)."""
+        rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
+        bucket = self._graph_bucket(batch)
+        logits = self._forward(batch, bucket, _pack(rows, bucket))
+        return self.backend.download(logits.rows(0, batch.num_sampled))
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (startup), instead of on first use."""
@@ -115,7 +133,7 @@ class Worker:
             if bucket not in self._graphs:
                 self._capture(bucket)
 
-    def _forward(self, batch: ScheduledBatch, packed: PackedSampling | None = None) -> Tensor:
+    def _forward(self, batch: ScheduledBatch, bucket: int | None, packed: PackedSampling | None) -> Tensor:
         if batch.num_tokens > self.config.max_num_tokens or len(batch.sequences) > self.config.max_num_seqs:
             raise ValueError(
                 f"step of {batch.num_tokens} tokens / {len(batch.sequences)} sequences exceeds the worker's "
@@ -123,7 +141,6 @@ class Worker:
             )
         buffers = self.buffers
         inputs = build_step_inputs(batch, self.table_width, self.scratch_block, buffers.max_seqs)
-        bucket = self._graph_bucket(batch)
         if bucket is not None:
             graph, logits = self._graphs.get(bucket) or self._capture(bucket)  # capturing uses the buffers
             inputs = pad_decode_inputs(inputs, bucket, self.scratch_block, self.block_size, buffers.max_seqs)
@@ -154,38 +171,44 @@ class Worker:
         return self.graph_batch_sizes[index] if index < len(self.graph_batch_sizes) else None
 
     def _capture(self, bucket: int) -> tuple[Graph, Tensor]:
-        """Capture the decode step for `bucket` sequences: token gather + model, on the buffers.
+        """Capture the decode step for `bucket` sequences: token gather, model and sampling of
+        every row (see `StepBuffers.graph_sampling_tensors`), on the buffers.
 
         Captured with the longest context so the kernels it bakes in cover every step; the
         buffers' current contents only need to be valid (padding rows are).
         """
-        buffers = self.buffers
+        buffers, backend = self.buffers, self.backend
         step = StepTensors(
             token_ids=buffers.token_ids.rows(0, bucket),
             meta=buffers.metadata(bucket, bucket, 1, self.config.max_model_len),
             sample_indices=buffers.sample_indices.rows(0, bucket),
         )
+        sampling = buffers.graph_sampling_tensors(bucket)
         # valid inputs for the warm-up run: every row a padding row in the scratch block
         padding = pad_decode_inputs(
             HostStepInputs.empty(self.table_width), bucket, self.scratch_block, self.block_size, buffers.max_seqs
         )
         buffers.stage_inputs(padding)
+        buffers.stage_sampling(_pack([], bucket))
         buffers.send()
         outputs: list[Tensor] = []
 
-        def run_step() -> None:
+        def run_step(out_ids: Tensor) -> None:
             buffers.gather_tokens(bucket)
-            outputs[:] = [self.model.forward(step, self.kv, self.workspace, bucket)]
+            logits = self.model.forward(step, self.kv, self.workspace, bucket)
+            backend.sample(logits, sampling, out_ids)
+            outputs[:] = [logits]
 
-        run_step()  # warm up outside capture: lazy compilation and workspaces settle first
-        graph = self.backend.capture(run_step)
+        # Warm up outside capture: lazy compilation and workspaces settle first. Its ids go to a
+        # throwaway tensor: a step in flight may have sampled ids the next step still gathers.
+        run_step(backend.empty((bucket,), DType.I32))
+        graph = backend.capture(lambda: run_step(buffers.sampled_ids.rows(0, bucket)))
         self._graphs[bucket] = (graph, outputs[0])
         return self._graphs[bucket]
 
-    def _sample(self, step_id: int, logits: Tensor, rows: list[SamplingRow], packed: PackedSampling) -> PendingStep:
+    def _sample(self, step_id: int, logits: Tensor, wanted: list[int | None], packed: PackedSampling) -> PendingStep:
         buffers, backend = self.buffers, self.backend
         tensors = buffers.sampling_tensors(packed)
-        wanted = [row.num_logprobs for row in rows]
         num_top = max((n for n in wanted if n is not None), default=None)
         num_rows = packed.num_rows
         logprobs_out = None
@@ -203,3 +226,16 @@ class Worker:
                 backend.begin_download(logprobs_out.top_logprobs) if num_top else None,
             )
         return PendingStep(step_id, ids_download, logprobs_downloads, wanted)
+
+
+def _pack(rows: list[SamplingRow], bucket: int | None) -> PackedSampling | None:
+    """The step's sampling rows (None without any), padded with greedy rows to a graph's
+    `bucket`: the graph samples every row, so padding rows need valid parameters too."""
+    if bucket is not None:
+        return pack_rows(rows + [_PADDING_ROW] * (bucket - len(rows)))
+    return pack_rows(rows) if rows else None
+
+
+def _needs_eager_sampling(packed: PackedSampling, wanted: list[int | None]) -> bool:
+    """Whether a step asks for more than a graph's sampler does (penalties, bias, logprobs)."""
+    return packed.any_penalties or packed.any_bias or any(num is not None for num in wanted)

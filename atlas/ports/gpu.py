@@ -68,6 +68,17 @@ class Activation(enum.Enum):
     GELU_TANH = "gelu_tanh"  # GeGLU with the tanh approximation
 
 
+def bitcast_last_dim(shape: tuple[int, ...], source: DType, target: DType) -> int:
+    """The last dimension of a tensor of `shape` and `source` read as `target` (see
+    `Tensor.bitcast`); raises ValueError when the bytes do not divide."""
+    if not shape:
+        raise ValueError("cannot bitcast a scalar")
+    row_bytes = shape[-1] * source.itemsize
+    if row_bytes % target.itemsize:
+        raise ValueError(f"cannot bitcast {list(shape)} {source.value} to {target.value}")
+    return row_bytes // target.itemsize
+
+
 @runtime_checkable
 class Tensor(Protocol):
     """A dense, row-major array owned by a backend."""
@@ -84,6 +95,11 @@ class Tensor(Protocol):
 
     def rows(self, start: int, stop: int) -> Tensor:
         """Rows [start, stop) along dimension 0, sharing memory."""
+        ...
+
+    def bitcast(self, dtype: DType) -> Tensor:
+        """The same bytes as another dtype; the last dimension scales by the itemsize ratio (a
+        [2n] i32 tensor is [n] i64). For word arenas: one copy can carry ints and floats."""
         ...
 
 

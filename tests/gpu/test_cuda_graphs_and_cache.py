@@ -1,4 +1,5 @@
-"""Graph capture and replay equal eager execution; a warm start compiles no kernel."""
+"""Graph capture and replay equal eager execution (the worker's decode graphs, sampling
+included); a warm start compiles no kernel."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import numpy as np
 import pytest
 from cuda_harness import bf16, cuda_cache_with, paged_case, poisoned, rel_l2, sampling_tensors, upload_metadata
 
-from atlas.domain.batch import SamplingRow
+from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence
+from atlas.domain.models.config import ModelConfig
+from atlas.domain.models.families import load_model
 from atlas.domain.sampling import pack_rows
-from atlas.ports.gpu import Activation, DType, HeadLayout
+from atlas.domain.worker import Worker, WorkerConfig
+from atlas.ports.gpu import Activation, DType, HeadLayout, KvCacheSpec
 
 pytestmark = pytest.mark.gpu
 
@@ -167,3 +171,96 @@ def test_capture_without_warm_up_creates_the_workspaces_it_needs(kernel_cache_di
         np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
     assert np.isfinite(np.asarray(replayed[0], np.float64)).all() and (replayed[2] >= 0).all()
     backend.close()
+
+
+DECODE_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512, "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}  # fmt: skip
+DECODE_BLOCK_SIZE = 16
+GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+
+
+def _decode_worker(backend, graph_sizes: tuple[int, ...]) -> Worker:
+    from fakes import DictWeights, random_llama_weights
+
+    config = ModelConfig.from_dict(DECODE_LLAMA)
+    model = load_model(config, DictWeights(random_llama_weights(DECODE_LLAMA, seed=3, scale=0.1)), backend, 128)
+    spec = KvCacheSpec(config.num_layers, 17, DECODE_BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
+    return Worker(backend, model, backend.allocate_kv_cache(spec), WorkerConfig(128, 8, 128, graph_sizes))
+
+
+def _eager_ids(backend, logits, rows: list[SamplingRow]) -> tuple[int, ...]:
+    """What eager sampling picks from `logits` with `rows` uploaded afresh (not the worker's arena)."""
+    ids = poisoned(backend, (len(rows),), DType.I32)
+    backend.sample(logits, sampling_tensors(backend, pack_rows(rows)), ids)
+    return tuple(int(t) for t in backend.download(ids))
+
+
+def test_decode_graph_samples_as_eager_sampling_and_samples_again_for_bias_and_penalties(
+    cuda_backend, rng, monkeypatch
+):
+    """A decode step padded to its bucket (5 rows in 8) is sampled inside the graph: greedy and
+    seeded temperature/top-p/top-k rows get the ids eager sampling gives from the same logits,
+    with no eager launch. A step with a logit bias and penalties samples again after the replay
+    and gets the eager ids too."""
+    worker = _decode_worker(cuda_backend, (8,))
+    worker.capture_graphs()
+    launches = []
+    original_sample = cuda_backend.sample
+    monkeypatch.setattr(cuda_backend, "sample", lambda *args: (launches.append(1), original_sample(*args))[1])
+
+    prompts = [tuple(int(t) for t in rng.integers(0, 512, size=int(n))) for n in (5, 12, 20, 27, 9)]
+    tables = [(2 * i, 2 * i + 1) for i in range(len(prompts))]  # 32 tokens each; block 16 is scratch
+    prefill = ScheduledBatch(
+        0, tuple(ScheduledSequence(f"s{i}", p, 0, tables[i], GREEDY) for i, p in enumerate(prompts)), DECODE_BLOCK_SIZE
+    )
+
+    def decode(step_id: int, new_tokens: tuple[int, ...], rows: list[SamplingRow]) -> ScheduledBatch:
+        sequences = tuple(
+            ScheduledSequence(f"s{i}", (new_tokens[i],), len(prompt) + step_id - 1, tables[i], rows[i])
+            for i, prompt in enumerate(prompts)
+        )
+        return ScheduledBatch(step_id, sequences, DECODE_BLOCK_SIZE)
+
+    prefilled = worker.execute(prefill).token_ids
+    assert len(launches) == 1  # a prefill is an eager step
+
+    plain_rows = [
+        GREEDY,
+        SamplingRow(temperature=0.9, top_k=0, top_p=0.8, min_p=0.0, seed=101, counter=1),
+        SamplingRow(temperature=1.1, top_k=0, top_p=0.95, min_p=0.0, seed=2**64 - 7, counter=1),
+        SamplingRow(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=103, counter=1),
+        GREEDY,
+    ]
+    launches.clear()
+    first = worker.execute(decode(1, prefilled, plain_rows)).token_ids
+    assert launches == []  # sampled inside the graph
+    logits = worker._graphs[8][1].rows(0, len(prompts))
+    assert first == _eager_ids(cuda_backend, logits, plain_rows)
+
+    favoured = int(rng.integers(0, 512))
+    context = prompts[1] + (prefilled[1], first[1])
+    counts = {token: context[len(prompts[1]) :].count(token) for token in dict.fromkeys(context)}
+    processed_rows = [
+        SamplingRow(
+            temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0,
+            bias_token_ids=(favoured,), bias_values=(100.0,),
+        ),
+        SamplingRow(
+            temperature=0.8, top_k=0, top_p=0.9, min_p=0.0, seed=101, counter=2,
+            repetition_penalty=1.5, presence_penalty=0.5, frequency_penalty=0.5,
+            penalty_token_ids=tuple(counts), penalty_output_counts=tuple(counts.values()),
+        ),
+        SamplingRow(temperature=1.1, top_k=0, top_p=0.95, min_p=0.0, seed=2**64 - 7, counter=2),
+        SamplingRow(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=103, counter=2),
+        GREEDY,
+    ]  # fmt: skip
+    launches.clear()
+    second = worker.execute(decode(2, first, processed_rows)).token_ids
+    assert len(launches) == 1  # sampled again after the replay
+    logits = worker._graphs[8][1].rows(0, len(prompts))
+    assert second == _eager_ids(cuda_backend, logits, processed_rows)
+    assert second[0] == favoured  # the bias applied: the eager ids replaced the graph's

@@ -122,7 +122,9 @@ def test_max_tokens_and_eos_finish_requests(rng):
     assert len(result["a"]) == 5
     # ban everything but the eos id: the first token must be eos and finish the request
     bias = {t: -100.0 for t in range(96)}
-    result = run(core, [Request("b", (7, 8, 9), SamplingParams(temperature=0.0, max_tokens=5, logit_bias=bias), seed=0)])
+    result = run(
+        core, [Request("b", (7, 8, 9), SamplingParams(temperature=0.0, max_tokens=5, logit_bias=bias), seed=0)]
+    )
     assert result["b"] == [96]
     np.testing.assert_equal(core.stats().num_blocks_free, 400)
 
@@ -167,20 +169,44 @@ def test_the_pipelined_engine_matches_a_strictly_synchronous_loop(rng, mixes, ov
     assert core.stats().num_blocks_free == 400
 
 
-def test_decode_graphs_padded_to_buckets_give_the_eager_tokens(rng):
-    """The graph path (bucket padding, token gather, replay over persistent buffers) on the CPU."""
-    mixes = PLAIN + PENALISED
-    requests = [Request(f"r{i}", p, mixes[i % 4], seed=7 + i) for i, p in enumerate(prompts(11, rng))]
+WITH_LOGPROBS = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=14, logprobs=2)]
+
+
+@pytest.mark.parametrize(
+    "mixes, sampled_again",
+    [(PLAIN, False), (PLAIN + PENALISED, True), (PLAIN + WITH_LOGPROBS, True)],
+    ids=["plain", "penalties", "logprobs"],
+)
+def test_decode_graphs_padded_to_buckets_give_the_eager_tokens(rng, mixes, sampled_again):
+    """The graph path (bucket padding, token gather, sampling inside the graph, replay over
+    persistent buffers) on the CPU. Plain rows are sampled by the graph alone, and overlapped
+    steps gather its ids; penalties, bias or logprobs make a step sample again eagerly."""
+    requests = [Request(f"r{i}", p, mixes[i % len(mixes)], seed=7 + i) for i, p in enumerate(prompts(11, rng))]
     eager = run(build_core(), requests)
     graphed_core = build_core(graph_sizes=(1, 2, 4, 8, 16))
-    replays = []
-    original = graphed_core.executor._capture
+    worker = graphed_core.executor
+    captures, eager_samples, graph_steps = [], [], []
+    original_capture, original_sample, original_submit = worker._capture, worker._sample, worker.submit
 
     def counting_capture(bucket):
-        replays.append(bucket)
-        return original(bucket)
+        captures.append(bucket)
+        return original_capture(bucket)
 
-    graphed_core.executor._capture = counting_capture
+    def counting_sample(*args):
+        eager_samples.append(args[0])
+        return original_sample(*args)
+
+    def spying_submit(batch):
+        pending = original_submit(batch)
+        if worker._graph_bucket(batch) is not None:
+            placeholders = any(s.placeholder_row is not None for s in batch.sequences)
+            graph_steps.append((placeholders, batch.step_id in eager_samples))
+        return pending
+
+    worker._capture, worker._sample, worker.submit = counting_capture, counting_sample, spying_submit
     assert run(graphed_core, requests) == eager
-    assert replays and set(replays) <= {1, 2, 4, 8, 16}
+    assert captures and set(captures) <= {1, 2, 4, 8, 16}
+    assert graph_steps and any(again for _, again in graph_steps) == sampled_again
+    if not sampled_again:  # steps overlapped: graph steps gathered ids still on the device
+        assert any(placeholders for placeholders, _ in graph_steps)
     assert graphed_core.stats().num_blocks_free == 400

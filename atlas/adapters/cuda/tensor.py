@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from atlas.ports.gpu import DType
+from atlas.ports.gpu import DType, bitcast_last_dim
 
 
 class CudaTensor:
@@ -40,6 +40,12 @@ class CudaTensor:
             raise ValueError(f"rows [{start}, {stop}) out of range for {self.shape}")
         row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
         return CudaTensor(self.address + start * row_bytes, (stop - start, *self.shape[1:]), self.dtype, self.owner)
+
+    def bitcast(self, dtype: DType) -> CudaTensor:
+        last = bitcast_last_dim(self.shape, self.dtype, dtype)
+        if dtype.itemsize > self.dtype.itemsize and self.address % dtype.itemsize:
+            raise ValueError(f"cannot bitcast to {dtype.value}: address 0x{self.address:x} is not aligned")
+        return CudaTensor(self.address, (*self.shape[:-1], last), dtype, self.owner)
 
     def __repr__(self) -> str:
         return f"CudaTensor({self.shape}, {self.dtype.value}, 0x{self.address:x})"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from atlas.ports.gpu import DType
+from atlas.ports.gpu import NUMPY_DTYPES, DType, bitcast_last_dim
 
 
 class MockTensor:
@@ -34,6 +34,10 @@ class MockTensor:
         if not 0 <= start <= stop <= self.data.shape[0]:
             raise ValueError(f"rows [{start}, {stop}) out of range for {self.shape}")
         return MockTensor(self.data[start:stop], self._dtype)
+
+    def bitcast(self, dtype: DType) -> MockTensor:
+        bitcast_last_dim(self.shape, self._dtype, dtype)  # checks the sizes
+        return MockTensor(self.data.view(NUMPY_DTYPES[dtype]), dtype)
 
     def as_f32(self) -> np.ndarray:
         """The values as float32 (a view for f32 tensors, a converted copy otherwise)."""

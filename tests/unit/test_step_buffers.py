@@ -1,0 +1,138 @@
+"""StepBuffers on the mock: one int32 arena, sent by one copy, read back through the views the
+model and the sampler get (floats and 64-bit values included, as bitcasts of its words)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atlas.adapters.mock.backend import MockGpuBackend
+from atlas.adapters.mock.sampler import sample_rows
+from atlas.domain.batch import SamplingRow
+from atlas.domain.sampling import pack_rows
+from atlas.domain.step_buffers import StepBuffers
+from atlas.domain.step_inputs import HostStepInputs, pad_decode_inputs
+from atlas.ports.gpu import NUMPY_DTYPES, DType
+
+SCRATCH_BLOCK, BLOCK_SIZE, TABLE_WIDTH = 7, 4, 3
+SEED_ABOVE_INT64 = 2**64 - 12345  # stored as a negative int64 bit pattern
+
+ROWS = [
+    SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=1, counter=0),
+    SamplingRow(
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        min_p=0.05,
+        seed=SEED_ABOVE_INT64,
+        counter=2**40 + 3,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        penalty_token_ids=(3, 9, 11),
+        penalty_output_counts=(0, 2, 1),
+    ),
+    SamplingRow(
+        temperature=1.2,
+        top_k=0,
+        top_p=0.8,
+        min_p=0.0,
+        seed=2**63,
+        counter=17,
+        bias_token_ids=(4, 20),
+        bias_values=(5.0, float("-inf")),
+    ),
+]
+
+
+def decode_inputs(num_seqs: int, max_seqs: int) -> HostStepInputs:
+    return pad_decode_inputs(HostStepInputs.empty(TABLE_WIDTH), num_seqs, SCRATCH_BLOCK, BLOCK_SIZE, max_seqs)
+
+
+def buffers_with(backend: MockGpuBackend, max_seqs: int = 5, max_tokens: int = 9) -> StepBuffers:
+    """Buffers with a decode step of min(3, max_seqs) padding rows staged."""
+    buffers = StepBuffers(backend, max_tokens, max_seqs, TABLE_WIDTH)
+    buffers.stage_inputs(decode_inputs(min(len(ROWS), max_seqs), max_seqs))
+    return buffers
+
+
+@pytest.mark.parametrize("max_seqs, max_tokens", [(5, 9), (4, 9), (5, 8), (1, 1), (6, 3)])
+def test_staged_sampling_reads_back_through_the_arena_views(max_seqs, max_tokens):
+    backend = MockGpuBackend()
+    buffers = buffers_with(backend, max_seqs, max_tokens)
+    packed = pack_rows(ROWS[:max_seqs])
+    buffers.stage_sampling(packed)
+    buffers.send()
+    tensors = buffers.sampling_tensors(packed)
+    for name in (
+        "temperature", "top_k", "top_p", "min_p", "seeds", "counters",
+        "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "penalty_offsets", "penalty_token_ids", "penalty_output_counts",
+        "bias_offsets", "bias_token_ids", "bias_values",
+    ):  # fmt: skip
+        got, expected = getattr(tensors, name), getattr(packed, name)
+        assert NUMPY_DTYPES[got.dtype] == expected.dtype, name
+        np.testing.assert_array_equal(backend.download(got), expected, err_msg=name)
+    assert (tensors.all_greedy, tensors.any_penalties, tensors.any_bias) == (
+        packed.all_greedy,
+        packed.any_penalties,
+        packed.any_bias,
+    )
+    # uint64 seeds survive the int64 words, and the i64 views are 8-byte aligned in memory
+    assert backend.download(tensors.seeds).view(np.uint64).tolist() == [row.seed for row in ROWS[:max_seqs]]
+    assert tensors.seeds.data.ctypes.data % 8 == 0 and tensors.counters.data.ctypes.data % 8 == 0
+
+
+def test_send_is_one_copy_that_leaves_the_sampled_ids_alone():
+    backend = MockGpuBackend()
+    buffers = buffers_with(backend)
+    previous_samples = np.array([41, 42, 43, 44, 45], np.int32)
+    backend.copy_from_host(buffers.sampled_ids, previous_samples)  # as the last step's `sample` left them
+    copies = []
+    original = backend.copy_from_host
+    backend.copy_from_host = lambda dst, array: (copies.append(dst.shape), original(dst, array))[1]
+
+    buffers.stage_sampling(pack_rows(ROWS))
+    buffers.send()
+    assert len(copies) == 1
+    np.testing.assert_array_equal(backend.download(buffers.sampled_ids), previous_samples)
+    meta = buffers.metadata(len(ROWS), len(ROWS), 1, 1)
+    assert backend.download(meta.slot_mapping).tolist() == [SCRATCH_BLOCK * BLOCK_SIZE] * len(ROWS)
+    assert backend.download(meta.block_tables).tolist() == [[SCRATCH_BLOCK] * TABLE_WIDTH] * len(ROWS)
+
+
+def test_sampling_from_the_arena_views_equals_the_reference(rng):
+    backend = MockGpuBackend()
+    buffers = buffers_with(backend)
+    packed = pack_rows(ROWS)
+    buffers.stage_sampling(packed)
+    buffers.send()
+    logits = rng.standard_normal((len(ROWS), 30)).astype(np.float32) * 3
+    out = buffers.sampled_ids.rows(0, len(ROWS))
+    backend.sample(backend.upload(logits), buffers.sampling_tensors(packed), out)
+    expected = sample_rows(logits, packed, None).token_ids
+    np.testing.assert_array_equal(backend.download(out), expected)
+    assert backend.download(out)[2] == 4  # the +5 bias on token 4 wins at this temperature
+
+
+def test_graph_sampling_views_cover_the_rows_without_penalties_or_bias(rng):
+    """The sampler a graph bakes in reads every row's temperature, filters and stream; it skips
+    penalties and bias even where rows have them (those steps sample again eagerly)."""
+    backend = MockGpuBackend()
+    buffers = buffers_with(backend)
+    packed = pack_rows(ROWS)
+    buffers.stage_sampling(packed)
+    buffers.send()
+    tensors = buffers.graph_sampling_tensors(len(ROWS))
+    assert not (tensors.all_greedy or tensors.any_penalties or tensors.any_bias)
+    assert tensors.penalty_token_ids.shape == tensors.bias_token_ids.shape == (0,)
+    np.testing.assert_array_equal(backend.download(tensors.temperature), packed.temperature)
+    np.testing.assert_array_equal(backend.download(tensors.counters), packed.counters)
+
+    logits = rng.standard_normal((len(ROWS), 30)).astype(np.float32) * 3
+    out = backend.empty((len(ROWS),), DType.I32)
+    backend.sample(backend.upload(logits), tensors, out)
+    plain = pack_rows(
+        [SamplingRow(row.temperature, row.top_k, row.top_p, row.min_p, row.seed, row.counter) for row in ROWS]
+    )
+    np.testing.assert_array_equal(backend.download(out), sample_rows(logits, plain, None).token_ids)
