@@ -70,10 +70,11 @@ __device__ __forceinline__ void attention_decode_impl(
     const int position = context_len - 1;
     const int lo = sliding_window > 0 ? max(0, position - sliding_window + 1) : 0;
     // A graph bakes in the split count of its longest context; a shorter one uses fewer splits
-    // (each at least min_split_tokens long), and the blocks of the others have nothing to read.
+    // (each at least min_split_tokens long). The blocks of the others leave at once, uncounted.
     const int used_splits = max(1, min(num_splits, (context_len - lo + min_split_tokens - 1) / min_split_tokens));
-    const int chunk = (context_len - lo + used_splits - 1) / used_splits;
     const int split = blockIdx.z;
+    if (split >= used_splits) return;
+    const int chunk = (context_len - lo + used_splits - 1) / used_splits;
     const int start = lo + split * chunk;
     const int end = min(context_len, start + chunk);
 
@@ -232,7 +233,7 @@ __device__ __forceinline__ void attention_decode_impl(
             if (d == 0) partial_lse[slot] = total > 0.0f ? best + log2f(total) : -ATLAS_INF;
         }
     }
-    if (num_splits == 1 || !last_block_done(split_counters + (long long)seq * gridDim.y + blockIdx.y, num_splits))
+    if (num_splits == 1 || !last_block_done(split_counters + (long long)seq * gridDim.y + blockIdx.y, used_splits))
         return;
     // The last split to finish merges every split of this block's heads (read from L2).
     for (int item = threadIdx.x; item < num_heads * HEAD_DIM; item += DECODE_THREADS) {

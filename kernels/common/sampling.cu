@@ -23,7 +23,8 @@
 // likely (ties: lowest id) by K rounds of a block argmax below the previous pick.
 //
 // One block of 1024 threads per row (64 KiB of dynamic shared memory for per-warp top-p
-// histograms); the processed row lives in a float32 workspace [R, V].
+// histograms); the processed row lives in a float32 workspace [R, V]. A greedy row with no
+// penalty or bias entries skips it: one pass over the logits finds its argmax.
 // Bytes: ~15 passes over V * 4 bytes per row (L2 resident after the first). FLOPs: negligible
 // except one splitmix64 hash and two logf per token in the race. Bound by the single SM's L2
 // bandwidth per row; batches spread rows over SMs.
@@ -174,8 +175,35 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
                            const int* __restrict__ bias_ids, const float* __restrict__ bias_values,
                            int* __restrict__ out_id, SampleShared& shared, double* warp_masses) {
     const int tid = threadIdx.x;
+    const bool vector_rows = vocab_size % 8 == 0;  // rows then start 16-byte aligned
+    if (params.temperature == 0.0f && penalty_begin == penalty_end && bias_begin == bias_end) {
+        // A greedy row that nothing changes: its argmax, in one pass over the logits.
+        float max_value = -ATLAS_INF;
+        int argmax_id = 0x7fffffff;
+        const int vector_end = vector_rows ? vocab_size : 0;
+        for (int chunk = tid; chunk * 8 < vector_end; chunk += SAMPLE_THREADS) {
+            float values[8];
+            load8(logits_row + chunk * 8, values);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                if (ranks_before(values[i], chunk * 8 + i, max_value, argmax_id)) {
+                    max_value = values[i];
+                    argmax_id = chunk * 8 + i;
+                }
+            }
+        }
+        for (int v = vector_end + tid; v < vocab_size; v += SAMPLE_THREADS) {
+            const float value = to_float(logits_row[v]);
+            if (ranks_before(value, v, max_value, argmax_id)) {
+                max_value = value;
+                argmax_id = v;
+            }
+        }
+        block_argmax(max_value, argmax_id, shared);
+        if (tid == 0) *out_id = argmax_id;
+        return;
+    }
     // 1-2: the processed row.
-        const bool vector_rows = vocab_size % 8 == 0;  // rows then start 16-byte aligned
     if (vector_rows) {
         for (int chunk = tid; chunk < vocab_size / 8; chunk += SAMPLE_THREADS) {
             float values[8];
@@ -207,7 +235,7 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
     // 3: the argmax is the answer for greedy rows and the fallback when nothing is kept.
     float max_value = -ATLAS_INF;
     int argmax_id = 0x7fffffff;
-        if (vector_rows) {
+    if (vector_rows) {
         for (int chunk = tid; chunk < vocab_size / 8; chunk += SAMPLE_THREADS) {
             float values[8];
             load8(row + chunk * 8, values);

@@ -147,7 +147,6 @@ class Transformer:
         backend, eps = self.backend, self.config.rms_norm_eps
         num_tokens = step.meta.num_tokens
         residual = workspace.residual.rows(0, num_tokens)
-        normed = workspace.normed.rows(0, num_tokens)
         backend.embedding(step.token_ids, self.embedding, residual)
         for index, layer in enumerate(self.layers):
             self._layer(index, layer, step.meta, kv, workspace, num_tokens)
