@@ -62,7 +62,9 @@ def test_sixty_four_streams_half_cancelled_leave_no_blocks_or_sequences(server):
             await client.close()
 
     received = asyncio.run(main())
-    assert all(count >= 3 for count in received)
+    # A hung-up stream read 3 chunks first; a finished one at least one: a reader slower than the
+    # engine gets its deltas merged into fewer chunks (the token count below checks the rest).
+    assert all(count >= 3 for count in received[0::2]) and all(count >= 1 for count in received[1::2])
     after = wait_idle(server, baseline_free)
     assert after["atlas_kv_blocks_free"] == baseline_free
     assert after["atlas_num_requests_running"] == 0 and after["atlas_num_requests_waiting"] == 0
