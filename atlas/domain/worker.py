@@ -159,7 +159,9 @@ class Worker:
         return StepTensors(
             token_ids=buffers.token_ids.rows(0, inputs.num_tokens),
             meta=buffers.metadata(inputs.num_tokens, inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len),
-            sample_indices=buffers.sample_indices.rows(0, inputs.num_sample_rows),
+            sample_indices=None
+            if np.array_equal(inputs.sample_indices, np.arange(inputs.num_tokens))
+            else buffers.sample_indices.rows(0, inputs.num_sample_rows),
         )
 
     def _graph_bucket(self, batch: ScheduledBatch) -> int | None:
@@ -181,7 +183,7 @@ class Worker:
         step = StepTensors(
             token_ids=buffers.token_ids.rows(0, bucket),
             meta=buffers.metadata(bucket, bucket, 1, self.config.max_model_len),
-            sample_indices=buffers.sample_indices.rows(0, bucket),
+            sample_indices=None,  # every row of a decode bucket is sampled, in order
         )
         sampling = buffers.graph_sampling_tensors(bucket)
         # valid inputs for the warm-up run: every row a padding row in the scratch block

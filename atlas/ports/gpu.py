@@ -394,6 +394,30 @@ class GpuBackend(Protocol):
         """
         ...
 
+    def qkv_rope_cache(
+        self,
+        x: Tensor,
+        norm_weight: Tensor,
+        eps: float,
+        weight: Tensor,
+        bias: Tensor | None,
+        meta: AttentionMetadata,
+        rope_table: Tensor,
+        kv: KvCache,
+        layer: int,
+        heads: HeadLayout,
+        q_out: Tensor,
+        qkv: Tensor,
+        normed: Tensor,
+        q_norm: Tensor | None = None,
+        k_norm: Tensor | None = None,
+    ) -> None:
+        """An attention layer's input: `rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed,
+        bias)` then `rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out, q_norm,
+        k_norm, eps)`, as one op that a backend may fuse (leaving `qkv` and `normed`
+        unwritten). x, normed [N, H], weight [(Hq + 2 Hkv) * D, H], qkv [N, (Hq + 2 Hkv) * D]."""
+        ...
+
     def attention(
         self,
         q: Tensor,

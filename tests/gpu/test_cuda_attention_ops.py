@@ -93,6 +93,95 @@ def test_rope_and_cache(cuda_backend, mock_backend, rng, heads, rotary_dim, with
         assert np.isnan(c_slots[untouched]).all()
 
 
+@pytest.mark.parametrize(
+    "heads, hidden, with_bias, table_dtype, norm_dtype, padding",
+    [
+        (HeadLayout(9, 3, 64), 576, False, DType.F32, DType.BF16, False),  # SmolLM2: norm inside, 2 rows
+        (HeadLayout(32, 8, 128), 256, True, DType.BF16, DType.F32, False),  # Llama's heads: 4 rows per block
+        (HeadLayout(8, 2, 128), 2560, True, DType.F32, DType.BF16, False),  # too wide: unfused either way
+        (HeadLayout(9, 3, 64), 576, False, DType.F32, DType.BF16, True),  # a graph's padding row
+    ],
+)
+def test_qkv_rope_cache_one_token(
+    cuda_backend, mock_backend, rng, heads, hidden, with_bias, table_dtype, norm_dtype, padding
+):
+    """The one-token projection with RoPE and the cache write in the GEMV against the mock's
+    rmsnorm_linear + rope_and_cache, and against CUDA's own unfused path (the same rounding
+    points, so they agree to the last bit but for FMA contraction). Cache slots other than
+    the token's stay NaN; a padding row (slot -1) writes q only."""
+    from dataclasses import replace
+
+    case = paged_case(rng, heads, context_lens=[77], query_lens=[1])
+    if padding:
+        case = replace(case, slot_mapping=np.full(1, -1, np.int32))
+    width = heads.q_size + 2 * heads.kv_size
+    x = bf16(rng.standard_normal((1, hidden)) * 3)
+    weight = bf16(rng.standard_normal((width, hidden)) / math.sqrt(hidden))
+    bias = bf16(rng.standard_normal(width)) if with_bias else None
+    norm = bf16(rng.standard_normal(hidden) * 0.3 + 1)
+    table = _rope_table(256, heads.head_dim)
+
+    def on_cuda(fused: bool):
+        rt = cuda_backend.runtime
+        saved = rt.features
+        rt.features = replace(saved, gemv_rope=fused)
+        try:
+            kv = cuda_backend.allocate_kv_cache(case.spec)
+            _poison_cache(cuda_backend, kv)
+            q_out = poisoned(cuda_backend, (1, heads.q_size), DType.BF16)
+            cuda_backend.qkv_rope_cache(
+                cuda_backend.upload(x, DType.BF16),
+                cuda_backend.upload(norm, norm_dtype),
+                1e-5,
+                cuda_backend.upload(weight, DType.BF16),
+                cuda_backend.upload(bias, DType.BF16) if bias is not None else None,
+                upload_metadata(cuda_backend, case),
+                cuda_backend.upload(table, table_dtype),
+                kv,
+                0,
+                heads,
+                q_out,
+                poisoned(cuda_backend, (1, width), DType.BF16),
+                poisoned(cuda_backend, (1, hidden), DType.BF16),
+            )
+            keys, values = cuda_backend.kv_to_host(kv, 0)
+            return host(cuda_backend, q_out), np.asarray(keys, np.float32), np.asarray(values, np.float32)
+        finally:
+            rt.features = saved
+
+    m_kv = mock_backend.allocate_kv_cache(case.spec)
+    m_kv.keys[...] = np.nan
+    m_kv.values[...] = np.nan
+    m_q = mock_backend.empty((1, heads.q_size), DType.F32)
+    mock_backend.qkv_rope_cache(
+        mock_backend.upload(x),
+        mock_backend.upload(norm),
+        1e-5,
+        mock_backend.upload(weight),
+        mock_backend.upload(bias) if bias is not None else None,
+        upload_metadata(mock_backend, case),
+        mock_backend.upload(table if table_dtype is DType.F32 else bf16(table)),
+        m_kv,
+        0,
+        heads,
+        m_q,
+        mock_backend.empty((1, width), DType.BF16),
+        mock_backend.empty((1, hidden), DType.BF16),
+    )
+    m_keys, m_values = (np.asarray(plane, np.float32) for plane in mock_backend.kv_to_host(m_kv, 0))
+    fused, unfused = on_cuda(True), on_cuda(False)
+    assert rel_l2(fused[0], host(mock_backend, m_q)) < BF16_TOLERANCE
+    assert rel_l2(fused[0], unfused[0]) < 1e-3
+    slot = int(case.slot_mapping[0])
+    for index, expected in ((1, m_keys), (2, m_values)):
+        got = fused[index].reshape(-1, heads.num_kv_heads, heads.head_dim)
+        if slot >= 0:
+            assert rel_l2(got[slot], expected.reshape(got.shape)[slot]) < BF16_TOLERANCE
+            assert rel_l2(got[slot], unfused[index].reshape(got.shape)[slot]) < 1e-3
+        others = np.setdiff1d(np.arange(got.shape[0]), [slot])
+        assert np.isnan(got[others]).all()
+
+
 def _poison_cache(backend, kv) -> None:
     from atlas.adapters.cuda.tensor import CudaTensor
 

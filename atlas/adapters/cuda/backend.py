@@ -218,6 +218,33 @@ class CudaGpuBackend:
     ) -> None:
         self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, None, activation, scratch)
 
+    def qkv_rope_cache(
+        self,
+        x: CudaTensor,
+        norm_weight: CudaTensor,
+        eps: float,
+        weight: CudaTensor,
+        bias: CudaTensor | None,
+        meta: AttentionMetadata,
+        rope_table: CudaTensor,
+        kv: CudaKvCache,
+        layer: int,
+        heads: HeadLayout,
+        q_out: CudaTensor,
+        qkv: CudaTensor,
+        normed: CudaTensor,
+        q_norm: CudaTensor | None = None,
+        k_norm: CudaTensor | None = None,
+    ) -> None:
+        if q_norm is None and k_norm is None:
+            targets = ops_attention.rope_targets(meta, rope_table, kv, layer, heads, q_out)
+            if targets is not None and self._linear.rmsnorm_linear_rope(
+                x, norm_weight, eps, weight, bias, q_out, targets
+            ):
+                return
+        self.rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed, bias)
+        self.rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm, eps)
+
     def act_mul(self, x: CudaTensor, activation: Activation, out: CudaTensor) -> None:
         ops_dense.act_mul(self._rt, x, activation, out)
 

@@ -60,6 +60,49 @@ def _check_metadata(meta: AttentionMetadata) -> None:
         checks.dtype(value, f"meta.{name}", (DType.I32,))
 
 
+@dataclass(frozen=True, slots=True)
+class RopeTargets:
+    """What a GEMV with the rope epilogue needs besides its product: the step's positions and
+    slots, the rotation table and this layer's cache planes (checked by `rope_targets`)."""
+
+    positions: int
+    slot_mapping: int
+    table: CudaTensor
+    k_plane: int
+    v_plane: int
+    heads: HeadLayout
+    block_size: int
+
+
+def rope_targets(
+    meta: AttentionMetadata, rope_table: CudaTensor, kv: object, layer: int, heads: HeadLayout, q_out: CudaTensor
+) -> RopeTargets | None:
+    """The rope epilogue's arguments for a one-token step with full-width rotation, else None
+    (the caller then runs the projection and `rope_and_cache`, which check and report)."""
+    if meta.num_tokens != 1 or not isinstance(kv, CudaKvCache) or q_out.dtype is not DType.BF16:
+        return None
+    if (
+        heads.head_dim % 2
+        or rope_table.dtype not in (DType.F32, DType.BF16)
+        or rope_table.shape[1:] != (heads.head_dim,)
+    ):
+        return None
+    cache = _check_cache(kv, heads)
+    _check_metadata(meta)
+    checks.at_least_rows(q_out, "q_out", 1)
+    if q_out.shape[1:] != (heads.q_size,):
+        raise ValueError(f"q_out: width {q_out.shape[1:]} is not Hq * D = {heads.q_size}")
+    return RopeTargets(
+        positions=checks.address(meta.positions, "meta.positions"),
+        slot_mapping=checks.address(meta.slot_mapping, "meta.slot_mapping"),
+        table=rope_table,
+        k_plane=cache.key_plane(layer),
+        v_plane=cache.value_plane(layer),
+        heads=heads,
+        block_size=cache.spec.block_size,
+    )
+
+
 def rope_and_cache(
     rt: CudaRuntime,
     qkv: CudaTensor,

@@ -38,7 +38,8 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 @dataclass(frozen=True, slots=True)
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
-    of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`) turns some off, for debugging and A/B timings.
+    of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`) turns some off, for debugging
+    and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -48,19 +49,22 @@ class CudaFeatures:
     gemv_fused: at decode sizes `rmsnorm_linear`, `rmsnorm_gated_linear` and `linear_add` are
         each one GEMV (the norm taken as x is loaded, the activation or residual add applied to
         the block's own rows).
+    gemv_rope: a one-token `qkv_rope_cache` on rows up to 2048 wide is one GEMV that also
+        rotates q and k and writes the cache (needs gemv_fused too).
     """
 
     programmatic_launch: bool = True
     wgmma_attention: bool = True
     gemm_tuning: bool = True
     gemv_fused: bool = True
+    gemv_rope: bool = True
 
     @classmethod
     def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
         """The defaults for a device, minus whatever the environment disables. Raises
         `ValueError` naming an unknown entry of `ATLAS_CUDA_DISABLE`."""
         disabled = {item.strip() for item in os.environ.get(FEATURES_ENVIRONMENT, "").split(",") if item.strip()}
-        known = ("pdl", "wgmma", "gemm_tuning", "gemv_fused")
+        known = ("pdl", "wgmma", "gemm_tuning", "gemv_fused", "gemv_rope")
         unknown = disabled - set(known)
         if unknown:
             raise ValueError(f"{FEATURES_ENVIRONMENT}: unknown {sorted(unknown)} (known: {', '.join(known)})")
@@ -70,6 +74,7 @@ class CudaFeatures:
             wgmma_attention="wgmma" not in disabled,
             gemm_tuning="gemm_tuning" not in disabled,
             gemv_fused="gemv_fused" not in disabled,
+            gemv_rope="gemv_rope" not in disabled,
         )
 
 

@@ -272,6 +272,27 @@ class MockGpuBackend:
         kv.keys[layer, slots] = _rotate(k, table)
         kv.values[layer, slots] = v
 
+    def qkv_rope_cache(
+        self,
+        x: MockTensor,
+        norm_weight: MockTensor,
+        eps: float,
+        weight: MockTensor,
+        bias: MockTensor | None,
+        meta: AttentionMetadata,
+        rope_table: MockTensor,
+        kv: MockKvCache,
+        layer: int,
+        heads: HeadLayout,
+        q_out: MockTensor,
+        qkv: MockTensor,
+        normed: MockTensor,
+        q_norm: MockTensor | None = None,
+        k_norm: MockTensor | None = None,
+    ) -> None:
+        self.rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed, bias)
+        self.rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm, eps)
+
     def attention(
         self,
         q: MockTensor,
@@ -304,7 +325,9 @@ class MockGpuBackend:
             for tile in range(start, stop, _ATTENTION_QUERY_TILE):
                 tile_stop = min(stop, tile + _ATTENTION_QUERY_TILE)
                 positions = first_position + np.arange(tile - start, tile_stop - start)
-                result[tile:tile_stop] = _attend(queries[tile:tile_stop], keys, values, positions, scale, sliding_window)
+                result[tile:tile_stop] = _attend(
+                    queries[tile:tile_stop], keys, values, positions, scale, sliding_window
+                )
         out.data[...] = result.reshape(out.shape)
 
     def act_mul(self, x: MockTensor, activation: Activation, out: MockTensor) -> None:

@@ -10,15 +10,15 @@ output projection adds into the residual itself:
 
     residual = embed(ids)
     for each layer i:
-        qkv = rmsnorm_linear(residual, input_norm[i], qkv_proj)
-        residual += o_proj(attention(rope(qkv)))                            # linear_add
+        q = rope_and_cache(rmsnorm_linear(residual, input_norm[i], qkv_proj))  # qkv_rope_cache
+        residual += o_proj(attention(q))                                    # linear_add
         residual += down_proj(rmsnorm_gated_linear(residual, post_attention_norm[i], gate_up_proj))
     logits = lm_head(rmsnorm(residual[sample rows], final_norm))
 
-A backend may fuse each of these pairs: on CUDA a decode step's GEMVs apply the activation to
-their own rows, add into the residual and (rows up to 2048 wide) normalise x as they load it,
-so a layer is six kernels (qkv, rope + cache write, attention, o_proj, gate_up, down), plus
-the two norms for wider models.
+A backend may fuse each of these: on CUDA a decode step's GEMVs apply the activation to their
+own rows, add into the residual, rotate q and k and write the cache (one token row), and (rows
+up to 2048 wide) normalise x as they load it, so a batch-1 layer is five kernels (qkv + rope +
+cache write, attention, o_proj, gate_up, down), plus the two norms for wider models.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class StepTensors:
 
     token_ids: Tensor  # [N] i32
     meta: AttentionMetadata
-    sample_indices: Tensor  # [R] i32: rows of the step whose next token is sampled
+    sample_indices: Tensor | None  # [R] i32: rows of the step whose next token is sampled; None: all, in order
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +150,13 @@ class Transformer:
         backend.embedding(step.token_ids, self.embedding, residual)
         for index, layer in enumerate(self.layers):
             self._layer(index, layer, step.meta, kv, workspace, num_tokens)
-        sample_hidden = workspace.sample_hidden.rows(0, num_sample_rows)
         sample_normed = workspace.sample_normed.rows(0, num_sample_rows)
         logits = workspace.logits.rows(0, num_sample_rows)
-        backend.gather_rows(residual, step.sample_indices, sample_hidden)
+        if step.sample_indices is None:  # a decode step samples every row: no gather
+            sample_hidden = residual.rows(0, num_sample_rows)
+        else:
+            sample_hidden = workspace.sample_hidden.rows(0, num_sample_rows)
+            backend.gather_rows(residual, step.sample_indices, sample_hidden)
         backend.rmsnorm(sample_hidden, self.final_norm, eps, sample_normed)
         backend.linear(sample_normed, self.lm_head, logits)
         return logits
@@ -177,11 +180,26 @@ class Transformer:
         mlp_hidden = workspace.mlp_hidden.rows(0, num_tokens)
         mlp_out = workspace.mlp_out.rows(0, num_tokens)
 
-        backend.rmsnorm_linear(residual, layer.input_norm, eps, attention.qkv, qkv, normed, attention.qkv_bias)
-        backend.rope_and_cache(
-            qkv, meta, self.rope_table, kv, index, self.heads, queries, attention.q_norm, attention.k_norm, eps
+        backend.qkv_rope_cache(
+            residual,
+            layer.input_norm,
+            eps,
+            attention.qkv,
+            attention.qkv_bias,
+            meta,
+            self.rope_table,
+            kv,
+            index,
+            self.heads,
+            queries,
+            qkv,
+            normed,
+            attention.q_norm,
+            attention.k_norm,
         )
-        backend.attention(queries, kv, index, meta, self.heads, self.attention_scale, attention_out, layer.sliding_window)
+        backend.attention(
+            queries, kv, index, meta, self.heads, self.attention_scale, attention_out, layer.sliding_window
+        )
         backend.linear_add(attention_out, attention.output, residual, delta)
         post_norm, mlp = layer.post_attention_norm, layer.mlp
         backend.rmsnorm_gated_linear(residual, post_norm, eps, mlp.gate_up, mlp.activation, mlp_out, normed, mlp_hidden)
