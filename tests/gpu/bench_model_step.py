@@ -239,6 +239,12 @@ def smollm2_rows(backend, events, rng) -> list[tuple[str, str, str]]:
     with_features(backend, programmatic_launch=True)
     us = decode_step_us(backend, events, fill, model, kv, 1, 512, sample=False)
     rows.append(("SmolLM2-135M decode b1 ctx512, forward only", f"{us:.1f} us", ""))
+    with_features(backend, gemv_rope=False)
+    us = decode_step_us(backend, events, fill, model, kv, 1, 512)
+    rows.append(
+        ("SmolLM2-135M decode b1 ctx512, RoPE kernel (gemv_rope off)", f"{us:.1f} us", f"{1e6 / us:.0f} tokens/s")
+    )
+    with_features(backend, gemv_rope=True)
     return rows
 
 

@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes between the captured graph and the worker's step.
 
-Run: python tests/gpu/bench_worker_step.py [smollm2-135m | llama-3.1-8b]
+Run: python tests/gpu/bench_worker_step.py [smollm2-135m | llama-3.1-8b] [gpu memory utilization, 0.9] [max_seq_len, 2048]
 
 Builds the engine as `atlas bench` does (a random-weight checkpoint of the real config), runs one
 sequence to a 512-token context, records a decode step, then times (device time: each variant
@@ -37,12 +37,20 @@ def _timed(fn, sync) -> float:
     return (time.perf_counter() - started) / REPEATS * 1e6
 
 
-def main(name: str) -> None:
+def main(name: str, memory_utilization: float, max_seq_len: int) -> None:
     from atlas.app.bench.random_model import write_random_model
     from atlas.app.model_store import atlas_home
 
     folder = write_random_model(name, atlas_home() / "bench" / name)
-    engine = build_engine(EngineSettings(model=str(folder), device="cuda", max_seq_len=2048, max_num_seqs=8))
+    engine = build_engine(
+        EngineSettings(
+            model=str(folder),
+            device="cuda",
+            max_seq_len=max_seq_len,
+            max_num_seqs=8,
+            gpu_memory_utilization=memory_utilization,
+        )
+    )
     core, worker, backend = engine.core, engine.core.executor, engine.backend
     prompt = tuple(int(t) for t in np.random.default_rng(0).integers(0, engine.config.vocab_size, size=512))
     core.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True), seed=0))
@@ -100,10 +108,17 @@ def main(name: str) -> None:
         host.append((time.perf_counter() - started) * 1e6)
         step.result()
     results["host"] = statistics.median(host)
-    print(f"{name} on {backend.capabilities.device_name}, batch 1, 512-token context ({REPEATS} steps each)")
+    blocks = worker.kv.spec.num_blocks
+    print(
+        f"{name} on {backend.capabilities.device_name}, batch 1, 512-token context, {blocks} KV blocks, max_seq_len {max_seq_len} ({REPEATS} steps each)"
+    )
     for key, value in results.items():
         print(f"  {key:8s} {value:8.1f} us")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m")
+    main(
+        sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m",
+        float(sys.argv[2]) if len(sys.argv) > 2 else 0.9,
+        int(sys.argv[3]) if len(sys.argv) > 3 else 2048,
+    )
