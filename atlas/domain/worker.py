@@ -159,8 +159,9 @@ class Worker:
         return StepTensors(
             token_ids=buffers.token_ids.rows(0, inputs.num_tokens),
             meta=buffers.metadata(inputs.num_tokens, inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len),
+            # sample rows are distinct and ascending, so as many as the tokens means all of them
             sample_indices=None
-            if np.array_equal(inputs.sample_indices, np.arange(inputs.num_tokens))
+            if inputs.num_sample_rows == inputs.num_tokens
             else buffers.sample_indices.rows(0, inputs.num_sample_rows),
         )
 
