@@ -23,6 +23,12 @@
 //
 // then the groups are merged through shared memory (the same rescaling as the split merge; the
 // merge buffers reuse the ring's memory).
+// Before its wait for the previous kernel (griddepcontrol.wait) a block reads only what no kernel
+// of the step writes, the metadata and the K/V of earlier tokens: it resolves its pages and
+// issues its first DECODE_STAGES - 1 steps of copies while that kernel (the one writing q and
+// the cache) finishes. q and the step's own K/V row are read after the wait; that token joins
+// group 0's softmax after the ring. (Kernels before the previous one have completed: each one
+// lets its successor launch only after its own wait.)
 // With one split the block writes `out`; otherwise it writes its normalised partial output and
 // log2-sum-exp to the workspace, and the last split of its (sequence, head group) to finish
 // (counted in split_counters [S, Hkv x head groups], zero between launches) combines them:
@@ -58,6 +64,8 @@ __device__ __forceinline__ void attention_decode_impl(
         return shared + ((stage * DECODE_UNROLL + u) * 2 + plane) * DECODE_THREADS + threadIdx.x;
     };
 
+    // Until the wait below, only what no kernel of this step writes: the step's metadata and the
+    // K/V rows of earlier tokens (see the file comment).
     const int seq = blockIdx.x;
     const int token = query_start_loc[seq];
     if (query_start_loc[seq + 1] - token != 1) return;
@@ -78,23 +86,13 @@ __device__ __forceinline__ void attention_decode_impl(
     const int chunk = (context_len - lo + used_splits - 1) / used_splits;
     const int start = lo + split * chunk;
     const int end = min(context_len, start + chunk);
+    // The step's own token (the previous kernel just wrote its K/V) is left out of the ring and
+    // taken after the wait, by the split that holds it.
+    const bool has_newest = end == context_len;
+    const int ring_end = has_newest ? context_len - 1 : end;
 
     const int lane_in_group = threadIdx.x % LANES, group = threadIdx.x / LANES;
     const int dim = lane_in_group * 8;
-    const long long q_row = (long long)token * num_q_heads * HEAD_DIM;
-
-    float qv[HEADS][8];
-#pragma unroll
-    for (int h = 0; h < HEADS; ++h) {
-        if (h < num_heads) {
-            load8(q + q_row + (long long)(first_head + h) * HEAD_DIM + dim, qv[h]);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) qv[h][i] *= scale_log2;
-        } else {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) qv[h][i] = 0.0f;
-        }
-    }
 
     float m[HEADS], l[HEADS], o[HEADS][8];
 #pragma unroll
@@ -106,17 +104,18 @@ __device__ __forceinline__ void attention_decode_impl(
     }
 
     // Every group runs the same number of steps (shuffles need the whole warp in step); a token
-    // past `end` reads the last token of the range instead (always a valid page), so every copy is
-    // unconditional and the page-table loads of a step issue together, and it is masked below.
+    // past `ring_end` reads the last token of the range instead (always a valid page, and never
+    // the step's own token), so every copy is unconditional and the page-table loads of a step
+    // issue together, and it is masked below.
     const int* table = block_tables + (long long)seq * block_table_stride;
-    const int num_steps = end > start ? (end - start + STEP - 1) / STEP : 0;
+    const int num_steps = ring_end > start ? (ring_end - start + STEP - 1) / STEP : 0;
     auto issue_step = [&](int step, int stage) {
         const int base = start + step * STEP;
         long long offsets[DECODE_UNROLL];
 #pragma unroll
         for (int u = 0; u < DECODE_UNROLL; ++u) {
             const int key = base + group + u * GROUPS;
-            const int safe_key = key < end ? key : end - 1;
+            const int safe_key = key < ring_end ? key : ring_end - 1;
             const long long block = __ldg(table + safe_key / block_size);
             offsets[u] = ((block * num_kv_heads + kv_head) * block_size + safe_key % block_size) * HEAD_DIM + dim;
         }
@@ -132,6 +131,22 @@ __device__ __forceinline__ void attention_decode_impl(
         if (step < num_steps) issue_step(step, step);
         cp_async_commit();
     }
+
+    // q and the step's own K/V row come from the previous kernel.
+    dependent_launch_entry();
+    const long long q_row = (long long)token * num_q_heads * HEAD_DIM;
+    float qv[HEADS][8];
+#pragma unroll
+    for (int h = 0; h < HEADS; ++h) {
+        if (h < num_heads) {
+            load8(q + q_row + (long long)(first_head + h) * HEAD_DIM + dim, qv[h]);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) qv[h][i] *= scale_log2;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) qv[h][i] = 0.0f;
+        }
+    }
     int read_stage = 0, write_stage = DECODE_STAGES - 1;
     for (int step = 0; step < num_steps; ++step) {
         if (step + DECODE_STAGES - 1 < num_steps) issue_step(step + DECODE_STAGES - 1, write_stage);
@@ -142,7 +157,7 @@ __device__ __forceinline__ void attention_decode_impl(
         uint4 k_raw[DECODE_UNROLL], v_raw[DECODE_UNROLL];
 #pragma unroll
         for (int u = 0; u < DECODE_UNROLL; ++u) {
-            present[u] = base + group + u * GROUPS < end;
+            present[u] = base + group + u * GROUPS < ring_end;
             k_raw[u] = *ring_slot(read_stage, u, 0);
             v_raw[u] = *ring_slot(read_stage, u, 1);
         }
@@ -190,6 +205,38 @@ __device__ __forceinline__ void attention_decode_impl(
                 for (int i = 0; i < 8; ++i) o[h][i] = fmaf(p, v_values[i], o[h][i]);
             }
             m[h] = new_max;
+        }
+    }
+
+    if (has_newest) {
+        // The step's own token, read from L2 after the wait, joins group 0's softmax (every
+        // group computes its score: the shuffles need whole warps).
+        const int newest = context_len - 1;
+        const long long block = table[newest / block_size];
+        const long long offset = ((block * num_kv_heads + kv_head) * block_size + newest % block_size) * HEAD_DIM + dim;
+        Vec8<bf16> k_packed, v_packed;
+        k_packed.raw = __ldcg(reinterpret_cast<const uint4*>(k_plane + offset));
+        v_packed.raw = __ldcg(reinterpret_cast<const uint4*>(v_plane + offset));
+        float k_values[8], v_values[8];
+        k_packed.to_floats(k_values);
+        v_packed.to_floats(v_values);
+#pragma unroll
+        for (int h = 0; h < HEADS; ++h) {
+            float score = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) score = fmaf(qv[h][i], k_values[i], score);
+#pragma unroll
+            for (int offset_lanes = LANES / 2; offset_lanes > 0; offset_lanes >>= 1)
+                score += __shfl_xor_sync(0xffffffffu, score, offset_lanes);
+            if (group == 0) {
+                const float new_max = fmaxf(m[h], score);
+                const float rescale = exp2f(m[h] - new_max);
+                const float p = exp2f(score - new_max);
+                l[h] = l[h] * rescale + p;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) o[h][i] = fmaf(p, v_values[i], o[h][i] * rescale);
+                m[h] = new_max;
+            }
         }
     }
 
@@ -277,7 +324,6 @@ __device__ __forceinline__ void attention_decode_impl(
         float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,          \
         const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size,     \
         float scale_log2, int sliding_window, int num_splits, int min_split_tokens) {                           \
-        dependent_launch_entry();                                                                               \
         attention_decode_impl<HEAD_DIM, HEADS>(q, k_plane, v_plane, out, partial_out, partial_lse,              \
                                                split_counters, query_start_loc, seq_lens, block_tables,         \
                                                block_table_stride, num_q_heads, num_kv_heads, block_size,       \

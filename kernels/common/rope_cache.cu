@@ -21,6 +21,7 @@
 
 #define ROPE_MAX_HEAD_DIM 256
 #define ROPE_WARPS 4
+#define ROPE_PER_LANE (ROPE_MAX_HEAD_DIM / 32)
 
 template <typename TABLE, typename W>
 __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* positions, const int* slot_mapping,
@@ -35,17 +36,26 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
     const long long row_stride = (long long)total_heads * head_dim;
     const int half = rotary_dim / 2;
 
+    const int head = blockIdx.y * ROPE_WARPS + warp;
+    const bool is_q = head < num_q_heads;
+    const bool is_v = head >= num_q_heads + num_kv_heads;
+    // Before the wait for the previous kernel (which writes qkv): the step inputs and the lane's
+    // cos and sin (the table is constant), so only the qkv load is left on the path after it.
     int position = positions[token];
     position = position < 0 ? 0 : (position >= max_position ? max_position - 1 : position);
     const TABLE* cos_row = table + (long long)position * rotary_dim;
-    const TABLE* sin_row = cos_row + half;
     const int slot = slot_mapping[token];
-    float* values = head_values[warp];
-
-    const int head = blockIdx.y * ROPE_WARPS + warp;
+    float cos_values[ROPE_PER_LANE], sin_values[ROPE_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < ROPE_PER_LANE; ++j) {
+        const int d = lane + 32 * j, pair = d < half ? d : d - half;
+        const bool rotated = head < total_heads && !is_v && d < rotary_dim;
+        cos_values[j] = rotated ? to_float(cos_row[pair]) : 1.0f;
+        sin_values[j] = rotated ? to_float(cos_row[half + pair]) : 0.0f;
+    }
+    dependent_launch_entry();
     if (head >= total_heads) return;
-    const bool is_q = head < num_q_heads;
-    const bool is_v = head >= num_q_heads + num_kv_heads;
+    float* values = head_values[warp];
     const bf16* in = qkv + token * row_stride + (long long)head * head_dim;
 
     float sum_squares = 0.0f;
@@ -71,15 +81,14 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
         bf16* plane = is_v ? v_plane : k_plane;
         out = plane + ((block * num_kv_heads + kv_head) * block_size + offset) * head_dim;
     }
-    for (int d = lane; d < head_dim; d += 32) {
+#pragma unroll
+    for (int j = 0; j < ROPE_PER_LANE; ++j) {
+        const int d = lane + 32 * j;
+        if (d >= head_dim) break;
         float result = values[d];
         if (!is_v && d < rotary_dim) {
-            if (d < half) {
-                result = values[d] * to_float(cos_row[d]) - values[d + half] * to_float(sin_row[d]);
-            } else {
-                const int i = d - half;
-                result = values[d] * to_float(cos_row[i]) + values[i] * to_float(sin_row[i]);
-            }
+            const float other = d < half ? -values[d + half] : values[d - half];
+            result = values[d] * cos_values[j] + other * sin_values[j];
         }
         out[d] = from_float<bf16>(result);
     }
@@ -90,7 +99,6 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
         const bf16* qkv, const int* positions, const int* slot_mapping, const TABLE* table, int max_position,  \
         bf16* k_plane, bf16* v_plane, bf16* q_out, const W* q_norm, const W* k_norm, float eps,                \
         int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, int block_size) {                     \
-        dependent_launch_entry();                                                                              \
         rope_and_cache_impl<TABLE, W>(qkv, positions, slot_mapping, table, max_position, k_plane, v_plane,     \
                                       q_out, q_norm, k_norm, eps, num_q_heads, num_kv_heads, head_dim,         \
                                       rotary_dim, block_size);                                                 \

@@ -33,6 +33,7 @@
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
 #define RADIX_BINS 256
+#define GREEDY_BATCH 4
 
 struct SampleShared {
     int counts[RADIX_BINS];
@@ -177,18 +178,29 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
     const int tid = threadIdx.x;
     const bool vector_rows = vocab_size % 8 == 0;  // rows then start 16-byte aligned
     if (params.temperature == 0.0f && penalty_begin == penalty_end && bias_begin == bias_end) {
-        // A greedy row that nothing changes: its argmax, in one pass over the logits.
+        // A greedy row that nothing changes: its argmax, in one pass over the logits. Each thread
+        // issues GREEDY_BATCH chunks' loads before comparing any (the compare chain would
+        // otherwise hold every load back to one L2 round trip per chunk).
         float max_value = -ATLAS_INF;
         int argmax_id = 0x7fffffff;
         const int vector_end = vector_rows ? vocab_size : 0;
-        for (int chunk = tid; chunk * 8 < vector_end; chunk += SAMPLE_THREADS) {
-            float values[8];
-            load8(logits_row + chunk * 8, values);
+        for (int base = tid; base * 8 < vector_end; base += GREEDY_BATCH * SAMPLE_THREADS) {
+            float values[GREEDY_BATCH][8];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                if (ranks_before(values[i], chunk * 8 + i, max_value, argmax_id)) {
-                    max_value = values[i];
-                    argmax_id = chunk * 8 + i;
+            for (int u = 0; u < GREEDY_BATCH; ++u) {
+                const int chunk = base + u * SAMPLE_THREADS;
+                if (chunk * 8 < vector_end) load8(logits_row + chunk * 8, values[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < GREEDY_BATCH; ++u) {
+                const int chunk = base + u * SAMPLE_THREADS;
+                if (chunk * 8 >= vector_end) break;
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    if (ranks_before(values[u][i], chunk * 8 + i, max_value, argmax_id)) {
+                        max_value = values[u][i];
+                        argmax_id = chunk * 8 + i;
+                    }
                 }
             }
         }

@@ -53,6 +53,7 @@ def _graphs(name: str):
     spec = KvCacheSpec(config.num_layers, 64, 16, config.num_kv_heads, config.head_dim, DType.BF16)
     kv = backend.allocate_kv_cache(spec)
     fill.fill_bytes(kv.base_address, spec.total_bytes)
+    alive = [engine, model, workspace, params, out_ids, kv]
     # the bench's step (512-token context, captured for it), then the worker's context (520 after
     # its 8 steps) and capture length (2048: the graph's split count covers it)
     for context, captured_for in ((512, 512), (520, 520), (512, 2048), (520, 2048)):
@@ -65,11 +66,12 @@ def _graphs(name: str):
         forward()
         backend.synchronize()
         graphs[f"bench, ctx {context} of {captured_for}"] = backend.capture(forward)
-    return backend, Events(backend), graphs
+        alive.append(step)  # the graph holds its inputs' addresses, not the tensors
+    return backend, Events(backend), graphs, alive
 
 
 def main(name: str) -> None:
-    backend, events, graphs = _graphs(name)
+    backend, events, graphs, _alive = _graphs(name)
     for label, graph in graphs.items():
         graph.replay()
         print(f"{label:24s} graph {events.median_us(graph.replay, repeats=20):8.1f} us (events, 20 replays)")

@@ -41,9 +41,14 @@ def test_shipped_tree_has_every_generic_module_and_headers():
         assert module.include_dirs[-1] == kernels_root() / "common"
 
 
-# Kernels that read only weights before waiting: their impl calls dependent_launch_entry() itself
-# once those loads are issued (gemv.cu).
-_WAIT_INSIDE = {"gemv.cu": ("gemv_impl<", "gemv_mma_impl<")}
+# Kernels that read only what no kernel of the step writes before waiting (weights; step inputs,
+# the RoPE table, decode attention's earlier tokens' K/V): their impl calls
+# dependent_launch_entry() itself once those loads are issued.
+_WAIT_INSIDE = {
+    "gemv.cu": ("gemv_impl<", "gemv_mma_impl<"),
+    "attention_decode.cu": ("attention_decode_impl<",),
+    "rope_cache.cu": ("rope_and_cache_impl<",),
+}
 
 
 def test_every_kernel_waits_for_the_previous_grid_first():
@@ -66,6 +71,15 @@ def test_every_kernel_waits_for_the_previous_grid_first():
         body = body[: body.index("\n}\n")]
         before_wait = body[: body.index("dependent_launch_entry();")]
         assert "load_x(" not in before_wait and "load_streaming_early(" in before_wait
+    decode = (kernels_root() / "common/attention_decode.cu").read_text()
+    body = decode[decode.index("void attention_decode_impl(") :]
+    before_wait = body[: body.index("dependent_launch_entry();")]
+    # q (the previous kernel's output) after the wait; the ring's copies stop short of the newest token
+    assert "load8(q" not in before_wait and "issue_step(step, step)" in before_wait
+    assert "key < ring_end ? key : ring_end - 1" in before_wait
+    rope = (kernels_root() / "common/rope_cache.cu").read_text()
+    body = rope[rope.index("void rope_and_cache_impl(") :]
+    assert "qkv +" not in body[: body.index("dependent_launch_entry();")]  # the previous kernel's output
 
 
 def test_hopper_takes_the_wgmma_prefill_module_which_keeps_every_generic_kernel():
