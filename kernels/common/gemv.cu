@@ -298,7 +298,8 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
     RopeState rope_state;
     int k = (warp * 32 + lane) * 8;
     {
-        // The first step's weights are requested before the previous kernel is waited for.
+        // The first step's weights are requested before the previous kernel is waited for: all
+        // BATCH chunks, or those a short row has (K < BATCH * STEP: SmolLM2's 576 and 1536).
         const bool full = k + (BATCH - 1) * STEP < inner;
         uint4 weights_raw[BATCH][ROWS], x_raw[BATCH][TOKENS];
         if (full) {
@@ -306,6 +307,15 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
             for (int u = 0; u < BATCH; ++u)
 #pragma unroll
                 for (int r = 0; r < ROWS; ++r) weights_raw[u][r] = load_streaming_early(w_rows[r] + k + u * STEP);
+        } else {
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                if (k + u * STEP < inner) {
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r)
+                        weights_raw[u][r] = load_streaming_early(w_rows[r] + k + u * STEP);
+                }
+            }
         }
         if constexpr (EPI::rope) {
             if (threadIdx.x < ROWS) rope_prefetch(args, rope_state);
@@ -324,8 +334,17 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
             for (int u = 0; u < BATCH; ++u) load_x(k + u * STEP, x_raw[u]);
 #pragma unroll
             for (int u = 0; u < BATCH; ++u) accumulate(weights_raw[u], x_raw[u]);
-            k += BATCH * STEP;
+        } else {
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                if (k + u * STEP < inner) load_x(k + u * STEP, x_raw[u]);
+            }
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                if (k + u * STEP < inner) accumulate(weights_raw[u], x_raw[u]);
+            }
         }
+        k += BATCH * STEP;
         if constexpr (EPI::rope) {
             if (threadIdx.x < ROWS) rope_load_angles(args, first + threadIdx.x, rope_state);
         }
@@ -440,12 +459,12 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     };
     int k = warp * 32 + 8 * t;
     {
-        // The first step's weights are requested before the previous kernel is waited for.
-        const bool full = k + (BATCH - 1) * STEP < inner;
+        // The first step's weights are requested before the previous kernel is waited for (all
+        // BATCH chunks, or those a short row has).
         uint4 wa[BATCH], wb[BATCH];
-        if (full) {
 #pragma unroll
-            for (int u = 0; u < BATCH; ++u) {
+        for (int u = 0; u < BATCH; ++u) {
+            if (k + u * STEP < inner) {
                 wa[u] = load_streaming_early(row_a + k + u * STEP);
                 wb[u] = load_streaming_early(row_b + k + u * STEP);
             }
@@ -461,11 +480,11 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
             __syncthreads();
             inverse_rms = has_token ? row_inverse_rms[g] : 0.0f;
         }
-        if (full) {
 #pragma unroll
-            for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], load_x(k + u * STEP));
-            k += BATCH * STEP;
+        for (int u = 0; u < BATCH; ++u) {
+            if (k + u * STEP < inner) multiply(wa[u], wb[u], load_x(k + u * STEP));
         }
+        k += BATCH * STEP;
     }
     for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
         uint4 wa[BATCH], wb[BATCH], xs[BATCH];
