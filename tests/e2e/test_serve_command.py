@@ -44,6 +44,13 @@ def test_a_missing_model_is_a_one_line_error(tmp_path):
     assert result.stderr.startswith("atlas: error:") and "Traceback" not in result.stderr
 
 
+def test_bench_startup_reports_a_server_that_exits_before_answering(tmp_path):
+    result = atlas("bench", "startup", str(tmp_path / "absent"), "--device", "mock")
+    assert result.returncode == 2
+    assert "atlas serve exited with" in result.stderr and "not found" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_bare_hypercorn_serves_the_model_named_by_environment(tiny_model, tmp_path):
     port = free_port()
     env = server_environment(ATLAS_MODEL=str(tiny_model), ATLAS_DEVICE="mock", ATLAS_KV_CACHE_GB="0.25",

@@ -9,6 +9,7 @@ the engine is ready).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -64,13 +65,22 @@ def _first_token_seconds(args: argparse.Namespace, cache_dir: Path) -> tuple[flo
                 break
             time.sleep(0.05)
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+        _stop(process)
     log.seek(0)
     return seconds, log.read()[-5000:]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End the server's whole session (it may have exited already, with its group)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(30)
+    except ProcessLookupError:
+        process.wait()
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def _streamed_first_token(port: int) -> bool:
