@@ -4,9 +4,10 @@
   ATLAS_CUDA_DISABLE=gemv_fused python3 tests/gpu/smollm2_tokens.py cuda
 
 The fourth prompt meets a near-tie at its tenth token (the mock's top two log-probabilities
--2.274 and -2.314). There CUDA chose token 4461, CUDA without the fused GEMVs 4231, the mock
-260, and the mock run alone with attention's P rounded to bf16 (as flash attention does) 1116
-(H200, 2026-11-22); the other four prompts agree in every variant.
+-2.274 and -2.314). With the fourth session's kernels CUDA chose token 4461 there, CUDA without
+the fused GEMVs 4231, the mock 260, and the mock run alone with attention's P rounded to bf16
+(as flash attention does) 1116 (H200, 2026-11-22); the other four prompts agreed in every
+variant. With the fifth session's kernels CUDA chooses 260 as the mock does.
 """
 
 from __future__ import annotations

@@ -115,10 +115,10 @@ def test_smollm2_greedy_on_cuda_equals_the_mock(kernel_cache_dir):
     """64 greedy tokens on 5 chat prompts, CUDA against the mock rounding like a GPU (bf16).
 
     Both round every activation to bf16 at the same points; they differ only in the order of
-    float32 sums and in exp/rsqrt approximations. Where the paths part anyway (one prompt, at
-    its tenth token: four variants of the two backends chose four different tokens there, see
-    smollm2_tokens.py), the mock's own logits there must show a near-tie: the token CUDA chose
-    within 1% of the best logit.
+    float32 sums and in exp/rsqrt approximations. The fourth prompt passes a near-tie at its
+    tenth token (four variants of the two backends chose four different tokens there, see
+    smollm2_tokens.py): a kernel change that moves a rounding can part the paths there, and the
+    failure then prints both backends' best logits where they part.
     """
     from atlas.app.llm import LLM
 
@@ -129,11 +129,13 @@ def test_smollm2_greedy_on_cuda_equals_the_mock(kernel_cache_dir):
     on_cuda = [r.outputs[0].token_ids for r in cuda.chat(conversations, params)]
     mock = LLM(folder, device="mock", dtype="bf16", show_progress=False, max_seq_len=1024)
     on_mock = [r.outputs[0].token_ids for r in mock.chat(conversations, params)]
+    parted = []
     for prompt, conversation, got, expected in zip(CHAT_PROMPTS, conversations, on_cuda, on_mock):
         print(f"{prompt!r}: cuda {len(got)} tokens, mock {len(expected)}, equal={got == expected}")
         if got != expected:
-            assert _near_tie_where_paths_part(cuda, mock, conversation, got, expected) < 0.01
-    assert sum(got == expected for got, expected in zip(on_cuda, on_mock)) >= 4
+            gap = _near_tie_where_paths_part(cuda, mock, conversation, got, expected)
+            parted.append(f"{prompt!r} (the mock's best logit {gap:.2%} above CUDA's choice)")
+    assert not parted, f"CUDA and the mock part on {parted}"
     assert "Paris" in cuda.chat(conversations[0], params)[0].outputs[0].text
 
 
