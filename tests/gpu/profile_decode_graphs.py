@@ -13,7 +13,6 @@ graph came out ~30 us slower than the bench's forward + sampling; this finds whi
 from __future__ import annotations
 
 import collections
-import csv
 import dataclasses
 import sys
 
@@ -85,21 +84,17 @@ def main(name: str) -> None:
 
 def report(path: str) -> None:
     """Per kernel name: count and summed ns in the first graph (worker) and the second (bench)."""
-    rows = []
-    with open(path, newline="") as handle:
-        lines = [line for line in handle if line.startswith('"')]
-    for row in csv.DictReader(lines):
-        if row.get("Metric Name") == "gpu__time_duration.sum":
-            rows.append((int(row["ID"]), row["Kernel Name"], float(row["Metric Value"].replace(",", ""))))
-    rows.sort()
+    from profile_model_step import kernel_times
+
+    rows = kernel_times(path, with_grid=False)
     # the worker's graph ends with its sample kernel; the bench graph follows
     first_sample = next(i for i, (_, kernel, _) in enumerate(rows) if kernel.startswith("sample_"))
     parts = {"worker": rows[: first_sample + 1], "bench": rows[first_sample + 1 :]}
     totals = {label: collections.defaultdict(lambda: [0, 0.0]) for label in parts}
     for label, part in parts.items():
         for _, kernel, ns in part:
-            totals[label][kernel.split("(")[0]][0] += 1
-            totals[label][kernel.split("(")[0]][1] += ns
+            totals[label][kernel][0] += 1
+            totals[label][kernel][1] += ns
     names = sorted(set(totals["worker"]) | set(totals["bench"]))
     print(f"{'kernel':48s} {'worker n':>8s} {'us':>9s} {'bench n':>8s} {'us':>9s}")
     for kernel in names:

@@ -72,16 +72,23 @@ def main(specs: list[str]) -> None:
     cudart.cudaProfilerStop()
 
 
-def report(path: str) -> None:
-    """Per graph (each ends with its sample kernel), per kernel name and grid: count, summed and mean us."""
+def kernel_times(path: str, with_grid: bool) -> list[tuple[int, str, float]]:
+    """(id, kernel name [and grid], ns) of every kernel in an ncu --csv duration file, in launch order."""
     rows = []
     with open(path, newline="") as handle:
         lines = [line for line in handle if line.startswith('"')]
     for row in csv.DictReader(lines):
         if row.get("Metric Name") == "gpu__time_duration.sum":
-            kernel = f"{row['Kernel Name'].split('(')[0]} {row.get('Grid Size', '')}"
+            kernel = row["Kernel Name"].split("(")[0]
+            if with_grid:
+                kernel += f" {row.get('Grid Size', '')}"
             rows.append((int(row["ID"]), kernel, float(row["Metric Value"].replace(",", ""))))
-    rows.sort()
+    return sorted(rows)
+
+
+def report(path: str) -> None:
+    """Per graph (each ends with its sample kernel), per kernel name and grid: count, summed and mean us."""
+    rows = kernel_times(path, with_grid=True)
     part: list[tuple[int, str, float]] = []
     index = 0
     for row in rows:

@@ -1,4 +1,4 @@
-"""Greedy token ids of SmolLM2 on test_models.py's 5 chat prompts, as JSON (a diagnostic).
+"""Greedy token ids of SmolLM2 on the 5 chat prompts of tests/chat_prompts.py, as JSON (a diagnostic).
 
   python3 tests/gpu/smollm2_tokens.py cuda [mock]   # one JSON line per device
   ATLAS_CUDA_DISABLE=gemv_fused python3 tests/gpu/smollm2_tokens.py cuda
@@ -15,17 +15,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for chat_prompts
+
+from chat_prompts import CHAT_PROMPTS
 
 from atlas.app.llm import LLM
 from atlas.domain.requests import SamplingParams
-
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a prime number is in one sentence.",
-    "List three colours of the rainbow.",
-    "How do I boil an egg?",
-]
 
 if __name__ == "__main__":
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=False)

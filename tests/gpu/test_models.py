@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from chat_prompts import CHAT_PROMPTS  # noqa: E402
 from fakes import DictWeights  # noqa: E402
-from smollm2_tokens import CHAT_PROMPTS  # noqa: E402
 from tiny_models import build_reference  # noqa: E402
 
 from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402

@@ -14,6 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from chat_prompts import CHAT_PROMPTS  # noqa: E402
+
 from atlas.app.llm import LLM  # noqa: E402
 from atlas.app.model_store import models_dir  # noqa: E402
 from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
@@ -21,13 +23,6 @@ from atlas.domain.requests import SamplingParams  # noqa: E402
 
 pytestmark = [pytest.mark.oracle, pytest.mark.e2e]
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain what a prime number is in one sentence.",
-    "List three colours of the rainbow.",
-    "How do I boil an egg?",
-]
 GREEDY_ROW = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
 
 
