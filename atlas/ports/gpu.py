@@ -338,10 +338,19 @@ class GpuBackend(Protocol):
         x [N, K], weight [H, K], residual, scratch [N, H] of the activation dtype."""
         ...
 
+    def fold_rmsnorm(self, norm_weight: Tensor, weight: Tensor) -> bool:
+        """Prepare a projection that always follows the RMSNorm with `norm_weight` [K] for this
+        backend's `rmsnorm_linear`: either leave `weight` [M, K] as it is and return False (the
+        model passes `norm_weight`), or scale its columns in place, weight[:, k] *= norm_weight[k]
+        rounded once to the weight's type, and return True (the model then passes None: the norm
+        weight is in the product). Called once per projection when a model is loaded; never on a
+        matrix that anything else reads (a tied embedding)."""
+        ...
+
     def rmsnorm_linear(
         self,
         x: Tensor,
-        norm_weight: Tensor,
+        norm_weight: Tensor | None,
         eps: float,
         weight: Tensor,
         out: Tensor,
@@ -350,13 +359,14 @@ class GpuBackend(Protocol):
     ) -> None:
         """out = rmsnorm(x) @ weight.T (+ bias): `rmsnorm(x, norm_weight, eps, normed)` then
         `linear(normed, weight, out, bias)`, as one op so that a backend may normalise x inside
-        the product (and leave `normed` unwritten). x, normed [N, K], weight [M, K], out [N, M]."""
+        the product (and leave `normed` unwritten). x, normed [N, K], weight [M, K], out [N, M].
+        norm_weight None: `weight` carries it (`fold_rmsnorm`), x is normalised without one."""
         ...
 
     def rmsnorm_gated_linear(
         self,
         x: Tensor,
-        norm_weight: Tensor,
+        norm_weight: Tensor | None,
         eps: float,
         weight: Tensor,
         activation: Activation,
@@ -367,7 +377,7 @@ class GpuBackend(Protocol):
         """`rmsnorm(x, norm_weight, eps, normed)`, `linear(normed, weight, scratch)`, then
         `act_mul(scratch, activation, out)`: out = act(n @ gate.T) * (n @ up.T) with n = rmsnorm(x)
         and weight = [gate; up] [2I, K], as one op that a backend may fuse (leaving `normed` and
-        `scratch` [N, 2I] unwritten). x [N, K], out [N, I]."""
+        `scratch` [N, 2I] unwritten). x [N, K], out [N, I]. norm_weight None: as `rmsnorm_linear`."""
         ...
 
     def rope_and_cache(
@@ -397,7 +407,7 @@ class GpuBackend(Protocol):
     def qkv_rope_cache(
         self,
         x: Tensor,
-        norm_weight: Tensor,
+        norm_weight: Tensor | None,
         eps: float,
         weight: Tensor,
         bias: Tensor | None,
@@ -415,7 +425,8 @@ class GpuBackend(Protocol):
         """An attention layer's input: `rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed,
         bias)` then `rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out, q_norm,
         k_norm, eps)`, as one op that a backend may fuse (leaving `qkv` and `normed`
-        unwritten). x, normed [N, H], weight [(Hq + 2 Hkv) * D, H], qkv [N, (Hq + 2 Hkv) * D]."""
+        unwritten). x, normed [N, H], weight [(Hq + 2 Hkv) * D, H], qkv [N, (Hq + 2 Hkv) * D].
+        norm_weight None: as `rmsnorm_linear`."""
         ...
 
     def attention(

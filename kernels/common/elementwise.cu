@@ -8,6 +8,8 @@
 //                 Bytes: 3 * N * I * sizeof(T).  FLOPs: ~10 N I (one exp or tanh each).
 // add_into_bf16:  residual[i] = bf16(residual[i] + delta[i]), both bf16: the residual add after
 //                 a GEMM.  Bytes: 6 n.
+// scale_columns_bf16_<scale type>:  w[m, k] = bf16(w[m, k] * scale[k]), w [M, K] in place: an
+//                 RMSNorm weight folded into the projection after it, once at load.  Bytes: 4 M K.
 // fill_u64:       every 8-byte element of dst set to `pattern` (i64 tensors; narrower types use
 //                 the driver's memset).  Bytes: 8 n.
 // copy_kv_pages:  pages src[i] -> dst[i] of every (layer, K|V) plane of the paged cache.
@@ -104,6 +106,24 @@ extern "C" __global__ void add_into_bf16(bf16* residual, const bf16* delta, long
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
          i += (long long)gridDim.x * blockDim.x)
         residual[i] = from_float<bf16>(to_float(residual[i]) + to_float(delta[i]));
+}
+
+// ---------------------------------------------------------------------------------------------
+template <typename S>
+__device__ __forceinline__ void scale_columns_impl(bf16* w, const S* scale, long long count, int columns) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x)
+        w[i] = from_float<bf16>(to_float(w[i]) * to_float(scale[i % columns]));
+}
+
+extern "C" __global__ void scale_columns_bf16_bf16(bf16* w, const bf16* scale, long long count, int columns) {
+    dependent_launch_entry();
+    scale_columns_impl(w, scale, count, columns);
+}
+
+extern "C" __global__ void scale_columns_bf16_f32(bf16* w, const float* scale, long long count, int columns) {
+    dependent_launch_entry();
+    scale_columns_impl(w, scale, count, columns);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,10 +7,11 @@ The real model loop (atlas.domain.models.transformer) over random bf16 weights o
   SmolLM2-135M, batch 1 at a 512-token context: one captured decode step (forward + greedy
     sampling, ~280 kernels) replayed back to back, with and without programmatic dependent
     launch: launch gaps, not bytes, bound it.
-  Llama-3.1-8B, decode at batch 1 and 64 (512-token contexts, one graph per step) against the
-    roofline (weight bytes + KV bytes read per step over the copy bandwidth measured here), and
-    an 8192-token prefill (eager) against the bf16 GEMM rate measured here, with both
-    prefill attention kernels.
+  Llama-3.1-8B, decode at batch 1 and 64 (512-token contexts, one graph per step; the norm
+    weights folded into the projections as the loader does, then not) against the roofline
+    (weight bytes + KV bytes read per step over the copy bandwidth measured here), and an
+    8192-token prefill (eager) against the bf16 GEMM rate measured here, with both prefill
+    attention kernels.
 
 Weights and KV are copies of one random buffer (values do not matter to the time; zeros are
 never used). Device time by events; replays are back to back, so host work is not counted.
@@ -38,6 +39,7 @@ from atlas.domain.models.transformer import (
     MlpWeights,
     StepTensors,
     Transformer,
+    fold_norm_weights,
 )
 from atlas.ports.gpu import Activation, AttentionMetadata, DType, KvCacheSpec, SamplingTensors
 
@@ -91,8 +93,15 @@ class RandomFill:
 
 
 def build_model(
-    backend: CudaGpuBackend, fill: RandomFill, raw_config: dict, max_positions: int, kind: type = Transformer
+    backend: CudaGpuBackend,
+    fill: RandomFill,
+    raw_config: dict,
+    max_positions: int,
+    kind: type = Transformer,
+    fold: bool = True,
 ) -> Transformer:
+    """A model of `raw_config`'s shape over random weights, its norm weights folded into the
+    projections where the backend folds them (as the loader does) unless `fold` is False."""
     config = ModelConfig.from_dict(raw_config)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
     qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * d
@@ -112,7 +121,10 @@ def build_model(
     embedding = fill.tensor((config.vocab_size, h))
     lm_head = embedding if config.tie_word_embeddings else fill.tensor((config.vocab_size, h))
     table = backend.upload(rope_table(config, max_positions), DType.F32)
-    return kind(config, backend, embedding, layers, ones, lm_head, table)
+    final_norm: CudaTensor | None = ones
+    if fold:
+        layers, final_norm = fold_norm_weights(backend, layers, ones, lm_head, embedding)
+    return kind(config, backend, embedding, layers, final_norm, lm_head, table)
 
 
 def weight_bytes_per_step(model: Transformer) -> int:
@@ -271,6 +283,11 @@ def llama_rows(backend, events, rng, copy_bandwidth: float) -> list[tuple[str, s
             )
         )
     rows.append(("Llama-3.1-8B decode b64 / b1", f"{step_us[64] / step_us[1]:.3f}", "target <= 1.35"))
+    unfolded = build_model(backend, fill, LLAMA_8B, 8192, fold=False)
+    for batch in (1, 64):
+        us = decode_step_us(backend, events, fill, unfolded, kv, batch, 512)
+        rows.append((f"Llama-3.1-8B decode b{batch} ctx512, norms not folded", f"{us:.0f} us", ""))
+    del unfolded
 
     # GEMM rate of this run, then an 8192-token prefill (eager; cuBLASLt tuned in the warm-up).
     gemm_rate = prefill_gemm_rate(backend, events, fill)

@@ -98,7 +98,8 @@ def test_rope_and_cache(cuda_backend, mock_backend, rng, heads, rotary_dim, with
     [
         (HeadLayout(9, 3, 64), 576, False, DType.F32, DType.BF16, False),  # SmolLM2: norm inside, 2 rows
         (HeadLayout(32, 8, 128), 256, True, DType.BF16, DType.F32, False),  # Llama's heads: 4 rows per block
-        (HeadLayout(8, 2, 128), 2560, True, DType.F32, DType.BF16, False),  # too wide: unfused either way
+        (HeadLayout(8, 2, 128), 2560, True, DType.F32, DType.BF16, False),  # wide: the norm folded into w
+        (HeadLayout(32, 8, 128), 4096, False, DType.F32, DType.BF16, False),  # Llama-3.1-8B: folded
         (HeadLayout(9, 3, 64), 576, False, DType.F32, DType.BF16, True),  # a graph's padding row
     ],
 )
@@ -107,8 +108,10 @@ def test_qkv_rope_cache_one_token(
 ):
     """The one-token projection with RoPE and the cache write in the GEMV against the mock's
     rmsnorm_linear + rope_and_cache, and against CUDA's own unfused path (the same rounding
-    points, so they agree to the last bit but for FMA contraction). Cache slots other than
-    the token's stay NaN; a padding row (slot -1) writes q only."""
+    points, so they agree to the last bit but for FMA contraction). Rows wider than the GEMV
+    normalises itself have the norm weight folded in (`fold_rmsnorm`) on CUDA, then the folded
+    GEMV and the RoPE kernel run. Cache slots other than the token's stay NaN; a padding row
+    (slot -1) writes q only."""
     from dataclasses import replace
 
     case = paged_case(rng, heads, context_lens=[77], query_lens=[1])
@@ -129,11 +132,15 @@ def test_qkv_rope_cache_one_token(
             kv = cuda_backend.allocate_kv_cache(case.spec)
             _poison_cache(cuda_backend, kv)
             q_out = poisoned(cuda_backend, (1, heads.q_size), DType.BF16)
+            c_norm, c_weight = cuda_backend.upload(norm, norm_dtype), cuda_backend.upload(weight, DType.BF16)
+            if cuda_backend.fold_rmsnorm(c_norm, c_weight):
+                c_norm = None
+            assert (c_norm is None) == (hidden > 2048)
             cuda_backend.qkv_rope_cache(
                 cuda_backend.upload(x, DType.BF16),
-                cuda_backend.upload(norm, norm_dtype),
+                c_norm,
                 1e-5,
-                cuda_backend.upload(weight, DType.BF16),
+                c_weight,
                 cuda_backend.upload(bias, DType.BF16) if bias is not None else None,
                 upload_metadata(cuda_backend, case),
                 cuda_backend.upload(table, table_dtype),

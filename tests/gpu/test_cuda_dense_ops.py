@@ -287,6 +287,102 @@ def test_rmsnorm_gated_linear(cuda_backend, mock_backend, rng, activation, num_t
     assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
 
 
+# Rows wider than NORM_IN_GEMV_MAX_WIDTH, where CUDA folds the norm weight into the projection.
+_FOLDED_SHAPES = [
+    (1, 6144, 4096),  # 4 rows per block
+    (1, 1000, 4096),  # 2 rows per block
+    (1, 100, 2560),  # 1 row per block, K not a multiple of a full batch of chunks
+    (3, 1000, 4096),  # tensor-core GEMV behind the norm kernel (unit weight)
+    (16, 576, 2560),  # cuBLASLt behind the norm kernel
+]
+
+
+def _fold_on_cuda(cuda_backend, norm, norm_dtype, weight):
+    """The weight uploaded and folded on CUDA, checked against bf16(weight * norm)."""
+    cw = cuda_backend.upload(weight, DType.BF16)
+    assert cuda_backend.fold_rmsnorm(cuda_backend.upload(norm, norm_dtype), cw)
+    folded = bf16(weight.astype(np.float32) * norm.astype(np.float32))
+    np.testing.assert_array_equal(cuda_backend.download(cw).astype(np.float32), folded.astype(np.float32))
+    return cw
+
+
+@pytest.mark.parametrize(
+    "norm_dtype, with_bias, out_dtype", [(DType.BF16, False, DType.BF16), (DType.F32, True, DType.F32)]
+)
+@pytest.mark.parametrize("num_tokens, rows, inner", _FOLDED_SHAPES)
+def test_folded_rmsnorm_linear(
+    cuda_backend, mock_backend, rng, norm_dtype, with_bias, out_dtype, num_tokens, rows, inner
+):
+    """A norm weight folded into the projection (`fold_rmsnorm`, then no norm weight) against the
+    mock's rmsnorm_linear with the weight apart: one rounding moves (bf16(w g) instead of
+    bf16(x g)), so they agree to bf16 tolerance."""
+    x, norm, weight = _norm_inputs(rng, num_tokens, rows, inner)
+    bias = bf16(rng.standard_normal(rows)) if with_bias else None
+    cw = _fold_on_cuda(cuda_backend, norm, norm_dtype, weight)
+    out = poisoned(cuda_backend, (num_tokens, rows), out_dtype)
+    cuda_backend.rmsnorm_linear(
+        cuda_backend.upload(x, DType.BF16),
+        None,
+        1e-5,
+        cw,
+        out,
+        poisoned(cuda_backend, (num_tokens, inner), DType.BF16),
+        cuda_backend.upload(bias, DType.BF16) if bias is not None else None,
+    )
+    expected = mock_backend.empty((num_tokens, rows), DType.F32)
+    mock_backend.rmsnorm_linear(
+        mock_backend.upload(x),
+        mock_backend.upload(norm),
+        1e-5,
+        mock_backend.upload(weight),
+        expected,
+        mock_backend.empty((num_tokens, inner), DType.F32),
+        mock_backend.upload(bias) if bias is not None else None,
+    )
+    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+
+
+@pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
+@pytest.mark.parametrize(
+    "num_tokens, features, inner", [(1, 2000, 4096), (1, 200, 2560), (4, 300, 4096), (16, 96, 2560)]
+)
+def test_folded_rmsnorm_gated_linear(cuda_backend, mock_backend, rng, activation, num_tokens, features, inner):
+    x, norm, weight = _norm_inputs(rng, num_tokens, 2 * features, inner)
+    cw = _fold_on_cuda(cuda_backend, norm, DType.BF16, weight)
+    out = poisoned(cuda_backend, (num_tokens, features), DType.BF16)
+    cuda_backend.rmsnorm_gated_linear(
+        cuda_backend.upload(x, DType.BF16),
+        None,
+        1e-5,
+        cw,
+        activation,
+        out,
+        poisoned(cuda_backend, (num_tokens, inner), DType.BF16),
+        poisoned(cuda_backend, (num_tokens, 2 * features), DType.BF16),
+    )
+    expected = mock_backend.empty((num_tokens, features), DType.F32)
+    mock_backend.rmsnorm_gated_linear(
+        mock_backend.upload(x),
+        mock_backend.upload(norm),
+        1e-5,
+        mock_backend.upload(weight),
+        activation,
+        expected,
+        mock_backend.empty((num_tokens, inner), DType.F32),
+        mock_backend.empty((num_tokens, 2 * features), DType.F32),
+    )
+    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+
+
+def test_fold_rmsnorm_leaves_narrow_rows_and_says_so(cuda_backend, rng):
+    """Up to NORM_IN_GEMV_MAX_WIDTH the GEMV normalises x itself: nothing to fold, the weight
+    stays as it was."""
+    weight = bf16(rng.standard_normal((64, 576)))
+    cw = cuda_backend.upload(weight, DType.BF16)
+    assert not cuda_backend.fold_rmsnorm(cuda_backend.upload(bf16(np.full(576, 2.0)), DType.BF16), cw)
+    np.testing.assert_array_equal(cuda_backend.download(cw), weight)
+
+
 @pytest.mark.parametrize("num_tokens, hidden, inner", _FUSED_SHAPES)
 def test_linear_add_is_linear_then_add(cuda_backend, mock_backend, rng, num_tokens, hidden, inner):
     x = bf16(rng.standard_normal((num_tokens, inner)))

@@ -41,6 +41,15 @@ LLAMA_3_2_1B = dict(
                       original_max_position_embeddings=8192),
     initializer_range=0.02,
 )
+# Wider than 2048: the norm weights are folded into qkv, gate_up and the untied lm_head.
+LLAMA_3_1_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+    initializer_range=0.02,
+)
 QWEN3_0_6B = dict(
     architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=1024,
     intermediate_size=3072, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
@@ -70,7 +79,9 @@ def _hf_logits(model, token_ids: list[int], dtype) -> np.ndarray:
     return logits.float().cpu().numpy()
 
 
-@pytest.mark.parametrize("config", [LLAMA_3_2_1B, QWEN3_0_6B], ids=["llama3.2-1b-4l", "qwen3-0.6b-6l"])
+@pytest.mark.parametrize(
+    "config", [LLAMA_3_2_1B, LLAMA_3_1_8B, QWEN3_0_6B], ids=["llama3.2-1b-4l", "llama3.1-8b-2l", "qwen3-0.6b-6l"]
+)
 def test_random_real_configs_match_transformers_within_its_own_bf16_error(config, cuda_backend, rng):
     reference, tensors = build_reference(config, seed=3)
     model_config = ModelConfig.from_dict(config)
@@ -85,10 +96,12 @@ def test_random_real_configs_match_transformers_within_its_own_bf16_error(config
         count = -(-(len(prompt) + 1) // BLOCK_SIZE)
         tables.append(tuple(int(b) for b in free_blocks[:count]))
         free_blocks = free_blocks[count:]
-    # step 1: three prefills in one batch; step 2: each decodes one more token, batched with a new prompt
+    # step 1: three prefills in one batch; step 2: each decodes one more token; step 3: the first
+    # decodes alone (one token row: the decode GEMVs)
     steps = [
         [(prompt, 0, len(prompt), table) for prompt, table in zip(prompts, tables)],
         [(prompt + [7], len(prompt), len(prompt) + 1, table) for prompt, table in zip(prompts, tables)],
+        [(prompts[0] + [7, 9], len(prompts[0]) + 1, len(prompts[0]) + 2, tables[0])],
     ]
     for step_id, step in enumerate(steps):
         batch = ScheduledBatch(step_id, tuple(

@@ -193,10 +193,13 @@ class CudaGpuBackend:
     def linear_add(self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor) -> None:
         self._linear.linear_add(x, weight, residual, scratch)
 
+    def fold_rmsnorm(self, norm_weight: CudaTensor, weight: CudaTensor) -> bool:
+        return self._linear.fold_rmsnorm(norm_weight, weight)
+
     def rmsnorm_linear(
         self,
         x: CudaTensor,
-        norm_weight: CudaTensor,
+        norm_weight: CudaTensor | None,
         eps: float,
         weight: CudaTensor,
         out: CudaTensor,
@@ -208,7 +211,7 @@ class CudaGpuBackend:
     def rmsnorm_gated_linear(
         self,
         x: CudaTensor,
-        norm_weight: CudaTensor,
+        norm_weight: CudaTensor | None,
         eps: float,
         weight: CudaTensor,
         activation: Activation,
@@ -221,7 +224,7 @@ class CudaGpuBackend:
     def qkv_rope_cache(
         self,
         x: CudaTensor,
-        norm_weight: CudaTensor,
+        norm_weight: CudaTensor | None,
         eps: float,
         weight: CudaTensor,
         bias: CudaTensor | None,

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+from cuda.bindings import driver as cu
 
 from atlas.adapters.cuda import checks
 from atlas.adapters.cuda.cublaslt import WORKSPACE_BYTES, CublasLtGemm
+from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.gemm_tuning import GemmTuningStore
 from atlas.adapters.cuda.ops_attention import RopeTargets
 from atlas.adapters.cuda.runtime import CudaRuntime
@@ -163,6 +165,36 @@ class LinearOp:
             tuning = GemmTuningStore(GemmTuningStore.file_for(folder, rt.device_name, CublasLtGemm.library_version()))
         workspace = rt.workspace("cublaslt", WORKSPACE_BYTES)
         self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, workspace, tuning)
+        # Ones of each width whose norms are folded: the norm kernel's weight where a folded
+        # projection still runs it (more token rows than the GEMV takes).
+        self._unit_norms: dict[int, CudaTensor] = {}
+
+    def fold_rmsnorm(self, norm_weight: CudaTensor, weight: CudaTensor) -> bool:
+        """Scale the weight's columns by the norm weight in place where that removes the norm
+        kernel from a decode step: rows wider than NORM_IN_GEMV_MAX_WIDTH (narrower ones are
+        normalised inside the GEMV already), bf16, a width of whole 16-byte loads. The folded
+        GEMV then sums x^2 from the chunks it multiplies and scales its row sums at the end. On
+        an H200, Llama-3.1-8B batch 1: see docs/cuda-notes.md run 7."""
+        checks.rank(weight, "weight", 2)
+        width = weight.shape[1]
+        checks.dtype(norm_weight, "norm_weight", _FLOAT_TYPES)
+        checks.shape(norm_weight, "norm_weight", (width,))
+        rt = self._rt
+        if not rt.features.gemv_fused or weight.dtype is not DType.BF16:
+            return False
+        if width <= NORM_IN_GEMV_MAX_WIDTH or width % 8:
+            return False
+        rt.forbid_in_capture("fold_rmsnorm")
+        if width not in self._unit_norms:
+            ones = rt.workspace(f"unit_norm_{width}", 2 * width)
+            check("cuMemsetD16Async", cu.cuMemsetD16Async(ones, 0x3F80, width, rt.stream_handle))  # bf16 1.0
+            self._unit_norms[width] = CudaTensor(ones, (width,), DType.BF16, self)
+        count = weight.num_elements
+        blocks = int(min(-(-count // 256), rt.num_sms * 8))
+        symbol = f"scale_columns_bf16_{checks.type_suffix(norm_weight.dtype)}"
+        columns = np.int32(width)
+        rt.launch("elementwise", symbol, (blocks,), 256, weight.address, norm_weight.address, np.int64(count), columns)
+        return True
 
     def __call__(self, x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: CudaTensor | None) -> None:
         num_tokens, num_rows, inner = _check_linear(x, weight, out, bias)
@@ -191,7 +223,7 @@ class LinearOp:
     def rmsnorm_linear(
         self,
         x: CudaTensor,
-        norm_weight: CudaTensor,
+        norm_weight: CudaTensor | None,
         eps: float,
         weight: CudaTensor,
         out: CudaTensor,
@@ -204,10 +236,11 @@ class LinearOp:
         (rmsnorm(x) up^T) for weight = [gate; up]. For a few narrow token rows one GEMV that
         normalises x as it loads it; else the norm kernel into `normed`, then (a few rows, gated)
         one GEMV that applies the activation to its own rows, or the product (into `scratch`
-        when gated) and act_mul."""
+        when gated) and act_mul. Without `norm_weight` (folded into `weight`): for one token row
+        one GEMV that scales its row sums by the inverse RMS, else the norm kernel with a unit
+        weight first."""
         if activation is None:
             num_tokens = _check_linear(x, weight, out, bias)[0]
-            what = f"rmsnorm_{checks.type_suffix(norm_weight.dtype)}"
         else:
             if scratch is None or bias is not None:
                 raise ValueError("rmsnorm_linear: a gated product takes a scratch tensor and no bias")
@@ -216,13 +249,21 @@ class LinearOp:
                 raise ValueError(f"weight: {width} rows are not gate | up halves")
             checks.shape(out, "out", (num_tokens, width // 2))
             checks.dtype(out, "out", (scratch.dtype,))
-            what = f"rmsnorm_{checks.type_suffix(norm_weight.dtype)}_gated_{_ACTIVATION_NAMES[activation]}"
-        checks.dtype(norm_weight, "norm_weight", _FLOAT_TYPES)
-        checks.shape(norm_weight, "norm_weight", (x.shape[1],))
         checks.shape(normed, "normed", x.shape)
         if num_tokens == 0:
             return
         gated = activation is not None
+        if norm_weight is None:  # folded into `weight`
+            if self._folded_gemv(x, weight, out, bias, eps, activation):
+                return
+            norm_weight = self._unit_norms.get(x.shape[1])
+            if norm_weight is None:
+                raise ValueError(f"rmsnorm_linear: no norm weight, and no norm of width {x.shape[1]} was folded")
+        checks.dtype(norm_weight, "norm_weight", _FLOAT_TYPES)
+        checks.shape(norm_weight, "norm_weight", (x.shape[1],))
+        what = f"rmsnorm_{checks.type_suffix(norm_weight.dtype)}"
+        if gated:
+            what += f"_gated_{_ACTIVATION_NAMES[activation]}"
         if x.shape[1] <= NORM_IN_GEMV_MAX_WIDTH and self._fused_gemv(
             x, weight, out, bias, what, norm_weight, eps, gated
         ):
@@ -238,7 +279,7 @@ class LinearOp:
     def rmsnorm_linear_rope(
         self,
         x: CudaTensor,
-        norm_weight: CudaTensor,
+        norm_weight: CudaTensor | None,
         eps: float,
         weight: CudaTensor,
         bias: CudaTensor | None,
@@ -250,10 +291,11 @@ class LinearOp:
         NORM_IN_GEMV_MAX_WIDTH; see gemv.cu). Returns False where it does not apply; the caller
         then runs `rmsnorm_linear` and `rope_and_cache`. On an H200: SmolLM2-135M batch 1
         641 us per step against 676 us with the RoPE kernel; at width 4096 (the norm kernel
-        first) it was slower than the RoPE kernel, 4373-4415 us against 4231-4272 us."""
+        first) it was slower than the RoPE kernel, 4373-4415 us against 4231-4272 us, and so it
+        was with the norm folded into the weight (no norm weight: 4208 against 4062 us)."""
         heads = rope.heads
         features = heads.q_size + 2 * heads.kv_size
-        if not (self._rt.features.gemv_fused and self._rt.features.gemv_rope):
+        if not (self._rt.features.gemv_fused and self._rt.features.gemv_rope) or norm_weight is None:
             return False
         if x.shape[0] != 1 or x.shape[1] % 8 or x.shape[1] > NORM_IN_GEMV_MAX_WIDTH or weight.shape[0] != features:
             return False
@@ -292,6 +334,47 @@ class LinearOp:
             np.int32(heads.num_kv_heads),
             np.int32(heads.head_dim),
             np.int32(rope.block_size),
+        )
+        return True
+
+    def _folded_gemv(
+        self,
+        x: CudaTensor,
+        weight: CudaTensor,
+        out: CudaTensor,
+        bias: CudaTensor | None,
+        eps: float,
+        activation: Activation | None,
+    ) -> bool:
+        """One token row through `gemv_folded_*` (the norm weight is in `weight`; the caller
+        checked the shapes): returns False where it does not apply (more rows, K not a multiple
+        of the loads, a gated output that is not bf16, `ATLAS_CUDA_DISABLE=gemv_fused`)."""
+        num_tokens, inner = x.shape
+        if num_tokens != 1 or inner % 8 or not self._rt.features.gemv_fused:
+            return False
+        features = out.shape[1]
+        if activation is None:
+            rows = _rows_per_block(features, self._rt.num_sms)
+            what, grid = checks.type_suffix(out.dtype), -(-features // rows)
+        else:
+            if out.dtype is not DType.BF16:
+                return False
+            rows = 4 if features // 2 >= 2 * self._rt.num_sms else 2
+            what, grid = f"gated_{_ACTIVATION_NAMES[activation]}", -(-features // (rows // 2))
+        self._rt.launch(
+            "gemv",
+            f"gemv_folded_{what}_r{rows}_t1",
+            (grid,),
+            _GEMV_WARPS * 32,
+            x.address,
+            weight.address,
+            bias.address if bias is not None else 0,
+            out.address,
+            np.int32(1),
+            np.int32(features),
+            np.int32(inner),
+            0,
+            np.float32(eps),
         )
         return True
 

@@ -216,23 +216,35 @@ class MockGpuBackend:
         self._enter("add")
         residual.data[...] = residual.as_f32() + scratch.as_f32()
 
+    def fold_rmsnorm(self, norm_weight: MockTensor, weight: MockTensor) -> bool:
+        # The mock keeps the reference's order of operations (the norm weight times x), so that
+        # it rounds as transformers does; CUDA folds where that removes a kernel.
+        return False
+
+    def _rmsnorm_input(self, x: MockTensor, norm_weight: MockTensor | None, eps: float, normed: MockTensor) -> None:
+        if norm_weight is not None:
+            self.rmsnorm(x, norm_weight, eps, normed)
+        else:  # the projection carries the norm weight (fold_rmsnorm)
+            self._enter("rmsnorm")
+            normed.data[...] = _rmsnorm(x.as_f32(), np.float32(1.0), eps)
+
     def rmsnorm_linear(
         self,
         x: MockTensor,
-        norm_weight: MockTensor,
+        norm_weight: MockTensor | None,
         eps: float,
         weight: MockTensor,
         out: MockTensor,
         normed: MockTensor,
         bias: MockTensor | None = None,
     ) -> None:
-        self.rmsnorm(x, norm_weight, eps, normed)
+        self._rmsnorm_input(x, norm_weight, eps, normed)
         self.linear(normed, weight, out, bias)
 
     def rmsnorm_gated_linear(
         self,
         x: MockTensor,
-        norm_weight: MockTensor,
+        norm_weight: MockTensor | None,
         eps: float,
         weight: MockTensor,
         activation: Activation,
@@ -240,7 +252,7 @@ class MockGpuBackend:
         normed: MockTensor,
         scratch: MockTensor,
     ) -> None:
-        self.rmsnorm(x, norm_weight, eps, normed)
+        self._rmsnorm_input(x, norm_weight, eps, normed)
         self.linear(normed, weight, scratch)
         self.act_mul(scratch, activation, out)
 
@@ -275,7 +287,7 @@ class MockGpuBackend:
     def qkv_rope_cache(
         self,
         x: MockTensor,
-        norm_weight: MockTensor,
+        norm_weight: MockTensor | None,
         eps: float,
         weight: MockTensor,
         bias: MockTensor | None,

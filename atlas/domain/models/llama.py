@@ -14,7 +14,13 @@ import numpy as np
 
 from atlas.domain.models.config import ModelConfig, ModelConfigError
 from atlas.domain.models.rope import rope_table
-from atlas.domain.models.transformer import AttentionWeights, DecoderLayer, MlpWeights, Transformer
+from atlas.domain.models.transformer import (
+    AttentionWeights,
+    DecoderLayer,
+    MlpWeights,
+    Transformer,
+    fold_norm_weights,
+)
 from atlas.ports.gpu import Activation, DType, GpuBackend, Tensor
 from atlas.ports.weights import WeightError, WeightSource
 
@@ -88,9 +94,10 @@ def load_llama_family(
     else:
         raise WeightError("the checkpoint has no lm_head.weight and config.json does not tie word embeddings")
     table = backend.upload(rope_table(config, max_positions), DType.F32)
+    layers, folded_final_norm = fold_norm_weights(backend, layers, final_norm, lm_head, embedding)
     if progress:
         progress(total_steps, total_steps)
-    return Transformer(config, backend, embedding, layers, final_norm, lm_head, table)
+    return Transformer(config, backend, embedding, layers, folded_final_norm, lm_head, table)
 
 
 def _layer(config: ModelConfig, upload: _Uploader, index: int, activation: Activation) -> DecoderLayer:

@@ -13,17 +13,18 @@ output projection adds into the residual itself:
         q = rope_and_cache(rmsnorm_linear(residual, input_norm[i], qkv_proj))  # qkv_rope_cache
         residual += o_proj(attention(q))                                    # linear_add
         residual += down_proj(rmsnorm_gated_linear(residual, post_attention_norm[i], gate_up_proj))
-    logits = lm_head(rmsnorm(residual[sample rows], final_norm))
+    logits = lm_head(rmsnorm(residual[sample rows], final_norm))               # rmsnorm_linear
 
 A backend may fuse each of these: on CUDA a decode step's GEMVs apply the activation to their
-own rows, add into the residual, rotate q and k and write the cache (one token row), and (rows
-up to 2048 wide) normalise x as they load it, so a batch-1 layer is five kernels (qkv + rope +
-cache write, attention, o_proj, gate_up, down), plus the two norms for wider models.
+own rows, add into the residual, rotate q and k and write the cache (one token row), and
+normalise x themselves: rows up to 2048 wide as they load it; wider rows after the product,
+the norm weight having been folded into the projection at load (`fold_norm_weights`), so a
+batch-1 layer is five kernels (qkv + rope + cache write, attention, o_proj, gate_up, down).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from atlas.domain.models.config import ModelConfig
 from atlas.ports.gpu import Activation, AttentionMetadata, DType, GpuBackend, HeadLayout, KvCache, Tensor
@@ -47,9 +48,9 @@ class MlpWeights:
 
 @dataclass(frozen=True, slots=True)
 class DecoderLayer:
-    input_norm: Tensor  # [H]
+    input_norm: Tensor | None  # [H]; None: folded into attention.qkv (fold_norm_weights)
     attention: AttentionWeights
-    post_attention_norm: Tensor  # [H]
+    post_attention_norm: Tensor | None  # [H]; None: folded into mlp.gate_up
     mlp: MlpWeights
     sliding_window: int | None
 
@@ -82,6 +83,26 @@ class Workspace:
     logits: Tensor  # [R, V] f32
 
 
+def fold_norm_weights(
+    backend: GpuBackend, layers: list[DecoderLayer], final_norm: Tensor, lm_head: Tensor, embedding: Tensor
+) -> tuple[list[DecoderLayer], Tensor | None]:
+    """Offer each RMSNorm weight to the backend to fold into the projection it feeds
+    (`GpuBackend.fold_rmsnorm`), once, when the model is loaded; returns the layers and final
+    norm with None where it was folded. A tied lm_head is the embedding table, which the
+    embedding lookup reads unscaled, so the final norm stays apart there."""
+    folded = []
+    for layer in layers:
+        input_norm, post_norm = layer.input_norm, layer.post_attention_norm
+        if input_norm is not None and backend.fold_rmsnorm(input_norm, layer.attention.qkv):
+            input_norm = None
+        if post_norm is not None and backend.fold_rmsnorm(post_norm, layer.mlp.gate_up):
+            post_norm = None
+        folded.append(replace(layer, input_norm=input_norm, post_attention_norm=post_norm))
+    if lm_head is not embedding and backend.fold_rmsnorm(final_norm, lm_head):
+        return folded, None
+    return folded, final_norm
+
+
 class Transformer:
     """A loaded model: weights on a backend and the forward loop over them."""
 
@@ -91,7 +112,7 @@ class Transformer:
         backend: GpuBackend,
         embedding: Tensor,
         layers: list[DecoderLayer],
-        final_norm: Tensor,
+        final_norm: Tensor | None,
         lm_head: Tensor,
         rope_table: Tensor,
     ) -> None:
@@ -157,8 +178,7 @@ class Transformer:
         else:
             sample_hidden = workspace.sample_hidden.rows(0, num_sample_rows)
             backend.gather_rows(residual, step.sample_indices, sample_hidden)
-        backend.rmsnorm(sample_hidden, self.final_norm, eps, sample_normed)
-        backend.linear(sample_normed, self.lm_head, logits)
+        backend.rmsnorm_linear(sample_hidden, self.final_norm, eps, self.lm_head, logits, sample_normed)
         return logits
 
     def _layer(

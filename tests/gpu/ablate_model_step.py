@@ -1,0 +1,94 @@
+"""What each kind of kernel costs inside a captured decode step (not a test; prints a table).
+
+Run: python tests/gpu/ablate_model_step.py [batch ...]        (default: 1 64)
+
+ncu times kernels one by one, without the overlap programmatic dependent launch gives a graph
+(each kernel's weight loads run under its predecessor's tail), so its times do not add up to the
+step. Here the Llama-3.1-8B step of bench_model_step.py (random weights, 512-token contexts) is
+captured again with one kind of kernel left out and replayed: the difference to the whole step
+is what that kind costs in place. The outputs are wrong without the kernels left out; only the
+time is meant.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import ExitStack
+
+import numpy as np
+from bench_model_step import LLAMA_8B, _BLOCK_SIZE, Events, RandomFill, build_model, copy_rate, decode_step_us
+
+from atlas.adapters.cuda import CudaGpuBackend, ops_attention, ops_dense
+from atlas.ports.gpu import DType, KvCacheSpec
+
+# What to leave out: (module, function) pairs replaced by a no-op during capture.
+_LEFT_OUT = {
+    "RMSNorm kernels": [(ops_dense, "rmsnorm")],
+    "RoPE + cache write kernel": [(ops_attention, "rope_and_cache")],
+    "decode attention": [(ops_attention, "attention")],
+    "residual adds (add_into)": [(ops_dense, "add_into")],
+    "act_mul": [(ops_dense, "act_mul")],
+}
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+def _without(stack: ExitStack, pairs) -> None:
+    for module, name in pairs:
+        original = getattr(module, name)
+        setattr(module, name, _noop)
+        stack.callback(setattr, module, name, original)
+
+
+def main(argv: list[str]) -> int:
+    batches = [int(b) for b in argv] or [1, 64]
+    backend = CudaGpuBackend()
+    events = Events(backend)
+    bandwidth = copy_rate(backend, events)
+    fill = RandomFill(backend, np.random.default_rng(0), 0.02)
+    model = build_model(backend, fill, LLAMA_8B, 8192)
+    config = model.config
+    kv_blocks = max(batches) * 512 // _BLOCK_SIZE + 64
+    spec = KvCacheSpec(config.num_layers, kv_blocks, _BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
+    kv = backend.allocate_kv_cache(spec)
+    fill.fill_bytes(kv.base_address, spec.total_bytes)
+
+    variants = [("whole step", [], True), ("greedy sampling", [], False)]
+    variants += [(name, pairs, True) for name, pairs in _LEFT_OUT.items()]
+    variants.append(("all of the above", [p for pairs in _LEFT_OUT.values() for p in pairs], False))
+    table: dict[str, dict[int, float]] = {}
+    for name, pairs, sample in variants:
+        with ExitStack() as stack:
+            _without(stack, pairs)
+            table[name] = {b: decode_step_us(backend, events, fill, model, kv, b, 512, sample) for b in batches}
+    # Decode attention's launch shape: tokens per split at least x query heads per block.
+    splits = {}
+    default_split, default_heads = ops_attention._MIN_TOKENS_PER_SPLIT, ops_attention.decode_heads_per_block
+    for tokens in (32, 64, 128):
+        for heads in (1, 2, 4):
+            ops_attention._MIN_TOKENS_PER_SPLIT = tokens
+            ops_attention.decode_heads_per_block = lambda group, *rest, h=heads: min(h, group)
+            splits[f"{tokens} tokens, {heads} heads"] = {
+                b: decode_step_us(backend, events, fill, model, kv, b, 512) for b in batches
+            }
+    ops_attention._MIN_TOKENS_PER_SPLIT, ops_attention.decode_heads_per_block = default_split, default_heads
+    print(f"device: {backend.capabilities.device_name}, copy {bandwidth / 1e12:.2f} TB/s")
+    print("Llama-3.1-8B decode step at a 512-token context; device us per step (graph replays)")
+    header = "".join(f"  {'b' + str(b):>8}  {'saves':>7}" for b in batches)
+    print(f"{'left out':<28}{header}")
+    whole = table["whole step"]
+    for name, times in table.items():
+        cells = "".join(
+            f"  {times[b]:>8.0f}  {'' if name == 'whole step' else f'{whole[b] - times[b]:7.0f}'}" for b in batches
+        )
+        print(f"{name:<28}{cells}")
+    print(f"decode attention: tokens per split at least (now {default_split}), query heads per block; whole step")
+    for tokens, times in splits.items():
+        print(f"{tokens:<28}" + "".join(f"  {times[b]:>8.0f}  {'':7}" for b in batches))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
