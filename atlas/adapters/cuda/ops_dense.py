@@ -18,9 +18,11 @@ _FLOAT_TYPES = (DType.BF16, DType.F32)
 # At most this many token rows go through the GEMV kernel; more go to cuBLASLt.
 GEMV_MAX_TOKENS = 8
 # The GEMV takes the RMSNorm of its input rows itself (every block re-reading them) up to this
-# width; wider rows go through the norm kernel first. Measured on an H200 at one token row:
-# SmolLM2-135M (576) 16 us faster per step with the norm inside, Llama-3.1-8B (4096) 770 us
-# slower (each of ~9000 blocks per layer spends an L2 round trip and a block reduction first).
+# width; wider rows have the norm weight folded into the projection (`fold_rmsnorm`), and the
+# one-row GEMV scales its sums by the inverse RMS after the product. Measured on an H200 at one
+# token row: SmolLM2-135M (576) 16 us faster per step with the norm inside, Llama-3.1-8B (4096)
+# 770 us slower (each of ~9000 blocks per layer spends an L2 round trip and a block reduction
+# first), where folding is 80 us faster than the norm kernel.
 NORM_IN_GEMV_MAX_WIDTH = 2048
 _GEMV_WARPS = 4
 _GEMV_MMA_WARPS = 8

@@ -47,8 +47,8 @@ class CudaFeatures:
     wgmma_attention: prefill attention through the wgmma kernels where the loaded module has them.
     gemm_tuning: cuBLASLt times its top algorithms once per shape and keeps the fastest.
     gemv_fused: at decode sizes `rmsnorm_linear`, `rmsnorm_gated_linear` and `linear_add` are
-        each one GEMV (the norm taken as x is loaded, the activation or residual add applied to
-        the block's own rows).
+        each one GEMV (the norm taken as x is loaded, or after the product where `fold_rmsnorm`
+        folded its weight; the activation or residual add applied to the block's own rows).
     gemv_rope: a one-token `qkv_rope_cache` on rows up to 2048 wide is one GEMV that also
         rotates q and k and writes the cache (needs gemv_fused too).
     """
