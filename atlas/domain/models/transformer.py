@@ -18,8 +18,9 @@ output projection adds into the residual itself:
 A backend may fuse each of these: on CUDA a decode step's GEMVs apply the activation to their
 own rows, add into the residual, rotate q and k and write the cache (one token row), and
 normalise x themselves: rows up to 2048 wide as they load it; wider rows after the product,
-the norm weight having been folded into the projection at load (`fold_norm_weights`), so a
-batch-1 layer is five kernels (qkv + rope + cache write, attention, o_proj, gate_up, down).
+the norm weight having been folded into the projection at load (`fold_norm_weights`). A
+batch-1 layer is five kernels up to width 2048 (qkv + rope + cache write, attention, o_proj,
+gate_up, down) and six above it, where RoPE and the cache write are a kernel of their own.
 """
 
 from __future__ import annotations
