@@ -250,6 +250,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
                                           float eps = 0.0f, typename EPI::Args args = typename EPI::Args()) {
     static_assert(!EPI::rope || (TOKENS == 1 && ROWS % 2 == 0), "rope: one token, whole pairs per block");
     static_assert(!(NORM && FOLDED), "one way to normalise x");
+    static_assert(!(EPI::rope && FOLDED), "the rope epilogue takes unscaled sums (measured slower folded)");
     constexpr int FEATURES = EPI::gated ? ROWS / 2 : ROWS;
     __shared__ float partial[GEMV_WARPS][ROWS][TOKENS];
     __shared__ float partial_squares[GEMV_WARPS][TOKENS];
@@ -409,11 +410,9 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
             // The projection's output of block row r, rounded to bf16 as linear would store it.
             auto projected = [&](int r) {
                 const long long row = rope_weight_row(first + r, rope_rows, args.head_dim);
-                const float biased = bias != nullptr ? to_float(bias[row]) : 0.0f;
-                float total = FOLDED ? 0.0f : biased;
+                float total = bias != nullptr ? to_float(bias[row]) : 0.0f;
 #pragma unroll
                 for (int j = 0; j < GEMV_WARPS; ++j) total += partial[j][r][0];
-                if (FOLDED) total = total * row_scale(0) + biased;
                 return to_float(from_float<bf16>(total));
             };
             const int f = first + threadIdx.x;

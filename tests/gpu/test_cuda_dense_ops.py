@@ -203,6 +203,39 @@ def _norm_inputs(rng, num_tokens, rows, inner):
     return x, norm, weight
 
 
+def _mock_rmsnorm_linear(mock_backend, x, norm, weight, bias):
+    """The mock's rmsnorm_linear (norm weight apart) on host arrays, as f32."""
+    num_tokens, inner = x.shape
+    expected = mock_backend.empty((num_tokens, weight.shape[0]), DType.F32)
+    mock_backend.rmsnorm_linear(
+        mock_backend.upload(x),
+        mock_backend.upload(norm),
+        1e-5,
+        mock_backend.upload(weight),
+        expected,
+        mock_backend.empty((num_tokens, inner), DType.F32),
+        mock_backend.upload(bias) if bias is not None else None,
+    )
+    return host(mock_backend, expected)
+
+
+def _mock_rmsnorm_gated_linear(mock_backend, x, norm, weight, activation):
+    num_tokens, inner = x.shape
+    features = weight.shape[0] // 2
+    expected = mock_backend.empty((num_tokens, features), DType.F32)
+    mock_backend.rmsnorm_gated_linear(
+        mock_backend.upload(x),
+        mock_backend.upload(norm),
+        1e-5,
+        mock_backend.upload(weight),
+        activation,
+        expected,
+        mock_backend.empty((num_tokens, inner), DType.F32),
+        mock_backend.empty((num_tokens, 2 * features), DType.F32),
+    )
+    return host(mock_backend, expected)
+
+
 @pytest.mark.parametrize("norm_dtype, with_bias", [(DType.BF16, False), (DType.F32, True)])
 @pytest.mark.parametrize("num_tokens, rows, inner", _FUSED_SHAPES)
 def test_rmsnorm_linear(cuda_backend, mock_backend, rng, norm_dtype, with_bias, num_tokens, rows, inner):
@@ -230,19 +263,8 @@ def test_rmsnorm_linear(cuda_backend, mock_backend, rng, norm_dtype, with_bias, 
     )
     assert rel_l2(host(cuda_backend, out), host(cuda_backend, unfused)) < 1e-3
 
-    expected = mock_backend.empty((num_tokens, rows), DType.F32)
-    m_normed = mock_backend.empty((num_tokens, inner), DType.F32)
-    mb = mock_backend.upload(bias) if bias is not None else None
-    mock_backend.rmsnorm_linear(
-        mock_backend.upload(x),
-        mock_backend.upload(norm),
-        1e-5,
-        mock_backend.upload(weight),
-        expected,
-        m_normed,
-        mb,
-    )
-    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+    expected = _mock_rmsnorm_linear(mock_backend, x, norm, weight, bias)
+    assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE
 
 
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
@@ -273,18 +295,8 @@ def test_rmsnorm_gated_linear(cuda_backend, mock_backend, rng, activation, num_t
     )
     assert rel_l2(host(cuda_backend, out), host(cuda_backend, unfused)) < 1e-3
 
-    expected = mock_backend.empty((num_tokens, features), DType.F32)
-    mock_backend.rmsnorm_gated_linear(
-        mock_backend.upload(x),
-        mock_backend.upload(norm),
-        1e-5,
-        mock_backend.upload(weight),
-        activation,
-        expected,
-        mock_backend.empty((num_tokens, inner), DType.F32),
-        mock_backend.empty((num_tokens, 2 * features), DType.F32),
-    )
-    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+    expected = _mock_rmsnorm_gated_linear(mock_backend, x, norm, weight, activation)
+    assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE
 
 
 # Rows wider than NORM_IN_GEMV_MAX_WIDTH, where CUDA folds the norm weight into the projection.
@@ -329,17 +341,8 @@ def test_folded_rmsnorm_linear(
         poisoned(cuda_backend, (num_tokens, inner), DType.BF16),
         cuda_backend.upload(bias, DType.BF16) if bias is not None else None,
     )
-    expected = mock_backend.empty((num_tokens, rows), DType.F32)
-    mock_backend.rmsnorm_linear(
-        mock_backend.upload(x),
-        mock_backend.upload(norm),
-        1e-5,
-        mock_backend.upload(weight),
-        expected,
-        mock_backend.empty((num_tokens, inner), DType.F32),
-        mock_backend.upload(bias) if bias is not None else None,
-    )
-    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+    expected = _mock_rmsnorm_linear(mock_backend, x, norm, weight, bias)
+    assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE
 
 
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
@@ -360,18 +363,8 @@ def test_folded_rmsnorm_gated_linear(cuda_backend, mock_backend, rng, activation
         poisoned(cuda_backend, (num_tokens, inner), DType.BF16),
         poisoned(cuda_backend, (num_tokens, 2 * features), DType.BF16),
     )
-    expected = mock_backend.empty((num_tokens, features), DType.F32)
-    mock_backend.rmsnorm_gated_linear(
-        mock_backend.upload(x),
-        mock_backend.upload(norm),
-        1e-5,
-        mock_backend.upload(weight),
-        activation,
-        expected,
-        mock_backend.empty((num_tokens, inner), DType.F32),
-        mock_backend.empty((num_tokens, 2 * features), DType.F32),
-    )
-    assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
+    expected = _mock_rmsnorm_gated_linear(mock_backend, x, norm, weight, activation)
+    assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE
 
 
 def test_fold_rmsnorm_leaves_narrow_rows_and_says_so(cuda_backend, rng):
