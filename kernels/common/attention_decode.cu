@@ -3,6 +3,11 @@
 //   q, out [N, Hq * D] bf16; k_plane, v_plane: this layer's pages [Hkv][block_size][D].
 //   Only sequences with query_len == 1 are handled; the prefill kernel takes the rest.
 //
+// Two kernels share the launch shape, the split merge and the PDL discipline: the tensor-core
+// one (attention_decode_mma_*, further down), which the host launches, and the SIMT one
+// described here (ATLAS_CUDA_DISABLE=mma_decode; also for block sizes that are not 8 or a
+// multiple of 16).
+//
 // grid = (sequence, KV head x head group, split). A block reads one KV head's slice
 // [start, end) of the context once and serves HEADS (1, 2, 4 or 8, the host picks the smallest
 // power of two >= min(G, 8)) query heads of its GQA group from it.
@@ -44,6 +49,85 @@
 #define DECODE_UNROLL 4
 #define DECODE_STAGES 3
 #define DECODE_MERGE_BATCH 8
+
+// Where a decode block's result goes, and what it needs to get there.
+struct DecodeOutput {
+    bf16* out;
+    float* partial_out;
+    float* partial_lse;
+    unsigned* split_counters;
+    long long q_row;  // token * Hq * D
+    int seq, num_q_heads, first_head, num_heads, split, num_splits, used_splits;
+};
+
+// The end of a decode block: combine its PARTS partial softmaxes (shared memory, [PARTS][HEADS]
+// maxima and sums in the log2 domain, [PARTS][HEADS][HEAD_DIM] outputs), then write `out` (one
+// split) or the block's normalised partial and log2-sum-exp, and let the last split of the
+// (sequence, head group) to finish merge every split (see the file comment).
+template <int HEAD_DIM, int HEADS, int PARTS>
+__device__ __forceinline__ void finish_decode(const float* merge_max, const float* merge_sum, const float* merge_out,
+                                              const DecodeOutput& to) {
+    for (int item = threadIdx.x; item < to.num_heads * HEAD_DIM; item += blockDim.x) {
+        const int h = item / HEAD_DIM, d = item % HEAD_DIM;
+        float best = -ATLAS_INF;
+#pragma unroll
+        for (int j = 0; j < PARTS; ++j) best = fmaxf(best, merge_max[j * HEADS + h]);
+        float total = 0.0f, value = 0.0f;
+        if (best != -ATLAS_INF) {
+#pragma unroll
+            for (int j = 0; j < PARTS; ++j) {
+                const float weight = exp2f(merge_max[j * HEADS + h] - best);
+                total += merge_sum[j * HEADS + h] * weight;
+                value += merge_out[(j * HEADS + h) * HEAD_DIM + d] * weight;
+            }
+        }
+        const int head = to.first_head + h;
+        const float normalised = total > 0.0f ? value / total : 0.0f;
+        if (to.num_splits == 1) {
+            to.out[to.q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(normalised);
+        } else {
+            const long long slot = ((long long)to.seq * to.num_q_heads + head) * to.num_splits + to.split;
+            to.partial_out[slot * HEAD_DIM + d] = normalised;
+            if (d == 0) to.partial_lse[slot] = total > 0.0f ? best + log2f(total) : -ATLAS_INF;
+        }
+    }
+    if (to.num_splits == 1 ||
+        !last_block_done(to.split_counters + (long long)to.seq * gridDim.y + blockIdx.y, to.used_splits))
+        return;
+    // The last split to finish merges every split of this block's heads (read from L2), in
+    // batches of DECODE_MERGE_BATCH splits whose loads all issue before the first is used: the
+    // merge sits at the end of the layer's critical path, and a loop of dependent L2 round trips
+    // (two per split) cost ~0.8 us per layer for each split past four.
+    for (int item = threadIdx.x; item < to.num_heads * HEAD_DIM; item += blockDim.x) {
+        const int head = to.first_head + item / HEAD_DIM, d = item % HEAD_DIM;
+        const long long first_slot = ((long long)to.seq * to.num_q_heads + head) * to.num_splits;
+        float best = -ATLAS_INF, total = 0.0f, value = 0.0f;
+        for (int z0 = 0; z0 < to.used_splits; z0 += DECODE_MERGE_BATCH) {
+            float lse[DECODE_MERGE_BATCH], part[DECODE_MERGE_BATCH];
+#pragma unroll
+            for (int i = 0; i < DECODE_MERGE_BATCH; ++i) {
+                const bool used = z0 + i < to.used_splits;
+                lse[i] = used ? __ldcg(to.partial_lse + first_slot + z0 + i) : -ATLAS_INF;
+                part[i] = used ? __ldcg(to.partial_out + (first_slot + z0 + i) * HEAD_DIM + d) : 0.0f;
+            }
+            float new_best = best;
+#pragma unroll
+            for (int i = 0; i < DECODE_MERGE_BATCH; ++i) new_best = fmaxf(new_best, lse[i]);
+            if (new_best == -ATLAS_INF) continue;  // no split with a token yet
+            const float rescale = exp2f(best - new_best);  // 0 while best is -inf
+            total *= rescale;
+            value *= rescale;
+#pragma unroll
+            for (int i = 0; i < DECODE_MERGE_BATCH; ++i) {
+                const float weight = exp2f(lse[i] - new_best);
+                total += weight;
+                value += weight * part[i];
+            }
+            best = new_best;
+        }
+        to.out[to.q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(total > 0.0f ? value / total : 0.0f);
+    }
+}
 
 template <int HEAD_DIM, int HEADS>
 __device__ __forceinline__ void attention_decode_impl(
@@ -256,66 +340,256 @@ __device__ __forceinline__ void attention_decode_impl(
         for (int i = 0; i < 8; ++i) merge_out[(group * HEADS + h) * HEAD_DIM + dim + i] = o[h][i];
     }
     __syncthreads();
+    DecodeOutput out_to{out, partial_out, partial_lse, split_counters, q_row, seq, num_q_heads, first_head,
+                        num_heads, split, num_splits, used_splits};
+    finish_decode<HEAD_DIM, HEADS, GROUPS>(merge_max, merge_sum, merge_out, out_to);
+}
 
-    for (int item = threadIdx.x; item < num_heads * HEAD_DIM; item += DECODE_THREADS) {
-        const int h = item / HEAD_DIM, d = item % HEAD_DIM;
-        float best = -ATLAS_INF;
+// ---------------------------------------------------------------------------------------------
+// Tensor-core variant: the same work with the products on mma.sync m16n8k16, oriented so that
+// the context tokens are the 16 rows and a GQA group's (up to 8) query heads the 8 columns:
+//
+//     S^T [16 tokens, 8 heads] = K_tile [16, D] . Q^T [D, 8]          (A = K rows, ldmatrix)
+//     O^T [D, 8 heads]        += V_tile^T [D, 16] . P^T [16, 8]       (A = V^T, ldmatrix.trans)
+//
+// Q^T stays in registers as B fragments for the whole kernel. P^T must be a B fragment (tokens
+// along k) but S^T's accumulator holds tokens along rows; movmatrix.trans turns each 8x8 half of
+// the bf16 P into the B layout without shared memory. Per 16-token tile a warp issues 2 D / 16
+// ldmatrix.x4 and 2 D / 16 mma, ~10x fewer instructions than the SIMT kernel's per-token FMAs
+// and shuffles, so the kernel is bound by the K/V bytes instead of by issue.
+//
+// Tiles are aligned to 16 tokens of the sequence, so a tile's rows sit in one page (two at
+// block size 8) and its K (and V) rows are one contiguous 16 D-element run per page. Each warp
+// of the block takes every DECODE_MMA_WARPS-th tile of the split and keeps its own ring of
+// stages in shared memory (no block barrier in the loop); the 16-byte chunks of a row are
+// XOR-swizzled by row so ldmatrix reads are free of bank conflicts:
+//
+//     ring [warp][stage][K | V][16 rows][D / 8 chunks], chunk c of row r at c ^ (r % 8)
+//
+// Tokens outside [lo, context_len) and the step's own token are zero-filled by the copy (so no
+// copy reads past the context or what the previous kernel is writing, and the copies of the
+// first stages issue before griddepcontrol.wait); the own token's row is read from L2 after the
+// wait by the warp whose tile holds it, just before that tile is used. Masked scores are -inf.
+#define DECODE_MMA_HEADS 8  // the n = 8 columns of the mma: query heads per block
+
+template <int HEAD_DIM, int STAGES_>
+struct DecodeMmaShape {
+    static constexpr int CHUNKS = HEAD_DIM / 8;       // 16-byte chunks per K or V row
+    static constexpr int PLANE_CHUNKS = 16 * CHUNKS;  // one tile of K (or V)
+    static constexpr int STAGES = STAGES_;
+    static constexpr int WARP_CHUNKS = STAGES * 2 * PLANE_CHUNKS;
+};
+
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+    u32 y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+template <int HEAD_DIM>
+__device__ __forceinline__ int swizzled_chunk(int row, int chunk) {
+    return row * (HEAD_DIM / 8) + (chunk ^ (row & 7));
+}
+
+template <int HEAD_DIM, int WARPS, int STAGES_>
+__device__ __forceinline__ void attention_decode_mma_impl(
+    const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
+    bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
+    unsigned* __restrict__ split_counters, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
+    const int* __restrict__ block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size,
+    float scale_log2, int sliding_window, int num_splits, int min_split_tokens) {
+    typedef DecodeMmaShape<HEAD_DIM, STAGES_> Shape;
+    constexpr int CHUNKS = Shape::CHUNKS, STAGES = Shape::STAGES, K_STEPS = HEAD_DIM / 16;
+    extern __shared__ uint4 decode_shared[];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    uint4* ring = decode_shared + warp * Shape::WARP_CHUNKS;  // [stage][K | V][PLANE_CHUNKS]
+
+    // Until the wait below, only what no kernel of this step writes (see the file comment).
+    const int seq = blockIdx.x;
+    const int token = query_start_loc[seq];
+    if (query_start_loc[seq + 1] - token != 1) return;
+    const int group_size = num_q_heads / num_kv_heads;
+    const int head_groups = (group_size + DECODE_MMA_HEADS - 1) / DECODE_MMA_HEADS;
+    const int kv_head = blockIdx.y / head_groups;
+    const int first_head = kv_head * group_size + (blockIdx.y % head_groups) * DECODE_MMA_HEADS;
+    const int num_heads = min(DECODE_MMA_HEADS, kv_head * group_size + group_size - first_head);
+
+    const int context_len = seq_lens[seq];
+    const int newest = context_len - 1;
+    const int lo = sliding_window > 0 ? max(0, newest - sliding_window + 1) : 0;
+    // Splits are whole tiles; a graph bakes in the split count of its longest context and a
+    // shorter one uses fewer (each at least min_split_tokens long); the blocks of the others
+    // leave at once, uncounted.
+    const int first_tile = lo / 16, num_tiles = (context_len + 15) / 16 - first_tile;
+    int used_splits = max(1, min(num_splits, (context_len - lo + min_split_tokens - 1) / min_split_tokens));
+    const int split_tiles = (num_tiles + used_splits - 1) / used_splits;
+    used_splits = (num_tiles + split_tiles - 1) / split_tiles;
+    const int split = blockIdx.z;
+    if (split >= used_splits) return;
+    const int tile_begin = first_tile + split * split_tiles;
+    const int tile_end = min(first_tile + num_tiles, tile_begin + split_tiles);
+    // This warp's tiles: tile_begin + warp, + WARPS, ...
+    const int my_tiles = tile_begin + warp < tile_end ? (tile_end - tile_begin - warp - 1) / WARPS + 1 : 0;
+
+    const int* table = block_tables + (long long)seq * block_table_stride;
+    const long long head_offset = (long long)kv_head * block_size * HEAD_DIM;
+    const long long page_stride = (long long)num_kv_heads * block_size * HEAD_DIM;
+    // Rows of a tile in global memory: rows 0-7 and 8-15 each lie in one page (the same one
+    // unless the block size is 8). A lane copies chunk `lane % CHUNKS` of every ROWS_PER_PASS-th row.
+    constexpr int ROWS_PER_PASS = 32 / CHUNKS < 1 ? 1 : 32 / CHUNKS;
+    const int lane_row = lane / CHUNKS, lane_chunk = lane % CHUNKS;
+    auto issue_tile = [&](int j) {
+        const int t0 = (tile_begin + warp + j * WARPS) * 16;
+        const long long page_lo = __ldg(table + t0 / block_size);
+        const long long base_lo = page_lo * page_stride + head_offset + (t0 % block_size) * HEAD_DIM + lane_chunk * 8;
+        long long base_hi = base_lo + 8 * HEAD_DIM;
+        if (block_size < 16 && t0 + 8 < context_len)
+            base_hi = __ldg(table + (t0 + 8) / block_size) * page_stride + head_offset + lane_chunk * 8;
+        uint4* slot = ring + (j % STAGES) * 2 * Shape::PLANE_CHUNKS;
 #pragma unroll
-        for (int j = 0; j < GROUPS; ++j) best = fmaxf(best, merge_max[j * HEADS + h]);
-        float total = 0.0f, value = 0.0f;
-        if (best != -ATLAS_INF) {
-#pragma unroll
-            for (int j = 0; j < GROUPS; ++j) {
-                const float weight = exp2f(merge_max[j * HEADS + h] - best);
-                total += merge_sum[j * HEADS + h] * weight;
-                value += merge_out[(j * HEADS + h) * HEAD_DIM + d] * weight;
-            }
+        for (int pass = 0; pass < 16 / ROWS_PER_PASS; ++pass) {
+            const int row = lane_row + pass * ROWS_PER_PASS, key = t0 + row;
+            const bool valid = key >= lo && key < newest;
+            const long long offset = row < 8 ? base_lo + row * HEAD_DIM : base_hi + (row - 8) * HEAD_DIM;
+            const int at = swizzled_chunk<HEAD_DIM>(row, lane_chunk);
+            cp_async_16(slot + at, k_plane + (valid ? offset : 0), valid);
+            cp_async_16(slot + Shape::PLANE_CHUNKS + at, v_plane + (valid ? offset : 0), valid);
         }
-        const int head = first_head + h;
-        const float normalised = total > 0.0f ? value / total : 0.0f;
-        if (num_splits == 1) {
-            out[q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(normalised);
-        } else {
-            const long long slot = ((long long)seq * num_q_heads + head) * num_splits + split;
-            partial_out[slot * HEAD_DIM + d] = normalised;
-            if (d == 0) partial_lse[slot] = total > 0.0f ? best + log2f(total) : -ATLAS_INF;
+    };
+    // One commit group per tile, empty ones included, so wait_group counts tiles exactly.
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) {
+        if (j < my_tiles) issue_tile(j);
+        cp_async_commit();
+    }
+
+    // q and the step's own K/V row come from the previous kernel.
+    dependent_launch_entry();
+    const long long q_row = (long long)token * num_q_heads * HEAD_DIM;
+    // Q^T as B fragments: b0 (dims 16 s + 2t, + 1; head g), b1 (dims 16 s + 2t + 8, + 9; head g).
+    u32 q_frag[K_STEPS][2];
+    {
+        const bool has_head = g < num_heads;
+        const bf16* q_head = q + q_row + (long long)(first_head + (has_head ? g : 0)) * HEAD_DIM + 2 * t;
+#pragma unroll
+        for (int s = 0; s < K_STEPS; ++s) {
+            q_frag[s][0] = has_head ? *reinterpret_cast<const u32*>(q_head + 16 * s) : 0u;
+            q_frag[s][1] = has_head ? *reinterpret_cast<const u32*>(q_head + 16 * s + 8) : 0u;
         }
     }
-    if (num_splits == 1 || !last_block_done(split_counters + (long long)seq * gridDim.y + blockIdx.y, used_splits))
-        return;
-    // The last split to finish merges every split of this block's heads (read from L2), in
-    // batches of DECODE_MERGE_BATCH splits whose loads all issue before the first is used: the
-    // merge sits at the end of the layer's critical path, and a loop of dependent L2 round trips
-    // (two per split) cost ~0.8 us per layer for each split past four.
-    for (int item = threadIdx.x; item < num_heads * HEAD_DIM; item += DECODE_THREADS) {
-        const int head = first_head + item / HEAD_DIM, d = item % HEAD_DIM;
-        const long long first_slot = ((long long)seq * num_q_heads + head) * num_splits;
-        float best = -ATLAS_INF, total = 0.0f, value = 0.0f;
-        for (int z0 = 0; z0 < used_splits; z0 += DECODE_MERGE_BATCH) {
-            float lse[DECODE_MERGE_BATCH], part[DECODE_MERGE_BATCH];
+    // This thread's softmax state is for heads 2t and 2t + 1 (the accumulator columns); m is the
+    // same in every lane of a column, l sums only this lane's rows until the end.
+    float m[2] = {-ATLAS_INF, -ATLAS_INF}, l[2] = {0.0f, 0.0f};
+    float o[K_STEPS][4];  // O^T: (dim 16 i + g, heads 2t, 2t + 1), (dim 16 i + g + 8, same heads)
 #pragma unroll
-            for (int i = 0; i < DECODE_MERGE_BATCH; ++i) {
-                const bool used = z0 + i < used_splits;
-                lse[i] = used ? __ldcg(partial_lse + first_slot + z0 + i) : -ATLAS_INF;
-                part[i] = used ? __ldcg(partial_out + (first_slot + z0 + i) * HEAD_DIM + d) : 0.0f;
+    for (int i = 0; i < K_STEPS; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+    for (int j = 0; j < my_tiles; ++j) {
+        __syncwarp();  // every lane is done reading the stage the next copies overwrite
+        if (j + STAGES - 1 < my_tiles) issue_tile(j + STAGES - 1);
+        cp_async_commit();
+        cp_async_wait<STAGES - 1>();  // this lane's copies of tile j have landed
+        uint4* slot = ring + (j % STAGES) * 2 * Shape::PLANE_CHUNKS;
+        const int t0 = (tile_begin + warp + j * WARPS) * 16;
+        if (t0 + 16 > newest) {
+            // The step's own token is in this tile: its row now, from L2, once no lane's
+            // zero-filling copy of that row is still in flight.
+            __syncwarp();
+            const long long page = table[newest / block_size];
+            const long long row_offset = page * page_stride + head_offset + (newest % block_size) * HEAD_DIM;
+            for (int i = lane; i < 2 * CHUNKS; i += 32) {
+                const int chunk = i % CHUNKS;
+                const bf16* plane = i < CHUNKS ? k_plane : v_plane;
+                slot[(i < CHUNKS ? 0 : Shape::PLANE_CHUNKS) + swizzled_chunk<HEAD_DIM>(newest - t0, chunk)] =
+                    __ldcg(reinterpret_cast<const uint4*>(plane + row_offset + chunk * 8));
             }
-            float new_best = best;
-#pragma unroll
-            for (int i = 0; i < DECODE_MERGE_BATCH; ++i) new_best = fmaxf(new_best, lse[i]);
-            if (new_best == -ATLAS_INF) continue;  // no split with a token yet
-            const float rescale = exp2f(best - new_best);  // 0 while best is -inf
-            total *= rescale;
-            value *= rescale;
-#pragma unroll
-            for (int i = 0; i < DECODE_MERGE_BATCH; ++i) {
-                const float weight = exp2f(lse[i] - new_best);
-                total += weight;
-                value += weight * part[i];
-            }
-            best = new_best;
         }
-        out[q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(total > 0.0f ? value / total : 0.0f);
+        __syncwarp();  // the other lanes' copies (and the own row) are visible
+
+        // S^T = K Q^T, in two accumulator chains.
+        float s_acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+        {
+            // ldmatrix.x4 matrices: rows 0-7 / 8-15 (lane bit 3) x chunk 2 s / 2 s + 1 (lane bit 4)
+            const int row = (lane & 7) + (lane & 8);
+#pragma unroll
+            for (int s = 0; s < K_STEPS; ++s) {
+                u32 a[4];
+                ldmatrix_x4(a, slot + swizzled_chunk<HEAD_DIM>(row, 2 * s + (lane >> 4)));
+                mma_bf16_16816(s_acc[s & 1], a, q_frag[s]);
+            }
+        }
+        // rows g and g + 8 are tokens t0 + g, t0 + g + 8; columns 2t, 2t + 1 are heads
+        float p[4];
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int key = t0 + g + (c >> 1) * 8;
+            p[c] = key >= lo && key < context_len ? (s_acc[0][c] + s_acc[1][c]) * scale_log2 : -ATLAS_INF;
+        }
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float tile_max = fmaxf(p[h], p[h + 2]);
+#pragma unroll
+            for (int offset = 4; offset < 32; offset <<= 1)
+                tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
+            const float new_max = fmaxf(m[h], tile_max);
+            // With no score yet the reference is 0, so every exp2 below is of -inf.
+            const float reference = new_max == -ATLAS_INF ? 0.0f : new_max;
+            alpha[h] = exp2f(m[h] - reference);
+            p[h] = exp2f(p[h] - reference);
+            p[h + 2] = exp2f(p[h + 2] - reference);
+            l[h] = l[h] * alpha[h] + p[h] + p[h + 2];
+            m[h] = new_max;
+        }
+        // P^T as the B fragment: each 8x8 half of P (tokens 0-7, 8-15 by heads), transposed.
+        const u32 p_frag[2] = {movmatrix_trans(pack_bf16x2(p[0], p[1])), movmatrix_trans(pack_bf16x2(p[2], p[3]))};
+        {
+            // ldmatrix.x4.trans matrices: chunk 2 i / 2 i + 1 (lane bit 3) x rows 0-7 / 8-15 (lane bit 4)
+            const int row = (lane & 7) + ((lane >> 4) << 3);
+#pragma unroll
+            for (int i = 0; i < K_STEPS; ++i) {
+                o[i][0] *= alpha[0];
+                o[i][1] *= alpha[1];
+                o[i][2] *= alpha[0];
+                o[i][3] *= alpha[1];
+                u32 a[4];
+                ldmatrix_x4_trans(a, slot + Shape::PLANE_CHUNKS + swizzled_chunk<HEAD_DIM>(row, 2 * i + ((lane >> 3) & 1)));
+                mma_bf16_16816(o[i], a, p_frag);
+            }
+        }
     }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int offset = 4; offset < 32; offset <<= 1) l[h] += __shfl_xor_sync(0xffffffffu, l[h], offset);
+    }
+
+    // Merge the warps of this block, in the rings' memory once every warp is done with it.
+    cp_async_wait<0>();
+    __syncthreads();
+    float* merge_max = reinterpret_cast<float*>(decode_shared);   // [WARPS][HEADS]
+    float* merge_sum = merge_max + WARPS * DECODE_MMA_HEADS;  // [WARPS][HEADS]
+    float* merge_out = merge_sum + WARPS * DECODE_MMA_HEADS;  // [WARPS][HEADS][HEAD_DIM]
+    if (g == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            merge_max[warp * DECODE_MMA_HEADS + 2 * t + h] = m[h];
+            merge_sum[warp * DECODE_MMA_HEADS + 2 * t + h] = l[h];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < K_STEPS; ++i) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int head = 2 * t + (c & 1), dim = 16 * i + g + (c >> 1) * 8;
+            merge_out[(warp * DECODE_MMA_HEADS + head) * HEAD_DIM + dim] = o[i][c];
+        }
+    }
+    __syncthreads();
+    DecodeOutput out_to{out, partial_out, partial_lse, split_counters, q_row, seq, num_q_heads, first_head,
+                        num_heads, split, num_splits, used_splits};
+    finish_decode<HEAD_DIM, DECODE_MMA_HEADS, WARPS>(merge_max, merge_sum, merge_out, out_to);
 }
 
 #define DEFINE_DECODE(HEAD_DIM, HEADS)                                                                          \
@@ -339,3 +613,22 @@ __device__ __forceinline__ void attention_decode_impl(
 DEFINE_DECODE_HEADS(64)
 DEFINE_DECODE_HEADS(128)
 DEFINE_DECODE_HEADS(256)
+
+#define DEFINE_DECODE_MMA(HEAD_DIM, WARPS, STAGES)                                                              \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
+        attention_decode_mma_d##HEAD_DIM##_w##WARPS##_s##STAGES(                                                 \
+            const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, float* partial_out,             \
+            float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,      \
+            const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, \
+            float scale_log2, int sliding_window, int num_splits, int min_split_tokens) {                       \
+        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES>(                                                      \
+            q, k_plane, v_plane, out, partial_out, partial_lse, split_counters, query_start_loc, seq_lens,       \
+            block_tables, block_table_stride, num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, \
+            num_splits, min_split_tokens);                                                                       \
+    }
+
+// (warps, stages) = (4, 3) at head_dim 128 was the fastest Llama-3.1-8B batch-64 step of
+// (4, 2), (4, 3), (4, 4), (2, 3), (2, 4), (8, 2) on an H200 (docs/cuda-notes.md, run 8).
+DEFINE_DECODE_MMA(64, 4, 3)
+DEFINE_DECODE_MMA(128, 4, 3)
+DEFINE_DECODE_MMA(256, 4, 2)

@@ -1,6 +1,7 @@
 """What each kind of kernel costs inside a captured decode step (not a test; prints a table).
 
-Run: python tests/gpu/ablate_model_step.py [batch ...]        (default: 1 64)
+Run: python tests/gpu/ablate_model_step.py [batch ...] [attention]   (default: 1 64; `attention`:
+only the decode attention variants)
 
 ncu times kernels one by one, without the overlap programmatic dependent launch gives a graph
 (each kernel's weight loads run under its predecessor's tail), so its times do not add up to the
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import ExitStack
+from dataclasses import replace
 
 import numpy as np
 from bench_model_step import LLAMA_8B, _BLOCK_SIZE, Events, RandomFill, build_model, copy_rate, decode_step_us
@@ -43,7 +45,8 @@ def _without(stack: ExitStack, pairs) -> None:
 
 
 def main(argv: list[str]) -> int:
-    batches = [int(b) for b in argv] or [1, 64]
+    batches = [int(b) for b in argv if b.isdigit()] or [1, 64]
+    attention_only = "attention" in argv  # only the decode attention variants
     backend = CudaGpuBackend()
     events = Events(backend)
     bandwidth = copy_rate(backend, events)
@@ -55,25 +58,26 @@ def main(argv: list[str]) -> int:
     kv = backend.allocate_kv_cache(spec)
     fill.fill_bytes(kv.base_address, spec.total_bytes)
 
-    variants = [("whole step", [], True), ("greedy sampling", [], False)]
-    variants += [(name, pairs, True) for name, pairs in _LEFT_OUT.items()]
-    variants.append(("all of the above", [p for pairs in _LEFT_OUT.values() for p in pairs], False))
+    variants = [("whole step", [], True)]
+    if not attention_only:
+        variants.append(("greedy sampling", [], False))
+        variants += [(name, pairs, True) for name, pairs in _LEFT_OUT.items()]
+        variants.append(("all of the above", [p for pairs in _LEFT_OUT.values() for p in pairs], False))
     table: dict[str, dict[int, float]] = {}
     for name, pairs, sample in variants:
         with ExitStack() as stack:
             _without(stack, pairs)
             table[name] = {b: decode_step_us(backend, events, fill, model, kv, b, 512, sample) for b in batches}
-    # Decode attention's launch shape: tokens per split at least x query heads per block.
+    # Decode attention: which kernel, and its splits (tokens per split at least).
     splits = {}
-    default_split, default_heads = ops_attention._MIN_TOKENS_PER_SPLIT, ops_attention.decode_heads_per_block
-    for tokens in (32, 64, 128):
-        for heads in (1, 2, 4):
-            ops_attention._MIN_TOKENS_PER_SPLIT = tokens
-            ops_attention.decode_heads_per_block = lambda group, *rest, h=heads: min(h, group)
-            splits[f"{tokens} tokens, {heads} heads"] = {
-                b: decode_step_us(backend, events, fill, model, kv, b, 512) for b in batches
-            }
-    ops_attention._MIN_TOKENS_PER_SPLIT, ops_attention.decode_heads_per_block = default_split, default_heads
+    saved_tokens, saved_features = dict(ops_attention.MIN_TOKENS_PER_SPLIT), backend.runtime.features
+    for kernel in ("mma", "simt"):
+        backend.runtime.features = replace(saved_features, mma_decode=kernel == "mma")
+        for tokens in (32, 64, 128):
+            ops_attention.MIN_TOKENS_PER_SPLIT[kernel] = tokens
+            splits[f"{kernel}, {tokens} tokens"] = {b: decode_step_us(backend, events, fill, model, kv, b, 512) for b in batches}
+        ops_attention.MIN_TOKENS_PER_SPLIT[kernel] = saved_tokens[kernel]
+    backend.runtime.features = saved_features
     print(f"device: {backend.capabilities.device_name}, copy {bandwidth / 1e12:.2f} TB/s")
     print("Llama-3.1-8B decode step at a 512-token context; device us per step (graph replays)")
     header = "".join(f"  {'b' + str(b):>8}  {'saves':>7}" for b in batches)
@@ -84,7 +88,7 @@ def main(argv: list[str]) -> int:
             f"  {times[b]:>8.0f}  {'' if name == 'whole step' else f'{whole[b] - times[b]:7.0f}'}" for b in batches
         )
         print(f"{name:<28}{cells}")
-    print(f"decode attention: tokens per split at least (now {default_split}), query heads per block; whole step")
+    print(f"decode attention: kernel, tokens per split at least (now {saved_tokens}); whole step")
     for tokens, times in splits.items():
         print(f"{tokens:<28}" + "".join(f"  {times[b]:>8.0f}  {'':7}" for b in batches))
     return 0

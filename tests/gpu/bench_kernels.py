@@ -152,9 +152,11 @@ def main() -> int:
         )
     ops_attention.WGMMA_KEYS_PER_TILE.update(default_keys)
     rt.features = dataclasses.replace(rt.features, wgmma_attention=True)
-    rows += _attention_rows(backend, timer, rng, heads, [4096] * 64, [1] * 64, "decode 64 x 4096 ctx", False)
-    rows += _attention_rows(backend, timer, rng, heads, [512] * 64, [1] * 64, "decode 64 x 512 ctx", False)
-    rows += _attention_rows(backend, timer, rng, heads, [32768], [1], "decode 1 x 32768 ctx", False)
+    for kind in ("mma", "simt"):
+        rt.features = dataclasses.replace(rt.features, mma_decode=kind == "mma")
+        for lens, label in (([4096] * 64, "64 x 4096"), ([512] * 64, "64 x 512"), ([512], "1 x 512"), ([32768], "1 x 32768")):
+            rows += _attention_rows(backend, timer, rng, heads, lens, [1] * len(lens), f"decode {label} ctx, {kind}", False)
+    rt.features = dataclasses.replace(rt.features, mma_decode=True)
 
     # Sampling: 64 rows over a 128k vocabulary.
     rows += _sampling_rows(backend, timer, rng)

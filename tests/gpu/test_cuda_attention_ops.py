@@ -225,11 +225,28 @@ ATTENTION_CASES = [
     (HeadLayout(16, 2, 64), [3000, 2500], [1, 1], None, 16),  # long decode: split-K
     (HeadLayout(4, 1, 256), [300, 65], [1, 65], None, 16),  # head_dim 256
     (HeadLayout(16, 16, 128), [5, 1, 3], [2, 1, 3], 2, 8),  # tiny window, spec-decode shapes
+    (HeadLayout(24, 2, 128), [16, 17, 15, 1, 300], [1, 1, 1, 1, 1], None, 8),  # GQA 12, tile edges
+    (HeadLayout(8, 2, 64), [999, 64, 130], [1, 1, 1], 100, 64),  # decode window off tile edges
 ]
 
 
+@pytest.fixture(params=["mma", "simt"])
+def decode_kernel(request, cuda_backend):
+    """Each decode attention kernel in turn: the tensor-core one (the default) and the SIMT one
+    (`ATLAS_CUDA_DISABLE=mma_decode`)."""
+    from dataclasses import replace
+
+    rt = cuda_backend.runtime
+    saved = rt.features
+    rt.features = replace(saved, mma_decode=request.param == "mma")
+    yield request.param
+    rt.features = saved
+
+
 @pytest.mark.parametrize("heads, context_lens, query_lens, window, block_size", ATTENTION_CASES)
-def test_attention_against_mock(cuda_backend, mock_backend, rng, heads, context_lens, query_lens, window, block_size):
+def test_attention_against_mock(
+    cuda_backend, mock_backend, rng, decode_kernel, heads, context_lens, query_lens, window, block_size
+):
     case = paged_case(rng, heads, context_lens, query_lens, block_size=block_size)
     scale = 1 / math.sqrt(heads.head_dim)
     actual, expected = _attention_pair(cuda_backend, mock_backend, case, scale, window, use_mock=True)
@@ -246,14 +263,16 @@ def test_attention_against_mock(cuda_backend, mock_backend, rng, heads, context_
         (HeadLayout(8, 2, 128), [32768], [1], None),  # very long decode
     ],
 )
-def test_attention_long_prompts_against_float64(cuda_backend, rng, heads, context_lens, query_lens, window):
+def test_attention_long_prompts_against_float64(
+    cuda_backend, rng, decode_kernel, heads, context_lens, query_lens, window
+):
     case = paged_case(rng, heads, context_lens, query_lens, block_size=16)
     scale = 1 / math.sqrt(heads.head_dim)
     actual, expected = _attention_pair(cuda_backend, None, case, scale, window, use_mock=False)
     assert rel_l2(actual, expected) < BF16_TOLERANCE
 
 
-def test_attention_output_depends_on_every_context_token(cuda_backend, mock_backend, rng):
+def test_attention_output_depends_on_every_context_token(cuda_backend, mock_backend, rng, decode_kernel):
     """Changing one cached value of one sequence moves only that sequence's output rows."""
     heads = HeadLayout(8, 2, 128)
     case = paged_case(rng, heads, [600, 600], [1, 1])

@@ -46,7 +46,7 @@ def test_shipped_tree_has_every_generic_module_and_headers():
 # dependent_launch_entry() itself once those loads are issued.
 _WAIT_INSIDE = {
     "gemv.cu": ("gemv_impl<", "gemv_mma_impl<"),
-    "attention_decode.cu": ("attention_decode_impl<",),
+    "attention_decode.cu": ("attention_decode_impl<", "attention_decode_mma_impl<"),
     "rope_cache.cu": ("rope_and_cache_impl<",),
 }
 
@@ -77,6 +77,11 @@ def test_every_kernel_waits_for_the_previous_grid_first():
     # q (the previous kernel's output) after the wait; the ring's copies stop short of the newest token
     assert "load8(q" not in before_wait and "issue_step(step, step)" in before_wait
     assert "key < ring_end ? key : ring_end - 1" in before_wait
+    body = decode[decode.index("void attention_decode_mma_impl(") :]
+    before_wait = body[: body.index("dependent_launch_entry();")]
+    # the tensor-core kernel: the same, its copies zero-filling the newest token's row
+    assert "q_head" not in before_wait and "if (j < my_tiles) issue_tile(j);" in before_wait
+    assert "const bool valid = key >= lo && key < newest;" in before_wait
     rope = (kernels_root() / "common/rope_cache.cu").read_text()
     body = rope[rope.index("void rope_and_cache_impl(") :]
     assert "qkv +" not in body[: body.index("dependent_launch_entry();")]  # the previous kernel's output

@@ -24,11 +24,14 @@ WGMMA_KEYS_PER_TILE = {64: 64, 128: 64}
 _WGMMA_ROWS = 128
 _WGMMA_THREADS = 256
 _DECODE_THREADS = 128
+# attention_decode_mma_d<D>_w<warps>_s<stages>: warps per block, K/V tiles in each warp's ring.
+DECODE_MMA_SHAPES = {64: (4, 3), 128: (4, 3), 256: (4, 2)}
 _ROPE_WARPS = 4  # heads per block of rope_and_cache (a warp each)
 _MAX_SPLITS = 128
 # A decode split reads at least this many context tokens: shorter ones spend more on their
-# prologue and on the merge (in the last split's block) than the parallelism gains.
-_MIN_TOKENS_PER_SPLIT = 128
+# prologue and on the merge (in the last split's block) than the parallelism gains. By kernel:
+# the tensor-core one gets through a split's tokens faster, so shorter splits pay there.
+MIN_TOKENS_PER_SPLIT = {"mma": 64, "simt": 128}
 
 
 def _check_cache(kv: object, heads: HeadLayout) -> CudaKvCache:
@@ -284,34 +287,54 @@ def _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, wi
     )
 
 
-def decode_split_count(num_sms: int, num_blocks_per_split: int, max_seq_len: int) -> int:
-    """Splits of the context per (sequence, head group): none once there are two blocks per SM;
-    below that, about four blocks per SM (what fits at once), each split reading at least
-    `_MIN_TOKENS_PER_SPLIT` tokens."""
-    if num_blocks_per_split >= 2 * num_sms:
+def decode_split_count(
+    num_sms: int, num_blocks_per_split: int, max_seq_len: int, blocks_per_sm: int = 2, min_tokens: int = 128
+) -> int:
+    """Splits of the context per (sequence, head group): none once the blocks fill every SM
+    (`blocks_per_sm` of them at once); below that, about two SMs' worth of blocks per SM, each
+    split reading at least `min_tokens` tokens."""
+    if num_blocks_per_split >= blocks_per_sm * num_sms:
         return 1
-    wanted = -(-4 * num_sms // num_blocks_per_split)
-    by_length = max(1, -(-max_seq_len // _MIN_TOKENS_PER_SPLIT))
+    wanted = -(-2 * blocks_per_sm * num_sms // num_blocks_per_split)
+    by_length = max(1, -(-max_seq_len // min_tokens))
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
 def decode_heads_per_block(group: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Query heads of a GQA group that one decode block serves (from one read of their KV head):
-    the smallest power of two >= min(G, 8); at most 2 while the batch's KV heads are a quarter of
-    the SMs or fewer, where a block's serial work (its heads one after another, per token) is the
-    step's latency. On an H200, Llama-3.1-8B (G = 4) decode steps at a 512-token context: batch 1
+    """Query heads of a GQA group that one block of the SIMT decode kernel serves (from one read
+    of their KV head): the smallest power of two >= min(G, 8); at most 2 while the batch's KV
+    heads are a quarter of the SMs or fewer, where a block's serial work (its heads one after
+    another, per token) is the step's latency. On an H200, Llama-3.1-8B (G = 4) decode steps at a 512-token context: batch 1
     3939-3974 us with 2 heads per block against 4024 with 4; batch 64 6037 with 4 against 6490
     with 2 (each KV head then read twice, and the kernel is issue-bound there)."""
     heads = next(h for h in (1, 2, 4, 8) if h >= min(group, 8))
     return min(heads, 2) if num_seqs * num_kv_heads <= num_sms // 4 else heads
 
 
+def decode_mma_shared_bytes(head_dim: int, warps: int, stages: int) -> int:
+    """Shared memory of attention_decode_mma_*: each warp's ring of K and V tiles (16 rows)."""
+    return warps * stages * 2 * 16 * head_dim * 2
+
+
 def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window) -> None:
     group = heads.num_q_heads // heads.num_kv_heads
-    heads_per_block = decode_heads_per_block(group, meta.num_seqs, heads.num_kv_heads, rt.num_sms)
+    if rt.features.mma_decode and (block_size == 8 or block_size % 16 == 0):
+        # Tensor cores: up to 8 query heads (the mma's n) per block, whatever the batch; a
+        # 16-token tile's rows lie in one page (two at block size 8).
+        kind, heads_per_block = "mma", 8
+        warps, stages = DECODE_MMA_SHAPES[heads.head_dim]
+        symbol, threads = f"attention_decode_mma_d{heads.head_dim}_w{warps}_s{stages}", warps * 32
+        shared_bytes = decode_mma_shared_bytes(heads.head_dim, warps, stages)
+        blocks_per_sm = max(1, rt.max_shared_per_sm // (shared_bytes + 1024))
+    else:
+        kind = "simt"
+        heads_per_block = decode_heads_per_block(group, meta.num_seqs, heads.num_kv_heads, rt.num_sms)
+        symbol, threads = f"attention_decode_d{heads.head_dim}_h{heads_per_block}", _DECODE_THREADS
+        shared_bytes, blocks_per_sm = 0, 2
     head_groups = -(-group // heads_per_block)
     num_blocks = meta.num_seqs * heads.num_kv_heads * head_groups
-    splits = decode_split_count(rt.num_sms, num_blocks, meta.max_seq_len)
+    min_tokens = MIN_TOKENS_PER_SPLIT[kind]
+    splits = decode_split_count(rt.num_sms, num_blocks, meta.max_seq_len, blocks_per_sm, min_tokens)
     partial_out = partial_lse = counters = 0
     if splits > 1:
         slots = meta.num_seqs * heads.num_q_heads * splits
@@ -321,9 +344,9 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
     query_start_loc, seq_lens, block_tables, table_stride = common
     rt.launch(
         "attention_decode",
-        f"attention_decode_d{heads.head_dim}_h{heads_per_block}",
+        symbol,
         (meta.num_seqs, heads.num_kv_heads * head_groups, splits),
-        _DECODE_THREADS,
+        threads,
         q.address,
         planes[0],
         planes[1],
@@ -341,7 +364,8 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
         scale_log2,
         window,
         np.int32(splits),
-        np.int32(_MIN_TOKENS_PER_SPLIT),
+        np.int32(min_tokens),
+        shared_bytes=shared_bytes,
     )
 
 

@@ -38,8 +38,8 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 @dataclass(frozen=True, slots=True)
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
-    of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`) turns some off, for debugging
-    and A/B timings.
+    of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`) turns some off,
+    for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -51,6 +51,7 @@ class CudaFeatures:
         folded its weight; the activation or residual add applied to the block's own rows).
     gemv_rope: a one-token `qkv_rope_cache` on rows up to 2048 wide is one GEMV that also
         rotates q and k and writes the cache (needs gemv_fused too).
+    mma_decode: decode attention on tensor cores (mma.sync; the SIMT kernel without it).
     """
 
     programmatic_launch: bool = True
@@ -58,13 +59,14 @@ class CudaFeatures:
     gemm_tuning: bool = True
     gemv_fused: bool = True
     gemv_rope: bool = True
+    mma_decode: bool = True
 
     @classmethod
     def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
         """The defaults for a device, minus whatever the environment disables. Raises
         `ValueError` naming an unknown entry of `ATLAS_CUDA_DISABLE`."""
         disabled = {item.strip() for item in os.environ.get(FEATURES_ENVIRONMENT, "").split(",") if item.strip()}
-        known = ("pdl", "wgmma", "gemm_tuning", "gemv_fused", "gemv_rope")
+        known = ("pdl", "wgmma", "gemm_tuning", "gemv_fused", "gemv_rope", "mma_decode")
         unknown = disabled - set(known)
         if unknown:
             raise ValueError(f"{FEATURES_ENVIRONMENT}: unknown {sorted(unknown)} (known: {', '.join(known)})")
@@ -75,6 +77,7 @@ class CudaFeatures:
             gemm_tuning="gemm_tuning" not in disabled,
             gemv_fused="gemv_fused" not in disabled,
             gemv_rope="gemv_rope" not in disabled,
+            mma_decode="mma_decode" not in disabled,
         )
 
 
@@ -151,6 +154,7 @@ class CudaRuntime:
         properties = self.device.properties
         self.num_sms = int(properties.multiprocessor_count)
         self.max_shared_optin = int(properties.max_shared_memory_per_block_optin)
+        self.max_shared_per_sm = int(properties.max_shared_memory_per_multiprocessor)
         self.device_name = str(self.device.name)
         self.stream = self.device.create_stream()
         self.stream_handle = int(self.stream.handle)
