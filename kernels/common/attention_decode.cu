@@ -355,8 +355,9 @@ __device__ __forceinline__ void attention_decode_impl(
 // Q^T stays in registers as B fragments for the whole kernel. P^T must be a B fragment (tokens
 // along k) but S^T's accumulator holds tokens along rows; movmatrix.trans turns each 8x8 half of
 // the bf16 P into the B layout without shared memory. Per 16-token tile a warp issues 2 D / 16
-// ldmatrix.x4 and 2 D / 16 mma, ~10x fewer instructions than the SIMT kernel's per-token FMAs
-// and shuffles, so the kernel is bound by the K/V bytes instead of by issue.
+// ldmatrix.x4 and 3 D / 16 mma (P V twice: P as a bf16 pair, see below), ~10x fewer instructions
+// than the SIMT kernel's per-token FMAs and shuffles, so the kernel is bound by the K/V bytes
+// instead of by issue.
 //
 // Tiles are aligned to 16 tokens of the sequence, so a tile's rows sit in one page (two at
 // block size 8) and its K (and V) rows are one contiguous 16 D-element run per page. Each warp
@@ -542,8 +543,18 @@ __device__ __forceinline__ void attention_decode_mma_impl(
             l[h] = l[h] * alpha[h] + p[h] + p[h + 2];
             m[h] = new_max;
         }
-        // P^T as the B fragment: each 8x8 half of P (tokens 0-7, 8-15 by heads), transposed.
-        const u32 p_frag[2] = {movmatrix_trans(pack_bf16x2(p[0], p[1])), movmatrix_trans(pack_bf16x2(p[2], p[3]))};
+        // P^T as the B fragment: each 8x8 half of P (tokens 0-7, 8-15 by heads), transposed. P
+        // goes in as two bf16 terms, hi = bf16(p) and lo = bf16(p - hi), so the products keep
+        // ~16 bits of p as the SIMT kernel's fp32 ones do (one bf16 P flips greedy tokens of a
+        // real model against the mock, tests/gpu/test_models.py).
+        u32 p_hi[2], p_lo[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const u32 hi = pack_bf16x2(p[2 * half], p[2 * half + 1]);
+            const float2 rounded = __bfloat1622float2(*reinterpret_cast<const bf16x2*>(&hi));
+            p_hi[half] = movmatrix_trans(hi);
+            p_lo[half] = movmatrix_trans(pack_bf16x2(p[2 * half] - rounded.x, p[2 * half + 1] - rounded.y));
+        }
         {
             // ldmatrix.x4.trans matrices: chunk 2 i / 2 i + 1 (lane bit 3) x rows 0-7 / 8-15 (lane bit 4)
             const int row = (lane & 7) + ((lane >> 4) << 3);
@@ -555,7 +566,8 @@ __device__ __forceinline__ void attention_decode_mma_impl(
                 o[i][3] *= alpha[1];
                 u32 a[4];
                 ldmatrix_x4_trans(a, slot + Shape::PLANE_CHUNKS + swizzled_chunk<HEAD_DIM>(row, 2 * i + ((lane >> 3) & 1)));
-                mma_bf16_16816(o[i], a, p_frag);
+                mma_bf16_16816(o[i], a, p_hi);
+                mma_bf16_16816(o[i], a, p_lo);
             }
         }
     }

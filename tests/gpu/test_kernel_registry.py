@@ -80,7 +80,7 @@ def test_every_kernel_waits_for_the_previous_grid_first():
     body = decode[decode.index("void attention_decode_mma_impl(") :]
     before_wait = body[: body.index("dependent_launch_entry();")]
     # the tensor-core kernel: the same, its copies zero-filling the newest token's row
-    assert "q_head" not in before_wait and "if (j < my_tiles) issue_tile(j);" in before_wait
+    assert "q + q_row" not in before_wait and "if (j < my_tiles) issue_tile(j);" in before_wait
     assert "const bool valid = key >= lo && key < newest;" in before_wait
     rope = (kernels_root() / "common/rope_cache.cu").read_text()
     body = rope[rope.index("void rope_and_cache_impl(") :]
