@@ -360,9 +360,9 @@ __device__ __forceinline__ void attention_decode_impl(
 // instead of by issue.
 //
 // Tiles are aligned to 16 tokens of the sequence, so a tile's rows sit in one page (two at
-// block size 8) and its K (and V) rows are one contiguous 16 D-element run per page. Each warp
-// of the block takes every DECODE_MMA_WARPS-th tile of the split and keeps its own ring of
-// stages in shared memory (no block barrier in the loop); the 16-byte chunks of a row are
+// block size 8) and its K (and V) rows are one contiguous 16 D-element run per page. Each of the
+// block's WARPS warps takes every WARPS-th tile of the split and keeps its own ring of STAGES
+// tiles in shared memory (no block barrier in the loop); the 16-byte chunks of a row are
 // XOR-swizzled by row so ldmatrix reads are free of bank conflicts:
 //
 //     ring [warp][stage][K | V][16 rows][D / 8 chunks], chunk c of row r at c ^ (r % 8)
@@ -373,12 +373,11 @@ __device__ __forceinline__ void attention_decode_impl(
 // wait by the warp whose tile holds it, just before that tile is used. Masked scores are -inf.
 #define DECODE_MMA_HEADS 8  // the n = 8 columns of the mma: query heads per block
 
-template <int HEAD_DIM, int STAGES_>
+template <int HEAD_DIM, int STAGES>
 struct DecodeMmaShape {
-    static constexpr int CHUNKS = HEAD_DIM / 8;       // 16-byte chunks per K or V row
-    static constexpr int PLANE_CHUNKS = 16 * CHUNKS;  // one tile of K (or V)
-    static constexpr int STAGES = STAGES_;
-    static constexpr int WARP_CHUNKS = STAGES * 2 * PLANE_CHUNKS;
+    static constexpr int CHUNKS = HEAD_DIM / 8;                    // 16-byte chunks per K or V row
+    static constexpr int PLANE_CHUNKS = 16 * CHUNKS;               // one tile of K (or V)
+    static constexpr int WARP_CHUNKS = STAGES * 2 * PLANE_CHUNKS;  // a warp's ring
 };
 
 __device__ __forceinline__ u32 movmatrix_trans(u32 x) {
@@ -392,15 +391,15 @@ __device__ __forceinline__ int swizzled_chunk(int row, int chunk) {
     return row * (HEAD_DIM / 8) + (chunk ^ (row & 7));
 }
 
-template <int HEAD_DIM, int WARPS, int STAGES_>
+template <int HEAD_DIM, int WARPS, int STAGES>
 __device__ __forceinline__ void attention_decode_mma_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
     bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
     unsigned* __restrict__ split_counters, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size,
     float scale_log2, int sliding_window, int num_splits, int min_split_tokens) {
-    typedef DecodeMmaShape<HEAD_DIM, STAGES_> Shape;
-    constexpr int CHUNKS = Shape::CHUNKS, STAGES = Shape::STAGES, K_STEPS = HEAD_DIM / 16;
+    typedef DecodeMmaShape<HEAD_DIM, STAGES> Shape;
+    constexpr int CHUNKS = Shape::CHUNKS, K_STEPS = HEAD_DIM / 16;
     extern __shared__ uint4 decode_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
