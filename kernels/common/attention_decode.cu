@@ -50,6 +50,21 @@
 #define DECODE_STAGES 3
 #define DECODE_MERGE_BATCH 8
 
+// The query heads a decode block serves (blockIdx.y = KV head x head group): `count` (<= HEADS)
+// heads of KV head `kv_head`'s GQA group, from `first` on.
+struct DecodeHeads {
+    int kv_head, first, count;
+};
+
+template <int HEADS>
+__device__ __forceinline__ DecodeHeads decode_heads(int num_q_heads, int num_kv_heads) {
+    const int group_size = num_q_heads / num_kv_heads;
+    const int head_groups = (group_size + HEADS - 1) / HEADS;
+    const int kv_head = blockIdx.y / head_groups;
+    const int first = kv_head * group_size + (blockIdx.y % head_groups) * HEADS;
+    return {kv_head, first, min(HEADS, kv_head * group_size + group_size - first)};
+}
+
 // Where a decode block's result goes, and what it needs to get there.
 struct DecodeOutput {
     bf16* out;
@@ -153,11 +168,8 @@ __device__ __forceinline__ void attention_decode_impl(
     const int seq = blockIdx.x;
     const int token = query_start_loc[seq];
     if (query_start_loc[seq + 1] - token != 1) return;
-    const int group_size = num_q_heads / num_kv_heads;
-    const int head_groups = (group_size + HEADS - 1) / HEADS;
-    const int kv_head = blockIdx.y / head_groups;
-    const int first_head = kv_head * group_size + (blockIdx.y % head_groups) * HEADS;
-    const int num_heads = min(HEADS, kv_head * group_size + group_size - first_head);
+    const DecodeHeads block_heads = decode_heads<HEADS>(num_q_heads, num_kv_heads);
+    const int kv_head = block_heads.kv_head, first_head = block_heads.first, num_heads = block_heads.count;
 
     const int context_len = seq_lens[seq];
     const int position = context_len - 1;
@@ -409,11 +421,8 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     const int seq = blockIdx.x;
     const int token = query_start_loc[seq];
     if (query_start_loc[seq + 1] - token != 1) return;
-    const int group_size = num_q_heads / num_kv_heads;
-    const int head_groups = (group_size + DECODE_MMA_HEADS - 1) / DECODE_MMA_HEADS;
-    const int kv_head = blockIdx.y / head_groups;
-    const int first_head = kv_head * group_size + (blockIdx.y % head_groups) * DECODE_MMA_HEADS;
-    const int num_heads = min(DECODE_MMA_HEADS, kv_head * group_size + group_size - first_head);
+    const DecodeHeads block_heads = decode_heads<DECODE_MMA_HEADS>(num_q_heads, num_kv_heads);
+    const int kv_head = block_heads.kv_head, first_head = block_heads.first, num_heads = block_heads.count;
 
     const int context_len = seq_lens[seq];
     const int newest = context_len - 1;
