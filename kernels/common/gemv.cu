@@ -667,6 +667,265 @@ DEFINE_GEMV_ROPE(rmsnorm_bf16_rope_bf16, true, bf16, bf16)
 DEFINE_GEMV_ROPE(rmsnorm_f32_rope_f32, true, float, float)
 DEFINE_GEMV_ROPE(rmsnorm_f32_rope_bf16, true, float, bf16)
 
+// ---------------------------------------------------------------------------------------------
+// Skinny GEMM for 9..64 token rows (batched decode): the same product with TOKENS = 8 NT rows of
+// x, on tensor cores. At N = 64 the product is 64 FLOPs per weight byte, still under the ridge,
+// so the kernel must stream the weights at HBM bandwidth like the GEMVs above, and like them it
+// requests its first weights before it waits for the previous kernel (cuBLASLt's kernels take
+// no part in PDL, so each of them waits for its predecessor's grid to drain first).
+//
+// A block of 8 warps owns 128 weight rows and a range of K (split-K when the row tiles alone
+// give too few blocks). Both operands stream through a ring of SKINNY_STAGES shared-memory
+// stages, 64 wide in K, filled by cp.async: the weight tile [128][64] and the x tile
+// [TOKENS][64], each row 128 bytes, so copies run along whole rows and the ring (not registers)
+// holds the bytes in flight; the first SKINNY_STAGES - 1 weight stages are requested before the
+// wait. Granule q (16 bytes) of row r sits at q ^ (r & 7): the 128-byte swizzle of wgmma.cuh's
+// panels, which also keeps ldmatrix's 8 rows on 8 different bank groups.
+//
+// On sm_90a each warpgroup multiplies 64 of the rows by all tokens with wgmma (m64 n8NT k16,
+// both operands from shared memory); elsewhere warp w takes rows 16 w .. 16 w + 15 with
+// mma.sync (ldmatrix.x4 fragments). Either way thread (warp w, g = lane / 4, t = lane % 4) ends
+// with the accumulator layout of wgmma:
+//
+//     acc[4 j + e]: row 16 w + g + 8 (e / 2) of the block's 128, token 8 j + 2 t + e % 2
+//
+// Gated, warp w's 16 rows are the gate rows of 8 features (g) and their up rows (g + 8), so each
+// thread holds both halves of its outputs. With split-K (gridDim.y > 1) each block stores its
+// fp32 sums, in fragment order, to `partials`; the last block of a row tile to finish adds them
+// up in split order (the result does not depend on which block was last) and runs the epilogue:
+// bias, the gated activation (gate and up rounded to bf16 as the unfused product would be), or
+// the add into the residual.
+#include "wgmma.cuh"
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SKINNY_WGMMA 1
+#else
+#define SKINNY_WGMMA 0
+#endif
+#define SKINNY_THREADS 256
+#define SKINNY_ROWS 128
+#define SKINNY_STAGE_K 64
+#define SKINNY_STAGES 4
+
+template <int NT>
+struct SkinnyShape {
+    static constexpr int tokens = 8 * NT;
+    static constexpr int weight_bytes = SKINNY_ROWS * SKINNY_STAGE_K * 2;
+    static constexpr int stage_bytes = (SKINNY_ROWS + tokens) * SKINNY_STAGE_K * 2;  // a multiple of 1024
+};
+
+// Byte offset of granule q of row r in a stage's tile.
+__device__ __forceinline__ int skinny_at(int r, int q) { return r * 128 + 16 * (q ^ (r & 7)); }
+
+template <int NT>
+__device__ __forceinline__ void skinny_wgmma(float* acc, u64 desc_a, u64 desc_b) {
+    if constexpr (NT == 8) {
+        wgmma_m64n64k16_ss(acc, desc_a, desc_b, 1);
+    } else if constexpr (NT == 4) {
+        wgmma_m64n32k16_ss(acc, desc_a, desc_b, 1);
+    } else {
+        wgmma_m64n16k16_ss(acc, desc_a, desc_b, 1);
+    }
+}
+
+template <int NT, typename OUT, typename EPI>
+__device__ __forceinline__ void skinny_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                            const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
+                                            int num_features, int inner, int split_len, float* __restrict__ partials,
+                                            unsigned* __restrict__ counters) {
+    typedef SkinnyShape<NT> Shape;
+    extern __shared__ uint4 skinny_shared[];
+    unsigned char* const ring = reinterpret_cast<unsigned char*>(skinny_shared);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int k_begin = blockIdx.y * split_len;
+    const int k_end = min(inner, k_begin + split_len);
+    const int num_stages = (k_end - k_begin + SKINNY_STAGE_K - 1) / SKINNY_STAGE_K;
+
+    // The weight row behind row r of the block's tile: row 128 b + r, or (gated) for r = 16 v + s
+    // the gate row (s < 8) or up row (s >= 8) of feature 64 b + 8 v + s % 8. -1 past the end:
+    // zero-filled, never stored.
+    auto weight_row = [&](int r) -> long long {
+        if (EPI::gated) {
+            const int feature = blockIdx.x * 64 + (r >> 4) * 8 + (r & 7);
+            if (feature >= num_features) return -1;
+            return (r & 8) ? (long long)num_features + feature : feature;
+        }
+        const int row = blockIdx.x * SKINNY_ROWS + r;
+        return row < num_features ? row : -1;
+    };
+    // Thread i copies granule i % 8 of rows i / 8 + 32 u (a warp covers four whole rows per copy).
+    constexpr int WEIGHT_COPIES = SKINNY_ROWS / 32;
+    const int copy_q = threadIdx.x & 7, copy_row = threadIdx.x >> 3;
+    const bf16* weight_from[WEIGHT_COPIES];
+#pragma unroll
+    for (int u = 0; u < WEIGHT_COPIES; ++u) {
+        const long long row = weight_row(copy_row + 32 * u);
+        weight_from[u] = row < 0 ? nullptr : w + row * inner + k_begin + 8 * copy_q;
+    }
+    auto fill_weights = [&](int stage) {
+        unsigned char* tile = ring + (stage % SKINNY_STAGES) * Shape::stage_bytes;
+        const int k = stage * SKINNY_STAGE_K;
+        const bool in_range = k_begin + k + 8 * copy_q < k_end;
+#pragma unroll
+        for (int u = 0; u < WEIGHT_COPIES; ++u) {
+            const bool valid = in_range && weight_from[u] != nullptr;
+            cp_async_16(tile + skinny_at(copy_row + 32 * u, copy_q), valid ? weight_from[u] + k : w, valid);
+        }
+    };
+    auto fill_x = [&](int stage) {
+        unsigned char* tile = ring + (stage % SKINNY_STAGES) * Shape::stage_bytes + Shape::weight_bytes;
+        const int k = k_begin + stage * SKINNY_STAGE_K + 8 * copy_q;
+#pragma unroll
+        for (int u = 0; u < (Shape::tokens + 31) / 32; ++u) {
+            const int n = copy_row + 32 * u;
+            if (n < Shape::tokens) {
+                const bool valid = n < num_tokens && k < k_end;
+                cp_async_16(tile + skinny_at(n, copy_q), valid ? x + (long long)n * inner + k : x, valid);
+            }
+        }
+    };
+
+    // The weights of the first stages do not depend on the previous kernel: request them first.
+#pragma unroll
+    for (int s = 0; s < SKINNY_STAGES - 1; ++s) {
+        if (s < num_stages) fill_weights(s);
+        cp_async_commit();
+    }
+    dependent_launch_entry();
+#pragma unroll
+    for (int s = 0; s < SKINNY_STAGES - 1; ++s) {
+        if (s < num_stages) fill_x(s);
+    }
+    cp_async_commit();
+
+    float acc[4 * NT];
+#pragma unroll
+    for (int i = 0; i < 4 * NT; ++i) acc[i] = 0.0f;
+    for (int stage = 0; stage < num_stages; ++stage) {
+        // Stage `stage` is in: at the first, everything committed so far; later, all but the
+        // SKINNY_STAGES - 2 newest groups. The barrier also frees the slot refilled below.
+        if (stage == 0)
+            cp_async_wait<0>();
+        else
+            cp_async_wait<SKINNY_STAGES - 2>();
+#if SKINNY_WGMMA
+        fence_proxy_async_shared();  // cp.async wrote through the generic proxy; wgmma reads async
+#endif
+        __syncthreads();
+        const int next = stage + SKINNY_STAGES - 1;
+        if (next < num_stages) {
+            fill_weights(next);
+            fill_x(next);
+        }
+        cp_async_commit();
+        const unsigned char* weights = ring + (stage % SKINNY_STAGES) * Shape::stage_bytes;
+        const unsigned char* xs = weights + Shape::weight_bytes;
+#if SKINNY_WGMMA
+        wgmma_fence_registers<4 * NT>(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int step = 0; step < SKINNY_STAGE_K / 16; ++step) {
+            const u64 desc_a = wgmma_descriptor(weights + (warp >> 2) * 64 * 128 + 32 * step, 16, 1024);
+            const u64 desc_b = wgmma_descriptor(xs + 32 * step, 16, 1024);
+            skinny_wgmma<NT>(acc, desc_a, desc_b);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_fence_registers<4 * NT>(acc);
+#else
+        // ldmatrix rows: A matrix lane / 8 = (row half, k half); B = (token half, k half).
+        const int a_row = warp * 16 + (lane & 15), a_half = lane >> 4;
+        const int b_row = (lane & 7) + ((lane >> 4) << 3), b_half = (lane >> 3) & 1;
+#pragma unroll
+        for (int step = 0; step < SKINNY_STAGE_K / 16; ++step) {
+            u32 a[4];
+            ldmatrix_x4(a, weights + skinny_at(a_row, 2 * step + a_half));
+#pragma unroll
+            for (int p = 0; p < NT / 2; ++p) {
+                u32 b[4];  // b0, b1 of token tile 2p, then of 2p + 1
+                ldmatrix_x4(b, xs + skinny_at(16 * p + b_row, 2 * step + b_half));
+                mma_bf16_16816(acc + 8 * p, a, b);
+                mma_bf16_16816(acc + 8 * p + 4, a, b + 2);
+            }
+        }
+#endif
+    }
+    const int active_tiles = (num_tokens + 7) >> 3;  // token tiles with at least one token
+
+    if (gridDim.y > 1) {
+        // Fragment order: partials[tile][split][j][thread] as float4.
+        float4* mine = reinterpret_cast<float4*>(partials) +
+                       ((long long)blockIdx.x * gridDim.y + blockIdx.y) * NT * SKINNY_THREADS + threadIdx.x;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+            if (j < active_tiles)
+                mine[j * SKINNY_THREADS] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+        if (!last_block_done(counters + blockIdx.x, gridDim.y)) return;
+        const float4* tile =
+            reinterpret_cast<const float4*>(partials) + (long long)blockIdx.x * gridDim.y * NT * SKINNY_THREADS + threadIdx.x;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            if (j < active_tiles) {
+                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                for (int s = 0; s < (int)gridDim.y; ++s) {
+                    const float4 part = __ldcg(tile + ((long long)s * NT + j) * SKINNY_THREADS);
+                    sum.x += part.x;
+                    sum.y += part.y;
+                    sum.z += part.z;
+                    sum.w += part.w;
+                }
+                acc[4 * j] = sum.x;
+                acc[4 * j + 1] = sum.y;
+                acc[4 * j + 2] = sum.z;
+                acc[4 * j + 3] = sum.w;
+            }
+        }
+    }
+
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int n = 8 * j + 2 * t + (e & 1);
+            if (n >= num_tokens) continue;
+            if (EPI::gated) {
+                const int feature = blockIdx.x * 64 + warp * 8 + g;
+                if (e < 2 && feature < num_features)
+                    store_feature<EPI>(out + (long long)n * num_features + feature, acc[4 * j + e], acc[4 * j + 2 + e]);
+            } else {
+                const int feature = blockIdx.x * SKINNY_ROWS + warp * 16 + g + 8 * (e >> 1);
+                if (feature < num_features) {
+                    const float total = acc[4 * j + e] + (bias != nullptr ? to_float(bias[feature]) : 0.0f);
+                    store_feature<EPI>(out + (long long)n * num_features + feature, total, 0.0f);
+                }
+            }
+        }
+    }
+}
+
+// gemm_skinny_<what>_n<NT>: tokens <= 8 NT, 256 threads. <what>: bf16, f32 (out = x w^T + bias),
+// gated_<act> (w = [gate; up], out = act(x gate^T) * (x up^T)), add (out += x w^T).
+// num_features: rows of w (gated: of each half); split_len: K per blockIdx.y (a multiple of 64).
+#define DEFINE_SKINNY(NAME, OUT, EPI, NT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) gemm_skinny_##NAME##_n##NT(                   \
+        const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens, int num_features, int inner, \
+        int split_len, float* partials, unsigned* counters) {                                                  \
+        skinny_impl<NT, OUT, EPI>(x, w, bias, out, num_tokens, num_features, inner, split_len, partials,      \
+                                  counters);                                                                   \
+    }
+
+#define DEFINE_SKINNY_TOKENS(NAME, OUT, EPI) \
+    DEFINE_SKINNY(NAME, OUT, EPI, 2)         \
+    DEFINE_SKINNY(NAME, OUT, EPI, 4)         \
+    DEFINE_SKINNY(NAME, OUT, EPI, 8)
+
+DEFINE_SKINNY_TOKENS(bf16, bf16, Plain)
+DEFINE_SKINNY_TOKENS(f32, float, Plain)
+DEFINE_SKINNY_TOKENS(gated_silu, bf16, Gated<SiluOp>)
+DEFINE_SKINNY_TOKENS(gated_gelu_tanh, bf16, Gated<GeluTanhOp>)
+DEFINE_SKINNY_TOKENS(add, bf16, AddTo)
+
 // Bias for the cuBLASLt path when its epilogue cannot take it (f32 output): out[n, m] += bias[m].
 template <typename OUT>
 __device__ __forceinline__ void add_bias_impl(OUT* out, const bf16* bias, int num_tokens, int num_rows) {

@@ -1,7 +1,7 @@
 """What each kind of kernel costs inside a captured decode step (not a test; prints a table).
 
-Run: python tests/gpu/ablate_model_step.py [batch ...] [attention]   (default: 1 64; `attention`:
-only the decode attention variants)
+Run: python tests/gpu/ablate_model_step.py [batch ...] [attention | gemm]   (default: 1 64;
+`attention`: only the decode attention variants; `gemm`: only the linear variants past 8 rows)
 
 ncu times kernels one by one, without the overlap programmatic dependent launch gives a graph
 (each kernel's weight loads run under its predecessor's tail), so its times do not add up to the
@@ -33,6 +33,16 @@ _LEFT_OUT = {
 }
 
 
+# The Llama-3.1-8B projections by (weight rows, inner width, kernel form).
+_PROJECTIONS = {
+    "qkv": lambda rows, inner, what: rows == 6144,
+    "o": lambda rows, inner, what: what == "add" and inner == 4096,
+    "gate_up": lambda rows, inner, what: what.startswith("gated"),
+    "down": lambda rows, inner, what: inner == 14336,
+    "LM head": lambda rows, inner, what: rows > 100000,
+}
+
+
 def _noop(*args, **kwargs) -> None:
     return None
 
@@ -47,6 +57,7 @@ def _without(stack: ExitStack, pairs) -> None:
 def main(argv: list[str]) -> int:
     batches = [int(b) for b in argv if b.isdigit()] or [1, 64]
     attention_only = "attention" in argv  # only the decode attention variants
+    gemm_only = "gemm" in argv  # only the skinny GEMM variants
     backend = CudaGpuBackend()
     events = Events(backend)
     bandwidth = copy_rate(backend, events)
@@ -59,7 +70,7 @@ def main(argv: list[str]) -> int:
     fill.fill_bytes(kv.base_address, spec.total_bytes)
 
     variants = [("whole step", [], True)]
-    if not attention_only:
+    if not (attention_only or gemm_only):
         variants.append(("greedy sampling", [], False))
         variants += [(name, pairs, True) for name, pairs in _LEFT_OUT.items()]
         variants.append(("all of the above", [p for pairs in _LEFT_OUT.values() for p in pairs], False))
@@ -68,10 +79,43 @@ def main(argv: list[str]) -> int:
         with ExitStack() as stack:
             _without(stack, pairs)
             table[name] = {b: decode_step_us(backend, events, fill, model, kv, b, 512, sample) for b in batches}
+    # Linear past 8 rows: cuBLASLt (the default), or the skinny GEMM with K split to fill the
+    # resident block slots (its default) or at most `cap` blocks per SM.
+    gemm = {}
+    saved_features = backend.runtime.features
+    if not attention_only:
+        backend.runtime.features = replace(saved_features, skinny_gemm=False)
+        gemm["cuBLASLt"] = {b: decode_step_us(backend, events, fill, model, kv, b, 512) for b in batches}
+        backend.runtime.features = saved_features
+        backend.runtime.features = replace(saved_features, skinny_gemm=True)
+        gemm["skinny"] = {b: decode_step_us(backend, events, fill, model, kv, b, 512) for b in batches}
+        split_len = ops_dense.skinny_split_len
+        for cap in (1, 2):
+            ops_dense.skinny_split_len = lambda inner, tiles, slots, cap=cap: split_len(
+                inner, tiles, min(slots, cap * backend.runtime.num_sms)
+            )
+            gemm[f"skinny, splits to {cap} block(s)/SM"] = {
+                b: decode_step_us(backend, events, fill, model, kv, b, 512) for b in batches
+            }
+        ops_dense.skinny_split_len = split_len
+        # One kind of projection at a time on the skinny GEMM, the rest on cuBLASLt.
+        skinny = ops_dense.LinearOp._skinny
+        for kind, takes in _PROJECTIONS.items():
+
+            def only(self, x, weight, out, bias, what, gated=False, takes=takes):
+                rows = out.shape[1] * (2 if gated else 1)
+                return takes(rows, x.shape[1], what) and skinny(self, x, weight, out, bias, what, gated)
+
+            ops_dense.LinearOp._skinny = only
+            gemm[f"skinny for {kind} only"] = {
+                b: decode_step_us(backend, events, fill, model, kv, b, 512) for b in batches
+            }
+        ops_dense.LinearOp._skinny = skinny
+        backend.runtime.features = saved_features
     # Decode attention: which kernel, and its splits (tokens per split at least).
     splits = {}
-    saved_tokens, saved_features = dict(ops_attention.MIN_TOKENS_PER_SPLIT), backend.runtime.features
-    for kernel in ("mma", "simt"):
+    saved_tokens = dict(ops_attention.MIN_TOKENS_PER_SPLIT)
+    for kernel in ("mma", "simt") if not gemm_only else ():
         backend.runtime.features = replace(saved_features, mma_decode=kernel == "mma")
         for tokens in (32, 64, 128):
             ops_attention.MIN_TOKENS_PER_SPLIT[kernel] = tokens
@@ -88,6 +132,9 @@ def main(argv: list[str]) -> int:
             f"  {times[b]:>8.0f}  {'' if name == 'whole step' else f'{whole[b] - times[b]:7.0f}'}" for b in batches
         )
         print(f"{name:<28}{cells}")
+    print("linear past 8 token rows: cuBLASLt (the default) or the skinny GEMM (skinny_gemm)")
+    for name, times in gemm.items():
+        print(f"{name:<36}" + "".join(f"  {times[b]:>8.0f}" for b in batches))
     print(f"decode attention: kernel, tokens per split at least (now {saved_tokens}); whole step")
     for tokens, times in splits.items():
         print(f"{tokens:<28}" + "".join(f"  {times[b]:>8.0f}  {'':7}" for b in batches))

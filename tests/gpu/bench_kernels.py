@@ -119,10 +119,33 @@ def main() -> int:
             )
         del weights
 
-    # cuBLASLt at batch sizes past the GEMV (decode batches, then a prefill chunk).
+    # Past the GEMV: decode batches through the skinny GEMM and through cuBLASLt (weights rotate
+    # over copies, as above), then prefill-sized products.
+    features = rt.features
+    for num_rows, inner in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        copies = max(1, min(6, (400 << 20) // (num_rows * inner * 2)))
+        weights = [backend.upload(bf16_random(rng, (num_rows, inner), 0.02), DType.BF16) for _ in range(copies)]
+        for num_tokens in (16, 64):
+            x = backend.upload(bf16_random(rng, (num_tokens, inner)), DType.BF16)
+            out = backend.empty((num_tokens, num_rows), DType.BF16)
+            turn = [0]
+
+            def rotating(x=x, out=out, weights=weights, turn=turn) -> None:
+                backend.linear(x, weights[turn[0] % len(weights)], out)
+                turn[0] += 1
+
+            moved = (num_rows * inner + num_tokens * (inner + num_rows)) * 2
+            for kind in ("skinny", "cublaslt"):
+                rt.features = dataclasses.replace(features, skinny_gemm=kind == "skinny")
+                us = timer.per_call_us(rotating, rounds=5)
+                flops = 2 * num_tokens * num_rows * inner
+                rate = f"{moved / (us * 1e-6) / 1e12:.2f} TB/s, {flops / us / 1e6:.0f} TFLOP/s"
+                rows.append((f"{kind} N={num_tokens} {num_rows}x{inner}", f"{us:.1f} us", rate))
+            rt.features = features
+        del weights
     for num_rows, inner in ((4096, 4096), (14336, 4096)):
         weight = backend.upload(bf16_random(rng, (num_rows, inner), 0.02), DType.BF16)
-        for num_tokens in (16, 64, 256, 8192):
+        for num_tokens in (256, 8192):
             x = backend.upload(bf16_random(rng, (num_tokens, inner)), DType.BF16)
             out = backend.empty((num_tokens, num_rows), DType.BF16)
             us = timer.per_call_us(lambda x=x, out=out, weight=weight: backend.linear(x, weight, out), rounds=5)

@@ -136,6 +136,78 @@ def test_linear(cuda_backend, mock_backend, rng, num_tokens, num_rows, inner, ou
     assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < tolerance
 
 
+_SKINNY_CASES = [(9, 4096, 4096), (17, 1000, 4000), (64, 14336, 4096), (40, 300, 96), (16, 10000, 576)]
+
+
+@pytest.mark.parametrize("num_tokens, features, inner", _SKINNY_CASES)
+def test_skinny_gemm_forms_match_cublas(cuda_backend, mock_backend, rng, num_tokens, features, inner):
+    """9..64 token rows with `skinny_gemm` on: linear (bf16, and f32 with a bias), its residual
+    add and its gated form each run one `gemm_skinny_*` launch and agree with the cuBLASLt path
+    (the default): the product to bf16 rounding, the add exactly as linear + add on the same
+    product. Row tiles past the end, split-K and a K of one and a half stages among the shapes."""
+    from dataclasses import replace
+
+    rt = cuda_backend.runtime
+    saved = rt.features
+    x = bf16(rng.standard_normal((num_tokens, inner)))
+    weight = bf16(rng.standard_normal((2 * features, inner)) / np.sqrt(inner))
+    bias = cuda_backend.upload(bf16(rng.standard_normal(2 * features)), DType.BF16)
+    residual = bf16(rng.standard_normal((num_tokens, 2 * features)) * 4)
+    cx, cw = cuda_backend.upload(x, DType.BF16), cuda_backend.upload(weight, DType.BF16)
+
+    def run_all():
+        plain = poisoned(cuda_backend, (num_tokens, 2 * features), DType.BF16)
+        cuda_backend.linear(cx, cw, plain)
+        added = cuda_backend.upload(residual, DType.BF16)
+        cuda_backend.linear_add(cx, cw, added, poisoned(cuda_backend, (num_tokens, 2 * features), DType.BF16))
+        gated = poisoned(cuda_backend, (num_tokens, features), DType.BF16)
+        cuda_backend.rmsnorm_gated_linear(
+            cx,
+            cuda_backend.upload(np.ones(inner, np.float32), DType.BF16),
+            1e-5,
+            cw,
+            Activation.SILU,
+            gated,
+            poisoned(cuda_backend, (num_tokens, inner), DType.BF16),
+            poisoned(cuda_backend, (num_tokens, 2 * features), DType.BF16),
+        )
+        logits = poisoned(cuda_backend, (num_tokens, 2 * features), DType.F32)
+        cuda_backend.linear(cx, cw, logits, bias)
+        return (
+            host(cuda_backend, plain),
+            host(cuda_backend, added),
+            host(cuda_backend, gated),
+            host(cuda_backend, logits),
+        )
+
+    launched: list[str] = []
+    launch = rt.launch
+
+    def recording_launch(module, symbol, *args, **kwargs):
+        launched.append(symbol)
+        launch(module, symbol, *args, **kwargs)
+
+    rt.launch = recording_launch
+    rt.features = replace(saved, skinny_gemm=True)
+    try:
+        skinny = run_all()
+    finally:
+        rt.launch = launch
+        rt.features = saved
+    assert [s.rsplit("_n", 1)[0] for s in launched if s.startswith("gemm_skinny_")] == [
+        "gemm_skinny_bf16",
+        "gemm_skinny_add",
+        "gemm_skinny_gated_silu",
+        "gemm_skinny_f32",
+    ]
+    reference = run_all()  # cuBLASLt (skinny_gemm is off by default)
+    plain, added, gated, logits = skinny
+    assert rel_l2(plain, reference[0]) < BF16_TOLERANCE
+    np.testing.assert_array_equal(added, bf16(residual + plain.astype(np.float32)).astype(np.float64))
+    assert rel_l2(gated, reference[2]) < BF16_TOLERANCE
+    assert rel_l2(logits, reference[3]) < 1e-5
+
+
 def test_linear_into_a_rows_view_leaves_other_rows(cuda_backend, rng):
     x = bf16(rng.standard_normal((4, 256)))
     weight = bf16(rng.standard_normal((128, 256)))

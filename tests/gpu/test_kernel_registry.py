@@ -45,7 +45,7 @@ def test_shipped_tree_has_every_generic_module_and_headers():
 # the RoPE table, decode attention's earlier tokens' K/V): their impl calls
 # dependent_launch_entry() itself once those loads are issued.
 _WAIT_INSIDE = {
-    "gemv.cu": ("gemv_impl<", "gemv_mma_impl<"),
+    "gemv.cu": ("gemv_impl<", "gemv_mma_impl<", "skinny_impl<"),
     "attention_decode.cu": ("attention_decode_impl<", "attention_decode_mma_impl<"),
     "rope_cache.cu": ("rope_and_cache_impl<",),
 }
@@ -71,6 +71,10 @@ def test_every_kernel_waits_for_the_previous_grid_first():
         body = body[: body.index("\n}\n")]
         before_wait = body[: body.index("dependent_launch_entry();")]
         assert "load_x(" not in before_wait and "load_streaming_early(" in before_wait
+    body = gemv[gemv.index("void skinny_impl(") :]
+    before_wait = body[: body.index("dependent_launch_entry();")]
+    # the skinny GEMM: only weight stages before the wait, x (the previous kernel's output) after
+    assert "fill_weights(s);" in before_wait and "fill_x(s)" not in before_wait
     decode = (kernels_root() / "common/attention_decode.cu").read_text()
     body = decode[decode.index("void attention_decode_impl(") :]
     before_wait = body[: body.index("dependent_launch_entry();")]

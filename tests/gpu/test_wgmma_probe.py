@@ -1,5 +1,5 @@
 """The two products of the wgmma prefill attention kernel, each in isolation (tests/gpu/wgmma_probe.cu
-with kernels/sm90/wgmma.cuh), against numpy: S = Q K^T with both operands K-major in swizzled
+with kernels/common/wgmma.cuh), against numpy: S = Q K^T with both operands K-major in swizzled
 shared-memory panels, and O = P V with P in registers and V read transposed (MN-major). A
 descriptor or fragment-layout error fails here with the pattern of the wrong elements."""
 

@@ -1,4 +1,4 @@
-// Test kernels for kernels/sm90/wgmma.cuh: one warpgroup computes each product of the wgmma
+// Test kernels for kernels/common/wgmma.cuh: one warpgroup computes each product of the wgmma
 // prefill attention kernel in isolation, with the same shared-memory panels and descriptors,
 // and writes the fp32 accumulators out in row-major order. test_wgmma_probe.py compares them with
 // numpy, so a layout or descriptor error shows up here as a pattern, not as a wrong attention.

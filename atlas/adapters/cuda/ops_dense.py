@@ -15,8 +15,11 @@ from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.ports.gpu import Activation, DType
 
 _FLOAT_TYPES = (DType.BF16, DType.F32)
-# At most this many token rows go through the GEMV kernel; more go to cuBLASLt.
+# At most this many token rows go through the GEMV kernel; more go to cuBLASLt, or up to
+# SKINNY_MAX_TOKENS to the skinny tensor-core GEMM (`gemm_skinny_*`, gemv.cu) where the
+# `skinny_gemm` feature is on (off by default; see CudaFeatures).
 GEMV_MAX_TOKENS = 8
+SKINNY_MAX_TOKENS = 64
 # The GEMV takes the RMSNorm of its input rows itself (every block re-reading them) up to this
 # width; wider rows have the norm weight folded into the projection (`fold_rmsnorm`), and the
 # one-row GEMV scales its sums by the inverse RMS after the product. Measured on an H200 at one
@@ -26,6 +29,10 @@ GEMV_MAX_TOKENS = 8
 NORM_IN_GEMV_MAX_WIDTH = 2048
 _GEMV_WARPS = 4
 _GEMV_MMA_WARPS = 8
+_SKINNY_THREADS = 256
+_SKINNY_ROWS = 128  # weight rows per block
+_SKINNY_STAGE_K = 64  # K per stage of the shared-memory ring
+_SKINNY_STAGES = 4
 _ACTIVATION_NAMES = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu_tanh"}
 
 
@@ -155,6 +162,15 @@ def _rows_per_block(num_rows: int, num_sms: int) -> int:
     return next((r for r in (4, 2) if num_rows // r >= 2 * num_sms), 1)
 
 
+def skinny_split_len(inner: int, tiles: int, resident_blocks: int) -> int:
+    """K per block of `gemm_skinny_*` for `tiles` row tiles: all of it where the tiles alone
+    take every block slot the GPU has (`resident_blocks`), else split so that tiles x splits
+    fill them, each split at least as many stages as the ring holds. A whole number of stages."""
+    stages = -(-inner // _SKINNY_STAGE_K)
+    splits = max(1, min(resident_blocks // tiles, stages // _SKINNY_STAGES))
+    return -(-stages // splits) * _SKINNY_STAGE_K
+
+
 class LinearOp:
     """`linear`: the GEMV kernel for a few token rows, cuBLASLt for the rest."""
 
@@ -170,6 +186,7 @@ class LinearOp:
         # Ones of each width whose norms are folded: the norm kernel's weight where a folded
         # projection still runs it (more token rows than the GEMV takes).
         self._unit_norms: dict[int, CudaTensor] = {}
+        self._skinny_resident: dict[str, int] = {}  # blocks per SM, by symbol
 
     def fold_rmsnorm(self, norm_weight: CudaTensor, weight: CudaTensor) -> bool:
         """Scale the weight's columns by the norm weight in place where that removes the norm
@@ -206,7 +223,7 @@ class LinearOp:
             self._gemv_tensor_cores(x, weight, out, bias, num_tokens, num_rows, inner)
         elif num_tokens <= GEMV_MAX_TOKENS and inner % 8 == 0:
             self._gemv(x, weight, out, bias, num_tokens, num_rows, inner)
-        else:
+        elif not self._skinny(x, weight, out, bias, checks.type_suffix(out.dtype)):
             self._cublas(x, weight, out, bias, num_tokens, num_rows, inner)
 
     def linear_add(self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor) -> None:
@@ -391,13 +408,18 @@ class LinearOp:
         eps: float,
         gated: bool = False,
     ) -> bool:
-        """Launch `gemv_<what>` (one token row) or `gemv_mma_<what>` (2..8) and return True, or
-        return False where no fused GEMV applies: more rows (cuBLASLt), K not a multiple of the
-        loads, an output that is not bf16, or `ATLAS_CUDA_DISABLE=gemv_fused`."""
+        """Launch `gemv_<what>` (one token row), `gemv_mma_<what>` (2..8) or, for the gated and
+        add forms, `gemm_skinny_<what>` (9..SKINNY_MAX_TOKENS) and return True, or return False
+        where no fused kernel applies: more rows (cuBLASLt), K not a multiple of the loads, an
+        output that is not bf16, or `ATLAS_CUDA_DISABLE=gemv_fused`."""
         num_tokens, inner = x.shape
         features = out.shape[1]
         if not self._rt.features.gemv_fused or out.dtype is not DType.BF16:
             return False
+        if num_tokens > GEMV_MAX_TOKENS:
+            # The skinny GEMM has no norm prologue: the caller runs the norm kernel first.
+            unnormed = what == "add" or what.startswith("gated_")
+            return unnormed and self._skinny(x, weight, out, bias, what, gated)
         if 2 <= num_tokens <= GEMV_MAX_TOKENS and inner % 32 == 0:
             symbol, threads = f"gemv_mma_{what}", _GEMV_MMA_WARPS * 32
             grid = -(-features // (8 if gated else 16))
@@ -462,6 +484,61 @@ class LinearOp:
             np.int32(num_rows),
             np.int32(inner),
         )
+
+    def _skinny(
+        self,
+        x: CudaTensor,
+        weight: CudaTensor,
+        out: CudaTensor,
+        bias: CudaTensor | None,
+        what: str,
+        gated: bool = False,
+    ) -> bool:
+        """Launch `gemm_skinny_<what>_n<tiles>` for 9..SKINNY_MAX_TOKENS token rows and return
+        True, or return False where it does not apply (other row counts, K not a multiple of 8,
+        a weight that is not bf16, `skinny_gemm` off: the default). A block owns 128 weight
+        rows (gated: 64 features' gate and up rows); K is split across blocks while the row
+        tiles alone leave block slots empty (`skinny_split_len`), and the last block of a tile
+        adds the splits' partial sums from a workspace."""
+        rt = self._rt
+        num_tokens, inner = x.shape
+        if not (rt.features.skinny_gemm and GEMV_MAX_TOKENS < num_tokens <= SKINNY_MAX_TOKENS):
+            return False
+        if inner % 8 or weight.dtype is not DType.BF16:
+            return False
+        features = out.shape[1]
+        tiles = -(-features // (_SKINNY_ROWS // 2 if gated else _SKINNY_ROWS))
+        tokens = next(n for n in (16, 32, 64) if n >= num_tokens)
+        symbol = f"gemm_skinny_{what}_n{tokens // 8}"
+        threads = _SKINNY_THREADS
+        shared = _SKINNY_STAGES * (_SKINNY_ROWS + tokens) * _SKINNY_STAGE_K * 2
+        resident = self._skinny_resident.get(symbol)
+        if resident is None:
+            resident = self._skinny_resident[symbol] = rt.resident_blocks("gemv", symbol, threads, shared)
+        split_len = skinny_split_len(inner, tiles, resident * rt.num_sms)
+        splits = -(-inner // split_len)
+        partials = counters = 0
+        if splits > 1:  # per block and thread a float4 per 8-token tile
+            partials = rt.workspace("skinny_partials", tiles * splits * (tokens // 8) * threads * 16)
+            counters = rt.counters("skinny_counters", tiles)
+        rt.launch(
+            "gemv",
+            symbol,
+            (tiles, splits),
+            threads,
+            x.address,
+            weight.address,
+            bias.address if bias is not None else 0,
+            out.address,
+            np.int32(num_tokens),
+            np.int32(features),
+            np.int32(inner),
+            np.int32(split_len),
+            partials,
+            counters,
+            shared_bytes=shared,
+        )
+        return True
 
     def _cublas(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
         if self._gemm is None:

@@ -52,6 +52,11 @@ class CudaFeatures:
     gemv_rope: a one-token `qkv_rope_cache` on rows up to 2048 wide is one GEMV that also
         rotates q and k and writes the cache (needs gemv_fused too).
     mma_decode: decode attention on tensor cores (mma.sync; the SIMT kernel without it).
+    skinny_gemm: 9..64 token rows of bf16 `linear` (and its gated and residual-add forms) go
+        through our own skinny tensor-core GEMM (`gemm_skinny_*`, gemv.cu) instead of cuBLASLt.
+        Off by default: on an H200 it is still slower than cuBLASLt in the Llama-3.1-8B batch-64
+        step (docs/cuda-notes.md run 9); the tests, `bench_kernels.py` and
+        `ablate_model_step.py gemm` turn it on to keep it correct and measured.
     """
 
     programmatic_launch: bool = True
@@ -60,6 +65,7 @@ class CudaFeatures:
     gemv_fused: bool = True
     gemv_rope: bool = True
     mma_decode: bool = True
+    skinny_gemm: bool = False
 
     @classmethod
     def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
@@ -211,6 +217,14 @@ class CudaRuntime:
                 config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
             self._configs[key] = config
         launch(self.stream, config, kernel, *args)
+
+    def resident_blocks(self, module: str, symbol: str, block: int, shared_bytes: int) -> int:
+        """How many blocks of `symbol` (at `block` threads and `shared_bytes` of dynamic shared
+        memory) one SM holds at once; at least 1."""
+        kernel = self.kernels.get(module, symbol)
+        if shared_bytes > 48 * 1024:  # the occupancy query counts only what the kernel may take
+            self._raise_shared_limit(module, symbol, kernel, shared_bytes)
+        return max(1, kernel.occupancy.max_active_blocks_per_multiprocessor(block, shared_bytes))
 
     def _raise_shared_limit(self, module: str, symbol: str, kernel: Kernel, shared_bytes: int) -> None:
         if self._shared_limits.get((module, symbol), 0) >= shared_bytes:

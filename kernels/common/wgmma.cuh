@@ -109,6 +109,33 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float* d, u64 desc_a, u64 des
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// D[64 x 32] and D[64 x 16] (+)= A[64 x 16] B[16 x N], A and B from shared memory (K-major).
+__device__ __forceinline__ void wgmma_m64n32k16_ss(float* d, u64 desc_a, u64 desc_b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "%16, %17, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+__device__ __forceinline__ void wgmma_m64n16k16_ss(float* d, u64 desc_a, u64 desc_b, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 // D[64 x 128] += A[64 x 16] B[16 x 128], A from registers (each warp's 16 rows in the m16n8k16 A
 // fragment layout), B from shared memory through an MN-major (transposed) descriptor.
 __device__ __forceinline__ void wgmma_m64n128k16_rs_transposed_b(float* d, const u32* a, u64 desc_b) {
