@@ -99,33 +99,14 @@ def main() -> int:
         )
     )
 
-    # GEMV at decode sizes; 6 weight copies rotate so each call reads HBM.
-    for num_rows, inner in ((4096, 4096), (14336, 4096), (4096, 14336), (128256, 4096), (576, 576)):
-        copies = max(1, min(6, (300 << 20) // (num_rows * inner * 2)))
-        weights = [backend.upload(bf16_random(rng, (num_rows, inner), 0.02), DType.BF16) for _ in range(copies)]
-        for num_tokens in (1, 8):
-            x = backend.upload(bf16_random(rng, (num_tokens, inner)), DType.BF16)
-            out = backend.empty((num_tokens, num_rows), DType.BF16)
-            turn = [0]
-
-            def gemv(x=x, out=out, weights=weights, turn=turn) -> None:
-                backend.linear(x, weights[turn[0] % len(weights)], out)
-                turn[0] += 1
-
-            us = timer.per_call_us(gemv)
-            moved = num_rows * inner * 2 + num_tokens * (inner + num_rows) * 2
-            rows.append(
-                (f"gemv N={num_tokens} {num_rows}x{inner}", f"{us:.1f} us", f"{moved / (us * 1e-6) / 1e12:.2f} TB/s")
-            )
-        del weights
-
-    # Past the GEMV: decode batches through the skinny GEMM and through cuBLASLt (weights rotate
-    # over copies, as above), then prefill-sized products.
+    # Decode sizes, weights rotating over up to 6 copies so each call reads HBM: the GEMV for 1
+    # and 8 token rows, then the skinny GEMM and cuBLASLt for 16 and 64; then prefill sizes.
     features = rt.features
-    for num_rows, inner in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+    shapes = ((6144, 4096), (4096, 4096), (14336, 4096), (28672, 4096), (4096, 14336), (128256, 4096), (576, 576))
+    for num_rows, inner in shapes:
         copies = max(1, min(6, (400 << 20) // (num_rows * inner * 2)))
         weights = [backend.upload(bf16_random(rng, (num_rows, inner), 0.02), DType.BF16) for _ in range(copies)]
-        for num_tokens in (16, 64):
+        for num_tokens in (1, 8, 16, 64):
             x = backend.upload(bf16_random(rng, (num_tokens, inner)), DType.BF16)
             out = backend.empty((num_tokens, num_rows), DType.BF16)
             turn = [0]
@@ -135,10 +116,10 @@ def main() -> int:
                 turn[0] += 1
 
             moved = (num_rows * inner + num_tokens * (inner + num_rows)) * 2
-            for kind in ("skinny", "cublaslt"):
+            flops = 2 * num_tokens * num_rows * inner
+            for kind in ("gemv",) if num_tokens <= 8 else ("skinny", "cublaslt"):
                 rt.features = dataclasses.replace(features, skinny_gemm=kind == "skinny")
-                us = timer.per_call_us(rotating, rounds=5)
-                flops = 2 * num_tokens * num_rows * inner
+                us = timer.per_call_us(rotating)
                 rate = f"{moved / (us * 1e-6) / 1e12:.2f} TB/s, {flops / us / 1e6:.0f} TFLOP/s"
                 rows.append((f"{kind} N={num_tokens} {num_rows}x{inner}", f"{us:.1f} us", rate))
             rt.features = features

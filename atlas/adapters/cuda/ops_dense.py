@@ -162,6 +162,22 @@ def _rows_per_block(num_rows: int, num_sms: int) -> int:
     return next((r for r in (4, 2) if num_rows // r >= 2 * num_sms), 1)
 
 
+def _product_args(x: CudaTensor, weight: CudaTensor, bias: CudaTensor | None, out: CudaTensor, features: int) -> tuple:
+    """The arguments every gemv.cu kernel starts with: x, w, bias (or null), out, num_tokens,
+    num_rows (output features), inner."""
+    num_tokens, inner = x.shape
+    bias_address = bias.address if bias is not None else 0
+    return (
+        x.address,
+        weight.address,
+        bias_address,
+        out.address,
+        np.int32(num_tokens),
+        np.int32(features),
+        np.int32(inner),
+    )
+
+
 def skinny_split_len(inner: int, tiles: int, resident_blocks: int) -> int:
     """K per block of `gemm_skinny_*` for `tiles` row tiles: all of it where the tiles alone
     take every block slot the GPU has (`resident_blocks`), else split so that tiles x splits
@@ -326,7 +342,6 @@ class LinearOp:
         if bias is not None:
             checks.shape(bias, "bias", (features,))
             checks.dtype(bias, "bias", (DType.BF16,))
-        inner = x.shape[1]
         what = f"rmsnorm_{checks.type_suffix(norm_weight.dtype)}_rope_{checks.type_suffix(rope.table.dtype)}"
         rows = 4 if features // 4 >= 2 * self._rt.num_sms else 2
         self._rt.launch(
@@ -334,13 +349,7 @@ class LinearOp:
             f"gemv_{what}_r{rows}_t1",
             (-(-features // rows),),
             _GEMV_WARPS * 32,
-            x.address,
-            weight.address,
-            bias.address if bias is not None else 0,
-            q_out.address,
-            np.int32(1),
-            np.int32(features),
-            np.int32(inner),
+            *_product_args(x, weight, bias, q_out, features),
             norm_weight.address,
             np.float32(eps),
             rope.positions,
@@ -385,13 +394,7 @@ class LinearOp:
             f"gemv_folded_{what}_r{rows}_t1",
             (grid,),
             _GEMV_WARPS * 32,
-            x.address,
-            weight.address,
-            bias.address if bias is not None else 0,
-            out.address,
-            np.int32(1),
-            np.int32(features),
-            np.int32(inner),
+            *_product_args(x, weight, bias, out, features),
             0,
             np.float32(eps),
         )
@@ -438,13 +441,7 @@ class LinearOp:
             symbol,
             (grid,),
             threads,
-            x.address,
-            weight.address,
-            bias.address if bias is not None else 0,
-            out.address,
-            np.int32(num_tokens),
-            np.int32(features),
-            np.int32(inner),
+            *_product_args(x, weight, bias, out, features),
             norm_weight.address if norm_weight is not None else 0,
             np.float32(eps),
         )
@@ -460,13 +457,7 @@ class LinearOp:
             symbol,
             (-(-num_rows // rows_per_block),),
             _GEMV_WARPS * 32,
-            x.address,
-            weight.address,
-            bias.address if bias is not None else 0,
-            out.address,
-            np.int32(num_tokens),
-            np.int32(num_rows),
-            np.int32(inner),
+            *_product_args(x, weight, bias, out, num_rows),
         )
 
     def _gemv_tensor_cores(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
@@ -476,13 +467,7 @@ class LinearOp:
             f"gemv_mma_{checks.type_suffix(out.dtype)}",
             (-(-num_rows // 16),),
             _GEMV_MMA_WARPS * 32,
-            x.address,
-            weight.address,
-            bias.address if bias is not None else 0,
-            out.address,
-            np.int32(num_tokens),
-            np.int32(num_rows),
-            np.int32(inner),
+            *_product_args(x, weight, bias, out, num_rows),
         )
 
     def _skinny(
@@ -526,13 +511,7 @@ class LinearOp:
             symbol,
             (tiles, splits),
             threads,
-            x.address,
-            weight.address,
-            bias.address if bias is not None else 0,
-            out.address,
-            np.int32(num_tokens),
-            np.int32(features),
-            np.int32(inner),
+            *_product_args(x, weight, bias, out, features),
             np.int32(split_len),
             partials,
             counters,
