@@ -668,263 +668,280 @@ DEFINE_GEMV_ROPE(rmsnorm_f32_rope_f32, true, float, float)
 DEFINE_GEMV_ROPE(rmsnorm_f32_rope_bf16, true, float, bf16)
 
 // ---------------------------------------------------------------------------------------------
-// Skinny GEMM for 9..64 token rows (batched decode): the same product with TOKENS = 8 NT rows of
-// x, on tensor cores. At N = 64 the product is 64 FLOPs per weight byte, still under the ridge,
-// so the kernel must stream the weights at HBM bandwidth like the GEMVs above, and like them it
-// requests its first weights before it waits for the previous kernel (cuBLASLt's kernels take
-// no part in PDL, so each of them waits for its predecessor's grid to drain first).
+// Skinny GEMM for 9..64 token rows (batched decode) on Hopper: the same product, out[n, m] =
+// sum_k x[n, k] w[m, k], with the tokens as the 64 rows of wgmma's M and a tile of BN weight rows
+// as its N. At N = 64 tokens the product is 64 FLOPs per weight byte, under the ridge: the kernel
+// must stream the weights at HBM bandwidth, which takes a deep pipeline on every SM, every SM
+// busy for the same time, and no step between tiles that is not streaming.
 //
-// A block of 8 warps owns 128 weight rows and a range of K (split-K when the row tiles alone
-// give too few blocks). Both operands stream through a ring of SKINNY_STAGES shared-memory
-// stages, 64 wide in K, filled by cp.async: the weight tile [128][64] and the x tile
-// [TOKENS][64], each row 128 bytes, so copies run along whole rows and the ring (not registers)
-// holds the bytes in flight; the first SKINNY_STAGES - 1 weight stages are requested before the
-// wait. Granule q (16 bytes) of row r sits at q ^ (r & 7): the 128-byte swizzle of wgmma.cuh's
-// panels, which also keeps ldmatrix's 8 rows on 8 different bank groups.
+// Work: the weight's row tiles (BN rows; gated: BN / 2 features' gate rows then their up rows)
+// times K in 64-wide units. The host's plan (ops_dense.skinny_plan) picks BN and a split S of K
+// so that every SM gets the same bytes:
+//   S = 1: persistent blocks, one per SM, each taking tiles b, b + gridDim.x, ... whole;
+//   S > 1: a cluster of S blocks per tile, block rank r taking K units [r KI / S, (r + 1) KI / S);
+//          the blocks then store their fp32 sums to their own shared memory, and after a
+//          cluster barrier each reduces 1/S of the tile's outputs over the S blocks' sums read
+//          through distributed shared memory, in rank order (the result does not depend on
+//          timing), and runs the epilogue. One wave: the host keeps tiles x S within the
+//          clusters the GPU holds at once.
 //
-// On sm_90a each warpgroup multiplies 64 of the rows by all tokens with wgmma (m64 n8NT k16,
-// both operands from shared memory); elsewhere warp w takes rows 16 w .. 16 w + 15 with
-// mma.sync (ldmatrix.x4 fragments). Either way thread (warp w, g = lane / 4, t = lane % 4) ends
-// with the accumulator layout of wgmma:
+// In a block, warp 4 is the producer: one lane issues TMA copies into a ring of stages, each x's
+// [64 tokens][64] tile (rows past the token count arrive as zeros) then the weight's [BN][64],
+// both 128-byte swizzled, and full[s] counts the bytes in. The first stages' weights are
+// requested before griddepcontrol.wait (they do not depend on the previous kernel), so the weight
+// stream overlaps that kernel's tail; x follows after the wait. Warps 0-3, one warpgroup, wait on
+// full[s], run wgmma m64n64k16 (and m64n32k16) over the tile's columns (A = x, B = the weights,
+// both from shared memory), and release the stage on empty[s]. Thread (warp w, g = lane / 4,
+// t = lane % 4) ends with
 //
-//     acc[4 j + e]: row 16 w + g + 8 (e / 2) of the block's 128, token 8 j + 2 t + e % 2
+//     acc[4 j + e]: token 16 w + g + 8 (e / 2), tile row 8 j + 2 t + e % 2
 //
-// Gated, warp w's 16 rows are the gate rows of 8 features (g) and their up rows (g + 8), so each
-// thread holds both halves of its outputs. With split-K (gridDim.y > 1) each block stores its
-// fp32 sums, in fragment order, to `partials`; the last block of a row tile to finish adds them
-// up in split order (the result does not depend on which block was last) and runs the epilogue:
-// bias, the gated activation (gate and up rounded to bf16 as the unfused product would be), or
-// the add into the residual.
+// so gated, acc[4 j + e] (j < BN / 16) is a gate and acc[4 (j + BN / 16) + e] its up. Epilogues:
+// bias (bf16 or f32 out), the gated activation (gate and up rounded to bf16 as the unfused
+// product would be), or the add into the residual.
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define SKINNY_WGMMA 1
+#define SKINNY_TMA 1
 #else
-#define SKINNY_WGMMA 0
+#define SKINNY_TMA 0
 #endif
-#define SKINNY_THREADS 256
-#define SKINNY_ROWS 128
+#define SKINNY_TOKENS 64
 #define SKINNY_STAGE_K 64
-#define SKINNY_STAGES 4
+#define SKINNY_CONSUMERS 128
+#define SKINNY_THREADS (SKINNY_CONSUMERS + 32)
+#define SKINNY_RING_BYTES (200 * 1024)
 
-template <int NT>
-struct SkinnyShape {
-    static constexpr int tokens = 8 * NT;
-    static constexpr int weight_bytes = SKINNY_ROWS * SKINNY_STAGE_K * 2;
-    static constexpr int stage_bytes = (SKINNY_ROWS + tokens) * SKINNY_STAGE_K * 2;  // a multiple of 1024
+template <int BN>
+struct SkinnyTile {
+    static constexpr int x_bytes = SKINNY_TOKENS * SKINNY_STAGE_K * 2;
+    static constexpr int stage_bytes = x_bytes + BN * SKINNY_STAGE_K * 2;
+    static constexpr int stages = SKINNY_RING_BYTES / stage_bytes < 8 ? SKINNY_RING_BYTES / stage_bytes : 8;
+    // Dynamic shared memory: 1024 bytes of alignment slack, the ring, 2 barriers per stage
+    // (ops_dense.skinny_shared_bytes says the same).
+    static constexpr int shared_bytes = 1024 + stages * stage_bytes + 16 * stages;
 };
 
-// Byte offset of granule q of row r in a stage's tile.
-__device__ __forceinline__ int skinny_at(int r, int q) { return r * 128 + 16 * (q ^ (r & 7)); }
+// acc (+)= x_stage w_stage^T for one 16-wide k step: the tile's columns in wgmma n64 chunks, then
+// n32 and n16 ones for the rest (each chunk's accumulators and B rows follow the previous ones').
+template <int BN>
+__device__ __forceinline__ void skinny_mma(float* acc, u64 desc_x, const unsigned char* w_step) {
+    constexpr int FULL = BN / 64, REST = BN % 64, N16_ROW = 64 * FULL + (REST >= 32 ? 32 : 0);
+#pragma unroll
+    for (int c = 0; c < FULL; ++c)
+        wgmma_m64n64k16_ss(acc + 32 * c, desc_x, wgmma_descriptor(w_step + 64 * 128 * c, 16, 1024), 1);
+    if constexpr (REST >= 32)
+        wgmma_m64n32k16_ss(acc + 32 * FULL, desc_x, wgmma_descriptor(w_step + 64 * 128 * FULL, 16, 1024), 1);
+    if constexpr (REST % 32 == 16)
+        wgmma_m64n16k16_ss(acc + N16_ROW / 2, desc_x, wgmma_descriptor(w_step + 128 * N16_ROW, 16, 1024), 1);
+}
 
-template <int NT>
-__device__ __forceinline__ void skinny_wgmma(float* acc, u64 desc_a, u64 desc_b) {
-    if constexpr (NT == 8) {
-        wgmma_m64n64k16_ss(acc, desc_a, desc_b, 1);
-    } else if constexpr (NT == 4) {
-        wgmma_m64n32k16_ss(acc, desc_a, desc_b, 1);
-    } else {
-        wgmma_m64n16k16_ss(acc, desc_a, desc_b, 1);
+// Stores the outputs of token rows n0 and n0 + 8 at features f and f + 1: v[2 h + e] for token
+// n0 + 8 h, feature f + e (gated: the gate, `up` the up row's sum).
+template <typename OUT, typename EPI>
+__device__ __forceinline__ void skinny_store(OUT* out, const bf16* bias, int num_tokens, int num_features, int n0,
+                                             int f, const float* v, const float* up) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int n = n0 + 8 * h;
+        if (n >= num_tokens) continue;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int feature = f + e;
+            if (feature >= num_features) continue;
+            float total = v[2 * h + e];
+            if (!EPI::gated && bias != nullptr) total += to_float(bias[feature]);
+            store_feature<EPI>(out + (long long)n * num_features + feature, total, EPI::gated ? up[2 * h + e] : 0.0f);
+        }
     }
 }
 
-template <int NT, typename OUT, typename EPI>
-__device__ __forceinline__ void skinny_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                            const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
-                                            int num_features, int inner, int split_len, float* __restrict__ partials,
-                                            unsigned* __restrict__ counters) {
-    typedef SkinnyShape<NT> Shape;
-    extern __shared__ uint4 skinny_shared[];
-    unsigned char* const ring = reinterpret_cast<unsigned char*>(skinny_shared);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int k_begin = blockIdx.y * split_len;
-    const int k_end = min(inner, k_begin + split_len);
-    const int num_stages = (k_end - k_begin + SKINNY_STAGE_K - 1) / SKINNY_STAGE_K;
-
-    // The weight row behind row r of the block's tile: row 128 b + r, or (gated) for r = 16 v + s
-    // the gate row (s < 8) or up row (s >= 8) of feature 64 b + 8 v + s % 8. -1 past the end:
-    // zero-filled, never stored.
-    auto weight_row = [&](int r) -> long long {
-        if (EPI::gated) {
-            const int feature = blockIdx.x * 64 + (r >> 4) * 8 + (r & 7);
-            if (feature >= num_features) return -1;
-            return (r & 8) ? (long long)num_features + feature : feature;
-        }
-        const int row = blockIdx.x * SKINNY_ROWS + r;
-        return row < num_features ? row : -1;
-    };
-    // Thread i copies granule i % 8 of rows i / 8 + 32 u (a warp covers four whole rows per copy).
-    constexpr int WEIGHT_COPIES = SKINNY_ROWS / 32;
-    const int copy_q = threadIdx.x & 7, copy_row = threadIdx.x >> 3;
-    const bf16* weight_from[WEIGHT_COPIES];
+template <int BN, typename OUT, typename EPI>
+__device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x_map, const bf16* __restrict__ bias,
+                                            OUT* __restrict__ out, int num_tokens, int num_features, int inner,
+                                            int tiles, int splits) {
+#if SKINNY_TMA
+    typedef SkinnyTile<BN> Tile;
+    constexpr int STAGES = Tile::stages, COLUMNS = BN / 8;  // fragment columns j
+    constexpr int TILE_FEATURES = EPI::gated ? BN / 2 : BN;
+    extern __shared__ unsigned char skinny_shared[];
+    if (dynamic_shared_bytes() < (u32)Tile::shared_bytes) __trap();
+    unsigned char* const ring = reinterpret_cast<unsigned char*>(
+        (reinterpret_cast<unsigned long long>(skinny_shared) + 1023) & ~1023ULL);  // the swizzle's alignment
+    u64* const full = reinterpret_cast<u64*>(ring + STAGES * Tile::stage_bytes);
+    u64* const empty = full + STAGES;
+    const int k_iters = (inner + SKINNY_STAGE_K - 1) / SKINNY_STAGE_K;
+    // This block's tiles (first, step, count) and K units [k_begin, k_end) of each.
+    const bool split = splits > 1;
+    const int rank = split ? (int)cluster_rank() : 0;
+    const int first_tile = split ? blockIdx.x / splits : blockIdx.x;
+    const int tile_step = split ? tiles : gridDim.x;
+    const int k_begin = rank * k_iters / splits, k_end = (rank + 1) * k_iters / splits;
+    const int units_per_tile = k_end - k_begin;
+    const int my_tiles = first_tile < tiles ? (tiles - first_tile + tile_step - 1) / tile_step : 0;
+    const int units = my_tiles * units_per_tile;
+    if (threadIdx.x == 0) {
 #pragma unroll
-    for (int u = 0; u < WEIGHT_COPIES; ++u) {
-        const long long row = weight_row(copy_row + 32 * u);
-        weight_from[u] = row < 0 ? nullptr : w + row * inner + k_begin + 8 * copy_q;
+        for (int s = 0; s < STAGES; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], SKINNY_CONSUMERS / 32);
+        }
+        mbarrier_init_fence();
     }
-    auto fill_weights = [&](int stage) {
-        unsigned char* tile = ring + (stage % SKINNY_STAGES) * Shape::stage_bytes;
-        const int k = stage * SKINNY_STAGE_K;
-        const bool in_range = k_begin + k + 8 * copy_q < k_end;
-#pragma unroll
-        for (int u = 0; u < WEIGHT_COPIES; ++u) {
-            const bool valid = in_range && weight_from[u] != nullptr;
-            cp_async_16(tile + skinny_at(copy_row + 32 * u, copy_q), valid ? weight_from[u] + k : w, valid);
-        }
-    };
-    auto fill_x = [&](int stage) {
-        unsigned char* tile = ring + (stage % SKINNY_STAGES) * Shape::stage_bytes + Shape::weight_bytes;
-        const int k = k_begin + stage * SKINNY_STAGE_K + 8 * copy_q;
-#pragma unroll
-        for (int u = 0; u < (Shape::tokens + 31) / 32; ++u) {
-            const int n = copy_row + 32 * u;
-            if (n < Shape::tokens) {
-                const bool valid = n < num_tokens && k < k_end;
-                cp_async_16(tile + skinny_at(n, copy_q), valid ? x + (long long)n * inner + k : x, valid);
-            }
-        }
-    };
+    __syncthreads();
+    grid_dependents_launch();
 
-    // The weights of the first stages do not depend on the previous kernel: request them first.
-#pragma unroll
-    for (int s = 0; s < SKINNY_STAGES - 1; ++s) {
-        if (s < num_stages) fill_weights(s);
-        cp_async_commit();
-    }
-    dependent_launch_entry();
-#pragma unroll
-    for (int s = 0; s < SKINNY_STAGES - 1; ++s) {
-        if (s < num_stages) fill_x(s);
-    }
-    cp_async_commit();
-
-    float acc[4 * NT];
-#pragma unroll
-    for (int i = 0; i < 4 * NT; ++i) acc[i] = 0.0f;
-    for (int stage = 0; stage < num_stages; ++stage) {
-        // Stage `stage` is in: at the first, everything committed so far; later, all but the
-        // SKINNY_STAGES - 2 newest groups. The barrier also frees the slot refilled below.
-        if (stage == 0)
-            cp_async_wait<0>();
-        else
-            cp_async_wait<SKINNY_STAGES - 2>();
-#if SKINNY_WGMMA
-        fence_proxy_async_shared();  // cp.async wrote through the generic proxy; wgmma reads async
-#endif
-        __syncthreads();
-        const int next = stage + SKINNY_STAGES - 1;
-        if (next < num_stages) {
-            fill_weights(next);
-            fill_x(next);
-        }
-        cp_async_commit();
-        const unsigned char* weights = ring + (stage % SKINNY_STAGES) * Shape::stage_bytes;
-        const unsigned char* xs = weights + Shape::weight_bytes;
-#if SKINNY_WGMMA
-        wgmma_fence_registers<4 * NT>(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int step = 0; step < SKINNY_STAGE_K / 16; ++step) {
-            const u64 desc_a = wgmma_descriptor(weights + (warp >> 2) * 64 * 128 + 32 * step, 16, 1024);
-            const u64 desc_b = wgmma_descriptor(xs + 32 * step, 16, 1024);
-            skinny_wgmma<NT>(acc, desc_a, desc_b);
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_fence_registers<4 * NT>(acc);
-#else
-        // ldmatrix rows: A matrix lane / 8 = (row half, k half); B = (token half, k half).
-        const int a_row = warp * 16 + (lane & 15), a_half = lane >> 4;
-        const int b_row = (lane & 7) + ((lane >> 4) << 3), b_half = (lane >> 3) & 1;
-#pragma unroll
-        for (int step = 0; step < SKINNY_STAGE_K / 16; ++step) {
-            u32 a[4];
-            ldmatrix_x4(a, weights + skinny_at(a_row, 2 * step + a_half));
-#pragma unroll
-            for (int p = 0; p < NT / 2; ++p) {
-                u32 b[4];  // b0, b1 of token tile 2p, then of 2p + 1
-                ldmatrix_x4(b, xs + skinny_at(16 * p + b_row, 2 * step + b_half));
-                mma_bf16_16816(acc + 8 * p, a, b);
-                mma_bf16_16816(acc + 8 * p + 4, a, b + 2);
-            }
-        }
-#endif
-    }
-    const int active_tiles = (num_tokens + 7) >> 3;  // token tiles with at least one token
-
-    if (gridDim.y > 1) {
-        // Fragment order: partials[tile][split][j][thread] as float4.
-        float4* mine = reinterpret_cast<float4*>(partials) +
-                       ((long long)blockIdx.x * gridDim.y + blockIdx.y) * NT * SKINNY_THREADS + threadIdx.x;
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-            if (j < active_tiles)
-                mine[j * SKINNY_THREADS] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
-        if (!last_block_done(counters + blockIdx.x, gridDim.y)) return;
-        const float4* tile =
-            reinterpret_cast<const float4*>(partials) + (long long)blockIdx.x * gridDim.y * NT * SKINNY_THREADS + threadIdx.x;
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            if (j < active_tiles) {
-                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                for (int s = 0; s < (int)gridDim.y; ++s) {
-                    const float4 part = __ldcg(tile + ((long long)s * NT + j) * SKINNY_THREADS);
-                    sum.x += part.x;
-                    sum.y += part.y;
-                    sum.z += part.z;
-                    sum.w += part.w;
+    if (threadIdx.x >= SKINNY_CONSUMERS) {  // the producer warp
+        if (threadIdx.x == SKINNY_CONSUMERS) {
+            tma_prefetch_map(w_map);
+            tma_prefetch_map(x_map);
+            const u64 stream_once = l2_evict_first();
+            // Blocks that run at the same time start their tiles' K at different units, so they
+            // do not all read the same x chunk from L2 at once.
+            const int slot = split ? first_tile : blockIdx.x, concurrent = split ? tiles : gridDim.x;
+            const int rotation = (int)((long long)slot * units_per_tile / concurrent);
+            auto unit_k = [&](int i) {
+                return (k_begin + (i % units_per_tile + rotation) % units_per_tile) * SKINNY_STAGE_K;
+            };
+            auto load_weights = [&](int s, int i) {
+                const int tile = first_tile + (i / units_per_tile) * tile_step;
+                unsigned char* dst = ring + s * Tile::stage_bytes + Tile::x_bytes;
+                if (EPI::gated) {  // the gate rows of the tile's features, then their up rows
+                    tma_load_2d_hint(dst, w_map, unit_k(i), tile * TILE_FEATURES, &full[s], stream_once);
+                    tma_load_2d_hint(dst + BN * 64, w_map, unit_k(i), num_features + tile * TILE_FEATURES, &full[s],
+                                     stream_once);
+                } else {
+                    tma_load_2d_hint(dst, w_map, unit_k(i), tile * BN, &full[s], stream_once);
                 }
-                acc[4 * j] = sum.x;
-                acc[4 * j + 1] = sum.y;
-                acc[4 * j + 2] = sum.z;
-                acc[4 * j + 3] = sum.w;
+            };
+            auto load_x = [&](int s, int i) {
+                tma_load_2d(ring + s * Tile::stage_bytes, x_map, unit_k(i), 0, &full[s]);
+            };
+            const int early = min(STAGES, units);
+            for (int i = 0; i < early; ++i) {
+                mbarrier_arrive_expect_tx(&full[i], Tile::stage_bytes);
+                load_weights(i, i);
+            }
+            grid_dependency_wait();  // x is the previous kernel's output
+            for (int i = 0; i < early; ++i) load_x(i, i);
+            for (int i = early; i < units; ++i) {
+                const int s = i % STAGES;
+                mbarrier_wait(&empty[s], (u32)((i / STAGES) & 1) ^ 1u);
+                mbarrier_arrive_expect_tx(&full[s], Tile::stage_bytes);
+                load_weights(s, i);
+                load_x(s, i);
             }
         }
+        if (split) {  // the producer warp takes part in the cluster's two barriers
+            __syncwarp();
+            cluster_sync();
+            cluster_sync();
+        }
+        return;
     }
 
+    grid_dependency_wait();  // the epilogues read the residual
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    float acc[BN / 2];
+    int i = 0;
+    for (int n = 0; n < my_tiles; ++n) {
+        const int tile = first_tile + n * tile_step;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
+        for (int r = 0; r < BN / 2; ++r) acc[r] = 0.0f;
+        for (int u = 0; u < units_per_tile; ++u, ++i) {
+            const int s = i % STAGES;
+            mbarrier_wait(&full[s], (u32)((i / STAGES) & 1));
+            const unsigned char* xs = ring + s * Tile::stage_bytes;
+            const unsigned char* ws = xs + Tile::x_bytes;
+            wgmma_fence_registers<BN / 2>(acc);
+            wgmma_fence();
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int n = 8 * j + 2 * t + (e & 1);
-            if (n >= num_tokens) continue;
+            for (int step = 0; step < SKINNY_STAGE_K / 16; ++step)
+                skinny_mma<BN>(acc, wgmma_descriptor(xs + 32 * step, 16, 1024), ws + 32 * step);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_fence_registers<BN / 2>(acc);
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&empty[s]);
+        }
+        if (split) break;  // one tile per cluster: reduced below
+#pragma unroll
+        for (int j = 0; j < (EPI::gated ? COLUMNS / 2 : COLUMNS); ++j) {
+            const float* up = &acc[4 * (EPI::gated ? j + COLUMNS / 2 : j)];
+            skinny_store<OUT, EPI>(out, bias, num_tokens, num_features, 16 * warp + g, tile * TILE_FEATURES + 8 * j + 2 * t,
+                                   &acc[4 * j], up);
+        }
+    }
+    if (!split) return;
+
+    // Split K: this block's sums to its own ring (every stage is consumed), in fragment order.
+    const int active_threads = 32 * min(4, (num_tokens + 15) / 16);
+    float4* sums = reinterpret_cast<float4*>(ring);
+    if (tid < active_threads) {
+#pragma unroll
+        for (int j = 0; j < COLUMNS; ++j)
+            sums[j * SKINNY_CONSUMERS + tid] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+    }
+    cluster_sync();
+    // Rank r's share of the tile: groups [r G / S, (r + 1) G / S) of G = (fragment column,
+    // active thread) pairs (gated: the gate columns, each with its up column).
+    const int columns = EPI::gated ? COLUMNS / 2 : COLUMNS;
+    const int groups = columns * active_threads;
+    const int group_end = (rank + 1) * groups / splits;
+    const int tile = first_tile;
+    for (int group = rank * groups / splits + tid; group < group_end; group += SKINNY_CONSUMERS) {
+        const int j = group / active_threads, thread = group % active_threads;
+        const float4* mine = sums + j * SKINNY_CONSUMERS + thread;
+        float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f}, up[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int b = 0; b < splits; ++b) {
+            const float4 part = load_cluster_float4(cluster_address(mine, b));
+            sum[0] += part.x, sum[1] += part.y, sum[2] += part.z, sum[3] += part.w;
             if (EPI::gated) {
-                const int feature = blockIdx.x * 64 + warp * 8 + g;
-                if (e < 2 && feature < num_features)
-                    store_feature<EPI>(out + (long long)n * num_features + feature, acc[4 * j + e], acc[4 * j + 2 + e]);
-            } else {
-                const int feature = blockIdx.x * SKINNY_ROWS + warp * 16 + g + 8 * (e >> 1);
-                if (feature < num_features) {
-                    const float total = acc[4 * j + e] + (bias != nullptr ? to_float(bias[feature]) : 0.0f);
-                    store_feature<EPI>(out + (long long)n * num_features + feature, total, 0.0f);
-                }
+                const float4 part_up = load_cluster_float4(cluster_address(mine + COLUMNS / 2 * SKINNY_CONSUMERS, b));
+                up[0] += part_up.x, up[1] += part_up.y, up[2] += part_up.z, up[3] += part_up.w;
             }
         }
+        const int lane_of = thread & 31;
+        skinny_store<OUT, EPI>(out, bias, num_tokens, num_features, 16 * (thread >> 5) + (lane_of >> 2),
+                               tile * TILE_FEATURES + 8 * j + 2 * (lane_of & 3), sum, up);
     }
+    cluster_sync();  // no block leaves while another still reads its sums
+#else
+    __trap();  // the host launches it on sm_90a only
+#endif
 }
 
-// gemm_skinny_<what>_n<NT>: tokens <= 8 NT, 256 threads. <what>: bf16, f32 (out = x w^T + bias),
-// gated_<act> (w = [gate; up], out = act(x gate^T) * (x up^T)), add (out += x w^T).
-// num_features: rows of w (gated: of each half); split_len: K per blockIdx.y (a multiple of 64).
-#define DEFINE_SKINNY(NAME, OUT, EPI, NT)                                                                      \
-    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS) gemm_skinny_##NAME##_n##NT(                   \
-        const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens, int num_features, int inner, \
-        int split_len, float* partials, unsigned* counters) {                                                  \
-        skinny_impl<NT, OUT, EPI>(x, w, bias, out, num_tokens, num_features, inner, split_len, partials,      \
-                                  counters);                                                                   \
+// gemm_skinny_<what>_<BN>: 9..64 token rows, SKINNY_THREADS threads, SkinnyTile<BN>::shared_bytes
+// of dynamic shared memory; splits = 1: a grid of at most one block per SM, else a grid of tiles x
+// splits blocks in clusters of `splits`. <what>: bf16, f32 (out = x w^T +
+// bias), gated_<act> (w = [gate; up], out = act(x gate^T) * (x up^T)), add (out += x w^T). w_map:
+// the weight [rows, inner] in boxes of [BN][64] (gated: [BN / 2][64]); x_map: x [num_tokens,
+// inner] in boxes of [64][64], both 128-byte swizzled. num_features: rows
+// of w (gated: of each half); tiles: ceil(num_features / BN) (gated: / (BN / 2)).
+#define DEFINE_SKINNY(NAME, OUT, EPI, BN)                                                                           \
+    extern "C" __global__ void __launch_bounds__(SKINNY_THREADS, 1)                                                 \
+        gemm_skinny_##NAME##_##BN(const __grid_constant__ TmaMap w_map, const __grid_constant__ TmaMap x_map,       \
+                                  const bf16* bias, OUT* out, int num_tokens, int num_features, int inner, int tiles, \
+                                  int splits) {                                                                     \
+        skinny_impl<BN, OUT, EPI>(&w_map, &x_map, bias, out, num_tokens, num_features, inner, tiles, splits);      \
     }
 
-#define DEFINE_SKINNY_TOKENS(NAME, OUT, EPI) \
-    DEFINE_SKINNY(NAME, OUT, EPI, 2)         \
-    DEFINE_SKINNY(NAME, OUT, EPI, 4)         \
-    DEFINE_SKINNY(NAME, OUT, EPI, 8)
+#define DEFINE_SKINNY_WIDTHS(NAME, OUT, EPI) \
+    DEFINE_SKINNY(NAME, OUT, EPI, 64)        \
+    DEFINE_SKINNY(NAME, OUT, EPI, 96)        \
+    DEFINE_SKINNY(NAME, OUT, EPI, 128)       \
+    DEFINE_SKINNY(NAME, OUT, EPI, 144)       \
+    DEFINE_SKINNY(NAME, OUT, EPI, 160)       \
+    DEFINE_SKINNY(NAME, OUT, EPI, 192)       \
+    DEFINE_SKINNY(NAME, OUT, EPI, 224)       \
+    DEFINE_SKINNY(NAME, OUT, EPI, 256)
 
-DEFINE_SKINNY_TOKENS(bf16, bf16, Plain)
-DEFINE_SKINNY_TOKENS(f32, float, Plain)
-DEFINE_SKINNY_TOKENS(gated_silu, bf16, Gated<SiluOp>)
-DEFINE_SKINNY_TOKENS(gated_gelu_tanh, bf16, Gated<GeluTanhOp>)
-DEFINE_SKINNY_TOKENS(add, bf16, AddTo)
+DEFINE_SKINNY_WIDTHS(bf16, bf16, Plain)
+DEFINE_SKINNY_WIDTHS(f32, float, Plain)
+DEFINE_SKINNY_WIDTHS(gated_silu, bf16, Gated<SiluOp>)
+DEFINE_SKINNY_WIDTHS(gated_gelu_tanh, bf16, Gated<GeluTanhOp>)
+DEFINE_SKINNY_WIDTHS(add, bf16, AddTo)
 
 // Bias for the cuBLASLt path when its epilogue cannot take it (f32 output): out[n, m] += bias[m].
 template <typename OUT>

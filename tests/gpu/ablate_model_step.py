@@ -79,25 +79,14 @@ def main(argv: list[str]) -> int:
         with ExitStack() as stack:
             _without(stack, pairs)
             table[name] = {b: decode_step_us(backend, events, fill, model, kv, b, 512, sample) for b in batches}
-    # Linear past 8 rows: cuBLASLt (the default), or the skinny GEMM with K split to fill the
-    # resident block slots (its default) or at most `cap` blocks per SM.
+    # Linear past 8 rows: cuBLASLt or the skinny GEMM, every projection, then one kind at a time.
     gemm = {}
     saved_features = backend.runtime.features
     if not attention_only:
         backend.runtime.features = replace(saved_features, skinny_gemm=False)
         gemm["cuBLASLt"] = {b: decode_step_us(backend, events, fill, model, kv, b, 512) for b in batches}
-        backend.runtime.features = saved_features
         backend.runtime.features = replace(saved_features, skinny_gemm=True)
         gemm["skinny"] = {b: decode_step_us(backend, events, fill, model, kv, b, 512) for b in batches}
-        split_len = ops_dense.skinny_split_len
-        for cap in (1, 2):
-            ops_dense.skinny_split_len = lambda inner, tiles, slots, cap=cap: split_len(
-                inner, tiles, min(slots, cap * backend.runtime.num_sms)
-            )
-            gemm[f"skinny, splits to {cap} block(s)/SM"] = {
-                b: decode_step_us(backend, events, fill, model, kv, b, 512) for b in batches
-            }
-        ops_dense.skinny_split_len = split_len
         # One kind of projection at a time on the skinny GEMM, the rest on cuBLASLt.
         skinny = ops_dense.LinearOp._skinny
         for kind, takes in _PROJECTIONS.items():

@@ -136,15 +136,29 @@ def test_linear(cuda_backend, mock_backend, rng, num_tokens, num_rows, inner, ou
     assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < tolerance
 
 
-_SKINNY_CASES = [(9, 4096, 4096), (17, 1000, 4000), (64, 14336, 4096), (40, 300, 96), (16, 10000, 576)]
+_SKINNY_CASES = [
+    (9, 4096, 4096),
+    (17, 1000, 4000),
+    (64, 14336, 4096),
+    (40, 300, 96),
+    (16, 10000, 576),
+    (33, 2048, 14336),
+    (64, 64, 64),
+    (24, 4416, 512),
+    (12, 2176, 512),
+    (48, 25536, 512),
+    (20, 6656, 1024),
+]
 
 
 @pytest.mark.parametrize("num_tokens, features, inner", _SKINNY_CASES)
 def test_skinny_gemm_forms_match_cublas(cuda_backend, mock_backend, rng, num_tokens, features, inner):
     """9..64 token rows with `skinny_gemm` on: linear (bf16, and f32 with a bias), its residual
-    add and its gated form each run one `gemm_skinny_*` launch and agree with the cuBLASLt path
-    (the default): the product to bf16 rounding, the add exactly as linear + add on the same
-    product. Row tiles past the end, split-K and a K of one and a half stages among the shapes."""
+    add and its gated form each run one `gemm_skinny_*` launch and agree with the cuBLASLt path:
+    the product to bf16 rounding, the add exactly as linear + add on the same product; a second
+    run gives the same bits (the cluster's reduction is in rank order). Among the shapes: row
+    tiles past the end, K not a multiple of 64 and of one and a half stages, K split over
+    clusters of 2 and 4, tiles of 128 to 256 rows, more tiles than SMs (persistent blocks)."""
     from dataclasses import replace
 
     rt = cuda_backend.runtime
@@ -191,16 +205,23 @@ def test_skinny_gemm_forms_match_cublas(cuda_backend, mock_backend, rng, num_tok
     rt.features = replace(saved, skinny_gemm=True)
     try:
         skinny = run_all()
+        again = run_all()
     finally:
         rt.launch = launch
         rt.features = saved
-    assert [s.rsplit("_n", 1)[0] for s in launched if s.startswith("gemm_skinny_")] == [
+    assert [s.rsplit("_", 1)[0] for s in launched if s.startswith("gemm_skinny_")] == 2 * [
         "gemm_skinny_bf16",
         "gemm_skinny_add",
         "gemm_skinny_gated_silu",
         "gemm_skinny_f32",
     ]
-    reference = run_all()  # cuBLASLt (skinny_gemm is off by default)
+    for first, second in zip(skinny, again, strict=True):
+        np.testing.assert_array_equal(first, second)
+    rt.features = replace(saved, skinny_gemm=False)
+    try:
+        reference = run_all()  # cuBLASLt
+    finally:
+        rt.features = saved
     plain, added, gated, logits = skinny
     assert rel_l2(plain, reference[0]) < BF16_TOLERANCE
     np.testing.assert_array_equal(added, bf16(residual + plain.astype(np.float32)).astype(np.float64))

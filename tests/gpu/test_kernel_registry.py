@@ -72,9 +72,12 @@ def test_every_kernel_waits_for_the_previous_grid_first():
         before_wait = body[: body.index("dependent_launch_entry();")]
         assert "load_x(" not in before_wait and "load_streaming_early(" in before_wait
     body = gemv[gemv.index("void skinny_impl(") :]
-    before_wait = body[: body.index("dependent_launch_entry();")]
-    # the skinny GEMM: only weight stages before the wait, x (the previous kernel's output) after
-    assert "fill_weights(s);" in before_wait and "fill_x(s)" not in before_wait
+    before_wait, producer_after, _ = body.split("grid_dependency_wait();", 2)
+    # the skinny GEMM's producer: only weight stages before its wait, x (the previous kernel's
+    # output) after; the consumers wait (the second wait) before the epilogues read the residual
+    assert "load_weights(i, i);" in before_wait and "load_x(" not in before_wait
+    assert "for (int i = 0; i < early; ++i) load_x(i, i);" in producer_after
+    assert "skinny_store<" not in before_wait + producer_after
     decode = (kernels_root() / "common/attention_decode.cu").read_text()
     body = decode[decode.index("void attention_decode_impl(") :]
     before_wait = body[: body.index("dependent_launch_entry();")]
@@ -262,3 +265,25 @@ def test_cache_key_changes_with_a_header(tmp_path):
     before = compiler.cache_key(module)
     (root / "common/h.cuh").write_text("#define A 2\n")
     assert compiler.cache_key(module) != before
+
+
+def test_skinny_plan_gives_every_sm_the_same_bytes():
+    """The Llama-3.1-8B decode projections at 64 tokens on 132 SMs (32 clusters of 4 at once):
+    qkv, o and down split K over clusters of 4 in tiles that leave 4 SMs idle; gate_up's 128
+    tiles of 112 features take one block each; the LM head's 501 tiles run on persistent blocks.
+    A cluster plan never exceeds what the GPU holds at once."""
+    pytest.importorskip("cuda.bindings", reason="the cuda extra is not installed")
+    from atlas.adapters.cuda.ops_dense import SkinnyPlan, skinny_plan
+
+    def blocks(width: int, splits: int) -> int:
+        return 128 if splits == 4 else 132
+
+    assert skinny_plan(6144, False, 4096, 132, blocks) == SkinnyPlan(192, 4, 32, 128)
+    assert skinny_plan(4096, False, 4096, 132, blocks) == SkinnyPlan(128, 4, 32, 128)
+    assert skinny_plan(4096, False, 14336, 132, blocks) == SkinnyPlan(128, 4, 32, 128)
+    assert skinny_plan(14336, True, 4096, 132, blocks) == SkinnyPlan(224, 1, 128, 128)
+    assert skinny_plan(128256, False, 4096, 132, blocks) == SkinnyPlan(256, 1, 501, 132)
+    # fewer clusters of 4 at once: split in two instead
+    assert skinny_plan(6144, False, 4096, 132, lambda w, s: 64 if s == 4 else 132).splits == 2
+    # K too short to split
+    assert skinny_plan(4096, False, 128, 132, blocks).splits == 1

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 from cuda.bindings import driver as cu
 
@@ -12,6 +15,7 @@ from atlas.adapters.cuda.gemm_tuning import GemmTuningStore
 from atlas.adapters.cuda.ops_attention import RopeTargets
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
+from atlas.adapters.cuda.tma import TensorMap, bf16_rows_map
 from atlas.ports.gpu import Activation, DType
 
 _FLOAT_TYPES = (DType.BF16, DType.F32)
@@ -29,10 +33,12 @@ SKINNY_MAX_TOKENS = 64
 NORM_IN_GEMV_MAX_WIDTH = 2048
 _GEMV_WARPS = 4
 _GEMV_MMA_WARPS = 8
-_SKINNY_THREADS = 256
-_SKINNY_ROWS = 128  # weight rows per block
-_SKINNY_STAGE_K = 64  # K per stage of the shared-memory ring
-_SKINNY_STAGES = 4
+# gemm_skinny_<what>_<width> (gemv.cu): one consumer warpgroup and a producer warp per block;
+# tiles of `width` weight rows; K split over clusters of up to 4 blocks.
+_SKINNY_THREADS = 160
+SKINNY_WIDTHS = (64, 96, 128, 144, 160, 192, 224, 256)
+_SKINNY_SPLITS = (2, 4)
+_SKINNY_STAGE_K = 64
 _ACTIVATION_NAMES = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu_tanh"}
 
 
@@ -178,13 +184,52 @@ def _product_args(x: CudaTensor, weight: CudaTensor, bias: CudaTensor | None, ou
     )
 
 
-def skinny_split_len(inner: int, tiles: int, resident_blocks: int) -> int:
-    """K per block of `gemm_skinny_*` for `tiles` row tiles: all of it where the tiles alone
-    take every block slot the GPU has (`resident_blocks`), else split so that tiles x splits
-    fill them, each split at least as many stages as the ring holds. A whole number of stages."""
-    stages = -(-inner // _SKINNY_STAGE_K)
-    splits = max(1, min(resident_blocks // tiles, stages // _SKINNY_STAGES))
-    return -(-stages // splits) * _SKINNY_STAGE_K
+def skinny_shared_bytes(width: int) -> int:
+    """Dynamic shared memory of gemm_skinny_*_<width>: gemv.cu's SkinnyTile<width>::shared_bytes
+    (a ring of up to 8 stages in 200 KB, x's [64][64] and the weight's [width][64] each, 1024
+    bytes of alignment slack, two barriers per stage; the kernel traps if given less)."""
+    stage = (64 + width) * _SKINNY_STAGE_K * 2
+    stages = min(8, 200 * 1024 // stage)
+    return 1024 + stages * stage + 16 * stages
+
+
+@dataclass(frozen=True, slots=True)
+class SkinnyPlan:
+    """How gemm_skinny_* covers one product: tiles of `width` weight rows, K split `splits` ways
+    (a cluster of that many blocks per tile), `grid` blocks."""
+
+    width: int
+    splits: int
+    tiles: int
+    grid: int
+
+
+def skinny_plan(
+    features: int, gated: bool, inner: int, num_sms: int, cluster_blocks: Callable[[int, int], int]
+) -> SkinnyPlan:
+    """The plan that gives the busiest SM the fewest bytes to stream: whole tiles on persistent
+    blocks (one per SM, `splits` = 1), or one wave of clusters that split K (`cluster_blocks(width,
+    splits)`: blocks the GPU holds at once in clusters of `splits`). Counted per SM: the weight
+    bytes, x's tile re-read from L2 at a quarter of their cost, and (split) half the fp32 partial
+    sums exchanged between the cluster's blocks."""
+    k_iters = -(-inner // _SKINNY_STAGE_K)
+    best: tuple[float, SkinnyPlan] | None = None
+    for width in SKINNY_WIDTHS:
+        tiles = -(-features // (width // 2 if gated else width))
+        unit_cost = width * _SKINNY_STAGE_K * 2 + 64 * _SKINNY_STAGE_K * 2 / 4
+        for splits in (1, *_SKINNY_SPLITS):
+            if splits == 1:
+                plan = SkinnyPlan(width, 1, tiles, min(tiles, num_sms))
+                cost = -(-tiles // num_sms) * k_iters * unit_cost
+            elif tiles * splits <= cluster_blocks(width, splits) and k_iters >= 2 * splits:
+                plan = SkinnyPlan(width, splits, tiles, tiles * splits)
+                cost = -(-k_iters // splits) * unit_cost + 64 * width * 4 / 2
+            else:
+                continue
+            if best is None or cost < best[0]:
+                best = (cost, plan)
+    assert best is not None  # splits = 1 always fits
+    return best[1]
 
 
 class LinearOp:
@@ -202,7 +247,8 @@ class LinearOp:
         # Ones of each width whose norms are folded: the norm kernel's weight where a folded
         # projection still runs it (more token rows than the GEMV takes).
         self._unit_norms: dict[int, CudaTensor] = {}
-        self._skinny_resident: dict[str, int] = {}  # blocks per SM, by symbol
+        self._weight_maps: dict[tuple, TensorMap] = {}  # the skinny GEMM's, by weight, shape and box
+        self._skinny_plans: dict[tuple, SkinnyPlan] = {}
 
     def fold_rmsnorm(self, norm_weight: CudaTensor, weight: CudaTensor) -> bool:
         """Scale the weight's columns by the norm weight in place where that removes the norm
@@ -479,12 +525,10 @@ class LinearOp:
         what: str,
         gated: bool = False,
     ) -> bool:
-        """Launch `gemm_skinny_<what>_n<tiles>` for 9..SKINNY_MAX_TOKENS token rows and return
+        """Launch `gemm_skinny_<what>_<width>` for 9..SKINNY_MAX_TOKENS token rows and return
         True, or return False where it does not apply (other row counts, K not a multiple of 8,
-        a weight that is not bf16, `skinny_gemm` off: the default). A block owns 128 weight
-        rows (gated: 64 features' gate and up rows); K is split across blocks while the row
-        tiles alone leave block slots empty (`skinny_split_len`), and the last block of a tile
-        adds the splits' partial sums from a workspace."""
+        a weight that is not bf16, `skinny_gemm` off). `skinny_plan` picks the tile width and
+        the split of K; weights and x reach shared memory through TMA (tma.py)."""
         rt = self._rt
         num_tokens, inner = x.shape
         if not (rt.features.skinny_gemm and GEMV_MAX_TOKENS < num_tokens <= SKINNY_MAX_TOKENS):
@@ -492,30 +536,36 @@ class LinearOp:
         if inner % 8 or weight.dtype is not DType.BF16:
             return False
         features = out.shape[1]
-        tiles = -(-features // (_SKINNY_ROWS // 2 if gated else _SKINNY_ROWS))
-        tokens = next(n for n in (16, 32, 64) if n >= num_tokens)
-        symbol = f"gemm_skinny_{what}_n{tokens // 8}"
-        threads = _SKINNY_THREADS
-        shared = _SKINNY_STAGES * (_SKINNY_ROWS + tokens) * _SKINNY_STAGE_K * 2
-        resident = self._skinny_resident.get(symbol)
-        if resident is None:
-            resident = self._skinny_resident[symbol] = rt.resident_blocks("gemv", symbol, threads, shared)
-        split_len = skinny_split_len(inner, tiles, resident * rt.num_sms)
-        splits = -(-inner // split_len)
-        partials = counters = 0
-        if splits > 1:  # per block and thread a float4 per 8-token tile
-            partials = rt.workspace("skinny_partials", tiles * splits * (tokens // 8) * threads * 16)
-            counters = rt.counters("skinny_counters", tiles)
+        plan_key = (features, gated, inner)
+        plan = self._skinny_plans.get(plan_key)
+        if plan is None:
+
+            def cluster_blocks(width: int, splits: int) -> int:
+                symbol = f"gemm_skinny_{what}_{width}"
+                return rt.cluster_blocks("gemv", symbol, _SKINNY_THREADS, skinny_shared_bytes(width), splits)
+
+            plan = self._skinny_plans[plan_key] = skinny_plan(features, gated, inner, rt.num_sms, cluster_blocks)
+        box_rows = plan.width // 2 if gated else plan.width
+        map_key = (weight.address, weight.shape, box_rows)
+        weight_map = self._weight_maps.get(map_key)
+        if weight_map is None:
+            weight_map = self._weight_maps[map_key] = bf16_rows_map(weight.address, weight.shape[0], inner, box_rows)
         rt.launch(
             "gemv",
-            symbol,
-            (tiles, splits),
-            threads,
-            *_product_args(x, weight, bias, out, features),
-            np.int32(split_len),
-            partials,
-            counters,
-            shared_bytes=shared,
+            f"gemm_skinny_{what}_{plan.width}",
+            (plan.grid,),
+            _SKINNY_THREADS,
+            weight_map,
+            bf16_rows_map(x.address, num_tokens, inner, 64),
+            bias.address if bias is not None else 0,
+            out.address,
+            np.int32(num_tokens),
+            np.int32(features),
+            np.int32(inner),
+            np.int32(plan.tiles),
+            np.int32(plan.splits),
+            shared_bytes=skinny_shared_bytes(plan.width),
+            cluster=plan.splits,
         )
         return True
 

@@ -9,6 +9,7 @@ declares.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import threading
@@ -24,6 +25,7 @@ from atlas.adapters.cuda.compiler import KernelCompiler
 from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.memory import DeviceAllocation, DeviceMemoryPool, PinnedDownloads, PinnedStaging
 from atlas.adapters.cuda.registry import KernelModule, KernelTarget, arch_family, nvrtc_arch, select_modules
+from atlas.adapters.cuda.tma import TensorMap, parameter_array
 
 log = logging.getLogger("atlas.cuda")
 
@@ -53,10 +55,12 @@ class CudaFeatures:
         rotates q and k and writes the cache (needs gemv_fused too).
     mma_decode: decode attention on tensor cores (mma.sync; the SIMT kernel without it).
     skinny_gemm: 9..64 token rows of bf16 `linear` (and its gated and residual-add forms) go
-        through our own skinny tensor-core GEMM (`gemm_skinny_*`, gemv.cu) instead of cuBLASLt.
-        Off by default: on an H200 it is still slower than cuBLASLt in the Llama-3.1-8B batch-64
-        step (docs/cuda-notes.md run 9); the tests, `bench_kernels.py` and
-        `ablate_model_step.py gemm` turn it on to keep it correct and measured.
+        through our own skinny tensor-core GEMM on Hopper (`gemm_skinny_*`, gemv.cu: TMA into a
+        warp-specialised ring, K split over clusters that reduce through distributed shared
+        memory) instead of cuBLASLt. Off by default: on an H200 it is still 110 us slower than
+        cuBLASLt in the Llama-3.1-8B batch-64 step (docs/cuda-notes.md run 10); the tests,
+        `bench_kernels.py` and `ablate_model_step.py gemm` turn it on to keep it correct and
+        measured.
     """
 
     programmatic_launch: bool = True
@@ -176,6 +180,8 @@ class CudaRuntime:
         self._retired_workspaces: list[DeviceAllocation] = []
         self._shared_limits: dict[tuple[str, str], int] = {}
         self._configs: dict[tuple, LaunchConfig] = {}
+        self._functions: dict[tuple[str, str], cu.CUfunction] = {}  # for cuLaunchKernelEx
+        self._cluster_blocks: dict[tuple, int] = {}
 
     # -- context ---------------------------------------------------------------------------
     def ensure_current(self) -> None:
@@ -198,14 +204,21 @@ class CudaRuntime:
         block: int,
         *args: object,
         shared_bytes: int = 0,
+        cluster: int = 1,
     ) -> None:
         """Enqueue `symbol` of `module` on the stream (with programmatic stream serialization
-        when `features.programmatic_launch` is on)."""
+        when `features.programmatic_launch` is on), in clusters of `cluster` blocks along x."""
         self.ensure_current()
         kernel = self.kernels.get(module, symbol)
         if shared_bytes > 48 * 1024:
             self._raise_shared_limit(module, symbol, kernel, shared_bytes)
         programmatic = self.features.programmatic_launch
+        if cluster > 1 or any(isinstance(arg, TensorMap) for arg in args):
+            config = self._driver_config(grid, block, shared_bytes, cluster)
+            pointers, _kept = parameter_array(args)  # `_kept` holds what `pointers` points to
+            function = self._function(module, symbol, kernel)
+            check("cuLaunchKernelEx", cu.cuLaunchKernelEx(config, function, ctypes.addressof(pointers), 0))
+            return
         key = (grid, block, shared_bytes, programmatic)
         config = self._configs.get(key)
         if config is None:
@@ -218,13 +231,52 @@ class CudaRuntime:
             self._configs[key] = config
         launch(self.stream, config, kernel, *args)
 
-    def resident_blocks(self, module: str, symbol: str, block: int, shared_bytes: int) -> int:
-        """How many blocks of `symbol` (at `block` threads and `shared_bytes` of dynamic shared
-        memory) one SM holds at once; at least 1."""
-        kernel = self.kernels.get(module, symbol)
-        if shared_bytes > 48 * 1024:  # the occupancy query counts only what the kernel may take
-            self._raise_shared_limit(module, symbol, kernel, shared_bytes)
-        return max(1, kernel.occupancy.max_active_blocks_per_multiprocessor(block, shared_bytes))
+    def _driver_config(self, grid: tuple[int, ...], block: int, shared_bytes: int, cluster: int) -> cu.CUlaunchConfig:
+        """cuLaunchKernelEx's config for launches cuda.core cannot make (tensor maps by value,
+        tma.py) or that need the driver's own call (the cluster query): the same attributes."""
+        config = cu.CUlaunchConfig()
+        dims = (*grid, 1, 1)
+        config.gridDimX, config.gridDimY, config.gridDimZ = dims[:3]
+        config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+        config.sharedMemBytes = shared_bytes
+        config.hStream = cu.CUstream(self.stream_handle)
+        attributes = []
+        if self.features.programmatic_launch:
+            attribute = cu.CUlaunchAttribute()
+            attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attribute.value.programmaticStreamSerializationAllowed = 1
+            attributes.append(attribute)
+        if cluster > 1:
+            attribute = cu.CUlaunchAttribute()
+            attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster, 1, 1
+            attributes.append(attribute)
+        config.attrs = attributes
+        config.numAttrs = len(attributes)
+        return config
+
+    def _function(self, module: str, symbol: str, kernel: Kernel) -> cu.CUfunction:
+        function = self._functions.get((module, symbol))
+        if function is None:
+            function = check("cuKernelGetFunction", cu.cuKernelGetFunction(kernel.handle))
+            self._functions[(module, symbol)] = function
+        return function
+
+    def cluster_blocks(self, module: str, symbol: str, block: int, shared_bytes: int, cluster: int) -> int:
+        """How many blocks of `symbol` the GPU holds at once in clusters of `cluster` (a cluster's
+        blocks share one GPC, so GPCs whose SM count `cluster` does not divide leave SMs over)."""
+        key = (module, symbol, shared_bytes, cluster)
+        blocks = self._cluster_blocks.get(key)
+        if blocks is None:
+            self.ensure_current()
+            kernel = self.kernels.get(module, symbol)
+            if shared_bytes > 48 * 1024:
+                self._raise_shared_limit(module, symbol, kernel, shared_bytes)
+            config = self._driver_config((cluster,), block, shared_bytes, cluster)
+            function = self._function(module, symbol, kernel)
+            clusters = check("cuOccupancyMaxActiveClusters", cu.cuOccupancyMaxActiveClusters(function, config))
+            blocks = self._cluster_blocks[key] = int(clusters) * cluster
+        return blocks
 
     def _raise_shared_limit(self, module: str, symbol: str, kernel: Kernel, shared_bytes: int) -> None:
         if self._shared_limits.get((module, symbol), 0) >= shared_bytes:
