@@ -287,3 +287,24 @@ def test_skinny_plan_gives_every_sm_the_same_bytes():
     assert skinny_plan(6144, False, 4096, 132, lambda w, s: 64 if s == 4 else 132).splits == 2
     # K too short to split
     assert skinny_plan(4096, False, 128, 132, blocks).splits == 1
+
+
+def test_kernel_parameters_pack_as_the_kernel_declares_them():
+    """Launches that take tensor maps build their own `void**` array (tma.py): addresses as 8
+    bytes, numpy scalars at their width, a tensor map as its 128 bytes, anything else refused."""
+    pytest.importorskip("cuda.bindings", reason="the cuda extra is not installed")
+    import ctypes
+
+    import numpy as np
+
+    from atlas.adapters.cuda.tma import TensorMap, parameter_array
+
+    raw = bytes(range(128))
+    pointers, values = parameter_array((0x7F0000001000, np.int32(-3), np.float32(0.5), TensorMap(raw)))
+    assert [ctypes.sizeof(v) for v in values] == [8, 4, 4, 128]
+    assert ctypes.c_uint64.from_address(pointers[0]).value == 0x7F0000001000
+    assert ctypes.c_int32.from_address(pointers[1]).value == -3
+    assert ctypes.c_float.from_address(pointers[2]).value == 0.5
+    assert ctypes.string_at(pointers[3], 128) == raw
+    with pytest.raises(TypeError, match="float"):
+        parameter_array((0.5,))

@@ -527,14 +527,14 @@ class LinearOp:
     ) -> bool:
         """Launch `gemm_skinny_<what>_<width>` for 9..SKINNY_MAX_TOKENS token rows and return
         True, or return False where it does not apply (other row counts, K not a multiple of 8,
-        a weight that is not bf16, `skinny_gemm` off). `skinny_plan` picks the tile width and
+        a weight that is not bf16, a GPU that is not sm_90, `skinny_gemm` off). `skinny_plan` picks the tile width and
         the split of K; weights and x reach shared memory through TMA (tma.py)."""
         rt = self._rt
         num_tokens, inner = x.shape
         if not (rt.features.skinny_gemm and GEMV_MAX_TOKENS < num_tokens <= SKINNY_MAX_TOKENS):
             return False
-        if inner % 8 or weight.dtype is not DType.BF16:
-            return False
+        if inner % 8 or weight.dtype is not DType.BF16 or rt.compute_capability != (9, 0):
+            return False  # (the kernels are sm_90a's: TMA, wgmma, clusters)
         features = out.shape[1]
         plan_key = (features, gated, inner)
         plan = self._skinny_plans.get(plan_key)
