@@ -32,12 +32,23 @@ typedef long long i64;
 //
 // so the stream stays ordered exactly as without PDL, but the next kernel's launch latency and
 // block scheduling overlap this kernel's run instead of following its last block.
-// tests/gpu/test_kernel_registry.py checks that every __global__ function makes the call.
-__device__ __forceinline__ void dependent_launch_entry() {
+// tests/gpu/test_kernel_registry.py checks that every __global__ function makes the call (or,
+// where a kernel issues loads that need no wait first, makes the two calls itself).
+__device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+}
+
+__device__ __forceinline__ void dependent_launch_entry() {
+    grid_dependency_wait();
+    grid_dependents_launch();
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -80,14 +80,6 @@ __device__ __forceinline__ u64 l2_evict_first() {
     return policy;
 }
 
-__device__ __forceinline__ void grid_dependency_wait() {
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void grid_dependents_launch() {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
 // Thread-block clusters: the block's rank in its cluster, the cluster-wide barrier (every thread
 // of every block arrives; release/acquire order shared-memory writes before remote reads), and
 // reads of another block's shared memory (distributed shared memory).

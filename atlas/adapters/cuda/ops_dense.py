@@ -247,7 +247,7 @@ class LinearOp:
         # Ones of each width whose norms are folded: the norm kernel's weight where a folded
         # projection still runs it (more token rows than the GEMV takes).
         self._unit_norms: dict[int, CudaTensor] = {}
-        self._weight_maps: dict[tuple, TensorMap] = {}  # the skinny GEMM's, by weight, shape and box
+        self._tensor_maps: dict[tuple, TensorMap] = {}  # the skinny GEMM's (`_rows_map`)
         self._skinny_plans: dict[tuple, SkinnyPlan] = {}
 
     def fold_rmsnorm(self, norm_weight: CudaTensor, weight: CudaTensor) -> bool:
@@ -545,18 +545,13 @@ class LinearOp:
                 return rt.cluster_blocks("gemv", symbol, _SKINNY_THREADS, skinny_shared_bytes(width), splits)
 
             plan = self._skinny_plans[plan_key] = skinny_plan(features, gated, inner, rt.num_sms, cluster_blocks)
-        box_rows = plan.width // 2 if gated else plan.width
-        map_key = (weight.address, weight.shape, box_rows)
-        weight_map = self._weight_maps.get(map_key)
-        if weight_map is None:
-            weight_map = self._weight_maps[map_key] = bf16_rows_map(weight.address, weight.shape[0], inner, box_rows)
         rt.launch(
             "gemv",
             f"gemm_skinny_{what}_{plan.width}",
             (plan.grid,),
             _SKINNY_THREADS,
-            weight_map,
-            bf16_rows_map(x.address, num_tokens, inner, 64),
+            self._rows_map(weight, plan.width // 2 if gated else plan.width),
+            self._rows_map(x, 64),
             bias.address if bias is not None else 0,
             out.address,
             np.int32(num_tokens),
@@ -568,6 +563,16 @@ class LinearOp:
             cluster=plan.splits,
         )
         return True
+
+    def _rows_map(self, matrix: CudaTensor, box_rows: int) -> TensorMap:
+        """The skinny GEMM's tensor map of a bf16 matrix in boxes of [box_rows][64], encoded once
+        per (address, shape, box): weights, and the few activation buffers a step uses."""
+        key = (matrix.address, matrix.shape, box_rows)
+        tensor_map = self._tensor_maps.get(key)
+        if tensor_map is None:
+            rows, width = matrix.shape
+            tensor_map = self._tensor_maps[key] = bf16_rows_map(matrix.address, rows, width, box_rows)
+        return tensor_map
 
     def _cublas(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
         if self._gemm is None:
