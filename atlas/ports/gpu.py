@@ -332,10 +332,14 @@ class GpuBackend(Protocol):
         """out = x @ weight.T (+ bias).  x [N, K], weight [M, K], out [N, M], bias [M]."""
         ...
 
-    def linear_add(self, x: Tensor, weight: Tensor, residual: Tensor, scratch: Tensor) -> None:
+    def linear_add(self, x: Tensor, weight: Tensor, residual: Tensor, scratch: Tensor, defer: bool = False) -> bool:
         """`linear(x, weight, scratch)` then residual += scratch (a layer's output projection into
         the residual stream), as one op that a backend may fuse (leaving `scratch` unwritten).
-        x [N, K], weight [H, K], residual, scratch [N, H] of the activation dtype."""
+        x [N, K], weight [H, K], residual, scratch [N, H] of the activation dtype.
+
+        With `defer` the backend may stop after the product and return True: the add is then
+        the caller's, who passes `scratch` as `add_first` to the norm op that reads `residual`
+        next (one kernel for the add and the norm). Returns False when the add is done."""
         ...
 
     def fold_rmsnorm(self, norm_weight: Tensor, weight: Tensor) -> bool:
@@ -356,11 +360,14 @@ class GpuBackend(Protocol):
         out: Tensor,
         normed: Tensor,
         bias: Tensor | None = None,
+        add_first: Tensor | None = None,
     ) -> None:
         """out = rmsnorm(x) @ weight.T (+ bias): `rmsnorm(x, norm_weight, eps, normed)` then
         `linear(normed, weight, out, bias)`, as one op so that a backend may normalise x inside
         the product (and leave `normed` unwritten). x, normed [N, K], weight [M, K], out [N, M].
-        norm_weight None: `weight` carries it (`fold_rmsnorm`), x is normalised without one."""
+        norm_weight None: `weight` carries it (`fold_rmsnorm`), x is normalised without one.
+        add_first [N, K]: a product `linear_add` deferred; x += add_first (rounded to x's type,
+        x being the residual stream) before anything reads x."""
         ...
 
     def rmsnorm_gated_linear(
@@ -373,11 +380,13 @@ class GpuBackend(Protocol):
         out: Tensor,
         normed: Tensor,
         scratch: Tensor,
+        add_first: Tensor | None = None,
     ) -> None:
         """`rmsnorm(x, norm_weight, eps, normed)`, `linear(normed, weight, scratch)`, then
         `act_mul(scratch, activation, out)`: out = act(n @ gate.T) * (n @ up.T) with n = rmsnorm(x)
         and weight = [gate; up] [2I, K], as one op that a backend may fuse (leaving `normed` and
-        `scratch` [N, 2I] unwritten). x [N, K], out [N, I]. norm_weight None: as `rmsnorm_linear`."""
+        `scratch` [N, 2I] unwritten). x [N, K], out [N, I]. norm_weight None and add_first: as
+        `rmsnorm_linear`."""
         ...
 
     def rope_and_cache(
@@ -421,12 +430,13 @@ class GpuBackend(Protocol):
         normed: Tensor,
         q_norm: Tensor | None = None,
         k_norm: Tensor | None = None,
+        add_first: Tensor | None = None,
     ) -> None:
         """An attention layer's input: `rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed,
-        bias)` then `rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out, q_norm,
-        k_norm, eps)`, as one op that a backend may fuse (leaving `qkv` and `normed`
+        bias, add_first)` then `rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out,
+        q_norm, k_norm, eps)`, as one op that a backend may fuse (leaving `qkv` and `normed`
         unwritten). x, normed [N, H], weight [(Hq + 2 Hkv) * D, H], qkv [N, (Hq + 2 Hkv) * D].
-        norm_weight None: as `rmsnorm_linear`."""
+        norm_weight None and add_first: as `rmsnorm_linear`."""
         ...
 
     def attention(

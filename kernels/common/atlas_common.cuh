@@ -243,6 +243,20 @@ __device__ __forceinline__ void cp_async_16(void* shared_dst, const void* global
                  "l"(global_src), "r"(src_bytes));
 }
 
+// An L2 eviction policy for data read once (K/V pages, weights): its lines go first.
+__device__ __forceinline__ u64 l2_evict_first() {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+    return policy;
+}
+
+// cp_async_16 with an L2 eviction policy (`l2_evict_first()`).
+__device__ __forceinline__ void cp_async_16_hint(void* shared_dst, const void* global_src, bool valid, u64 policy) {
+    const int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_address(shared_dst)),
+                 "l"(global_src), "r"(src_bytes), "l"(policy));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // The memory clobber keeps the compiler from hoisting a shared-memory read of the copied data

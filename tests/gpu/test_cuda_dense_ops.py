@@ -469,6 +469,40 @@ def test_fold_rmsnorm_leaves_narrow_rows_and_says_so(cuda_backend, rng):
     np.testing.assert_array_equal(cuda_backend.download(cw), weight)
 
 
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 4096), (1, 576), (4, 4096), (64, 4096), (64, 576)])
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_deferred_add_is_the_add_then_the_norm(cuda_backend, rng, num_tokens, hidden, gated):
+    """linear_add(defer=True) and the next norm op's add_first give the same bits as the add
+    done at once: past the GEMV sizes one add_rmsnorm kernel, below them the GEMV's own add
+    (linear_add returns False, nothing deferred)."""
+    features = 256
+    x = bf16(rng.standard_normal((num_tokens, hidden)))
+    weight = bf16(rng.standard_normal((hidden, hidden)) / np.sqrt(hidden))
+    up = bf16(rng.standard_normal((2 * features if gated else features, hidden)) / np.sqrt(hidden))
+    norm = bf16(1 + 0.1 * rng.standard_normal(hidden))
+    residual = bf16(rng.standard_normal((num_tokens, hidden)) * 4)
+    cx, cw, cup, cnorm = (cuda_backend.upload(a, DType.BF16) for a in (x, weight, up, norm))
+    results = []
+    for defer in (False, True):
+        c_residual = cuda_backend.upload(residual, DType.BF16)
+        scratch = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
+        deferred = cuda_backend.linear_add(cx, cw, c_residual, scratch, defer=defer)
+        assert deferred == (defer and num_tokens > 8)
+        out = poisoned(cuda_backend, (num_tokens, features), DType.BF16)
+        normed = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
+        add_first = scratch if deferred else None
+        if gated:
+            mlp_scratch = poisoned(cuda_backend, (num_tokens, 2 * features), DType.BF16)
+            cuda_backend.rmsnorm_gated_linear(
+                c_residual, cnorm, 1e-5, cup, Activation.SILU, out, normed, mlp_scratch, add_first
+            )
+        else:
+            cuda_backend.rmsnorm_linear(c_residual, cnorm, 1e-5, cup, out, normed, add_first=add_first)
+        results.append((cuda_backend.download(c_residual), cuda_backend.download(out)))
+    for at_once, deferred_result in zip(results[0], results[1], strict=True):
+        np.testing.assert_array_equal(deferred_result, at_once)
+
+
 @pytest.mark.parametrize("num_tokens, hidden, inner", _FUSED_SHAPES)
 def test_linear_add_is_linear_then_add(cuda_backend, mock_backend, rng, num_tokens, hidden, inner):
     x = bf16(rng.standard_normal((num_tokens, inner)))

@@ -73,3 +73,36 @@ def test_mock_rmsnorm_linear_without_a_norm_weight_is_the_folded_product(rng):
     backend.rmsnorm_linear(backend.upload(x), None, 1e-6, backend.upload(weight * norm), outs[1], normed)
     np.testing.assert_allclose(backend.download(outs[1]), backend.download(outs[0]), rtol=1e-5, atol=1e-5)
     assert not backend.fold_rmsnorm(backend.upload(norm), backend.upload(weight))
+
+
+class AddingMock(MockGpuBackend):
+    """Never defers an output projection's add (as CUDA's GEMV sizes), and counts the deferrals
+    it was offered."""
+
+    def __init__(self) -> None:
+        super().__init__(activation_dtype=DType.BF16)
+        self.offered = 0
+
+    def linear_add(self, x, weight, residual, scratch, defer: bool = False) -> bool:
+        self.offered += defer
+        return super().linear_add(x, weight, residual, scratch)
+
+
+@pytest.mark.parametrize("start", [0, 6])  # a prefill (sample rows gathered), a decode step (none)
+def test_a_deferred_residual_add_gives_the_same_logits(start):
+    """linear_add(defer=True) leaves the product for the next norm (`add_first`); the logits
+    match the add done at once bit for bit, the last layer's included (deferred into the final
+    norm on a decode step, not past a gather of the sample rows)."""
+    prompt = [5, 17, 3, 88, 42, 9, 61][start:]
+    sequence = ScheduledSequence("s", tuple(prompt), start, (0, 1), GREEDY)
+    results = []
+    for backend in (AddingMock(), MockGpuBackend(activation_dtype=DType.BF16)):
+        config = ModelConfig.from_dict(TINY_LLAMA)
+        model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed=3)), backend, 256)
+        spec = KvCacheSpec(config.num_layers, 16, 4, config.num_kv_heads, config.head_dim, DType.BF16)
+        worker = Worker(backend, model, backend.allocate_kv_cache(spec), WorkerConfig(64, 4, 256))
+        results.append(worker.compute_logits(ScheduledBatch(0, (sequence,), 4))[0])
+        if isinstance(backend, AddingMock):
+            layers = config.num_layers
+            assert backend.offered == (2 * layers if start else 2 * layers - 1)
+    np.testing.assert_array_equal(results[1], results[0])

@@ -190,8 +190,10 @@ class CudaGpuBackend:
     def linear(self, x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: CudaTensor | None = None) -> None:
         self._linear(x, weight, out, bias)
 
-    def linear_add(self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor) -> None:
-        self._linear.linear_add(x, weight, residual, scratch)
+    def linear_add(
+        self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor, defer: bool = False
+    ) -> bool:
+        return self._linear.linear_add(x, weight, residual, scratch, defer)
 
     def fold_rmsnorm(self, norm_weight: CudaTensor, weight: CudaTensor) -> bool:
         return self._linear.fold_rmsnorm(norm_weight, weight)
@@ -205,8 +207,9 @@ class CudaGpuBackend:
         out: CudaTensor,
         normed: CudaTensor,
         bias: CudaTensor | None = None,
+        add_first: CudaTensor | None = None,
     ) -> None:
-        self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, bias)
+        self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, bias, add_first=add_first)
 
     def rmsnorm_gated_linear(
         self,
@@ -218,8 +221,9 @@ class CudaGpuBackend:
         out: CudaTensor,
         normed: CudaTensor,
         scratch: CudaTensor,
+        add_first: CudaTensor | None = None,
     ) -> None:
-        self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, None, activation, scratch)
+        self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, None, activation, scratch, add_first)
 
     def qkv_rope_cache(
         self,
@@ -238,14 +242,15 @@ class CudaGpuBackend:
         normed: CudaTensor,
         q_norm: CudaTensor | None = None,
         k_norm: CudaTensor | None = None,
+        add_first: CudaTensor | None = None,
     ) -> None:
         if q_norm is None and k_norm is None:
             targets = ops_attention.rope_targets(meta, rope_table, kv, layer, heads, q_out)
             if targets is not None and self._linear.rmsnorm_linear_rope(
-                x, norm_weight, eps, weight, bias, q_out, targets
+                x, norm_weight, eps, weight, bias, q_out, targets, add_first
             ):
                 return
-        self.rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed, bias)
+        self.rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed, bias, add_first)
         self.rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm, eps)
 
     def act_mul(self, x: CudaTensor, activation: Activation, out: CudaTensor) -> None:

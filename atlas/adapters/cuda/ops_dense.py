@@ -288,18 +288,23 @@ class LinearOp:
         elif not self._skinny(x, weight, out, bias, checks.type_suffix(out.dtype)):
             self._cublas(x, weight, out, bias, num_tokens, num_rows, inner)
 
-    def linear_add(self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor) -> None:
+    def linear_add(
+        self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor, defer: bool = False
+    ) -> bool:
         """residual += x weight^T: for a few token rows one GEMV that adds into the residual
-        itself, else the product into `scratch` and an add."""
+        itself, else the product into `scratch` and an add, or with `defer` the product alone
+        (returns True: the next norm's add_rmsnorm kernel adds it)."""
         num_tokens = _check_linear(x, weight, residual, None)[0]
         checks.dtype(residual, "residual", (DType.BF16,))
         checks.dtype(scratch, "scratch", (DType.BF16,))
         checks.shape(scratch, "scratch", residual.shape)
-        if num_tokens == 0:
-            return
-        if not self._fused_gemv(x, weight, residual, None, "add", None, 0.0):
-            self(x, weight, scratch, None)
-            add_into(self._rt, scratch, residual)
+        if num_tokens == 0 or self._fused_gemv(x, weight, residual, None, "add", None, 0.0):
+            return False
+        self(x, weight, scratch, None)
+        if defer:
+            return True
+        add_into(self._rt, scratch, residual)
+        return False
 
     def rmsnorm_linear(
         self,
@@ -312,6 +317,7 @@ class LinearOp:
         bias: CudaTensor | None = None,
         activation: Activation | None = None,
         scratch: CudaTensor | None = None,
+        add_first: CudaTensor | None = None,
     ) -> None:
         """out = rmsnorm(x) weight^T (+ bias), or with `activation` act(rmsnorm(x) gate^T) *
         (rmsnorm(x) up^T) for weight = [gate; up]. For a few narrow token rows one GEMV that
@@ -319,7 +325,8 @@ class LinearOp:
         one GEMV that applies the activation to its own rows, or the product (into `scratch`
         when gated) and act_mul. Without `norm_weight` (folded into `weight`): for one token row
         one GEMV that scales its row sums by the inverse RMS, else the norm kernel with a unit
-        weight first."""
+        weight first. `add_first` (x += add_first first): the norm kernel's add_rmsnorm form,
+        or an add before a GEMV."""
         if activation is None:
             num_tokens = _check_linear(x, weight, out, bias)[0]
         else:
@@ -333,6 +340,9 @@ class LinearOp:
         checks.shape(normed, "normed", x.shape)
         if num_tokens == 0:
             return
+        if add_first is not None and num_tokens <= GEMV_MAX_TOKENS:  # a GEMV may read x itself
+            add_into(self._rt, add_first, x)
+            add_first = None
         gated = activation is not None
         if norm_weight is None:  # folded into `weight`
             if self._folded_gemv(x, weight, out, bias, eps, activation):
@@ -349,7 +359,10 @@ class LinearOp:
             x, weight, out, bias, what, norm_weight, eps, gated
         ):
             return
-        rmsnorm(self._rt, x, None, norm_weight, eps, normed)
+        if add_first is None:
+            rmsnorm(self._rt, x, None, norm_weight, eps, normed)
+        else:  # x += add_first, then normed = rmsnorm(x): one add_rmsnorm kernel
+            rmsnorm(self._rt, add_first, x, norm_weight, eps, normed)
         if activation is None:
             self(normed, weight, out, bias)
         elif not self._fused_gemv(normed, weight, out, None, f"gated_{_ACTIVATION_NAMES[activation]}", None, 0.0, True):
@@ -366,6 +379,7 @@ class LinearOp:
         bias: CudaTensor | None,
         q_out: CudaTensor,
         rope: RopeTargets,
+        add_first: CudaTensor | None = None,
     ) -> bool:
         """rmsnorm(x) times the fused q | k | v projection as one GEMV that normalises x as it
         loads it and rotates q and k and writes the cache in its epilogue (one token row of up to
@@ -390,6 +404,8 @@ class LinearOp:
             checks.dtype(bias, "bias", (DType.BF16,))
         what = f"rmsnorm_{checks.type_suffix(norm_weight.dtype)}_rope_{checks.type_suffix(rope.table.dtype)}"
         rows = 4 if features // 4 >= 2 * self._rt.num_sms else 2
+        if add_first is not None:
+            add_into(self._rt, add_first, x)
         self._rt.launch(
             "gemv",
             f"gemv_{what}_r{rows}_t1",

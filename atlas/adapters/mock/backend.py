@@ -211,17 +211,27 @@ class MockGpuBackend:
             result += bias.weight_f32()
         out.data[...] = result
 
-    def linear_add(self, x: MockTensor, weight: MockTensor, residual: MockTensor, scratch: MockTensor) -> None:
+    def linear_add(
+        self, x: MockTensor, weight: MockTensor, residual: MockTensor, scratch: MockTensor, defer: bool = False
+    ) -> bool:
         self.linear(x, weight, scratch)
+        if defer:  # the next norm adds it (add_first), as CUDA does past its GEMV sizes
+            return True
         self._enter("add")
         residual.data[...] = residual.as_f32() + scratch.as_f32()
+        return False
 
     def fold_rmsnorm(self, norm_weight: MockTensor, weight: MockTensor) -> bool:
         # The mock keeps the reference's order of operations (the norm weight times x), so that
         # it rounds as transformers does; CUDA folds where that removes a kernel.
         return False
 
-    def _rmsnorm_input(self, x: MockTensor, norm_weight: MockTensor | None, eps: float, normed: MockTensor) -> None:
+    def _rmsnorm_input(
+        self, x: MockTensor, norm_weight: MockTensor | None, eps: float, normed: MockTensor, add_first: MockTensor | None
+    ) -> None:
+        if add_first is not None:
+            self._enter("add")
+            x.data[...] = x.as_f32() + add_first.as_f32()
         if norm_weight is not None:
             self.rmsnorm(x, norm_weight, eps, normed)
         else:  # the projection carries the norm weight (fold_rmsnorm)
@@ -237,8 +247,9 @@ class MockGpuBackend:
         out: MockTensor,
         normed: MockTensor,
         bias: MockTensor | None = None,
+        add_first: MockTensor | None = None,
     ) -> None:
-        self._rmsnorm_input(x, norm_weight, eps, normed)
+        self._rmsnorm_input(x, norm_weight, eps, normed, add_first)
         self.linear(normed, weight, out, bias)
 
     def rmsnorm_gated_linear(
@@ -251,8 +262,9 @@ class MockGpuBackend:
         out: MockTensor,
         normed: MockTensor,
         scratch: MockTensor,
+        add_first: MockTensor | None = None,
     ) -> None:
-        self._rmsnorm_input(x, norm_weight, eps, normed)
+        self._rmsnorm_input(x, norm_weight, eps, normed, add_first)
         self.linear(normed, weight, scratch)
         self.act_mul(scratch, activation, out)
 
@@ -301,8 +313,9 @@ class MockGpuBackend:
         normed: MockTensor,
         q_norm: MockTensor | None = None,
         k_norm: MockTensor | None = None,
+        add_first: MockTensor | None = None,
     ) -> None:
-        self.rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed, bias)
+        self.rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed, bias, add_first)
         self.rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm, eps)
 
     def attention(

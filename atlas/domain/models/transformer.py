@@ -21,6 +21,9 @@ normalise x themselves: rows up to 2048 wide as they load it; wider rows after t
 the norm weight having been folded into the projection at load (`fold_norm_weights`). A
 batch-1 layer is five kernels up to width 2048 (qkv + rope + cache write, attention, o_proj,
 gate_up, down) and six above it, where RoPE and the cache write are a kernel of their own.
+Past the GEMV sizes an output projection's product may wait for the norm after it
+(`linear_add(..., defer=True)` returns True; that norm takes it as `add_first`), so that the
+add and the norm are one kernel.
 """
 
 from __future__ import annotations
@@ -170,8 +173,12 @@ class Transformer:
         num_tokens = step.meta.num_tokens
         residual = workspace.residual.rows(0, num_tokens)
         backend.embedding(step.token_ids, self.embedding, residual)
+        pending = None  # a product the last layer left for the final norm to add (linear_add)
         for index, layer in enumerate(self.layers):
-            self._layer(index, layer, step.meta, kv, workspace, num_tokens)
+            last = index == len(self.layers) - 1
+            # The final norm takes the add only where it reads the residual itself (no gather).
+            pending = self._layer(index, layer, step.meta, kv, workspace, num_tokens, pending,
+                                  defer_down=not last or step.sample_indices is None)
         sample_normed = workspace.sample_normed.rows(0, num_sample_rows)
         logits = workspace.logits.rows(0, num_sample_rows)
         if step.sample_indices is None:  # a decode step samples every row: no gather
@@ -179,7 +186,9 @@ class Transformer:
         else:
             sample_hidden = workspace.sample_hidden.rows(0, num_sample_rows)
             backend.gather_rows(residual, step.sample_indices, sample_hidden)
-        backend.rmsnorm_linear(sample_hidden, self.final_norm, eps, self.lm_head, logits, sample_normed)
+        backend.rmsnorm_linear(
+            sample_hidden, self.final_norm, eps, self.lm_head, logits, sample_normed, add_first=pending
+        )
         return logits
 
     def _layer(
@@ -190,7 +199,12 @@ class Transformer:
         kv: KvCache,
         workspace: Workspace,
         num_tokens: int,
-    ) -> None:
+        pending: Tensor | None,
+        defer_down: bool,
+    ) -> Tensor | None:
+        """One layer over the residual stream; `pending`: the previous layer's down projection,
+        still to be added into the residual (its norm here adds it). Returns this layer's, or
+        None where the backend added it (or `defer_down` is False)."""
         backend, eps, attention = self.backend, self.config.rms_norm_eps, layer.attention
         residual = workspace.residual.rows(0, num_tokens)
         normed = workspace.normed.rows(0, num_tokens)
@@ -217,11 +231,15 @@ class Transformer:
             normed,
             attention.q_norm,
             attention.k_norm,
+            pending,
         )
         backend.attention(
             queries, kv, index, meta, self.heads, self.attention_scale, attention_out, layer.sliding_window
         )
-        backend.linear_add(attention_out, attention.output, residual, delta)
+        deferred = backend.linear_add(attention_out, attention.output, residual, delta, defer=True)
         post_norm, mlp = layer.post_attention_norm, layer.mlp
-        backend.rmsnorm_gated_linear(residual, post_norm, eps, mlp.gate_up, mlp.activation, mlp_out, normed, mlp_hidden)
-        backend.linear_add(mlp_out, layer.mlp.down, residual, delta)
+        backend.rmsnorm_gated_linear(
+            residual, post_norm, eps, mlp.gate_up, mlp.activation, mlp_out, normed, mlp_hidden, delta if deferred else None
+        )
+        deferred = backend.linear_add(mlp_out, layer.mlp.down, residual, delta, defer=defer_down)
+        return delta if deferred else None
