@@ -177,8 +177,10 @@ class Transformer:
         for index, layer in enumerate(self.layers):
             last = index == len(self.layers) - 1
             # The final norm takes the add only where it reads the residual itself (no gather).
-            pending = self._layer(index, layer, step.meta, kv, workspace, num_tokens, pending,
-                                  defer_down=not last or step.sample_indices is None)
+            pending = self._layer(
+                index, layer, step.meta, kv, workspace, num_tokens, pending,
+                defer_down=not last or step.sample_indices is None,
+            )
         sample_normed = workspace.sample_normed.rows(0, num_sample_rows)
         logits = workspace.logits.rows(0, num_sample_rows)
         if step.sample_indices is None:  # a decode step samples every row: no gather
