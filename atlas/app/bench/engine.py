@@ -123,7 +123,8 @@ def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], pref
     decode_rows = []
     for row in decode:
         entry = {
-            "batch": row.batch, "context": row.context_len, "tokens_per_s": row.tokens_per_s,
+            "batch": row.batch, "context": row.context_len, "mean_context": row.mean_context,
+            "tokens_per_s": row.tokens_per_s,
             "step_ms": 1e3 * row.step_s, "device_step_ms": 1e3 * row.device_step_s,
             "host_gap_fraction": row.host_gap_fraction, "roofline_step_ms": 1e3 * row.roofline_step_s,
             "roofline_fraction": row.roofline_fraction,
@@ -162,11 +163,13 @@ def _print(report: dict) -> None:
     print(f"device {report['device']}; {report['model']}; weights read per decode step "
           f"{report['weight_gb_per_step']:.2f} GB; copy {report['copy_tb_per_s']:.2f} TB/s; "
           f"bf16 GEMM {report['gemm_tflops']:.1f} TFLOP/s")
-    print(f"{'batch':>5} {'tok/s':>10} {'step ms':>8} {'device ms':>9} {'host gap':>8} {'roofline':>8} {'vs ref':>7}")
+    print(f"{'batch':>5} {'context':>7} {'tok/s':>10} {'step ms':>8} {'device ms':>9} {'host gap':>8} {'roofline':>8} "
+          f"{'vs ref':>7}")
     for row in report["decode"]:
         vs = f"{row['speedup_vs_reference']:.2f}x" if "speedup_vs_reference" in row else "-"
-        print(f"{row['batch']:>5} {row['tokens_per_s']:>10.1f} {row['step_ms']:>8.3f} {row['device_step_ms']:>9.3f} "
-              f"{100 * row['host_gap_fraction']:>7.1f}% {100 * row['roofline_fraction']:>7.1f}% {vs:>7}")
+        print(f"{row['batch']:>5} {row['mean_context']:>7.1f} {row['tokens_per_s']:>10.1f} {row['step_ms']:>8.3f} "
+              f"{row['device_step_ms']:>9.3f} {100 * row['host_gap_fraction']:>7.1f}% {100 * row['roofline_fraction']:>7.1f}% "
+              f"{vs:>7}")
     if report["step_ratio_64_vs_1"] is not None:
         print(f"batch-64 step / batch-1 step: {report['step_ratio_64_vs_1']:.2f}")
     if report["prefill"]:

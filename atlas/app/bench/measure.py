@@ -30,6 +30,7 @@ class Ceilings:
 class DecodeResult:
     batch: int
     context_len: int
+    mean_context: float  # the timed steps' mean context (their KV read), centred on context_len
     steps: int
     step_s: float  # engine step, host included (steps overlap)
     device_step_s: float  # the same step replayed back to back: device time alone
@@ -111,8 +112,10 @@ def kv_bytes_per_token(engine: LoadedEngine) -> int:
 
 def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_tokens: int,
                    bandwidth: float, seed: int = 0) -> DecodeResult:
-    """`batch` sequences of `context_len` random tokens, then `decode_tokens` timed steps in which
-    every one of them decodes (none finishes inside the window; all are aborted after it).
+    """`batch` sequences decoding `decode_tokens` timed steps (none finishes inside the window;
+    all are aborted after it) at a context of `context_len`: the prompts are shorter by half the
+    window (and the first token and a warm-up step), so the timed steps' contexts centre on
+    `context_len` instead of all lying past it.
 
     The roofline counts the KV bytes each timed step really reads (the contexts it scheduled).
     """
@@ -122,8 +125,11 @@ def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_to
     # generous: sequences that finished prefilling first keep decoding until the window closes
     params = SamplingParams(temperature=0.0, max_tokens=4 * decode_tokens + 64, ignore_eos=True)
     request_ids = [f"decode-{batch}-{seed}-{index}" for index in range(batch)]
+    # A step's context counts its own token: the two steps before the window read prompt + 1 and
+    # + 2, timed step j prompt + 3 + j, so the window's mean is context_len (+ 0.5 for even counts).
+    prompt_len = max(1, context_len - (decode_tokens + 5) // 2)
     for index, request_id in enumerate(request_ids):
-        prompt = tuple(int(t) for t in rng.integers(0, vocab, size=context_len))
+        prompt = tuple(int(t) for t in rng.integers(0, vocab, size=prompt_len))
         core.add_request(Request(request_id, prompt, params, seed=index))
     seen: set[str] = set()
     while len(seen) < batch:  # prefill until every sequence has its first token
@@ -155,7 +161,8 @@ def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_to
     device_step_s = _replay_device_time(engine, decoding[len(decoding) // 2])
     mean_context = np.mean([sum(s.context_len for s in b.sequences) for b in decoding])
     read_bytes = weight_bytes_per_step(engine) + mean_context * kv_bytes_per_token(engine)
-    return DecodeResult(batch, context_len, decode_tokens, step_s, device_step_s, read_bytes / bandwidth)
+    return DecodeResult(batch, context_len, float(mean_context) / batch, decode_tokens, step_s, device_step_s,
+                        read_bytes / bandwidth)
 
 
 def _replay_device_time(engine: LoadedEngine, batch: ScheduledBatch, repeats: int = 30) -> float:
