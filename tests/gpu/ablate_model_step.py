@@ -18,10 +18,9 @@ from contextlib import ExitStack
 from dataclasses import replace
 
 import numpy as np
-from bench_model_step import LLAMA_8B, _BLOCK_SIZE, Events, RandomFill, build_model, copy_rate, decode_step_us
+from bench_model_step import Events, RandomFill, copy_rate, decode_step_us, llama_8b_with_kv
 
 from atlas.adapters.cuda import CudaGpuBackend, ops_attention, ops_dense
-from atlas.ports.gpu import DType, KvCacheSpec
 
 # What to leave out: (module, function) pairs replaced by a no-op during capture.
 _LEFT_OUT = {
@@ -62,12 +61,7 @@ def main(argv: list[str]) -> int:
     events = Events(backend)
     bandwidth = copy_rate(backend, events)
     fill = RandomFill(backend, np.random.default_rng(0), 0.02)
-    model = build_model(backend, fill, LLAMA_8B, 8192)
-    config = model.config
-    kv_blocks = max(batches) * 512 // _BLOCK_SIZE + 64
-    spec = KvCacheSpec(config.num_layers, kv_blocks, _BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
-    kv = backend.allocate_kv_cache(spec)
-    fill.fill_bytes(kv.base_address, spec.total_bytes)
+    model, kv = llama_8b_with_kv(backend, fill, max(batches))
 
     variants = [("whole step", [], True)]
     if not (attention_only or gemm_only):

@@ -210,9 +210,26 @@ class Events:
         return statistics.median(samples)
 
 
+def llama_8b_with_kv(backend, fill, max_batch: int, context: int = 512):
+    """The Llama-3.1-8B shape over random weights, and a filled KV cache for `max_batch`
+    sequences of `context` tokens."""
+    model = build_model(backend, fill, LLAMA_8B, 8192)
+    config = model.config
+    blocks = max_batch * context // _BLOCK_SIZE + 64
+    spec = KvCacheSpec(config.num_layers, blocks, _BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
+    kv = backend.allocate_kv_cache(spec)
+    fill.fill_bytes(kv.base_address, spec.total_bytes)
+    return model, kv
+
+
 def decode_step_us(backend, events, fill, model, kv, batch: int, context: int, sample: bool = True) -> float:
     """Device microseconds of one captured decode step (forward, then greedy sampling unless
     `sample` is False) at `batch`."""
+    return events.median_us(capture_decode_step(backend, model, kv, batch, context, sample).replay, repeats=20)
+
+
+def capture_decode_step(backend, model, kv, batch: int, context: int, sample: bool = True):
+    """The decode step of `batch` sequences at `context` tokens, captured (and replayed once)."""
     step, _ = step_inputs(backend, model, [context] * batch, [1] * batch)
     workspace = model.allocate_workspace(batch, batch)
     params = greedy_params(backend, batch)
@@ -227,7 +244,7 @@ def decode_step_us(backend, events, fill, model, kv, batch: int, context: int, s
     backend.synchronize()
     graph = backend.capture(forward)
     graph.replay()
-    return events.median_us(graph.replay, repeats=20)
+    return graph
 
 
 def with_features(backend, **changes) -> None:

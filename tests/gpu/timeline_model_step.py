@@ -24,10 +24,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_model_step import _BLOCK_SIZE, LLAMA_8B, Events, RandomFill, build_model, greedy_params, step_inputs
+from bench_model_step import Events, RandomFill, capture_decode_step, llama_8b_with_kv
 
 from atlas.adapters.cuda import CudaGpuBackend
-from atlas.ports.gpu import DType, KvCacheSpec
 
 _GEMMS = ("qkv", "o", "gate_up", "down")
 _KINDS = ("attention_decode", "rope", "add_rmsnorm", "rmsnorm", "act_mul", "add_into", "gather", "sample", "gemv")
@@ -82,24 +81,6 @@ def _table(kernels: list[dict], num_layers: int) -> tuple[dict, float]:
     return {kind: [value / count for value in row] for kind, row in totals.items()}, float(np.mean(walls))
 
 
-def _captured_step(backend, events, model, kv, batch: int):
-    """The decode step of `batch` sequences at 512 tokens with greedy sampling, captured: its
-    device time by events, and the graph."""
-    step, _ = step_inputs(backend, model, [512] * batch, [1] * batch)
-    workspace = model.allocate_workspace(batch, batch)
-    params = greedy_params(backend, batch)
-    out_ids = backend.empty((batch,), DType.I32)
-
-    def forward() -> None:
-        backend.sample(model.forward(step, kv, workspace, batch), params, out_ids)
-
-    forward()  # eager first: cuBLASLt times its candidates outside the capture
-    backend.synchronize()
-    graph = backend.capture(forward)
-    graph.replay()
-    return events.median_us(graph.replay, repeats=20), graph
-
-
 def main(argv: list[str]) -> int:
     batches = [int(b) for b in argv if b.isdigit()] or [1, 64]
     runs = [(b, False) for b in batches] + ([(b, True) for b in batches if b > 8] if "skinny" in argv else [])
@@ -108,16 +89,13 @@ def main(argv: list[str]) -> int:
     features = rt.features
     events = Events(backend)
     fill = RandomFill(backend, np.random.default_rng(0), 0.02)
-    model = build_model(backend, fill, LLAMA_8B, 8192)
+    model, kv = llama_8b_with_kv(backend, fill, max(batches))
     config = model.config
-    blocks = max(batches) * 512 // _BLOCK_SIZE + 64
-    spec = KvCacheSpec(config.num_layers, blocks, _BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
-    kv = backend.allocate_kv_cache(spec)
-    fill.fill_bytes(kv.base_address, spec.total_bytes)
     torch.cuda.init()
     for batch, skinny in runs:
         rt.features = dataclasses.replace(features, skinny_gemm=skinny)
-        event_us, graph = _captured_step(backend, events, model, kv, batch)
+        graph = capture_decode_step(backend, model, kv, batch, 512)
+        event_us = events.median_us(graph.replay, repeats=20)
         table, wall = _table(_kernels(graph, backend), config.num_layers)
         print(
             f"batch {batch}{' (skinny_gemm)' if skinny else ''}: step {event_us:.0f} us by events, "
