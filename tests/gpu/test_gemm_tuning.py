@@ -63,6 +63,31 @@ def test_tuned_linear_matches_float64(cuda_backend, rng, num_tokens, num_rows, i
 
 
 @pytest.mark.gpu
+def test_every_decode_candidate_computes_the_product(cuda_backend, rng):
+    """Decode-sized N races the heuristic's picks, their split-K copies and the tile variants
+    (other tiles and clusters of the first pick): each one that joins must compute the product."""
+    from atlas.adapters.cuda import cublaslt
+
+    gemm = cuda_backend._linear._gemm
+    if gemm._tuning is None:
+        pytest.skip("cuBLASLt tuning is off (ATLAS_CUDA_DISABLE=gemm_tuning)")
+    num_tokens, num_rows, inner = 40, 3072, 2048
+    x = bf16(rng.standard_normal((num_tokens, inner)))
+    weight = bf16(rng.standard_normal((num_rows, inner)) / np.sqrt(inner))
+    expected = x.astype(np.float64) @ weight.astype(np.float64).T
+    x_device, weight_device = cuda_backend.upload(x, DType.BF16), cuda_backend.upload(weight, DType.BF16)
+    plan = gemm._build(num_tokens, num_rows, inner, DType.BF16, DType.BF16, False)
+    heuristic = gemm._heuristic(plan.descriptor, plan.layouts, cublaslt._HEURISTIC_CANDIDATES)
+    variants = gemm._tile_variants(plan.descriptor, plan.layouts, heuristic[0], num_tokens, heuristic)
+    assert len(variants) > 0 and len(plan.candidates) > len(heuristic)  # split-K copies at least
+    plan.candidates = np.concatenate([plan.candidates, variants])  # (this weight fits in L2: none raced)
+    for index in range(len(plan.candidates)):
+        out = poisoned(cuda_backend, (num_tokens, num_rows), DType.BF16)
+        gemm._enqueue(plan, index, (x_device.address, weight_device.address, out.address))
+        assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE, f"candidate {index}"
+
+
+@pytest.mark.gpu
 def test_a_fresh_backend_takes_the_stored_winner_without_timing(tmp_path, rng, monkeypatch):
     from atlas.adapters import cuda
     from atlas.adapters.cuda import gemm_tuning

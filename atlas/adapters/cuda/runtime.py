@@ -165,6 +165,7 @@ class CudaRuntime:
         self.num_sms = int(properties.multiprocessor_count)
         self.max_shared_optin = int(properties.max_shared_memory_per_block_optin)
         self.max_shared_per_sm = int(properties.max_shared_memory_per_multiprocessor)
+        self.l2_bytes = int(properties.l2_cache_size)
         self.device_name = str(self.device.name)
         self.stream = self.device.create_stream()
         self.stream_handle = int(self.stream.handle)
