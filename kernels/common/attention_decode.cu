@@ -650,8 +650,10 @@ DEFINE_DECODE_HEADS(256)
             num_splits, min_split_tokens);                                                                       \
     }
 
-// (warps, stages) = (4, 3) at head_dim 128 was the fastest Llama-3.1-8B batch-64 step of
-// (4, 2), (4, 3), (4, 4), (2, 3), (2, 4), (8, 2) on an H200 (docs/cuda-notes.md, run 8).
+// Head dim 128 has two shapes, one and two blocks per SM; the host takes the one whose single
+// wave the batch's blocks fill best (ops_attention.decode_mma_shape; measured on an H200 in
+// docs/cuda-notes.md, runs 8 and 14).
 DEFINE_DECODE_MMA(64, 4, 3)
 DEFINE_DECODE_MMA(128, 4, 3)
+DEFINE_DECODE_MMA(128, 8, 2)
 DEFINE_DECODE_MMA(256, 4, 2)

@@ -227,6 +227,10 @@ ATTENTION_CASES = [
     (HeadLayout(16, 16, 128), [5, 1, 3], [2, 1, 3], 2, 8),  # tiny window, spec-decode shapes
     (HeadLayout(24, 2, 128), [16, 17, 15, 1, 300], [1, 1, 1, 1, 1], None, 8),  # GQA 12, tile edges
     (HeadLayout(8, 2, 64), [999, 64, 130], [1, 1, 1], 100, 64),  # decode window off tile edges
+    # batches whose blocks take each head-dim-128 decode shape (decode_mma_shape, 132 SMs):
+    (HeadLayout(32, 8, 128), [37 * i % 700 + 1 for i in range(8)], [1] * 8, None, 16),  # 64: (8, 2), 2 splits
+    (HeadLayout(32, 8, 128), [53 * i % 600 + 1 for i in range(24)], [1] * 24, None, 16),  # 192: (4, 3)
+    (HeadLayout(32, 8, 128), [29 * i % 500 + 1 for i in range(70)], [1] * 70, None, 16),  # 560: (4, 3), waves
 ]
 
 

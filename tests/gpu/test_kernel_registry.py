@@ -289,6 +289,27 @@ def test_skinny_plan_gives_every_sm_the_same_bytes():
     assert skinny_plan(4096, False, 128, 132, blocks).splits == 1
 
 
+def test_decode_attention_fills_one_wave_with_the_roomiest_shape():
+    """Head dim 128 on 132 SMs with 228 KB each (one (8, 2) or two (4, 3) blocks per SM): batches
+    up to one block per SM take (8, 2) and split up to one wave; those that fill more than half
+    of (4, 3)'s wave take it unsplit, and so do more blocks than a wave holds (the default). The
+    SIMT kernel still splits to two waves."""
+    pytest.importorskip("cuda.bindings", reason="the cuda extra is not installed")
+    from atlas.adapters.cuda.ops_attention import decode_mma_shape, decode_split_count
+
+    smem = 228 * 1024
+    by_batch = {batch: decode_mma_shape(128, batch * 8, 132, smem) for batch in (1, 8, 16, 17, 33, 34, 128)}
+    assert by_batch == {
+        **{batch: (8, 2, 1) for batch in (1, 8, 16)},  # up to 132 blocks
+        **{batch: (4, 3, 2) for batch in (17, 33, 34, 128)},  # 136 .. 264, and more than a wave
+    }
+    assert decode_mma_shape(64, 8, 132, smem) == (4, 3, 4)  # the only shape of head dim 64
+    # one wave: batch 1's 8 blocks split 8 ways (64-token splits of 512), batch 8's 64 blocks 2 ways
+    assert [decode_split_count(132, b, 512, 1, 64, waves=1) for b in (8, 64, 128, 132)] == [8, 2, 1, 1]
+    assert decode_split_count(132, 8, 100_000, 1, 64, waves=1) == 16
+    assert decode_split_count(132, 64, 100_000, 2, 128) == 8  # SIMT: two waves
+
+
 def test_kernel_parameters_pack_as_the_kernel_declares_them():
     """Launches that take tensor maps build their own `void**` array (tma.py): addresses as 8
     bytes, numpy scalars at their width, a tensor map as its 128 bytes, anything else refused."""

@@ -25,7 +25,15 @@ _WGMMA_ROWS = 128
 _WGMMA_THREADS = 256
 _DECODE_THREADS = 128
 # attention_decode_mma_d<D>_w<warps>_s<stages>: warps per block, K/V tiles in each warp's ring.
-DECODE_MMA_SHAPES = {64: (4, 3), 128: (4, 3), 256: (4, 2)}
+# Where a head dim has several, `decode_mma_shape` picks by the batch's blocks: the first (the
+# default) when none holds them all in one wave; else, of those that do, the one with the fewest
+# blocks per SM among those the blocks fill more than half of, or among all that hold them when
+# the batch fills none that far (it is then split). Head dim 128 on an H200 (Llama-3.1-8B steps
+# at 512 tokens, us, against (4, 3) with two-wave splits): (8, 2) at batch 1 3870 against 3915,
+# at 8 4762 against 5039 (one-wave splits, 4927 with (4, 3)), at 16 4652 against 5063; a third
+# shape of four blocks per SM, (2, 3), won at batch 48-64 on one H200 and lost on another, so it
+# is not kept (docs/cuda-notes.md run 14).
+DECODE_MMA_SHAPES = {64: ((4, 3),), 128: ((4, 3), (8, 2)), 256: ((4, 2),)}
 _ROPE_WARPS = 4  # heads per block of rope_and_cache (a warp each)
 _MAX_SPLITS = 128
 # A decode split reads at least this many context tokens: shorter ones spend more on their
@@ -288,16 +296,39 @@ def _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, wi
 
 
 def decode_split_count(
-    num_sms: int, num_blocks_per_split: int, max_seq_len: int, blocks_per_sm: int = 2, min_tokens: int = 128
+    num_sms: int,
+    num_blocks_per_split: int,
+    max_seq_len: int,
+    blocks_per_sm: int = 2,
+    min_tokens: int = 128,
+    waves: int = 2,
 ) -> int:
-    """Splits of the context per (sequence, head group): none once the blocks fill every SM
-    (`blocks_per_sm` of them at once); below that, about two SMs' worth of blocks per SM, each
-    split reading at least `min_tokens` tokens."""
-    if num_blocks_per_split >= blocks_per_sm * num_sms:
+    """Splits of the context per (sequence, head group): as many as fit `waves` waves of the
+    blocks the GPU holds at once (`blocks_per_sm` per SM), each split reading at least
+    `min_tokens` tokens; none once the unsplit blocks fill a wave. The tensor-core kernel takes
+    one wave: a second wave of short splits costs more than it hides (H200, Llama-3.1-8B batch
+    16: 4759 us a step with 2 splits in one wave against 5063 with 5 splits in 2.4 waves); the
+    SIMT kernel, bound by issue, keeps two."""
+    slots = blocks_per_sm * num_sms
+    if num_blocks_per_split >= slots:
         return 1
-    wanted = -(-2 * blocks_per_sm * num_sms // num_blocks_per_split)
+    wanted = waves * slots // num_blocks_per_split
     by_length = max(1, -(-max_seq_len // min_tokens))
     return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+def decode_mma_shape(head_dim: int, num_blocks: int, num_sms: int, max_shared_per_sm: int) -> tuple[int, int, int]:
+    """(warps, stages, blocks per SM) of the tensor-core decode kernel for `num_blocks` blocks
+    before splitting (see DECODE_MMA_SHAPES)."""
+    shapes = [
+        (warps, stages, max(1, max_shared_per_sm // (decode_mma_shared_bytes(head_dim, warps, stages) + 1024)))
+        for warps, stages in DECODE_MMA_SHAPES[head_dim]
+    ]
+    holding = [shape for shape in shapes if shape[2] * num_sms >= num_blocks]
+    if not holding:
+        return shapes[0]
+    snug = [shape for shape in holding if shape[2] * num_sms < 2 * num_blocks]
+    return min(snug or holding, key=lambda shape: shape[2])
 
 
 def decode_heads_per_block(group: int, num_seqs: int, num_kv_heads: int, num_sms: int) -> int:
@@ -321,20 +352,20 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
     if rt.features.mma_decode and (block_size == 8 or block_size % 16 == 0):
         # Tensor cores: up to 8 query heads (the mma's n) per block, whatever the batch; a
         # 16-token tile's rows lie in one page (two at block size 8).
-        kind, heads_per_block = "mma", 8
-        warps, stages = DECODE_MMA_SHAPES[heads.head_dim]
+        kind, heads_per_block, waves = "mma", 8, 1
+        unsplit = meta.num_seqs * heads.num_kv_heads * -(-group // heads_per_block)
+        warps, stages, blocks_per_sm = decode_mma_shape(heads.head_dim, unsplit, rt.num_sms, rt.max_shared_per_sm)
         symbol, threads = f"attention_decode_mma_d{heads.head_dim}_w{warps}_s{stages}", warps * 32
         shared_bytes = decode_mma_shared_bytes(heads.head_dim, warps, stages)
-        blocks_per_sm = max(1, rt.max_shared_per_sm // (shared_bytes + 1024))
     else:
         kind = "simt"
         heads_per_block = decode_heads_per_block(group, meta.num_seqs, heads.num_kv_heads, rt.num_sms)
         symbol, threads = f"attention_decode_d{heads.head_dim}_h{heads_per_block}", _DECODE_THREADS
-        shared_bytes, blocks_per_sm = 0, 2
+        shared_bytes, blocks_per_sm, waves = 0, 2, 2
     head_groups = -(-group // heads_per_block)
     num_blocks = meta.num_seqs * heads.num_kv_heads * head_groups
     min_tokens = MIN_TOKENS_PER_SPLIT[kind]
-    splits = decode_split_count(rt.num_sms, num_blocks, meta.max_seq_len, blocks_per_sm, min_tokens)
+    splits = decode_split_count(rt.num_sms, num_blocks, meta.max_seq_len, blocks_per_sm, min_tokens, waves)
     partial_out = partial_lse = counters = 0
     if splits > 1:
         slots = meta.num_seqs * heads.num_q_heads * splits
