@@ -349,21 +349,24 @@ def decode_mma_shared_bytes(head_dim: int, warps: int, stages: int) -> int:
 
 def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window) -> None:
     group = heads.num_q_heads // heads.num_kv_heads
-    if rt.features.mma_decode and (block_size == 8 or block_size % 16 == 0):
-        # Tensor cores: up to 8 query heads (the mma's n) per block, whatever the batch; a
-        # 16-token tile's rows lie in one page (two at block size 8).
-        kind, heads_per_block, waves = "mma", 8, 1
-        unsplit = meta.num_seqs * heads.num_kv_heads * -(-group // heads_per_block)
-        warps, stages, blocks_per_sm = decode_mma_shape(heads.head_dim, unsplit, rt.num_sms, rt.max_shared_per_sm)
+    # Tensor cores: up to 8 query heads (the mma's n) per block, whatever the batch; a 16-token
+    # tile's rows lie in one page (two at block size 8).
+    mma = rt.features.mma_decode and (block_size == 8 or block_size % 16 == 0)
+    if mma:
+        heads_per_block = 8
+    else:
+        heads_per_block = decode_heads_per_block(group, meta.num_seqs, heads.num_kv_heads, rt.num_sms)
+    head_groups = -(-group // heads_per_block)
+    num_blocks = meta.num_seqs * heads.num_kv_heads * head_groups
+    if mma:
+        kind, waves = "mma", 1
+        warps, stages, blocks_per_sm = decode_mma_shape(heads.head_dim, num_blocks, rt.num_sms, rt.max_shared_per_sm)
         symbol, threads = f"attention_decode_mma_d{heads.head_dim}_w{warps}_s{stages}", warps * 32
         shared_bytes = decode_mma_shared_bytes(heads.head_dim, warps, stages)
     else:
-        kind = "simt"
-        heads_per_block = decode_heads_per_block(group, meta.num_seqs, heads.num_kv_heads, rt.num_sms)
+        kind, waves = "simt", 2
         symbol, threads = f"attention_decode_d{heads.head_dim}_h{heads_per_block}", _DECODE_THREADS
-        shared_bytes, blocks_per_sm, waves = 0, 2, 2
-    head_groups = -(-group // heads_per_block)
-    num_blocks = meta.num_seqs * heads.num_kv_heads * head_groups
+        shared_bytes, blocks_per_sm = 0, 2
     min_tokens = MIN_TOKENS_PER_SPLIT[kind]
     splits = decode_split_count(rt.num_sms, num_blocks, meta.max_seq_len, blocks_per_sm, min_tokens, waves)
     partial_out = partial_lse = counters = 0
