@@ -184,6 +184,22 @@ __device__ __forceinline__ float block_sum(float x, float* scratch) {
     return total;
 }
 
+// 1 / sqrt(mean(row^2) + eps) of a bf16 row of `width` (a multiple of 8, 16-byte aligned),
+// summed over the whole block; every thread gets it. `scratch`: as block_sum's. The RMS of a norm
+// whose weight was folded into the projection after it, taken by the kernel that consumes the
+// product (RoPE, act_mul) instead of a norm kernel before it.
+__device__ __forceinline__ float block_inverse_rms(const bf16* row, int width, float eps, float* scratch) {
+    float sum_squares = 0.0f;
+#pragma unroll 4
+    for (int col = threadIdx.x * 8; col < width; col += blockDim.x * 8) {
+        float values[8];
+        load8(row + col, values);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum_squares += values[i] * values[i];
+    }
+    return 1.0f / sqrtf(block_sum(sum_squares, scratch) / width + eps);
+}
+
 __device__ __forceinline__ float block_max(float x, float* scratch) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int num_warps = (blockDim.x + 31) >> 5;

@@ -6,6 +6,10 @@
 //                 Bytes: 2 * R * row_bytes + 4 R.  FLOPs: 0.
 // act_mul_*:      out[n, i] = act(x[n, i]) * x[n, I + i]       x [N, 2I], out [N, I].
 //                 Bytes: 3 * N * I * sizeof(T).  FLOPs: ~10 N I (one exp or tanh each).
+// act_mul_rms_<act>_bf16_vec8:  act_mul of x [N, 2I] = h W^T scaled by each token's inverse RMS
+//                 first: out[n, i] = act(s_n x[n, i]) * s_n x[n, I + i], s_n = 1 / sqrt(mean(h[n]^2) +
+//                 eps), h [N, H] the projection's input, its norm weight folded into W. grid (chunks
+//                 of I, N). Bytes: 3 N I * 2 + N H * 2 per chunk.
 // add_into_bf16:  residual[i] = bf16(residual[i] + delta[i]), both bf16: the residual add after
 //                 a GEMM.  Bytes: 6 n.
 // scale_columns_bf16_<scale type>:  w[m, k] = bf16(w[m, k] * scale[k]), w [M, K] in place: an
@@ -99,6 +103,36 @@ DEFINE_ACT_MUL(silu_bf16, bf16, SiluOp)
 DEFINE_ACT_MUL(silu_f32, float, SiluOp)
 DEFINE_ACT_MUL(gelu_tanh_bf16, bf16, GeluTanhOp)
 DEFINE_ACT_MUL(gelu_tanh_f32, float, GeluTanhOp)
+
+// One token row per blockIdx.y; every block of the row takes its RMS (an L2 read of H values).
+template <typename Act>
+__device__ __forceinline__ void act_mul_rms_vec8(const bf16* x, bf16* out, const bf16* rms_source, float eps,
+                                                 int inner, int width) {
+    __shared__ float scratch[32];
+    const long long token = blockIdx.y;
+    const float scale = block_inverse_rms(rms_source + token * width, width, eps, scratch);
+    const bf16* row = x + token * 2 * inner;
+    bf16* out_row = out + token * inner;
+    const Act act;
+    for (int col = (blockIdx.x * blockDim.x + threadIdx.x) * 8; col < inner; col += gridDim.x * blockDim.x * 8) {
+        float gate[8], up[8], result[8];
+        load8(row + col, gate);
+        load8(row + inner + col, up);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) result[i] = act(gate[i] * scale) * (up[i] * scale);
+        store8(out_row + col, result);
+    }
+}
+
+#define DEFINE_ACT_MUL_RMS(NAME, ACT)                                                                  \
+    extern "C" __global__ void act_mul_rms_##NAME##_bf16_vec8(const bf16* x, bf16* out, const bf16* rms_source, \
+                                                             float eps, int inner, int width) {         \
+        dependent_launch_entry();                                                                      \
+        act_mul_rms_vec8<ACT>(x, out, rms_source, eps, inner, width);                                  \
+    }
+
+DEFINE_ACT_MUL_RMS(silu, SiluOp)
+DEFINE_ACT_MUL_RMS(gelu_tanh, GeluTanhOp)
 
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void add_into_bf16(bf16* residual, const bf16* delta, long long count) {

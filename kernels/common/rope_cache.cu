@@ -13,6 +13,9 @@
 //       y[i]       = x[i] cos[i] - x[i + r/2] sin[i]
 //       y[i + r/2] = x[i + r/2] cos[i] + x[i] sin[i]
 //   A negative slot skips the K/V write (padding rows of a captured graph).
+//   rms_source (may be null) [N, rms_width] bf16: the unnormalised input of the projection whose
+//   norm weight was folded into it; every q, k, v value is first scaled by the token's
+//   1 / sqrt(mean(rms_source^2) + eps), which makes the norm kernel before the product needless.
 //
 // grid = (token, group of 4 heads): a block of 4 warps, a warp per head (a decode token's heads
 // spread over the SMs instead of queueing in one block). Bytes: read N (Hq + 2 Hkv) D * 2 + N r * 4,
@@ -28,8 +31,10 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
                                                     const TABLE* table, int max_position, bf16* k_plane,
                                                     bf16* v_plane, bf16* q_out, const W* q_norm, const W* k_norm,
                                                     float eps, int num_q_heads, int num_kv_heads, int head_dim,
-                                                    int rotary_dim, int block_size) {
+                                                    int rotary_dim, int block_size, const bf16* rms_source,
+                                                    int rms_width) {
     __shared__ float head_values[ROPE_WARPS][ROPE_MAX_HEAD_DIM];
+    __shared__ float rms_scratch[32];
     const int token = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int total_heads = num_q_heads + 2 * num_kv_heads;
@@ -54,13 +59,17 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
         sin_values[j] = rotated ? to_float(cos_row[half + pair]) : 0.0f;
     }
     dependent_launch_entry();
+    // Every thread of the block takes part in the sum (before any warp leaves).
+    const float scale = rms_source == nullptr
+                            ? 1.0f
+                            : block_inverse_rms(rms_source + (long long)token * rms_width, rms_width, eps, rms_scratch);
     if (head >= total_heads) return;
     float* values = head_values[warp];
     const bf16* in = qkv + token * row_stride + (long long)head * head_dim;
 
     float sum_squares = 0.0f;
     for (int d = lane; d < head_dim; d += 32) {
-        const float v = to_float(in[d]);
+        const float v = to_float(in[d]) * scale;
         values[d] = v;
         sum_squares += v * v;
     }
@@ -98,10 +107,11 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
     extern "C" __global__ void __launch_bounds__(ROPE_WARPS * 32) rope_and_cache_##SUFFIX(                     \
         const bf16* qkv, const int* positions, const int* slot_mapping, const TABLE* table, int max_position,  \
         bf16* k_plane, bf16* v_plane, bf16* q_out, const W* q_norm, const W* k_norm, float eps,                \
-        int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, int block_size) {                     \
+        int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, int block_size,                       \
+        const bf16* rms_source, int rms_width) {                                                               \
         rope_and_cache_impl<TABLE, W>(qkv, positions, slot_mapping, table, max_position, k_plane, v_plane,     \
                                       q_out, q_norm, k_norm, eps, num_q_heads, num_kv_heads, head_dim,         \
-                                      rotary_dim, block_size);                                                 \
+                                      rotary_dim, block_size, rms_source, rms_width);                          \
     }
 
 // Table type, then q/k norm weight type.

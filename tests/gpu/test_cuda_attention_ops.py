@@ -189,6 +189,94 @@ def test_qkv_rope_cache_one_token(
         assert np.isnan(got[others]).all()
 
 
+@pytest.mark.parametrize("heads, with_norm", [(HeadLayout(32, 8, 128), False), (HeadLayout(16, 8, 128), True)])
+def test_qkv_rope_cache_scales_after_the_product(cuda_backend, mock_backend, rng, heads, with_norm):
+    """Past the GEMV sizes, a folded norm (`rms_after_product`): cuBLASLt multiplies the
+    unnormalised rows and the RoPE kernel scales q, k and v by each token's inverse RMS before the
+    q/k norms and the rotation; no norm kernel runs. Against the mock (norm first) and against
+    CUDA with the norm kernel first (feature off): the q rows and the written cache slots agree
+    to bf16 rounding, and no other slot is written."""
+    from dataclasses import replace
+
+    hidden = 4096
+    case = paged_case(rng, heads, context_lens=[40, 77, 20], query_lens=[1, 12, 3])
+    num_tokens = len(case.positions)
+    width = heads.q_size + 2 * heads.kv_size
+    x = bf16(rng.standard_normal((num_tokens, hidden)) * 3)
+    x[2] *= 50  # rows of very different RMS
+    weight = bf16(rng.standard_normal((width, hidden)) / math.sqrt(hidden))
+    norm = bf16(rng.standard_normal(hidden) * 0.3 + 1)
+    q_norm, k_norm = (bf16(rng.standard_normal(heads.head_dim) * 0.2 + 1) for _ in range(2))
+    table = _rope_table(256, heads.head_dim)
+    rt = cuda_backend.runtime
+    saved = rt.features
+
+    def on_cuda(on: bool):
+        rt.features = replace(saved, rms_after_product=on)
+        try:
+            kv = cuda_backend.allocate_kv_cache(case.spec)
+            _poison_cache(cuda_backend, kv)
+            q_out = poisoned(cuda_backend, (num_tokens, heads.q_size), DType.BF16)
+            c_norm, c_weight = cuda_backend.upload(norm, DType.BF16), cuda_backend.upload(weight, DType.BF16)
+            assert cuda_backend.fold_rmsnorm(c_norm, c_weight)
+            normed = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
+            cuda_backend.qkv_rope_cache(
+                cuda_backend.upload(x, DType.BF16),
+                None,
+                1e-5,
+                c_weight,
+                None,
+                upload_metadata(cuda_backend, case),
+                cuda_backend.upload(table, DType.F32),
+                kv,
+                0,
+                heads,
+                q_out,
+                poisoned(cuda_backend, (num_tokens, width), DType.BF16),
+                normed,
+                cuda_backend.upload(q_norm, DType.BF16) if with_norm else None,
+                cuda_backend.upload(k_norm, DType.BF16) if with_norm else None,
+            )
+            assert np.isnan(host(cuda_backend, normed)).all() == on  # no norm kernel wrote it
+            keys, values = cuda_backend.kv_to_host(kv, 0)
+            return host(cuda_backend, q_out), np.asarray(keys, np.float32), np.asarray(values, np.float32)
+        finally:
+            rt.features = saved
+
+    m_kv = mock_backend.allocate_kv_cache(case.spec)
+    m_q = mock_backend.empty((num_tokens, heads.q_size), DType.F32)
+    mock_backend.qkv_rope_cache(
+        mock_backend.upload(x),
+        mock_backend.upload(norm),
+        1e-5,
+        mock_backend.upload(weight),
+        None,
+        upload_metadata(mock_backend, case),
+        mock_backend.upload(table),
+        m_kv,
+        0,
+        heads,
+        m_q,
+        mock_backend.empty((num_tokens, width), DType.BF16),
+        mock_backend.empty((num_tokens, hidden), DType.BF16),
+        mock_backend.upload(q_norm) if with_norm else None,
+        mock_backend.upload(k_norm) if with_norm else None,
+    )
+    m_keys, m_values = (np.asarray(plane, np.float32) for plane in mock_backend.kv_to_host(m_kv, 0))
+    after, before = on_cuda(True), on_cuda(False)
+    expected_q = host(mock_backend, m_q)
+    assert rel_l2(after[0], expected_q) < BF16_TOLERANCE
+    assert rel_l2(after[0][2], expected_q[2]) < BF16_TOLERANCE
+    assert rel_l2(after[0], before[0]) < BF16_TOLERANCE
+    slots = case.slot_mapping
+    for index, expected in ((1, m_keys), (2, m_values)):
+        got = after[index].reshape(-1, heads.num_kv_heads, heads.head_dim)
+        assert rel_l2(got[slots], expected.reshape(got.shape)[slots]) < BF16_TOLERANCE
+        assert rel_l2(got[slots], before[index].reshape(got.shape)[slots]) < BF16_TOLERANCE
+        others = np.setdiff1d(np.arange(got.shape[0]), slots)
+        assert np.isnan(got[others]).all()
+
+
 def _poison_cache(backend, kv) -> None:
     from atlas.adapters.cuda.tensor import CudaTensor
 

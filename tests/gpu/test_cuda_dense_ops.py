@@ -460,6 +460,42 @@ def test_folded_rmsnorm_gated_linear(cuda_backend, mock_backend, rng, activation
     assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE
 
 
+@pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
+@pytest.mark.parametrize("num_tokens, features, inner", [(9, 1024, 4096), (64, 1000, 4096), (300, 256, 2560)])
+def test_a_folded_gated_norm_scales_after_the_product(
+    cuda_backend, mock_backend, rng, activation, num_tokens, features, inner
+):
+    """Past the GEMV sizes (`rms_after_product`) the folded gated projection runs no norm kernel:
+    cuBLASLt multiplies the unnormalised rows and act_mul_rms scales gate and up by each row's
+    inverse RMS. Against the mock (the norm first) and the norm kernel first on CUDA (feature
+    off): bf16 rounding apart."""
+    from dataclasses import replace
+
+    x, norm, weight = _norm_inputs(rng, num_tokens, 2 * features, inner)
+    x[1] *= 40  # rows of very different RMS
+    cw = _fold_on_cuda(cuda_backend, norm, DType.BF16, weight)
+    rt = cuda_backend.runtime
+    saved = rt.features
+    results = []
+    try:
+        for on in (True, False):
+            rt.features = replace(saved, rms_after_product=on)
+            out = poisoned(cuda_backend, (num_tokens, features), DType.BF16)
+            normed = poisoned(cuda_backend, (num_tokens, inner), DType.BF16)
+            cx = cuda_backend.upload(x, DType.BF16)
+            scratch = poisoned(cuda_backend, (num_tokens, 2 * features), DType.BF16)
+            cuda_backend.rmsnorm_gated_linear(cx, None, 1e-5, cw, activation, out, normed, scratch)
+            results.append(host(cuda_backend, out))
+            assert np.isnan(host(cuda_backend, normed)).all() == on  # no norm kernel wrote it
+    finally:
+        rt.features = saved
+    expected = _mock_rmsnorm_gated_linear(mock_backend, x, norm, weight, activation)
+    assert rel_l2(results[0], expected) < BF16_TOLERANCE
+    assert rel_l2(results[0], results[1]) < BF16_TOLERANCE
+    for row in (0, 1):
+        assert rel_l2(results[0][row], expected[row]) < BF16_TOLERANCE
+
+
 def test_fold_rmsnorm_leaves_narrow_rows_and_says_so(cuda_backend, rng):
     """Up to NORM_IN_GEMV_MAX_WIDTH the GEMV normalises x itself: nothing to fold, the weight
     stays as it was."""
@@ -474,7 +510,8 @@ def test_fold_rmsnorm_leaves_narrow_rows_and_says_so(cuda_backend, rng):
 def test_a_deferred_add_is_the_add_then_the_norm(cuda_backend, rng, num_tokens, hidden, gated):
     """linear_add(defer=True) and the next norm op's add_first give the same bits as the add
     done at once: past the GEMV sizes one add_rmsnorm kernel, below them the GEMV's own add
-    (linear_add returns False, nothing deferred)."""
+    (linear_add returns False, nothing deferred); with `rms_after_product` cuBLASLt adds past
+    them too, deferring nothing."""
     features = 256
     x = bf16(rng.standard_normal((num_tokens, hidden)))
     weight = bf16(rng.standard_normal((hidden, hidden)) / np.sqrt(hidden))
@@ -487,7 +524,8 @@ def test_a_deferred_add_is_the_add_then_the_norm(cuda_backend, rng, num_tokens, 
         c_residual = cuda_backend.upload(residual, DType.BF16)
         scratch = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
         deferred = cuda_backend.linear_add(cx, cw, c_residual, scratch, defer=defer)
-        assert deferred == (defer and num_tokens > 8)
+        rms_after_product = cuda_backend.runtime.features.rms_after_product
+        assert deferred == (defer and num_tokens > 8 and not rms_after_product)
         out = poisoned(cuda_backend, (num_tokens, features), DType.BF16)
         normed = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
         add_first = scratch if deferred else None
@@ -512,10 +550,18 @@ def test_linear_add_is_linear_then_add(cuda_backend, mock_backend, rng, num_toke
     product = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
     cuda_backend.linear(cx, cw, product)
     expected_cuda = bf16(residual + cuda_backend.download(product).astype(np.float32))
+    # past the GEMV sizes with `rms_after_product`, cuBLASLt adds the f32 product (one rounding)
+    in_epilogue = num_tokens > 8 and cuda_backend.runtime.features.rms_after_product
+    if in_epilogue:
+        product = poisoned(cuda_backend, (num_tokens, hidden), DType.F32)
+        cuda_backend.linear(cx, cw, product)
+        expected_cuda = bf16(residual + cuda_backend.download(product))
     c_residual = cuda_backend.upload(residual, DType.BF16)
     for step in range(2):  # a second add, onto the first one's result
         cuda_backend.linear_add(cx, cw, c_residual, poisoned(cuda_backend, (num_tokens, hidden), DType.BF16))
-        if step == 0:
+        if step == 0 and in_epilogue:  # the f32 product may come from another algorithm
+            assert rel_l2(host(cuda_backend, c_residual), expected_cuda.astype(np.float64)) < 4e-3
+        elif step == 0:
             np.testing.assert_array_equal(host(cuda_backend, c_residual), expected_cuda.astype(np.float64))
 
     m_residual = mock_backend.upload(residual)

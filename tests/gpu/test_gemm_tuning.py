@@ -76,7 +76,7 @@ def test_every_decode_candidate_computes_the_product(cuda_backend, rng):
     weight = bf16(rng.standard_normal((num_rows, inner)) / np.sqrt(inner))
     expected = x.astype(np.float64) @ weight.astype(np.float64).T
     x_device, weight_device = cuda_backend.upload(x, DType.BF16), cuda_backend.upload(weight, DType.BF16)
-    plan = gemm._build(num_tokens, num_rows, inner, DType.BF16, DType.BF16, False)
+    plan = gemm._build(num_tokens, num_rows, inner, DType.BF16, DType.BF16, False, False)
     heuristic = gemm._heuristic(plan.descriptor, plan.layouts, cublaslt._HEURISTIC_CANDIDATES)
     variants = gemm._tile_variants(plan.descriptor, plan.layouts, heuristic[0], num_tokens, heuristic)
     assert len(variants) > 0 and len(plan.candidates) > len(heuristic)  # split-K copies at least

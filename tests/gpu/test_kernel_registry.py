@@ -91,7 +91,8 @@ def test_every_kernel_waits_for_the_previous_grid_first():
     assert "const bool valid = key >= lo && key < newest;" in before_wait
     rope = (kernels_root() / "common/rope_cache.cu").read_text()
     body = rope[rope.index("void rope_and_cache_impl(") :]
-    assert "qkv +" not in body[: body.index("dependent_launch_entry();")]  # the previous kernel's output
+    before_wait = body[: body.index("dependent_launch_entry();")]
+    assert "qkv +" not in before_wait and "rms_source +" not in before_wait  # the previous kernels' outputs
 
 
 def test_hopper_takes_the_wgmma_prefill_module_which_keeps_every_generic_kernel():

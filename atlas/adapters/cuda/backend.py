@@ -250,6 +250,12 @@ class CudaGpuBackend:
                 x, norm_weight, eps, weight, bias, q_out, targets, add_first
             ):
                 return
+        if bias is None and self._linear.rms_after_product(x, norm_weight, add_first):
+            self._linear(x, weight, qkv, None)  # the RoPE kernel scales by the norm's RMS
+            ops_attention.rope_and_cache(
+                self._rt, qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm, eps, rms_source=x
+            )
+            return
         self.rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed, bias, add_first)
         self.rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm, eps)
 

@@ -61,6 +61,7 @@ class _Plan:
     choice: int  # the candidate that runs
     tuning_key: str
     bias_attribute: np.ndarray | None
+    accumulate: bool  # beta = 1: out += x w^T (C is D, in place)
 
     @property
     def algorithm_address(self) -> int:
@@ -89,7 +90,7 @@ class CublasLtGemm:
         self._workspace = workspace_address
         self._plans: dict[tuple, _Plan] = {}
         self._alpha = np.ones(1, dtype=np.float32)
-        self._beta = np.zeros(1, dtype=np.float32)
+        self._beta = np.zeros(1, dtype=np.float32)  # self._alpha is beta = 1 where a plan accumulates
         self._tuning = tuning
         self._timer = CandidateTimer(stream_handle) if tuning is not None else None
 
@@ -109,16 +110,20 @@ class CublasLtGemm:
         out_dtype: DType,
         bias_address: int | None = None,
         may_synchronize: bool = False,
+        accumulate_timing_out: int | None = None,
     ) -> None:
         """Enqueue out = x @ w^T (+ bias) on the stream. With `may_synchronize` (never while a
         graph is captured) a shape's first call may time the candidates, running the product
-        several times on these buffers and waiting for the stream. Raises `RuntimeError` when
-        cuBLASLt has no algorithm for the shape (the message names it)."""
-        key = (num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None)
+        several times on these buffers and waiting for the stream. `accumulate_timing_out`: out
+        += x @ w^T instead (the epilogue's beta = 1, one rounding of the sum), the candidates then
+        timed on that buffer of out's shape, not on out. Raises `RuntimeError` when cuBLASLt has
+        no algorithm for the shape (the message names it)."""
+        accumulate = accumulate_timing_out is not None
+        key = (num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate)
         plan = self._plans.get(key)
         new_plan = plan is None
         if plan is None:
-            plan = self._build(num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None)
+            plan = self._build(num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate)
             self._plans[key] = plan
         if plan.bias_attribute is not None:
             plan.bias_attribute[0] = bias_address
@@ -130,7 +135,8 @@ class CublasLtGemm:
             )
         operands = (x_address, w_address, out_address)
         if new_plan and self._tuning is not None:
-            self._choose(plan, operands, may_synchronize)
+            timed = (x_address, w_address, accumulate_timing_out) if accumulate else operands
+            self._choose(plan, timed, may_synchronize)
         self._enqueue(plan, plan.choice, operands)
 
     def _enqueue(self, plan: _Plan, candidate: int, operands: tuple[int, int, int]) -> None:
@@ -144,7 +150,7 @@ class CublasLtGemm:
             a_layout,
             x_address,
             b_layout,
-            self._beta.ctypes.data,
+            (self._alpha if plan.accumulate else self._beta).ctypes.data,
             out_address,
             d_layout,
             out_address,
@@ -188,7 +194,14 @@ class CublasLtGemm:
             return math.inf
 
     def _build(
-        self, num_tokens: int, num_rows: int, inner: int, in_dtype: DType, out_dtype: DType, with_bias: bool
+        self,
+        num_tokens: int,
+        num_rows: int,
+        inner: int,
+        in_dtype: DType,
+        out_dtype: DType,
+        with_bias: bool,
+        accumulate: bool,
     ) -> _Plan:
         descriptor = lt.matmul_desc_create(int(cublas.ComputeType.COMPUTE_32F), _DATA_TYPES[DType.F32])
         _set(descriptor, lt.MatmulDescAttribute.TRANSA, _OP_T)
@@ -216,7 +229,9 @@ class CublasLtGemm:
                 variants.append(self._tile_variants(descriptor, layouts, candidates[0], num_tokens, candidates))
             candidates = np.concatenate([candidates, *variants])
         key = f"{token_bucket(num_tokens)},{num_rows},{inner},{in_dtype.value},{out_dtype.value},{int(with_bias)}"
-        return _Plan(descriptor, layouts, candidates, 0, key, bias_attribute)
+        if accumulate:
+            key += ",accumulate"
+        return _Plan(descriptor, layouts, candidates, 0, key, bias_attribute, accumulate)
 
     def _heuristic(self, descriptor: int, layouts: tuple[int, int, int], wanted: int) -> np.ndarray:
         a_layout, b_layout, d_layout = layouts

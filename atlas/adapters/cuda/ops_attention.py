@@ -126,7 +126,11 @@ def rope_and_cache(
     q_norm: CudaTensor | None,
     k_norm: CudaTensor | None,
     norm_eps: float,
+    rms_source: CudaTensor | None = None,
 ) -> None:
+    """rope_and_cache (the port's); with `rms_source` ([N, H] bf16, H a multiple of 8) each
+    token's q, k and v are first scaled by 1 / sqrt(mean(rms_source^2) + norm_eps): qkv is then
+    the product of that unnormalised input with a projection its norm weight was folded into."""
     cache = _check_cache(kv, heads)
     _check_metadata(meta)
     num_tokens = meta.num_tokens
@@ -156,6 +160,12 @@ def rope_and_cache(
         if k_norm.dtype is not q_norm.dtype:
             raise ValueError("k_norm: dtype differs from q_norm's")
         norm_dtype = q_norm.dtype
+    if rms_source is not None:
+        checks.dtype(rms_source, "rms_source", (DType.BF16,))
+        checks.rank(rms_source, "rms_source", 2)
+        checks.at_least_rows(rms_source, "rms_source", num_tokens)
+        if rms_source.shape[1] % 8:
+            raise ValueError(f"rms_source: width {rms_source.shape[1]} is not a multiple of 8")
     if num_tokens == 0:
         return
     symbol = f"rope_and_cache_{checks.type_suffix(rope_table.dtype)}_{checks.type_suffix(norm_dtype)}"
@@ -181,6 +191,8 @@ def rope_and_cache(
         np.int32(head_dim),
         np.int32(rotary_dim),
         np.int32(cache.spec.block_size),
+        rms_source.address if rms_source is not None else 0,
+        np.int32(rms_source.shape[1] if rms_source is not None else 0),
     )
 
 

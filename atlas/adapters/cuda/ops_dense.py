@@ -40,6 +40,7 @@ SKINNY_WIDTHS = (64, 96, 128, 144, 160, 192, 224, 256)
 _SKINNY_SPLITS = (2, 4)
 _SKINNY_STAGE_K = 64
 _ACTIVATION_NAMES = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu_tanh"}
+_MAX_GRID_Y = 65535  # act_mul_rms's token rows are blockIdx.y
 
 
 def gather_rows(rt: CudaRuntime, source: CudaTensor, indices: CudaTensor, out: CudaTensor, what: str) -> None:
@@ -130,6 +131,30 @@ def act_mul(rt: CudaRuntime, x: CudaTensor, activation: Activation, out: CudaTen
     items = num_tokens * inner // (8 if vector else 1)
     blocks = int(min(-(-items // 256), rt.num_sms * 8))
     rt.launch("elementwise", symbol, (blocks,), 256, x.address, out.address, np.int32(num_tokens), np.int32(inner))
+
+
+def act_mul_rms(
+    rt: CudaRuntime, x: CudaTensor, activation: Activation, rms_source: CudaTensor, eps: float, out: CudaTensor
+) -> None:
+    """out = act(s x[:, :I]) * (s x[:, I:]), s each row's 1 / sqrt(mean(rms_source^2) + eps): the
+    gated product of a folded norm's unnormalised input (bf16, I and H multiples of 8, checked
+    by the caller). A block per (chunk of I, token); every block of a token sums its row."""
+    num_tokens, width = rms_source.shape
+    inner = out.shape[1]
+    per_token = -(-inner // (8 * 256))
+    chunks = max(1, min(per_token, -(-2 * rt.num_sms // num_tokens)))
+    rt.launch(
+        "elementwise",
+        f"act_mul_rms_{_ACTIVATION_NAMES[activation]}_bf16_vec8",
+        (chunks, num_tokens),
+        256,
+        x.address,
+        out.address,
+        rms_source.address,
+        np.float32(eps),
+        np.int32(inner),
+        np.int32(width),
+    )
 
 
 def add_into(rt: CudaRuntime, delta: CudaTensor, residual: CudaTensor) -> None:
@@ -277,6 +302,24 @@ class LinearOp:
         rt.launch("elementwise", symbol, (blocks,), 256, weight.address, norm_weight.address, np.int64(count), columns)
         return True
 
+    def rms_after_product(self, x: CudaTensor, norm_weight: CudaTensor | None, add_first: CudaTensor | None) -> bool:
+        """Whether the product of x with a projection whose norm weight is folded into it
+        (`norm_weight` None, nothing to add first) leaves the norm's RMS to the kernel after it
+        (the `rms_after_product` feature): past the GEMV sizes, bf16 rows of whole 16-byte loads,
+        with the products on cuBLASLt (the skinny GEMM off). Those kernels (`act_mul_rms`, RoPE's
+        `rms_source`) scale by 1 / sqrt(mean(x^2) + eps), the value the norm kernel takes."""
+        features = self._rt.features
+        num_tokens, width = x.shape
+        return (
+            norm_weight is None
+            and add_first is None
+            and features.rms_after_product
+            and not features.skinny_gemm
+            and GEMV_MAX_TOKENS < num_tokens <= _MAX_GRID_Y
+            and x.dtype is DType.BF16
+            and width % 8 == 0
+        )
+
     def __call__(self, x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: CudaTensor | None) -> None:
         num_tokens, num_rows, inner = _check_linear(x, weight, out, bias)
         if num_tokens == 0:
@@ -292,13 +335,20 @@ class LinearOp:
         self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor, defer: bool = False
     ) -> bool:
         """residual += x weight^T: for a few token rows one GEMV that adds into the residual
-        itself, else the product into `scratch` and an add, or with `defer` the product alone
-        (returns True: the next norm's add_rmsnorm kernel adds it)."""
+        itself; past them with `rms_after_product` cuBLASLt adding into it (beta = 1; `scratch`
+        is where its first call times the candidates); else the product into `scratch` and an
+        add, or with `defer` the product alone (returns True: the next norm's add_rmsnorm kernel
+        adds it)."""
         num_tokens = _check_linear(x, weight, residual, None)[0]
         checks.dtype(residual, "residual", (DType.BF16,))
         checks.dtype(scratch, "scratch", (DType.BF16,))
         checks.shape(scratch, "scratch", residual.shape)
         if num_tokens == 0 or self._fused_gemv(x, weight, residual, None, "add", None, 0.0):
+            return False
+        features = self._rt.features
+        if num_tokens > GEMV_MAX_TOKENS and features.rms_after_product and not features.skinny_gemm:
+            checks.dtype(x, "x", (DType.BF16,))
+            self._cublas(x, weight, residual, None, num_tokens, weight.shape[0], weight.shape[1], scratch)
             return False
         self(x, weight, scratch, None)
         if defer:
@@ -344,6 +394,16 @@ class LinearOp:
             add_into(self._rt, add_first, x)
             add_first = None
         gated = activation is not None
+        if (
+            gated
+            and out.dtype is DType.BF16
+            and out.shape[1] % 8 == 0
+            and self.rms_after_product(x, norm_weight, add_first)
+        ):
+            assert activation is not None and scratch is not None
+            self(x, weight, scratch, None)
+            act_mul_rms(self._rt, scratch, activation, x, eps, out)
+            return
         if norm_weight is None:  # folded into `weight`
             if self._folded_gemv(x, weight, out, bias, eps, activation):
                 return
@@ -590,7 +650,9 @@ class LinearOp:
             tensor_map = self._tensor_maps[key] = bf16_rows_map(matrix.address, rows, width, box_rows)
         return tensor_map
 
-    def _cublas(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
+    def _cublas(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int, accumulate_timing=None) -> None:
+        """out = x weight^T (+ bias), or with `accumulate_timing` (a tensor of out's shape for the
+        first call's candidate timings) out += x weight^T."""
         if self._gemm is None:
             raise RuntimeError("linear: the backend was closed")
         fused_bias = bias is not None and out.dtype is DType.BF16
@@ -605,6 +667,7 @@ class LinearOp:
             out.dtype,
             bias.address if fused_bias else None,
             may_synchronize=not self._rt.capturing,
+            accumulate_timing_out=accumulate_timing.address if accumulate_timing is not None else None,
         )
         if bias is not None and not fused_bias:
             total = num_tokens * num_rows

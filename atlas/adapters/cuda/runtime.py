@@ -40,8 +40,8 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 @dataclass(frozen=True, slots=True)
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
-    of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`) turns some off,
-    for debugging and A/B timings.
+    of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`)
+    turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -54,6 +54,11 @@ class CudaFeatures:
     gemv_rope: a one-token `qkv_rope_cache` on rows up to 2048 wide is one GEMV that also
         rotates q and k and writes the cache (needs gemv_fused too).
     mma_decode: decode attention on tensor cores (mma.sync; the SIMT kernel without it).
+    rms_after_product: past the GEMV sizes, a norm folded into its projection (`fold_rmsnorm`)
+        runs no norm kernel: the projection reads the residual as it is and the kernel after the
+        product scales each token's row by its inverse RMS (RoPE + cache write after qkv, act_mul
+        after gate_up), while the output projections add into the residual inside cuBLASLt
+        (beta = 1) instead of leaving the add to that norm kernel.
     skinny_gemm: 9..64 token rows of bf16 `linear` (and its gated and residual-add forms) go
         through our own skinny tensor-core GEMM on Hopper (`gemm_skinny_*`, gemv.cu: TMA into a
         warp-specialised ring, K split over clusters that reduce through distributed shared
@@ -69,6 +74,7 @@ class CudaFeatures:
     gemv_fused: bool = True
     gemv_rope: bool = True
     mma_decode: bool = True
+    rms_after_product: bool = True
     skinny_gemm: bool = False
 
     @classmethod
@@ -76,7 +82,7 @@ class CudaFeatures:
         """The defaults for a device, minus whatever the environment disables. Raises
         `ValueError` naming an unknown entry of `ATLAS_CUDA_DISABLE`."""
         disabled = {item.strip() for item in os.environ.get(FEATURES_ENVIRONMENT, "").split(",") if item.strip()}
-        known = ("pdl", "wgmma", "gemm_tuning", "gemv_fused", "gemv_rope", "mma_decode")
+        known = ("pdl", "wgmma", "gemm_tuning", "gemv_fused", "gemv_rope", "mma_decode", "rms_after_product")
         unknown = disabled - set(known)
         if unknown:
             raise ValueError(f"{FEATURES_ENVIRONMENT}: unknown {sorted(unknown)} (known: {', '.join(known)})")
@@ -88,6 +94,7 @@ class CudaFeatures:
             gemv_fused="gemv_fused" not in disabled,
             gemv_rope="gemv_rope" not in disabled,
             mma_decode="mma_decode" not in disabled,
+            rms_after_product="rms_after_product" not in disabled,
         )
 
 

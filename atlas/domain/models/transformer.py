@@ -21,9 +21,12 @@ normalise x themselves: rows up to 2048 wide as they load it; wider rows after t
 the norm weight having been folded into the projection at load (`fold_norm_weights`). A
 batch-1 layer is five kernels up to width 2048 (qkv + rope + cache write, attention, o_proj,
 gate_up, down) and six above it, where RoPE and the cache write are a kernel of their own.
-Past the GEMV sizes an output projection's product may wait for the norm after it
-(`linear_add(..., defer=True)` returns True; that norm takes it as `add_first`), so that the
-add and the norm are one kernel.
+Past the GEMV sizes, CUDA runs no norm kernel for a folded norm: the projection multiplies the
+residual as it is and the kernel after it (RoPE + cache write, act_mul) scales each row by its
+inverse RMS, while the output projections add into the residual inside the GEMM. A backend may
+instead let an output projection's product wait for the norm after it (`linear_add(...,
+defer=True)` returns True; that norm takes it as `add_first`), so that the add and the norm are
+one kernel (CUDA's path with that feature off).
 """
 
 from __future__ import annotations
