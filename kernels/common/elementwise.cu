@@ -110,14 +110,26 @@ __device__ __forceinline__ void act_mul_rms_vec8(const bf16* x, bf16* out, const
                                                  int inner, int width) {
     __shared__ float scratch[32];
     const long long token = blockIdx.y;
-    const float scale = block_inverse_rms(rms_source + token * width, width, eps, scratch);
     const bf16* row = x + token * 2 * inner;
     bf16* out_row = out + token * inner;
+    const int stride = gridDim.x * blockDim.x * 8;
+    int col = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
+    // The first gate and up chunks are requested before the RMS's row, so both are in flight.
+    Vec8<bf16> gate_raw, up_raw;
+    if (col < inner) {
+        gate_raw.load(row + col);
+        up_raw.load(row + inner + col);
+    }
+    const float scale = block_inverse_rms(rms_source + token * width, width, eps, scratch);
     const Act act;
-    for (int col = (blockIdx.x * blockDim.x + threadIdx.x) * 8; col < inner; col += gridDim.x * blockDim.x * 8) {
+    for (; col < inner; col += stride) {
         float gate[8], up[8], result[8];
-        load8(row + col, gate);
-        load8(row + inner + col, up);
+        gate_raw.to_floats(gate);
+        up_raw.to_floats(up);
+        if (col + stride < inner) {
+            gate_raw.load(row + col + stride);
+            up_raw.load(row + inner + col + stride);
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i) result[i] = act(gate[i] * scale) * (up[i] * scale);
         store8(out_row + col, result);

@@ -59,17 +59,27 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
         sin_values[j] = rotated ? to_float(cos_row[half + pair]) : 0.0f;
     }
     dependent_launch_entry();
+    const bool active = head < total_heads;
+    const bf16* in = qkv + token * row_stride + (long long)(active ? head : 0) * head_dim;
+    bf16 raw[ROPE_PER_LANE];  // the head's values, loaded before the RMS's row so both are in flight
+#pragma unroll
+    for (int j = 0; j < ROPE_PER_LANE; ++j) {
+        const int d = lane + 32 * j;
+        if (active && d < head_dim) raw[j] = in[d];
+    }
     // Every thread of the block takes part in the sum (before any warp leaves).
     const float scale = rms_source == nullptr
                             ? 1.0f
                             : block_inverse_rms(rms_source + (long long)token * rms_width, rms_width, eps, rms_scratch);
-    if (head >= total_heads) return;
+    if (!active) return;
     float* values = head_values[warp];
-    const bf16* in = qkv + token * row_stride + (long long)head * head_dim;
 
     float sum_squares = 0.0f;
-    for (int d = lane; d < head_dim; d += 32) {
-        const float v = to_float(in[d]) * scale;
+#pragma unroll
+    for (int j = 0; j < ROPE_PER_LANE; ++j) {
+        const int d = lane + 32 * j;
+        if (d >= head_dim) break;
+        const float v = to_float(raw[j]) * scale;
         values[d] = v;
         sum_squares += v * v;
     }
