@@ -90,7 +90,7 @@ class CublasLtGemm:
         self._workspace = workspace_address
         self._plans: dict[tuple, _Plan] = {}
         self._alpha = np.ones(1, dtype=np.float32)
-        self._beta = np.zeros(1, dtype=np.float32)  # self._alpha is beta = 1 where a plan accumulates
+        self._beta = np.zeros(1, dtype=np.float32)  # a plan that accumulates passes _alpha (1) as beta
         self._tuning = tuning
         self._timer = CandidateTimer(stream_handle) if tuning is not None else None
 

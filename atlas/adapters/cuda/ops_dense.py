@@ -650,7 +650,17 @@ class LinearOp:
             tensor_map = self._tensor_maps[key] = bf16_rows_map(matrix.address, rows, width, box_rows)
         return tensor_map
 
-    def _cublas(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int, accumulate_timing=None) -> None:
+    def _cublas(
+        self,
+        x,
+        weight,
+        out,
+        bias,
+        num_tokens: int,
+        num_rows: int,
+        inner: int,
+        accumulate_timing: CudaTensor | None = None,
+    ) -> None:
         """out = x weight^T (+ bias), or with `accumulate_timing` (a tensor of out's shape for the
         first call's candidate timings) out += x weight^T."""
         if self._gemm is None:
