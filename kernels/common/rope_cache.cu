@@ -19,7 +19,8 @@
 //
 // grid = (token, group of 4 heads): a block of 4 warps, a warp per head (a decode token's heads
 // spread over the SMs instead of queueing in one block). Bytes: read N (Hq + 2 Hkv) D * 2 + N r * 4,
-// write the same amount of q, k, v. FLOPs: ~6 N (Hq + Hkv) D. Bandwidth bound.
+// write the same amount of q, k, v; with rms_source each block also reads its token's row, N H * 2
+// per block of the token (from L2). FLOPs: ~6 N (Hq + Hkv) D. Bandwidth bound.
 #include "atlas_common.cuh"
 
 #define ROPE_MAX_HEAD_DIM 256
