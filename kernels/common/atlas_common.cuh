@@ -32,6 +32,10 @@ typedef long long i64;
 //
 // so the stream stays ordered exactly as without PDL, but the next kernel's launch latency and
 // block scheduling overlap this kernel's run instead of following its last block.
+// Before its wait a kernel may read only what the previous kernel does not write: every kernel
+// before that one has completed, since each lets its successor launch after its own wait (or, a
+// library kernel, runs only after its predecessor completed; graphs.py then lets the kernel after
+// it launch once its blocks have all started).
 // tests/gpu/test_kernel_registry.py checks that every __global__ function makes the call (or,
 // where a kernel issues loads that need no wait first, makes the two calls itself).
 __device__ __forceinline__ void grid_dependency_wait() {

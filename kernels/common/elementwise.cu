@@ -104,23 +104,25 @@ DEFINE_ACT_MUL(silu_f32, float, SiluOp)
 DEFINE_ACT_MUL(gelu_tanh_bf16, bf16, GeluTanhOp)
 DEFINE_ACT_MUL(gelu_tanh_f32, float, GeluTanhOp)
 
-// One token row per blockIdx.y; every block of the row takes its RMS (an L2 read of H values).
+// One token row per blockIdx.y; every block of the row takes its RMS (an L2 read of H values)
+// before its wait for the previous kernel: that kernel is the product, which reads rms_source and
+// writes x, and every kernel before it has completed (see act_mul_rms_* below).
 template <typename Act>
 __device__ __forceinline__ void act_mul_rms_vec8(const bf16* x, bf16* out, const bf16* rms_source, float eps,
                                                  int inner, int width) {
     __shared__ float scratch[32];
     const long long token = blockIdx.y;
+    const float scale = block_inverse_rms(rms_source + token * width, width, eps, scratch);
+    dependent_launch_entry();
     const bf16* row = x + token * 2 * inner;
     bf16* out_row = out + token * inner;
     const int stride = gridDim.x * blockDim.x * 8;
     int col = (blockIdx.x * blockDim.x + threadIdx.x) * 8;
-    // The first gate and up chunks are requested before the RMS's row, so both are in flight.
     Vec8<bf16> gate_raw, up_raw;
     if (col < inner) {
         gate_raw.load(row + col);
         up_raw.load(row + inner + col);
     }
-    const float scale = block_inverse_rms(rms_source + token * width, width, eps, scratch);
     const Act act;
     for (; col < inner; col += stride) {
         float gate[8], up[8], result[8];
@@ -136,10 +138,13 @@ __device__ __forceinline__ void act_mul_rms_vec8(const bf16* x, bf16* out, const
     }
 }
 
+// The block reads rms_source before griddepcontrol.wait (dependent_launch_entry inside): the
+// caller guarantees that the kernel before this one does not write it. After cuBLASLt's product
+// in a captured graph, this kernel may launch once the product's blocks have all started
+// (graphs.py), and the RMS is then taken while the product runs.
 #define DEFINE_ACT_MUL_RMS(NAME, ACT)                                                                  \
     extern "C" __global__ void act_mul_rms_##NAME##_bf16_vec8(const bf16* x, bf16* out, const bf16* rms_source, \
                                                              float eps, int inner, int width) {         \
-        dependent_launch_entry();                                                                      \
         act_mul_rms_vec8<ACT>(x, out, rms_source, eps, inner, width);                                  \
     }
 

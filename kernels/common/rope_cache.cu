@@ -16,6 +16,9 @@
 //   rms_source (may be null) [N, rms_width] bf16: the unnormalised input of the projection whose
 //   norm weight was folded into it; every q, k, v value is first scaled by the token's
 //   1 / sqrt(mean(rms_source^2) + eps), which makes the norm kernel before the product needless.
+//   It is read before griddepcontrol.wait: the kernel before this one must not write it (the
+//   product reads it), so after cuBLASLt's product in a captured graph this kernel may launch
+//   once the product's blocks have all started (graphs.py) and take the RMS while it runs.
 //
 // grid = (token, group of 4 heads): a block of 4 warps, a warp per head (a decode token's heads
 // spread over the SMs instead of queueing in one block). Bytes: read N (Hq + 2 Hkv) D * 2 + N r * 4,
@@ -59,20 +62,22 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
         cos_values[j] = rotated ? to_float(cos_row[pair]) : 1.0f;
         sin_values[j] = rotated ? to_float(cos_row[half + pair]) : 0.0f;
     }
-    dependent_launch_entry();
-    const bool active = head < total_heads;
-    const bf16* in = qkv + token * row_stride + (long long)(active ? head : 0) * head_dim;
-    bf16 raw[ROPE_PER_LANE];  // the head's values, loaded before the RMS's row so both are in flight
-#pragma unroll
-    for (int j = 0; j < ROPE_PER_LANE; ++j) {
-        const int d = lane + 32 * j;
-        if (active && d < head_dim) raw[j] = in[d];
-    }
-    // Every thread of the block takes part in the sum (before any warp leaves).
+    // The RMS's row too: the previous kernel (the qkv product) reads rms_source and does not
+    // write it, and every kernel before that one has completed. Every thread of the block takes
+    // part in the sum (before any warp leaves).
     const float scale = rms_source == nullptr
                             ? 1.0f
                             : block_inverse_rms(rms_source + (long long)token * rms_width, rms_width, eps, rms_scratch);
+    dependent_launch_entry();
+    const bool active = head < total_heads;
     if (!active) return;
+    const bf16* in = qkv + token * row_stride + (long long)head * head_dim;
+    bf16 raw[ROPE_PER_LANE];
+#pragma unroll
+    for (int j = 0; j < ROPE_PER_LANE; ++j) {
+        const int d = lane + 32 * j;
+        if (d < head_dim) raw[j] = in[d];
+    }
     float* values = head_values[warp];
 
     float sum_squares = 0.0f;

@@ -78,6 +78,50 @@ def test_graph_replay_equals_eager_and_follows_new_buffer_contents(cuda_backend,
     assert rel_l2(replayed, eager) > 1e-3  # it really computed something new
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_a_kernel_after_cublas_launches_early_in_a_graph_and_computes_the_same(cuda_backend, rng, early):
+    """In a captured graph act_mul_rms, after cuBLASLt's gated product of a folded norm's input,
+    launches once the product's blocks have all started (`launch_order_edges`,
+    graphs.launch_after_start) and takes the RMS before its wait. The residual it reads is
+    changed by a kernel of ours before the product, with new contents before every replay: each
+    replay gives the eager bits, so the early launch waits where it must."""
+    from dataclasses import replace
+
+    n, inner, features = 64, 4096, 7168
+    rt = cuda_backend.runtime
+    saved = rt.features
+    rt.features = replace(saved, launch_order_edges=early and saved.programmatic_launch)
+    try:
+        weight = cuda_backend.upload(bf16(rng.standard_normal((2 * features, inner)) / 64), DType.BF16)
+        assert cuda_backend.fold_rmsnorm(cuda_backend.upload(bf16(rng.standard_normal(inner) / 4 + 1), DType.BF16), weight)
+        unit = cuda_backend.upload(bf16(np.ones(inner)), DType.BF16)
+        residual = cuda_backend.empty((n, inner), DType.BF16)
+        delta = cuda_backend.upload(bf16(rng.standard_normal((n, inner))), DType.BF16)
+        normed = cuda_backend.empty((n, inner), DType.BF16)
+        scratch = cuda_backend.empty((n, 2 * features), DType.BF16)
+        out = cuda_backend.empty((n, features), DType.BF16)
+
+        def step() -> None:
+            cuda_backend.add_rmsnorm(delta, residual, unit, 1e-5, normed)  # residual += delta (ours)
+            cuda_backend.rmsnorm_gated_linear(residual, None, 1e-5, weight, Activation.SILU, out, normed, scratch)
+
+        contents = [bf16(rng.standard_normal((n, inner)) * rng.uniform(0.1, 30, (n, 1))) for _ in range(3)]
+        cuda_backend.copy_from_host(residual, contents[0])
+        step()  # eager warm-up: cuBLASLt's plans are tuned before capture
+        graph = cuda_backend.capture(step)
+        assert (graph.early_launches > 0) == rt.features.launch_order_edges
+        for content in contents:
+            cuda_backend.copy_from_host(residual, content)
+            cuda_backend.fill(out, float("nan"))
+            graph.replay()
+            replayed = cuda_backend.download(out)
+            cuda_backend.copy_from_host(residual, content)
+            step()
+            np.testing.assert_array_equal(replayed, cuda_backend.download(out))
+    finally:
+        rt.features = saved
+
+
 def test_capture_refuses_allocation_and_host_copies(cuda_backend):
     from atlas.adapters.cuda.runtime import CaptureError
 

@@ -109,12 +109,16 @@ def test_features_follow_the_device_and_the_environment(monkeypatch):
     from atlas.adapters.cuda.runtime import CudaFeatures
 
     monkeypatch.delenv("ATLAS_CUDA_DISABLE", raising=False)
-    assert not CudaFeatures.for_device((8, 0)).programmatic_launch
+    before_hopper = CudaFeatures.for_device((8, 0))
+    assert not before_hopper.programmatic_launch and not before_hopper.launch_order_edges
     monkeypatch.setenv("ATLAS_CUDA_DISABLE", "wgmma, gemm_tuning")
     features = CudaFeatures.for_device((9, 0))
     assert not features.wgmma_attention and not features.gemm_tuning
     monkeypatch.setenv("ATLAS_CUDA_DISABLE", "pdl")
-    assert not CudaFeatures.for_device((9, 0)).programmatic_launch
+    without_pdl = CudaFeatures.for_device((9, 0))
+    assert not without_pdl.programmatic_launch and not without_pdl.launch_order_edges  # it needs PDL
+    monkeypatch.setenv("ATLAS_CUDA_DISABLE", "launch_order")
+    assert not CudaFeatures.for_device((9, 0)).launch_order_edges
     monkeypatch.setenv("ATLAS_CUDA_DISABLE", "pdll")
     with pytest.raises(ValueError, match="pdll"):
         CudaFeatures.for_device((9, 0))

@@ -16,12 +16,14 @@ from atlas.adapters.cuda.runtime import CudaRuntime
 
 
 class CudaGraph:
-    """An instantiated graph bound to the runtime's stream."""
+    """An instantiated graph bound to the runtime's stream; `early_launches` counts the kernels
+    that launch once their predecessor has started (`launch_after_start`)."""
 
-    def __init__(self, rt: CudaRuntime, graph: object, executable: object) -> None:
+    def __init__(self, rt: CudaRuntime, graph: object, executable: object, early_launches: int = 0) -> None:
         self._rt = rt
         self._graph = graph
         self._executable = executable
+        self.early_launches = early_launches
 
     def replay(self) -> None:
         """Enqueue the captured work on the stream (asynchronous, like any op)."""
@@ -62,5 +64,50 @@ def capture(rt: CudaRuntime, fn: Callable[[], None]) -> CudaGraph:
         raise
     rt.capturing = False
     graph = check("cuStreamEndCapture", cu.cuStreamEndCapture(rt.stream_handle))
-    executable = check("cuGraphInstantiate", cu.cuGraphInstantiate(graph, 0))
-    return CudaGraph(rt, graph, executable)
+    try:
+        early = launch_after_start(graph) if rt.features.launch_order_edges else 0
+        executable = check("cuGraphInstantiate", cu.cuGraphInstantiate(graph, 0))
+    except BaseException:
+        cu.cuGraphDestroy(graph)
+        raise
+    return CudaGraph(rt, graph, executable, early)
+
+
+def launch_after_start(graph: object) -> int:
+    """Let each kernel that follows a kernel launched without programmatic serialization (a
+    library's: cuBLASLt's never trigger their dependents) launch once that kernel's blocks have
+    all started, instead of once they have all exited; returns how many edges changed.
+
+    Capture gives such a pair a programmatic edge from the first kernel's programmatic port, which
+    fires only as its blocks exit. Moved to the launch-order port, the second kernel's blocks can
+    be resident while the first runs: they do what precedes their griddepcontrol.wait (which
+    still waits for the first kernel to complete and its writes to be visible) during its run.
+    That is safe because the first kernel started only after everything before it had completed,
+    so what the second reads before its wait was final unless the first writes it, which no
+    kernel of ours reads early (atlas_common.cuh). Edges out of kernels that were themselves
+    launched programmatically stay as they are: those may still wait on their own predecessor.
+    """
+    count = check("cuGraphGetEdges", cu.cuGraphGetEdges(graph, 0))[3]
+    if not count:
+        return 0
+    sources, targets, data, count = check("cuGraphGetEdges", cu.cuGraphGetEdges(graph, count))
+    programmatic = cu.CUgraphDependencyType.CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+    launched_programmatically = {int(t) for t, d in zip(targets, data, strict=True) if d.type == programmatic}
+    kernel = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+    moved = []
+    for source, target, edge in zip(sources, targets, data, strict=True):
+        if (
+            edge.type == programmatic
+            and edge.from_port == cu.CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+            and int(source) not in launched_programmatically
+            and check("cuGraphNodeGetType", cu.cuGraphNodeGetType(source)) == kernel
+        ):
+            moved.append((source, target, edge))
+    for source, target, edge in moved:
+        check("cuGraphRemoveDependencies", cu.cuGraphRemoveDependencies(graph, [source], [target], [edge], 1))
+        early = cu.CUgraphEdgeData()
+        early.type = programmatic
+        early.from_port = cu.CU_GRAPH_KERNEL_NODE_PORT_LAUNCH_ORDER
+        early.to_port = edge.to_port
+        check("cuGraphAddDependencies", cu.cuGraphAddDependencies(graph, [source], [target], [early], 1))
+    return len(moved)

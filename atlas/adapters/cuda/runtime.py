@@ -40,8 +40,8 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 @dataclass(frozen=True, slots=True)
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
-    of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`)
-    turns some off, for debugging and A/B timings.
+    of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
+    `launch_order`) turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -59,6 +59,10 @@ class CudaFeatures:
         product scales each token's row by its inverse RMS (RoPE + cache write after qkv, act_mul
         after gate_up), while the output projections add into the residual inside cuBLASLt
         (beta = 1) instead of leaving the add to that norm kernel.
+    launch_order_edges: in a captured graph, a kernel of ours after one launched without
+        programmatic serialization (cuBLASLt's) launches once that kernel's blocks have all
+        started and runs what precedes its griddepcontrol.wait beside it (graphs.py
+        `launch_after_start`); needs programmatic_launch.
     skinny_gemm: 9..64 token rows of bf16 `linear` (and its gated and residual-add forms) go
         through our own skinny tensor-core GEMM on Hopper (`gemm_skinny_*`, gemv.cu: TMA into a
         warp-specialised ring, K split over clusters that reduce through distributed shared
@@ -75,6 +79,7 @@ class CudaFeatures:
     gemv_rope: bool = True
     mma_decode: bool = True
     rms_after_product: bool = True
+    launch_order_edges: bool = True
     skinny_gemm: bool = False
 
     @classmethod
@@ -82,19 +87,30 @@ class CudaFeatures:
         """The defaults for a device, minus whatever the environment disables. Raises
         `ValueError` naming an unknown entry of `ATLAS_CUDA_DISABLE`."""
         disabled = {item.strip() for item in os.environ.get(FEATURES_ENVIRONMENT, "").split(",") if item.strip()}
-        known = ("pdl", "wgmma", "gemm_tuning", "gemv_fused", "gemv_rope", "mma_decode", "rms_after_product")
+        known = (
+            "pdl",
+            "wgmma",
+            "gemm_tuning",
+            "gemv_fused",
+            "gemv_rope",
+            "mma_decode",
+            "rms_after_product",
+            "launch_order",
+        )
         unknown = disabled - set(known)
         if unknown:
             raise ValueError(f"{FEATURES_ENVIRONMENT}: unknown {sorted(unknown)} (known: {', '.join(known)})")
         hopper_or_later = compute_capability[0] >= 9
+        programmatic = hopper_or_later and "pdl" not in disabled and _launch_config_has_pdl()
         return cls(
-            programmatic_launch=hopper_or_later and "pdl" not in disabled and _launch_config_has_pdl(),
+            programmatic_launch=programmatic,
             wgmma_attention="wgmma" not in disabled,
             gemm_tuning="gemm_tuning" not in disabled,
             gemv_fused="gemv_fused" not in disabled,
             gemv_rope="gemv_rope" not in disabled,
             mma_decode="mma_decode" not in disabled,
             rms_after_product="rms_after_product" not in disabled,
+            launch_order_edges=programmatic and "launch_order" not in disabled,
         )
 
 
