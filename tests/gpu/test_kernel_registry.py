@@ -41,13 +41,15 @@ def test_shipped_tree_has_every_generic_module_and_headers():
         assert module.include_dirs[-1] == kernels_root() / "common"
 
 
-# Kernels that read only what no kernel of the step writes before waiting (weights; step inputs,
-# the RoPE table, decode attention's earlier tokens' K/V): their impl calls
+# Kernels that read before waiting only what the previous kernel does not write (weights; step
+# inputs, the RoPE table, decode attention's earlier tokens' K/V; the residual row whose RMS
+# RoPE and act_mul_rms take after the product that reads it): their impl calls
 # dependent_launch_entry() itself once those loads are issued.
 _WAIT_INSIDE = {
     "gemv.cu": ("gemv_impl<", "gemv_mma_impl<", "skinny_impl<"),
     "attention_decode.cu": ("attention_decode_impl<", "attention_decode_mma_impl<"),
     "rope_cache.cu": ("rope_and_cache_impl<",),
+    "elementwise.cu": ("act_mul_rms_vec8<",),
 }
 
 
@@ -92,7 +94,12 @@ def test_every_kernel_waits_for_the_previous_grid_first():
     rope = (kernels_root() / "common/rope_cache.cu").read_text()
     body = rope[rope.index("void rope_and_cache_impl(") :]
     before_wait = body[: body.index("dependent_launch_entry();")]
-    assert "qkv +" not in before_wait and "rms_source +" not in before_wait  # the previous kernels' outputs
+    # qkv (the product's output) after the wait; the residual row it multiplied, for the RMS, before
+    assert "qkv +" not in before_wait and "block_inverse_rms(rms_source +" in before_wait
+    elementwise = (kernels_root() / "common/elementwise.cu").read_text()
+    body = elementwise[elementwise.index("void act_mul_rms_vec8(") :]
+    before_wait = body[: body.index("dependent_launch_entry();")]
+    assert "load(row" not in before_wait and "block_inverse_rms(rms_source +" in before_wait
 
 
 def test_hopper_takes_the_wgmma_prefill_module_which_keeps_every_generic_kernel():
