@@ -35,7 +35,9 @@ typedef long long i64;
 // Before its wait a kernel may read only what the previous kernel does not write: every kernel
 // before that one has completed, since each lets its successor launch after its own wait (or, a
 // library kernel, runs only after its predecessor completed; graphs.py then lets the kernel after
-// it launch once its blocks have all started).
+// it launch once its blocks have all started). A kernel that lets its successor launch before
+// its own wait (the RoPE + cache write, the skinny GEMM) says so in its header: its successor's
+// early reads must not be written by the kernel before it either.
 // tests/gpu/test_kernel_registry.py checks that every __global__ function makes the call (or,
 // where a kernel issues loads that need no wait first, makes the two calls itself).
 __device__ __forceinline__ void grid_dependency_wait() {

@@ -32,8 +32,8 @@
 // of the step writes, the metadata and the K/V of earlier tokens: it resolves its pages and
 // issues its first DECODE_STAGES - 1 steps of copies while that kernel (the one writing q and
 // the cache) finishes. q and the step's own K/V row are read after the wait; that token joins
-// group 0's softmax after the ring. (Kernels before the previous one have completed: each one
-// lets its successor launch only after its own wait.)
+// group 0's softmax after the ring. (The RoPE kernel lets this one launch at its own start, so
+// the qkv product may still run too: no kernel of the step writes what is read early.)
 // With one split the block writes `out`; otherwise it writes its normalised partial output and
 // log2-sum-exp to the workspace, and the last split of its (sequence, head group) to finish
 // (counted in split_counters [S, Hkv x head groups], zero between launches) combines them:

@@ -20,6 +20,11 @@
 //   product reads it), so after cuBLASLt's product in a captured graph this kernel may launch
 //   once the product's blocks have all started (graphs.py) and take the RMS while it runs.
 //
+// The kernel lets the next one launch at its start, before its own wait for the product: that is
+// decode attention, which reads before its wait only the step's metadata and the K/V of earlier
+// tokens, none of which the product or this kernel writes, so its first K/V copies go out while
+// the product still runs (H200, Llama-3.1-8B step: batch 1 3,911 -> 3,850 us, 64 5,595 -> 5,535).
+//
 // grid = (token, group of 4 heads): a block of 4 warps, a warp per head (a decode token's heads
 // spread over the SMs instead of queueing in one block). Bytes: read N (Hq + 2 Hkv) D * 2 + N r * 4,
 // write the same amount of q, k, v; with rms_source each block also reads its token's row, N H * 2
@@ -39,6 +44,7 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
                                                     int rms_width) {
     __shared__ float head_values[ROPE_WARPS][ROPE_MAX_HEAD_DIM];
     __shared__ float rms_scratch[32];
+    grid_dependents_launch();  // before this kernel's own wait: see the file comment
     const int token = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int total_heads = num_q_heads + 2 * num_kv_heads;
@@ -68,7 +74,7 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
     const float scale = rms_source == nullptr
                             ? 1.0f
                             : block_inverse_rms(rms_source + (long long)token * rms_width, rms_width, eps, rms_scratch);
-    dependent_launch_entry();
+    grid_dependency_wait();
     const bool active = head < total_heads;
     if (!active) return;
     const bf16* in = qkv + token * row_stride + (long long)head * head_dim;

@@ -93,9 +93,11 @@ def test_every_kernel_waits_for_the_previous_grid_first():
     assert "const bool valid = key >= lo && key < newest;" in before_wait
     rope = (kernels_root() / "common/rope_cache.cu").read_text()
     body = rope[rope.index("void rope_and_cache_impl(") :]
-    before_wait = body[: body.index("dependent_launch_entry();")]
-    # qkv (the product's output) after the wait; the residual row it multiplied, for the RMS, before
+    before_wait = body[: body.index("grid_dependency_wait();")]
+    # qkv (the product's output) after the wait; the residual row it multiplied, for the RMS, before;
+    # decode attention may launch at once (it reads early only what neither kernel writes)
     assert "qkv +" not in before_wait and "block_inverse_rms(rms_source +" in before_wait
+    assert before_wait.index("grid_dependents_launch();") < before_wait.index("positions[token]")
     elementwise = (kernels_root() / "common/elementwise.cu").read_text()
     body = elementwise[elementwise.index("void act_mul_rms_vec8(") :]
     before_wait = body[: body.index("dependent_launch_entry();")]
