@@ -93,7 +93,8 @@ def test_a_kernel_after_cublas_launches_early_in_a_graph_and_computes_the_same(c
     rt.features = replace(saved, launch_order_edges=early and saved.programmatic_launch)
     try:
         weight = cuda_backend.upload(bf16(rng.standard_normal((2 * features, inner)) / 64), DType.BF16)
-        assert cuda_backend.fold_rmsnorm(cuda_backend.upload(bf16(rng.standard_normal(inner) / 4 + 1), DType.BF16), weight)
+        norm = cuda_backend.upload(bf16(rng.standard_normal(inner) / 4 + 1), DType.BF16)
+        assert cuda_backend.fold_rmsnorm(norm, weight)
         unit = cuda_backend.upload(bf16(np.ones(inner)), DType.BF16)
         residual = cuda_backend.empty((n, inner), DType.BF16)
         delta = cuda_backend.upload(bf16(rng.standard_normal((n, inner))), DType.BF16)
