@@ -6,6 +6,7 @@ numpy so it is tested without a device; see `AttentionMetadata` for the layout.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,47 +63,48 @@ def build_step_inputs(
     cover the positions it computes (a scheduler bug that must never reach a kernel).
     """
     block_size = batch.block_size
-    num_seqs = len(batch.sequences)
-    token_ids: list[int] = []
-    positions = []
-    slot_mapping = []
-    query_start = np.zeros(num_seqs + 1, np.int32)
-    seq_lens = np.zeros(num_seqs, np.int32)
-    block_tables = np.full((num_seqs, table_width), scratch_block, np.int32)
-    sample_indices = []
-    placeholders: list[tuple[int, int]] = []  # (token row, previous step's sample row)
-    for index, seq in enumerate(batch.sequences):
+    sequences = batch.sequences
+    num_seqs = len(sequences)
+    # One pass of Python over the sequences per field, then numpy: at 64 or more sequences a
+    # step this builds every few milliseconds, the host's per-sequence work is what shows.
+    query_lens = np.fromiter((len(seq.token_ids) for seq in sequences), np.int32, num_seqs)
+    starts = np.fromiter((seq.start_position for seq in sequences), np.int32, num_seqs)
+    num_blocks = np.fromiter((len(seq.block_ids) for seq in sequences), np.int32, num_seqs)
+    seq_lens = starts + query_lens
+    for index in np.flatnonzero((num_blocks > table_width) | (num_blocks * block_size < seq_lens)):
+        seq = sequences[index]
         if len(seq.block_ids) > table_width:
             raise ValueError(f"sequence {seq.seq_id!r} has {len(seq.block_ids)} blocks, more than {table_width}")
-        if len(seq.block_ids) * block_size < seq.context_len:
-            raise ValueError(f"sequence {seq.seq_id!r}: {len(seq.block_ids)} blocks cannot hold {seq.context_len} tokens")
-        block_tables[index, : len(seq.block_ids)] = seq.block_ids
-        seq_positions = np.arange(seq.start_position, seq.context_len, dtype=np.int32)
-        blocks = block_tables[index, seq_positions // block_size]
-        token_ids.extend(seq.token_ids)
-        positions.append(seq_positions)
-        slot_mapping.append(blocks * block_size + seq_positions % block_size)
-        query_start[index + 1] = query_start[index] + seq.num_tokens
-        seq_lens[index] = seq.context_len
-        if seq.sampling is not None:
-            sample_indices.append(query_start[index + 1] - 1)
-        if seq.placeholder_row is not None:
-            placeholders.append((int(query_start[index + 1]) - 1, seq.placeholder_row))
-    num_tokens = len(token_ids)
+        raise ValueError(f"sequence {seq.seq_id!r}: {len(seq.block_ids)} blocks cannot hold {seq.context_len} tokens")
+    query_start = np.zeros(num_seqs + 1, np.int32)
+    np.cumsum(query_lens, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+    block_tables = np.full((num_seqs, table_width), scratch_block, np.int32)
+    # a row-major boolean mask takes the concatenated tables in order
+    block_tables[np.arange(table_width) < num_blocks[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(seq.block_ids for seq in sequences), np.int32, int(num_blocks.sum())
+    )
+    token_seq = np.repeat(np.arange(num_seqs), query_lens)  # the sequence of each token row
+    positions = (np.arange(num_tokens) + np.repeat(starts - query_start[:-1], query_lens)).astype(np.int32)
+    slot_mapping = block_tables[token_seq, positions // block_size] * block_size + positions % block_size
+    samples = np.fromiter((seq.sampling is not None for seq in sequences), bool, num_seqs)
     token_gather = np.arange(num_sample_slots, num_sample_slots + num_tokens, dtype=np.int32)
-    for row, sample_row in placeholders:
-        token_gather[row] = sample_row
+    placeholder_rows = np.fromiter(
+        (-1 if seq.placeholder_row is None else seq.placeholder_row for seq in sequences), np.int32, num_seqs
+    )
+    placeholders = placeholder_rows >= 0  # last token rows sampled by the previous step, on the device
+    token_gather[query_start[1:][placeholders] - 1] = placeholder_rows[placeholders]
     return HostStepInputs(
-        token_ids=np.asarray(token_ids, np.int32),
-        positions=np.concatenate(positions).astype(np.int32) if positions else np.zeros(0, np.int32),
-        slot_mapping=np.concatenate(slot_mapping).astype(np.int32) if slot_mapping else np.zeros(0, np.int32),
+        token_ids=np.fromiter(itertools.chain.from_iterable(seq.token_ids for seq in sequences), np.int32, num_tokens),
+        positions=positions,
+        slot_mapping=slot_mapping.astype(np.int32),
         query_start_loc=query_start,
         seq_lens=seq_lens,
         block_tables=block_tables,
-        sample_indices=np.asarray(sample_indices, np.int32),
+        sample_indices=query_start[1:][samples] - 1,
         token_gather=token_gather,
-        has_placeholders=bool(placeholders),
-        max_query_len=max((s.num_tokens for s in batch.sequences), default=0),
+        has_placeholders=bool(placeholders.any()),
+        max_query_len=int(query_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
     )
 
@@ -136,4 +138,3 @@ def pad_decode_inputs(
         max_query_len=1,
         max_seq_len=inputs.max_seq_len,
     )
-
