@@ -737,11 +737,54 @@ __device__ __forceinline__ void skinny_mma(float* acc, u64 desc_x, const unsigne
         wgmma_m64n16k16_ss(acc + N16_ROW / 2, desc_x, wgmma_descriptor(w_step + 128 * N16_ROW, 16, 1024), 1);
 }
 
+template <typename EPI>
+struct IsAddTo {
+    static constexpr bool value = false;
+};
+template <>
+struct IsAddTo<AddTo> {
+    static constexpr bool value = true;
+};
+
 // Stores the outputs of token rows n0 and n0 + 8 at features f and f + 1: v[2 h + e] for token
-// n0 + 8 h, feature f + e (gated: the gate, `up` the up row's sum).
-template <typename OUT, typename EPI>
+// n0 + 8 h, feature f + e (gated: the gate, `up` the up row's sum). QUADS: the four lanes of each
+// quad call it together with f = f0 + 2 t, so between them they hold 8 consecutive features of
+// both tokens; bf16 outputs other than the residual add then leave as one 16-byte store per token
+// (lane h of the quad stores token n0 + 8 h's) where the rows are whole 16-byte runs. Element by
+// element stores of a 64 x 28672 product cost 3 us more (H200; docs/cuda-notes.md run 18).
+template <typename OUT, typename EPI, bool QUADS>
 __device__ __forceinline__ void skinny_store(OUT* out, const bf16* bias, int num_tokens, int num_features, int n0,
                                              int f, const float* v, const float* up) {
+    if constexpr (QUADS && sizeof(OUT) == 2 && !IsAddTo<EPI>::value) {
+        if (num_features % 8 == 0 && (reinterpret_cast<unsigned long long>(out) & 15) == 0) {
+            const int t = threadIdx.x & 3, f0 = f - 2 * t;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float value[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    value[e] = v[2 * h + e];
+                    if (EPI::gated) {
+                        const typename ActOf<EPI>::type act;
+                        const float gate = to_float(from_float<bf16>(value[e]));
+                        value[e] = act(gate) * to_float(from_float<bf16>(up[2 * h + e]));
+                    } else if (bias != nullptr && f + e < num_features) {
+                        value[e] += to_float(bias[f + e]);
+                    }
+                }
+                const u32 pair = pack_bf16x2(value[0], value[1]);
+                uint4 run;
+                run.x = __shfl_sync(0xffffffffu, pair, 0, 4);
+                run.y = __shfl_sync(0xffffffffu, pair, 1, 4);
+                run.z = __shfl_sync(0xffffffffu, pair, 2, 4);
+                run.w = __shfl_sync(0xffffffffu, pair, 3, 4);
+                const int n = n0 + 8 * h;
+                if (t == h && n < num_tokens && f0 < num_features)
+                    *reinterpret_cast<uint4*>(out + (long long)n * num_features + f0) = run;
+            }
+            return;
+        }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int n = n0 + 8 * h;
@@ -869,8 +912,8 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
 #pragma unroll
         for (int j = 0; j < (EPI::gated ? COLUMNS / 2 : COLUMNS); ++j) {
             const float* up = &acc[4 * (EPI::gated ? j + COLUMNS / 2 : j)];
-            skinny_store<OUT, EPI>(out, bias, num_tokens, num_features, 16 * warp + g, tile * TILE_FEATURES + 8 * j + 2 * t,
-                                   &acc[4 * j], up);
+            const int feature = tile * TILE_FEATURES + 8 * j + 2 * t;
+            skinny_store<OUT, EPI, true>(out, bias, num_tokens, num_features, 16 * warp + g, feature, &acc[4 * j], up);
         }
     }
     if (!split) return;
@@ -903,8 +946,8 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
             }
         }
         const int lane_of = thread & 31;
-        skinny_store<OUT, EPI>(out, bias, num_tokens, num_features, 16 * (thread >> 5) + (lane_of >> 2),
-                               tile * TILE_FEATURES + 8 * j + 2 * (lane_of & 3), sum, up);
+        skinny_store<OUT, EPI, false>(out, bias, num_tokens, num_features, 16 * (thread >> 5) + (lane_of >> 2),
+                                      tile * TILE_FEATURES + 8 * j + 2 * (lane_of & 3), sum, up);
     }
     cluster_sync();  // no block leaves while another still reads its sums
 #else
