@@ -139,13 +139,20 @@ struct ActOf<Gated<Act>> {
     typedef Act type;
 };
 
-template <typename EPI, typename OUT>
-__device__ __forceinline__ void store_feature(OUT* slot, float total, float up) {
+// The value a plain or gated form stores for a feature whose sum is `total` (gated: the gate's,
+// `up` the up row's, both rounded to bf16 first as the unfused product would be).
+template <typename EPI>
+__device__ __forceinline__ float feature_value(float total, float up) {
     if (EPI::gated) {
         const typename ActOf<EPI>::type act;
-        total = act(to_float(from_float<bf16>(total))) * to_float(from_float<bf16>(up));
+        return act(to_float(from_float<bf16>(total))) * to_float(from_float<bf16>(up));
     }
-    *slot = from_float<OUT>(total);
+    return total;
+}
+
+template <typename EPI, typename OUT>
+__device__ __forceinline__ void store_feature(OUT* slot, float total, float up) {
+    *slot = from_float<OUT>(feature_value<EPI>(total, up));
 }
 
 template <>
@@ -763,14 +770,9 @@ __device__ __forceinline__ void skinny_store(OUT* out, const bf16* bias, int num
                 float value[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
-                    value[e] = v[2 * h + e];
-                    if (EPI::gated) {
-                        const typename ActOf<EPI>::type act;
-                        const float gate = to_float(from_float<bf16>(value[e]));
-                        value[e] = act(gate) * to_float(from_float<bf16>(up[2 * h + e]));
-                    } else if (bias != nullptr && f + e < num_features) {
-                        value[e] += to_float(bias[f + e]);
-                    }
+                    float total = v[2 * h + e];
+                    if (!EPI::gated && bias != nullptr && f + e < num_features) total += to_float(bias[f + e]);
+                    value[e] = feature_value<EPI>(total, EPI::gated ? up[2 * h + e] : 0.0f);
                 }
                 const u32 pair = pack_bf16x2(value[0], value[1]);
                 uint4 run;
