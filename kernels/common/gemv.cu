@@ -693,7 +693,8 @@ DEFINE_GEMV_ROPE(rmsnorm_f32_rope_bf16, true, float, bf16)
 //          clusters the GPU holds at once.
 //
 // In a block, warp 4 is the producer: one lane issues TMA copies into a ring of stages, each x's
-// [64 tokens][64] tile (rows past the token count arrive as zeros) then the weight's [BN][64],
+// [64 tokens][64] tile (its token rows rounded up to 8; the tile's other rows are stale and feed
+// only output rows that are never stored) then the weight's [BN][64],
 // both 128-byte swizzled, and full[s] counts the bytes in. The first stages' weights are
 // requested before griddepcontrol.wait (they do not depend on the previous kernel), so the weight
 // stream overlaps that kernel's tail; x follows after the wait. Warps 0-3, one warpgroup, wait on
@@ -842,6 +843,13 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
             tma_prefetch_map(w_map);
             tma_prefetch_map(x_map);
             const u64 stream_once = l2_evict_first();
+            // x's box holds its token rows rounded up to 8 (ops_dense.skinny_x_box_rows): a box
+            // mostly past the matrix costs far more than its bytes (16 token rows in a 64-row
+            // box: o 4096 x 4096 17.6 us against 11.8; docs/cuda-notes.md run 19). The stage's
+            // rows past the box keep stale data; they feed only output rows past the token
+            // count, which are never stored.
+            const u32 stage_tx = Tile::stage_bytes - Tile::x_bytes +
+                                 (u32)min(SKINNY_TOKENS, (num_tokens + 7) / 8 * 8) * SKINNY_STAGE_K * 2;
             // Blocks that run at the same time start their tiles' K at different units, so they
             // do not all read the same x chunk from L2 at once.
             const int slot = split ? first_tile : blockIdx.x, concurrent = split ? tiles : gridDim.x;
@@ -865,7 +873,7 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
             };
             const int early = min(STAGES, units);
             for (int i = 0; i < early; ++i) {
-                mbarrier_arrive_expect_tx(&full[i], Tile::stage_bytes);
+                mbarrier_arrive_expect_tx(&full[i], stage_tx);
                 load_weights(i, i);
             }
             grid_dependency_wait();  // x is the previous kernel's output
@@ -873,7 +881,7 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
             for (int i = early; i < units; ++i) {
                 const int s = i % STAGES;
                 mbarrier_wait(&empty[s], (u32)((i / STAGES) & 1) ^ 1u);
-                mbarrier_arrive_expect_tx(&full[s], Tile::stage_bytes);
+                mbarrier_arrive_expect_tx(&full[s], stage_tx);
                 load_weights(s, i);
                 load_x(s, i);
             }
@@ -962,7 +970,7 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
 // splits blocks in clusters of `splits`. <what>: bf16, f32 (out = x w^T +
 // bias), gated_<act> (w = [gate; up], out = act(x gate^T) * (x up^T)), add (out += x w^T). w_map:
 // the weight [rows, inner] in boxes of [BN][64] (gated: [BN / 2][64]); x_map: x [num_tokens,
-// inner] in boxes of [64][64], both 128-byte swizzled. num_features: rows
+// inner] in boxes of [min(64, num_tokens rounded up to 8)][64], both 128-byte swizzled. num_features: rows
 // of w (gated: of each half); tiles: ceil(num_features / BN) (gated: / (BN / 2)).
 #define DEFINE_SKINNY(NAME, OUT, EPI, BN)                                                                           \
     extern "C" __global__ void __launch_bounds__(SKINNY_THREADS, 1)                                                 \
