@@ -803,6 +803,69 @@ __device__ __forceinline__ void skinny_store(OUT* out, const bf16* bias, int num
     }
 }
 
+
+// The staged epilogue: a tile's outputs go to shared memory (a row of TF features per token,
+// 16 bytes of padding so that a quad's rows fall in different banks) and leave in whole 16-byte
+// runs of consecutive features, a warp covering whole rows. Under the weight stream of the next
+// product, stores a quad at a time (16 bytes per token row) cost ~0.8 us a product more than
+// whole lines, and element-by-element ones ~3 us more (H200; docs/cuda-notes.md run 20).
+__device__ __forceinline__ void skinny_consumers_sync() {
+    asm volatile("bar.sync 1, %0;\n" ::"n"(SKINNY_CONSUMERS) : "memory");
+}
+
+template <int TF>
+struct SkinnyStaging {
+    static constexpr int row_bytes = TF * 2 + 16;
+    static constexpr int bytes = SKINNY_TOKENS * row_bytes;
+};
+
+// The values of tokens n0 and n0 + 8 at the tile's features f and f + 1 (global feature
+// `feature`) into the staging rows: v[2 h + e] as skinny_store takes them, rounded to bf16 (the
+// add form stores the product, added to the residual on the way out).
+template <int TF, typename EPI>
+__device__ __forceinline__ void skinny_stage(unsigned char* staging, const bf16* bias, int num_features, int n0, int f,
+                                             int feature, const float* v, const float* up) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float value[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            float total = v[2 * h + e];
+            if (!EPI::gated && bias != nullptr && feature + e < num_features) total += to_float(bias[feature + e]);
+            value[e] = feature_value<EPI>(total, EPI::gated ? up[2 * h + e] : 0.0f);
+        }
+        *reinterpret_cast<u32*>(staging + (n0 + 8 * h) * SkinnyStaging<TF>::row_bytes + 2 * f) =
+            pack_bf16x2(value[0], value[1]);
+    }
+}
+
+// Token rows [row0, row1) of a staged tile to out[:, feature0 : feature0 + TF] (features past
+// num_features left out; num_features is a multiple of 8), 16 bytes a thread at a time; the add
+// form adds them into out.
+template <int TF, typename EPI>
+__device__ __forceinline__ void skinny_copy_out(const unsigned char* staging, bf16* out, int row0, int row1,
+                                                int num_features, int feature0) {
+    constexpr int RUNS = TF / 8;
+    for (int c = threadIdx.x; c < (row1 - row0) * RUNS; c += SKINNY_CONSUMERS) {
+        const int row = row0 + c / RUNS, run = c % RUNS, feature = feature0 + 8 * run;
+        if (feature >= num_features) continue;
+        uint4 value = *reinterpret_cast<const uint4*>(staging + row * SkinnyStaging<TF>::row_bytes + 16 * run);
+        bf16* dst = out + (long long)row * num_features + feature;
+        if (IsAddTo<EPI>::value) {
+            const uint4 residual = *reinterpret_cast<const uint4*>(dst);
+            u32* words = reinterpret_cast<u32*>(&value);
+            const u32* old = reinterpret_cast<const u32*>(&residual);
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&old[w]);
+                const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&words[w]);
+                words[w] = pack_bf16x2(__low2float(a) + __low2float(b), __high2float(a) + __high2float(b));
+            }
+        }
+        *reinterpret_cast<uint4*>(dst) = value;
+    }
+}
+
 template <int BN, typename OUT, typename EPI>
 __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x_map, const bf16* __restrict__ bias,
                                             OUT* __restrict__ out, int num_tokens, int num_features, int inner,
@@ -896,6 +959,10 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
 
     grid_dependency_wait();  // the epilogues read the residual
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    // Whole 16-byte runs of bf16 outputs: the staged epilogue (the ring then holds it).
+    static_assert(SkinnyStaging<TILE_FEATURES>::bytes + BN * SKINNY_CONSUMERS * 2 <= STAGES * Tile::stage_bytes,
+                  "the staging rows and the split's sums fit in the ring");
+    const bool stageable = sizeof(OUT) == 2 && num_features % 8 == 0 && (reinterpret_cast<unsigned long long>(out) & 15) == 0;
     float acc[BN / 2];
     int i = 0;
     for (int n = 0; n < my_tiles; ++n) {
@@ -919,6 +986,18 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
             if (lane == 0) mbarrier_arrive(&empty[s]);
         }
         if (split) break;  // one tile per cluster: reduced below
+        if (stageable && n == my_tiles - 1) {  // the ring is free after the block's last tile
+            skinny_consumers_sync();             // every warp's last wgmma has read its stage
+#pragma unroll
+            for (int j = 0; j < (EPI::gated ? COLUMNS / 2 : COLUMNS); ++j)
+                skinny_stage<TILE_FEATURES, EPI>(ring, bias, num_features, 16 * warp + g, 8 * j + 2 * t,
+                                                 tile * TILE_FEATURES + 8 * j + 2 * t, &acc[4 * j],
+                                                 &acc[4 * (EPI::gated ? j + COLUMNS / 2 : j)]);
+            skinny_consumers_sync();
+            skinny_copy_out<TILE_FEATURES, EPI>(ring, reinterpret_cast<bf16*>(out), 0, num_tokens, num_features,
+                                                tile * TILE_FEATURES);
+            break;
+        }
 #pragma unroll
         for (int j = 0; j < (EPI::gated ? COLUMNS / 2 : COLUMNS); ++j) {
             const float* up = &acc[4 * (EPI::gated ? j + COLUMNS / 2 : j)];
@@ -937,12 +1016,40 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
             sums[j * SKINNY_CONSUMERS + tid] = make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
     }
     cluster_sync();
+    const int columns = EPI::gated ? COLUMNS / 2 : COLUMNS;
+    const int tile = first_tile;
+    if (stageable) {
+        // Rank r reduces the token rows of warps [r W / S, (r + 1) W / S) of the W active ones,
+        // every column, into staging rows after its sums, and stores those rows whole.
+        const int warps = active_threads / 32;
+        const int first = 32 * (rank * warps / splits), span = 32 * ((rank + 1) * warps / splits) - first;
+        unsigned char* const staging = ring + COLUMNS * SKINNY_CONSUMERS * sizeof(float4);
+        for (int group = tid; group < columns * span; group += SKINNY_CONSUMERS) {
+            const int j = group / span, thread = first + group % span;
+            const float4* mine = sums + j * SKINNY_CONSUMERS + thread;
+            float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f}, up[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int b = 0; b < splits; ++b) {
+                const float4 part = load_cluster_float4(cluster_address(mine, b));
+                sum[0] += part.x, sum[1] += part.y, sum[2] += part.z, sum[3] += part.w;
+                if (EPI::gated) {
+                    const float4 part_up = load_cluster_float4(cluster_address(mine + COLUMNS / 2 * SKINNY_CONSUMERS, b));
+                    up[0] += part_up.x, up[1] += part_up.y, up[2] += part_up.z, up[3] += part_up.w;
+                }
+            }
+            const int lane_of = thread & 31, f = 8 * j + 2 * (lane_of & 3);
+            skinny_stage<TILE_FEATURES, EPI>(staging, bias, num_features, 16 * (thread >> 5) + (lane_of >> 2), f,
+                                             tile * TILE_FEATURES + f, sum, up);
+        }
+        skinny_consumers_sync();
+        skinny_copy_out<TILE_FEATURES, EPI>(staging, reinterpret_cast<bf16*>(out), first / 2,
+                                            min(num_tokens, (first + span) / 2), num_features, tile * TILE_FEATURES);
+        cluster_sync();  // no block leaves while another still reads its sums
+        return;
+    }
     // Rank r's share of the tile: groups [r G / S, (r + 1) G / S) of G = (fragment column,
     // active thread) pairs (gated: the gate columns, each with its up column).
-    const int columns = EPI::gated ? COLUMNS / 2 : COLUMNS;
     const int groups = columns * active_threads;
     const int group_end = (rank + 1) * groups / splits;
-    const int tile = first_tile;
     for (int group = rank * groups / splits + tid; group < group_end; group += SKINNY_CONSUMERS) {
         const int j = group / active_threads, thread = group % active_threads;
         const float4* mine = sums + j * SKINNY_CONSUMERS + thread;

@@ -460,15 +460,16 @@ def test_folded_rmsnorm_gated_linear(cuda_backend, mock_backend, rng, activation
     assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE
 
 
+@pytest.mark.parametrize("skinny", [False, True])
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
 @pytest.mark.parametrize("num_tokens, features, inner", [(9, 1024, 4096), (64, 1000, 4096), (300, 256, 2560)])
 def test_a_folded_gated_norm_scales_after_the_product(
-    cuda_backend, mock_backend, rng, activation, num_tokens, features, inner
+    cuda_backend, mock_backend, rng, skinny, activation, num_tokens, features, inner
 ):
     """Past the GEMV sizes (`rms_after_product`) the folded gated projection runs no norm kernel:
-    cuBLASLt multiplies the unnormalised rows and act_mul_rms scales gate and up by each row's
-    inverse RMS. Against the mock (the norm first) and the norm kernel first on CUDA (feature
-    off): bf16 rounding apart."""
+    cuBLASLt (or up to 64 rows with `skinny_gemm` the skinny GEMM) multiplies the unnormalised
+    rows and act_mul_rms scales gate and up by each row's inverse RMS. Against the mock (the norm
+    first) and the norm kernel first on CUDA (feature off): bf16 rounding apart."""
     from dataclasses import replace
 
     x, norm, weight = _norm_inputs(rng, num_tokens, 2 * features, inner)
@@ -479,7 +480,7 @@ def test_a_folded_gated_norm_scales_after_the_product(
     results = []
     try:
         for on in (True, False):
-            rt.features = replace(saved, rms_after_product=on)
+            rt.features = replace(saved, rms_after_product=on, skinny_gemm=skinny)
             out = poisoned(cuda_backend, (num_tokens, features), DType.BF16)
             normed = poisoned(cuda_backend, (num_tokens, inner), DType.BF16)
             cx = cuda_backend.upload(x, DType.BF16)

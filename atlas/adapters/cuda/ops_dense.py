@@ -313,15 +313,14 @@ class LinearOp:
         """Whether the product of x with a projection whose norm weight is folded into it
         (`norm_weight` None, nothing to add first) leaves the norm's RMS to the kernel after it
         (the `rms_after_product` feature): past the GEMV sizes, bf16 rows of whole 16-byte loads,
-        with the products on cuBLASLt (the skinny GEMM off). Those kernels (`act_mul_rms`, RoPE's
-        `rms_source`) scale by 1 / sqrt(mean(x^2) + eps), the value the norm kernel takes."""
+        whichever GEMM takes the product. Those kernels (`act_mul_rms`, RoPE's `rms_source`) scale
+        by 1 / sqrt(mean(x^2) + eps), the value the norm kernel takes."""
         features = self._rt.features
         num_tokens, width = x.shape
         return (
             norm_weight is None
             and add_first is None
             and features.rms_after_product
-            and not features.skinny_gemm
             and GEMV_MAX_TOKENS < num_tokens <= _MAX_GRID_Y
             and x.dtype is DType.BF16
             and width % 8 == 0
@@ -353,7 +352,7 @@ class LinearOp:
         if num_tokens == 0 or self._fused_gemv(x, weight, residual, None, "add", None, 0.0):
             return False
         features = self._rt.features
-        if num_tokens > GEMV_MAX_TOKENS and features.rms_after_product and not features.skinny_gemm:
+        if num_tokens > GEMV_MAX_TOKENS and features.rms_after_product:
             checks.dtype(x, "x", (DType.BF16,))
             self._cublas(x, weight, residual, None, num_tokens, weight.shape[0], weight.shape[1], scratch)
             return False

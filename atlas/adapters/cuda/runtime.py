@@ -57,8 +57,9 @@ class CudaFeatures:
     rms_after_product: past the GEMV sizes, a norm folded into its projection (`fold_rmsnorm`)
         runs no norm kernel: the projection reads the residual as it is and the kernel after the
         product scales each token's row by its inverse RMS (RoPE + cache write after qkv, act_mul
-        after gate_up), while the output projections add into the residual inside cuBLASLt
-        (beta = 1) instead of leaving the add to that norm kernel.
+        after gate_up), while the output projections add into the residual inside the GEMM
+        (cuBLASLt's beta = 1, or the skinny GEMM's add form) instead of leaving the add to that
+        norm kernel.
     launch_order_edges: in a captured graph, a kernel of ours after one launched without
         programmatic serialization (cuBLASLt's) launches once that kernel's blocks have all
         started and runs what precedes its griddepcontrol.wait beside it (graphs.py
@@ -66,8 +67,8 @@ class CudaFeatures:
     skinny_gemm: 9..64 token rows of bf16 `linear` (and its gated and residual-add forms) go
         through our own skinny tensor-core GEMM on Hopper (`gemm_skinny_*`, gemv.cu: TMA into a
         warp-specialised ring, K split over clusters that reduce through distributed shared
-        memory) instead of cuBLASLt. Off by default: on an H200 it is still 110 us slower than
-        cuBLASLt in the Llama-3.1-8B batch-64 step (docs/cuda-notes.md run 10); the tests,
+        memory) instead of cuBLASLt. Off by default: on an H200 the Llama-3.1-8B step is 40 us
+        faster with it at batch 16 and 150 us slower at batch 64 (docs/cuda-notes.md run 20); the tests,
         `bench_kernels.py` and `ablate_model_step.py gemm` turn it on to keep it correct and
         measured.
     """
