@@ -803,7 +803,6 @@ __device__ __forceinline__ void skinny_store(OUT* out, const bf16* bias, int num
     }
 }
 
-
 // The staged epilogue: a tile's outputs go to shared memory (a row of TF features per token,
 // 16 bytes of padding so that a quad's rows fall in different banks) and leave in whole 16-byte
 // runs of consecutive features, a warp covering whole rows. Under the weight stream of the next
