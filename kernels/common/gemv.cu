@@ -754,6 +754,22 @@ struct IsAddTo<AddTo> {
     static constexpr bool value = true;
 };
 
+// The bf16 pair a plain, gated or add form stores for features `feature` and feature + 1 of one
+// token, whose sums are v[0], v[1] (gated: the gates', up[] the up rows'); the bias is added to
+// features that exist.
+template <typename EPI>
+__device__ __forceinline__ u32 skinny_pair(const bf16* bias, int num_features, int feature, const float* v,
+                                           const float* up) {
+    float value[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        float total = v[e];
+        if (!EPI::gated && bias != nullptr && feature + e < num_features) total += to_float(bias[feature + e]);
+        value[e] = feature_value<EPI>(total, EPI::gated ? up[e] : 0.0f);
+    }
+    return pack_bf16x2(value[0], value[1]);
+}
+
 // Stores the outputs of token rows n0 and n0 + 8 at features f and f + 1: v[2 h + e] for token
 // n0 + 8 h, feature f + e (gated: the gate, `up` the up row's sum). QUADS: the four lanes of each
 // quad call it together with f = f0 + 2 t, so between them they hold 8 consecutive features of
@@ -768,14 +784,7 @@ __device__ __forceinline__ void skinny_store(OUT* out, const bf16* bias, int num
             const int t = threadIdx.x & 3, f0 = f - 2 * t;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                float value[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    float total = v[2 * h + e];
-                    if (!EPI::gated && bias != nullptr && f + e < num_features) total += to_float(bias[f + e]);
-                    value[e] = feature_value<EPI>(total, EPI::gated ? up[2 * h + e] : 0.0f);
-                }
-                const u32 pair = pack_bf16x2(value[0], value[1]);
+                const u32 pair = skinny_pair<EPI>(bias, num_features, f, v + 2 * h, up + 2 * h);
                 uint4 run;
                 run.x = __shfl_sync(0xffffffffu, pair, 0, 4);
                 run.y = __shfl_sync(0xffffffffu, pair, 1, 4);
@@ -825,17 +834,9 @@ template <int TF, typename EPI>
 __device__ __forceinline__ void skinny_stage(unsigned char* staging, const bf16* bias, int num_features, int n0, int f,
                                              int feature, const float* v, const float* up) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float value[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            float total = v[2 * h + e];
-            if (!EPI::gated && bias != nullptr && feature + e < num_features) total += to_float(bias[feature + e]);
-            value[e] = feature_value<EPI>(total, EPI::gated ? up[2 * h + e] : 0.0f);
-        }
+    for (int h = 0; h < 2; ++h)
         *reinterpret_cast<u32*>(staging + (n0 + 8 * h) * SkinnyStaging<TF>::row_bytes + 2 * f) =
-            pack_bf16x2(value[0], value[1]);
-    }
+            skinny_pair<EPI>(bias, num_features, feature, v + 2 * h, up + 2 * h);
 }
 
 // Token rows [row0, row1) of a staged tile to out[:, feature0 : feature0 + TF] (features past
@@ -862,6 +863,20 @@ __device__ __forceinline__ void skinny_copy_out(const unsigned char* staging, bf
             }
         }
         *reinterpret_cast<uint4*>(dst) = value;
+    }
+}
+
+// Split K: the sums of fragment slot `mine` (and, gated, its up column's) over the cluster's
+// blocks, in rank order.
+template <typename EPI, int COLUMNS>
+__device__ __forceinline__ void skinny_cluster_sum(const float4* mine, int splits, float* sum, float* up) {
+    for (int b = 0; b < splits; ++b) {
+        const float4 part = load_cluster_float4(cluster_address(mine, b));
+        sum[0] += part.x, sum[1] += part.y, sum[2] += part.z, sum[3] += part.w;
+        if (EPI::gated) {
+            const float4 part_up = load_cluster_float4(cluster_address(mine + COLUMNS / 2 * SKINNY_CONSUMERS, b));
+            up[0] += part_up.x, up[1] += part_up.y, up[2] += part_up.z, up[3] += part_up.w;
+        }
     }
 }
 
@@ -1027,14 +1042,7 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
             const int j = group / span, thread = first + group % span;
             const float4* mine = sums + j * SKINNY_CONSUMERS + thread;
             float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f}, up[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            for (int b = 0; b < splits; ++b) {
-                const float4 part = load_cluster_float4(cluster_address(mine, b));
-                sum[0] += part.x, sum[1] += part.y, sum[2] += part.z, sum[3] += part.w;
-                if (EPI::gated) {
-                    const float4 part_up = load_cluster_float4(cluster_address(mine + COLUMNS / 2 * SKINNY_CONSUMERS, b));
-                    up[0] += part_up.x, up[1] += part_up.y, up[2] += part_up.z, up[3] += part_up.w;
-                }
-            }
+            skinny_cluster_sum<EPI, COLUMNS>(mine, splits, sum, up);
             const int lane_of = thread & 31, f = 8 * j + 2 * (lane_of & 3);
             skinny_stage<TILE_FEATURES, EPI>(staging, bias, num_features, 16 * (thread >> 5) + (lane_of >> 2), f,
                                              tile * TILE_FEATURES + f, sum, up);
@@ -1053,14 +1061,7 @@ __device__ __forceinline__ void skinny_impl(const TmaMap* w_map, const TmaMap* x
         const int j = group / active_threads, thread = group % active_threads;
         const float4* mine = sums + j * SKINNY_CONSUMERS + thread;
         float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f}, up[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int b = 0; b < splits; ++b) {
-            const float4 part = load_cluster_float4(cluster_address(mine, b));
-            sum[0] += part.x, sum[1] += part.y, sum[2] += part.z, sum[3] += part.w;
-            if (EPI::gated) {
-                const float4 part_up = load_cluster_float4(cluster_address(mine + COLUMNS / 2 * SKINNY_CONSUMERS, b));
-                up[0] += part_up.x, up[1] += part_up.y, up[2] += part_up.z, up[3] += part_up.w;
-            }
-        }
+        skinny_cluster_sum<EPI, COLUMNS>(mine, splits, sum, up);
         const int lane_of = thread & 31;
         skinny_store<OUT, EPI, false>(out, bias, num_tokens, num_features, 16 * (thread >> 5) + (lane_of >> 2),
                                       tile * TILE_FEATURES + 8 * j + 2 * (lane_of & 3), sum, up);
