@@ -438,8 +438,13 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     if (split >= used_splits) return;
     const int tile_begin = first_tile + split * split_tiles;
     const int tile_end = min(first_tile + num_tiles, tile_begin + split_tiles);
-    // This warp's tiles: tile_begin + warp, + WARPS, ...
+    // This warp's tiles are tile_begin + warp, + WARPS, ..., taken newest first: when the tiles
+    // do not divide among the warps, the warp with one more holds the ragged last tile (the step's
+    // own token, the fewest keys), and taken first it costs a round under the loads still in
+    // flight instead of a round of its own after the other warps are done (the Llama-3.1-8B step
+    // at batch 64 on an H200, 513-529-token contexts: 16-25 us less than oldest first).
     const int my_tiles = tile_begin + warp < tile_end ? (tile_end - tile_begin - warp - 1) / WARPS + 1 : 0;
+    auto tile_of = [&](int j) { return tile_begin + warp + (my_tiles - 1 - j) * WARPS; };
 
     const int* table = block_tables + (long long)seq * block_table_stride;
     const long long head_offset = (long long)kv_head * block_size * HEAD_DIM;
@@ -452,7 +457,7 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     // still read (batch 64, Llama-3.1-8B on an H200: 5822 -> 5780 us per step).
     const u64 kv_policy = l2_evict_first();
     auto issue_tile = [&](int j) {
-        const int t0 = (tile_begin + warp + j * WARPS) * 16;
+        const int t0 = tile_of(j) * 16;
         const long long page_lo = __ldg(table + t0 / block_size);
         const long long base_lo = page_lo * page_stride + head_offset + (t0 % block_size) * HEAD_DIM + lane_chunk * 8;
         long long base_hi = base_lo + 8 * HEAD_DIM;
@@ -503,7 +508,7 @@ __device__ __forceinline__ void attention_decode_mma_impl(
         cp_async_commit();
         cp_async_wait<STAGES - 1>();  // this lane's copies of tile j have landed
         uint4* slot = ring + (j % STAGES) * 2 * Shape::PLANE_CHUNKS;
-        const int t0 = (tile_begin + warp + j * WARPS) * 16;
+        const int t0 = tile_of(j) * 16;
         if (t0 + 16 > newest) {
             // The step's own token is in this tile: its row now, from L2, once no lane's
             // zero-filling copy of that row is still in flight.
