@@ -41,7 +41,16 @@ def _rope_table(max_position: int, rotary_dim: int, theta: float = 10000.0) -> n
         (HeadLayout(8, 1, 256), 256, True, DType.F32),
     ],
 )
-def test_rope_and_cache(cuda_backend, mock_backend, rng, heads, rotary_dim, with_norm, table_dtype):
+@pytest.mark.parametrize("one_block_per_token", [False, True])
+def test_rope_and_cache(
+    cuda_backend, mock_backend, rng, monkeypatch, heads, rotary_dim, with_norm, table_dtype, one_block_per_token
+):
+    """Against the mock; with a block per group of heads (decode sizes) and with one block taking
+    all of a token's groups in turn (prefill sizes, `rope_blocks_per_token`)."""
+    from atlas.adapters.cuda import ops_attention
+
+    if one_block_per_token:
+        monkeypatch.setattr(ops_attention, "rope_blocks_per_token", lambda *args: 1)
     case = paged_case(rng, heads, context_lens=[40, 1, 77], query_lens=[40, 1, 13])
     width = heads.q_size + 2 * heads.kv_size
     qkv = bf16(rng.standard_normal((case.num_tokens, width)))
@@ -91,6 +100,15 @@ def test_rope_and_cache(cuda_backend, mock_backend, rng, heads, rotary_dim, with
         assert rel_l2(c_slots[written], m_slots[written]) < BF16_TOLERANCE
         untouched = np.setdiff1d(np.arange(c_slots.shape[0]), written)
         assert np.isnan(c_slots[untouched]).all()
+
+
+def test_rope_takes_a_tokens_heads_in_one_block_at_prefill_sizes():
+    """Llama-3.1-8B's 48 heads in groups of 4 on 132 SMs: a block per group up to 64 tokens, one
+    block per token from 2048 (its RMS read once, not 12 times)."""
+    from atlas.adapters.cuda.ops_attention import rope_blocks_per_token
+
+    assert [rope_blocks_per_token(n, 48, 132) for n in (1, 64, 128, 512, 2048, 8192)] == [12, 12, 9, 3, 1, 1]
+    assert rope_blocks_per_token(1, 15, 132) == 4  # SmolLM2: 9 + 2 x 3 heads
 
 
 @pytest.mark.parametrize(

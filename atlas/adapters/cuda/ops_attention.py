@@ -114,6 +114,15 @@ def rope_targets(
     )
 
 
+def rope_blocks_per_token(num_tokens: int, total_heads: int, num_sms: int) -> int:
+    """Blocks of rope_and_cache per token, each taking groups of _ROPE_WARPS heads in turn: a
+    block per group while the grid is small (decode: a token's heads spread over the SMs), fewer
+    as the tokens alone fill the GPU (8 blocks an SM), down to one per token at prefill sizes, so
+    that each block's RMS of the token's row (rms_source) is taken once per token, not per group."""
+    groups = -(-total_heads // _ROPE_WARPS)
+    return max(1, min(groups, -(-8 * num_sms // num_tokens)))
+
+
 def rope_and_cache(
     rt: CudaRuntime,
     qkv: CudaTensor,
@@ -173,7 +182,7 @@ def rope_and_cache(
     rt.launch(
         "rope_cache",
         symbol,
-        (num_tokens, -(-total_heads // _ROPE_WARPS)),
+        (num_tokens, rope_blocks_per_token(num_tokens, total_heads, rt.num_sms)),
         _ROPE_WARPS * 32,
         qkv.address,
         checks.address(meta.positions, "meta.positions"),
