@@ -63,19 +63,25 @@ def _relative(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _hf_logits(model, token_ids: list[int], dtype) -> np.ndarray:
-    """Logits from `model`, or from a copy whose parameters are cast to `dtype` as
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _hf_model(model, dtype):
+    """`model` on the device, or a copy whose parameters are cast to `dtype` as
     `from_pretrained(dtype=...)` leaves them: the RoPE frequency buffers stay float32 (a plain
     `.to(dtype)` would round them too, and corrupt `model` for later float32 references)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     copy = model
     if dtype is not torch.float32:
         copy = copy_module.deepcopy(model)
         for parameter in copy.parameters():
             parameter.data = parameter.data.to(dtype)
-    copy = copy.to(device=device)
+    return copy.to(device=_DEVICE)
+
+
+def _hf_logits(model, token_ids: list[int]) -> np.ndarray:
+    """Float32 logits of every position from a model `_hf_model` prepared."""
     with torch.no_grad():
-        logits = copy(torch.tensor([token_ids], device=device)).logits[0]
+        logits = model(torch.tensor([token_ids], device=_DEVICE)).logits[0]
     return logits.float().cpu().numpy()
 
 
@@ -103,6 +109,7 @@ def test_random_real_configs_match_transformers_within_its_own_bf16_error(config
         [(prompt + [7], len(prompt), len(prompt) + 1, table) for prompt, table in zip(prompts, tables)],
         [(prompts[0] + [7, 9], len(prompts[0]) + 1, len(prompts[0]) + 2, tables[0])],
     ]
+    exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
     for step_id, step in enumerate(steps):
         batch = ScheduledBatch(step_id, tuple(
             ScheduledSequence(f"s{i}", tuple(tokens[start:stop]), start, table, GREEDY)
@@ -110,8 +117,8 @@ def test_random_real_configs_match_transformers_within_its_own_bf16_error(config
         ), BLOCK_SIZE)
         ours = worker.compute_logits(batch)
         for row, (tokens, _, stop, _) in enumerate(step):
-            exact = _hf_logits(reference, tokens[:stop], torch.float32)[-1]
-            hf_bf16 = _hf_logits(reference, tokens[:stop], torch.bfloat16)[-1]
+            exact = _hf_logits(exact_model, tokens[:stop])[-1]
+            hf_bf16 = _hf_logits(bf16_model, tokens[:stop])[-1]
             ours_error, hf_error = _relative(ours[row], exact), _relative(hf_bf16, exact)
             print(f"{config['model_type']} step {step_id} len {stop}: atlas {ours_error:.2e} transformers-bf16 {hf_error:.2e}")
             assert ours_error <= 1.5 * hf_error, (step_id, stop, ours_error, hf_error)
@@ -148,19 +155,10 @@ def test_batched_decode_matches_transformers_within_its_own_bf16_error(config, n
     eager = step(eager_worker, 1, rows)
     for step_id in (2, 3):  # captured at the first, replayed at both (the same K/V rows rewritten)
         np.testing.assert_array_equal(step(graph_worker, step_id, rows), eager)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    exact_model = reference.to(device)
-    bf16_model = copy_module.deepcopy(reference)  # cast as _hf_logits does, once for every row
-    for parameter in bf16_model.parameters():
-        parameter.data = parameter.data.to(torch.bfloat16)
-
-    def last_logits(model, tokens: list[int]) -> np.ndarray:
-        with torch.no_grad():
-            return model(torch.tensor([tokens], device=device)).logits[0, -1].float().cpu().numpy()
-
+    exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
     worst = 0.0
     for row, tokens in enumerate(decoded):
-        exact, hf_bf16 = last_logits(exact_model, tokens), last_logits(bf16_model, tokens)
+        exact, hf_bf16 = _hf_logits(exact_model, tokens)[-1], _hf_logits(bf16_model, tokens)[-1]
         ours_error, hf_error = _relative(eager[row], exact), _relative(hf_bf16, exact)
         worst = max(worst, ours_error / hf_error)
         assert ours_error <= 1.5 * hf_error, (row, len(tokens), ours_error, hf_error)
