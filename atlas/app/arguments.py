@@ -76,7 +76,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-gb", type=float, default=_env("kv_cache_gb", None, float),
                        help="size the KV cache to this many GiB instead (default on the mock: 2)")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=_env("kv_cache_dtype", "auto"),
-                       help="KV cache element type (default: the activation type)")
+                       help="KV cache element type (default: the activation type); fp8 (= fp8_e4m3) halves the "
+                       "cache's bytes, with per-layer K/V scales from the checkpoint (self_attn.k_scale, "
+                       "v_scale) or 1.0")
     group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_env("scheduling_policy", "fifo"))
     group.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", False, bool),
                        help="never capture CUDA graphs")

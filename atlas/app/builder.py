@@ -21,7 +21,7 @@ from atlas.domain.engine import EngineCore
 from atlas.domain.kv_blocks import BlockPool
 from atlas.domain.memory_plan import GIB, check_weights_fit, plan_kv_cache
 from atlas.domain.models.config import ModelConfig, ModelConfigError
-from atlas.domain.models.families import check_supported, load_model
+from atlas.domain.models.families import check_supported, kv_cache_scales, load_model
 from atlas.domain.models.transformer import Transformer
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.worker import Worker, WorkerConfig
@@ -32,7 +32,7 @@ log = logging.getLogger("atlas")
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 MOCK_KV_CACHE_GB = 2.0
-_KV_DTYPES = {"bf16": DType.BF16, "f16": DType.F16, "f32": DType.F32}
+_KV_DTYPES = {"bf16": DType.BF16, "f16": DType.F16, "f32": DType.F32, "fp8": DType.FP8_E4M3, "fp8_e4m3": DType.FP8_E4M3}
 
 
 @dataclass
@@ -97,8 +97,10 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         max_model_len=max_model_len,
         kv_budget_bytes=int(kv_budget * GIB) if kv_budget is not None else None,
     )
+    scales = kv_cache_scales(config, weights) if kv_dtype.is_quantized else ()
     spec = KvCacheSpec(
-        config.num_layers, plan.num_blocks + 1, settings.block_size, config.num_kv_heads, config.head_dim, kv_dtype
+        config.num_layers, plan.num_blocks + 1, settings.block_size, config.num_kv_heads, config.head_dim, kv_dtype,
+        scales,
     )
     kv = backend.allocate_kv_cache(spec)
     log.info(
@@ -142,7 +144,12 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
 def _kv_dtype(name: str, backend: GpuBackend) -> DType:
     if name == "auto":
         return backend.capabilities.activation_dtype
-    return _KV_DTYPES[name]
+    dtype = _KV_DTYPES[name]
+    supported = backend.capabilities.kv_dtypes
+    if dtype not in supported:
+        names = ", ".join(key for key, value in _KV_DTYPES.items() if value in supported)
+        raise ValueError(f"--kv-cache-dtype {name} is not supported on {backend.name}; use auto or one of {names}")
+    return dtype
 
 
 def _graph_sizes(settings: EngineSettings) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 DEVICES = ("auto", "cuda", "mock")
 DTYPES = ("auto", "bf16", "f32")
-KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32")
+KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3
 SCHEDULING_POLICIES = ("fifo",)
 
 

@@ -17,6 +17,7 @@ Conventions for every op:
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -32,6 +33,7 @@ class DType(enum.Enum):
     I32 = "i32"
     I64 = "i64"
     U8 = "u8"
+    FP8_E4M3 = "fp8_e4m3"  # OCP E4M3 (max 448, no infinities): quantized KV caches
 
     @property
     def itemsize(self) -> int:
@@ -41,8 +43,15 @@ class DType(enum.Enum):
     def is_float(self) -> bool:
         return self in (DType.BF16, DType.F16, DType.F32)
 
+    @property
+    def is_quantized(self) -> bool:
+        """Stored values that stand for value * scale (the scale kept beside them)."""
+        return self is DType.FP8_E4M3
 
-_ITEMSIZE = {DType.BF16: 2, DType.F16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8, DType.U8: 1}
+
+_ITEMSIZE = {
+    DType.BF16: 2, DType.F16: 2, DType.F32: 4, DType.I32: 4, DType.I64: 8, DType.U8: 1, DType.FP8_E4M3: 1,
+}
 
 # How each dtype looks on the host: what `upload` takes and `download` returns.
 NUMPY_DTYPES: dict[DType, np.dtype] = {
@@ -52,6 +61,7 @@ NUMPY_DTYPES: dict[DType, np.dtype] = {
     DType.I32: np.dtype(np.int32),
     DType.I64: np.dtype(np.int64),
     DType.U8: np.dtype(np.uint8),
+    DType.FP8_E4M3: np.dtype(ml_dtypes.float8_e4m3fn),
 }
 
 
@@ -108,7 +118,8 @@ class KvCacheSpec:
     """Shape of the paged KV cache: `num_blocks` pages of `block_size` tokens per layer.
 
     A token's slot is `block_id * block_size + offset_in_block`; the layout of a page in
-    memory is the adapter's business.
+    memory is the adapter's business. A quantized dtype (FP8 E4M3) stores K / k_scale and
+    V / v_scale, one pair of scales per layer (`scales`; empty means 1.0 everywhere).
     """
 
     num_layers: int
@@ -117,6 +128,17 @@ class KvCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: DType
+    scales: tuple[tuple[float, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.scales and len(self.scales) != self.num_layers:
+            raise ValueError(f"scales: {len(self.scales)} pairs for {self.num_layers} layers")
+        if any(not (scale > 0 and math.isfinite(scale)) for pair in self.scales for scale in pair):
+            raise ValueError("scales: every K and V scale must be positive and finite")
+
+    def layer_scales(self, layer: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of `layer`: what a stored value is multiplied by to give K or V."""
+        return self.scales[layer] if self.scales else (1.0, 1.0)
 
     @property
     def bytes_per_block(self) -> int:

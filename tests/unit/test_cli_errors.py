@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from helpers.checkpoints import tiny_llama_gguf
 
 from atlas.adapters.weights.gguf_import import import_gguf
+from atlas.app.builder import _kv_dtype
 from atlas.app.cli import main
+from atlas.ports.gpu import DType
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +126,19 @@ def test_the_installed_command_prints_no_traceback(tmp_path):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert "atlas: error: model" in result.stderr and "atlas pull smollm2" in result.stderr
+
+
+def test_an_fp8_kv_cache_generates_on_the_mock(tiny_model, capsys):
+    code, out, err = run_cli(capsys, "generate", str(tiny_model), "--prompt", "hello", "--device", "mock",
+                             "--max-tokens", "4", "--kv-cache-dtype", "fp8")
+    assert code == 0, err
+    assert "--- prompt: 'hello'" in out
+
+
+def test_a_kv_cache_dtype_the_backend_lacks_names_the_flag_and_the_choices():
+    backend = SimpleNamespace(
+        name="cuda", capabilities=SimpleNamespace(activation_dtype=DType.BF16, kv_dtypes=(DType.BF16,))
+    )
+    assert _kv_dtype("auto", backend) is DType.BF16
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported on cuda; use auto or one of bf16$"):
+        _kv_dtype("fp8", backend)

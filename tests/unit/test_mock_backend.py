@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -178,3 +179,57 @@ def test_fault_injection_and_memory_cap():
     assert backend.memory_info()[0] == free_before + (1 << 19)
     with pytest.raises(MemoryError, match="holds"):
         backend.allocate_kv_cache(KvCacheSpec(4, 1000, 16, 8, 64, DType.F32))
+
+
+def test_fp8_cache_stores_scaled_saturated_e4m3(rng):
+    """An FP8 cache holds E4M3 of k / k_scale and v / v_scale per layer, saturated at +-448."""
+    backend = MockGpuBackend()
+    heads = HeadLayout(2, 1, 8)
+    spec = KvCacheSpec(2, 4, 4, 1, 8, DType.FP8_E4M3, ((1.0, 1.0), (0.5, 4.0)))
+    kv = backend.allocate_kv_cache(spec)
+    qkv = rng.standard_normal((2, heads.q_size + 2 * heads.kv_size)).astype(np.float32) * 3
+    qkv[1, 24] = 1000.0  # v / 4 = 250 fits; k below saturates
+    qkv[1, 16] = -300.0  # k / 0.5 = -600: saturates at -448
+    table = np.concatenate([np.ones((4, 4)), np.zeros((4, 4))], 1).astype(np.float32)  # identity rotation
+    meta = AttentionMetadata(
+        backend.upload(np.array([0, 1], np.int32)), backend.upload(np.array([3, 9], np.int32)),
+        backend.upload(np.array([0, 2], np.int32)), backend.upload(np.array([2], np.int32)),
+        backend.upload(np.zeros((1, 4), np.int32)), 2, 1, 2, 2,
+    )
+    backend.rope_and_cache(backend.upload(qkv), meta, backend.upload(table), kv, 1, heads,
+                           backend.empty((2, heads.q_size), DType.F32))
+    keys, values = backend.kv_to_host(kv, 1)
+    assert keys.dtype == ml_dtypes.float8_e4m3fn
+    for token, slot in enumerate((3, 9)):
+        block, offset = divmod(slot, 4)
+        k = np.clip(qkv[token, 16:24] / 0.5, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+        v = (qkv[token, 24:32] / 4.0).astype(ml_dtypes.float8_e4m3fn)
+        assert np.array_equal(keys[block, offset, 0].view(np.uint8), k.view(np.uint8))
+        assert np.array_equal(values[block, offset, 0].view(np.uint8), v.view(np.uint8))
+    assert float(keys[2, 1, 0, 0]) == -448.0
+    stored = keys[0, 3, 0].astype(np.float64) * 0.5
+    assert 0 < rel(stored, qkv[0, 16:24]) < 0.07  # E4M3 keeps 3 mantissa bits: rounded, not more
+
+
+def test_paged_attention_reads_fp8_cache_times_its_scales(rng):
+    """Attention over an FP8 cache equals attention over its dequantized values (stored * scale)."""
+    backend = MockGpuBackend()
+    heads = HeadLayout(num_q_heads=4, num_kv_heads=2, head_dim=8)
+    context_lens, query_lens = [9, 6], [3, 1]
+    exact, meta, _, _, _ = _paged_case(backend, rng, context_lens, query_lens, heads, 4, 8)
+    k_scale, v_scale = 0.25, 3.0
+    spec = KvCacheSpec(1, 8, 4, 2, 8, DType.FP8_E4M3, ((k_scale, v_scale),))
+    fp8 = backend.allocate_kv_cache(spec)
+    fp8.keys[...] = (exact.keys / k_scale).astype(ml_dtypes.float8_e4m3fn)
+    fp8.values[...] = (exact.values / v_scale).astype(ml_dtypes.float8_e4m3fn)
+    dequantized = backend.allocate_kv_cache(KvCacheSpec(1, 8, 4, 2, 8, DType.F32))
+    dequantized.keys[...] = fp8.keys.astype(np.float32) * k_scale
+    dequantized.values[...] = fp8.values.astype(np.float32) * v_scale
+    q = backend.upload(rng.standard_normal((sum(query_lens), heads.q_size)).astype(np.float32))
+    outs = []
+    for cache in (fp8, dequantized, exact):
+        out = backend.empty((sum(query_lens), heads.q_size), DType.F32)
+        backend.attention(q, cache, 0, meta, heads, 0.35, out)
+        outs.append(backend.download(out))
+    assert rel(outs[0], outs[1]) < 1e-6
+    assert 1e-3 < rel(outs[0], outs[2]) < 0.1  # the quantization shows, within E4M3's precision

@@ -14,7 +14,7 @@ from tiny_models import build_reference, reference_logits, tiny_config  # noqa: 
 from atlas.adapters.mock.backend import MockGpuBackend  # noqa: E402
 from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
 from atlas.domain.models.config import ModelConfig  # noqa: E402
-from atlas.domain.models.families import load_model  # noqa: E402
+from atlas.domain.models.families import kv_cache_scales, load_model  # noqa: E402
 from atlas.domain.worker import Worker, WorkerConfig  # noqa: E402
 from atlas.ports.gpu import DType, KvCacheSpec  # noqa: E402
 
@@ -89,3 +89,47 @@ def test_chunked_prefill_then_decode_matches_transformers(family, rng):
         logits = worker.compute_logits(batch)
         if samples:
             assert relative_error(logits[1], expected[stop - 1]) < 1e-4, (family, start, stop)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_fp8_kv_cache_stays_within_e4m3_precision_of_transformers(family, rng):
+    """The same batch over an FP8 cache (per-layer scales from the checkpoint's k_scale and
+    v_scale): logits within E4M3's rounding of transformers', and the top token kept."""
+    config = tiny_config(family)
+    reference, tensors = build_reference(config)
+    num_layers = config["num_hidden_layers"]
+    scales = {}
+    for layer in range(num_layers):
+        scales[f"model.layers.{layer}.self_attn.k_scale"] = np.array(0.02 * (layer + 1), np.float32)
+        scales[f"model.layers.{layer}.self_attn.v_scale"] = np.array([0.01], np.float32)
+    weights = DictWeights({**tensors, **scales})
+    model_config = ModelConfig.from_dict(config)
+    kv_scales = kv_cache_scales(model_config, weights)
+    assert kv_scales[1] == (pytest.approx(0.04), pytest.approx(0.01))
+    backend = MockGpuBackend()
+    model = load_model(model_config, weights, backend, max_positions=model_config.max_position_embeddings)
+    spec = KvCacheSpec(num_layers, NUM_BLOCKS + 1, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
+                       DType.FP8_E4M3, kv_scales)
+    worker = Worker(backend, model, backend.allocate_kv_cache(spec), WorkerConfig(512, 16, 512))
+    blocks = BlockAllocator(rng)
+    prompts = [list(rng.integers(0, config["vocab_size"], size=n)) for n in (1, 7, 60)]
+    sequences = [
+        ScheduledSequence(f"s{i}", tuple(int(t) for t in p), 0, tuple(blocks.take(-(-len(p) // BLOCK_SIZE))), GREEDY)
+        for i, p in enumerate(prompts)
+    ]
+    logits = worker.compute_logits(ScheduledBatch(0, tuple(sequences), BLOCK_SIZE))
+    for row, prompt in enumerate(prompts):
+        expected = reference_logits(reference, [int(t) for t in prompt])[-1]
+        error = relative_error(logits[row], expected)
+        assert 1e-4 < error < 0.1, (family, len(prompt), error)  # 3-7% at these tiny head dims
+        assert int(np.argmax(logits[row])) == int(np.argmax(expected))
+
+
+def test_kv_cache_scales_default_to_one_and_reject_bad_tensors():
+    config = ModelConfig.from_dict(tiny_config("llama3"))
+    assert kv_cache_scales(config, DictWeights({})) == ((1.0, 1.0),) * config.num_layers
+    both = DictWeights({"model.layers.0.self_attn.kv_scale": np.array(2.0, np.float32)})
+    assert kv_cache_scales(config, both)[0] == (2.0, 2.0)
+    bad = DictWeights({"model.layers.1.self_attn.v_scale": np.array([0.0], np.float32)})
+    with pytest.raises(ValueError, match="self_attn.v_scale"):
+        kv_cache_scales(config, bad)

@@ -13,6 +13,7 @@ import os
 import weakref
 from collections.abc import Callable, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from atlas.adapters.mock.sampler import sample_rows
@@ -34,6 +35,7 @@ from atlas.ports.gpu import (
 # Queries attend in tiles of this many rows so a 4k-token prompt never builds a 4k x 4k x heads
 # score tensor at once.
 _ATTENTION_QUERY_TILE = 256
+_FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
 class MockKvCache:
@@ -96,7 +98,7 @@ class MockGpuBackend:
     def capabilities(self) -> Capabilities:
         return Capabilities(
             activation_dtype=self._activation_dtype,
-            kv_dtypes=(DType.F32, DType.BF16, DType.F16),
+            kv_dtypes=(DType.F32, DType.BF16, DType.F16, DType.FP8_E4M3),
             supports_graphs=self._emulate_graphs,
             device_name=f"numpy on {os.cpu_count()} CPU cores",
         )
@@ -293,8 +295,9 @@ class MockGpuBackend:
         table = rope_table.weight_f32()[meta.positions.data]  # [N, r]
         q_out.data[...] = _rotate(q, table).reshape(num_tokens, heads.q_size)
         slots = meta.slot_mapping.data
-        kv.keys[layer, slots] = _rotate(k, table)
-        kv.values[layer, slots] = v
+        k_scale, v_scale = kv.spec.layer_scales(layer)
+        kv.keys[layer, slots] = _quantize(_rotate(k, table), k_scale, kv.spec.dtype)
+        kv.values[layer, slots] = _quantize(v, v_scale, kv.spec.dtype)
 
     def qkv_rope_cache(
         self,
@@ -331,6 +334,7 @@ class MockGpuBackend:
     ) -> None:
         self._enter("attention")
         block_size = kv.spec.block_size
+        k_scale, v_scale = kv.spec.layer_scales(layer)
         query_start = meta.query_start_loc.data
         seq_lens = meta.seq_lens.data
         block_tables = meta.block_tables.data
@@ -344,8 +348,8 @@ class MockGpuBackend:
             num_blocks = -(-context_len // block_size)
             slots = (block_tables[seq, :num_blocks, None] * block_size + np.arange(block_size)).reshape(-1)
             slots = slots[:context_len]
-            keys = kv.keys[layer, slots].astype(np.float32)  # [L, Hkv, D]
-            values = kv.values[layer, slots].astype(np.float32)
+            keys = kv.keys[layer, slots].astype(np.float32) * k_scale  # [L, Hkv, D]
+            values = kv.values[layer, slots].astype(np.float32) * v_scale
             first_position = context_len - (stop - start)
             for tile in range(start, stop, _ATTENTION_QUERY_TILE):
                 tile_stop = min(stop, tile + _ATTENTION_QUERY_TILE)
@@ -428,6 +432,14 @@ class MockGpuBackend:
 def _rmsnorm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     variance = np.mean(np.square(x), axis=-1, keepdims=True)
     return x / np.sqrt(variance + eps) * weight
+
+
+def _quantize(x: np.ndarray, scale: float, dtype: DType) -> np.ndarray:
+    """What a cache of `dtype` stores for x: x / scale, saturated at the format's largest finite
+    value for FP8 (as the CUDA kernels' satfinite conversion), rounded to nearest even."""
+    if not dtype.is_quantized:
+        return x
+    return np.clip(x / np.float32(scale), -_FP8_MAX, _FP8_MAX).astype(NUMPY_DTYPES[dtype])
 
 
 def _rotate(x: np.ndarray, table: np.ndarray) -> np.ndarray:

@@ -41,3 +41,24 @@ def load_model(
     """Build the model for `config` on `backend`; see `check_supported` for the error."""
     check_supported(config)
     return _LOADERS[config.architecture](config, weights, backend, max_positions, progress)
+
+
+def kv_cache_scales(config: ModelConfig, weights: WeightSource) -> tuple[tuple[float, float], ...]:
+    """Per-layer (k_scale, v_scale) of a quantized KV cache, as FP8 checkpoints store them
+    (`model.layers.N.self_attn.k_scale` and `.v_scale`, or one `.kv_scale` for both); 1.0 where
+    the checkpoint has none, as in vLLM, which suits activations within FP8 E4M3's +-448."""
+    scales = []
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}.self_attn."
+        both = _scalar(weights, prefix + "kv_scale", 1.0)
+        scales.append((_scalar(weights, prefix + "k_scale", both), _scalar(weights, prefix + "v_scale", both)))
+    return tuple(scales)
+
+
+def _scalar(weights: WeightSource, name: str, default: float) -> float:
+    if name not in weights:
+        return default
+    values = weights.get(name).astype("float32").reshape(-1)
+    if values.size != 1 or not values[0] > 0:
+        raise ValueError(f"tensor {name!r}: a KV cache scale must be one positive number (got {values[:4]})")
+    return float(values[0])
