@@ -285,3 +285,62 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 // above the wait (a kernel whose threads read back only their own copies has no barrier there).
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// ---------------------------------------------------------------------------------------------
+// FP8 (OCP E4M3: 1 sign, 4 exponent bits biased by 7, 3 mantissa bits; max 448, no infinities)
+// for quantized KV caches (sm_89 and later). A stored byte stands for its value times the
+// cache's per-layer scale; every E4M3 value is exact in f16 (and in bf16). Before sm_89 the
+// conversions do not exist: the _fp8 kernels still compile there but trap, and the host offers
+// no FP8 cache (CudaBackend's capabilities).
+typedef unsigned char fp8_e4m3;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define ATLAS_HAS_FP8 1
+#else
+#define ATLAS_HAS_FP8 0
+#endif
+
+// Two floats as E4M3 bytes, `lo` in the low byte: round to nearest even, saturating at +-448.
+__device__ __forceinline__ u16 pack_fp8x2(float lo, float hi) {
+    u16 packed = 0;
+#if ATLAS_HAS_FP8
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(packed) : "f"(hi), "f"(lo));
+#else
+    __trap();
+#endif
+    return packed;
+}
+
+// Two E4M3 bytes (the low byte first) as an f16 pair, exactly.
+__device__ __forceinline__ u32 fp8x2_to_f16x2(u32 two_bytes) {
+    u32 pair = 0;
+#if ATLAS_HAS_FP8
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(pair) : "h"(static_cast<u16>(two_bytes)));
+#else
+    __trap();
+#endif
+    return pair;
+}
+
+// Two floats as an f16 pair, `lo` in the low half; and back.
+__device__ __forceinline__ u32 pack_f16x2(float lo, float hi) {
+    u32 pair;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(pair) : "f"(hi), "f"(lo));
+    return pair;
+}
+
+__device__ __forceinline__ float2 f16x2_to_floats(u32 pair) {
+    float2 out;
+    asm("{\n .reg .f16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.f32.f16 %0, lo;\n cvt.f32.f16 %1, hi;\n}\n"
+        : "=f"(out.x), "=f"(out.y)
+        : "r"(pair));
+    return out;
+}
+
+// mma_bf16_16816 with f16 operands (same fragment ownership).
+__device__ __forceinline__ void mma_f16_16816(float* c, const u32* a, const u32* b) {
+    asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}

@@ -73,13 +73,30 @@ struct DecodeOutput {
     unsigned* split_counters;
     long long q_row;  // token * Hq * D
     int seq, num_q_heads, first_head, num_heads, split, num_splits, used_splits;
+    float v_scale;  // what the block's sums of stored V values are multiplied by (FP8 caches)
 };
 
+// Where value (row, d) of the merge buffer [PARTS x HEADS rows][HEAD_DIM] lies. The tensor-core
+// kernels' warps store their O^T fragments there with XOR swizzles that put a store's 32 lanes
+// in 32 banks (a row per head: without them the lanes of one dim but four heads, bf16, or of
+// dims 32 apart, FP8, share a bank; at batch 1 the FP8 kernel's 16-way conflicts cost ~1.6 us a
+// layer). MERGE_PLAIN: none (the SIMT kernel); MERGE_BF16: bits 3-4 of d take the lane's t (row
+// bits 1-2: heads 2t, 2t + 1); MERGE_FP8: bits 0-1 of d take t and bits 2-3 d's bits 5-6.
+enum MergeLayout { MERGE_PLAIN, MERGE_BF16, MERGE_FP8 };
+
+template <int HEAD_DIM, MergeLayout LAYOUT>
+__device__ __forceinline__ int merge_index(int row, int d) {
+    const int t = (row >> 1) & 3;
+    if constexpr (LAYOUT == MERGE_BF16) d ^= t << 3;
+    if constexpr (LAYOUT == MERGE_FP8) d ^= (((d >> 5) & 3) << 2) | t;
+    return row * HEAD_DIM + d;
+}
+
 // The end of a decode block: combine its PARTS partial softmaxes (shared memory, [PARTS][HEADS]
-// maxima and sums in the log2 domain, [PARTS][HEADS][HEAD_DIM] outputs), then write `out` (one
-// split) or the block's normalised partial and log2-sum-exp, and let the last split of the
-// (sequence, head group) to finish merge every split (see the file comment).
-template <int HEAD_DIM, int HEADS, int PARTS>
+// maxima and sums in the log2 domain, [PARTS][HEADS][HEAD_DIM] outputs at merge_index), then
+// write `out` (one split) or the block's normalised partial and log2-sum-exp, and let the last
+// split of the (sequence, head group) to finish merge every split (see the file comment).
+template <int HEAD_DIM, int HEADS, int PARTS, MergeLayout LAYOUT = MERGE_PLAIN>
 __device__ __forceinline__ void finish_decode(const float* merge_max, const float* merge_sum, const float* merge_out,
                                               const DecodeOutput& to) {
     for (int item = threadIdx.x; item < to.num_heads * HEAD_DIM; item += blockDim.x) {
@@ -93,11 +110,11 @@ __device__ __forceinline__ void finish_decode(const float* merge_max, const floa
             for (int j = 0; j < PARTS; ++j) {
                 const float weight = exp2f(merge_max[j * HEADS + h] - best);
                 total += merge_sum[j * HEADS + h] * weight;
-                value += merge_out[(j * HEADS + h) * HEAD_DIM + d] * weight;
+                value += merge_out[merge_index<HEAD_DIM, LAYOUT>(j * HEADS + h, d)] * weight;
             }
         }
         const int head = to.first_head + h;
-        const float normalised = total > 0.0f ? value / total : 0.0f;
+        const float normalised = total > 0.0f ? value / total * to.v_scale : 0.0f;
         if (to.num_splits == 1) {
             to.out[to.q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(normalised);
         } else {
@@ -353,7 +370,7 @@ __device__ __forceinline__ void attention_decode_impl(
     }
     __syncthreads();
     DecodeOutput out_to{out, partial_out, partial_lse, split_counters, q_row, seq, num_q_heads, first_head,
-                        num_heads, split, num_splits, used_splits};
+                        num_heads, split, num_splits, used_splits, 1.0f};
     finish_decode<HEAD_DIM, HEADS, GROUPS>(merge_max, merge_sum, merge_out, out_to);
 }
 
@@ -385,9 +402,10 @@ __device__ __forceinline__ void attention_decode_impl(
 // wait by the warp whose tile holds it, just before that tile is used. Masked scores are -inf.
 #define DECODE_MMA_HEADS 8  // the n = 8 columns of the mma: query heads per block
 
-template <int HEAD_DIM, int STAGES>
+template <int HEAD_DIM, int STAGES, int KV_BYTES>
 struct DecodeMmaShape {
-    static constexpr int CHUNKS = HEAD_DIM / 8;                    // 16-byte chunks per K or V row
+    static constexpr int CHUNKS = HEAD_DIM * KV_BYTES / 16;        // 16-byte chunks per K or V row
+    static constexpr int CHUNK_ELEMS = 16 / KV_BYTES;              // elements per chunk
     static constexpr int PLANE_CHUNKS = 16 * CHUNKS;               // one tile of K (or V)
     static constexpr int WARP_CHUNKS = STAGES * 2 * PLANE_CHUNKS;  // a warp's ring
 };
@@ -403,14 +421,34 @@ __device__ __forceinline__ int swizzled_chunk(int row, int chunk) {
     return row * (HEAD_DIM / 8) + (chunk ^ (row & 7));
 }
 
-template <int HEAD_DIM, int WARPS, int STAGES>
+// The FP8 tile's rows are D bytes; its chunks are swizzled so that both of its reads are free of
+// bank conflicts (head dim 128; 64 has 2-way ones in the V read): K's (lane (g, t) reads chunk
+// 4 c + t of rows g and g + 8: rows 2p and 2p + 1 must differ in swizzle bit 2) and V's (lane
+// (g, t) reads chunk g of rows 2t, 2t + 1, 2t + 8, 2t + 9: the even rows, and the odd ones, must
+// differ in bits 1-2). (r & 6) ^ ((r & 1) << 2) gives rows 0-7 the swizzles 0 4 2 6 4 0 6 2.
+template <int HEAD_DIM>
+__device__ __forceinline__ int swizzled_chunk_fp8(int row, int chunk) {
+    constexpr int CHUNKS = HEAD_DIM / 16;
+    return row * CHUNKS + (chunk ^ (((row & 6) ^ ((row & 1) << 2)) & (CHUNKS - 1)));
+}
+
+template <int HEAD_DIM, int KV_BYTES>
+__device__ __forceinline__ int kv_chunk(int row, int chunk) {
+    if constexpr (KV_BYTES == 1) return swizzled_chunk_fp8<HEAD_DIM>(row, chunk);
+    else return swizzled_chunk<HEAD_DIM>(row, chunk);
+}
+
+template <int HEAD_DIM, int WARPS, int STAGES, typename KV>
 __device__ __forceinline__ void attention_decode_mma_impl(
-    const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
+    const bf16* __restrict__ q, const KV* __restrict__ k_plane, const KV* __restrict__ v_plane,
     bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
     unsigned* __restrict__ split_counters, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size,
-    float scale_log2, int sliding_window, int num_splits, int min_split_tokens) {
-    typedef DecodeMmaShape<HEAD_DIM, STAGES> Shape;
+    float scale_log2, int sliding_window, int num_splits, int min_split_tokens, float v_scale) {
+    constexpr int KV_BYTES = sizeof(KV);
+    constexpr bool FP8 = KV_BYTES == 1;
+    constexpr MergeLayout LAYOUT = FP8 ? MERGE_FP8 : MERGE_BF16;
+    typedef DecodeMmaShape<HEAD_DIM, STAGES, KV_BYTES> Shape;
     constexpr int CHUNKS = Shape::CHUNKS, K_STEPS = HEAD_DIM / 16;
     extern __shared__ uint4 decode_shared[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -459,17 +497,18 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     auto issue_tile = [&](int j) {
         const int t0 = tile_of(j) * 16;
         const long long page_lo = __ldg(table + t0 / block_size);
-        const long long base_lo = page_lo * page_stride + head_offset + (t0 % block_size) * HEAD_DIM + lane_chunk * 8;
+        const long long base_lo =
+            page_lo * page_stride + head_offset + (t0 % block_size) * HEAD_DIM + lane_chunk * Shape::CHUNK_ELEMS;
         long long base_hi = base_lo + 8 * HEAD_DIM;
         if (block_size < 16 && t0 + 8 < context_len)
-            base_hi = __ldg(table + (t0 + 8) / block_size) * page_stride + head_offset + lane_chunk * 8;
+            base_hi = __ldg(table + (t0 + 8) / block_size) * page_stride + head_offset + lane_chunk * Shape::CHUNK_ELEMS;
         uint4* slot = ring + (j % STAGES) * 2 * Shape::PLANE_CHUNKS;
 #pragma unroll
         for (int pass = 0; pass < 16 / ROWS_PER_PASS; ++pass) {
             const int row = lane_row + pass * ROWS_PER_PASS, key = t0 + row;
             const bool valid = key >= lo && key < newest;
             const long long offset = row < 8 ? base_lo + row * HEAD_DIM : base_hi + (row - 8) * HEAD_DIM;
-            const int at = swizzled_chunk<HEAD_DIM>(row, lane_chunk);
+            const int at = kv_chunk<HEAD_DIM, KV_BYTES>(row, lane_chunk);
             cp_async_16_hint(slot + at, k_plane + (valid ? offset : 0), valid, kv_policy);
             cp_async_16_hint(slot + Shape::PLANE_CHUNKS + at, v_plane + (valid ? offset : 0), valid, kv_policy);
         }
@@ -485,14 +524,33 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     dependent_launch_entry();
     const long long q_row = (long long)token * num_q_heads * HEAD_DIM;
     // Q^T as B fragments: b0 (dims 16 s + 2t, + 1; head g), b1 (dims 16 s + 2t + 8, + 9; head g).
+    // FP8: f16 fragments over dims permuted as the K fragments are (see the FP8 variant's
+    // comment): k-step s = 4 c + i takes dims 64 c + 16 t + 4 i + (0, 1) as k 2t, 2t + 1 and
+    // + (2, 3) as k 2t + 8, 2t + 9.
     u32 q_frag[K_STEPS][2];
     {
         const bool has_head = g < num_heads;
-        const bf16* q_head = q + q_row + (long long)(first_head + (has_head ? g : 0)) * HEAD_DIM + 2 * t;
+        const bf16* q_head = q + q_row + (long long)(first_head + (has_head ? g : 0)) * HEAD_DIM;
+        if constexpr (FP8) {
 #pragma unroll
-        for (int s = 0; s < K_STEPS; ++s) {
-            q_frag[s][0] = has_head ? *reinterpret_cast<const u32*>(q_head + 16 * s) : 0u;
-            q_frag[s][1] = has_head ? *reinterpret_cast<const u32*>(q_head + 16 * s + 8) : 0u;
+            for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                float values[16];
+                if (has_head) {
+                    load8(q_head + 64 * c + 16 * t, values);
+                    load8(q_head + 64 * c + 16 * t + 8, values + 8);
+                }
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    q_frag[4 * c + i][0] = has_head ? pack_f16x2(values[4 * i], values[4 * i + 1]) : 0u;
+                    q_frag[4 * c + i][1] = has_head ? pack_f16x2(values[4 * i + 2], values[4 * i + 3]) : 0u;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int s = 0; s < K_STEPS; ++s) {
+                q_frag[s][0] = has_head ? *reinterpret_cast<const u32*>(q_head + 16 * s + 2 * t) : 0u;
+                q_frag[s][1] = has_head ? *reinterpret_cast<const u32*>(q_head + 16 * s + 2 * t + 8) : 0u;
+            }
         }
     }
     // This thread's softmax state is for heads 2t and 2t + 1 (the accumulator columns); m is the
@@ -517,16 +575,31 @@ __device__ __forceinline__ void attention_decode_mma_impl(
             const long long row_offset = page * page_stride + head_offset + (newest % block_size) * HEAD_DIM;
             for (int i = lane; i < 2 * CHUNKS; i += 32) {
                 const int chunk = i % CHUNKS;
-                const bf16* plane = i < CHUNKS ? k_plane : v_plane;
-                slot[(i < CHUNKS ? 0 : Shape::PLANE_CHUNKS) + swizzled_chunk<HEAD_DIM>(newest - t0, chunk)] =
-                    __ldcg(reinterpret_cast<const uint4*>(plane + row_offset + chunk * 8));
+                const KV* plane = i < CHUNKS ? k_plane : v_plane;
+                slot[(i < CHUNKS ? 0 : Shape::PLANE_CHUNKS) + kv_chunk<HEAD_DIM, KV_BYTES>(newest - t0, chunk)] =
+                    __ldcg(reinterpret_cast<const uint4*>(plane + row_offset + chunk * Shape::CHUNK_ELEMS));
             }
         }
         __syncwarp();  // the other lanes' copies (and the own row) are visible
 
         // S^T = K Q^T, in two accumulator chains.
         float s_acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-        {
+        if constexpr (FP8) {
+            // Lane (g, t) reads chunk 4 c + t (dims 64 c + 16 t ...) of rows g and g + 8; word i
+            // of it holds k-step 4 c + i's (k 2t, 2t + 1) in its low bytes, (2t + 8, 2t + 9) high.
+#pragma unroll
+            for (int c = 0; c < HEAD_DIM / 64; ++c) {
+                const uint4 lo = slot[swizzled_chunk_fp8<HEAD_DIM>(g, 4 * c + t)];
+                const uint4 hi = slot[swizzled_chunk_fp8<HEAD_DIM>(g + 8, 4 * c + t)];
+                const u32 row_g[4] = {lo.x, lo.y, lo.z, lo.w}, row_g8[4] = {hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const u32 a[4] = {fp8x2_to_f16x2(row_g[i]), fp8x2_to_f16x2(row_g8[i]),
+                                      fp8x2_to_f16x2(row_g[i] >> 16), fp8x2_to_f16x2(row_g8[i] >> 16)};
+                    mma_f16_16816(s_acc[i & 1], a, q_frag[4 * c + i]);
+                }
+            }
+        } else {
             // ldmatrix.x4 matrices: rows 0-7 / 8-15 (lane bit 3) x chunk 2 s / 2 s + 1 (lane bit 4)
             const int row = (lane & 7) + (lane & 8);
 #pragma unroll
@@ -563,23 +636,87 @@ __device__ __forceinline__ void attention_decode_mma_impl(
         // goes in as two bf16 terms, hi = bf16(p) and lo = bf16(p - hi), so the products keep
         // ~16 bits of p as the SIMT kernel's fp32 ones do (one bf16 P flips greedy tokens of a
         // real model against the mock, tests/gpu/test_models.py).
+        // (FP8: f16 terms, as the V fragments are f16.)
         u32 p_hi[2], p_lo[2];
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const u32 hi = pack_bf16x2(p[2 * half], p[2 * half + 1]);
-            const float2 rounded = __bfloat1622float2(*reinterpret_cast<const bf16x2*>(&hi));
-            p_hi[half] = movmatrix_trans(hi);
-            p_lo[half] = movmatrix_trans(pack_bf16x2(p[2 * half] - rounded.x, p[2 * half + 1] - rounded.y));
+            if constexpr (FP8) {
+                const u32 hi = pack_f16x2(p[2 * half], p[2 * half + 1]);
+                const float2 rounded = f16x2_to_floats(hi);
+                p_hi[half] = movmatrix_trans(hi);
+                p_lo[half] = movmatrix_trans(pack_f16x2(p[2 * half] - rounded.x, p[2 * half + 1] - rounded.y));
+            } else {
+                const u32 hi = pack_bf16x2(p[2 * half], p[2 * half + 1]);
+                const float2 rounded = __bfloat1622float2(*reinterpret_cast<const bf16x2*>(&hi));
+                p_hi[half] = movmatrix_trans(hi);
+                p_lo[half] = movmatrix_trans(pack_bf16x2(p[2 * half] - rounded.x, p[2 * half + 1] - rounded.y));
+            }
         }
-        {
+#pragma unroll
+        for (int i = 0; i < K_STEPS; ++i) {
+            o[i][0] *= alpha[0];
+            o[i][1] *= alpha[1];
+            o[i][2] *= alpha[0];
+            o[i][3] *= alpha[1];
+        }
+        if constexpr (FP8) {
+            // Lane (g, t) owns the D / 8 dims from g D / 8 on: it reads them from key rows 2t,
+            // 2t + 1, 2t + 8, 2t + 9 (its k of P^T) and byte-permutes each pair of rows so that a
+            // word holds one dim of two keys; A's rows g and g + 8 of m-tile i are its dims 2i
+            // and 2i + 1 (the merge below puts them back in place).
+            constexpr int SLICE_WORDS = HEAD_DIM / 32;  // 4-byte words of a row's slice
+            u32 words[4][SLICE_WORDS];
+            const uint4* v_tile = slot + Shape::PLANE_CHUNKS;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = 2 * t + (r & 1) + (r >> 1) * 8;
+                if constexpr (HEAD_DIM == 64) {
+                    const uint2 half_chunk =
+                        reinterpret_cast<const uint2*>(v_tile + swizzled_chunk_fp8<HEAD_DIM>(row, g >> 1))[g & 1];
+                    words[r][0] = half_chunk.x;
+                    words[r][1] = half_chunk.y;
+                } else {
+                    uint4 chunks[HEAD_DIM / 128];
+                    if constexpr (HEAD_DIM == 128) {
+                        chunks[0] = v_tile[swizzled_chunk_fp8<HEAD_DIM>(row, g)];
+                    } else {
+                        // D 256: lanes of odd g read their second chunk first (no bank conflict)
+                        const int odd = g & 1;
+                        const uint4 first = v_tile[swizzled_chunk_fp8<HEAD_DIM>(row, 2 * g + odd)];
+                        const uint4 second = v_tile[swizzled_chunk_fp8<HEAD_DIM>(row, 2 * g + 1 - odd)];
+                        chunks[0] = odd ? second : first;
+                        chunks[1] = odd ? first : second;
+                    }
+#pragma unroll
+                    for (int part = 0; part < HEAD_DIM / 128; ++part) {
+                        words[r][4 * part] = chunks[part].x;
+                        words[r][4 * part + 1] = chunks[part].y;
+                        words[r][4 * part + 2] = chunks[part].z;
+                        words[r][4 * part + 3] = chunks[part].w;
+                    }
+                }
+            }
+#pragma unroll
+            for (int w = 0; w < SLICE_WORDS; ++w) {
+                // [x_d, y_d, x_d+1, y_d+1] of rows x and y: its low and high halves are key pairs
+                const u32 low_keys[2] = {__byte_perm(words[0][w], words[1][w], 0x5140),
+                                         __byte_perm(words[0][w], words[1][w], 0x7362)};
+                const u32 high_keys[2] = {__byte_perm(words[2][w], words[3][w], 0x5140),
+                                          __byte_perm(words[2][w], words[3][w], 0x7362)};
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const int i = 2 * w + j;
+                    const u32 a[4] = {fp8x2_to_f16x2(low_keys[j]), fp8x2_to_f16x2(low_keys[j] >> 16),
+                                      fp8x2_to_f16x2(high_keys[j]), fp8x2_to_f16x2(high_keys[j] >> 16)};
+                    mma_f16_16816(o[i], a, p_hi);
+                    mma_f16_16816(o[i], a, p_lo);
+                }
+            }
+        } else {
             // ldmatrix.x4.trans matrices: chunk 2 i / 2 i + 1 (lane bit 3) x rows 0-7 / 8-15 (lane bit 4)
             const int row = (lane & 7) + ((lane >> 4) << 3);
 #pragma unroll
             for (int i = 0; i < K_STEPS; ++i) {
-                o[i][0] *= alpha[0];
-                o[i][1] *= alpha[1];
-                o[i][2] *= alpha[0];
-                o[i][3] *= alpha[1];
                 u32 a[4];
                 ldmatrix_x4_trans(a, slot + Shape::PLANE_CHUNKS + swizzled_chunk<HEAD_DIM>(row, 2 * i + ((lane >> 3) & 1)));
                 mma_bf16_16816(o[i], a, p_hi);
@@ -610,14 +747,15 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     for (int i = 0; i < K_STEPS; ++i) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-            const int head = 2 * t + (c & 1), dim = 16 * i + g + (c >> 1) * 8;
-            merge_out[(warp * DECODE_MMA_HEADS + head) * HEAD_DIM + dim] = o[i][c];
+            const int head = 2 * t + (c & 1);
+            const int dim = FP8 ? g * (HEAD_DIM / 8) + 2 * i + (c >> 1) : 16 * i + g + (c >> 1) * 8;
+            merge_out[merge_index<HEAD_DIM, LAYOUT>(warp * DECODE_MMA_HEADS + head, dim)] = o[i][c];
         }
     }
     __syncthreads();
     DecodeOutput out_to{out, partial_out, partial_lse, split_counters, q_row, seq, num_q_heads, first_head,
-                        num_heads, split, num_splits, used_splits};
-    finish_decode<HEAD_DIM, DECODE_MMA_HEADS, WARPS>(merge_max, merge_sum, merge_out, out_to);
+                        num_heads, split, num_splits, used_splits, v_scale};
+    finish_decode<HEAD_DIM, DECODE_MMA_HEADS, WARPS, LAYOUT>(merge_max, merge_sum, merge_out, out_to);
 }
 
 #define DEFINE_DECODE(HEAD_DIM, HEADS)                                                                          \
@@ -649,16 +787,37 @@ DEFINE_DECODE_HEADS(256)
             float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,      \
             const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, \
             float scale_log2, int sliding_window, int num_splits, int min_split_tokens) {                       \
-        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES>(                                                      \
+        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES, bf16>(                                                \
             q, k_plane, v_plane, out, partial_out, partial_lse, split_counters, query_start_loc, seq_lens,       \
             block_tables, block_table_stride, num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, \
-            num_splits, min_split_tokens);                                                                       \
+            num_splits, min_split_tokens, 1.0f);                                                                 \
+    }
+
+// FP8 (E4M3) caches: the host folds the layer's K scale into scale_log2 and passes its V scale.
+#define DEFINE_DECODE_MMA_FP8(HEAD_DIM, WARPS, STAGES)                                                          \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
+        attention_decode_mma_d##HEAD_DIM##_w##WARPS##_s##STAGES##_fp8(                                           \
+            const bf16* q, const fp8_e4m3* k_plane, const fp8_e4m3* v_plane, bf16* out, float* partial_out,     \
+            float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,      \
+            const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, \
+            float scale_log2, int sliding_window, int num_splits, int min_split_tokens, float v_scale) {        \
+        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES, fp8_e4m3>(                                            \
+            q, k_plane, v_plane, out, partial_out, partial_lse, split_counters, query_start_loc, seq_lens,       \
+            block_tables, block_table_stride, num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, \
+            num_splits, min_split_tokens, v_scale);                                                              \
     }
 
 // Head dim 128 has two shapes, one and two blocks per SM; the host takes the one whose single
 // wave the batch's blocks fill best (ops_attention.decode_mma_shape; measured on an H200 in
-// docs/cuda-notes.md, runs 8 and 14).
+// docs/cuda-notes.md, runs 8 and 14). FP8 tiles are half the bytes: head dim 128 adds a shape of
+// four blocks per SM in the same shared memory as bf16's two, (4, 3), which at batch 64 takes the
+// batch's blocks in one wave (run 22).
 DEFINE_DECODE_MMA(64, 4, 3)
 DEFINE_DECODE_MMA(128, 4, 3)
 DEFINE_DECODE_MMA(128, 8, 2)
 DEFINE_DECODE_MMA(256, 4, 2)
+DEFINE_DECODE_MMA_FP8(64, 4, 6)
+DEFINE_DECODE_MMA_FP8(128, 4, 3)
+DEFINE_DECODE_MMA_FP8(128, 4, 6)
+DEFINE_DECODE_MMA_FP8(128, 8, 4)
+DEFINE_DECODE_MMA_FP8(256, 4, 4)

@@ -23,8 +23,19 @@
 // K and V tiles arrive through cp.async, double-buffered (the next tile loads while this one
 // computes) where shared memory allows; the scale is folded with log2(e) so exp2 does the work.
 //
+// FP8 K/V (the _fp8 kernels: `k_plane`/`v_plane` hold E4M3 bytes, one per element of the same
+// layout; the host folds the K scale into scale_log2 and passes v_scale, which multiplies the
+// normalised output): the next tile's bytes stream by cp.async into two stages of staging (half
+// a bf16 tile's bytes each) while this one computes; at the top of its iteration each thread
+// converts the chunks it copied itself (exactly: store_e4m3x16_as_bf16) into one stage of bf16
+// K/V tiles, which the MMA code reads unchanged. The single-stage variant (head_dim 256) has no
+// staging: after a tile computes it loads the next one's bytes to registers and stores them
+// converted (its bf16 twin does not overlap the load either). Conversion costs about 5 integer
+// or bf16 instructions per pair of elements.
+//
 // FLOPs: 4 * sum over sequences of (query_len * context_len * Hq * D), halved by the causal mask
-// for prompts. Bytes: the K/V context of each sequence once per 64 rows of tile, plus q and out.
+// for prompts. Bytes: the K/V context of each sequence once per 64 rows of tile (a byte an element
+// with FP8), plus q and out.
 // Long prompts are tensor-core bound (mma.sync reaches ~60% of Hopper's wgmma peak; a wgmma
 // variant is kernels/sm90/attention_prefill.cu).
 #pragma once
@@ -57,22 +68,75 @@ __device__ __forceinline__ PrefillTile locate_prefill_tile(const int* query_star
 }
 
 
+// ---------------------------------------------------------------------------------------------
+// FP8 K/V: an OCP E4M3 byte (1 sign, 4 exponent bits biased by 7, 3 mantissa bits) becomes a bf16
+// exactly, with integer ops and one bf16 multiply per pair (the same bits on every arch):
+//
+//     half  = byte << 8                         sign at bit 15, exponent 11..14, mantissa 8..10
+//     bits  = sign | (half >> 4) & 0x07f0       a bf16 holding the E4M3 exponent and mantissa
+//     value = bits * 2^120                      rebias 7 -> 127; E4M3 subnormals (exponent 0) are
+//                                               bf16 subnormals there, which the multiply keeps
+//
+// The NaN bytes 0x7f / 0xff come out as +-480 (the cache writer saturates finite values to 448).
+__device__ __forceinline__ u32 e4m3x2_to_bf16x2(u32 halves) {  // the two bytes at bits 8..15 and 24..31
+    const u32 bits = (halves & 0x80008000u) | ((halves >> 4) & 0x07f007f0u);
+    u32 value;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(value) : "r"(bits), "r"(0x7b807b80u), "r"(0x80008000u));
+    return value;
+}
+
+// Sixteen E4M3 bytes (element i in byte i) as sixteen bf16 (shared memory): elements 0-7 at
+// `lo_at`, 8-15 at `hi_at`.
+__device__ __forceinline__ void store_e4m3x16_as_bf16(unsigned char* lo_at, unsigned char* hi_at, const uint4& raw) {
+    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+    u32 pairs[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        pairs[2 * i] = e4m3x2_to_bf16x2(__byte_perm(words[i], 0u, 0x1404));      // bytes 0, 1
+        pairs[2 * i + 1] = e4m3x2_to_bf16x2(__byte_perm(words[i], 0u, 0x3424));  // bytes 2, 3
+    }
+    *reinterpret_cast<uint4*>(lo_at) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+    *reinterpret_cast<uint4*>(hi_at) = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
+}
+
+// The 16-byte chunk of an FP8 K/V tile, (row, chunk) with FP8_CHUNKS chunks a row, that thread t
+// copies and converts (rows then advance by THREADS / FP8_CHUNKS a pass). Each 8 threads take 4
+// chunks of an even row and the same 4 of the next row, so each bf16 store of theirs covers 8
+// distinct 16-byte bank groups in the padded layout (rows 16 bytes a bank group apart, mod 32)
+// and in the swizzled one (rows of different swizzle parity) alike; 8 chunks of one row would
+// hit 4 groups twice:
+//
+//     threads 8q .. 8q + 7:   row 2p:      chunks 4k .. 4k + 3        (k = q % (FP8_CHUNKS / 4),
+//                             row 2p + 1:  chunks 4k .. 4k + 3         p = q / (FP8_CHUNKS / 4))
+template <int FP8_CHUNKS>
+__device__ __forceinline__ int2 fp8_chunk_of_thread(int t) {
+    constexpr int QUADS = FP8_CHUNKS / 4;  // 4-chunk groups a row
+    const int q = t >> 3;
+    return make_int2(2 * (q / QUADS) + ((t >> 2) & 1), (q % QUADS) * 4 + (t & 3));
+}
+
 #define PREFILL_BLOCK_N 64
 
-template <int HEAD_DIM, int STAGES, int BLOCK_M>
+// KV = bf16, or unsigned char for FP8 (E4M3) K/V with v_scale (see the file comment).
+template <int HEAD_DIM, int STAGES, int BLOCK_M, typename KV>
 __device__ __forceinline__ void attention_prefill_impl(
-    const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
+    const bf16* __restrict__ q, const KV* __restrict__ k_plane, const KV* __restrict__ v_plane,
     bf16* __restrict__ out, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int block_table_stride, int num_seqs, int num_q_heads, int num_kv_heads,
-    int block_size, float scale_log2, int sliding_window, int skip_single_token) {
+    int block_size, float scale_log2, int sliding_window, int skip_single_token, float v_scale) {
+    constexpr bool FP8 = sizeof(KV) == 1;
     constexpr int STRIDE = HEAD_DIM + 8;  // padded row: conflict-free fragment loads
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
+    constexpr int FP8_CHUNKS = HEAD_DIM / 16;  // 16-byte chunks per row of FP8 bytes
     constexpr int DIM_TILES = HEAD_DIM / 8;
     constexpr int THREADS = BLOCK_M / 16 * 32;  // a warp per 16 rows
+    constexpr int TILE_STAGES = FP8 ? 1 : STAGES;  // stages of bf16 K/V tiles
     extern __shared__ uint4 shared_raw[];
-    // Shared memory: Q [64][STRIDE], then per stage K [64][STRIDE] and V [64][STRIDE].
+    // Shared memory: Q [BLOCK_M][STRIDE], then per stage K [64][STRIDE] and V [64][STRIDE] (bf16).
+    // FP8: one stage of those, then (STAGES 2) two stages of the cached bytes K [64][D], V [64][D].
     bf16* q_tile = reinterpret_cast<bf16*>(shared_raw);
     bf16* kv_tiles = q_tile + BLOCK_M * STRIDE;
+    unsigned char* fp8_tiles = reinterpret_cast<unsigned char*>(kv_tiles + TILE_STAGES * 2 * PREFILL_BLOCK_N * STRIDE);
 
     const int group = num_q_heads / num_kv_heads;
     const int kv_head = blockIdx.y;
@@ -140,21 +204,96 @@ __device__ __forceinline__ void attention_prefill_impl(
         }
         cp_async_commit();
     };
+    // FP8 K/V: thread t owns chunk (fp8_row + i ROW_STEP, fp8_chunk) of the tile for i < FP8_PER_THREAD
+    // (fp8_chunk_of_thread): it copies them to staging (two stages) or loads them to registers
+    // (one stage), and stores them converted. Staging holds them by thread, pass i at
+    // (i THREADS + t) 16 bytes, which the copies and the reads both cover without bank conflicts.
+    constexpr int FP8_PER_THREAD = PREFILL_BLOCK_N * FP8_CHUNKS / THREADS;
+    constexpr int ROW_STEP = THREADS / FP8_CHUNKS;
+    static_assert(THREADS % (2 * FP8_CHUNKS) == 0 && FP8_PER_THREAD * ROW_STEP == PREFILL_BLOCK_N, "");
+    const int2 fp8_at = fp8_chunk_of_thread<FP8_CHUNKS>(tid);
+    const int fp8_row = fp8_at.x, fp8_chunk = fp8_at.y;
+    unsigned char* const fp8_lo_at =  // this thread's converted elements 0-7 in K's bf16 tile (i = 0)
+        reinterpret_cast<unsigned char*>(kv_tiles + fp8_row * STRIDE + fp8_chunk * 16);
+    unsigned char* const fp8_hi_at = fp8_lo_at + 16;  // and elements 8-15
+    constexpr int V_TILE_BYTES = PREFILL_BLOCK_N * STRIDE * 2;  // V's bf16 tile after K's
+    constexpr int STEP_BYTES = ROW_STEP * STRIDE * 2;
+    auto fp8_offset = [&](int key) -> long long {
+        const long long block = table[key / block_size];
+        return ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + fp8_chunk * 16;
+    };
+    auto load_fp8_tile = [&](int kv_start, int stage) {
+        unsigned char* k_dst = fp8_tiles + stage * 2 * PREFILL_BLOCK_N * HEAD_DIM + tid * 16;
+        unsigned char* v_dst = k_dst + PREFILL_BLOCK_N * HEAD_DIM;
+#pragma unroll
+        for (int i = 0; i < FP8_PER_THREAD; ++i) {
+            const int key = kv_start + fp8_row + i * ROW_STEP;
+            const bool valid = key < kv_end;
+            const long long offset = valid ? fp8_offset(key) : 0;
+            cp_async_16(k_dst + i * THREADS * 16, k_plane + offset, valid);
+            cp_async_16(v_dst + i * THREADS * 16, v_plane + offset, valid);
+        }
+        cp_async_commit();
+    };
+    auto convert_fp8_tile = [&](int stage) {  // once this thread's copies of `stage` landed
+        const unsigned char* k_src = fp8_tiles + stage * 2 * PREFILL_BLOCK_N * HEAD_DIM + tid * 16;
+        const unsigned char* v_src = k_src + PREFILL_BLOCK_N * HEAD_DIM;
+#pragma unroll
+        for (int i = 0; i < FP8_PER_THREAD; ++i) {
+            const int at = i * STEP_BYTES;
+            store_e4m3x16_as_bf16(fp8_lo_at + at, fp8_hi_at + at,
+                                  *reinterpret_cast<const uint4*>(k_src + i * THREADS * 16));
+            store_e4m3x16_as_bf16(fp8_lo_at + V_TILE_BYTES + at, fp8_hi_at + V_TILE_BYTES + at,
+                                  *reinterpret_cast<const uint4*>(v_src + i * THREADS * 16));
+        }
+    };
+    auto load_fp8_tile_now = [&](int kv_start) {  // one stage: global -> registers -> bf16 tile
+        uint4 k_raw[FP8_PER_THREAD], v_raw[FP8_PER_THREAD];
+#pragma unroll
+        for (int i = 0; i < FP8_PER_THREAD; ++i) {
+            const int key = kv_start + fp8_row + i * ROW_STEP;
+            k_raw[i] = v_raw[i] = make_uint4(0u, 0u, 0u, 0u);
+            if (key < kv_end) {
+                const long long offset = fp8_offset(key);
+                k_raw[i] = __ldg(reinterpret_cast<const uint4*>(k_plane + offset));
+                v_raw[i] = __ldg(reinterpret_cast<const uint4*>(v_plane + offset));
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < FP8_PER_THREAD; ++i) {
+            const int at = i * STEP_BYTES;
+            store_e4m3x16_as_bf16(fp8_lo_at + at, fp8_hi_at + at, k_raw[i]);
+            store_e4m3x16_as_bf16(fp8_lo_at + V_TILE_BYTES + at, fp8_hi_at + V_TILE_BYTES + at, v_raw[i]);
+        }
+    };
     const int num_kv_tiles = (kv_end - kv_begin + PREFILL_BLOCK_N - 1) / PREFILL_BLOCK_N;
     const int highest_position = kv_end - 1;
-    if (num_kv_tiles > 0) load_tile(kv_begin, 0);
+    if (num_kv_tiles > 0) {
+        if constexpr (!FP8) {
+            load_tile(kv_begin, 0);
+        } else if constexpr (STAGES == 2) {
+            load_fp8_tile(kv_begin, 0);
+        } else {
+            load_fp8_tile_now(kv_begin);
+        }
+    }
 
     for (int tile = 0; tile < num_kv_tiles; ++tile) {
         const int kv_start = kv_begin + tile * PREFILL_BLOCK_N;
         const int stage = STAGES == 2 ? tile & 1 : 0;
         if (STAGES == 2 && tile + 1 < num_kv_tiles) {
-            load_tile(kv_start + PREFILL_BLOCK_N, stage ^ 1);
+            if constexpr (FP8) {
+                load_fp8_tile(kv_start + PREFILL_BLOCK_N, stage ^ 1);
+            } else {
+                load_tile(kv_start + PREFILL_BLOCK_N, stage ^ 1);
+            }
             cp_async_wait<1>();  // everything but the tile just issued has landed
         } else {
             cp_async_wait<0>();
         }
+        if constexpr (FP8 && STAGES == 2) convert_fp8_tile(stage);
         __syncthreads();
-        const bf16* k_tile = kv_tiles + stage * 2 * PREFILL_BLOCK_N * STRIDE;
+        const bf16* k_tile = kv_tiles + (FP8 ? 0 : stage) * 2 * PREFILL_BLOCK_N * STRIDE;
         const bf16* v_tile = k_tile + PREFILL_BLOCK_N * STRIDE;
 
         // S = Q K^T for this warp's 16 rows x 64 keys.
@@ -245,7 +384,13 @@ __device__ __forceinline__ void attention_prefill_impl(
             }
         }
         __syncthreads();  // every warp is done with this stage before a later load overwrites it
-        if (STAGES == 1 && tile + 1 < num_kv_tiles) load_tile(kv_start + PREFILL_BLOCK_N, 0);
+        if (STAGES == 1 && tile + 1 < num_kv_tiles) {
+            if constexpr (FP8) {
+                load_fp8_tile_now(kv_start + PREFILL_BLOCK_N);
+            } else {
+                load_tile(kv_start + PREFILL_BLOCK_N, 0);
+            }
+        }
     }
     cp_async_wait<0>();
 
@@ -255,7 +400,8 @@ __device__ __forceinline__ void attention_prefill_impl(
         total += __shfl_xor_sync(0xffffffffu, total, 1);
         total += __shfl_xor_sync(0xffffffffu, total, 2);
         if (!row_valid[half]) continue;
-        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        if constexpr (FP8) inverse *= v_scale;  // O sums stored V values
         const int row = first_row + warp * 16 + g + half * 8;
         const int token = row / group, head = kv_head * group + row % group;
         bf16* dst = out + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM;
@@ -273,16 +419,37 @@ __device__ __forceinline__ void attention_prefill_impl(
         const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs, int num_q_heads,   \
         int num_kv_heads, int block_size, float scale_log2, int sliding_window, int skip_single_token) {       \
         dependent_launch_entry();                                                                              \
-        attention_prefill_impl<HEAD_DIM, STAGES, BLOCK_M>(                                                     \
+        attention_prefill_impl<HEAD_DIM, STAGES, BLOCK_M, bf16>(                                               \
             q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables, block_table_stride, num_seqs,   \
-            num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, skip_single_token);             \
+            num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, skip_single_token, 1.0f);       \
+    }
+
+#define DEFINE_PREFILL_FP8(HEAD_DIM, STAGES, BLOCK_M)                                                          \
+    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32, 2)                                        \
+        attention_prefill_d##HEAD_DIM##_m##BLOCK_M##_fp8(                                                      \
+            const bf16* q, const unsigned char* k_plane, const unsigned char* v_plane, bf16* out,              \
+            const int* query_start_loc, const int* seq_lens, const int* block_tables, int block_table_stride,  \
+            int num_seqs, int num_q_heads, int num_kv_heads, int block_size, float scale_log2,                 \
+            int sliding_window, int skip_single_token, float v_scale) {                                        \
+        dependent_launch_entry();                                                                              \
+        attention_prefill_impl<HEAD_DIM, STAGES, BLOCK_M, unsigned char>(                                      \
+            q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables, block_table_stride, num_seqs,   \
+            num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, skip_single_token, v_scale);    \
     }
 
 // Two blocks per SM (the register cap of __launch_bounds__(.., 2) costs d128_m128 20 bytes of
-// spills and doubles the warps that hide latency).
-// Shared memory is (BLOCK_M + 2 STAGES 64) (D + 8) 2 bytes. 128-row tiles (8 warps) halve the K/V
+// spills, its FP8 twin about twice that, and doubles the warps that hide latency).
+// Shared memory is (BLOCK_M + 2 STAGES 64) (D + 8) 2 bytes; FP8: (BLOCK_M + 2 64) (D + 8) 2, plus
+// 2 2 64 D of staging with two stages (no more than bf16). 128-row tiles (8 warps) halve the K/V
 // traffic per query row; the host takes them when the device allows the shared memory
 // (d128_m128 needs 102 KB: Hopper and A100 yes, sm_120's 99 KB no, so d128_m64 exists too).
+// The FP8 kernels come first: NVVM's choices for a kernel can depend on those compiled before
+// it, and this order leaves the bf16 kernels' code as it was without FP8 (sm90's d128_n64 spills
+// otherwise).
+DEFINE_PREFILL_FP8(64, 2, 128)
+DEFINE_PREFILL_FP8(128, 2, 128)
+DEFINE_PREFILL_FP8(128, 2, 64)
+DEFINE_PREFILL_FP8(256, 1, 64)
 DEFINE_PREFILL(64, 2, 128)
 DEFINE_PREFILL(128, 2, 128)
 DEFINE_PREFILL(128, 2, 64)

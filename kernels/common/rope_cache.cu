@@ -12,7 +12,8 @@
 //   Rotation of a head x (pairs (i, i + r/2), i < r/2; dims >= r pass through):
 //       y[i]       = x[i] cos[i] - x[i + r/2] sin[i]
 //       y[i + r/2] = x[i + r/2] cos[i] + x[i] sin[i]
-//   A negative slot skips the K/V write (padding rows of a captured graph).
+//   A negative slot skips the K/V write (padding rows of a captured graph). An FP8 cache (the
+//   _fp8 kernels) stores E4M3 bytes of k / k_scale and v / v_scale (saturated at +-448).
 //   rms_source (may be null) [N, rms_width] bf16: the unnormalised input of the projection whose
 //   norm weight was folded into it; every q, k, v value is first scaled by the token's
 //   1 / sqrt(mean(rms_source^2) + eps), which makes the norm kernel before the product needless.
@@ -38,13 +39,19 @@
 #define ROPE_WARPS 4
 #define ROPE_PER_LANE (ROPE_MAX_HEAD_DIM / 32)
 
-template <typename TABLE, typename W>
+// A K or V value as the cache stores it: bf16, or E4M3 of value * inverse_scale.
+__device__ __forceinline__ void store_cache(bf16* at, float value, float) { *at = from_float<bf16>(value); }
+__device__ __forceinline__ void store_cache(fp8_e4m3* at, float value, float inverse_scale) {
+    *at = static_cast<fp8_e4m3>(pack_fp8x2(value * inverse_scale, 0.0f));
+}
+
+template <typename TABLE, typename W, typename CACHE>
 __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* positions, const int* slot_mapping,
-                                                    const TABLE* table, int max_position, bf16* k_plane,
-                                                    bf16* v_plane, bf16* q_out, const W* q_norm, const W* k_norm,
+                                                    const TABLE* table, int max_position, CACHE* k_plane,
+                                                    CACHE* v_plane, bf16* q_out, const W* q_norm, const W* k_norm,
                                                     float eps, int num_q_heads, int num_kv_heads, int head_dim,
                                                     int rotary_dim, int block_size, const bf16* rms_source,
-                                                    int rms_width) {
+                                                    int rms_width, float k_inverse_scale, float v_inverse_scale) {
     __shared__ float head_values[ROPE_WARPS][ROPE_MAX_HEAD_DIM];
     __shared__ float rms_scratch[32];
     grid_dependents_launch();  // before this kernel's own wait: see the file comment
@@ -104,26 +111,31 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
         }
         __syncwarp();
 
-        bf16* out;
-        if (is_q) {
-            out = q_out + (long long)token * num_q_heads * head_dim + (long long)head * head_dim;
-        } else {
-            if (slot < 0) continue;
-            const int kv_head = is_v ? head - num_q_heads - num_kv_heads : head - num_q_heads;
-            const long long block = slot / block_size, offset = slot % block_size;
-            bf16* plane = is_v ? v_plane : k_plane;
-            out = plane + ((block * num_kv_heads + kv_head) * block_size + offset) * head_dim;
-        }
+        if (!is_q && slot < 0) continue;
+        float results[ROPE_PER_LANE];
 #pragma unroll
         for (int j = 0; j < ROPE_PER_LANE; ++j) {
             const int d = lane + 32 * j;
             if (d >= head_dim) break;
-            float result = values[d];
+            results[j] = values[d];
             if (!is_v && d < rotary_dim) {
                 const float other = d < half ? -values[d + half] : values[d - half];
-                result = values[d] * cos_values[j] + other * sin_values[j];
+                results[j] = values[d] * cos_values[j] + other * sin_values[j];
             }
-            out[d] = from_float<bf16>(result);
+        }
+        if (is_q) {
+            bf16* out = q_out + (long long)token * num_q_heads * head_dim + (long long)head * head_dim;
+#pragma unroll
+            for (int j = 0; j < ROPE_PER_LANE; ++j)
+                if (lane + 32 * j < head_dim) out[lane + 32 * j] = from_float<bf16>(results[j]);
+        } else {
+            const int kv_head = is_v ? head - num_q_heads - num_kv_heads : head - num_q_heads;
+            const long long block = slot / block_size, offset = slot % block_size;
+            CACHE* out = (is_v ? v_plane : k_plane) + ((block * num_kv_heads + kv_head) * block_size + offset) * head_dim;
+            const float inverse_scale = is_v ? v_inverse_scale : k_inverse_scale;
+#pragma unroll
+            for (int j = 0; j < ROPE_PER_LANE; ++j)
+                if (lane + 32 * j < head_dim) store_cache(out + lane + 32 * j, results[j], inverse_scale);
         }
     }
 }
@@ -134,12 +146,24 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
         bf16* k_plane, bf16* v_plane, bf16* q_out, const W* q_norm, const W* k_norm, float eps,                \
         int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, int block_size,                       \
         const bf16* rms_source, int rms_width) {                                                               \
-        rope_and_cache_impl<TABLE, W>(qkv, positions, slot_mapping, table, max_position, k_plane, v_plane,     \
-                                      q_out, q_norm, k_norm, eps, num_q_heads, num_kv_heads, head_dim,         \
-                                      rotary_dim, block_size, rms_source, rms_width);                          \
+        rope_and_cache_impl<TABLE, W, bf16>(qkv, positions, slot_mapping, table, max_position, k_plane,        \
+                                            v_plane, q_out, q_norm, k_norm, eps, num_q_heads, num_kv_heads,    \
+                                            head_dim, rotary_dim, block_size, rms_source, rms_width, 1.0f,     \
+                                            1.0f);                                                             \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ROPE_WARPS * 32) rope_and_cache_##SUFFIX##_fp8(               \
+        const bf16* qkv, const int* positions, const int* slot_mapping, const TABLE* table, int max_position,  \
+        fp8_e4m3* k_plane, fp8_e4m3* v_plane, bf16* q_out, const W* q_norm, const W* k_norm, float eps,        \
+        int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, int block_size,                       \
+        const bf16* rms_source, int rms_width, float k_inverse_scale, float v_inverse_scale) {                 \
+        rope_and_cache_impl<TABLE, W, fp8_e4m3>(qkv, positions, slot_mapping, table, max_position, k_plane,    \
+                                                v_plane, q_out, q_norm, k_norm, eps, num_q_heads,              \
+                                                num_kv_heads, head_dim, rotary_dim, block_size, rms_source,    \
+                                                rms_width, k_inverse_scale, v_inverse_scale);                  \
     }
 
-// Table type, then q/k norm weight type.
+// Table type, then q/k norm weight type; each with a bf16 cache and (_fp8) an E4M3 one, whose
+// kernel takes the inverses of the layer's K and V scales last.
 DEFINE_ROPE(f32_bf16, float, bf16)
 DEFINE_ROPE(f32_f32, float, float)
 DEFINE_ROPE(bf16_bf16, bf16, bf16)

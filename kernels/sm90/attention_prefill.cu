@@ -26,6 +26,17 @@
 //     _n64:  64-key tiles, two blocks per SM (D 128: 32 + 2 x 32 KB, 128 registers), so one
 //            block's softmax can overlap the other's wgmma
 //
+// FP8 K/V (the _fp8 kernels: E4M3 bytes in the same page layout, the K scale folded into
+// scale_log2 by the host, v_scale multiplying the normalised output): one stage of the bf16 K/V
+// panels above plus two stages of the cached bytes, K and V [N keys][D] each (half a bf16 tile):
+// the same shared memory. The next tile's bytes stream by cp.async into staging while this one
+// computes; at the top of its iteration each thread converts the chunks it copied itself
+// (store_e4m3x16_as_bf16, attention_prefill_mma.cuh) into the swizzled bf16 panels, which the
+// wgmma code reads unchanged. The conversion (about 5 integer or bf16 instructions per pair of
+// elements) is not overlapped within a block: _n64 leaves that to the SM's other block. Registers
+// (D 128, nvcc 13.0): _n64 128 (4 bytes spilled, one reload a tile) and _n128 191, against 128
+// and 190 for bf16.
+//
 // FLOPs: 4 * query_len * context_len * Hq * D per sequence (about half of it masked for a prompt).
 #include "attention_prefill_mma.cuh"
 #include "wgmma.cuh"
@@ -39,7 +50,11 @@ struct WgmmaTile {
     static constexpr int CHUNKS = HEAD_DIM / 8;   // 16-byte chunks per row
     static constexpr int Q_BYTES = PANELS * WG_BLOCK_M * 128;
     static constexpr int KV_BYTES = PANELS * BLOCK_N * 128;  // K (or V) of one tile
+    static constexpr int FP8_CHUNKS = HEAD_DIM / 16;         // 16-byte chunks per FP8 row
+    static constexpr int FP8_KV_BYTES = BLOCK_N * HEAD_DIM;  // FP8 K (or V) of one tile
+    // bf16: Q, then stages 0 and 1 of K and V. FP8: Q, K and V, then stages 0 and 1 of FP8 K and V.
     static constexpr int SHARED_BYTES = Q_BYTES + 2 * 2 * KV_BYTES + 1024;
+    static_assert(2 * KV_BYTES + 2 * 2 * FP8_KV_BYTES == 2 * 2 * KV_BYTES, "FP8 fits the bf16 layout's bytes");
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a tile of `rows` rows stored as panels.
@@ -47,12 +62,14 @@ __device__ __forceinline__ u32 tile_chunk_offset(int rows, int row, int chunk) {
     return (u32)((chunk >> 3) * rows * 128) + swizzled_panel_offset(row, chunk & 7);
 }
 
-template <int HEAD_DIM, int BLOCK_N>
+// KV = bf16, or unsigned char for FP8 (E4M3) K/V with v_scale (see the file comment).
+template <int HEAD_DIM, int BLOCK_N, typename KV>
 __device__ __forceinline__ void attention_prefill_wgmma_impl(
-    const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
+    const bf16* __restrict__ q, const KV* __restrict__ k_plane, const KV* __restrict__ v_plane,
     bf16* __restrict__ out, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int block_table_stride, int num_seqs, int num_q_heads, int num_kv_heads,
-    int block_size, float scale_log2, int sliding_window, int skip_single_token) {
+    int block_size, float scale_log2, int sliding_window, int skip_single_token, float v_scale) {
+    constexpr bool FP8 = sizeof(KV) == 1;
     using Tile = WgmmaTile<HEAD_DIM, BLOCK_N>;
     constexpr int S_REGS = BLOCK_N / 2;  // m64nBLOCK_N accumulators per thread
     constexpr int O_REGS = HEAD_DIM / 2;
@@ -62,6 +79,7 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
     unsigned char* smem = reinterpret_cast<unsigned char*>(shared_raw) + (((raw_address + 1023u) & ~1023u) - raw_address);
     unsigned char* q_tile = smem;
     unsigned char* kv_tiles = smem + Tile::Q_BYTES;  // stage s: K at 2 s KV_BYTES, V right after
+    unsigned char* fp8_tiles = kv_tiles + 2 * Tile::KV_BYTES;  // FP8 stage s: K at 2 s FP8_KV_BYTES, V after
 
     const int group = num_q_heads / num_kv_heads;
     const int kv_head = blockIdx.y;
@@ -139,22 +157,74 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
         }
         cp_async_commit();
     };
+    // FP8: thread t copies, and later converts, chunk (row + pass FP8_ROWS_PER_PASS, chunk) of
+    // the tile (fp8_chunk_of_thread: each bf16 store covers 8 distinct swizzled 16-byte positions);
+    // staging holds them by thread, pass p at (p WG_THREADS + t) 16 bytes. FP8 chunk c is bf16
+    // chunks 2c and 2c + 1; the passes are whole swizzle atoms apart.
+    constexpr int FP8_ROWS_PER_PASS = WG_THREADS / Tile::FP8_CHUNKS;
+    constexpr int FP8_PASSES = BLOCK_N / FP8_ROWS_PER_PASS;
+    static_assert(FP8_ROWS_PER_PASS % 8 == 0, "");
+    auto load_fp8_tile = [&](int kv_start, int stage) {
+        unsigned char* k_dst = fp8_tiles + stage * 2 * Tile::FP8_KV_BYTES + tid * 16;
+        unsigned char* v_dst = k_dst + Tile::FP8_KV_BYTES;
+        const int2 at = fp8_chunk_of_thread<Tile::FP8_CHUNKS>(tid);
+        const int row = at.x, chunk = at.y;
+#pragma unroll LOAD_UNROLL
+        for (int pass = 0; pass < FP8_PASSES; ++pass) {
+            const int key = kv_start + row + pass * FP8_ROWS_PER_PASS;
+            const bool valid = key < kv_end;
+            long long offset = 0;
+            if (valid) {
+                const long long block = table[key / block_size];
+                offset = ((block * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 16;
+            }
+            cp_async_16(k_dst + pass * WG_THREADS * 16, k_plane + offset, valid);
+            cp_async_16(v_dst + pass * WG_THREADS * 16, v_plane + offset, valid);
+        }
+        cp_async_commit();
+    };
+    auto convert_fp8_tile = [&](int stage) {  // once this thread's copies of `stage` landed
+        const unsigned char* k_src = fp8_tiles + stage * 2 * Tile::FP8_KV_BYTES + tid * 16;
+        const unsigned char* v_src = k_src + Tile::FP8_KV_BYTES;
+        const int2 at = fp8_chunk_of_thread<Tile::FP8_CHUNKS>(tid);
+        unsigned char* lo_at = kv_tiles + tile_chunk_offset(BLOCK_N, at.x, 2 * at.y);
+        unsigned char* hi_at = kv_tiles + tile_chunk_offset(BLOCK_N, at.x, 2 * at.y + 1);
+#pragma unroll
+        for (int pass = 0; pass < FP8_PASSES; ++pass) {
+            const int step = pass * FP8_ROWS_PER_PASS * 128;
+            store_e4m3x16_as_bf16(lo_at + step, hi_at + step,
+                                  *reinterpret_cast<const uint4*>(k_src + pass * WG_THREADS * 16));
+            store_e4m3x16_as_bf16(lo_at + Tile::KV_BYTES + step, hi_at + Tile::KV_BYTES + step,
+                                  *reinterpret_cast<const uint4*>(v_src + pass * WG_THREADS * 16));
+        }
+    };
     const int num_kv_tiles = (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N;
     const int highest_position = kv_end - 1;
-    if (num_kv_tiles > 0) load_tile(kv_begin, 0);
+    if (num_kv_tiles > 0) {
+        if constexpr (FP8) {
+            load_fp8_tile(kv_begin, 0);
+        } else {
+            load_tile(kv_begin, 0);
+        }
+    }
 
     for (int tile = 0; tile < num_kv_tiles; ++tile) {
         const int kv_start = kv_begin + tile * BLOCK_N;
         const int stage = tile & 1;
         if (tile + 1 < num_kv_tiles) {
-            load_tile(kv_start + BLOCK_N, stage ^ 1);
+            if constexpr (FP8) {
+                load_fp8_tile(kv_start + BLOCK_N, stage ^ 1);
+            } else {
+                load_tile(kv_start + BLOCK_N, stage ^ 1);
+            }
             cp_async_wait<1>();  // everything but the tile just issued has landed
         } else {
             cp_async_wait<0>();
         }
-        fence_proxy_async_shared();  // cp.async wrote through the generic proxy; wgmma reads async
+        if constexpr (FP8) convert_fp8_tile(stage);
+        fence_proxy_async_shared();  // cp.async and the conversion wrote through the generic proxy; wgmma reads async
         __syncthreads();
-        const unsigned char* k_tile = kv_tiles + stage * 2 * Tile::KV_BYTES;
+        const unsigned char* k_tile = FP8 ? kv_tiles : kv_tiles + stage * 2 * Tile::KV_BYTES;  // FP8: one stage
         const unsigned char* v_tile = k_tile + Tile::KV_BYTES;
 
         // S = Q K^T for this warpgroup's 64 rows x BLOCK_N keys.
@@ -260,7 +330,8 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
         total += __shfl_xor_sync(0xffffffffu, total, 1);
         total += __shfl_xor_sync(0xffffffffu, total, 2);
         if (!row_valid[half]) continue;
-        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        if constexpr (FP8) inverse *= v_scale;  // O sums stored V values
         const int row = first_row + warp_row + half * 8;
         const int token = row / group, head = kv_head * group + row % group;
         bf16* dst = out + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM;
@@ -280,12 +351,31 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
             int num_q_heads, int num_kv_heads, int block_size, float scale_log2, int sliding_window,           \
             int skip_single_token) {                                                                           \
         dependent_launch_entry();                                                                              \
-        attention_prefill_wgmma_impl<HEAD_DIM, BLOCK_N>(q, k_plane, v_plane, out, query_start_loc, seq_lens,   \
-                                                        block_tables, block_table_stride, num_seqs,            \
-                                                        num_q_heads, num_kv_heads, block_size, scale_log2,     \
-                                                        sliding_window, skip_single_token);                    \
+        attention_prefill_wgmma_impl<HEAD_DIM, BLOCK_N, bf16>(q, k_plane, v_plane, out, query_start_loc,       \
+                                                              seq_lens, block_tables, block_table_stride,      \
+                                                              num_seqs, num_q_heads, num_kv_heads, block_size, \
+                                                              scale_log2, sliding_window, skip_single_token,   \
+                                                              1.0f);                                           \
     }
 
+#define DEFINE_PREFILL_WGMMA_FP8(HEAD_DIM, BLOCK_N, MIN_BLOCKS)                                               \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, MIN_BLOCKS)                                      \
+        attention_prefill_wgmma_d##HEAD_DIM##_n##BLOCK_N##_fp8(                                                \
+            const bf16* q, const unsigned char* k_plane, const unsigned char* v_plane, bf16* out,              \
+            const int* query_start_loc, const int* seq_lens, const int* block_tables, int block_table_stride,  \
+            int num_seqs, int num_q_heads, int num_kv_heads, int block_size, float scale_log2,                 \
+            int sliding_window, int skip_single_token, float v_scale) {                                        \
+        dependent_launch_entry();                                                                              \
+        attention_prefill_wgmma_impl<HEAD_DIM, BLOCK_N, unsigned char>(                                        \
+            q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables, block_table_stride, num_seqs,   \
+            num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, skip_single_token, v_scale);    \
+    }
+
+// The FP8 kernels first, as in attention_prefill_mma.cuh (the bf16 kernels' code stays as it was).
+DEFINE_PREFILL_WGMMA_FP8(64, 128, 1)
+DEFINE_PREFILL_WGMMA_FP8(128, 128, 1)
+DEFINE_PREFILL_WGMMA_FP8(64, 64, 2)
+DEFINE_PREFILL_WGMMA_FP8(128, 64, 2)
 DEFINE_PREFILL_WGMMA(64, 128, 1)
 DEFINE_PREFILL_WGMMA(128, 128, 1)
 DEFINE_PREFILL_WGMMA(64, 64, 2)

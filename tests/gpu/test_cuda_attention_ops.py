@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import ml_dtypes
 import numpy as np
 import pytest
 from cuda_harness import (
@@ -457,3 +458,83 @@ def test_wgmma_prefill_tiles_against_float64(cuda_backend, rng, monkeypatch, key
         scale = 1 / math.sqrt(heads.head_dim)
         actual, expected = _attention_pair(cuda_backend, None, case, scale, window, use_mock=False)
         assert rel_l2(actual, expected) < BF16_TOLERANCE
+
+
+# -- FP8 (E4M3) K/V: the prefill kernels' _fp8 twins ---------------------------------------------
+
+_E4M3_FINITE = np.array([code for code in range(256) if code & 0x7F != 0x7F], np.uint8)  # all but NaN
+_E4M3_SUBNORMAL = np.array([code for code in range(256) if code & 0x78 == 0], np.uint8)  # exponent 0
+
+
+def _e4m3_bytes(rng, case, values: str) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """(K bytes, V bytes, k_scale, v_scale) for the case's slots [slots, Hkv, D]; slots outside
+    the contexts hold the NaN byte. "normal": the case's K and V scaled to the E4M3 range, as a
+    calibrated cache holds them. "every_code": K bytes drawn from every finite code, V bytes from
+    the subnormal ones and zeros only (an output that the conversion flushed to zero shows)."""
+    used = ~np.isnan(case.keys)
+    if values == "normal":
+        k_scale = float(np.abs(case.keys[used]).max()) / 448
+        v_scale = float(np.abs(case.values[used]).max()) / 448
+        k_bytes = (case.keys / k_scale).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        v_bytes = (case.values / v_scale).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    else:
+        k_scale, v_scale = 0.004, 3.0
+        k_bytes = rng.choice(_E4M3_FINITE, case.keys.shape)
+        v_bytes = rng.choice(_E4M3_SUBNORMAL, case.values.shape)
+    k_bytes[~used] = v_bytes[~used] = 0x7F
+    return k_bytes, v_bytes, k_scale, v_scale
+
+
+@pytest.mark.parametrize("kernel", ["wgmma_n64", "wgmma_n128", "mma.sync", "mma.sync_99KB"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("values", ["normal", "every_code"])
+def test_fp8_prefill_kernels_against_float64(cuda_backend, rng, monkeypatch, kernel, head_dim, values):
+    """Every _fp8 prefill kernel (wgmma with 64- and 128-key tiles on Hopper; mma.sync with 128-
+    and, where a block gets 99 KB, 64-row tiles; head_dim 256's one-stage kernel) over a paged
+    cache of E4M3 bytes, GQA 4, prompts continuing prefix-cached contexts, against a float64
+    reference that dequantizes the same bytes (k_scale and v_scale not 1)."""
+    from dataclasses import replace
+
+    from atlas.adapters.cuda import ops_attention
+
+    rt = cuda_backend.runtime
+    wgmma = kernel.startswith("wgmma")
+    if wgmma and (rt.compute_capability != (9, 0) or head_dim not in ops_attention.WGMMA_KEYS_PER_TILE):
+        pytest.skip("the wgmma kernels are built for sm_90a, head dims 64 and 128")
+    monkeypatch.setattr(rt, "features", replace(rt.features, wgmma_attention=wgmma))
+    if wgmma:
+        keys_per_tile = int(kernel.removeprefix("wgmma_n"))
+        monkeypatch.setitem(ops_attention.WGMMA_KEYS_PER_TILE, head_dim, keys_per_tile)
+        expected_symbol = f"attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}_fp8"
+    else:
+        if kernel == "mma.sync_99KB":
+            monkeypatch.setattr(rt, "max_shared_optin", 101376)
+        rows = 64 if head_dim == 256 or (kernel == "mma.sync_99KB" and head_dim == 128) else 128
+        expected_symbol = f"attention_prefill_d{head_dim}_m{rows}_fp8"
+    assert ops_attention.prefill_kernel(rt, head_dim, kv_fp8=True).symbol == expected_symbol
+
+    heads = HeadLayout(16, 4, head_dim)
+    case = paged_case(rng, heads, [700, 300, 130], [200, 300, 17], block_size=16)  # 500 and 113 cached
+    k_bytes, v_bytes, k_scale, v_scale = _e4m3_bytes(rng, case, values)
+    planes = []
+    for slots in (k_bytes, v_bytes):
+        # slot-major [blocks * bs, Hkv, D] -> the adapter's head-major pages [blocks, Hkv, bs, D]
+        pages = slots.reshape(case.num_blocks, case.block_size, heads.num_kv_heads, head_dim).transpose(0, 2, 1, 3)
+        planes.append(cuda_backend.upload(np.ascontiguousarray(pages), DType.U8))
+    meta = upload_metadata(cuda_backend, case)
+    table_stride = np.int32(case.block_tables.shape[1])
+    common = (meta.query_start_loc.address, meta.seq_lens.address, meta.block_tables.address, table_stride)
+    scale = 1 / math.sqrt(head_dim)
+    scale_log2 = np.float32(scale * k_scale * math.log2(math.e))  # the K scale folded in, as attention() does
+    q = cuda_backend.upload(case.query, DType.BF16)
+    out = poisoned(cuda_backend, (case.num_tokens, heads.q_size), DType.BF16)
+    addresses = (planes[0].address, planes[1].address)
+    ops_attention._prefill(
+        rt, q, out, addresses, common, meta, heads, case.block_size, scale_log2, np.int32(0), True, v_scale
+    )
+
+    def dequantized(raw: np.ndarray, plane_scale: float) -> np.ndarray:
+        return raw.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * plane_scale
+
+    reference = replace(case, keys=dequantized(k_bytes, k_scale), values=dequantized(v_bytes, v_scale))
+    assert rel_l2(host(cuda_backend, out), reference_attention(reference, scale, None)) < BF16_TOLERANCE

@@ -49,10 +49,14 @@ class CudaGpuBackend:
         self._linear = ops_dense.LinearOp(self._rt)
         self._capabilities = Capabilities(
             activation_dtype=DType.BF16,
-            kv_dtypes=(DType.BF16,),
+            kv_dtypes=(DType.BF16, DType.FP8_E4M3) if self._fp8_cache_ok() else (DType.BF16,),
             supports_graphs=True,
             device_name=self._rt.device_name,
         )
+
+    def _fp8_cache_ok(self) -> bool:
+        """E4M3 conversions exist from sm_89, and only the tensor-core decode kernel reads FP8."""
+        return self._rt.compute_capability >= (8, 9) and self._rt.features.mma_decode
 
     # -- identity -----------------------------------------------------------------------
     @property
@@ -150,7 +154,8 @@ class CudaGpuBackend:
         self._rt.ensure_current()
         self._rt.forbid_in_capture("allocate_kv_cache")
         if spec.dtype not in self._capabilities.kv_dtypes:
-            raise ValueError(f"spec.dtype: {spec.dtype.value} KV caches are not supported on CUDA (bf16)")
+            supported = ", ".join(dtype.value for dtype in self._capabilities.kv_dtypes)
+            raise ValueError(f"spec.dtype: {spec.dtype.value} KV caches are not supported on this GPU ({supported})")
         if spec.head_dim % 8:
             raise ValueError(f"spec.head_dim: {spec.head_dim} is not a multiple of 8")
         try:

@@ -34,6 +34,15 @@ _DECODE_THREADS = 128
 # shape of four blocks per SM, (2, 3), won at batch 48-64 on one H200 and lost on another, so it
 # is not kept (docs/cuda-notes.md run 14).
 DECODE_MMA_SHAPES = {64: ((4, 3),), 128: ((4, 3), (8, 2)), 256: ((4, 2),)}
+# The FP8 cache's kernels (_fp8): a tile is half the bytes. At head dim 128 (H200, Llama-3.1-8B
+# heads, 512-token contexts, us per layer, docs/cuda-notes.md run 22) the kernel is bound by its
+# per-tile latency more than by bytes, so occupancy wins: (4, 3), four blocks per SM, takes batch
+# 64 in one wave (21.9 against 29.4 with (4, 6) and 34.2 for bf16), and 128 (43.3 / 57.7 / 66.5);
+# (4, 6) takes batch 32 (14.9 against 18.3 with (4, 3)); (8, 4) batches 1-8 (8 x 512: 9.6 against
+# 12.3). Head dims 64 and 256 keep bf16's bytes in flight (not measured).
+DECODE_MMA_SHAPES_FP8 = {64: ((4, 6),), 128: ((4, 3), (4, 6), (8, 4)), 256: ((4, 4),)}
+# KV cache dtypes the attention kernels read.
+KV_DTYPES = (DType.BF16, DType.FP8_E4M3)
 _ROPE_WARPS = 4  # heads per block of rope_and_cache (a warp each)
 _MAX_SPLITS = 128
 # A decode split reads at least this many context tokens: shorter ones spend more on their
@@ -51,8 +60,8 @@ def _check_cache(kv: object, heads: HeadLayout) -> CudaKvCache:
             f"kv: cache has {spec.num_kv_heads} KV heads of {spec.head_dim}, heads say "
             f"{heads.num_kv_heads} of {heads.head_dim}"
         )
-    if spec.dtype is not DType.BF16:
-        raise ValueError(f"kv: dtype {spec.dtype.value} is not supported (bf16)")
+    if spec.dtype not in KV_DTYPES:
+        raise ValueError(f"kv: dtype {spec.dtype.value} is not supported ({', '.join(d.value for d in KV_DTYPES)})")
     return kv
 
 
@@ -88,9 +97,12 @@ class RopeTargets:
 def rope_targets(
     meta: AttentionMetadata, rope_table: CudaTensor, kv: object, layer: int, heads: HeadLayout, q_out: CudaTensor
 ) -> RopeTargets | None:
-    """The rope epilogue's arguments for a one-token step with full-width rotation, else None
-    (the caller then runs the projection and `rope_and_cache`, which check and report)."""
+    """The rope epilogue's arguments for a one-token step with full-width rotation into a bf16
+    cache, else None (the caller then runs the projection and `rope_and_cache`, which check and
+    report)."""
     if meta.num_tokens != 1 or not isinstance(kv, CudaKvCache) or q_out.dtype is not DType.BF16:
+        return None
+    if kv.spec.dtype is not DType.BF16:
         return None
     if (
         heads.head_dim % 2
@@ -178,6 +190,11 @@ def rope_and_cache(
     if num_tokens == 0:
         return
     symbol = f"rope_and_cache_{checks.type_suffix(rope_table.dtype)}_{checks.type_suffix(norm_dtype)}"
+    scales = ()
+    if cache.spec.dtype is DType.FP8_E4M3:
+        k_scale, v_scale = cache.spec.layer_scales(layer)
+        symbol += "_fp8"
+        scales = (np.float32(1.0 / k_scale), np.float32(1.0 / v_scale))
     total_heads = heads.num_q_heads + 2 * heads.num_kv_heads
     rt.launch(
         "rope_cache",
@@ -202,6 +219,7 @@ def rope_and_cache(
         np.int32(cache.spec.block_size),
         rms_source.address if rms_source is not None else 0,
         np.int32(rms_source.shape[1] if rms_source is not None else 0),
+        *scales,
     )
 
 
@@ -238,12 +256,16 @@ def attention(
         checks.address(meta.block_tables, "meta.block_tables"),
         np.int32(meta.block_tables.shape[1]),
     )
-    scale_log2 = np.float32(scale * math.log2(math.e))
+    # An FP8 cache's K scale joins the softmax scale; its V scale goes to the kernels.
+    kv_fp8 = cache.spec.dtype is DType.FP8_E4M3
+    k_scale, v_scale = cache.spec.layer_scales(layer)
+    scale_log2 = np.float32(scale * k_scale * math.log2(math.e))
     window = np.int32(sliding_window or 0)
     planes = (cache.key_plane(layer), cache.value_plane(layer))
+    block_size = cache.spec.block_size
     if meta.max_query_len > 1:
-        _prefill(rt, q, out, planes, common, meta, heads, cache.spec.block_size, scale_log2, window)
-    _decode(rt, q, out, planes, common, meta, heads, cache.spec.block_size, scale_log2, window)
+        _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale)
+    _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale)
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,42 +278,62 @@ class PrefillKernel:
     shared_bytes: int
 
 
-def wgmma_prefill_shared_bytes(head_dim: int, keys_per_tile: int) -> int:
-    """Shared memory of `attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}`: Q [128 rows] plus
-    two stages of K and V tiles, bf16, plus 1 KB to align the swizzle atoms (WgmmaTile)."""
-    return (_WGMMA_ROWS + 2 * 2 * keys_per_tile) * head_dim * 2 + 1024
+def wgmma_prefill_shared_bytes(head_dim: int, keys_per_tile: int, kv_fp8: bool = False) -> int:
+    """Shared memory of `attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}` (WgmmaTile): Q
+    [128 rows] plus two stages of K and V tiles, bf16, plus 1 KB to align the swizzle atoms. The
+    `_fp8` kernel keeps one stage of the bf16 K and V tiles and two of the cached E4M3 bytes (a byte
+    an element), which comes to the same bytes."""
+    if kv_fp8:
+        kv_bytes = 2 * keys_per_tile * head_dim * 2 + 2 * 2 * keys_per_tile * head_dim
+    else:
+        kv_bytes = 2 * 2 * keys_per_tile * head_dim * 2
+    return _WGMMA_ROWS * head_dim * 2 + kv_bytes + 1024
 
 
-def prefill_kernel(rt: CudaRuntime, head_dim: int) -> PrefillKernel:
+def prefill_kernel(rt: CudaRuntime, head_dim: int, kv_fp8: bool = False) -> PrefillKernel:
     """The wgmma kernel where the loaded module has it (kernels/sm90 on Hopper), the device gives a
-    block its shared memory and `rt.features.wgmma_attention` is on; else the mma.sync kernel."""
+    block its shared memory and `rt.features.wgmma_attention` is on; else the mma.sync kernel.
+    `kv_fp8`: the `_fp8` twin, for a cache of E4M3 bytes (same launch shape, one more argument)."""
+    suffix = "_fp8" if kv_fp8 else ""
     keys_per_tile = WGMMA_KEYS_PER_TILE.get(head_dim)
     if keys_per_tile is not None and rt.features.wgmma_attention:
-        symbol = f"attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}"
-        shared_bytes = wgmma_prefill_shared_bytes(head_dim, keys_per_tile)
+        symbol = f"attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}{suffix}"
+        shared_bytes = wgmma_prefill_shared_bytes(head_dim, keys_per_tile, kv_fp8)
         if shared_bytes <= rt.max_shared_optin and rt.kernels.provides("attention_prefill", symbol):
             return PrefillKernel(symbol, _WGMMA_ROWS, _WGMMA_THREADS, shared_bytes)
-    rows, _, shared_bytes = prefill_tile(head_dim, rt.max_shared_optin)
-    return PrefillKernel(f"attention_prefill_d{head_dim}_m{rows}", rows, rows // 16 * 32, shared_bytes)
+    rows, _, shared_bytes = prefill_tile(head_dim, rt.max_shared_optin, kv_fp8)
+    return PrefillKernel(f"attention_prefill_d{head_dim}_m{rows}{suffix}", rows, rows // 16 * 32, shared_bytes)
 
 
-def prefill_tile(head_dim: int, max_shared_bytes: int) -> tuple[int, int, int]:
+def prefill_tile(head_dim: int, max_shared_bytes: int, kv_fp8: bool = False) -> tuple[int, int, int]:
     """(rows per tile, K/V stages, shared bytes) of the prefill kernel variant to launch: 128-row
-    tiles where the device gives a block enough shared memory, else 64 (attention_prefill.cu)."""
+    tiles where the device gives a block enough shared memory, else 64 (attention_prefill.cu).
+    bf16: Q [rows] and `stages` of K and V tiles [64 keys], all of padded rows (D + 8) x 2 bytes.
+    FP8 (`kv_fp8`): Q and one stage of those tiles, plus, with two stages, two of the cached E4M3
+    bytes [64 keys][D] (the one-stage kernel loads them through registers)."""
     stride = head_dim + 8  # padded rows, as the kernel lays them out
     stages = 2 if head_dim <= 128 else 1
     for rows in (128, 64):
-        shared_bytes = (rows + stages * 2 * _PREFILL_BLOCK_N) * stride * 2
+        if kv_fp8:
+            staging = 2 * 2 * _PREFILL_BLOCK_N * head_dim if stages == 2 else 0
+            shared_bytes = (rows + 2 * _PREFILL_BLOCK_N) * stride * 2 + staging
+        else:
+            shared_bytes = (rows + stages * 2 * _PREFILL_BLOCK_N) * stride * 2
         if (head_dim, rows) in _PREFILL_VARIANTS and shared_bytes <= max_shared_bytes:
             return rows, stages, shared_bytes
     raise ValueError(f"heads.head_dim: {head_dim} needs more shared memory than the device has")
 
 
-def _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window) -> None:
+def _prefill(
+    rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8=False, v_scale=1.0
+) -> None:
+    """Launches the prefill kernel; with `kv_fp8` the planes hold E4M3 bytes, `scale_log2` has the
+    K scale folded in, and the `_fp8` kernel multiplies its output by `v_scale`."""
     group = heads.num_q_heads // heads.num_kv_heads
-    kernel = prefill_kernel(rt, heads.head_dim)
+    kernel = prefill_kernel(rt, heads.head_dim, kv_fp8)
     num_tiles = (meta.num_tokens * group) // kernel.rows + meta.num_seqs
     query_start_loc, seq_lens, block_tables, table_stride = common
+    fp8_arguments = (np.float32(v_scale),) if kv_fp8 else ()
     rt.launch(
         "attention_prefill",
         kernel.symbol,
@@ -312,6 +354,7 @@ def _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, wi
         scale_log2,
         window,
         np.int32(1),  # single-token queries go to the decode kernel, launched next
+        *fp8_arguments,
         shared_bytes=kernel.shared_bytes,
     )
 
@@ -338,12 +381,19 @@ def decode_split_count(
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 
-def decode_mma_shape(head_dim: int, num_blocks: int, num_sms: int, max_shared_per_sm: int) -> tuple[int, int, int]:
+def decode_mma_shape(
+    head_dim: int, num_blocks: int, num_sms: int, max_shared_per_sm: int, kv_bytes: int = 2
+) -> tuple[int, int, int]:
     """(warps, stages, blocks per SM) of the tensor-core decode kernel for `num_blocks` blocks
-    before splitting (see DECODE_MMA_SHAPES)."""
+    before splitting (see DECODE_MMA_SHAPES; DECODE_MMA_SHAPES_FP8 for 1-byte K/V)."""
+    table = DECODE_MMA_SHAPES_FP8 if kv_bytes == 1 else DECODE_MMA_SHAPES
     shapes = [
-        (warps, stages, max(1, max_shared_per_sm // (decode_mma_shared_bytes(head_dim, warps, stages) + 1024)))
-        for warps, stages in DECODE_MMA_SHAPES[head_dim]
+        (
+            warps,
+            stages,
+            max(1, max_shared_per_sm // (decode_mma_shared_bytes(head_dim, warps, stages, kv_bytes) + 1024)),
+        )
+        for warps, stages in table[head_dim]
     ]
     holding = [shape for shape in shapes if shape[2] * num_sms >= num_blocks]
     if not holding:
@@ -363,16 +413,22 @@ def decode_heads_per_block(group: int, num_seqs: int, num_kv_heads: int, num_sms
     return min(heads, 2) if num_seqs * num_kv_heads <= num_sms // 4 else heads
 
 
-def decode_mma_shared_bytes(head_dim: int, warps: int, stages: int) -> int:
-    """Shared memory of attention_decode_mma_*: each warp's ring of K and V tiles (16 rows)."""
-    return warps * stages * 2 * 16 * head_dim * 2
+def decode_mma_shared_bytes(head_dim: int, warps: int, stages: int, kv_bytes: int = 2) -> int:
+    """Shared memory of attention_decode_mma_*: each warp's ring of K and V tiles (16 rows of
+    `kv_bytes`-byte elements)."""
+    return warps * stages * 2 * 16 * head_dim * kv_bytes
 
 
-def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window) -> None:
+def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale) -> None:
     group = heads.num_q_heads // heads.num_kv_heads
     # Tensor cores: up to 8 query heads (the mma's n) per block, whatever the batch; a 16-token
     # tile's rows lie in one page (two at block size 8).
     mma = rt.features.mma_decode and (block_size == 8 or block_size % 16 == 0)
+    if kv_fp8 and not mma:
+        raise ValueError(
+            "kv: an FP8 cache is read only by the tensor-core decode kernel (block size 8 or a multiple of 16, "
+            "and mma_decode not in ATLAS_CUDA_DISABLE); use --kv-cache-dtype bf16"
+        )
     if mma:
         heads_per_block = 8
     else:
@@ -381,9 +437,13 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
     num_blocks = meta.num_seqs * heads.num_kv_heads * head_groups
     if mma:
         kind, waves = "mma", 1
-        warps, stages, blocks_per_sm = decode_mma_shape(heads.head_dim, num_blocks, rt.num_sms, rt.max_shared_per_sm)
+        kv_bytes = 1 if kv_fp8 else 2
+        warps, stages, blocks_per_sm = decode_mma_shape(
+            heads.head_dim, num_blocks, rt.num_sms, rt.max_shared_per_sm, kv_bytes
+        )
         symbol, threads = f"attention_decode_mma_d{heads.head_dim}_w{warps}_s{stages}", warps * 32
-        shared_bytes = decode_mma_shared_bytes(heads.head_dim, warps, stages)
+        symbol += "_fp8" if kv_fp8 else ""
+        shared_bytes = decode_mma_shared_bytes(heads.head_dim, warps, stages, kv_bytes)
     else:
         kind, waves = "simt", 2
         symbol, threads = f"attention_decode_d{heads.head_dim}_h{heads_per_block}", _DECODE_THREADS
@@ -420,6 +480,7 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
         window,
         np.int32(splits),
         np.int32(min_tokens),
+        *((np.float32(v_scale),) if kv_fp8 else ()),
         shared_bytes=shared_bytes,
     )
 
