@@ -1,6 +1,6 @@
 #!/bin/bash
 # The speed issue's measurements on a GPU machine, one step per argument; logs and JSON in $OUT.
-#   source .devkit/env.sh && bash benchmarks/gpu_bench.sh [quick llama8b smollm2 startup serve]
+#   source .devkit/env.sh && bash benchmarks/gpu_bench.sh [quick llama8b llama8b-fp8 smollm2 startup serve]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export ATLAS_KERNEL_CACHE=${ATLAS_KERNEL_CACHE:-/tmp/atlas-kernel-cache}
@@ -15,6 +15,9 @@ for step in ${*:-quick llama8b}; do case $step in
            --output-len 16 ;;
   llama8b) run llama8b 560 $ATLAS bench --random llama-3.1-8b --device cuda --batch-sizes 1,8,32,64,128 \
            --reference hf --json "$OUT/llama8b.json" --plot "$OUT/llama8b.png" ;;
+  # the same run over an FP8 (E4M3) KV cache: half the KV bytes a step reads
+  llama8b-fp8) run llama8b-fp8 560 $ATLAS bench --random llama-3.1-8b --device cuda --batch-sizes 1,8,32,64,128 \
+           --kv-cache-dtype fp8 --reference hf --json "$OUT/llama8b-fp8.json" --plot "$OUT/llama8b-fp8.png" ;;
   smollm2) run smollm2 200 $ATLAS bench --random smollm2-135m --device cuda --batch-sizes 1,16,64 \
            --output-len 256 --json "$OUT/smollm2.json" ;;
   startup) run startup 400 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "--max-seq-len 8192" ;;

@@ -6,7 +6,7 @@
 // Two kernels share the launch shape, the split merge and the PDL discipline: the tensor-core
 // one (attention_decode_mma_*, further down), which the host launches, and the SIMT one
 // described here (ATLAS_CUDA_DISABLE=mma_decode; also for block sizes that are not 8 or a
-// multiple of 16).
+// multiple of 16). Only the tensor-core one reads an FP8 cache (its _fp8 variants).
 //
 // grid = (sequence, KV head x head group, split). A block reads one KV head's slice
 // [start, end) of the context once and serves HEADS (1, 2, 4 or 8, the host picks the smallest
@@ -41,8 +41,8 @@
 //     partial_out [S, Hq, splits, D] f32, partial_lse [S, Hq, splits] f32 (log2 domain)
 //     out = sum_z exp2(lse_z - M) o_z / sum_z exp2(lse_z - M),  M = max_z lse_z
 //
-// Bytes: each sequence's context K and V once per KV head (2 * L * Hkv * D * 2) plus q and out:
-// pure bandwidth. Splits exist so that small batches still cover every SM.
+// Bytes: each sequence's context K and V once per KV head (2 * L * Hkv * D * 2; FP8 * 1) plus q
+// and out: pure bandwidth. Splits exist so that small batches still cover every SM.
 #include "atlas_common.cuh"
 
 #define DECODE_THREADS 128
@@ -400,6 +400,21 @@ __device__ __forceinline__ void attention_decode_impl(
 // copy reads past the context or what the previous kernel is writing, and the copies of the
 // first stages issue before griddepcontrol.wait); the own token's row is read from L2 after the
 // wait by the warp whose tile holds it, just before that tile is used. Masked scores are -inf.
+//
+// FP8 variant (_fp8: the cache holds E4M3 bytes; the host folds k_scale into scale_log2 and the
+// kernel multiplies its output by v_scale). Tiles are 16 rows of D bytes, and the products run
+// in f16 (every E4M3 value is exact in f16), with fragments built from 16-byte shared loads and
+// cvt.rn.f16x2.e4m3x2 instead of ldmatrix, since no ldmatrix transposes bytes:
+//
+//     S^T: lane (g, t) reads chunk 4 c + t of key rows g and g + 8; word i of it is k-step 4 c + i,
+//          its low byte pair k (2t, 2t + 1) and high pair (2t + 8, 2t + 9); Q^T's fragments are
+//          loaded over the same permutation of dims (a dot product does not mind the order).
+//     O^T: lane (g, t) owns dims g D / 8 .. (g + 1) D / 8 - 1 and reads them from key rows 2t,
+//          2t + 1, 2t + 8, 2t + 9 (its k of P^T); a byte permute pairs one dim of two keys, and
+//          m-tile i's rows g and g + 8 are its dims 2i and 2i + 1 (the merge puts them in place).
+//
+// The kernel is then bound by each tile's latency more than by its bytes, so its head-dim-128
+// shapes favour blocks per SM (ops_attention.DECODE_MMA_SHAPES_FP8).
 #define DECODE_MMA_HEADS 8  // the n = 8 columns of the mma: query heads per block
 
 template <int HEAD_DIM, int STAGES, int KV_BYTES>
@@ -524,9 +539,9 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     dependent_launch_entry();
     const long long q_row = (long long)token * num_q_heads * HEAD_DIM;
     // Q^T as B fragments: b0 (dims 16 s + 2t, + 1; head g), b1 (dims 16 s + 2t + 8, + 9; head g).
-    // FP8: f16 fragments over dims permuted as the K fragments are (see the FP8 variant's
-    // comment): k-step s = 4 c + i takes dims 64 c + 16 t + 4 i + (0, 1) as k 2t, 2t + 1 and
-    // + (2, 3) as k 2t + 8, 2t + 9.
+    // FP8: f16 fragments over dims permuted as the K fragments are (see above): k-step
+    // s = 4 c + i takes dims 64 c + 16 t + 4 i + (0, 1) as k 2t, 2t + 1 and + (2, 3) as k 2t + 8,
+    // 2t + 9.
     u32 q_frag[K_STEPS][2];
     {
         const bool has_head = g < num_heads;

@@ -37,9 +37,9 @@ DECODE_MMA_SHAPES = {64: ((4, 3),), 128: ((4, 3), (8, 2)), 256: ((4, 2),)}
 # The FP8 cache's kernels (_fp8): a tile is half the bytes. At head dim 128 (H200, Llama-3.1-8B
 # heads, 512-token contexts, us per layer, docs/cuda-notes.md run 22) the kernel is bound by its
 # per-tile latency more than by bytes, so occupancy wins: (4, 3), four blocks per SM, takes batch
-# 64 in one wave (21.9 against 29.4 with (4, 6) and 34.2 for bf16), and 128 (43.3 / 57.7 / 66.5);
-# (4, 6) takes batch 32 (14.9 against 18.3 with (4, 3)); (8, 4) batches 1-8 (8 x 512: 9.6 against
-# 12.3). Head dims 64 and 256 keep bf16's bytes in flight (not measured).
+# 64 in one wave (21.9 against 29.7 with (4, 6) and 34.1 for bf16), and 128 (43.1 / 57.4 / 66.1);
+# (4, 6) takes batch 32 (13.4 against 17.7 with (4, 3)); (8, 4) batches 1-8 (8 x 512: 9.6 against
+# 12.4). Head dims 64 and 256 keep bf16's bytes in flight (not measured).
 DECODE_MMA_SHAPES_FP8 = {64: ((4, 6),), 128: ((4, 3), (4, 6), (8, 4)), 256: ((4, 4),)}
 # KV cache dtypes the attention kernels read.
 KV_DTYPES = (DType.BF16, DType.FP8_E4M3)

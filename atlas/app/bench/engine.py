@@ -148,6 +148,7 @@ def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], pref
         "device": device,
         "model": engine.config.architecture,
         "model_dir": str(engine.model_dir),
+        "kv_cache_dtype": engine.core.executor.kv.spec.dtype.value,
         "weight_gb_per_step": weight_bytes_per_step(engine) / GB,
         "copy_tb_per_s": ceilings.copy_bytes_per_s / 1e12,
         "gemm_tflops": ceilings.gemm_flops_per_s / 1e12,
@@ -160,8 +161,9 @@ def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], pref
 
 
 def _print(report: dict) -> None:
-    print(f"device {report['device']}; {report['model']}; weights read per decode step "
-          f"{report['weight_gb_per_step']:.2f} GB; copy {report['copy_tb_per_s']:.2f} TB/s; "
+    print(f"device {report['device']}; {report['model']}, {report['kv_cache_dtype']} KV cache; "
+          f"weights read per decode step {report['weight_gb_per_step']:.2f} GB; "
+          f"copy {report['copy_tb_per_s']:.2f} TB/s; "
           f"bf16 GEMM {report['gemm_tflops']:.1f} TFLOP/s")
     print(f"{'batch':>5} {'context':>7} {'tok/s':>10} {'step ms':>8} {'device ms':>9} {'host gap':>8} {'roofline':>8} "
           f"{'vs ref':>7}")
