@@ -26,6 +26,7 @@ from atlas.adapters.http.chat import chat_completions
 from atlas.adapters.http.completions import completions
 from atlas.adapters.http.engine_client import EngineLauncher
 from atlas.adapters.http.errors import ApiError, status_error
+from atlas.adapters.http.page import add_page_routes
 from atlas.adapters.http.state import HttpConfig, ServerState
 
 log = logging.getLogger("atlas.http")
@@ -62,6 +63,7 @@ def create_app(
     app.after_serving(lifespan.stop)
     _add_hooks(app, state)
     _add_routes(app, state)
+    add_page_routes(app)
     _add_error_handlers(app, state)
     return app
 
