@@ -15,6 +15,7 @@ decides it from the rendered prompt) and splits streamed text incrementally:
 - the newlines that pad the block are dropped (those after `<think>` and before `</think>`,
   and those between `</think>` and the answer), as the templates strip them when they render
   `reasoning_content` back; so the concatenated deltas equal `split_reasoning` of the whole text;
+- a model that repeats the `<think>` its template already wrote has it dropped;
 - only a block at the very start of the output (after whitespace) is reasoning; a `<think>`
   later in the answer is content;
 - a block never closed (max_tokens, budget) leaves everything in reasoning.
@@ -171,7 +172,10 @@ class ReasoningSplitter:
     def _reasoning(self, buffer: str, parts: list[str]) -> str:
         if self._at_block_start:
             buffer = buffer.lstrip("\n")
-            if not buffer:
+            if buffer.startswith(self._tags.start):  # the model repeats the tag its template wrote
+                buffer = buffer[len(self._tags.start) :].lstrip("\n")
+            if self._tags.start.startswith(buffer):
+                self._held = buffer  # empty, or maybe that tag, split across chunks
                 return ""
             self._at_block_start = False
         end_idx = buffer.find(self._tags.end)
