@@ -18,6 +18,8 @@ from helpers.checkpoints import smollm2_folder
 from helpers.json_schema_check import schema_errors
 
 from atlas.adapters.grammar.llguidance import LlguidanceCompiler
+from atlas.domain.constraints import TokenConstraint, fill_batch_bitmask
+from atlas.domain.reasoning_budget import ReasoningMarkers
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.domain.text.tool_calls import parse_tool_calls
 from atlas.ports.grammar import (
@@ -250,3 +252,41 @@ def test_invalid_constraints_name_the_field(compiler, spec, message) -> None:
         compiler.compile(spec, "response_format.json_schema.schema")
     assert error.value.field == "response_format.json_schema.schema"
     assert str(error.value).startswith("response_format.json_schema.schema: ")
+
+
+def test_three_samples_think_within_the_budget_then_write_valid_json(compiler, tokenizer, walk_weights) -> None:
+    """n = 3 forks of one constraint, masks filled as one batch: 5 reasoning tokens, the forced
+    end of the block, then JSON that validates."""
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    blank_line = tokenizer.encode("\n\n", add_special_tokens=False)
+    markers = ReasoningMarkers(3, 4, (*newline, 4, *blank_line))  # SmolLM2 has no <think>: stand-in ids
+    first = TokenConstraint(compiler.compile(JsonSchema(PERSON), "response_format").new_matcher(), markers,
+                            starts_in_reasoning=True, thinking_budget=5)
+    constraints: list[TokenConstraint | None] = [first, first.fork(), first.fork()]
+    outputs: list[list[int]] = [[], [], []]
+    bitmask = np.zeros((3, (compiler.vocab_size + 31) // 32), dtype=np.int32)
+    rng = np.random.default_rng(4)
+    for _ in range(600):
+        if not any(constraints):
+            break
+        fill_batch_bitmask(constraints, bitmask, compiler)
+        for row, constraint in enumerate(constraints):
+            if constraint is None:
+                continue
+            if constraint.in_reasoning and constraint.next_token_rule() is None:
+                token_id = int(rng.integers(1000, 2000))  # free thinking: ordinary words
+            else:
+                allowed = allowed_ids(bitmask[row], compiler.vocab_size)
+                token_id = int(rng.choice(allowed, p=walk_weights[allowed] / walk_weights[allowed].sum()))
+            if token_id in tokenizer.eos_token_ids:
+                constraints[row] = None
+                continue
+            constraint.accept(token_id)
+            outputs[row].append(token_id)
+    assert not any(constraints), "every sample ended"
+    forced = list(markers.forced_end_token_ids)
+    for token_ids in outputs:
+        assert token_ids[5 : 5 + len(forced)] == forced
+        answer = json.loads(tokenizer.decode(token_ids[5 + len(forced) :]))
+        assert schema_errors(answer, PERSON) == []
+    assert len({tuple(token_ids) for token_ids in outputs}) == 3
