@@ -10,10 +10,13 @@ and `</tool_call>` (Qwen2.5 sometimes doubles the closing brace) is dropped.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from enum import Enum
 
 from atlas.domain.text.tool_calls.base import ToolCallParser, find_marker, partial_marker_length
 from atlas.domain.text.tool_calls.json_call import JsonCallReader, ReadStatus
+from atlas.ports.grammar import FunctionTool
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -29,8 +32,8 @@ class _State(Enum):
 class HermesParser(ToolCallParser):
     name = "hermes"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, tools: Sequence[FunctionTool], rng: random.Random) -> None:
+        super().__init__(tools, rng)
         self._state = _State.CONTENT
         self._block_text = ""  # the block read so far, given back as content if it is no call
         self._reader: JsonCallReader | None = None

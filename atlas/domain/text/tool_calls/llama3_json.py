@@ -10,10 +10,13 @@ otherwise is all content; so is one whose first object is not a call (`{"name": 
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from enum import Enum
 
 from atlas.domain.text.tool_calls.base import ToolCallParser
 from atlas.domain.text.tool_calls.json_call import JsonCallReader, ReadStatus
+from atlas.ports.grammar import FunctionTool
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -28,8 +31,8 @@ class _State(Enum):
 class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, tools: Sequence[FunctionTool], rng: random.Random) -> None:
+        super().__init__(tools, rng)
         self._state = _State.START
         self._pending = ""  # text read before the first call, given back if there is none
         self._reader: JsonCallReader | None = None

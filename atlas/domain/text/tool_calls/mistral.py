@@ -12,13 +12,16 @@ Mistral's templates require).
 
 from __future__ import annotations
 
+import random
 import re
+from collections.abc import Sequence
 from enum import Enum
 
 from atlas.domain.text.tool_calls.base import ToolCallParser, find_marker, partial_marker_length
 from atlas.domain.text.tool_calls.calls import mistral_call_id
 from atlas.domain.text.tool_calls.json_call import JsonCallReader, ReadStatus
 from atlas.domain.text.tool_calls.json_scan import JsonEndScanner
+from atlas.ports.grammar import FunctionTool
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -42,8 +45,8 @@ class MistralParser(ToolCallParser):
     name = "mistral"
     needs_special_tokens = True
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, tools: Sequence[FunctionTool], rng: random.Random) -> None:
+        super().__init__(tools, rng)
         self._state = _State.CONTENT
         self._handlers = {
             _State.CONTENT: self._content,

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import random
+from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Any
 
 from atlas.domain.text.tool_calls.base import ToolCallParser, find_marker, partial_marker_length
+from atlas.ports.grammar import FunctionTool
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -50,8 +52,8 @@ class _State(Enum):
 class Qwen3CoderParser(ToolCallParser):
     name = "qwen3_coder"
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, tools: Sequence[FunctionTool], rng: random.Random) -> None:
+        super().__init__(tools, rng)
         self._state = _State.CONTENT
         self._handlers = {
             _State.CONTENT: self._content,
