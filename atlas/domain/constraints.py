@@ -3,9 +3,11 @@
 A constrained sequence goes through up to four phases, one token at a time:
 
     OPENING ──<think>──> REASONING ──budget──> CLOSING ──forced end──> ANSWER (grammar)
-       │                    │                   ^
-       └──any other token──>│──</think>─────────┘ (only the padding after the tag, and only
-                            │                      when a grammar follows)
+       │                     │                    ^                      ^
+       │                     └──</think>──────────┘ (the padding after   │
+       │                                             the tag, if a       │
+       │                                             grammar follows)    │
+       └──────────────────── any other first token ──────────────────────┘
     (starts in REASONING when the template opened the block; in ANSWER when thinking is off)
 
 OPENING is the first token only: the model may open a reasoning block (the grammar's mask

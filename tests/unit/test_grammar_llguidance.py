@@ -290,3 +290,11 @@ def test_three_samples_think_within_the_budget_then_write_valid_json(compiler, t
         answer = json.loads(tokenizer.decode(token_ids[5 + len(forced) :]))
         assert schema_errors(answer, PERSON) == []
     assert len({tuple(token_ids) for token_ids in outputs}) == 3
+
+
+def test_a_mask_of_the_wrong_width_is_refused(compiler) -> None:
+    matcher = compiler.compile(JsonObject(), "response_format").new_matcher()
+    with pytest.raises(ValueError, match=r"bitmask_row: expected C-contiguous int32 \[1536\]"):
+        matcher.fill_bitmask(np.zeros(1535, dtype=np.int32))
+    with pytest.raises(ValueError, match="bitmask"):
+        compiler.fill_bitmasks([(matcher, 0)], np.zeros((1, 1535), dtype=np.int32))

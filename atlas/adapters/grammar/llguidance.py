@@ -35,10 +35,11 @@ from atlas.ports.grammar import (
 class LlguidanceMatcher:
     """One sequence's llguidance matcher (the `GrammarMatcher` port)."""
 
-    __slots__ = ("_matcher", "_num_accepted")
+    __slots__ = ("_matcher", "_num_words", "_num_accepted")
 
-    def __init__(self, matcher: llguidance.LLMatcher, num_accepted: int = 0) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int, num_accepted: int = 0) -> None:
         self._matcher = matcher
+        self._num_words = num_words  # ceil(V / 32)
         self._num_accepted = num_accepted
 
     @property
@@ -48,9 +49,10 @@ class LlguidanceMatcher:
 
     def fill_bitmask(self, bitmask_row: np.ndarray) -> None:
         """Write the allowed next tokens into an int32 row; ValueError on a wrong row."""
-        if bitmask_row.dtype != np.int32 or bitmask_row.ndim != 1 or not bitmask_row.flags.c_contiguous:
-            raise ValueError(f"bitmask_row: expected a C-contiguous int32 vector, got {bitmask_row.dtype} "
-                             f"{list(bitmask_row.shape)}")
+        if (bitmask_row.dtype != np.int32 or bitmask_row.shape != (self._num_words,)
+                or not bitmask_row.flags.c_contiguous):
+            raise ValueError(f"bitmask_row: expected C-contiguous int32 [{self._num_words}], got "
+                             f"{bitmask_row.dtype} {list(bitmask_row.shape)}")
         self._matcher.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)
 
     def accept_token(self, token_id: int) -> bool:
@@ -69,7 +71,7 @@ class LlguidanceMatcher:
         self._num_accepted -= num_tokens
 
     def fork(self) -> LlguidanceMatcher:
-        return LlguidanceMatcher(self._matcher.deep_copy(), self._num_accepted)
+        return LlguidanceMatcher(self._matcher.deep_copy(), self._num_words, self._num_accepted)
 
     @property
     def is_accepting(self) -> bool:
@@ -83,19 +85,20 @@ class LlguidanceMatcher:
 class LlguidanceGrammar:
     """A validated grammar (the `CompiledGrammar` port)."""
 
-    __slots__ = ("_tokenizer", "_grammar", "_field")
+    __slots__ = ("_tokenizer", "_grammar", "_field", "_num_words")
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._grammar = grammar
         self._field = field
+        self._num_words = (vocab_size + 31) // 32
 
     def new_matcher(self) -> LlguidanceMatcher:
         """A matcher at the start; GrammarError if llguidance rejects the (validated) grammar."""
         matcher = llguidance.LLMatcher(self._tokenizer, self._grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(self._field, matcher.get_error())
-        return LlguidanceMatcher(matcher)
+        return LlguidanceMatcher(matcher, self._num_words)
 
 
 class LlguidanceCompiler:
@@ -135,12 +138,15 @@ class LlguidanceCompiler:
             raise GrammarError(field, _first_line(messages[0]) if messages else "invalid grammar")
         if isinstance(spec, JsonSchema) and spec.strict and messages:
             raise GrammarError(field, f"strict schema uses unsupported features: {'; '.join(messages)}")
-        return LlguidanceGrammar(self._tokenizer, grammar, field)
+        return LlguidanceGrammar(self._tokenizer, grammar, field, self._vocab_size)
 
     def fill_bitmasks(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """Fill the named rows of an int32 [R, W] bitmask on llguidance's thread pool."""
-        if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags.c_contiguous:
-            raise ValueError(f"bitmask: expected a C-contiguous int32 matrix, got {bitmask.dtype} {list(bitmask.shape)}")
+        num_words = (self._vocab_size + 31) // 32
+        if (bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != num_words
+                or not bitmask.flags.c_contiguous):
+            raise ValueError(f"bitmask: expected C-contiguous int32 [R, {num_words}], got {bitmask.dtype} "
+                             f"{list(bitmask.shape)}")
         if not rows:
             return
         if self._executor is None:
