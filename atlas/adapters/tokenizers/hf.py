@@ -24,6 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from atlas.ports.tokenizer import ChatTemplateError
 
+_PROBE_TOOL_NAME = "atlas_probe_tool_7f3c"
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -53,6 +54,31 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat message as HF templates read it: tool call arguments given as a JSON string (the
+    OpenAI wire form) become the dict they encode; anything else passes unchanged."""
+    result = dict(message)
+    tool_calls = message.get("tool_calls")
+    if isinstance(tool_calls, list):
+        result["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
+    return result
+
+
+def _template_tool_call(call: Any) -> Any:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except json.JSONDecodeError:
+            decoded = None
+        if isinstance(decoded, dict):
+            function["arguments"] = decoded
+    return {**call, "function": function}
 
 
 def make_template_environment() -> ImmutableSandboxedEnvironment:
@@ -217,13 +243,16 @@ class HfTokenizer:
         **template_kwargs: Any,
     ) -> str:
         """Render `messages` with the model's template (the "tool_use" one when tools are given
-        and the model has it). Raises ChatTemplateError when there is no template, and with the
-        template's own message when it rejects the conversation."""
+        and the model has it). Assistant `tool_calls` reach the template with their `arguments`
+        as a dict (templates write `arguments | tojson` or iterate its items), as Hugging Face
+        chat templates expect; `role: tool` messages pass as they are. Raises ChatTemplateError
+        when there is no template, and with the template's own message when it rejects the
+        conversation."""
         template = self._template(tool_use=bool(tools))
         variables = {
             **self.special_tokens,
             **template_kwargs,
-            "messages": [dict(message) for message in messages],
+            "messages": [template_message(message) for message in messages],
             "tools": [dict(tool) for tool in tools] if tools else None,
             "add_generation_prompt": add_generation_prompt,
         }
@@ -235,6 +264,21 @@ class HfTokenizer:
             raise ChatTemplateError(
                 f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
             ) from None
+
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes the tool definitions into the prompt.
+
+        Found by rendering one user message with a probe tool: a template that ignores `tools`
+        (SmolLM2's) leaves the probe's name out. False when there is no template or it fails.
+        """
+        probe = {"type": "function", "function": {"name": _PROBE_TOOL_NAME, "description": "probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+        try:
+            prompt = self.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe])
+        except ChatTemplateError:
+            return False
+        return _PROBE_TOOL_NAME in prompt
 
     def _template(self, tool_use: bool) -> jinja2.Template:
         if not self.chat_templates:
