@@ -51,7 +51,7 @@ class VerifyOutcome:
         return VerifyOutcome(self.token_ids[:num_tokens], self.num_drafts)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # holds arrays
 class VerifyResult:
     """A batch's verification as the device returns it: rows in the batch's order."""
 
