@@ -84,7 +84,8 @@ class SpeculativeConfig:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
         if self.method.needs_model:
             if not isinstance(self.model, str) or not self.model.strip():
-                raise SpeculativeConfigError("model", f"{self.method.value} needs the draft checkpoint: a path or a name")
+                needs = f"{self.method.value} needs the draft checkpoint: a path or a name"
+                raise SpeculativeConfigError("model", needs)
         elif self.model is not None:
             uses = "its own n-gram index" if self.method is SpeculativeMethod.NGRAM else "the target's own MTP layers"
             raise SpeculativeConfigError("model", f"{self.method.value} uses {uses}; remove model")
@@ -170,7 +171,7 @@ def _lookup_bounds(lookup_min: Any, lookup_max: Any) -> tuple[Any, Any]:
 
 def _check_int(key: str, value: Any, low: int, high: int | None) -> None:
     # bool is an int in Python, but `true` for a count is a mistake worth naming.
-    in_range = isinstance(value, int) and not isinstance(value, bool) and value >= low and (high is None or value <= high)
-    if not in_range:
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if not (is_int and value >= low and (high is None or value <= high)):
         bounds = f"from {low} to {high}" if high is not None else f">= {low}"
         raise SpeculativeConfigError(key, f"must be an integer {bounds}, got {value!r}")
