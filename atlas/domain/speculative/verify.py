@@ -32,9 +32,10 @@ Sampled drafts (`rejection_sample`: x_j ~ q_j, the draft's distribution), in flo
         r[v] = max(0, p_a[v] - q_a[v]);  if no r[v] > 0, r = p_a    (p = q up to rounding)
         t_a  = argmax over v with r[v] > 0 of  log r[v] - log(-log race_a[v])   (ties: lowest id)
 
-The race is a Gumbel-max draw from norm(r), normalised by nothing. By Leviathan et al. (2023)
-each output token then follows p exactly, whatever q is. Cross-backend agreement is bitwise in
-the draws; a comparison that lands within float32 rounding (a * q against p) may go either way.
+The race is a Gumbel-max draw from norm(r) that needs no normalisation. By Leviathan et al.
+(2023) each output token then follows p exactly, whatever q is (up to the uniforms' 2**-23
+grid). Cross-backend agreement is bitwise in the draws; a comparison that lands within float32
+rounding (a * q against p, two near-equal race scores) may go either way.
 """
 
 from __future__ import annotations
