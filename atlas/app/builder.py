@@ -22,6 +22,7 @@ from atlas.domain.kv_blocks import BlockPool
 from atlas.domain.memory_plan import GIB, check_weights_fit, plan_kv_cache
 from atlas.domain.models.config import ModelConfig, ModelConfigError
 from atlas.domain.models.families import check_supported, kv_cache_scales, load_model
+from atlas.domain.models.quantization import check_quantization
 from atlas.domain.models.transformer import Transformer
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.worker import Worker, WorkerConfig
@@ -66,6 +67,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     model_dir = resolve_model(settings.model)
     config = read_model_config(model_dir)
     check_supported(config)
+    check_quantization(config.raw, loadable=())  # FP8 weights load once the dense kind takes them
     tokenizer = HfTokenizer.from_folder(model_dir)
     weights = SafetensorsWeights(model_dir)
     max_model_len = settings.max_seq_len or config.max_position_embeddings
