@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -309,6 +310,12 @@ def _engine_environment() -> dict[str, str]:
 
 def child_main(fd: int) -> int:
     """The engine process: read Start, load the model, serve commands until told to stop."""
+    # The API process decides when the engine stops: Ctrl-C in a terminal (and a service
+    # manager's SIGTERM to the whole group) reaches this process too, and the engine must keep
+    # stepping while the API drains its requests. It exits on Shutdown, or on EOF when the API
+    # process is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     sock = socket.socket(fileno=fd)

@@ -73,7 +73,11 @@ def test_logprobs_map_to_the_engine_and_errors_use_the_client_names():
     assert sampling_params(chat(logprobs=True, top_logprobs=4), 1, 100, 50).logprobs == 4
     assert sampling_params(completion(logprobs=3), 1, 100, 50).logprobs == 3
     with pytest.raises(ApiError) as error:
-        sampling_params(chat(logprobs=True, top_logprobs=21), 1, 100, 50)
+        sampling_params(chat(top_logprobs=2), 1, 100, 50)
+    assert error.value.detail.param == "top_logprobs"
+    with pytest.raises(ApiError) as error:
+        decode_body(b'{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}',
+                    ChatCompletionRequest)
     assert error.value.detail.param == "top_logprobs"
 
 
@@ -105,15 +109,15 @@ def test_openai_client_extras_decode_and_typos_are_named():
             b'"user":"u","metadata":{"a":"b"},"store":true,"service_tier":"auto","parallel_tool_calls":false}')
     assert decode_body(body, ChatCompletionRequest).user == "u"
     with pytest.raises(ApiError) as error:
-        decode_body(b'{"messages":[],"temprature":1}', ChatCompletionRequest)
+        decode_body(b'{"messages":[{"role":"user"}],"temprature":1}', ChatCompletionRequest)
     assert error.value.detail.param == "temprature"
 
 
 @pytest.mark.parametrize("body,param", [
     (b'{"messages":[{"role":1}]}', "messages[0].role"),
     (b'{"messages":[{"content":"x"}]}', "messages[0].role"),
-    (b'{"messages":[],"stop":["a",3]}', "stop"),
-    (b'{"messages":[],"stream_options":{"x":1}}', "stream_options.x"),
+    (b'{"messages":[{"role":"user"}],"stop":["a",3]}', "stop"),
+    (b'{"messages":[{"role":"user"}],"stream_options":{"x":1}}', "stream_options.x"),
 ])
 def test_validation_errors_name_the_field(body, param):
     with pytest.raises(msgspec.ValidationError) as raised:

@@ -1,0 +1,101 @@
+"""The route table and the OpenAPI document built from it and the request/response Structs.
+
+Every route the app serves is one `Route`; the app registers exactly these, and
+`/openapi.json` describes exactly these, with JSON Schemas msgspec generates from the same
+Structs that validate the bodies, so the document cannot drift from what the server accepts.
+A later API (Anthropic messages, Responses) is more rows in the table.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from atlas.adapters.http.auth import BearerAuth
+from atlas.adapters.http.errors import ErrorBody
+
+OPENAPI_VERSION = "3.1.0"
+_PATH_PARAMETER = re.compile(r"<(?:\w+:)?(\w+)>")  # Quart's <path:model_id> -> OpenAPI's {model_id}
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One endpoint: where, what it takes and answers, and the coroutine that serves it.
+
+    `handler(state, body, **path_parameters)` when `request` is set, else
+    `handler(state, **path_parameters)`; it returns the response or raises ApiError.
+    """
+
+    method: str
+    path: str  # Quart's syntax: /v1/models/<path:model_id>
+    name: str  # the operationId
+    summary: str
+    handler: Callable[..., Awaitable[Any]]
+    request: type | None = None  # the JSON body's Struct
+    response: type | None = None  # the 200 JSON body's Struct
+    stream: type | None = None  # the Struct of each SSE event when the body asks `stream: true`
+    media_type: str = "application/json"  # of the 200 body when it is not a Struct
+
+    @property
+    def openapi_path(self) -> str:
+        return _PATH_PARAMETER.sub(r"{\1}", self.path)
+
+    @property
+    def path_parameters(self) -> list[str]:
+        return _PATH_PARAMETER.findall(self.path)
+
+
+def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_auth: bool) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of `routes`; with `bearer_auth`, protected routes require it."""
+    types = list(dict.fromkeys(t for route in routes for t in (route.request, route.response, route.stream) if t))
+    types.append(ErrorBody)
+    schemas, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
+    schema_of = dict(zip(types, schemas, strict=True))
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes:
+        operation = _operation(route, schema_of)
+        if bearer_auth and BearerAuth.protects(route.path):
+            operation["security"] = [{"bearer": []}]
+        paths.setdefault(route.openapi_path, {})[route.method.lower()] = operation
+    document: dict[str, Any] = {
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": title, "version": version},
+        "paths": paths,
+        "components": {"schemas": components},
+    }
+    if bearer_auth:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return document
+
+
+def _operation(route: Route, schema_of: dict[type, dict[str, Any]]) -> dict[str, Any]:
+    if route.response is not None:
+        success = {"application/json": {"schema": schema_of[route.response]}}
+    else:
+        success = {route.media_type: {"schema": {"type": "string"} if route.media_type != "application/json"
+                                      else {"type": "object"}}}
+    if route.stream is not None:
+        success["text/event-stream"] = {"schema": {
+            "type": "string",
+            "description": f"with `stream: true`: `data: <{route.stream.__name__}>` events, then `data: [DONE]`",
+        }}
+    operation: dict[str, Any] = {
+        "operationId": route.name,
+        "summary": route.summary,
+        "responses": {
+            "200": {"description": "OK", "content": success},
+            "default": {"description": "an error object (4xx for the client's mistakes, 503 while not ready)",
+                        "content": {"application/json": {"schema": schema_of[ErrorBody]}}},
+        },
+    }
+    if route.path_parameters:
+        operation["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+                                   for name in route.path_parameters]
+    if route.request is not None:
+        operation["requestBody"] = {"required": True,
+                                    "content": {"application/json": {"schema": schema_of[route.request]}}}
+    return operation
