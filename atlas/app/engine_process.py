@@ -51,6 +51,7 @@ from atlas.app.engine_protocol import (
     frame,
 )
 from atlas.app.settings import EngineSettings
+from atlas.app.threads import blas_thread_variables
 from atlas.domain.engine import EngineCore, EngineStats
 from atlas.domain.requests import ParameterError, Request
 
@@ -286,22 +287,6 @@ class EngineProcess:
             log.warning("the engine process did not exit; killing it")
             process.kill()
             await anyio.to_thread.run_sync(process.wait)
-
-
-BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
-
-
-def blas_thread_variables() -> dict[str, str]:
-    """BLAS thread settings for a process that runs engine steps next to the HTTP side.
-
-    Unless the user chose, BLAS gets every core but one, which is left to the HTTP side: numpy's
-    OpenBLAS otherwise spins a thread per core, and on a small machine those spinning threads
-    and the event loop take turns on the same cores (a 64x64 matmul measured 18 ms instead of
-    15 us on a loaded 2-core machine). Empty when the user set one of the variables.
-    """
-    if any(name in os.environ for name in BLAS_THREAD_VARIABLES):
-        return {}
-    return {"OPENBLAS_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) - 1))}
 
 
 def _engine_environment() -> dict[str, str]:

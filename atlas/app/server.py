@@ -234,17 +234,12 @@ def build_app(args: argparse.Namespace, on_fatal=None):
 
 
 def limit_blas_threads(single_process: bool) -> None:
-    """With the engine in this process, bound BLAS threads before numpy loads (its thread pool
-    reads the variables once, at import). Logs a warning when numpy is already loaded."""
-    if not single_process:
-        return
-    from atlas.app.engine_process import blas_thread_variables
+    """With the engine in this process, bound BLAS threads (`atlas.app.threads`); the engine
+    process gets its own variables when it is spawned."""
+    if single_process:
+        from atlas.app.threads import limit_blas_threads as limit
 
-    variables = blas_thread_variables()
-    if variables and "numpy" in sys.modules:
-        log.warning("numpy was imported before the server could limit its BLAS threads; set %s yourself",
-                    " and ".join(f"{k}={v}" for k, v in variables.items()))
-    os.environ.update(variables)
+        limit()
 
 
 def app_from_environment():
