@@ -392,11 +392,19 @@ async def test_openapi_describes_every_registered_route_with_the_request_schemas
     described = {(path, method) for path, item in document["paths"].items() for method in item}
     assert described == registered and ("/v1/chat/completions", "post") in described
     chat = document["paths"]["/v1/chat/completions"]["post"]
-    assert chat["requestBody"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/ChatCompletionRequest"}
+    body_schema = chat["requestBody"]["content"]["application/json"]["schema"]
+    assert body_schema["$ref"] == "#/components/schemas/ChatCompletionRequest" and "anyOf" in body_schema
     _, generated = msgspec.json.schema_components([ChatCompletionRequest], ref_template="#/components/schemas/{name}")
-    assert all(document["components"]["schemas"][name] == schema for name, schema in generated.items())
-    assert generated["ChatCompletionRequest"]["properties"]["temperature"]["anyOf"][0]["maximum"] == 2.0
+    served = document["components"]["schemas"]
+    for name, schema in generated.items():
+        assert {**served[name], "properties": {}} == {**schema, "properties": {}}
+        for field, field_schema in schema["properties"].items():
+            if field not in ("model", "max_tokens", "max_completion_tokens"):  # these describe the served model
+                assert served[name]["properties"][field] == field_schema, field
+    chat_properties = served["ChatCompletionRequest"]["properties"]
+    assert chat_properties["temperature"]["anyOf"][0]["maximum"] == 2.0
+    assert chat_properties["model"]["anyOf"][0] == {"enum": ["tiny"]}
+    assert chat_properties["max_tokens"]["anyOf"][0]["maximum"] == 255  # the context is 256 tokens
     assert chat["security"] == [{"bearer": []}] and "security" not in document["paths"]["/health"]["get"]
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
 

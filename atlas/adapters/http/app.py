@@ -33,7 +33,7 @@ from atlas.adapters.http.engine_client import EngineLauncher
 from atlas.adapters.http.errors import ApiError, excerpt, status_error
 from atlas.adapters.http.openapi import Route, openapi_document
 from atlas.adapters.http.responses import ChatChunk, ChatCompletion, Completion
-from atlas.adapters.http.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from atlas.adapters.http.schemas import ChatCompletionBody, CompletionRequest, DetokenizeRequest, TokenizeBody
 from atlas.adapters.http.service import Detokenized, HealthStatus, ModelCard, ModelList, Tokenized
 from atlas.adapters.http.sse import encode_json
 from atlas.adapters.http.state import HttpConfig, ServerState
@@ -66,7 +66,9 @@ def create_app(
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
     state = ServerState(config)
-    state.openapi_json = encode_json(openapi_document(ROUTES, "Atlas", _version(), config.require_auth))
+    version = _version()
+    state.describe_api = lambda model: encode_json(openapi_document(ROUTES, "Atlas", version, config.require_auth,
+                                                                    model))
     app.extensions["atlas"] = state
     lifespan = _Lifespan(state, launcher, on_fatal)
     app.before_serving(lifespan.start)
@@ -103,14 +105,14 @@ def _add_hooks(app: Quart, state: ServerState) -> None:
 
 ROUTES = (
     Route("POST", "/v1/chat/completions", "createChatCompletion", "Chat completion (OpenAI)", chat_completions,
-          ChatCompletionRequest, ChatCompletion, ChatChunk),
+          ChatCompletionBody, ChatCompletion, ChatChunk),
     Route("POST", "/v1/completions", "createCompletion", "Text completion (OpenAI, legacy)", completions,
           CompletionRequest, Completion, Completion),
     Route("GET", "/v1/models", "listModels", "The served model", service.list_models, response=ModelList),
     Route("GET", "/v1/models/<path:model_id>", "retrieveModel", "One model by id", service.get_model,
           response=ModelCard),
     Route("POST", "/tokenize", "tokenize", "Text or chat messages to token ids", service.tokenize_endpoint,
-          TokenizeRequest, Tokenized),
+          TokenizeBody, Tokenized),
     Route("POST", "/detokenize", "detokenize", "Token ids to text", service.detokenize_endpoint,
           DetokenizeRequest, Detokenized),
     Route("GET", "/health", "health", "200 when the model is loaded and the engine makes progress",

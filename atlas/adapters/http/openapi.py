@@ -9,6 +9,7 @@ A later API (Anthropic messages, Responses) is more rows in the table.
 from __future__ import annotations
 
 import re
+import typing
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import msgspec
 
 from atlas.adapters.http.auth import BearerAuth
+from atlas.adapters.http.engine_client import ServedModel
 from atlas.adapters.http.errors import ErrorBody
 
 OPENAPI_VERSION = "3.1.0"
@@ -35,7 +37,7 @@ class Route:
     name: str  # the operationId
     summary: str
     handler: Callable[..., Awaitable[Any]]
-    request: type | None = None  # the JSON body's Struct
+    request: Any = None  # the JSON body's Struct (Annotated with cross-field rules for the schema)
     response: type | None = None  # the 200 JSON body's Struct
     stream: type | None = None  # the Struct of each SSE event when the body asks `stream: true`
     media_type: str = "application/json"  # of the 200 body when it is not a Struct
@@ -49,12 +51,20 @@ class Route:
         return _PATH_PARAMETER.findall(self.path)
 
 
-def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_auth: bool) -> dict[str, Any]:
-    """The OpenAPI 3.1 document of `routes`; with `bearer_auth`, protected routes require it."""
+def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_auth: bool,
+                     model: ServedModel | None = None) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of `routes`; with `bearer_auth`, protected routes require it.
+    Once a `model` is loaded, request bodies' `model` is its name (or absent) and the token
+    counts are bounded by its context."""
     types = list(dict.fromkeys(t for route in routes for t in (route.request, route.response, route.stream) if t))
     types.append(ErrorBody)
     schemas, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     schema_of = dict(zip(types, schemas, strict=True))
+    if model is not None:
+        for route in routes:
+            if route.request is not None:
+                struct = typing.get_args(route.request)[0] if typing.get_origin(route.request) else route.request
+                _describe_served_model(components[struct.__name__]["properties"], model)
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
         operation = _operation(route, schema_of)
@@ -72,6 +82,29 @@ def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_a
     return document
 
 
+def _describe_served_model(properties: dict[str, Any], model: ServedModel) -> None:
+    if "model" in properties:
+        properties["model"] = {"anyOf": [{"enum": [model.name]}, {"type": "null"}], "default": None}
+    for name in ("max_tokens", "max_completion_tokens"):  # at most the context minus the prompt
+        if name in properties:
+            properties[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": model.max_model_len - 1},
+                                          {"type": "null"}], "default": None}
+
+
+def _event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
+    """One server-sent event of a stream (OpenAPI 3.1 describes an event stream per event):
+    `data:` holds a chunk, an error object (an error after the 200 went out), or `[DONE]`."""
+    return {
+        "description": "with `stream: true`: a `data:` event per chunk, then `data: [DONE]`",
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, error]}},
+        ]}},
+    }
+
+
 def _operation(route: Route, schema_of: dict[type, dict[str, Any]]) -> dict[str, Any]:
     if route.response is not None:
         success = {"application/json": {"schema": schema_of[route.response]}}
@@ -79,10 +112,7 @@ def _operation(route: Route, schema_of: dict[type, dict[str, Any]]) -> dict[str,
         success = {route.media_type: {"schema": {"type": "string"} if route.media_type != "application/json"
                                       else {"type": "object"}}}
     if route.stream is not None:
-        success["text/event-stream"] = {"schema": {
-            "type": "string",
-            "description": f"with `stream: true`: `data: <{route.stream.__name__}>` events, then `data: [DONE]`",
-        }}
+        success["text/event-stream"] = {"schema": _event_schema(schema_of[route.stream], schema_of[ErrorBody])}
     operation: dict[str, Any] = {
         "operationId": route.name,
         "summary": route.summary,

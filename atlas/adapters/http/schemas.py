@@ -71,7 +71,25 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     reasoning_content: str | None = None
 
 
-Messages = Annotated[list[ChatMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
+# Rules across fields that msgspec does not check (the handlers do), stated in /openapi.json so
+# clients and fuzzers generated from it send what the server accepts.
+_CONTENT_OR_TOOL_CALLS = {"anyOf": [
+    {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+    {"required": ["tool_calls"], "properties": {"tool_calls": {"type": "array", "minItems": 1}}},
+]}
+_TOP_LOGPROBS_NEED_LOGPROBS = {"anyOf": [
+    {"properties": {"top_logprobs": {"anyOf": [{"type": "null"}, {"const": 0}]}}},
+    {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+]}
+_PROMPT_XOR_MESSAGES = {"oneOf": [
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+    {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+]}
+
+Messages = Annotated[
+    list[Annotated[ChatMessage, Meta(extra_json_schema=_CONTENT_OR_TOOL_CALLS)]],
+    Meta(min_length=1, max_length=MAX_MESSAGES),
+]
 
 
 class ResponseFormat(msgspec.Struct, kw_only=True):
@@ -165,6 +183,10 @@ class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tokens: list[TokenId]
     model: str | None = None
+
+
+ChatCompletionBody = Annotated[ChatCompletionRequest, Meta(extra_json_schema=_TOP_LOGPROBS_NEED_LOGPROBS)]
+TokenizeBody = Annotated[TokenizeRequest, Meta(extra_json_schema=_PROMPT_XOR_MESSAGES)]
 
 
 def unsupported_features(request: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:

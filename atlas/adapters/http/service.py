@@ -115,7 +115,7 @@ async def live(state: ServerState) -> Response:
 
 
 async def openapi(state: ServerState) -> Response:
-    return Response(state.openapi_json, 200, content_type=JSON)
+    return Response(state.openapi_json(), 200, content_type=JSON)
 
 
 async def metrics(state: ServerState) -> Response:

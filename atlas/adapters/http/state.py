@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,7 +59,15 @@ class ServerState:
         self.shutting_down = False
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.health().is_healthy, lambda: len(self.in_flight))
         self.dump = DumpWriter(config.dump_path) if config.dump_path is not None else None
-        self.openapi_json = b""  # /openapi.json, set by `create_app`
+        # /openapi.json for the served model (None while loading); set by `create_app`
+        self.describe_api: Callable[[ServedModel | None], bytes] = lambda model: b"{}"
+        self._openapi: tuple[ServedModel | None, bytes] | None = None
+
+    def openapi_json(self) -> bytes:
+        """The OpenAPI document, with the served model's name and context once it is loaded."""
+        if self._openapi is None or self._openapi[0] is not self.model:
+            self._openapi = (self.model, self.describe_api(self.model))
+        return self._openapi[1]
 
     def attach(self, model: ServedModel, engine: EngineClient) -> None:
         self.token_texts = TokenTexts(model.tokenizer)
