@@ -172,6 +172,7 @@ def _add_error_handlers(app: Quart, state: ServerState) -> None:
         path = excerpt(request.path)
         message = {404: f"no route {request.method} {path}",
                    405: f"{request.method} is not allowed on {path}",
+                   408: f"the request body did not arrive within {BODY_TIMEOUT_S} s",
                    413: f"the request body is larger than the limit of {config.max_body_bytes} bytes"}.get(
             status, error.description or error.name)
         api_error = status_error(status, message)
