@@ -16,7 +16,6 @@ import errno
 import ipaddress
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -25,12 +24,17 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
 from atlas.app.arguments import ArgumentParser, add_engine_arguments, engine_settings
 from atlas.app.arguments import _env as env_default
 from atlas.app.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from hypercorn.config import Config
+    from quart import Quart
 
 log = logging.getLogger("atlas.server")
 
@@ -250,6 +254,9 @@ def app_from_environment():
     add_serve_arguments(parser)
     args = parser.parse_args([])
     limit_blas_threads(args.single_process)
+    from atlas.adapters.http import protocol_errors
+
+    protocol_errors.install()  # before hypercorn accepts a connection (the lifespan starts first)
     return build_app(args)
 
 
@@ -331,7 +338,7 @@ def run_server(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(app, config, failed: asyncio.Event, shutdown_timeout_s: float) -> None:
+async def _serve(app: Quart, config: Config, failed: asyncio.Event, shutdown_timeout_s: float) -> None:
     """Serve until the engine fails or a signal. A signal drains first (`shut_down`): new
     requests get 503, those in flight get `shutdown_timeout_s`; a second signal ends them now."""
     from hypercorn.asyncio import serve

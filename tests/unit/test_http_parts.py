@@ -204,3 +204,25 @@ def test_exposure_warning_only_beyond_loopback():
     assert exposure_warning("localhost", False) is None
     assert "--require-auth" in exposure_warning("0.0.0.0", False)
     assert "--require-auth" not in exposure_warning("0.0.0.0", True)
+
+
+class _Generation:
+    def __init__(self, in_flight) -> None:
+        self.in_flight, self.interrupted = in_flight, 0
+
+    def interrupt(self) -> None:
+        self.interrupted += 1
+        self.in_flight.discard(self)  # as batches() does once it has sent its abort chunk
+
+
+def test_the_drain_interrupts_what_is_left_and_anything_that_starts_after_it():
+    import anyio
+
+    from atlas.adapters.http.in_flight import InFlight
+
+    in_flight = InFlight()
+    early, late = _Generation(in_flight), _Generation(in_flight)
+    in_flight.add(early)
+    assert anyio.run(in_flight.drain, 0.0) == 1 and early.interrupted == 1 and len(in_flight) == 0
+    in_flight.add(late)  # admitted before the shutdown, reached the engine after its timeout
+    assert late.interrupted == 1 and len(in_flight) == 0

@@ -31,11 +31,10 @@ from atlas.adapters.http.chat import chat_completions
 from atlas.adapters.http.completions import completions
 from atlas.adapters.http.engine_client import EngineLauncher
 from atlas.adapters.http.errors import ApiError, excerpt, status_error
-from atlas.adapters.http.openapi import Route, openapi_document
+from atlas.adapters.http.openapi import ApiDocument, Route
 from atlas.adapters.http.responses import ChatChunk, ChatCompletion, Completion
 from atlas.adapters.http.schemas import ChatCompletionBody, CompletionRequest, DetokenizeRequest, TokenizeBody
 from atlas.adapters.http.service import Detokenized, HealthStatus, ModelCard, ModelList, Tokenized
-from atlas.adapters.http.sse import encode_json
 from atlas.adapters.http.state import HttpConfig, ServerState
 
 log = logging.getLogger("atlas.http")
@@ -65,10 +64,7 @@ def create_app(
         RESPONSE_TIMEOUT=None,  # streams last as long as generation; --request-timeout bounds them
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
-    state = ServerState(config)
-    version = _version()
-    state.describe_api = lambda model: encode_json(openapi_document(ROUTES, "Atlas", version, config.require_auth,
-                                                                    model))
+    state = ServerState(config, ApiDocument(ROUTES, "Atlas", _version(), config.require_auth))
     app.extensions["atlas"] = state
     lifespan = _Lifespan(state, launcher, on_fatal)
     app.before_serving(lifespan.start)

@@ -28,12 +28,15 @@ class InFlight:
 
     def __init__(self) -> None:
         self._generations: set[Interruptible] = set()
+        self._ending = False  # past the shutdown timeout: a late arrival ends at once
 
     def __len__(self) -> int:
         return len(self._generations)
 
     def add(self, generation: Interruptible) -> None:
         self._generations.add(generation)
+        if self._ending:  # admitted just before the shutdown began, started after its timeout
+            generation.interrupt()
 
     def discard(self, generation: Interruptible) -> None:
         self._generations.discard(generation)
@@ -45,6 +48,7 @@ class InFlight:
         deadline_s = time.monotonic() + timeout_s
         while self._generations and time.monotonic() < deadline_s and not (abort_now and abort_now.is_set()):
             await anyio.sleep(POLL_S)
+        self._ending = True
         left = list(self._generations)
         for generation in left:
             generation.interrupt()

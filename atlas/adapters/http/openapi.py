@@ -51,6 +51,20 @@ class Route:
         return _PATH_PARAMETER.findall(self.path)
 
 
+class ApiDocument:
+    """/openapi.json as bytes, rebuilt when the served model changes (None while loading)."""
+
+    def __init__(self, routes: Sequence[Route], title: str, version: str, bearer_auth: bool) -> None:
+        self._routes, self._title, self._version, self._bearer_auth = routes, title, version, bearer_auth
+        self._cached: tuple[ServedModel | None, bytes] | None = None
+
+    def json(self, model: ServedModel | None) -> bytes:
+        if self._cached is None or self._cached[0] is not model:
+            document = openapi_document(self._routes, self._title, self._version, self._bearer_auth, model)
+            self._cached = (model, msgspec.json.encode(document))
+        return self._cached[1]
+
+
 def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_auth: bool,
                      model: ServedModel | None = None) -> dict[str, Any]:
     """The OpenAPI 3.1 document of `routes`; with `bearer_auth`, protected routes require it.

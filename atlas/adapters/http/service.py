@@ -115,7 +115,8 @@ async def live(state: ServerState) -> Response:
 
 
 async def openapi(state: ServerState) -> Response:
-    return Response(state.openapi_json(), 200, content_type=JSON)
+    """The OpenAPI document, with the served model's name and context once it is loaded."""
+    return Response(state.api_document.json(state.model), 200, content_type=JSON)
 
 
 async def metrics(state: ServerState) -> Response:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from atlas.adapters.http.errors import (
     malformed_json,
 )
 from atlas.adapters.http.in_flight import InFlight
+from atlas.adapters.http.openapi import ApiDocument
 from atlas.adapters.http.responses import TokenTexts
 from atlas.adapters.http.server_metrics import ServerMetrics
 from atlas.domain.engine import EngineStats
@@ -48,8 +48,9 @@ class HttpConfig:
 class ServerState:
     """Everything handlers share. `model`/`engine` are None until the lifespan has loaded them."""
 
-    def __init__(self, config: HttpConfig) -> None:
+    def __init__(self, config: HttpConfig, api_document: ApiDocument) -> None:
         self.config = config
+        self.api_document = api_document  # /openapi.json
         self.model: ServedModel | None = None
         self.engine: EngineClient | None = None
         self.load_error: str | None = None
@@ -59,15 +60,6 @@ class ServerState:
         self.shutting_down = False
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.health().is_healthy, lambda: len(self.in_flight))
         self.dump = DumpWriter(config.dump_path) if config.dump_path is not None else None
-        # /openapi.json for the served model (None while loading); set by `create_app`
-        self.describe_api: Callable[[ServedModel | None], bytes] = lambda model: b"{}"
-        self._openapi: tuple[ServedModel | None, bytes] | None = None
-
-    def openapi_json(self) -> bytes:
-        """The OpenAPI document, with the served model's name and context once it is loaded."""
-        if self._openapi is None or self._openapi[0] is not self.model:
-            self._openapi = (self.model, self.describe_api(self.model))
-        return self._openapi[1]
 
     def attach(self, model: ServedModel, engine: EngineClient) -> None:
         self.token_texts = TokenTexts(model.tokenizer)
