@@ -309,8 +309,6 @@ def run_server(args: argparse.Namespace) -> int:
     limit_blas_threads(args.single_process)
     model_dir = resolve_model(args.model)  # a missing model is a one-line error now, not after startup
     sampling_defaults(model_dir, args.override_generation_config)
-    http_config(args)  # flag errors before the port is taken
-    listener = listening_socket(args.host, args.port)
     fatal: list[str] = []
     failed = asyncio.Event()
 
@@ -318,7 +316,8 @@ def run_server(args: argparse.Namespace) -> int:
         fatal.append(message)
         failed.set()
 
-    app = build_app(args, on_fatal)
+    app = build_app(args, on_fatal)  # flag errors first; nothing loads until hypercorn starts it
+    listener = listening_socket(args.host, args.port)
     protocol_errors.install()
     config = Config()
     config.bind = [f"fd://{listener.detach()}"]
