@@ -2,10 +2,10 @@
 and invalid, over every route, get no 5xx; every response (each streamed chunk too) matches
 its documented schema; the server logs no traceback.
 
-CI sends a few hundred random cases (40 per route, then stateful sequences) to a server whose
-context is 64 tokens and which allows 4 choices a request, so generation stays short. The run
-behind the "1,000+ requests, 0 5xx" figure in docs/api.md adds the coverage phase (boundary
-values of every field) and more examples:
+CI sends the schema's examples (a streamed one among them), then a few hundred random cases (40
+per route, and stateful sequences), to a server whose context is 64 tokens and which allows 4
+choices a request, so generation stays short. The run behind the "1,000+ requests, 0 5xx"
+figure in docs/api.md adds the coverage phase (boundary values of every field) and more cases:
 
     ATLAS_SCHEMATHESIS_PHASES=examples,coverage,fuzzing,stateful ATLAS_SCHEMATHESIS_EXAMPLES=100 \
         python -m pytest tests/e2e/test_schemathesis.py -s
@@ -28,7 +28,7 @@ from conftest import LiveServer, tiny_server_args
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 EXAMPLES = os.environ.get("ATLAS_SCHEMATHESIS_EXAMPLES", "40")  # per route
-PHASES = os.environ.get("ATLAS_SCHEMATHESIS_PHASES", "fuzzing,stateful")
+PHASES = os.environ.get("ATLAS_SCHEMATHESIS_PHASES", "examples,fuzzing,stateful")
 SEED = os.environ.get("ATLAS_SCHEMATHESIS_SEED", "20261126")
 
 

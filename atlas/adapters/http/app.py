@@ -33,7 +33,7 @@ from atlas.adapters.http.engine_client import EngineLauncher
 from atlas.adapters.http.errors import ApiError, excerpt, status_error
 from atlas.adapters.http.openapi import ApiDocument, Route
 from atlas.adapters.http.responses import ChatChunk, ChatCompletion, Completion
-from atlas.adapters.http.schemas import ChatCompletionBody, CompletionRequest, DetokenizeRequest, TokenizeBody
+from atlas.adapters.http.schemas import ChatCompletionBody, CompletionBody, DetokenizeRequest, TokenizeBody
 from atlas.adapters.http.service import Detokenized, HealthStatus, ModelCard, ModelList, Tokenized
 from atlas.adapters.http.state import HttpConfig, ServerState
 
@@ -103,7 +103,7 @@ ROUTES = (
     Route("POST", "/v1/chat/completions", "createChatCompletion", "Chat completion (OpenAI)", chat_completions,
           ChatCompletionBody, ChatCompletion, ChatChunk),
     Route("POST", "/v1/completions", "createCompletion", "Text completion (OpenAI, legacy)", completions,
-          CompletionRequest, Completion, Completion),
+          CompletionBody, Completion, Completion),
     Route("GET", "/v1/models", "listModels", "The served model", service.list_models, response=ModelList),
     Route("GET", "/v1/models/<path:model_id>", "retrieveModel", "One model by id", service.get_model,
           response=ModelCard),

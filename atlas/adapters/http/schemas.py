@@ -185,8 +185,23 @@ class DetokenizeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
     model: str | None = None
 
 
-ChatCompletionBody = Annotated[ChatCompletionRequest, Meta(extra_json_schema=_TOP_LOGPROBS_NEED_LOGPROBS)]
-TokenizeBody = Annotated[TokenizeRequest, Meta(extra_json_schema=_PROMPT_XOR_MESSAGES)]
+# The bodies as /openapi.json describes them: cross-field rules, and examples (a streamed one
+# among them) that clients and fuzzers can start from.
+_HELLO = [{"role": "user", "content": "Say hello."}]
+ChatCompletionBody = Annotated[ChatCompletionRequest, Meta(
+    extra_json_schema=_TOP_LOGPROBS_NEED_LOGPROBS,
+    examples=[{"messages": _HELLO, "max_tokens": 8},
+              {"messages": _HELLO, "max_tokens": 8, "n": 2, "stream": True, "logprobs": True, "top_logprobs": 2,
+               "stream_options": {"include_usage": True}}],
+)]
+CompletionBody = Annotated[CompletionRequest, Meta(
+    examples=[{"prompt": "Once upon a time", "max_tokens": 8},
+              {"prompt": ["Once", "Twice"], "max_tokens": 8, "stream": True, "logprobs": 2, "echo": False}],
+)]
+TokenizeBody = Annotated[TokenizeRequest, Meta(
+    extra_json_schema=_PROMPT_XOR_MESSAGES,
+    examples=[{"prompt": "Hello world", "return_token_strs": True}, {"messages": _HELLO}],
+)]
 
 
 def unsupported_features(request: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
