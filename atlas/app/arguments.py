@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import sys
 from typing import NoReturn
 
-from atlas.app.settings import DEVICES, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineSettings
+from atlas.app.settings import DEVICES, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineSettings, SettingsError
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -29,8 +28,7 @@ class ArgumentParser(argparse.ArgumentParser):
                     message = f"unexpected argument '{name}'; did you mean '{match[0]}'?"
                     break
                 message = f"unexpected argument '{name}'; see --help for the flags"
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -45,13 +43,19 @@ def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _env(name: str, default, cast=str):
-    """Default for a flag from ATLAS_<NAME> (e.g. ATLAS_MAX_SEQ_LEN), else `default`."""
-    value = os.environ.get("ATLAS_" + name.upper().replace("-", "_"))
+    """Default for a flag from ATLAS_<NAME> (e.g. ATLAS_MAX_SEQ_LEN), else `default`.
+    Raises SettingsError naming the variable when its value is not a `cast`."""
+    variable = "ATLAS_" + name.upper().replace("-", "_")
+    value = os.environ.get(variable)
     if value is None:
         return default
     if cast is bool:
         return value.lower() in ("1", "true", "yes", "on")
-    return cast(value)
+    try:
+        return cast(value)
+    except ValueError:
+        kind = {int: "an integer", float: "a number"}.get(cast, "valid")
+        raise SettingsError(f"{variable}={value!r} is not {kind}") from None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

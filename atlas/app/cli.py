@@ -21,13 +21,18 @@ from atlas.app.bench.engine_arguments import add_engine_bench_arguments
 from atlas.app.bench.serve import add_bench_serve_arguments
 from atlas.app.bench.startup import add_startup_bench_arguments
 from atlas.app.server import add_serve_arguments
+from atlas.app.threads import limit_blas_threads
 from atlas.domain.requests import SamplingParams
 
 EXIT_USER_ERROR = 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # flag defaults come from ATLAS_* variables, which may be malformed
+    except ValueError as error:
+        print(f"atlas: error: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
     args = parser.parse_args(_default_bench(list(sys.argv[1:] if argv is None else argv)))
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -133,6 +138,7 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    limit_blas_threads()  # before numpy loads with atlas.app.llm
     from atlas.app.llm import LLM
 
     params = _sampling(args)
@@ -149,6 +155,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
+    limit_blas_threads()  # before numpy loads with atlas.app.llm
     from atlas.app.llm import LLM
 
     params = _sampling(args)

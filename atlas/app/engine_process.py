@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +51,7 @@ from atlas.app.engine_protocol import (
     frame,
 )
 from atlas.app.settings import EngineSettings
+from atlas.app.threads import blas_thread_variables
 from atlas.domain.engine import EngineCore, EngineStats
 from atlas.domain.requests import ParameterError, Request
 
@@ -287,28 +289,18 @@ class EngineProcess:
             await anyio.to_thread.run_sync(process.wait)
 
 
-BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
-
-
-def blas_thread_variables() -> dict[str, str]:
-    """BLAS thread settings for a process that runs engine steps next to the HTTP side.
-
-    Unless the user chose, BLAS gets every core but one, which is left to the HTTP side: numpy's
-    OpenBLAS otherwise spins a thread per core, and on a small machine those spinning threads
-    and the event loop take turns on the same cores (a 64x64 matmul measured 18 ms instead of
-    15 us on a loaded 2-core machine). Empty when the user set one of the variables.
-    """
-    if any(name in os.environ for name in BLAS_THREAD_VARIABLES):
-        return {}
-    return {"OPENBLAS_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) - 1))}
-
-
 def _engine_environment() -> dict[str, str]:
     return {**os.environ, **blas_thread_variables()}
 
 
 def child_main(fd: int) -> int:
     """The engine process: read Start, load the model, serve commands until told to stop."""
+    # The API process decides when the engine stops: Ctrl-C in a terminal (and a service
+    # manager's SIGTERM to the whole group) reaches this process too, and the engine must keep
+    # stepping while the API drains its requests. It exits on Shutdown, or on EOF when the API
+    # process is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     sock = socket.socket(fileno=fd)

@@ -1,7 +1,8 @@
 """The Python API: `LLM(model).generate(prompts, SamplingParams(...))` and `.chat(messages)`.
 
 It drives the engine core synchronously in the caller's thread (no event loop), with the
-same front-end text handling the server uses.
+same front-end text handling the server uses, and limits numpy's BLAS threads as `atlas serve`
+does (`atlas.app.threads`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from atlas.app.builder import LoadedEngine, build_engine
 from atlas.domain.fan_out import SeedSource, fan_out
 from atlas.domain.text.sequence_text import SequenceText, TextDelta
 from atlas.app.settings import EngineSettings
+from atlas.app.threads import limit_blas_threads
 from atlas.domain.batch import TokenLogprobs
 from atlas.domain.requests import Request, SamplingParams
 from atlas.ports.tokenizer import Tokenizer
@@ -50,12 +52,14 @@ class LLM:
     """A model loaded for offline generation. Settings are `EngineSettings` fields."""
 
     def __init__(self, model: str, *, show_progress: bool = True, **settings: Any) -> None:
+        limit_blas_threads()
         self.engine: LoadedEngine = build_engine(EngineSettings(model=model, **settings), show_progress)
         self._seeds = SeedSource(self.engine.settings.seed, _fresh_seed)
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, show_progress: bool = True) -> LLM:
         llm = cls.__new__(cls)
+        limit_blas_threads()
         llm.engine = build_engine(settings, show_progress)
         llm._seeds = SeedSource(settings.seed, _fresh_seed)
         return llm

@@ -335,3 +335,155 @@ async def test_tokenize_and_detokenize_round_trip(tokenizer):
         assert tokenized["tokens"] == tokenizer.encode(text) and tokenized["max_model_len"] == 256
         back = await (await client.post("/detokenize", json={"tokens": tokenized["tokens"]})).get_json()
         assert back == {"prompt": text}
+
+
+@pytest.mark.anyio
+async def test_a_reply_without_tool_calls_has_no_tool_calls_field(tokenizer):
+    app = make_app(ScriptedEngine(tokenizer.encode(SCRIPT_TEXT)), tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        answer = await (await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})).get_json()
+    message = answer["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"] and "tool_calls" not in message
+
+
+@pytest.mark.anyio
+async def test_choices_over_the_flag_are_a_400_naming_it(tokenizer):
+    engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT))
+    app = make_app(engine, tokenizer, HttpConfig(max_choices_per_request=4))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        chat = await client.post("/v1/chat/completions", json={**CHAT, "n": 5})
+        completion = await client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2})
+        fits = await client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
+        for response in (chat, completion):
+            assert response.status_code == 400
+            error = (await response.get_json())["error"]
+            assert error["param"] == "n" and "--max-choices-per-request" in error["message"]
+        assert fits.status_code == 200 and len((await fits.get_json())["choices"]) == 4
+    assert len(engine.submitted) == 4  # the refused requests reached neither tokenizer nor engine
+
+
+@pytest.mark.anyio
+async def test_detokenize_takes_at_most_a_context_of_ids(tokenizer):
+    app = make_app(ScriptedEngine([]), tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        response = await client.post("/detokenize", json={"tokens": [5] * 257})  # the context is 256
+        assert response.status_code == 400 and (await response.get_json())["error"]["param"] == "tokens"
+
+
+@pytest.mark.anyio
+async def test_openapi_describes_every_registered_route_with_the_request_schemas(tokenizer):
+    import msgspec
+
+    from atlas.adapters.http.schemas import ChatCompletionRequest
+
+    app = make_app(ScriptedEngine([]), tokenizer, HttpConfig(require_auth=True, auth_tokens=frozenset({"t"})))
+    registered = {(rule.rule.replace("<path:model_id>", "{model_id}"), method.lower())
+                  for rule in app.url_map.iter_rules() for method in rule.methods - {"HEAD", "OPTIONS"}
+                  if rule.endpoint != "static"}
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        document = await (await client.get("/openapi.json")).get_json()  # open without the token
+    described = {(path, method) for path, item in document["paths"].items() for method in item}
+    assert described == registered and ("/v1/chat/completions", "post") in described
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    body_schema = chat["requestBody"]["content"]["application/json"]["schema"]
+    assert body_schema["$ref"] == "#/components/schemas/ChatCompletionRequest" and "anyOf" in body_schema
+    _, generated = msgspec.json.schema_components([ChatCompletionRequest], ref_template="#/components/schemas/{name}")
+    served = document["components"]["schemas"]
+    for name, schema in generated.items():
+        assert {**served[name], "properties": {}} == {**schema, "properties": {}}
+        for field, field_schema in schema["properties"].items():
+            if field not in ("model", "max_tokens", "max_completion_tokens"):  # these describe the served model
+                assert served[name]["properties"][field] == field_schema, field
+    chat_properties = served["ChatCompletionRequest"]["properties"]
+    assert chat_properties["temperature"]["anyOf"][0]["maximum"] == 2.0
+    assert chat_properties["model"]["anyOf"][0] == {"enum": ["tiny"]}
+    assert chat_properties["max_tokens"]["anyOf"][0]["maximum"] == 255  # the context is 256 tokens
+    assert chat["security"] == [{"bearer": []}] and "security" not in document["paths"]["/health"]["get"]
+    assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [True, False])
+async def test_shutdown_refuses_new_requests_then_ends_the_rest_with_abort(tokenizer, stream):
+    engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT), stall_after=3)
+    app = make_app(engine, tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        async with anyio.create_task_group() as group:
+            responses = []
+
+            async def request() -> None:
+                responses.append(await client.post("/v1/chat/completions",
+                                                   json={**CHAT, "n": 2, "max_tokens": 50, "stream": stream}))
+
+            group.start_soon(request)
+            with anyio.fail_after(10):
+                while len(engine.submitted) < 2:
+                    await anyio.sleep(0.01)
+            drained = []
+            group.start_soon(lambda: _drain(app, drained))
+            with anyio.fail_after(10):
+                while (await client.get("/health")).status_code == 200:
+                    await anyio.sleep(0.01)
+            refused = await client.post("/v1/chat/completions", json=CHAT)
+            health = await client.get("/health")
+        metrics = (await (await client.get("/metrics")).get_data()).decode()
+    assert refused.status_code == 503 and (await refused.get_json())["error"]["code"] == "shutting_down"
+    assert (await health.get_json())["error"]["code"] == "shutting_down"
+    assert drained == [1]
+    (response,) = responses
+    if stream:
+        chunks = sse_payloads(await response.get_data())  # ends with data: [DONE]
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+    else:
+        finishes = [choice["finish_reason"] for choice in (await response.get_json())["choices"]]
+    assert finishes == ["abort", "abort"]
+    assert sorted(engine.aborted) == sorted(r.request_id for r in engine.submitted)
+    assert 'atlas_requests_aborted_total{cause="shutdown"} 1' in metrics and "atlas_requests_in_flight 0" in metrics
+
+
+async def _drain(app, drained: list) -> None:
+    from atlas.adapters.http import shut_down
+
+    drained.append(await shut_down(app, timeout_s=0.3))
+
+
+@pytest.mark.anyio
+async def test_shutdown_lets_a_request_that_finishes_in_time_finish(tokenizer):
+    script = tokenizer.encode(SCRIPT_TEXT)
+    engine = ScriptedEngine(script)
+    app = make_app(engine, tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        async with anyio.create_task_group() as group:
+            responses = []
+
+            async def request() -> None:
+                responses.append(await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 200,
+                                                                            "stream": True}))
+
+            group.start_soon(request)
+            with anyio.fail_after(10):
+                while not engine.submitted:
+                    await anyio.sleep(0.001)
+            drained = []
+            await _drain_with(app, drained, 30.0)
+    chunks = sse_payloads(await responses[0].get_data())
+    assert drained == [0] and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(script)
+
+
+async def _drain_with(app, drained: list, timeout_s: float) -> None:
+    from atlas.adapters.http import shut_down
+
+    with anyio.fail_after(20):
+        drained.append(await shut_down(app, timeout_s))

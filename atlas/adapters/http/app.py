@@ -5,17 +5,22 @@ listens while the model loads: `/health` answers 503 ("loading the model") until
 and API requests get a 503 error object rather than a refused connection.
 
 Every error a client can cause is an OpenAI error object with a 4xx status: handlers raise
-`ApiError`; Quart's own errors (404 unknown route, 405 wrong method, 413 body too large) are
-converted here; anything unexpected is logged and answered with a 500 error object.
+`ApiError`; Quart's own errors (404 unknown route, 405 wrong method, 408 slow body, 413 body
+too large) are converted here (hypercorn's, for malformed HTTP, in `protocol_errors`);
+anything unexpected is logged and answered with a 500 error object.
+
+The routes are the table `ROUTES`; /openapi.json is generated from it and the Structs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from collections.abc import Callable
 
+import anyio
 import msgspec
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
@@ -25,15 +30,19 @@ from atlas.adapters.http.auth import BearerAuth
 from atlas.adapters.http.chat import chat_completions
 from atlas.adapters.http.completions import completions
 from atlas.adapters.http.engine_client import EngineLauncher
-from atlas.adapters.http.errors import ApiError, status_error
+from atlas.adapters.http.errors import ApiError, excerpt, status_error
+from atlas.adapters.http.openapi import ApiDocument, Route
 from atlas.adapters.http.page import add_page_routes
+from atlas.adapters.http.responses import ChatChunk, ChatCompletion, Completion
+from atlas.adapters.http.schemas import ChatCompletionBody, CompletionBody, DetokenizeRequest, TokenizeBody
+from atlas.adapters.http.service import Detokenized, HealthStatus, ModelCard, ModelList, Tokenized
 from atlas.adapters.http.state import HttpConfig, ServerState
 
 log = logging.getLogger("atlas.http")
 JSON = "application/json"
 DUMPED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-BODY_TIMEOUT_S = 60
-SHUTDOWN_TIMEOUT_S = 30.0
+BODY_TIMEOUT_S = 60  # a body still arriving then gets 408
+ENGINE_STOP_TIMEOUT_S = 1.0  # after the drain the engine has no work; its process exits on EOF regardless
 
 
 def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> Response:
@@ -56,7 +65,7 @@ def create_app(
         RESPONSE_TIMEOUT=None,  # streams last as long as generation; --request-timeout bounds them
         PROVIDE_AUTOMATIC_OPTIONS=True,
     )
-    state = ServerState(config)
+    state = ServerState(config, ApiDocument(ROUTES, "Atlas", _version(), config.require_auth))
     app.extensions["atlas"] = state
     lifespan = _Lifespan(state, launcher, on_fatal)
     app.before_serving(lifespan.start)
@@ -66,6 +75,14 @@ def create_app(
     add_page_routes(app)
     _add_error_handlers(app, state)
     return app
+
+
+async def shut_down(app: Quart, timeout_s: float, abort_now: anyio.Event | None = None) -> int:
+    """Start shutting down: new API requests get 503 and /health 503; generations in flight
+    may finish within `timeout_s` (or until `abort_now` is set), then those left end with
+    finish_reason "abort". Returns how many were ended so; the caller then stops the server."""
+    state: ServerState = app.extensions["atlas"]
+    return await state.shut_down(timeout_s, abort_now)
 
 
 def _add_hooks(app: Quart, state: ServerState) -> None:
@@ -84,45 +101,41 @@ def _add_hooks(app: Quart, state: ServerState) -> None:
         return response
 
 
+ROUTES = (
+    Route("POST", "/v1/chat/completions", "createChatCompletion", "Chat completion (OpenAI)", chat_completions,
+          ChatCompletionBody, ChatCompletion, ChatChunk),
+    Route("POST", "/v1/completions", "createCompletion", "Text completion (OpenAI, legacy)", completions,
+          CompletionBody, Completion, Completion),
+    Route("GET", "/v1/models", "listModels", "The served model", service.list_models, response=ModelList),
+    Route("GET", "/v1/models/<path:model_id>", "retrieveModel", "One model by id", service.get_model,
+          response=ModelCard),
+    Route("POST", "/tokenize", "tokenize", "Text or chat messages to token ids", service.tokenize_endpoint,
+          TokenizeBody, Tokenized),
+    Route("POST", "/detokenize", "detokenize", "Token ids to text", service.detokenize_endpoint,
+          DetokenizeRequest, Detokenized),
+    Route("GET", "/health", "health", "200 when the model is loaded and the engine makes progress",
+          service.health, response=HealthStatus),
+    Route("GET", "/health/live", "live", "200 while the process answers HTTP", service.live,
+          response=HealthStatus),
+    Route("GET", "/metrics", "metrics", "Prometheus metrics", service.metrics, media_type="text/plain"),
+    Route("GET", "/openapi.json", "openapi", "This document", service.openapi),
+)
+
+
 def _add_routes(app: Quart, state: ServerState) -> None:
-    async def body() -> bytes:
-        return await request.get_data()  # kept for the request, so an error can be dumped with it
+    for route in ROUTES:
+        app.add_url_rule(route.path, route.name, _view(state, route), methods=[route.method])
 
-    @app.post("/v1/chat/completions")
-    async def chat() -> Response:
-        return await chat_completions(state, await body())
 
-    @app.post("/v1/completions")
-    async def complete() -> Response:
-        return await completions(state, await body())
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        return service.list_models(state)
-
-    @app.get("/v1/models/<path:model_id>")
-    async def model(model_id: str) -> Response:
-        return service.get_model(state, model_id)
-
-    @app.post("/tokenize")
-    async def tokenize() -> Response:
-        return await service.tokenize_endpoint(state, await body())
-
-    @app.post("/detokenize")
-    async def detokenize() -> Response:
-        return await service.detokenize_endpoint(state, await body())
-
-    @app.get("/health")
-    async def health() -> Response:
-        return service.health(state)
-
-    @app.get("/health/live")
-    async def live() -> Response:
-        return Response(b'{"status":"alive"}', 200, content_type=JSON)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return service.metrics(state)
+def _view(state: ServerState, route: Route):
+    if route.request is None:
+        async def view(**path_parameters: str) -> Response:
+            return await route.handler(state, **path_parameters)
+    else:
+        async def view(**path_parameters: str) -> Response:
+            body = await request.get_data()  # kept for the request, so an error can be dumped with it
+            return await route.handler(state, body, **path_parameters)
+    return view
 
 
 async def _dump_error(state: ServerState, error: ApiError) -> None:
@@ -154,8 +167,10 @@ def _add_error_handlers(app: Quart, state: ServerState) -> None:
         headers = {}
         if isinstance(error, MethodNotAllowed) and error.valid_methods:
             headers["Allow"] = ", ".join(error.valid_methods)
-        message = {404: f"no route {request.method} {request.path}",
-                   405: f"{request.method} is not allowed on {request.path}",
+        path = excerpt(request.path)
+        message = {404: f"no route {request.method} {path}",
+                   405: f"{request.method} is not allowed on {path}",
+                   408: f"the request body did not arrive within {BODY_TIMEOUT_S} s",
                    413: f"the request body is larger than the limit of {config.max_body_bytes} bytes"}.get(
             status, error.description or error.name)
         api_error = status_error(status, message)
@@ -187,9 +202,9 @@ class _Lifespan:
             self._stopping.set()
         if self._task is not None:
             try:
-                await asyncio.wait_for(self._task, SHUTDOWN_TIMEOUT_S)
+                await asyncio.wait_for(self._task, ENGINE_STOP_TIMEOUT_S)
             except TimeoutError:
-                log.warning("the engine did not stop within %.0fs", SHUTDOWN_TIMEOUT_S)
+                log.warning("the engine did not stop within %.0fs", ENGINE_STOP_TIMEOUT_S)
         if self._state.dump is not None:
             self._state.dump.close()
 
@@ -211,6 +226,13 @@ class _Lifespan:
                 log.error("the engine stopped: %s", message)
             if self._on_fatal is not None:
                 self._on_fatal(message)
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("atlas")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _describe(error: BaseException) -> str:

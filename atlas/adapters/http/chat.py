@@ -20,7 +20,7 @@ from atlas.adapters.http import sse
 from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
-from atlas.adapters.http.params import check_prompt_fits, sampling_params
+from atlas.adapters.http.params import check_choices, check_prompt_fits, sampling_params
 from atlas.adapters.http.prompts import render_chat, tokenize
 from atlas.adapters.http.responses import (
     ChatChoice,
@@ -55,7 +55,8 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
     unsupported = unsupported_features(request)
     if unsupported is not None:
         raise bad_request(*unsupported)
-    prompt = render_chat(model.tokenizer, request.messages, request.tools, request.add_generation_prompt,
+    check_choices(1, request.n, state.config.max_choices_per_request)
+    prompt = await render_chat(model.tokenizer, request.messages, request.tools, request.add_generation_prompt,
                          request.chat_template_kwargs)
     prompt_ids = await tokenize(model.tokenizer, prompt, add_special_tokens=False)
     if not prompt_ids:
@@ -65,7 +66,7 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
                              model.sampling_defaults)
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", now_s(), model.name)
     generation = Generation(engine, model.tokenizer, reply.id, [prompt_ids], params, state.seeds, state.metrics,
-                            state.config.request_timeout_s)
+                            state.in_flight, state.config.request_timeout_s)
     results = ChoiceResults(generation.num_choices, params.logprobs is not None)
     if request.stream:
         options = request.stream_options
@@ -73,7 +74,7 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
                          include_usage=bool(options and options.include_usage),
                          continuous_usage=bool(options and options.continuous_usage_stats))
         return Response(sse.with_errors(frames), 200, sse.HEADERS)
-    await collect(generation, results, state.metrics)
+    await collect(generation, results)
     answer = _completion(reply, generation, results, token_texts)
     if state.dump is not None:
         state.dump.write("chat", 200, False, started_s, body, answer)
@@ -110,7 +111,6 @@ async def _stream(
     continuous_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
     with_logprobs = results.logprobs is not None
-    state.metrics.in_flight += 1
     try:
         yield b"".join(
             sse.event(ChatChunk(reply.id, reply.created, reply.model,
@@ -133,6 +133,5 @@ async def _stream(
             yield sse.event(ChatChunk(reply.id, reply.created, reply.model, [], usage=_usage(generation)))
         yield sse.DONE
     finally:
-        state.metrics.in_flight -= 1
         if state.dump is not None:
             state.dump.write("chat", 200, True, started_s, body, _completion(reply, generation, results, token_texts))

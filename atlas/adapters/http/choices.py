@@ -11,7 +11,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from atlas.adapters.http.generation import ChoiceDelta, Generation
-from atlas.adapters.http.server_metrics import ServerMetrics
 from atlas.domain.batch import TokenLogprobs
 
 
@@ -80,13 +79,9 @@ class ChoiceResults:
         return len(self._parts)
 
 
-async def collect(generation: Generation, results: ChoiceResults, metrics: ServerMetrics) -> None:
+async def collect(generation: Generation, results: ChoiceResults) -> None:
     """Run a non-streamed request to its end, folding every delta into `results`."""
-    metrics.in_flight += 1
-    try:
-        async with aclosing(generation.batches()) as batches:
-            async for batch in batches:
-                for update in merge_batch(batch):
-                    results.add(update)
-    finally:
-        metrics.in_flight -= 1
+    async with aclosing(generation.batches()) as batches:
+        async for batch in batches:
+            for update in merge_batch(batch):
+                results.add(update)

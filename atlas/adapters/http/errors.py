@@ -19,6 +19,7 @@ NOT_FOUND = "not_found_error"
 SERVER_ERROR = "server_error"
 UNAVAILABLE = "service_unavailable_error"
 
+MAX_ECHO_CHARS = 80  # of a client's value quoted in an error message
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _NAMED_FIELD = re.compile(r"(unknown|missing required) field `([^`]*)`")
 
@@ -53,26 +54,37 @@ class ApiError(Exception):
         return msgspec.json.encode(ErrorBody(self.detail))
 
 
+def excerpt(value: object) -> str:
+    """`value` quoted for an error message, cut to MAX_ECHO_CHARS so a huge value is not echoed."""
+    text = repr(value)
+    return text if len(text) <= MAX_ECHO_CHARS else text[: MAX_ECHO_CHARS - 3] + "..."
+
+
 def bad_request(param: str | None, message: str, code: str | None = None) -> ApiError:
     return ApiError(400, message, INVALID_REQUEST, param, code)
 
 
 def from_validation_error(error: msgspec.ValidationError) -> ApiError:
-    """A 400 naming the field msgspec rejected (`$.stop[2]` -> param "stop[2]")."""
+    """A 400 naming the field msgspec rejected (`$.stop[2]` -> param "stop[2]"); a field name or
+    value from the body is cut to a few dozen characters."""
     text = str(error)
     match = _PATH.search(text)
     named = _NAMED_FIELD.search(text)
     if named is not None:
         prefix = match.group(1) + "." if match and match.group(1) else ""
-        field = prefix + named.group(2)
+        field = _cut(prefix + named.group(2))
         if named.group(1) == "unknown":
             return bad_request(field, f"unknown field '{field}': this server does not accept it")
         return bad_request(field, f"missing required field '{field}'")
     if match is None:
-        return bad_request(None, f"invalid request body: {text}")
-    field = match.group(1) or None
-    message = text[: match.start()]
+        return bad_request(None, f"invalid request body: {_cut(text)}")
+    field = _cut(match.group(1)) or None
+    message = _cut(text[: match.start()])  # msgspec quotes an invalid enum value whole
     return bad_request(field, f"invalid value for '{field}': {message}" if field else message)
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= 2 * MAX_ECHO_CHARS else text[: 2 * MAX_ECHO_CHARS] + "..."
 
 
 def malformed_json(error: Exception) -> ApiError:

@@ -9,8 +9,9 @@ a consumer that falls behind gets several tokens per wake-up instead of one wake
     engine step k+1 -> out(seq0)                    >  one batch: [delta(0), delta(1), delta(0)]
     consumer wakes  ------------------------------ /
 
-Leaving `batches()` early (client gone, handler error, timeout) aborts every sequence that
-has not finished, so its KV blocks are freed at the engine's next step.
+Leaving `batches()` early (client gone, handler error, timeout, `interrupt()` at shutdown)
+aborts every sequence that has not finished, so its KV blocks are freed at the engine's next
+step. While `batches()` runs, the generation is in the server's `InFlight` set.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import anyio
 
 from atlas.adapters.http.engine_client import EngineClient
 from atlas.adapters.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError
+from atlas.adapters.http.in_flight import InFlight
 from atlas.adapters.http.server_metrics import ServerMetrics
 from atlas.domain.engine_events import EngineFailure
 from atlas.domain.fan_out import SeedSource, fan_out
@@ -61,11 +63,15 @@ class Generation:
         params: SamplingParams,
         seeds: SeedSource,
         metrics: ServerMetrics,
+        in_flight: InFlight,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
+        self._in_flight = in_flight
+        self._interrupted = False
+        self._waiting: anyio.CancelScope | None = None
         self._clock = clock
         self.arrival_s = clock()
         self._deadline_s = None if timeout_s is None else self.arrival_s + timeout_s
@@ -86,19 +92,28 @@ class Generation:
     def num_output_tokens(self) -> int:
         return sum(choice.num_output_tokens for choice in self._choices.values())
 
+    def interrupt(self) -> None:
+        """End now (the server is shutting down): every unfinished choice finishes with
+        finish_reason "abort" in the next batch."""
+        self._interrupted = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
     async def batches(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Deltas in arrival order, several per batch when they queue up; ends when every
         choice has finished. Raises ApiError for a request the engine rejects or cannot run."""
         stream = self._engine.submit(self.requests)
         unfinished = dict(self._choices)
         cause = "client_disconnected"  # why sequences were left unfinished, if they were
+        self._in_flight.add(self)
         try:
             while unfinished:
-                items = await self._next_items(stream)
-                if items is None:  # the deadline passed
-                    self.timed_out = True
-                    self._metrics.aborted.inc(("timeout",))
-                    yield [self._end(choice, FinishReason.LENGTH, unfinished) for choice in list(unfinished.values())]
+                items = None if self._interrupted else await self._next_items(stream)
+                if items is None:  # interrupted, or the deadline passed
+                    reason = FinishReason.ABORT if self._interrupted else FinishReason.LENGTH
+                    self.timed_out = not self._interrupted
+                    self._metrics.aborted.inc(("shutdown" if self._interrupted else "timeout",))
+                    yield [self._end(choice, reason, unfinished) for choice in list(unfinished.values())]
                     return
                 if not items:  # the stream closed early: the engine is shutting down
                     cause = "engine_stopped"
@@ -108,24 +123,25 @@ class Generation:
             cause = "error"
             raise
         finally:
+            self._in_flight.discard(self)
             if unfinished:
                 self._engine.abort(list(unfinished))
                 self._metrics.aborted.inc((cause,))
             stream.close()
 
     async def _next_items(self, stream) -> list | None:
-        """The next output and everything queued behind it; [] at end of stream, None at timeout."""
+        """The next output and everything queued behind it; [] at end of stream, None at the
+        deadline or when interrupted."""
+        delay_s = None if self._deadline_s is None else self._deadline_s - self._clock()
         try:
-            if self._deadline_s is None:
+            with anyio.move_on_after(delay_s) as self._waiting:
                 first = await stream.receive()
-            else:
-                with anyio.move_on_after(self._deadline_s - self._clock()):
-                    first = await stream.receive()
-                    return self._drain(stream, first)
-                return None
+                return self._drain(stream, first)
+            return None
         except anyio.EndOfStream:
             return []
-        return self._drain(stream, first)
+        finally:
+            self._waiting = None
 
     @staticmethod
     def _drain(stream, first) -> list:

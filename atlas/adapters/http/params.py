@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from atlas.adapters.http.engine_client import SamplingDefaults
-from atlas.adapters.http.errors import bad_request
+from atlas.adapters.http.errors import bad_request, excerpt
 from atlas.adapters.http.schemas import ChatCompletionRequest, CompletionRequest
 from atlas.domain.requests import ParameterError, SamplingParams
 from atlas.domain.sampling import validate_token_ids
@@ -19,6 +19,17 @@ def check_prompt_fits(num_prompt_tokens: int, max_model_len: int, param: str) ->
             f"the prompt has {num_prompt_tokens} tokens but this model's context is {max_model_len} tokens "
             f"(prompt + output); shorten the prompt",
             code="context_length_exceeded",
+        )
+
+
+def check_choices(num_prompts: int, n: int | None, max_choices: int) -> None:
+    """400 naming `n` and --max-choices-per-request when prompts x n choices exceed it."""
+    num_choices = num_prompts * (n if n is not None else 1)
+    if num_choices > max_choices:
+        asked = f"n={n or 1}" if num_prompts == 1 else f"{num_prompts} prompts x n={n or 1}"
+        raise bad_request(
+            "n", f"{asked} asks for {num_choices} choices; this server generates at most {max_choices} per "
+                 f"request (--max-choices-per-request)",
         )
 
 
@@ -46,7 +57,7 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
         try:
             bias[int(key)] = value
         except ValueError:
-            raise bad_request("logit_bias", f"logit_bias keys are token ids; {key!r} is not an integer") from None
+            raise bad_request("logit_bias", f"logit_bias keys are token ids; {excerpt(key)} is not an integer") from None
     return bias
 
 

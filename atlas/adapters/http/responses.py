@@ -1,7 +1,8 @@
 """Response bodies of the OpenAI-compatible endpoints, as msgspec Structs (encoded once each).
 
 Fields OpenAI always sends are always present (`finish_reason: null`, `logprobs: null`); a
-streamed `delta` omits what it does not carry, as OpenAI's does. `stop_reason` is vLLM's
+streamed `delta` omits what it does not carry, as OpenAI's does, and a message without tool
+calls has no `tool_calls` field (an empty list trips clients that test for the key). `stop_reason` is vLLM's
 extension: the stop string or stop token id that ended a choice.
 """
 
@@ -41,7 +42,7 @@ class ChatMessageOut(msgspec.Struct):
     role: str
     content: str
     refusal: None = None
-    tool_calls: list = msgspec.field(default_factory=list)
+    tool_calls: list | msgspec.UnsetType = msgspec.UNSET  # absent from a reply without tool calls
 
 
 class ChatChoice(msgspec.Struct):

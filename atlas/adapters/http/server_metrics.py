@@ -21,7 +21,8 @@ from atlas.domain.engine import EngineStats
 class ServerMetrics:
     """Counters and histograms the HTTP layer updates, and gauges read from the engine."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats | None], is_healthy: Callable[[], bool]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None], is_healthy: Callable[[], bool],
+                 num_in_flight: Callable[[], int]) -> None:
         self.registry = registry = MetricsRegistry()
         self._engine_stats = engine_stats
         self.requests = registry.counter(
@@ -42,8 +43,7 @@ class ServerMetrics:
         self.request_duration = registry.histogram(
             "atlas_request_duration_seconds", "Arrival to last token of a generation request", DURATION_BUCKETS_S
         )
-        self.in_flight = 0
-        registry.gauge("atlas_requests_in_flight", "Generation requests being answered now", lambda: self.in_flight)
+        registry.gauge("atlas_requests_in_flight", "Generation requests being answered now", num_in_flight)
         registry.gauge("atlas_engine_healthy", "1 when the engine is loaded and making progress",
                        lambda: 1.0 if is_healthy() else 0.0)
         self._stat_gauge("atlas_num_requests_running", "Sequences running (holding KV blocks)",
