@@ -4,6 +4,7 @@ disconnects and metrics, with no model in the loop (the tokenizer is the tiny mo
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections import deque
 from contextlib import asynccontextmanager
@@ -383,7 +384,7 @@ async def test_openapi_describes_every_registered_route_with_the_request_schemas
     from atlas.adapters.http.schemas import ChatCompletionRequest
 
     app = make_app(ScriptedEngine([]), tokenizer, HttpConfig(require_auth=True, auth_tokens=frozenset({"t"})))
-    registered = {(rule.rule.replace("<path:model_id>", "{model_id}"), method.lower())
+    registered = {(re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule), method.lower())
                   for rule in app.url_map.iter_rules() for method in rule.methods - {"HEAD", "OPTIONS"}
                   if rule.endpoint != "static"}
     async with app.test_app() as test_app:

@@ -32,7 +32,7 @@ from atlas.adapters.http.completions import completions
 from atlas.adapters.http.engine_client import EngineLauncher
 from atlas.adapters.http.errors import ApiError, excerpt, status_error
 from atlas.adapters.http.openapi import ApiDocument, Route
-from atlas.adapters.http.page import add_page_routes
+from atlas.adapters.http import page
 from atlas.adapters.http.responses import ChatChunk, ChatCompletion, Completion
 from atlas.adapters.http.schemas import ChatCompletionBody, CompletionBody, DetokenizeRequest, TokenizeBody
 from atlas.adapters.http.service import Detokenized, HealthStatus, ModelCard, ModelList, Tokenized
@@ -72,7 +72,6 @@ def create_app(
     app.after_serving(lifespan.stop)
     _add_hooks(app, state)
     _add_routes(app, state)
-    add_page_routes(app)
     _add_error_handlers(app, state)
     return app
 
@@ -119,6 +118,10 @@ ROUTES = (
           response=HealthStatus),
     Route("GET", "/metrics", "metrics", "Prometheus metrics", service.metrics, media_type="text/plain"),
     Route("GET", "/openapi.json", "openapi", "This document", service.openapi),
+    Route("GET", "/", "chatPage", "The chat page (outside auth: it holds no secrets)", page.index_page,
+          media_type="text/html"),
+    Route("GET", "/static/<name>", "chatPageAsset", "The chat page's scripts and styles", page.static_asset,
+          media_type="text/javascript"),
 )
 
 

@@ -10,11 +10,12 @@ model writes can load or run anything even if it reached the DOM as markup.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from importlib import resources
 
-from quart import Quart, Response, request
+from quart import Response, request
 from werkzeug.exceptions import NotFound
 
 CONTENT_TYPES = {
@@ -60,18 +61,19 @@ def load_static() -> dict[str, StaticFile]:
     return files
 
 
-def add_page_routes(app: Quart) -> None:
-    """`GET /` (the page) and `GET /static/<name>` (its scripts and styles)."""
-    files = load_static()
-    index = files[INDEX]
+@functools.cache
+def _files() -> dict[str, StaticFile]:
+    return load_static()
 
-    @app.get("/")
-    async def page() -> Response:
-        return index.response()
 
-    @app.get("/static/<name>")
-    async def asset(name: str) -> Response:
-        file = files.get(name)
-        if file is None:
-            raise NotFound()
-        return file.response()
+async def index_page(state: object) -> Response:
+    """`GET /`: the page."""
+    return _files()[INDEX].response()
+
+
+async def static_asset(state: object, name: str) -> Response:
+    """`GET /static/<name>`: one of the page's scripts and styles; 404 for any other name."""
+    file = _files().get(name)
+    if file is None:
+        raise NotFound()
+    return file.response()
