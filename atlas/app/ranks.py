@@ -53,7 +53,7 @@ from atlas.ports.comm import CommError
 log = logging.getLogger("atlas.ranks")
 
 _RECEIVE_BYTES = 1 << 20
-_STOP_GRACE_S = 5.0
+_STOP_GRACE_S = 10.0  # a rank's close may be collective (NCCL's destroy)
 _PR_SET_PDEATHSIG = 1
 
 

@@ -58,10 +58,11 @@ def test_timings_come_back_from_every_rank_for_every_path(ranks):
     assert all(row.us_per_call > 0 for row in rows)
 
 
-def _gpu_pids() -> set[int]:
-    listing = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+def _memory_used_mib() -> list[int]:
+    """Per GPU (nvidia-smi reads it for the whole device, so it works inside containers too)."""
+    listing = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, check=True).stdout
-    return {int(line) for line in listing.split() if line.strip().isdigit()}
+    return [int(line) for line in listing.split()]
 
 
 def test_a_rank_killed_in_the_middle_of_a_step_fails_it_fast_and_frees_every_gpu(kernel_cache_dir):
@@ -72,9 +73,10 @@ def test_a_rank_killed_in_the_middle_of_a_step_fails_it_fast_and_frees_every_gpu
 
     if _num_gpus() < 2:
         pytest.skip("needs 2 GPUs")
+    before = _memory_used_mib()[:2]
     group = start_group(2, str(kernel_cache_dir))
     pids = group.pids
-    assert set(pids) <= _gpu_pids()
+    assert all(used > was for used, was in zip(_memory_used_mib()[:2], before))  # the ranks hold memory
     group.submit(msgspec.msgpack.encode(CheckRequest([64 << 20], ["bf16", "f32"])))
     time.sleep(1.0)
     started = time.monotonic()
@@ -84,7 +86,12 @@ def test_a_rank_killed_in_the_middle_of_a_step_fails_it_fast_and_frees_every_gpu
     assert caught.value.rank == 1, str(caught.value)
     assert time.monotonic() - started < 30
     group.close()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     deadline = time.monotonic() + 30
-    while set(pids) & _gpu_pids() and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        if all(used <= was + 64 for used, was in zip(_memory_used_mib()[:2], before)):
+            break
         time.sleep(0.5)
-    assert not set(pids) & _gpu_pids()
+    assert all(used <= was + 64 for used, was in zip(_memory_used_mib()[:2], before)), (before, _memory_used_mib())

@@ -172,10 +172,13 @@ class P2PAllReduce:
         for address in self._peers:
             check("cuIpcCloseMemHandle", cu.cuIpcCloseMemHandle(address))
         self._peers = []
-        self._exchange(b"")
+        self._exchange(b"")  # no rank still maps our region
         self._release()
 
     def _release(self) -> None:
+        for address in self._peers:
+            cu.cuIpcCloseMemHandle(address)
+        self._peers = []
         for address in (self._table, self._region):
             if address:
                 cu.cuMemFree(address)
