@@ -1,33 +1,7 @@
-"""Rank processes: one worker process per device, driven by the engine core.
-
-The driver (the engine core) spawns `python -m atlas.app.ranks FD` once per rank, all in one
-process group, each with one end of a socket pair, and talks to them in the frames of
-`engine_protocol` (4-byte length + msgpack):
-
-    driver -> rank:  StartRank(rank, world, device, comm id, worker factory)   once
-                     Step(body)     every step: one message, encoded once, the same bytes to all
-                     Stop
-    rank -> driver:  RankReady | RankFailed(message, is_user_error, culprit)   after loading
-                     StepDone(body) | RankFailed(...)                           after each step
-
-What a rank does is a plug-in: `factory(RankContext) -> RankWorker` runs once in the rank
-(load weights, build its device, join the communicator whose id the driver made) and
-`worker.step(body) -> bytes` runs each step; the factory travels pickled (a top-level function
-or a `functools.partial` of one), importable in the rank because the rank takes the driver's
-`sys.path`.
-
-Health. A rank that raises reports it and waits to be stopped, so its message is never lost;
-a rank that dies is seen by a watcher thread at once. Either way the driver kills the whole
-group (SIGKILL to the process group, which takes anything the ranks started too), calls
-`on_failure`, and raises `RankFailure` naming the rank at fault from `start`, `collect` and
-`check` from then on. No wait of the driver outlives a dead rank. Ranks die with the driver
-too (Linux's parent-death signal, bound to the thread that called `start`, so call it from a
-thread that lives as long as the group), and a rank whose driver closes its socket exits.
-"""
+"""The driver's side: spawn the rank processes, broadcast steps, notice failures, stop them all."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import pickle
@@ -38,85 +12,19 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import msgspec
 
 from atlas.adapters.comm.mock import name_ranks
 from atlas.app.engine_protocol import FrameBuffer, frame
-from atlas.ports.comm import CommError
+from atlas.app.ranks.wire import FromRank, RankFactory, RankFailed, RankReady, StartRank, Step, StepDone, Stop
 
 log = logging.getLogger("atlas.ranks")
 
 _RECEIVE_BYTES = 1 << 20
 _STOP_GRACE_S = 10.0  # a rank's close may be collective (NCCL's destroy)
-_PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True, slots=True)
-class RankContext:
-    """What a rank's factory is told: who it is, which device is its, and the communicator
-    id to join (from the driver's `new_comm_id`: NCCL's unique id, or the mock's address)."""
-
-    rank: int
-    world_size: int
-    device_ordinal: int
-    comm_id: bytes
-
-
-class RankWorker(Protocol):
-    def step(self, body: bytes) -> bytes:
-        """Run one step given the driver's message; the reply goes back to the driver."""
-        ...
-
-    def close(self) -> None:
-        """Release the device and the communicator (the driver is stopping the group)."""
-        ...
-
-
-RankFactory = Callable[[RankContext], RankWorker]
-
-
-# -- the wire ---------------------------------------------------------------------------------
-
-
-class StartRank(msgspec.Struct, tag=True):
-    rank: int
-    world_size: int
-    device_ordinal: int
-    comm_id: bytes
-    factory: bytes  # pickled RankFactory
-    sys_path: list[str]
-
-
-class Step(msgspec.Struct, tag=True):
-    body: bytes
-
-
-class Stop(msgspec.Struct, tag=True):
-    pass
-
-
-class RankReady(msgspec.Struct, tag=True):
-    pass
-
-
-class StepDone(msgspec.Struct, tag=True):
-    body: bytes
-
-
-class RankFailed(msgspec.Struct, tag=True):
-    message: str
-    is_user_error: bool  # a ValueError/MemoryError at load that names the fix
-    culprit: int | None  # the peer a CommError named, if any
-
-
-ToRank = StartRank | Step | Stop
-FromRank = RankReady | StepDone | RankFailed
 
 
 class RankFailure(RuntimeError):
@@ -127,9 +35,6 @@ class RankFailure(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.is_user_error = is_user_error
-
-
-# -- the driver -------------------------------------------------------------------------------
 
 
 class RankGroup:
@@ -379,99 +284,3 @@ def _exit_status(process: subprocess.Popen) -> str:
     except subprocess.TimeoutExpired:
         return "still running"
     return _describe_exit(returncode)
-
-
-# -- the rank ---------------------------------------------------------------------------------
-
-
-class _DriverLink:
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._frames = FrameBuffer()
-        self._pending: list[bytes] = []
-        self._encode = msgspec.msgpack.Encoder().encode
-        self._decoder = msgspec.msgpack.Decoder(ToRank)
-
-    def receive(self) -> ToRank | None:
-        """The next message from the driver; None once it has closed the connection."""
-        while not self._pending:
-            try:
-                data = self._sock.recv(_RECEIVE_BYTES)
-            except OSError:
-                return None
-            if not data:
-                return None
-            self._pending.extend(self._frames.feed(data))
-        return self._decoder.decode(self._pending.pop(0))
-
-    def send(self, message: FromRank) -> None:
-        self._sock.sendall(frame(self._encode(message)))
-
-    def fail_and_wait(self, message: str, is_user_error: bool, culprit: int | None) -> None:
-        """Report a failure, then wait for the driver to stop the group, so the report is read
-        before this process's exit is noticed."""
-        try:
-            self.send(RankFailed(message, is_user_error, culprit))
-            while self.receive() is not None:
-                pass
-        except OSError:
-            pass
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the thread that spawned it exits."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the driver died before the request took effect
-        os._exit(1)
-
-
-def child_main(fd: int) -> int:
-    """A rank: read StartRank, build the worker, run steps until Stop or the driver goes."""
-    _die_with_parent()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
-    link = _DriverLink(socket.socket(fileno=fd))
-    start = link.receive()
-    if not isinstance(start, StartRank):
-        return 0
-    sys.path[:0] = [entry for entry in start.sys_path if entry not in sys.path]
-    context = RankContext(start.rank, start.world_size, start.device_ordinal, start.comm_id)
-    try:
-        worker: RankWorker = pickle.loads(start.factory)(context)
-    except (ValueError, MemoryError) as error:
-        link.fail_and_wait(str(error), True, None)
-        return 2
-    except Exception as error:
-        traceback.print_exc()
-        link.fail_and_wait(f"{type(error).__name__}: {error}", False, _culprit(error))
-        return 1
-    try:
-        link.send(RankReady())
-        while True:
-            message = link.receive()
-            if message is None or isinstance(message, Stop):
-                return 0
-            if isinstance(message, Step):
-                try:
-                    reply = worker.step(message.body)
-                except Exception as error:
-                    traceback.print_exc()
-                    link.fail_and_wait(f"{type(error).__name__}: {error}", False, _culprit(error))
-                    return 1
-                link.send(StepDone(reply))
-    except OSError:
-        return 0  # the driver went away
-    finally:
-        worker.close()
-
-
-def _culprit(error: BaseException) -> int | None:
-    return error.rank if isinstance(error, CommError) else None
-
-
-if __name__ == "__main__":
-    sys.exit(child_main(int(sys.argv[1])))
