@@ -8,7 +8,8 @@ from fakes import TINY_LLAMA, DictWeights, random_llama_weights
 
 from atlas.adapters.mock.backend import MockGpuBackend
 from atlas.domain.engine import EngineCore
-from atlas.domain.kv_blocks import BlockPool
+from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.cache.manager import full_attention_cache
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.families import load_model
 from atlas.domain.requests import ParameterError, Request, SamplingParams
@@ -21,16 +22,16 @@ MAX_LEN = 128
 EOS = frozenset({96})
 
 
-def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=()):
+def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=(), prefix_caching=True, policy=None):
     config = ModelConfig.from_dict(TINY_LLAMA)
     backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed)), backend, MAX_LEN)
     spec = KvCacheSpec(config.num_layers, num_blocks + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
     worker_config = WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes)
     worker = Worker(backend, model, backend.allocate_kv_cache(spec), worker_config)
-    pool = BlockPool(num_blocks, BLOCK_SIZE)
-    scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), pool)
-    return EngineCore(scheduler, pool, worker, MAX_LEN, config.vocab_size, EOS)
+    cache = full_attention_cache(BlockPool(num_blocks, BLOCK_SIZE), prefix_caching)
+    scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, policy)
+    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)
 
 
 def run(core, requests, check=True):
@@ -42,7 +43,6 @@ def run(core, requests, check=True):
             tokens[output.seq_id].extend(output.new_token_ids)
         if check:
             core.scheduler.check_invariants()
-            core.pool.check_invariants()
     return tokens
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from atlas.domain.batch import ScheduledBatch, StepResult, TokenLogprobs
-from atlas.domain.kv_blocks import BlockPool
+from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.cache.manager import full_attention_cache
 from atlas.domain.requests import FinishReason, ParameterError, Request, SamplingParams, SequenceStatus
 from atlas.domain.sequence import Sequence
 from atlas.domain.sampling import sampling_row
@@ -89,12 +90,16 @@ def make_scheduler(
     max_num_seqs: int = 8,
     max_model_len: int = 64,
     policy: SchedulingPolicy | None = None,
+    prefix_caching: bool = False,
 ) -> tuple[Scheduler, BlockPool, PagedFakeWorker]:
+    """Without prefix caching unless asked, so block ids here are the pool's order alone
+    (tests/unit/test_prefix_caching.py tells the stories with the cache)."""
     pool = BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE)
     config = SchedulerConfig(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=BLOCK_SIZE
     )
-    return Scheduler(config, pool, policy), pool, PagedFakeWorker(num_blocks)
+    cache = full_attention_cache(pool, prefix_caching)
+    return Scheduler(config, cache, policy), pool, PagedFakeWorker(num_blocks)
 
 
 def step(scheduler: Scheduler, worker: PagedFakeWorker) -> tuple[ScheduledBatch, list]:
@@ -123,7 +128,7 @@ def run_to_completion(
             record.token_ids.extend(output.new_token_ids)
             record.finish_reason = output.finish_reason
     assert not scheduler.has_unfinished, f"not done after {max_steps} steps"
-    assert scheduler.pool.num_free_blocks == scheduler.pool.num_blocks
+    assert scheduler.cache.stats().num_blocks_free == scheduler.cache.stats().num_blocks_total
     return finished
 
 
@@ -274,7 +279,7 @@ def test_preemption_takes_the_newest_running_sequence_and_requeues_it_first() ->
     batch, outputs = step(scheduler, worker)
     assert batch_shape(batch) == [("a", 8, 1, (0, 1, 2), True)]
     assert b.num_preemptions == 1 and b.num_computed_tokens == 0 and b.status is SequenceStatus.WAITING
-    assert b.num_output_tokens == 2 and b.num_blocks == 0
+    assert b.num_output_tokens == 2 and b.cache.is_empty
     assert [o.finish_reason for o in outputs] == [FinishReason.LENGTH]  # a is done: 3 tokens
     assert (scheduler.num_running, scheduler.num_waiting) == (0, 2)
 
@@ -525,6 +530,9 @@ def test_nothing_to_do_gives_an_empty_batch_that_needs_no_commit() -> None:
 class ShortestPromptFirst:
     """A policy that admits short prompts first and preempts like fifo."""
 
+    def check(self, seq: Sequence) -> None:
+        pass
+
     def admission_order(self, waiting: Collection[Sequence]) -> Iterable[Sequence]:
         return sorted(waiting, key=lambda seq: seq.num_prompt_tokens)
 
@@ -541,6 +549,9 @@ def test_a_policy_object_decides_the_admission_order() -> None:
 
 
 class PreemptsAStranger:
+    def check(self, seq: Sequence) -> None:
+        pass
+
     def admission_order(self, waiting: Collection[Sequence]) -> Iterable[Sequence]:
         return iter(waiting)
 
@@ -570,7 +581,7 @@ def test_add_refuses_engine_mistakes() -> None:
     with pytest.raises(ValueError, match="already started"):
         scheduler.add(seq)
     with pytest.raises(ValueError, match="block_size"):
-        Scheduler(SchedulerConfig(max_model_len=32, block_size=16), BlockPool(8, block_size=4))
+        Scheduler(SchedulerConfig(max_model_len=32, block_size=16), full_attention_cache(BlockPool(8, block_size=4)))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_model_len=32, max_num_batched_tokens=0)
 
@@ -621,7 +632,7 @@ def test_random_workloads_with_arrivals_and_aborts_match_the_reference(seed: int
             scheduler.commit(*in_flight.pop(0))
             scheduler.check_invariants()
     assert not arrivals and not scheduler.has_unfinished, "livelock"
-    assert pool.num_free_blocks == num_blocks
+    assert scheduler.cache.stats().num_blocks_free == num_blocks
 
     for seq in sequences:
         expected = expected_greedy_run(seq)

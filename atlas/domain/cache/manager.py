@@ -1,0 +1,349 @@
+"""The one cache API the scheduler uses, over every cache group and the prefix cache.
+
+    admission   hit = lookup(seq)                the longest cached prefix every group can serve
+                r = reserve(seq, n, hit)         None when pages are short; nothing changed
+                commit(seq, r)                   pins the hit, evicts what is short, hands out pages
+    each step   on_scheduled(seq, start, end)    offers newly full blocks to the prefix cache and
+                                                 releases blocks that left a sliding window
+    growth      r = reserve(seq, n); commit(seq, r)
+    the end     release(seq)                     finish, abort or preemption: full blocks stay
+                                                 cached (evictable), the rest goes back to the pools
+
+A block enters the prefix cache when the step computing its last token is scheduled, but only
+steps after that one may read it: a sequence whose hit would reach a block the step being built
+computes waits (`PrefixHit.waits_for_step`) and hits it in full a step later, so the `n` forks
+of one prompt compute it once. Only resolved tokens are cached (never a pending placeholder),
+and the last prompt token is always computed, since it samples.
+
+Every page of a group's pool is free, held by running sequences (and maybe cached too), or
+cached and evictable: `reserve` counts free + evictable pages, minus those the hit will pin.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Sequence as SequenceList
+from dataclasses import dataclass
+
+from atlas.domain.batch import BlockTable
+from atlas.domain.cache.block_key import BlockKey
+from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.cache.groups import FULL_ATTENTION, CacheGroup, KvGroup
+from atlas.domain.cache.radix_tree import NoPrefixCache, RadixNode, RadixTree
+from atlas.domain.requests import ParameterError
+from atlas.domain.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The cached blocks a waiting sequence can start from: `nodes[i]` holds its block i."""
+
+    nodes: tuple[RadixNode, ...]
+    num_tokens: int
+    waits_for_step: bool  # some of these blocks are computed by the step being built
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReservation:
+    """A checked promise of pages for one sequence, redeemable once by `CacheManager.commit`
+    before the cache changes again."""
+
+    seq_id: str
+    hit: PrefixHit | None
+    num_new_pages: tuple[int, ...]  # per group
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    num_blocks_total: int  # KV blocks over every KV group
+    num_blocks_free: int  # free or evictable: what new work can take
+    num_blocks_cached: int  # evictable: cached and unused by any running sequence
+    num_queried_tokens: int  # prompt tokens of the requests admitted (resumed ones not counted)
+    num_hit_tokens: int  # of those, found in the prefix cache
+
+
+class CacheManager:
+    """Per-sequence cache pages in every group, and the prefix cache over them."""
+
+    __slots__ = (
+        "groups", "block_size", "tree", "_kv_groups", "_lone_full_group", "_fresh", "_version", "_num_queried",
+        "_num_hit",
+    )
+
+    def __init__(self, groups: SequenceList[CacheGroup], tree: RadixTree | NoPrefixCache) -> None:
+        """Raises ValueError without a KV group, for KV groups of different block sizes, or
+        for a tree over another number of groups."""
+        kv_groups = [idx for idx, group in enumerate(groups) if group.spec.kind.is_kv]
+        block_sizes = {groups[idx].pool.block_size for idx in kv_groups}
+        if len(block_sizes) != 1:
+            raise ValueError(f"the KV cache groups must share one block size (got {sorted(block_sizes)})")
+        if tree.num_groups != len(groups):
+            raise ValueError(f"the prefix cache covers {tree.num_groups} groups, not {len(groups)}")
+        self.groups = tuple(groups)
+        self.block_size = block_sizes.pop()
+        self.tree = tree
+        self._kv_groups = tuple(kv_groups)
+        self._lone_full_group = len(groups) == 1 and groups[0].is_prefix_closed
+        self._fresh: set[RadixNode] = set()  # nodes the step being built computes
+        self._version = 0
+        self._num_queried = 0
+        self._num_hit = 0
+
+    @classmethod
+    def build(cls, groups: SequenceList[CacheGroup], prefix_caching: bool) -> CacheManager:
+        """A manager with a radix prefix cache, or with `NoPrefixCache` when caching is off."""
+        tree = RadixTree([group.is_prefix_closed for group in groups]) if prefix_caching else NoPrefixCache(len(groups))
+        return cls(groups, tree)
+
+    def begin_step(self) -> None:
+        """A new step is being built: blocks computed by earlier steps are readable now."""
+        self._fresh.clear()
+
+    def lookup(self, seq: Sequence) -> PrefixHit:
+        """The longest cached prefix of a waiting sequence's tokens that every group can serve,
+        leaving at least its last token to compute."""
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        path = self.tree.match(self._keys(seq, max_blocks)[:max_blocks])
+        num_blocks = len(path)
+        while (shortest := min(g.longest_hit(path, i, num_blocks) for i, g in enumerate(self.groups))) < num_blocks:
+            num_blocks = shortest  # a sliding window may accept a shorter hit only
+        nodes = tuple(path[:num_blocks])
+        waits = bool(self._fresh) and any(node in self._fresh for node in nodes)
+        return PrefixHit(nodes, num_blocks * self.block_size, waits)
+
+    def reserve(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> CacheReservation | None:
+        """Check that `seq` can hold `num_tokens` more tokens: from its computed ones when
+        running, or from `hit` when it is being admitted (pass the hit, even an empty one).
+        Returns None, changing nothing, when some group is short of pages even after evicting.
+        Raises ValueError for a running sequence given a hit, or a waiting one given none."""
+        holdings = seq.cache
+        if (hit is None) != bool(holdings.groups):
+            raise ValueError(f"{seq.seq_id!r}: a hit is given exactly when a waiting sequence is admitted")
+        end = (seq.num_computed_tokens if hit is None else hit.num_tokens) + num_tokens
+        needs = []
+        for idx, group in enumerate(self.groups):
+            if hit is None:
+                covered, newly_pinned = holdings.groups[idx].num_covered, 0
+            else:
+                blocks = group.hit_blocks(len(hit.nodes))
+                covered = blocks.stop if blocks else 0
+                newly_pinned = sum(1 for i in blocks if hit.nodes[i].num_pins[idx] == 0)
+            need = group.num_pages(end) - covered
+            if need > group.pool.num_free_blocks + self.tree.num_evictable(idx) - newly_pinned:
+                return None
+            needs.append(need)
+        return CacheReservation(seq.seq_id, hit, tuple(needs), self._version)
+
+    def commit(self, seq: Sequence, reservation: CacheReservation) -> None:
+        """Hand out the reserved pages (after the hit's, which `seq` starts from: its computed
+        count becomes the hit's tokens), evicting cached pages where the free ones fall short.
+        Raises ValueError, changing nothing, for another sequence's or a stale reservation."""
+        if reservation.seq_id != seq.seq_id or reservation.version != self._version:
+            raise ValueError(f"the reservation for {reservation.seq_id!r} is stale or not {seq.seq_id!r}'s")
+        if reservation.hit is not None:
+            self._attach_hit(seq, reservation.hit)
+        for idx, (group, need) in enumerate(zip(self.groups, reservation.num_new_pages, strict=True)):
+            if need == 0:
+                continue
+            if need > group.pool.num_free_blocks:
+                group.pool.free(self.tree.evict(idx, need - group.pool.num_free_blocks))
+            pool_reservation = group.pool.reserve(need)
+            if pool_reservation is None:
+                raise AssertionError(f"group {idx}: a checked reservation of {need} pages no longer fits")
+            seq.cache.groups[idx].block_ids.extend(group.pool.commit(pool_reservation))
+        self._version += 1
+
+    def on_scheduled(self, seq: Sequence, start: int, end: int) -> None:
+        """`seq` computes tokens [start, end) in the step being built: offer the blocks this
+        fills (if resolved) to the prefix cache, and release blocks no window reads from
+        `start` on (the step's own reads included)."""
+        self._offer(seq, min(end, seq.num_resolved_tokens), fresh_from=start)
+        holdings = seq.cache
+        for idx, (group, holding) in enumerate(zip(self.groups, holdings.groups, strict=True)):
+            first_needed = group.first_needed_block(start)
+            while holding.first_block_idx < first_needed and holding.block_ids:
+                block_idx = holding.first_block_idx
+                page = holding.release_first()
+                if block_idx < len(holdings.nodes):
+                    self.tree.unpin(holdings.nodes[block_idx], idx)
+                group.pool.free([page])
+        self._version += 1
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` stops running (finished, aborted or preempted): its full computed blocks stay
+        in the prefix cache, every other page returns to its pool. A no-op for a sequence that
+        holds nothing."""
+        holdings = seq.cache
+        if not holdings.groups:
+            return
+        self._offer(seq, min(seq.num_computed_tokens, seq.num_resolved_tokens), fresh_from=seq.num_computed_tokens)
+        for idx, (group, holding) in enumerate(zip(self.groups, holdings.groups, strict=True)):
+            # unpinned deepest first, so a sequence's last blocks are evicted before its first
+            for offset in reversed(range(len(holding.block_ids))):
+                if holding.first_block_idx + offset < len(holdings.nodes):
+                    self.tree.unpin(holdings.nodes[holding.first_block_idx + offset], idx)
+            group.pool.free(holding.block_ids)
+        holdings.clear()
+        self._version += 1
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every page no running sequence pins; returns how many went back to the pools."""
+        num_evicted = 0
+        for idx, group in enumerate(self.groups):
+            evicted = self.tree.evict(idx, self.tree.num_evictable(idx))
+            group.pool.free(evicted)
+            num_evicted += len(evicted)
+        self._version += 1
+        return num_evicted
+
+    def step_tables(self, seq: Sequence) -> tuple[tuple[int, ...], tuple[BlockTable, ...], tuple[int, ...]]:
+        """What a step's `ScheduledSequence` carries: the first KV group's block ids, every KV
+        group's table (empty for a lone full-attention group: its table is the block ids) and
+        every state group's slot."""
+        holdings = seq.cache.groups
+        first = holdings[self._kv_groups[0]]
+        if self._lone_full_group:
+            return tuple(first.block_ids), (), ()
+        tables = tuple(BlockTable(tuple(holdings[i].block_ids), holdings[i].first_block_idx) for i in self._kv_groups)
+        slots = tuple(holding.block_ids[0] for i, holding in enumerate(holdings) if i not in self._kv_groups)
+        return tables[0].block_ids, tables, slots
+
+    def check_prompt_fits(self, num_prompt_tokens: int) -> None:
+        """Raises ParameterError("prompt", ...) when the whole cache cannot hold the prompt."""
+        for idx in self._kv_groups:
+            group = self.groups[idx]
+            max_tokens = group.max_tokens()
+            if max_tokens is not None and num_prompt_tokens > max_tokens:
+                pool = group.pool
+                raise ParameterError(
+                    "prompt",
+                    f"the prompt has {num_prompt_tokens} tokens, which need "
+                    f"{BlockPool.blocks_needed(num_prompt_tokens, pool.block_size)} KV blocks of {pool.block_size} "
+                    f"tokens, but the KV cache holds only {pool.num_blocks} blocks ({max_tokens} tokens); "
+                    f"shorten the prompt or give the KV cache more memory",
+                )
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether the whole cache could hold one sequence of `num_tokens` tokens."""
+        return all((limit := group.max_tokens()) is None or num_tokens <= limit for group in self.groups)
+
+    def stats(self) -> CacheStats:
+        pools = [(idx, self.groups[idx].pool) for idx in self._kv_groups]
+        cached = sum(self.tree.num_evictable(idx) for idx, _ in pools)
+        return CacheStats(
+            num_blocks_total=sum(pool.num_blocks for _, pool in pools),
+            num_blocks_free=sum(pool.num_free_blocks for _, pool in pools) + cached,
+            num_blocks_cached=cached,
+            num_queried_tokens=self._num_queried,
+            num_hit_tokens=self._num_hit,
+        )
+
+    def check_invariants(self, running: Collection[Sequence]) -> None:
+        """Raise AssertionError if pages, pins and sequences disagree.
+
+        Checked on top of each pool's and the tree's own invariants: a running sequence covers
+        exactly its computed tokens in every group and releases no block it still reads; every
+        used page has as many holders (sequences, plus the cache) as its ref count; every pin is
+        a running sequence's; an evictable page has no holder but the cache, so free + used +
+        evictable = total; a sequence's path follows its keys.
+        """
+        self.tree.check_invariants()
+        for seq in running:
+            self._check_path(seq)
+        nodes = list(self.tree.nodes())
+        for idx, group in enumerate(self.groups):
+            group.pool.check_invariants()
+            holders: Counter[int] = Counter()
+            pins: Counter[int] = Counter()  # by id(node)
+            for seq in running:
+                holding = seq.cache.groups[idx]
+                if holding.num_covered != group.num_pages(seq.num_computed_tokens):
+                    raise AssertionError(f"{seq!r}: group {idx} covers {holding.num_covered} pages")
+                if holding.first_block_idx > group.first_needed_block(seq.num_computed_tokens):
+                    raise AssertionError(f"{seq!r}: group {idx} released a block it still reads")
+                holders.update(holding.block_ids)
+                for offset in range(len(holding.block_ids)):
+                    if holding.first_block_idx + offset < len(seq.cache.nodes):
+                        pins[id(seq.cache.nodes[holding.first_block_idx + offset])] += 1
+            for node in nodes:
+                page = node.block_ids[idx]
+                if node.num_pins[idx] != pins[id(node)]:
+                    raise AssertionError(f"{node!r}: {node.num_pins[idx]} pins in group {idx}, sequences hold {pins[id(node)]}")
+                if page is not None:
+                    holders[page] += 1
+                    if node.num_pins[idx] == 0 and group.pool.ref_count(page) != 1:
+                        raise AssertionError(f"evictable page {page} of group {idx} has other holders")
+            for page, count in holders.items():
+                if group.pool.ref_count(page) != count:
+                    raise AssertionError(f"page {page} of group {idx} has {count} holders, ref count {group.pool.ref_count(page)}")
+            if group.pool.num_used_blocks != len(holders):
+                raise AssertionError(f"group {idx}: {group.pool.num_used_blocks} pages used, {len(holders)} held")
+
+    def _check_path(self, seq: Sequence) -> None:
+        holdings = seq.cache
+        if len(holdings.groups) != len(self.groups):
+            raise AssertionError(f"{seq!r} holds pages in {len(holdings.groups)} groups, not {len(self.groups)}")
+        for block_idx, node in enumerate(holdings.nodes):
+            key = holdings.keys[block_idx]
+            if node.key != key or key.token_ids != tuple(seq.tokens_slice(block_idx * self.block_size, (block_idx + 1) * self.block_size)):
+                raise AssertionError(f"{seq!r}: block {block_idx}'s cache node or key does not match its tokens")
+
+    def _attach_hit(self, seq: Sequence, hit: PrefixHit) -> None:
+        holdings = seq.cache
+        holdings.open(len(self.groups))
+        for idx, group in enumerate(self.groups):
+            holding = holdings.groups[idx]
+            blocks = group.hit_blocks(len(hit.nodes))
+            holding.first_block_idx = blocks.start if blocks else 0
+            for block_idx in blocks:
+                node = hit.nodes[block_idx]
+                self.tree.pin(node, idx)
+                holding.block_ids.append(node.block_ids[idx])  # type: ignore[arg-type]
+            group.pool.incref(holding.block_ids)
+        holdings.nodes = list(hit.nodes)
+        seq.start_from_cache(hit.num_tokens)
+        if seq.num_preemptions == 0:
+            self._num_queried += seq.num_tokens
+            self._num_hit += hit.num_tokens
+
+    def _offer(self, seq: Sequence, num_tokens: int, fresh_from: int) -> None:
+        """Insert `seq`'s full blocks within its first `num_tokens` tokens into the prefix cache
+        and pin them; those holding a token from position `fresh_from` on are fresh."""
+        holdings = seq.cache
+        num_full = num_tokens // self.block_size
+        if num_full <= len(holdings.nodes):
+            return
+        parent = holdings.nodes[-1] if holdings.nodes else self.tree.root
+        if parent.is_detached:  # its path was evicted (only possible without full attention)
+            return
+        keys = self._keys(seq, num_full)
+        for block_idx in range(len(holdings.nodes), num_full):
+            pages = [group.cached_page(holdings.groups[i], block_idx) for i, group in enumerate(self.groups)]
+            node, taken = self.tree.insert(parent, keys[block_idx], pages)
+            if node is None:
+                return
+            for idx in taken:
+                self.groups[idx].pool.incref([pages[idx]])  # type: ignore[list-item]
+            for idx, page in enumerate(pages):
+                if page is not None:
+                    self.tree.pin(node, idx)
+            holdings.nodes.append(node)
+            if (block_idx + 1) * self.block_size > fresh_from:
+                self._fresh.add(node)
+            parent = node
+
+    def _keys(self, seq: Sequence, num_blocks: int) -> list[BlockKey]:
+        """Keys of `seq`'s first `num_blocks` blocks (at least), each hashed once per sequence."""
+        keys = seq.cache.keys
+        if num_blocks * self.block_size > seq.num_resolved_tokens:
+            raise AssertionError(f"{seq!r}: block {num_blocks - 1} holds a token not sampled yet")
+        size = self.block_size
+        for block_idx in range(len(keys), num_blocks):
+            keys.append(BlockKey(seq.tokens_slice(block_idx * size, (block_idx + 1) * size)))
+        return keys
+
+
+def full_attention_cache(pool: BlockPool, prefix_caching: bool = True) -> CacheManager:
+    """Today's models: one full-attention KV group over `pool`."""
+    return CacheManager.build([KvGroup(FULL_ATTENTION, pool)], prefix_caching)
