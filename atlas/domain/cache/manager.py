@@ -29,6 +29,7 @@ from atlas.domain.batch import BlockTable
 from atlas.domain.cache.block_key import BlockKey
 from atlas.domain.cache.block_pool import BlockPool
 from atlas.domain.cache.groups import FULL_ATTENTION, CacheGroup, KvGroup
+from atlas.domain.cache.holdings import CacheHoldings
 from atlas.domain.cache.radix_tree import NoPrefixCache, RadixNode, RadixTree
 from atlas.domain.requests import ParameterError
 from atlas.domain.sequence import Sequence
@@ -163,11 +164,8 @@ class CacheManager:
         for idx, (group, holding) in enumerate(zip(self.groups, holdings.groups, strict=True)):
             first_needed = group.first_needed_block(start)
             while holding.first_block_idx < first_needed and holding.block_ids:
-                block_idx = holding.first_block_idx
-                page = holding.release_first()
-                if block_idx < len(holdings.nodes):
-                    self.tree.unpin(holdings.nodes[block_idx], idx)
-                group.pool.free([page])
+                self._unpin(holdings, idx, holding.first_block_idx)
+                group.pool.free([holding.release_first()])
         self._version += 1
 
     def release(self, seq: Sequence) -> None:
@@ -179,10 +177,12 @@ class CacheManager:
             return
         self._offer(seq, min(seq.num_computed_tokens, seq.num_resolved_tokens), fresh_from=seq.num_computed_tokens)
         for idx, (group, holding) in enumerate(zip(self.groups, holdings.groups, strict=True)):
-            # unpinned deepest first, so a sequence's last blocks are evicted before its first
-            for offset in reversed(range(len(holding.block_ids))):
-                if holding.first_block_idx + offset < len(holdings.nodes):
-                    self.tree.unpin(holdings.nodes[holding.first_block_idx + offset], idx)
+            # Eviction follows the unpin order. Full attention: deepest first, since a block is
+            # useless without its parent. A sliding window: first first, as blocks leave a
+            # window, since a hit at the sequence's end needs only its last blocks.
+            blocks = range(holding.first_block_idx, holding.num_covered)
+            for block_idx in reversed(blocks) if group.is_prefix_closed else blocks:
+                self._unpin(holdings, idx, block_idx)
             group.pool.free(holding.block_ids)
         holdings.clear()
         self._version += 1
@@ -263,9 +263,9 @@ class CacheManager:
                 if holding.first_block_idx > group.first_needed_block(seq.num_computed_tokens):
                     raise AssertionError(f"{seq!r}: group {idx} released a block it still reads")
                 holders.update(holding.block_ids)
-                for offset in range(len(holding.block_ids)):
-                    if holding.first_block_idx + offset < len(seq.cache.nodes):
-                        pins[id(seq.cache.nodes[holding.first_block_idx + offset])] += 1
+                for block_idx in range(holding.first_block_idx, holding.num_covered):
+                    if self._pins(seq.cache, idx, block_idx):
+                        pins[id(seq.cache.nodes[block_idx])] += 1
             for node in nodes:
                 page = node.block_ids[idx]
                 if node.num_pins[idx] != pins[id(node)]:
@@ -288,6 +288,16 @@ class CacheManager:
             key = holdings.keys[block_idx]
             if node.key != key or key.token_ids != tuple(seq.tokens_slice(block_idx * self.block_size, (block_idx + 1) * self.block_size)):
                 raise AssertionError(f"{seq!r}: block {block_idx}'s cache node or key does not match its tokens")
+
+    def _pins(self, holdings: CacheHoldings, group_idx: int, block_idx: int) -> bool:
+        """Whether the sequence pins its block's node in this group: the block was offered to
+        the cache and the sequence holds a page the group caches for it."""
+        holding = holdings.groups[group_idx]
+        return block_idx < len(holdings.nodes) and self.groups[group_idx].cached_page(holding, block_idx) is not None
+
+    def _unpin(self, holdings: CacheHoldings, group_idx: int, block_idx: int) -> None:
+        if self._pins(holdings, group_idx, block_idx):
+            self.tree.unpin(holdings.nodes[block_idx], group_idx)
 
     def _attach_hit(self, seq: Sequence, hit: PrefixHit) -> None:
         holdings = seq.cache
