@@ -75,6 +75,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    priority: Count | None = None  # lower runs first under --scheduling-policy priority
 
 
 class ChatCompletionRequest(_SamplingFields, forbid_unknown_fields=True, kw_only=True):
