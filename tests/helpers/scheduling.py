@@ -58,7 +58,8 @@ class PagedFakeWorker:
             if scheduled.placeholder_row is not None:  # sampled by the previous step, not known to the host
                 token_ids[-1] = self.last_sampled[scheduled.placeholder_row]
             assert min(token_ids) >= 0
-            views = [self._write_and_read(g, table, scheduled, token_ids) for g, table in enumerate(scheduled.block_tables)]
+            tables = scheduled.block_tables
+            views = [self._write_and_read(group, table, scheduled, token_ids) for group, table in enumerate(tables)]
             for slot in scheduled.state_slots:
                 state = () if scheduled.start_position == 0 else self.states[slot]
                 assert state is not None and len(state) == scheduled.start_position, "a state slot lost its sequence"

@@ -113,7 +113,7 @@ class KvGroup:
         return self.spec.window is None
 
     def num_pages(self, num_tokens: int) -> int:
-        return BlockPool.blocks_needed(num_tokens, self.block_size)
+        return -(-num_tokens // self.block_size)
 
     def first_needed_block(self, position: int) -> int:
         if self.spec.window is None:

@@ -44,15 +44,19 @@ class CacheHoldings:
     prefix cache's node for its full block i: blocks 0 .. len(nodes) - 1 have been offered to
     the cache, and the sequence pins node i's page in every group where it holds block i.
     `keys[i]` is block i's key; keys depend only on tokens that never change, so they survive
-    preemption and are computed once.
+    preemption and are computed once. `path_ended`: the cache takes no more of its blocks (it
+    keeps none, or the path's last node was evicted). `num_tokens_covered`: tokens its pages
+    hold room for in every group; growing up to it needs no page.
     """
 
-    __slots__ = ("groups", "nodes", "keys")
+    __slots__ = ("groups", "nodes", "keys", "path_ended", "num_tokens_covered")
 
     def __init__(self) -> None:
         self.groups: list[GroupHolding] = []
         self.nodes: list[RadixNode] = []
         self.keys: list[BlockKey] = []
+        self.path_ended = False
+        self.num_tokens_covered = 0
 
     @property
     def is_empty(self) -> bool:
@@ -69,6 +73,8 @@ class CacheHoldings:
         """Forget pages and path (their holders were dropped by the manager); keep the keys."""
         self.groups = []
         self.nodes = []
+        self.path_ended = False
+        self.num_tokens_covered = 0
 
     def __repr__(self) -> str:
         tables = [(h.first_block_idx, h.block_ids) if h.first_block_idx else h.block_ids for h in self.groups]

@@ -68,14 +68,16 @@ class CacheManager:
     """Per-sequence cache pages in every group, and the prefix cache over them."""
 
     __slots__ = (
-        "groups", "block_size", "tree", "_kv_groups", "_lone_full_group", "_fresh", "_version", "_num_queried",
-        "_num_hit",
+        "groups", "block_size", "tree", "_kv_groups", "_windowed_groups", "_lone_full_group", "_no_pages",
+        "_max_tokens", "_fresh", "_version", "_num_queried", "_num_hit",
     )
 
     def __init__(self, groups: SequenceList[CacheGroup], tree: RadixTree | NoPrefixCache) -> None:
         """Raises ValueError without a KV group, for KV groups of different block sizes, or
         for a tree over another number of groups."""
         kv_groups = [idx for idx, group in enumerate(groups) if group.spec.kind.is_kv]
+        if not kv_groups:
+            raise ValueError("a cache needs at least one KV group (its blocks are the prefix cache's unit)")
         block_sizes = {groups[idx].pool.block_size for idx in kv_groups}
         if len(block_sizes) != 1:
             raise ValueError(f"the KV cache groups must share one block size (got {sorted(block_sizes)})")
@@ -85,6 +87,10 @@ class CacheManager:
         self.block_size = block_sizes.pop()
         self.tree = tree
         self._kv_groups = tuple(kv_groups)
+        self._windowed_groups = tuple(idx for idx, group in enumerate(groups) if group.spec.window is not None)
+        self._no_pages = (0,) * len(groups)
+        limits = [limit for group in groups if (limit := group.max_tokens()) is not None]
+        self._max_tokens = min(limits) if limits else None
         self._lone_full_group = len(groups) == 1 and groups[0].is_prefix_closed
         self._fresh: set[RadixNode] = set()  # nodes the step being built computes
         self._version = 0
@@ -121,20 +127,23 @@ class CacheManager:
         holdings = seq.cache
         if (hit is None) != bool(holdings.groups):
             raise ValueError(f"{seq.seq_id!r}: a hit is given exactly when a waiting sequence is admitted")
-        end = (seq.num_computed_tokens if hit is None else hit.num_tokens) + num_tokens
-        needs = []
-        for idx, group in enumerate(self.groups):
-            if hit is None:
-                covered, newly_pinned = holdings.groups[idx].num_covered, 0
-            else:
-                blocks = group.hit_blocks(len(hit.nodes))
-                covered = blocks.stop if blocks else 0
-                newly_pinned = sum(1 for i in blocks if hit.nodes[i].num_pins[idx] == 0)
-            need = group.num_pages(end) - covered
-            if need > group.pool.num_free_blocks + self.tree.num_evictable(idx) - newly_pinned:
+        if hit is None:
+            end = seq.num_computed_tokens + num_tokens
+            if end <= holdings.num_tokens_covered:  # most steps of a running sequence: keep it short
+                return CacheReservation(seq.seq_id, None, self._no_pages, self._version)
+            needs = tuple([g.num_pages(end) - h.num_covered for g, h in zip(self.groups, holdings.groups)])
+            newly_pinned = self._no_pages
+        else:
+            end = hit.num_tokens + num_tokens
+            hit_blocks = [group.hit_blocks(len(hit.nodes)) for group in self.groups]
+            needs = tuple(g.num_pages(end) - b.stop for g, b in zip(self.groups, hit_blocks, strict=True))
+            newly_pinned = tuple(
+                sum(1 for i in blocks if hit.nodes[i].num_pins[idx] == 0) for idx, blocks in enumerate(hit_blocks)
+            )
+        for idx, need in enumerate(needs):
+            if need and need > self.groups[idx].pool.num_free_blocks + self.tree.num_evictable(idx) - newly_pinned[idx]:
                 return None
-            needs.append(need)
-        return CacheReservation(seq.seq_id, hit, tuple(needs), self._version)
+        return CacheReservation(seq.seq_id, hit, needs, self._version)
 
     def commit(self, seq: Sequence, reservation: CacheReservation) -> None:
         """Hand out the reserved pages (after the hit's, which `seq` starts from: its computed
@@ -142,6 +151,8 @@ class CacheManager:
         Raises ValueError, changing nothing, for another sequence's or a stale reservation."""
         if reservation.seq_id != seq.seq_id or reservation.version != self._version:
             raise ValueError(f"the reservation for {reservation.seq_id!r} is stale or not {seq.seq_id!r}'s")
+        if reservation.num_new_pages is self._no_pages:
+            return  # nothing to hand out, nothing changes
         if reservation.hit is not None:
             self._attach_hit(seq, reservation.hit)
         for idx, (group, need) in enumerate(zip(self.groups, reservation.num_new_pages, strict=True)):
@@ -153,19 +164,25 @@ class CacheManager:
             if pool_reservation is None:
                 raise AssertionError(f"group {idx}: a checked reservation of {need} pages no longer fits")
             seq.cache.groups[idx].block_ids.extend(group.pool.commit(pool_reservation))
+        seq.cache.num_tokens_covered = min(
+            self.groups[idx].pool.block_size * seq.cache.groups[idx].num_covered for idx in self._kv_groups
+        )
         self._version += 1
 
     def on_scheduled(self, seq: Sequence, start: int, end: int) -> None:
         """`seq` computes tokens [start, end) in the step being built: offer the blocks this
         fills (if resolved) to the prefix cache, and release blocks no window reads from
         `start` on (the step's own reads included)."""
-        self._offer(seq, min(end, seq.num_resolved_tokens), fresh_from=start)
         holdings = seq.cache
-        for idx, (group, holding) in enumerate(zip(self.groups, holdings.groups, strict=True)):
-            first_needed = group.first_needed_block(start)
+        num_tokens = min(end, seq.num_resolved_tokens)
+        if not holdings.path_ended and num_tokens >= (len(holdings.nodes) + 1) * self.block_size:
+            self._offer(seq, num_tokens, fresh_from=start)  # a block was filled
+        for idx in self._windowed_groups:
+            holding = holdings.groups[idx]
+            first_needed = self.groups[idx].first_needed_block(start)
             while holding.first_block_idx < first_needed and holding.block_ids:
                 self._unpin(holdings, idx, holding.first_block_idx)
-                group.pool.free([holding.release_first()])
+                self.groups[idx].pool.free([holding.release_first()])
         self._version += 1
 
     def release(self, seq: Sequence) -> None:
@@ -226,7 +243,7 @@ class CacheManager:
 
     def fits(self, num_tokens: int) -> bool:
         """Whether the whole cache could hold one sequence of `num_tokens` tokens."""
-        return all((limit := group.max_tokens()) is None or num_tokens <= limit for group in self.groups)
+        return self._max_tokens is None or num_tokens <= self._max_tokens
 
     def stats(self) -> CacheStats:
         pools = [(idx, self.groups[idx].pool) for idx in self._kv_groups]
@@ -252,48 +269,56 @@ class CacheManager:
         for seq in running:
             self._check_path(seq)
         nodes = list(self.tree.nodes())
-        for idx, group in enumerate(self.groups):
-            group.pool.check_invariants()
-            holders: Counter[int] = Counter()
-            pins: Counter[int] = Counter()  # by id(node)
-            for seq in running:
-                holding = seq.cache.groups[idx]
-                if holding.num_covered != group.num_pages(seq.num_computed_tokens):
-                    raise AssertionError(f"{seq!r}: group {idx} covers {holding.num_covered} pages")
-                if holding.first_block_idx > group.first_needed_block(seq.num_computed_tokens):
-                    raise AssertionError(f"{seq!r}: group {idx} released a block it still reads")
-                holders.update(holding.block_ids)
-                for block_idx in range(holding.first_block_idx, holding.num_covered):
-                    if self._pins(seq.cache, idx, block_idx):
-                        pins[id(seq.cache.nodes[block_idx])] += 1
-            for node in nodes:
-                page = node.block_ids[idx]
-                if node.num_pins[idx] != pins[id(node)]:
-                    raise AssertionError(f"{node!r}: {node.num_pins[idx]} pins in group {idx}, sequences hold {pins[id(node)]}")
-                if page is not None:
-                    holders[page] += 1
-                    if node.num_pins[idx] == 0 and group.pool.ref_count(page) != 1:
-                        raise AssertionError(f"evictable page {page} of group {idx} has other holders")
-            for page, count in holders.items():
-                if group.pool.ref_count(page) != count:
-                    raise AssertionError(f"page {page} of group {idx} has {count} holders, ref count {group.pool.ref_count(page)}")
-            if group.pool.num_used_blocks != len(holders):
-                raise AssertionError(f"group {idx}: {group.pool.num_used_blocks} pages used, {len(holders)} held")
+        for idx in range(len(self.groups)):
+            self._check_group(idx, running, nodes)
+
+    def _check_group(self, idx: int, running: Collection[Sequence], nodes: list[RadixNode]) -> None:
+        group = self.groups[idx]
+        pool = group.pool
+        pool.check_invariants()
+        holders: Counter[int] = Counter()  # page -> holders: sequences, plus the cache
+        pins: Counter[int] = Counter()  # id(node) -> sequences pinning it
+        for seq in running:
+            holding = seq.cache.groups[idx]
+            if holding.num_covered != group.num_pages(seq.num_computed_tokens):
+                raise AssertionError(f"{seq!r}: group {idx} covers {holding.num_covered} pages")
+            if holding.first_block_idx > group.first_needed_block(seq.num_computed_tokens):
+                raise AssertionError(f"{seq!r}: group {idx} released a block it still reads")
+            holders.update(holding.block_ids)
+            for block_idx in range(holding.first_block_idx, holding.num_covered):
+                if self._pins(seq.cache, idx, block_idx):
+                    pins[id(seq.cache.nodes[block_idx])] += 1
+        for node in nodes:
+            num_pins, page = node.num_pins[idx], node.block_ids[idx]
+            if num_pins != pins[id(node)]:
+                raise AssertionError(f"{node!r}: {num_pins} pins in group {idx}, sequences hold {pins[id(node)]}")
+            if page is not None:
+                holders[page] += 1
+                if num_pins == 0 and pool.ref_count(page) != 1:
+                    raise AssertionError(f"evictable page {page} of group {idx} has other holders")
+        for page, count in holders.items():
+            if pool.ref_count(page) != count:
+                raise AssertionError(f"page {page} of group {idx}: {count} holders, ref count {pool.ref_count(page)}")
+        if pool.num_used_blocks != len(holders):
+            raise AssertionError(f"group {idx}: {pool.num_used_blocks} pages used, {len(holders)} held")
 
     def _check_path(self, seq: Sequence) -> None:
-        holdings = seq.cache
+        holdings, size = seq.cache, self.block_size
         if len(holdings.groups) != len(self.groups):
             raise AssertionError(f"{seq!r} holds pages in {len(holdings.groups)} groups, not {len(self.groups)}")
+        if holdings.num_tokens_covered != min(size * holdings.groups[idx].num_covered for idx in self._kv_groups):
+            raise AssertionError(f"{seq!r}: {holdings.num_tokens_covered} tokens covered is out of date")
         for block_idx, node in enumerate(holdings.nodes):
             key = holdings.keys[block_idx]
-            if node.key != key or key.token_ids != tuple(seq.tokens_slice(block_idx * self.block_size, (block_idx + 1) * self.block_size)):
+            if node.key != key or key.token_ids != tuple(seq.tokens_slice(block_idx * size, (block_idx + 1) * size)):
                 raise AssertionError(f"{seq!r}: block {block_idx}'s cache node or key does not match its tokens")
 
     def _pins(self, holdings: CacheHoldings, group_idx: int, block_idx: int) -> bool:
         """Whether the sequence pins its block's node in this group: the block was offered to
         the cache and the sequence holds a page the group caches for it."""
-        holding = holdings.groups[group_idx]
-        return block_idx < len(holdings.nodes) and self.groups[group_idx].cached_page(holding, block_idx) is not None
+        if block_idx >= len(holdings.nodes):
+            return False
+        return self.groups[group_idx].cached_page(holdings.groups[group_idx], block_idx) is not None
 
     def _unpin(self, holdings: CacheHoldings, group_idx: int, block_idx: int) -> None:
         if self._pins(holdings, group_idx, block_idx):
@@ -322,16 +347,18 @@ class CacheManager:
         and pin them; those holding a token from position `fresh_from` on are fresh."""
         holdings = seq.cache
         num_full = num_tokens // self.block_size
-        if num_full <= len(holdings.nodes):
+        if num_full <= len(holdings.nodes) or holdings.path_ended:
             return
         parent = holdings.nodes[-1] if holdings.nodes else self.tree.root
         if parent.is_detached:  # its path was evicted (only possible without full attention)
+            holdings.path_ended = True
             return
         keys = self._keys(seq, num_full)
         for block_idx in range(len(holdings.nodes), num_full):
             pages = [group.cached_page(holdings.groups[i], block_idx) for i, group in enumerate(self.groups)]
             node, taken = self.tree.insert(parent, keys[block_idx], pages)
-            if node is None:
+            if node is None:  # the cache keeps nothing more of this sequence (it is off, say)
+                holdings.path_ended = True
                 return
             for idx in taken:
                 self.groups[idx].pool.incref([pages[idx]])  # type: ignore[list-item]

@@ -183,7 +183,8 @@ class RadixTree:
         seen: list[set[int]] = [set() for _ in self._prefix_closed]
         for node in self.nodes():
             parent = node.parent
-            if parent is None or parent.children.get(node.key) is not node or node.depth != parent.depth + 1:  # type: ignore[arg-type]
+            linked = parent is not None and node.key is not None and parent.children.get(node.key) is node
+            if not linked or node.depth != parent.depth + 1:  # type: ignore[union-attr]
                 raise AssertionError(f"{node!r} is not linked to its parent")
             if not node.children and all(b is None for b in node.block_ids):
                 raise AssertionError(f"{node!r} has no page and no child but was not pruned")
