@@ -98,11 +98,13 @@ class Scheduler:
     __slots__ = ("config", "cache", "policy", "_waiting", "_running", "_live", "_in_flight", "_next_step_id")
 
     def __init__(self, config: SchedulerConfig, cache: CacheManager, policy: SchedulingPolicy | None = None) -> None:
-        """Raises ValueError when the cache's block size differs from the config's."""
+        """Raises ValueError when the cache's block size differs from the config's, or a cache
+        group cannot hold one sequence's step of `max_num_batched_tokens`."""
         if cache.block_size != config.block_size:
             raise ValueError(
                 f"the cache's block_size ({cache.block_size}) differs from the config's ({config.block_size})"
             )
+        cache.check_step_fits(config.max_num_batched_tokens)
         self.config = config
         self.cache = cache
         self.policy: SchedulingPolicy = policy if policy is not None else FifoPolicy()
@@ -196,6 +198,7 @@ class Scheduler:
         sample_row = 0
         for planned in plan.planned:  # the step is as good as run: advance, and await its samples
             planned.seq.mark_computed(planned.num_tokens)
+            self.cache.release_unread(planned.seq)
             if planned.samples:
                 planned.seq.append_pending(PendingToken(step_id, sample_row))
                 sample_row += 1

@@ -290,7 +290,7 @@ def test_random_shared_prefix_workloads_match_the_reference_and_return_every_blo
 SLIDING = CacheGroupSpec(CacheGroupKind.SLIDING_WINDOW, window=6)
 
 
-def windowed_scheduler(full_blocks: int, window_blocks: int, prefix_caching: bool, budget: int = 16, **kwargs):
+def windowed_scheduler(full_blocks: int, window_blocks: int, prefix_caching: bool, budget: int = 8, **kwargs):
     full, window = BlockPool(full_blocks, BLOCK_SIZE), BlockPool(window_blocks, BLOCK_SIZE)
     cache = CacheManager.build([KvGroup(FULL_ATTENTION, full), KvGroup(SLIDING, window)], prefix_caching)
     worker = PagedFakeWorker(max(full_blocks, window_blocks), windows=(None, SLIDING.window))
@@ -306,9 +306,9 @@ def test_a_sliding_window_group_releases_the_blocks_that_left_the_window() -> No
     while scheduler.has_unfinished:
         batch, _ = step(scheduler, worker)
         tables.append(batch.sequences[0].kv_block_tables)
-    # window 6: the token at position p reads positions p - 5 .. p
+    # window 6: the token at position p reads positions p - 5 .. p; the prompt takes two steps
     assert [t[1] for t in tables] == [
-        BlockTable((0, 1, 2)), BlockTable((1, 2), 1), BlockTable((1, 2), 1),
+        BlockTable((0, 1)), BlockTable((0, 1, 2)), BlockTable((1, 2), 1), BlockTable((1, 2), 1),
         BlockTable((1, 2, 3), 1), BlockTable((2, 3), 2), BlockTable((2, 3), 2),
     ]
     assert [t[0] for t in tables][-1] == BlockTable((0, 1, 2, 3))
@@ -334,7 +334,7 @@ def test_a_sliding_window_hit_needs_only_the_window_before_it_cached() -> None:
     scheduler.cache.reset_prefix_cache()
     scheduler.add(make_seq("a2", prompt, max_tokens=1, eos_token_ids=NO_EOS))
     finish_all(scheduler, worker)
-    # e needs 4 window pages with 2 free: a2's window pages go, its first blocks' first
+    # e's second chunk holds 4 window pages with 2 free: a2's first two blocks' pages go
     scheduler.add(make_seq("e", list(range(50, 63)), max_tokens=1, eos_token_ids=NO_EOS))
     finish_all(scheduler, worker)
     d = make_seq("d", [*prompt, 7, 8], max_tokens=1, eos_token_ids=NO_EOS)
@@ -385,3 +385,17 @@ def test_a_recurrent_state_group_gives_each_running_sequence_its_own_slot(seed: 
     assert_reference_tokens(sequences, num_states=1)
     assert max(running) == 3 and scheduler.cache.stats().num_hit_tokens == 0
     assert slots.num_free_blocks == 3
+
+
+def test_cache_groups_that_cannot_serve_a_step_are_refused_at_construction() -> None:
+    window = KvGroup(SLIDING, BlockPool(4, BLOCK_SIZE))
+    cache = CacheManager.build([KvGroup(FULL_ATTENTION, BlockPool(8, BLOCK_SIZE)), window], prefix_caching=True)
+    scheduler_over(cache, budget=8)  # 5 positions before the step and 8 in it touch at most 4 blocks
+    with pytest.raises(ValueError, match=r"group 1 \(sliding_window\) has 4 pages, but one sequence computing 9"):
+        scheduler_over(cache, budget=9)
+    with pytest.raises(ValueError, match="at least one KV group"):
+        CacheManager.build([StateSlotGroup(STATE, BlockPool(2, 1))], prefix_caching=True)
+    with pytest.raises(ValueError, match="share one block size"):
+        CacheManager.build([KvGroup(FULL_ATTENTION, BlockPool(8, 4)), KvGroup(SLIDING, BlockPool(8, 8))], True)
+    with pytest.raises(ValueError, match="needs window"):
+        CacheGroupSpec(CacheGroupKind.SLIDING_WINDOW)

@@ -94,6 +94,11 @@ class CacheGroup(Protocol):
         """The longest sequence the whole pool can hold (None: no limit from this group)."""
         ...
 
+    def max_step_pages(self, num_tokens: int) -> int | None:
+        """The most pages one sequence holds while computing `num_tokens` tokens in one step,
+        however long it is (None: it grows with the sequence, as `max_tokens` bounds)."""
+        ...
+
 
 class KvGroup:
     """Paged KV of one (heads, head dim, window) group: full attention, or a sliding window."""
@@ -141,8 +146,15 @@ class KvGroup:
         return holding.block_at(block_idx)
 
     def max_tokens(self) -> int | None:
-        # a window only ever holds its last blocks; the memory plan sizes its pool for a batch
+        # a window only ever holds its last blocks (`max_step_pages` bounds them)
         return self.pool.num_blocks * self.block_size if self.spec.window is None else None
+
+    def max_step_pages(self, num_tokens: int) -> int | None:
+        if self.spec.window is None:
+            return None
+        # the window - 1 positions before the step and the step's own: a run of L positions
+        # touches at most ceil((L - 1) / block_size) + 1 blocks
+        return -(-(self.spec.window + num_tokens - 2) // self.block_size) + 1
 
 
 class StateSlotGroup:
@@ -185,3 +197,6 @@ class StateSlotGroup:
 
     def max_tokens(self) -> int | None:
         return None
+
+    def max_step_pages(self, num_tokens: int) -> int | None:
+        return 1

@@ -3,8 +3,9 @@
     admission   hit = lookup(seq)                the longest cached prefix every group can serve
                 r = reserve(seq, n, hit)         None when pages are short; nothing changed
                 commit(seq, r)                   pins the hit, evicts what is short, hands out pages
-    each step   on_scheduled(seq, start, end)    offers newly full blocks to the prefix cache and
-                                                 releases blocks that left a sliding window
+    each step   on_scheduled(seq, start, end)    offers the blocks the step fills to the prefix cache
+                release_unread(seq)              once the step is built: releases the blocks that
+                                                 left a sliding window
     growth      r = reserve(seq, n); commit(seq, r)
     the end     release(seq)                     finish, abort or preemption: full blocks stay
                                                  cached (evictable), the rest goes back to the pools
@@ -171,19 +172,25 @@ class CacheManager:
 
     def on_scheduled(self, seq: Sequence, start: int, end: int) -> None:
         """`seq` computes tokens [start, end) in the step being built: offer the blocks this
-        fills (if resolved) to the prefix cache, and release blocks no window reads from
-        `start` on (the step's own reads included)."""
+        fills (if resolved) to the prefix cache."""
         holdings = seq.cache
         num_tokens = min(end, seq.num_resolved_tokens)
         if not holdings.path_ended and num_tokens >= (len(holdings.nodes) + 1) * self.block_size:
             self._offer(seq, num_tokens, fresh_from=start)  # a block was filled
+            self._version += 1
+
+    def release_unread(self, seq: Sequence) -> None:
+        """The step computing `seq` up to its computed count is built (its block tables taken):
+        release the blocks no later step reads, those that left a sliding window. Nothing else
+        is handed out for this step, so they are reused only by steps that run after it."""
+        holdings = seq.cache
         for idx in self._windowed_groups:
             holding = holdings.groups[idx]
-            first_needed = self.groups[idx].first_needed_block(start)
+            first_needed = self.groups[idx].first_needed_block(seq.num_computed_tokens)
             while holding.first_block_idx < first_needed and holding.block_ids:
                 self._unpin(holdings, idx, holding.first_block_idx)
                 self.groups[idx].pool.free([holding.release_first()])
-        self._version += 1
+                self._version += 1
 
     def release(self, seq: Sequence) -> None:
         """`seq` stops running (finished, aborted or preempted): its full computed blocks stay
@@ -241,6 +248,17 @@ class CacheManager:
                     f"shorten the prompt or give the KV cache more memory",
                 )
 
+    def check_step_fits(self, max_step_tokens: int) -> None:
+        """Raises ValueError when some group's pool cannot hold one sequence computing a step of
+        `max_step_tokens` tokens (that sequence would wait forever)."""
+        for idx, group in enumerate(self.groups):
+            needed = group.max_step_pages(max_step_tokens)
+            if needed is not None and needed > group.pool.num_blocks:
+                raise ValueError(
+                    f"cache group {idx} ({group.spec.kind.value}) has {group.pool.num_blocks} pages, but one "
+                    f"sequence computing {max_step_tokens} tokens in a step can hold {needed}"
+                )
+
     def fits(self, num_tokens: int) -> bool:
         """Whether the whole cache could hold one sequence of `num_tokens` tokens."""
         return self._max_tokens is None or num_tokens <= self._max_tokens
@@ -260,7 +278,8 @@ class CacheManager:
         """Raise AssertionError if pages, pins and sequences disagree.
 
         Checked on top of each pool's and the tree's own invariants: a running sequence covers
-        exactly its computed tokens in every group and releases no block it still reads; every
+        exactly its computed tokens in every group and holds exactly the blocks its next step
+        reads (a sliding window's later ones); every
         used page has as many holders (sequences, plus the cache) as its ref count; every pin is
         a running sequence's; an evictable page has no holder but the cache, so free + used +
         evictable = total; a sequence's path follows its keys.
@@ -282,8 +301,8 @@ class CacheManager:
             holding = seq.cache.groups[idx]
             if holding.num_covered != group.num_pages(seq.num_computed_tokens):
                 raise AssertionError(f"{seq!r}: group {idx} covers {holding.num_covered} pages")
-            if holding.first_block_idx > group.first_needed_block(seq.num_computed_tokens):
-                raise AssertionError(f"{seq!r}: group {idx} released a block it still reads")
+            if holding.first_block_idx != group.first_needed_block(seq.num_computed_tokens):
+                raise AssertionError(f"{seq!r}: group {idx} released a block it still reads, or keeps one it does not")
             holders.update(holding.block_ids)
             for block_idx in range(holding.first_block_idx, holding.num_covered):
                 if self._pins(seq.cache, idx, block_idx):
