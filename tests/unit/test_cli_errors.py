@@ -142,3 +142,13 @@ def test_a_kv_cache_dtype_the_backend_lacks_names_the_flag_and_the_choices():
     assert _kv_dtype("auto", backend) is DType.BF16
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported on cuda; use auto or one of bf16$"):
         _kv_dtype("fp8", backend)
+
+
+def test_the_priority_policy_and_no_prefix_caching_flags_reach_the_engine(tiny_model, capsys):
+    code, out, err = run_cli(capsys, "generate", str(tiny_model), "--prompt", "hello", "--device", "mock",
+                             "--max-tokens", "3", "--scheduling-policy", "priority", "--no-prefix-caching")
+    assert code == 0, err
+    assert "--- prompt: 'hello'" in out
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock", "--scheduling-policy", "lottery")
+    assert "invalid choice: 'lottery' (choose from 'fifo', 'priority')" in capsys.readouterr().err
