@@ -150,5 +150,6 @@ def test_the_priority_policy_and_no_prefix_caching_flags_reach_the_engine(tiny_m
     assert code == 0, err
     assert "--- prompt: 'hello'" in out
     with pytest.raises(SystemExit):
-        run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock", "--scheduling-policy", "lottery")
+        run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock",
+                "--scheduling-policy", "lottery")
     assert "invalid choice: 'lottery' (choose from 'fifo', 'priority')" in capsys.readouterr().err
