@@ -18,13 +18,15 @@ from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
 from atlas.app.settings import EngineSettings
 from atlas.domain.engine import EngineCore
-from atlas.domain.kv_blocks import BlockPool
+from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.cache.manager import full_attention_cache
 from atlas.domain.memory_plan import GIB, check_weights_fit, plan_kv_cache
 from atlas.domain.models.config import ModelConfig, ModelConfigError
 from atlas.domain.models.families import check_supported, kv_cache_scales, load_model
 from atlas.domain.models.quantization import check_quantization
 from atlas.domain.models.transformer import Transformer
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
+from atlas.domain.scheduling_policy import POLICIES
 from atlas.domain.worker import Worker, WorkerConfig
 from atlas.ports.gpu import DType, GpuBackend, KvCacheSpec
 from atlas.ports.tokenizer import Tokenizer
@@ -119,7 +121,6 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
         worker.capture_graphs()
-    pool = BlockPool(plan.num_blocks, settings.block_size)
     scheduler = Scheduler(
         SchedulerConfig(
             max_model_len=max_model_len,
@@ -127,9 +128,10 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
             max_num_batched_tokens=max_num_tokens,
             block_size=settings.block_size,
         ),
-        pool,
+        full_attention_cache(BlockPool(plan.num_blocks, settings.block_size), settings.prefix_caching),
+        POLICIES[settings.scheduling_policy](),
     )
-    core = EngineCore(scheduler, pool, worker, max_model_len, config.vocab_size, tokenizer.eos_token_ids)
+    core = EngineCore(scheduler, worker, max_model_len, config.vocab_size, tokenizer.eos_token_ids)
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,

@@ -223,7 +223,8 @@ def _engine(backend, graph_sizes):
     from fakes import random_llama_weights
 
     from atlas.domain.engine import EngineCore
-    from atlas.domain.kv_blocks import BlockPool
+    from atlas.domain.cache.block_pool import BlockPool
+    from atlas.domain.cache.manager import full_attention_cache
     from atlas.domain.scheduler import Scheduler, SchedulerConfig
 
     config = ModelConfig.from_dict(SMALL_LLAMA)
@@ -231,9 +232,8 @@ def _engine(backend, graph_sizes):
     spec = KvCacheSpec(config.num_layers, 201, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
     worker = Worker(backend, model, backend.allocate_kv_cache(spec), WorkerConfig(256, 16, 512, graph_sizes))
     worker.capture_graphs()
-    pool = BlockPool(200, BLOCK_SIZE)
-    scheduler = Scheduler(SchedulerConfig(512, 16, 256, BLOCK_SIZE), pool)
-    return EngineCore(scheduler, pool, worker, 512, 512, frozenset())
+    scheduler = Scheduler(SchedulerConfig(512, 16, 256, BLOCK_SIZE), full_attention_cache(BlockPool(200, BLOCK_SIZE)))
+    return EngineCore(scheduler, worker, 512, 512, frozenset())
 
 
 def test_graph_replay_with_device_side_tokens_matches_eager_logits(cuda_backend, rng):

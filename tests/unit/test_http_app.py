@@ -49,8 +49,9 @@ class ScriptedEngine:
     """
 
     def __init__(self, token_ids: list[int], stall_after: int | None = None,
-                 failure: EngineFailure | None = None) -> None:
+                 failure: EngineFailure | None = None, cached_tokens=lambda request_id: 0) -> None:
         self.token_ids = token_ids
+        self.cached_tokens = cached_tokens  # request id -> prompt tokens it reports as cached
         self.stall_after = stall_after
         self.failure = failure
         self.router = OutputRouter()
@@ -75,7 +76,9 @@ class ScriptedEngine:
             self.active.pop(request_id, None)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.active), 0, NUM_BLOCKS, NUM_BLOCKS - len(self.active), 0, 0, 0, 0)
+        return EngineStats(len(self.active), 0, NUM_BLOCKS, NUM_BLOCKS - len(self.active), 0, 0, 0, 0,
+                           num_prefix_cache_queries=sum(len(r.prompt_token_ids) for r in self.submitted),
+                           num_prefix_cache_hits=sum(self.cached_tokens(r.request_id) for r in self.submitted))
 
     def health(self) -> EngineHealth:
         return EngineHealth(True, True, "ok")
@@ -90,7 +93,8 @@ class ScriptedEngine:
                     continue
                 token = queue.popleft()
                 finish = FinishReason.LENGTH if not queue else None
-                outputs.append(SequenceOutput(request_id, (token,), finish, len(request.prompt_token_ids), done + 1))
+                outputs.append(SequenceOutput(request_id, (token,), finish, len(request.prompt_token_ids), done + 1,
+                                              num_cached_tokens=self.cached_tokens(request_id)))
                 if finish is not None:
                     del self.active[request_id]
             self.router.deliver(outputs)
@@ -185,6 +189,31 @@ async def test_stream_shape_for_two_choices(tokenizer):
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
         assert "".join(c["delta"].get("content", "") for c in mine) == tokenizer.decode(script)
         assert [c["finish_reason"] for c in mine].count("length") == 1 and mine[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.anyio
+async def test_priority_reaches_the_engine_and_usage_counts_cached_prompt_tokens_once(tokenizer):
+    """With n choices the later ones reuse the first's blocks: the usage reports what the
+    prompt found in the cache before the request, the fewest any choice found."""
+    script = tokenizer.encode(SCRIPT_TEXT)
+    engine = ScriptedEngine(script, cached_tokens=lambda request_id: 4 if request_id.endswith("-0") else 12)
+    app = make_app(engine, tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        response = await client.post("/v1/chat/completions", json={**CHAT, "n": 3, "priority": -2, "max_tokens": 3})
+        usage = (await response.get_json())["usage"]
+        response = await client.post("/v1/completions", json={
+            "prompt": "x", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+        streamed = sse_payloads(await response.get_data())[-1]["usage"]
+        bad = await client.post("/v1/chat/completions", json={**CHAT, "priority": "high"})
+        metrics = (await (await client.get("/metrics")).get_data()).decode()
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert [r.priority for r in engine.submitted] == [-2, -2, -2, 0]
+    assert streamed["prompt_tokens_details"] == {"cached_tokens": 12}  # n = 1: its one choice's
+    assert bad.status_code == 400 and (await bad.get_json())["error"]["param"] == "priority"
+    assert "atlas_prefix_cache_hits_total 40" in metrics  # 4 + 12 + 12 + 12, as the engine counts
+    assert "# TYPE atlas_prefix_cache_queries_total counter" in metrics
 
 
 @pytest.mark.anyio

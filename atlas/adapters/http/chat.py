@@ -31,6 +31,7 @@ from atlas.adapters.http.responses import (
     ChatLogprobs,
     ChatMessageOut,
     TokenTexts,
+    PromptTokensDetails,
     Usage,
 )
 from atlas.adapters.http.schemas import ChatCompletionRequest, unsupported_features
@@ -66,7 +67,7 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
                              model.sampling_defaults)
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", now_s(), model.name)
     generation = Generation(engine, model.tokenizer, reply.id, [prompt_ids], params, state.seeds, state.metrics,
-                            state.in_flight, state.config.request_timeout_s)
+                            state.in_flight, state.config.request_timeout_s, priority=request.priority or 0)
     results = ChoiceResults(generation.num_choices, params.logprobs is not None)
     if request.stream:
         options = request.stream_options
@@ -83,7 +84,7 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
 
 def _usage(generation: Generation) -> Usage:
     prompt, completion = generation.num_prompt_tokens, generation.num_output_tokens
-    return Usage(prompt, completion, prompt + completion)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(generation.num_cached_tokens))
 
 
 def _completion(

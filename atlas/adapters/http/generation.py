@@ -40,7 +40,7 @@ class ChoiceDelta:
 
 
 class _Choice:
-    __slots__ = ("index", "seq_id", "text", "finished", "num_output_tokens", "last_token_s")
+    __slots__ = ("index", "seq_id", "text", "finished", "num_output_tokens", "num_cached_tokens", "last_token_s")
 
     def __init__(self, index: int, seq_id: str, text: SequenceText) -> None:
         self.index = index
@@ -48,6 +48,7 @@ class _Choice:
         self.text = text
         self.finished = False
         self.num_output_tokens = 0
+        self.num_cached_tokens: int | None = None  # known once the engine reports on it
         self.last_token_s: float | None = None
 
 
@@ -66,6 +67,7 @@ class Generation:
         in_flight: InFlight,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        priority: int = 0,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -76,11 +78,12 @@ class Generation:
         self.arrival_s = clock()
         self._deadline_s = None if timeout_s is None else self.arrival_s + timeout_s
         self.num_prompt_tokens = sum(len(p) for p in prompts)
+        self._num_choices_per_prompt = params.n
         self.requests = []
         self._choices: dict[str, _Choice] = {}
         for prompt_idx, prompt in enumerate(prompts):
             base_id = request_id if len(prompts) == 1 else f"{request_id}-p{prompt_idx}"
-            for choice_idx, request in enumerate(fan_out(base_id, prompt, params, seeds)):
+            for choice_idx, request in enumerate(fan_out(base_id, prompt, params, seeds, priority=priority)):
                 index = prompt_idx * params.n + choice_idx
                 text = SequenceText(tokenizer, request.prompt_token_ids, request.sampling)
                 self._choices[request.request_id] = _Choice(index, request.request_id, text)
@@ -98,6 +101,19 @@ class Generation:
         self._interrupted = True
         if self._waiting is not None:
             self._waiting.cancel()
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt like
+        `num_prompt_tokens`: the fewest any of its choices found, since the choices after the
+        first reuse the blocks the first computed."""
+        per_prompt: dict[int, int] = {}
+        for choice in self._choices.values():
+            if choice.num_cached_tokens is not None:
+                prompt_idx = choice.index // self._num_choices_per_prompt
+                per_prompt[prompt_idx] = min(per_prompt.get(prompt_idx, choice.num_cached_tokens),
+                                             choice.num_cached_tokens)
+        return sum(per_prompt.values())
 
     async def batches(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Deltas in arrival order, several per batch when they queue up; ends when every
@@ -161,6 +177,7 @@ class Generation:
             choice = unfinished.get(item.seq_id)
             if choice is None:
                 continue
+            choice.num_cached_tokens = item.num_cached_tokens
             delta = choice.text.apply(item)
             num_new = len(delta.token_ids)
             if num_new:
