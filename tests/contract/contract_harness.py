@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from atlas.ports.gpu import DType, GpuBackend, UnsupportedError
+from atlas.ports.gpu import DType, GpuBackend, Kind, UnsupportedError
 
 
 @dataclass
@@ -58,3 +58,10 @@ def prepared_or_skip(prepare, *args):
         return prepare(*args)
     except UnsupportedError as error:
         pytest.skip(f"not supported by this backend: {error}")
+
+
+def require_kind(harness: Harness, kind: Kind) -> None:
+    """Skip where the backend does not list `kind` in its capabilities (it is then refused at
+    load for a model that needs it; there is nothing to check here)."""
+    if kind not in harness.backend.capabilities.kinds:
+        pytest.skip(f"the {harness.name} backend implements no {kind.value} kernels")

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from contract_harness import prepared_or_skip
+from contract_harness import prepared_or_skip, require_kind
 from kind_references import bf16, expert, glu, rel, rmsnorm, route
 
-from atlas.ports.gpu import DType
+from atlas.ports.gpu import DType, Kind
 from atlas.ports.kernels.host_weights import Activation, ClampedSwiglu, HostLinear, RmsNorm
 from atlas.ports.kernels.moe import HostMoe, HostSharedExpert, Routing, Scoring
 
 EPS = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_kind(harness):
+    require_kind(harness, Kind.MOE)
 
 
 def _host_moe(rng, hidden, inner, routing, activation=Activation.SILU, biases=False, shared=False, selection_bias=None):

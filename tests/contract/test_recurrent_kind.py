@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from contract_harness import prepared_or_skip
+from contract_harness import prepared_or_skip, require_kind
 from kind_references import bf16, causal_conv, delta_rule, rel, rmsnorm, sigmoid
+from tiny_models import ba_rows, qkvz_rows
 
-from atlas.ports.gpu import DType
+from atlas.ports.gpu import DType, Kind
 from atlas.ports.kernels.dense import HostProjection
 from atlas.ports.kernels.host_weights import HostLinear, RmsNorm
 from atlas.ports.kernels.recurrent import DeltaNetLayer, HostDeltaNet, RecurrentMetadata, RecurrentStateSpec
 
 EPS = 1e-6
+
+
+@pytest.fixture(autouse=True)
+def _needs_the_kind(harness):
+    require_kind(harness, Kind.RECURRENT)
 LAYER = DeltaNetLayer(state_layer=1, num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=8,
                       conv_kernel=4)
 
@@ -150,7 +156,7 @@ def test_gated_deltanet_mixer_matches_transformers(harness, rng):
         module.A_log.copy_(torch.from_numpy(np.log(rng.uniform(1, 16, 4)).astype(np.float32)))
     backend = harness.backend
     qkvz, ba = module.in_proj_qkvz.weight.detach().numpy(), module.in_proj_ba.weight.detach().numpy()
-    in_proj = np.concatenate([qkvz[_qkvz_rows(layer_shape)], ba[_ba_rows(layer_shape)]])
+    in_proj = np.concatenate([qkvz[qkvz_rows(layer_shape)], ba[ba_rows(layer_shape)]])
     norm = RmsNorm(bf16(1 + 0.2 * rng.standard_normal(hidden)), EPS)
     projection = prepared_or_skip(backend.dense.prepare, HostProjection(HostLinear(in_proj), input_norm=norm))
     out_proj = prepared_or_skip(backend.dense.prepare, HostProjection(HostLinear(module.out_proj.weight.detach().numpy())))
@@ -171,28 +177,6 @@ def test_gated_deltanet_mixer_matches_transformers(harness, rng):
     backend.recurrent.gated_delta_rule(mixed, projected, layer, meta, state, out)
     backend.dense.project_add(out, out_proj, residual)
     assert rel(harness.host(residual) - x, expected) < harness.tolerance * 10
-
-
-def _qkvz_rows(layer: DeltaNetLayer) -> np.ndarray:
-    """Rows of transformers' in_proj_qkvz (per key head: q, k, its value heads' v, then z) in
-    `DeltaNetLayer`'s order (all q, all k, all v, all z)."""
-    dk, group_v = layer.key_head_dim, layer.num_value_heads // layer.num_key_heads * layer.value_head_dim
-    per_head = 2 * dk + 2 * group_v
-    parts = {name: [] for name in "qkvz"}
-    for head in range(layer.num_key_heads):
-        base = head * per_head
-        parts["q"].append(np.arange(base, base + dk))
-        parts["k"].append(np.arange(base + dk, base + 2 * dk))
-        parts["v"].append(np.arange(base + 2 * dk, base + 2 * dk + group_v))
-        parts["z"].append(np.arange(base + 2 * dk + group_v, base + per_head))
-    return np.concatenate([np.concatenate(parts[name]) for name in "qkvz"])
-
-
-def _ba_rows(layer: DeltaNetLayer) -> np.ndarray:
-    group = layer.num_value_heads // layer.num_key_heads
-    b = [np.arange(h * 2 * group, h * 2 * group + group) for h in range(layer.num_key_heads)]
-    a = [np.arange(h * 2 * group + group, (h + 1) * 2 * group) for h in range(layer.num_key_heads)]
-    return np.concatenate(b + a)
 
 
 def test_a_state_too_large_says_how_many_slots_fit(harness):

@@ -122,7 +122,9 @@ class MockAttention:
         self._backend.enter("attention.attend")
         spec, heads = layer.layer, layer.layer.heads
         if q.shape != (meta.num_tokens, spec.q_width) or out.shape != (meta.num_tokens, heads.q_size):
-            raise ValueError(f"q {list(q.shape)} / out {list(out.shape)}: not [N, {spec.q_width}] / [N, {heads.q_size}]")
+            raise ValueError(
+                f"q {list(q.shape)} / out {list(out.shape)}: not [N, {spec.q_width}] / [N, {heads.q_size}]"
+            )
         block_size = cache.spec.block_size
         k_scale, v_scale = cache.spec.layer_scales(spec.cache_layer)
         query_start, seq_lens, block_tables = meta.query_start_loc.data, meta.seq_lens.data, meta.block_tables.data

@@ -54,7 +54,9 @@ class MockMoe:
         }
         for name, (got, want) in expected.items():
             if tuple(got) != want:
-                raise ValueError(f"{name}: weight shape {list(got)} does not fit {num_experts} experts of width {hidden}")
+                raise ValueError(
+                    f"{name}: weight shape {list(got)} does not fit {num_experts} experts of width {hidden}"
+                )
         if host.selection_bias is not None and np.shape(host.selection_bias) != (num_experts,):
             raise ValueError(f"selection_bias: shape {np.shape(host.selection_bias)} is not [{num_experts}]")
         shared = None
@@ -71,7 +73,8 @@ class MockMoe:
         self._backend.enter("moe.route")
         routing = moe.routing
         num_tokens = x.shape[0]
-        for name, tensor, dtype in (("expert_ids", expert_ids, DType.I32), ("expert_weights", expert_weights, DType.F32)):
+        outputs = (("expert_ids", expert_ids, DType.I32), ("expert_weights", expert_weights, DType.F32))
+        for name, tensor, dtype in outputs:
             if tensor.shape != (num_tokens, routing.top_k) or tensor.dtype is not dtype:
                 raise ValueError(f"{name}: {list(tensor.shape)} {tensor.dtype.value}, expected "
                                  f"[{num_tokens}, {routing.top_k}] {dtype.value}")

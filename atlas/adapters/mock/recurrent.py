@@ -87,7 +87,8 @@ class MockRecurrent:
         if heads % layer.num_key_heads:
             raise ValueError(f"layer: {heads} value heads do not divide over {layer.num_key_heads} key heads")
         if np.shape(host.conv_weight) != (layer.conv_dim, layer.conv_kernel):
-            raise ValueError(f"conv_weight: shape {np.shape(host.conv_weight)} is not [{layer.conv_dim}, {layer.conv_kernel}]")
+            expected = [layer.conv_dim, layer.conv_kernel]
+            raise ValueError(f"conv_weight: shape {np.shape(host.conv_weight)} is not {expected}")
         for name, values in (("a_log", host.a_log), ("dt_bias", host.dt_bias)):
             if np.shape(values) != (heads,):
                 raise ValueError(f"{name}: shape {np.shape(values)} is not [{heads}]")
@@ -109,14 +110,17 @@ class MockRecurrent:
     ) -> None:
         self._backend.enter("recurrent.causal_conv1d")
         shape = layer.layer
-        if projected.shape != (meta.num_tokens, shape.projected_width) or out.shape != (meta.num_tokens, shape.conv_dim):
+        tokens = meta.num_tokens
+        if projected.shape != (tokens, shape.projected_width) or out.shape != (tokens, shape.conv_dim):
             raise ValueError(f"projected {list(projected.shape)} / out {list(out.shape)}: not "
                              f"[N, {shape.projected_width}] / [N, {shape.conv_dim}]")
         x = projected.as_f32()[:, : shape.conv_dim]
         kernel = layer.conv_weight.shape[1]
         result = np.empty_like(x)
         for rows, fresh, slot in _sequences(meta):
-            history = np.zeros((kernel - 1, shape.conv_dim), np.float32) if fresh else state.conv[shape.state_layer, slot]
+            history = state.conv[shape.state_layer, slot]
+            if fresh:
+                history = np.zeros_like(history)
             inputs = np.concatenate([history, x[rows]], axis=0)  # [K - 1 + L, C]
             length = rows.stop - rows.start
             mixed = sum(inputs[j : j + length] * layer.conv_weight[:, j] for j in range(kernel))
@@ -151,7 +155,9 @@ class MockRecurrent:
         k = _l2_normalize(k)
         core = np.empty_like(v)
         for rows, fresh, slot in _sequences(meta):
-            start = np.zeros(state.recurrent.shape[2:], np.float32) if fresh else state.recurrent[shape.state_layer, slot]
+            start = state.recurrent[shape.state_layer, slot]
+            if fresh:
+                start = np.zeros_like(start)
             step = _delta_rule_chunked if rows.stop - rows.start > 1 else _delta_rule_recurrent
             core[rows], state.recurrent[shape.state_layer, slot] = step(
                 q[rows], k[rows], v[rows], beta[rows], decay[rows], start

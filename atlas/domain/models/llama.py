@@ -106,7 +106,8 @@ def _layer(
         q_norm = reader.norm(f"{prefix}.self_attn.q_norm.weight", head_dim, eps)
         k_norm = reader.norm(f"{prefix}.self_attn.k_norm.weight", head_dim, eps)
     group, cache_layer = locate(groups, index)
-    spec = AttentionLayer(heads, cache_layer, scale=head_dim**-0.5, rope_table=table, sliding_window=config.sliding_window)
+    window = config.sliding_window
+    spec = AttentionLayer(heads, cache_layer, scale=head_dim**-0.5, rope_table=table, sliding_window=window)
     host = HostAttention(reader.norm(f"{prefix}.input_layernorm.weight", hidden, eps), qkv, q_norm, k_norm)
     dense = backend.dense
     mixer = AttentionMixer(

@@ -103,7 +103,9 @@ class Model:
         per_row = self.hidden_size * itemsize + self.vocab_size * 4
         return max_tokens * per_token + max_sample_rows * per_row
 
-    def forward(self, step: StepTensors, caches: Sequence[object], workspace: Workspace, num_sample_rows: int) -> Tensor:
+    def forward(
+        self, step: StepTensors, caches: Sequence[object], workspace: Workspace, num_sample_rows: int
+    ) -> Tensor:
         """Run every layer over the step's tokens; return logits [num_sample_rows, V] (a view).
         `caches`: one per cache group, in `cache_groups` order."""
         backend = self.backend

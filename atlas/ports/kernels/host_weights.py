@@ -65,12 +65,13 @@ class HostLinear:
         rows, columns = weight.shape[-2:]
         if self.block_shape is None:
             if scales.shape != weight.shape[:-1]:
-                raise ValueError(f"scales: per-channel scales must be {list(weight.shape[:-1])}, got {list(scales.shape)}")
+                expected = list(weight.shape[:-1])
+                raise ValueError(f"scales: per-channel scales must be {expected}, got {list(scales.shape)}")
             return weight * scales[..., None]
         block_rows, block_columns = self.block_shape
         expected = (*weight.shape[:-2], -(-rows // block_rows), -(-columns // block_columns))
         if scales.shape != expected:
-            raise ValueError(f"scales: {self.block_shape} blocks need scales {list(expected)}, got {list(scales.shape)}")
+            raise ValueError(f"scales: {self.block_shape} blocks need {list(expected)}, got {list(scales.shape)}")
         expanded = np.repeat(np.repeat(scales, block_rows, axis=-2), block_columns, axis=-1)
         return weight * expanded[..., :rows, :columns]
 
