@@ -15,7 +15,8 @@ from atlas.domain.models.families import load_model
 from atlas.domain.requests import ParameterError, Request, SamplingParams
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.worker import Worker, WorkerConfig
-from atlas.ports.gpu import DType, KvCacheSpec
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.attention import KvCacheSpec
 
 BLOCK_SIZE = 4
 MAX_LEN = 128
@@ -28,7 +29,7 @@ def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed)), backend, MAX_LEN)
     spec = KvCacheSpec(config.num_layers, num_blocks + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
     worker_config = WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes)
-    worker = Worker(backend, model, backend.allocate_kv_cache(spec), worker_config)
+    worker = Worker(backend, model, backend.attention.allocate_cache(spec), worker_config)
     cache = full_attention_cache(BlockPool(num_blocks, BLOCK_SIZE), prefix_caching)
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, policy)
     return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)

@@ -20,7 +20,8 @@ from atlas.domain.models.families import load_model
 from atlas.domain.requests import FinishReason, Request, SamplingParams
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.worker import Worker, WorkerConfig
-from atlas.ports.gpu import DType, KvCacheSpec
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.attention import KvCacheSpec
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4
@@ -37,7 +38,7 @@ def build_core() -> EngineCore:
     backend = MockGpuBackend()
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, 0)), backend, MAX_LEN)
     spec = KvCacheSpec(config.num_layers, NUM_BLOCKS + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
-    worker = Worker(backend, model, backend.allocate_kv_cache(spec), WorkerConfig(128, 16, MAX_LEN))
+    worker = Worker(backend, model, backend.attention.allocate_cache(spec), WorkerConfig(128, 16, MAX_LEN))
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, 16, 128, BLOCK_SIZE), full_attention_cache(BlockPool(NUM_BLOCKS, BLOCK_SIZE)))
     return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, frozenset({96}))
 
