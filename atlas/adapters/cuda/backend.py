@@ -23,7 +23,7 @@ from atlas.adapters.cuda.attention import CudaAttention
 from atlas.adapters.cuda.dense import CudaDense
 from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.kv_cache import CudaKvCache
-from atlas.adapters.cuda.memory import PendingCopy, PoolStats
+from atlas.adapters.cuda.memory import CompletedCopy, PendingCopy, PoolStats
 from atlas.adapters.cuda.ops_sampling import CudaSampling
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
@@ -143,7 +143,7 @@ class CudaGpuBackend:
         self._rt.staging.download(src.address, out)
         return out
 
-    def begin_download(self, src: CudaTensor) -> PendingCopy:
+    def begin_download(self, src: CudaTensor) -> PendingCopy | CompletedCopy:
         self._rt.ensure_current()
         self._rt.forbid_in_capture("begin_download")
         checks.tensor(src, "src")
