@@ -4,9 +4,7 @@ through cuda-python.
 Every kernel is one of ours (kernels/, compiled by NVRTC through the registry) or a cuBLASLt
 call, enqueued on one stream; `download` and `synchronize` are the only waits. Activations and
 the KV cache are bf16 (or an FP8 cache); weights bf16 [out, in]; accumulation fp32. The kinds
-live beside this module (dense.py, attention.py, ops_sampling.py); MoE and recurrent kernels are
-not written yet, so `capabilities.kinds` leaves them out and a model that needs them is refused
-at load.
+live beside this module (dense.py, attention.py, moe.py, recurrent.py, ops_sampling.py).
 """
 
 from __future__ import annotations
@@ -24,14 +22,14 @@ from atlas.adapters.cuda.dense import CudaDense
 from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.kv_cache import CudaKvCache
 from atlas.adapters.cuda.memory import CompletedCopy, PendingCopy, PoolStats
+from atlas.adapters.cuda.moe import CudaMoe
 from atlas.adapters.cuda.ops_sampling import CudaSampling
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.ports.gpu import NUMPY_DTYPES, Capabilities, DType, Kind, MissingKindError, dtype_of
-from atlas.ports.kernels.moe import MoeKernels
 from atlas.ports.kernels.recurrent import RecurrentKernels
 
-KINDS = frozenset({Kind.DENSE, Kind.ATTENTION, Kind.SAMPLING})
+KINDS = frozenset({Kind.DENSE, Kind.ATTENTION, Kind.MOE, Kind.SAMPLING})
 
 
 class CudaGpuBackend:
@@ -61,6 +59,7 @@ class CudaGpuBackend:
         self._dense = CudaDense(self._rt, self._linear, self.upload)
         self._attention = CudaAttention(self._rt, self._linear, self._dense, kv_dtypes)
         self._sampling = CudaSampling(self._rt)
+        self._moe = CudaMoe(self._rt, self._linear, self.upload)
 
     def _fp8_cache_ok(self) -> bool:
         """E4M3 conversions exist from sm_89, and only the tensor-core decode kernel reads FP8."""
@@ -88,8 +87,8 @@ class CudaGpuBackend:
         return self._sampling
 
     @property
-    def moe(self) -> MoeKernels:
-        raise MissingKindError("the CUDA backend has no MoE kernels yet")
+    def moe(self) -> CudaMoe:
+        return self._moe
 
     @property
     def recurrent(self) -> RecurrentKernels:

@@ -1,0 +1,147 @@
+"""The MoE kind on CUDA: routing on the device (one launch at decode sizes) and the experts
+grouped by expert (a grouped GEMV over the active experts' weights at decode, an aligned grouped
+GEMM at prefill), the shared expert in the same launches, and a combine that adds the weighted
+outputs into the residual (kernels/common/moe.cu, ops_moe.py).
+
+`prepare` uploads bf16 weights as the checkpoint gives them ([E, 2I, H], [E, H, I]); the norm
+weight stays apart (route writes the normalised rows the experts read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from atlas.adapters.cuda import checks, ops_dense, ops_moe
+from atlas.adapters.cuda.ops_dense import LinearOp
+from atlas.adapters.cuda.ops_moe import ExpertWeights, RoutingArgs
+from atlas.adapters.cuda.runtime import CudaRuntime
+from atlas.adapters.cuda.tensor import CudaTensor
+from atlas.ports.gpu import DType, UnsupportedError
+from atlas.ports.kernels.host_weights import HostLinear
+from atlas.ports.kernels.moe import HostMoe, Scoring
+
+
+@dataclass(frozen=True, slots=True)
+class CudaMoeLayer:
+    input_norm: CudaTensor  # [H] bf16
+    eps: float
+    router: CudaTensor  # [E, H] bf16
+    router_bias: CudaTensor | None  # [E] bf16
+    routing: RoutingArgs
+    experts: ExpertWeights
+
+
+class CudaMoe:
+    """`MoeKernels` on one GPU."""
+
+    def __init__(self, rt: CudaRuntime, linear: LinearOp, upload) -> None:
+        self._rt = rt
+        self._linear = linear
+        self._upload = upload  # CudaGpuBackend.upload
+
+    def prepare(self, host: HostMoe) -> CudaMoeLayer:
+        routing = host.routing
+        experts, hidden = routing.num_experts, host.router.in_features
+        inner = host.down.in_features
+        for name, linear in (("router", host.router), ("gate_up", host.gate_up), ("down", host.down)):
+            if linear.scales is not None:
+                raise UnsupportedError(f"{name}: quantized expert weights are not supported by the CUDA backend yet")
+        expected = {
+            "router": (tuple(host.router.weight.shape), (experts, hidden)),
+            "gate_up": (tuple(np.shape(host.gate_up.weight)), (experts, 2 * inner, hidden)),
+            "down": (tuple(np.shape(host.down.weight)), (experts, hidden, inner)),
+        }
+        for name, (got, want) in expected.items():
+            if got != want:
+                raise ValueError(f"{name}: weight shape {list(got)} does not fit {experts} experts of width {hidden}")
+        if experts > ops_moe.MAX_EXPERTS:
+            raise UnsupportedError(f"routing.num_experts: {experts} is over the CUDA kernels' {ops_moe.MAX_EXPERTS}")
+        if routing.top_k > ops_moe.MAX_TOP_K:
+            raise UnsupportedError(f"routing.top_k: {routing.top_k} is over the CUDA kernels' {ops_moe.MAX_TOP_K}")
+        if hidden % 8 or inner % 8:
+            raise UnsupportedError(f"gate_up: hidden {hidden} and inner {inner} must be multiples of 8 on CUDA")
+        upload = self._upload
+        bias = None if host.selection_bias is None else upload(np.asarray(host.selection_bias, np.float32), DType.F32)
+        args = RoutingArgs(experts, routing.top_k, routing.scoring is Scoring.SIGMOID, routing.renormalize,
+                           routing.scaling, bias)
+        shared_gate_up = shared_down = shared_gate = None
+        if host.shared is not None:
+            shared_gate_up, shared_down, shared_gate = self._shared(host, hidden)
+        weights = ExpertWeights(
+            gate_up=upload(host.gate_up.weight, DType.BF16),
+            gate_up_bias=self._bias(host.gate_up),
+            down=upload(host.down.weight, DType.BF16),
+            down_bias=self._bias(host.down),
+            shared_gate_up=shared_gate_up,
+            shared_down=shared_down,
+            shared_gate=shared_gate,
+            activation=ops_moe.gated_kind(host.activation),
+        )
+        return CudaMoeLayer(
+            upload(host.input_norm.weight, DType.BF16), host.input_norm.eps, upload(host.router.weight, DType.BF16),
+            self._bias(host.router), args, weights,
+        )
+
+    def _bias(self, linear: HostLinear) -> CudaTensor | None:
+        return None if linear.bias is None else self._upload(linear.bias, DType.BF16)
+
+    def _shared(self, host: HostMoe, hidden: int) -> tuple[CudaTensor, CudaTensor, CudaTensor | None]:
+        shared = host.shared
+        assert shared is not None
+        for name, linear in (("shared.gate_up", shared.gate_up), ("shared.down", shared.down), ("shared.gate", shared.gate)):
+            if linear is not None and (linear.scales is not None or linear.bias is not None):
+                raise UnsupportedError(f"{name}: biases or quantized weights are not supported by the CUDA backend yet")
+        inner = shared.down.in_features
+        if shared.gate_up.weight.shape != (2 * inner, hidden) or shared.down.weight.shape != (hidden, inner):
+            raise ValueError(f"shared: gate_up {list(shared.gate_up.weight.shape)} / down "
+                             f"{list(shared.down.weight.shape)} do not fit width {hidden}")
+        if inner % 8:
+            raise UnsupportedError(f"shared: inner {inner} must be a multiple of 8 on CUDA")
+        gate = None
+        if shared.gate is not None:
+            if shared.gate.weight.shape != (1, hidden):
+                raise ValueError(f"shared.gate: shape {list(shared.gate.weight.shape)} is not [1, {hidden}]")
+            gate = self._upload(np.asarray(shared.gate.weight).reshape(hidden), DType.BF16)
+        return self._upload(shared.gate_up.weight, DType.BF16), self._upload(shared.down.weight, DType.BF16), gate
+
+    def route(
+        self, x: CudaTensor, moe: CudaMoeLayer, normed: CudaTensor, expert_ids: CudaTensor, expert_weights: CudaTensor
+    ) -> None:
+        rt = self._rt
+        checks.rank(x, "x", 2)
+        checks.dtype(x, "x", (DType.BF16,))
+        num_tokens, hidden = x.shape
+        if hidden != moe.router.shape[1]:
+            raise ValueError(f"x: width {hidden} is not the router's {moe.router.shape[1]}")
+        checks.shape(normed, "normed", x.shape)
+        checks.dtype(normed, "normed", (DType.BF16,))
+        ops_moe.check_routing_outputs(expert_ids, expert_weights, num_tokens, moe.routing.top_k)
+        if num_tokens == 0:
+            return
+        if num_tokens <= ops_moe.ROUTE_SMALL_MAX_TOKENS:
+            ops_moe.route_small(rt, x, moe.input_norm, moe.eps, moe.router, moe.router_bias, moe.routing, normed,
+                                expert_ids, expert_weights)
+            return
+        ops_dense.rmsnorm(rt, x, None, moe.input_norm, moe.eps, normed)
+        logits = rt.scratch_tensor("moe_logits", (num_tokens, moe.routing.num_experts), DType.F32)
+        self._linear(normed, moe.router, logits, moe.router_bias)
+        ops_moe.top_k(rt, logits, moe.routing, expert_ids, expert_weights)
+
+    def experts(
+        self,
+        normed: CudaTensor,
+        moe: CudaMoeLayer,
+        expert_ids: CudaTensor,
+        expert_weights: CudaTensor,
+        residual: CudaTensor,
+    ) -> None:
+        checks.rank(normed, "normed", 2)
+        checks.dtype(normed, "normed", (DType.BF16,))
+        checks.dtype(residual, "residual", (DType.BF16,))
+        checks.shape(residual, "residual", normed.shape)
+        if normed.shape[1] != moe.experts.hidden:
+            raise ValueError(f"normed: width {normed.shape[1]} is not the experts' {moe.experts.hidden}")
+        ops_moe.check_routing_outputs(expert_ids, expert_weights, normed.shape[0], moe.routing.top_k)
+        ops_moe.experts(self._rt, moe.experts, normed, expert_ids, expert_weights, residual)

@@ -1,0 +1,234 @@
+"""MoE launches (kernels/common/moe.cu): routing, the grouped experts and the combine.
+
+Every grid is sized by host bounds (tokens, top_k, experts), never by the routing's outcome, so
+a step is graph-capturable: the grouped GEMV's grid has a slot per possible active expert
+(min(E, N k)) and the grouped GEMM's a tile per possible 64-row tile; blocks past what the step
+routed leave at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from atlas.adapters.cuda import checks
+from atlas.adapters.cuda.runtime import CudaRuntime
+from atlas.adapters.cuda.tensor import CudaTensor
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.host_weights import Activation, ClampedSwiglu, GatedActivation
+
+MAX_EXPERTS = 512  # moe.cu MOE_MAX_EXPERTS: a warp routes a token with E / 32 scores a lane
+MAX_TOP_K = 16
+ROUTE_SMALL_MAX_TOKENS = 8  # moe_route_small: the decode routing in one launch
+ROUTE_ROWS = 4
+GEMV_MAX_TOKENS = 64  # the grouped GEMV (a slot's pairs in shared memory); past it the grouped GEMM
+_WARPS = 8
+_GEMM_ROWS = 64  # moe.cu GEMM_BM / GEMM_BN
+_GEMM_THREADS = 128
+
+
+@dataclass(frozen=True, slots=True)
+class GatedKind:
+    """The kernel-name suffix of a gated activation and its constants (alpha, limit)."""
+
+    name: str
+    alpha: float = 0.0
+    limit: float = 0.0
+
+
+def gated_kind(activation: GatedActivation) -> GatedKind:
+    if isinstance(activation, ClampedSwiglu):
+        return GatedKind("clamped", float(activation.alpha), float(activation.limit))
+    return GatedKind({Activation.SILU: "silu", Activation.GELU_TANH: "gelu_tanh"}[activation])
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingArgs:
+    num_experts: int
+    top_k: int
+    sigmoid: bool
+    renormalize: bool
+    scaling: float
+    selection_bias: CudaTensor | None  # [E] f32
+
+
+def _routing_tail(routing: RoutingArgs) -> tuple:
+    return (
+        np.int32(routing.num_experts),
+        np.int32(routing.top_k),
+        np.int32(routing.sigmoid),
+        np.int32(routing.renormalize),
+        np.float32(routing.scaling),
+    )
+
+
+def route_small(
+    rt: CudaRuntime,
+    x: CudaTensor,
+    norm_weight: CudaTensor,
+    eps: float,
+    router: CudaTensor,
+    router_bias: CudaTensor | None,
+    routing: RoutingArgs,
+    normed: CudaTensor,
+    expert_ids: CudaTensor,
+    expert_weights: CudaTensor,
+) -> None:
+    """norm + router + top-k in one launch for up to ROUTE_SMALL_MAX_TOKENS tokens."""
+    num_tokens, hidden = x.shape
+    experts = routing.num_experts
+    logits = rt.workspace("moe_logits", num_tokens * experts * 4)
+    counter = rt.counters("moe_route_counter", 1)
+    rt.launch(
+        "moe",
+        "moe_route_small",
+        (-(-experts // ROUTE_ROWS),),
+        256,
+        x.address,
+        norm_weight.address,
+        np.float32(eps),
+        router.address,
+        router_bias.address if router_bias is not None else 0,
+        routing.selection_bias.address if routing.selection_bias is not None else 0,
+        normed.address,
+        logits,
+        counter,
+        expert_ids.address,
+        expert_weights.address,
+        np.int32(num_tokens),
+        np.int32(hidden),
+        np.int32(experts),
+        np.int32(routing.top_k),
+        np.int32(routing.sigmoid),
+        np.int32(routing.renormalize),
+        np.float32(routing.scaling),
+    )
+
+
+def top_k(
+    rt: CudaRuntime, logits: CudaTensor, routing: RoutingArgs, expert_ids: CudaTensor, expert_weights: CudaTensor
+) -> None:
+    """ids and weights from logits [N, E] f32 (bias included): a warp per token."""
+    num_tokens = logits.shape[0]
+    rt.launch(
+        "moe",
+        "moe_topk",
+        (-(-num_tokens // 8),),
+        256,
+        logits.address,
+        routing.selection_bias.address if routing.selection_bias is not None else 0,
+        expert_ids.address,
+        expert_weights.address,
+        np.int32(num_tokens),
+        *_routing_tail(routing),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """The device weights the expert kernels read (shapes as in moe.cu's file comment)."""
+
+    gate_up: CudaTensor  # [E, 2I, H]
+    gate_up_bias: CudaTensor | None  # [E, 2I]
+    down: CudaTensor  # [E, H, I]
+    down_bias: CudaTensor | None  # [E, H]
+    shared_gate_up: CudaTensor | None  # [2Is, H]
+    shared_down: CudaTensor | None  # [H, Is]
+    shared_gate: CudaTensor | None  # [H]
+    activation: GatedKind
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.gate_up.shape[2]
+
+    @property
+    def inner(self) -> int:
+        return self.down.shape[2]
+
+    @property
+    def shared_inner(self) -> int:
+        return self.shared_down.shape[1] if self.shared_down is not None else 0
+
+
+def _address(tensor: CudaTensor | None) -> int:
+    return tensor.address if tensor is not None else 0
+
+
+def experts(
+    rt: CudaRuntime,
+    weights: ExpertWeights,
+    normed: CudaTensor,
+    expert_ids: CudaTensor,
+    expert_weights: CudaTensor,
+    residual: CudaTensor,
+) -> None:
+    """residual += the routed experts' weighted outputs + the (gated) shared expert's. The grouped
+    GEMV up to GEMV_MAX_TOKENS tokens, else the alignment and the grouped GEMM; the combine."""
+    num_tokens, top_k_width = expert_ids.shape
+    if num_tokens == 0:
+        return
+    hidden, inner, shared_inner = weights.hidden, weights.inner, weights.shared_inner
+    experts_count = weights.num_experts
+    has_shared = weights.shared_down is not None
+    num_pairs = num_tokens * top_k_width
+    rows = num_pairs + (num_tokens if has_shared else 0)
+    stride = max(inner, shared_inner)
+    hidden_rows = rt.workspace("moe_hidden", rows * stride * 2)
+    outputs = rt.workspace("moe_outputs", rows * hidden * 4)
+    act = weights.activation
+    dims = (np.int32(hidden), np.int32(inner), np.int32(shared_inner), np.int32(stride))
+    if num_tokens <= GEMV_MAX_TOKENS:
+        routed_slots = min(experts_count, num_pairs)
+        slots = routed_slots + (1 if has_shared else 0)
+        head = (np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count))
+        rt.launch(
+            "moe", f"moe_gate_up_{act.name}", (-(-stride // 8), slots), _WARPS * 32,
+            normed.address, expert_ids.address, weights.gate_up.address, _address(weights.gate_up_bias),
+            _address(weights.shared_gate_up), hidden_rows, *head, *dims, np.int32(routed_slots),
+            np.float32(act.alpha), np.float32(act.limit),
+        )
+        rt.launch(
+            "moe", "moe_down", (-(-hidden // 16), slots), _WARPS * 32,
+            hidden_rows, expert_ids.address, weights.down.address, _address(weights.down_bias),
+            _address(weights.shared_down), outputs, *head, *dims, np.int32(routed_slots),
+        )
+    else:
+        groups = experts_count + (1 if has_shared else 0)
+        offsets = rt.workspace("moe_offsets", (groups + 1) * 4)
+        tile_starts = rt.workspace("moe_tile_starts", (groups + 1) * 4)
+        sorted_pairs = rt.workspace("moe_sorted_pairs", rows * 4)
+        rt.launch(
+            "moe", "moe_align", (1,), 1024,
+            expert_ids.address, np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count),
+            np.int32(has_shared), offsets, tile_starts, sorted_pairs,
+        )
+        # sum over groups of ceil(rows_g / 64) <= rows / 64 + the groups that have rows
+        max_tiles = -(-rows // _GEMM_ROWS) + min(groups, rows)
+        layout = (offsets, tile_starts, sorted_pairs)
+        rt.launch(
+            "moe", f"moe_gemm_gate_up_{act.name}", (-(-stride // (_GEMM_ROWS // 2)), max_tiles), _GEMM_THREADS,
+            normed.address, *layout, weights.gate_up.address, _address(weights.gate_up_bias),
+            _address(weights.shared_gate_up), hidden_rows, np.int32(num_tokens), np.int32(top_k_width),
+            np.int32(experts_count), np.int32(groups), *dims, np.float32(act.alpha), np.float32(act.limit),
+        )
+        rt.launch(
+            "moe", "moe_gemm_down", (-(-hidden // _GEMM_ROWS), max_tiles), _GEMM_THREADS,
+            hidden_rows, *layout, weights.down.address, _address(weights.down_bias),
+            _address(weights.shared_down), outputs, np.int32(experts_count), np.int32(groups), *dims,
+        )
+    rt.launch(
+        "moe", "moe_combine", (num_tokens,), 256,
+        outputs, expert_weights.address, normed.address, _address(weights.shared_gate), np.int32(has_shared),
+        residual.address, np.int32(num_tokens), np.int32(top_k_width), np.int32(hidden),
+    )
+
+
+def check_routing_outputs(expert_ids: CudaTensor, expert_weights: CudaTensor, num_tokens: int, top_k_width: int) -> None:
+    for name, tensor, dtype in (("expert_ids", expert_ids, DType.I32), ("expert_weights", expert_weights, DType.F32)):
+        checks.dtype(tensor, name, (dtype,))
+        checks.shape(tensor, name, (num_tokens, top_k_width))

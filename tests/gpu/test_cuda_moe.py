@@ -1,0 +1,151 @@
+"""The CUDA MoE kind's paths against the mock on the same data: the one-launch decode routing
+(<= 8 tokens) and the norm + product + top-k routing past it; the grouped GEMV (<= 64 tokens)
+and the aligned grouped GEMM past it; shared experts, biases, the clamped SwiGLU; at real
+expert counts (128 experts, top 8; 512, top 10); captured in a graph."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from cuda_harness import bf16, host, poisoned, rel_l2
+
+from atlas.adapters.mock.backend import MockGpuBackend
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.host_weights import Activation, ClampedSwiglu, HostLinear, RmsNorm
+from atlas.ports.kernels.moe import HostMoe, HostSharedExpert, Routing, Scoring
+
+pytestmark = pytest.mark.gpu
+
+
+def _host_moe(rng, hidden, inner, routing, activation=Activation.SILU, biases=False, shared_inner=0, gated=True):
+    experts = routing.num_experts
+
+    def weights(*shape, scale=1.0):
+        return bf16(rng.standard_normal(shape) * scale / np.sqrt(shape[-1]))
+
+    def bias(*shape):
+        return bf16(rng.standard_normal(shape) * 0.1) if biases else None
+
+    shared = None
+    if shared_inner:
+        shared = HostSharedExpert(HostLinear(weights(2 * shared_inner, hidden)), HostLinear(weights(hidden, shared_inner)),
+                                  HostLinear(weights(1, hidden)) if gated else None)
+    return HostMoe(
+        input_norm=RmsNorm(bf16(1 + 0.2 * rng.standard_normal(hidden)), 1e-6),
+        router=HostLinear(weights(experts, hidden, scale=4.0), bias(experts)),
+        gate_up=HostLinear(weights(experts, 2 * inner, hidden), bias(experts, 2 * inner)),
+        down=HostLinear(weights(experts, hidden, inner), bias(experts, hidden)),
+        activation=activation,
+        routing=routing,
+        shared=shared,
+    )
+
+
+def _run(backend, host_moe, x, act_dtype):
+    moe = backend.moe.prepare(host_moe)
+    num_tokens, top_k = x.shape[0], host_moe.routing.top_k
+    residual = backend.upload(x, act_dtype)
+    normed = poisoned(backend, x.shape, act_dtype)
+    ids = poisoned(backend, (num_tokens, top_k), DType.I32)
+    weights = poisoned(backend, (num_tokens, top_k), DType.F32)
+    backend.moe.route(residual, moe, normed, ids, weights)
+    routed = (np.asarray(backend.begin_download(normed).wait(), np.float64),
+              np.asarray(backend.begin_download(ids).wait()), np.asarray(backend.begin_download(weights).wait(), np.float64))
+    backend.moe.experts(normed, moe, ids, weights, residual)
+    return (*routed, np.asarray(backend.begin_download(residual).wait(), np.float64))
+
+
+CASES = [
+    # (tokens, hidden, inner, routing, activation, biases, shared inner)
+    (1, 2048, 768, Routing(128, 8, renormalize=True), Activation.SILU, False, 0),  # Qwen3-30B-A3B decode
+    (8, 512, 96, Routing(128, 8, renormalize=True), Activation.SILU, False, 0),
+    (9, 512, 96, Routing(128, 8, renormalize=True), Activation.SILU, False, 0),  # routing past one launch
+    (64, 512, 96, Routing(128, 8, renormalize=True), Activation.SILU, False, 0),  # the last GEMV size
+    (65, 512, 96, Routing(128, 8, renormalize=True), Activation.SILU, False, 0),  # the grouped GEMM
+    (300, 256, 136, Routing(64, 6, renormalize=True), Activation.SILU, False, 200),
+    (3, 256, 64, Routing(512, 10, renormalize=True), Activation.SILU, False, 64),  # Qwen3-Next-like
+    (200, 256, 64, Routing(512, 10, renormalize=True), Activation.SILU, False, 64),
+    (5, 320, 64, Routing(32, 4, renormalize=True), ClampedSwiglu(1.702, 7.0), True, 0),  # GPT-OSS-like
+    (150, 320, 64, Routing(32, 4, renormalize=True), ClampedSwiglu(1.702, 7.0), True, 0),
+    (20, 256, 64, Routing(64, 4, Scoring.SIGMOID, renormalize=True, scaling=2.5), Activation.GELU_TANH, False, 0),
+]
+
+
+@pytest.mark.parametrize("num_tokens, hidden, inner, routing, activation, biases, shared_inner", CASES)
+def test_route_and_experts_match_the_mock(cuda_backend, rng, num_tokens, hidden, inner, routing, activation, biases,
+                                          shared_inner):
+    host_moe = _host_moe(rng, hidden, inner, routing, activation, biases, shared_inner)
+    x = bf16(rng.standard_normal((num_tokens, hidden)) * 2)
+    normed, ids, weights, residual = _run(cuda_backend, host_moe, x, DType.BF16)
+    mock = MockGpuBackend(activation_dtype=DType.F32)
+    mock_moe = mock.moe.prepare(host_moe)
+    # The mock runs the experts CUDA chose, from CUDA's own normed rows (same bf16 values).
+    m_normed = mock.upload(normed.astype(np.float32), DType.F32)
+    expected_normed = x / np.sqrt((x.astype(np.float64) ** 2).mean(1, keepdims=True) + 1e-6) * host_moe.input_norm.weight
+    assert rel_l2(normed, expected_normed) < 1e-2
+    m_ids = mock.upload(ids.astype(np.int32))
+    m_weights = mock.upload(weights.astype(np.float32))
+    stream = mock.upload(x, DType.F32)
+    mock.moe.experts(m_normed, mock_moe, m_ids, m_weights, stream)
+    assert (np.sort(ids, axis=1)[:, 1:] != np.sort(ids, axis=1)[:, :-1]).all()  # distinct experts per token
+    assert ids.min() >= 0 and ids.max() < routing.num_experts
+    assert rel_l2(residual - x, mock.begin_download(stream).wait() - x) < 2e-2
+
+
+def test_routing_ids_match_a_reference_of_its_own_normed_rows(cuda_backend, rng):
+    """Both routing paths choose exactly the experts the float64 reference chooses from the rows
+    they normalised (ties aside), with its weights."""
+    for num_tokens in (1, 8, 33):
+        routing = Routing(128, 8, renormalize=True)
+        host_moe = _host_moe(rng, 512, 64, routing)
+        x = bf16(rng.standard_normal((num_tokens, 512)) * 3)
+        normed, ids, weights, _ = _run(cuda_backend, host_moe, x, DType.BF16)
+        logits = normed @ host_moe.router.weight.T.astype(np.float64)
+        scores = np.exp(logits - logits.max(1, keepdims=True))
+        scores /= scores.sum(1, keepdims=True)
+        expected_ids = np.argsort(-scores, axis=1, kind="stable")[:, :8]
+        expected_weights = np.take_along_axis(scores, expected_ids, 1)
+        expected_weights /= expected_weights.sum(1, keepdims=True)
+        np.testing.assert_array_equal(ids, expected_ids)
+        assert rel_l2(weights, expected_weights) < 1e-5
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16, 64])
+def test_experts_replay_from_a_graph_with_new_routing(cuda_backend, rng, num_tokens):
+    """route + experts captured once replay for new inputs as eager runs compute them (the grids
+    do not depend on which experts were chosen)."""
+    backend = cuda_backend
+    routing = Routing(128, 8, renormalize=True)
+    host_moe = _host_moe(rng, 256, 64, routing, shared_inner=64)
+    moe = backend.moe.prepare(host_moe)
+    x_tensor = backend.upload(bf16(rng.standard_normal((num_tokens, 256))), DType.BF16)
+    residual = backend.empty((num_tokens, 256), DType.BF16)
+    normed = backend.empty((num_tokens, 256), DType.BF16)
+    ids = backend.empty((num_tokens, 8), DType.I32)
+    weights = backend.empty((num_tokens, 8), DType.F32)
+
+    def step():
+        backend.gather_rows(x_tensor, row_ids, residual)
+        backend.moe.route(residual, moe, normed, ids, weights)
+        backend.moe.experts(normed, moe, ids, weights, residual)
+
+    row_ids = backend.upload(np.arange(num_tokens, dtype=np.int32))
+    step()  # workspaces grow outside the capture
+    graph = backend.capture(step)
+    for _ in range(2):
+        fresh = bf16(rng.standard_normal((num_tokens, 256)) * 2)
+        backend.copy_from_host(x_tensor, fresh)
+        graph.replay()
+        replayed = host(backend, residual)
+        step()
+        np.testing.assert_array_equal(replayed, host(backend, residual))
+        assert not np.allclose(replayed, fresh, atol=1e-3)
+
+
+def test_prepare_refuses_what_the_kernels_cannot_hold(cuda_backend, rng):
+    from atlas.ports.gpu import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="num_experts"):
+        cuda_backend.moe.prepare(_host_moe(rng, 64, 16, Routing(600, 2)))
+    with pytest.raises(UnsupportedError, match="multiples of 8"):
+        cuda_backend.moe.prepare(_host_moe(rng, 64, 12, Routing(8, 2)))
