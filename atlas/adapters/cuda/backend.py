@@ -24,12 +24,12 @@ from atlas.adapters.cuda.kv_cache import CudaKvCache
 from atlas.adapters.cuda.memory import CompletedCopy, PendingCopy, PoolStats
 from atlas.adapters.cuda.moe import CudaMoe
 from atlas.adapters.cuda.ops_sampling import CudaSampling
+from atlas.adapters.cuda.recurrent import CudaRecurrent
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
-from atlas.ports.gpu import NUMPY_DTYPES, Capabilities, DType, Kind, MissingKindError, dtype_of
-from atlas.ports.kernels.recurrent import RecurrentKernels
+from atlas.ports.gpu import NUMPY_DTYPES, Capabilities, DType, Kind, dtype_of
 
-KINDS = frozenset({Kind.DENSE, Kind.ATTENTION, Kind.MOE, Kind.SAMPLING})
+KINDS = frozenset({Kind.DENSE, Kind.ATTENTION, Kind.MOE, Kind.RECURRENT, Kind.SAMPLING})
 
 
 class CudaGpuBackend:
@@ -60,6 +60,7 @@ class CudaGpuBackend:
         self._attention = CudaAttention(self._rt, self._linear, self._dense, kv_dtypes)
         self._sampling = CudaSampling(self._rt)
         self._moe = CudaMoe(self._rt, self._linear, self.upload)
+        self._recurrent = CudaRecurrent(self._rt, self.upload)
 
     def _fp8_cache_ok(self) -> bool:
         """E4M3 conversions exist from sm_89, and only the tensor-core decode kernel reads FP8."""
@@ -91,8 +92,8 @@ class CudaGpuBackend:
         return self._moe
 
     @property
-    def recurrent(self) -> RecurrentKernels:
-        raise MissingKindError("the CUDA backend has no recurrent kernels yet")
+    def recurrent(self) -> CudaRecurrent:
+        return self._recurrent
 
     @property
     def runtime(self) -> CudaRuntime:

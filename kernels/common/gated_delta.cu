@@ -1,0 +1,232 @@
+// Gated DeltaNet (Qwen3-Next's linear attention): the causal conv1d with its per-slot state, the
+// gated delta rule over each sequence's tokens from its slot's state, and the gated RMSNorm.
+//
+//   projected [N, W] bf16: | q [Hk dk] | k [Hk dk] | v [Hv dv] | z [Hv dv] | b [Hv] | a [Hv] |
+//                          '------------ conv channels C ----------'
+//   mixed [N, C] bf16 (the conv's output: q | k | v)     core [N, Hv dv] f32 (workspace)
+//   conv state of a layer  [slots][K - 1][C] f32: a slot's last K - 1 conv inputs, oldest first
+//   recurrent state of a layer [slots][Hv][dk][dv] f32: S of each value head
+//   A sequence whose step holds its whole context (seq_lens[s] == its token count) starts from
+//   zeros and never reads its slot.
+//
+// causal_conv1d: a thread per (channel, sequence) walks the sequence's tokens in order with the
+// last K - 1 inputs in registers (history from the slot, zeros when fresh), out = silu(sum_j
+// w[c, j] x[t - K + 1 + j]), then stores the new history. Bytes 2 N C 2 + state; bound by HBM
+// (at prefill the walk is a chain of independent loads, at decode one launch).
+//
+// gated_delta_rule: per token, for value head h (key head h / (Hv / Hk)), q and k l2-normalised
+// (eps 1e-6), q times dk^-0.5, beta = sigmoid(b), g = -exp(a_log) softplus(a + dt_bias):
+//
+//     S = e^g S;   u = beta (v - S^T k);   S += k u^T;   o = S^T q
+//
+// computed as kv = S_d^T k and sq = S_d^T q from the decayed S_d in one pass, then
+// o = sq + u (k . q), so each token takes one reduction. A block of 4 warps owns 32 columns
+// (dv) of one head's S for one sequence, in registers: warp w holds rows w r .. w r + r - 1
+// (r = ceil(dk / 4) <= 32), lane j column j; the warps' partial dots meet in shared memory (one
+// barrier a token, the partials double-buffered by token parity). Tokens are staged TOKENS at a
+// time: each warp normalises its tokens' q and k into shared memory (with k . q, e^g, beta), so
+// the loop over a token is ~3 r FMAs a thread plus the exchange. grid (ceil(dv / 32), Hv, S).
+// Bytes: the state read and written once per sequence (Hv dk dv 4 each way: Qwen3-Next's 2 MiB
+// a layer each way), q, k, v, a, b read once per (head, column block); FLOPs ~6 dk dv Hv a token.
+// Decode is bound by the state's bytes; a prompt is a chain of T token steps per block (the
+// chunkwise WY form, tensor cores over chunks of 64, is the prefill's next step).
+//
+// gdn_gated_norm: out[t, h] = rmsnorm(core[t, h], norm) * silu(z[t, h]) per value head, a warp per
+// (token, head). Bytes N Hv dv (4 + 2 + 2).
+#include "atlas_common.cuh"
+
+#define CONV_THREADS 64
+#define CONV_MAX_KERNEL 8
+#define GDN_THREADS 128
+#define GDN_COLUMNS 32
+#define GDN_MAX_KEY_DIM 128
+#define GDN_ROWS (GDN_MAX_KEY_DIM / 4)  // state rows a thread holds at most
+#define GDN_TOKENS 16                   // tokens staged in shared memory at a time
+
+// The step's rows and the slot of sequence `seq`, and whether it starts from zeros.
+struct SequenceRows {
+    int first, count, slot;
+    bool fresh;
+};
+
+__device__ __forceinline__ SequenceRows sequence_rows(const int* query_start_loc, const int* seq_lens,
+                                                      const int* state_slots, int seq) {
+    SequenceRows rows;
+    rows.first = query_start_loc[seq];
+    rows.count = query_start_loc[seq + 1] - rows.first;
+    rows.slot = state_slots[seq];
+    rows.fresh = seq_lens[seq] == rows.count;
+    return rows;
+}
+
+extern "C" __global__ void __launch_bounds__(CONV_THREADS)
+    causal_conv1d(const bf16* projected, int projected_width, const float* conv_weight, const int* query_start_loc,
+                  const int* seq_lens, const int* state_slots, float* conv_state, bf16* out, int conv_dim,
+                  int kernel_size) {
+    dependent_launch_entry();
+    const int channel = blockIdx.x * CONV_THREADS + threadIdx.x;
+    if (channel >= conv_dim) return;
+    const SequenceRows rows = sequence_rows(query_start_loc, seq_lens, state_slots, blockIdx.y);
+    if (rows.count <= 0) return;
+    const int history_len = kernel_size - 1;
+    float weights[CONV_MAX_KERNEL - 1], history[CONV_MAX_KERNEL - 1];
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
+        weights[j] = j < history_len ? conv_weight[(long long)channel * kernel_size + j] : 0.0f;
+    const float newest_weight = conv_weight[(long long)channel * kernel_size + history_len];
+    float* state = conv_state + (long long)rows.slot * history_len * conv_dim + channel;
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
+        history[j] = j < history_len && !rows.fresh ? state[(long long)j * conv_dim] : 0.0f;
+    const bf16* x = projected + (long long)rows.first * projected_width + channel;
+    bf16* y = out + (long long)rows.first * conv_dim + channel;
+    for (int t = 0; t < rows.count; ++t) {
+        const float input = to_float(x[(long long)t * projected_width]);
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
+            if (j < history_len) acc = fmaf(weights[j], history[j], acc);
+        acc = fmaf(newest_weight, input, acc);
+#pragma unroll
+        for (int j = 0; j < CONV_MAX_KERNEL - 2; ++j)
+            if (j + 1 < history_len) history[j] = history[j + 1];
+        if (history_len > 0) {
+#pragma unroll
+            for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
+                if (j == history_len - 1) history[j] = input;
+        }
+        y[(long long)t * conv_dim] = from_float<bf16>(acc / (1.0f + expf(-acc)));
+    }
+#pragma unroll
+    for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
+        if (j < history_len) state[(long long)j * conv_dim] = history[j];
+}
+
+__device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+    gated_delta_rule(const bf16* mixed, const bf16* projected, const float* decay_rate, const float* dt_bias,
+                     const int* query_start_loc, const int* seq_lens, const int* state_slots, float* state,
+                     float* core, int num_key_heads, int num_value_heads, int key_dim, int value_dim, int conv_dim,
+                     int projected_width) {
+    dependent_launch_entry();
+    __shared__ float k_staged[GDN_TOKENS][GDN_MAX_KEY_DIM];
+    __shared__ float q_staged[GDN_TOKENS][GDN_MAX_KEY_DIM];
+    __shared__ float v_staged[GDN_TOKENS][GDN_COLUMNS];
+    __shared__ float decay_staged[GDN_TOKENS], beta_staged[GDN_TOKENS], kq_staged[GDN_TOKENS];
+    __shared__ float partial[2][4][GDN_COLUMNS][2];  // [token parity][warp][column] (kv, sq)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int head = blockIdx.y, column = blockIdx.x * GDN_COLUMNS + lane;
+    const bool has_column = column < value_dim;
+    const SequenceRows rows = sequence_rows(query_start_loc, seq_lens, state_slots, blockIdx.z);
+    if (rows.count <= 0) return;
+    const int key_head = head / (num_value_heads / num_key_heads);
+    const int rows_per_warp = (key_dim + 3) / 4;
+    const int row0 = warp * rows_per_warp;
+    float* head_state = state + ((long long)rows.slot * num_value_heads + head) * key_dim * value_dim;
+    float s[GDN_ROWS];
+#pragma unroll
+    for (int i = 0; i < GDN_ROWS; ++i) {
+        const int row = row0 + i;
+        s[i] = i < rows_per_warp && row < key_dim && has_column && !rows.fresh
+                   ? head_state[(long long)row * value_dim + column]
+                   : 0.0f;
+    }
+    const float q_scale = rsqrtf((float)key_dim);
+    const long long q_offset = (long long)key_head * key_dim;
+    const long long k_offset = (long long)num_key_heads * key_dim + q_offset;
+    const long long v_offset = 2LL * num_key_heads * key_dim + (long long)head * value_dim;
+    const long long b_offset = (long long)conv_dim + (long long)num_value_heads * value_dim + head;
+    const long long a_offset = b_offset + num_value_heads;
+    const float rate = decay_rate[head], bias = dt_bias[head];
+    int parity = 0;
+    for (int base = 0; base < rows.count; base += GDN_TOKENS) {
+        const int staged = min(GDN_TOKENS, rows.count - base);
+        __syncthreads();  // the previous stage's tokens are done with the staging buffers
+        for (int i = warp; i < staged; i += 4) {
+            const long long token = rows.first + base + i;
+            const bf16* mixed_row = mixed + token * conv_dim;
+            float q_squares = 0.0f, k_squares = 0.0f;
+            for (int d = lane; d < key_dim; d += 32) {
+                const float qv = to_float(mixed_row[q_offset + d]), kv = to_float(mixed_row[k_offset + d]);
+                q_staged[i][d] = qv;
+                k_staged[i][d] = kv;
+                q_squares += qv * qv;
+                k_squares += kv * kv;
+            }
+            const float q_norm = rsqrtf(warp_sum(q_squares) + 1e-6f) * q_scale;
+            const float k_norm = rsqrtf(warp_sum(k_squares) + 1e-6f);
+            float kq = 0.0f;
+            for (int d = lane; d < key_dim; d += 32) {
+                q_staged[i][d] *= q_norm;
+                k_staged[i][d] *= k_norm;
+                kq += q_staged[i][d] * k_staged[i][d];
+            }
+            kq = warp_sum(kq);
+            v_staged[i][lane] = has_column ? to_float(mixed_row[v_offset + column]) : 0.0f;
+            if (lane == 0) {
+                const bf16* projected_row = projected + token * projected_width;
+                const float b = to_float(projected_row[b_offset]), a = to_float(projected_row[a_offset]);
+                kq_staged[i] = kq;
+                beta_staged[i] = 1.0f / (1.0f + expf(-b));
+                decay_staged[i] = expf(-rate * softplus(a + bias));
+            }
+        }
+        __syncthreads();
+        for (int i = 0; i < staged; ++i) {
+            const float decay = decay_staged[i];
+            float kv = 0.0f, sq = 0.0f;
+#pragma unroll
+            for (int j = 0; j < GDN_ROWS; ++j) {
+                if (j < rows_per_warp && row0 + j < key_dim) {
+                    s[j] *= decay;
+                    kv = fmaf(s[j], k_staged[i][row0 + j], kv);
+                    sq = fmaf(s[j], q_staged[i][row0 + j], sq);
+                }
+            }
+            partial[parity][warp][lane][0] = kv;
+            partial[parity][warp][lane][1] = sq;
+            __syncthreads();
+            kv = sq = 0.0f;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                kv += partial[parity][w][lane][0];
+                sq += partial[parity][w][lane][1];
+            }
+            parity ^= 1;
+            const float u = beta_staged[i] * (v_staged[i][lane] - kv);
+#pragma unroll
+            for (int j = 0; j < GDN_ROWS; ++j)
+                if (j < rows_per_warp && row0 + j < key_dim) s[j] = fmaf(k_staged[i][row0 + j], u, s[j]);
+            if (warp == 0 && has_column)
+                core[(rows.first + base + i) * (long long)num_value_heads * value_dim + (long long)head * value_dim +
+                     column] = sq + u * kq_staged[i];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < GDN_ROWS; ++i) {
+        const int row = row0 + i;
+        if (i < rows_per_warp && row < key_dim && has_column) head_state[(long long)row * value_dim + column] = s[i];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gdn_gated_norm(const float* core, const bf16* projected, const bf16* norm_weight, float eps, bf16* out,
+                   int num_tokens, int num_value_heads, int value_dim, int conv_dim, int projected_width) {
+    dependent_launch_entry();
+    const int lane = threadIdx.x & 31;
+    const long long item = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);  // (token, head)
+    if (item >= (long long)num_tokens * num_value_heads) return;
+    const long long token = item / num_value_heads;
+    const int head = (int)(item % num_value_heads);
+    const float* row = core + item * value_dim;
+    float squares = 0.0f;
+    for (int d = lane; d < value_dim; d += 32) squares += row[d] * row[d];
+    const float inverse_rms = rsqrtf(warp_sum(squares) / value_dim + eps);
+    const bf16* z = projected + token * projected_width + conv_dim + (long long)head * value_dim;
+    bf16* y = out + item * value_dim;
+    for (int d = lane; d < value_dim; d += 32) {
+        const float gate = to_float(z[d]);
+        y[d] = from_float<bf16>(row[d] * inverse_rms * to_float(norm_weight[d]) * (gate / (1.0f + expf(-gate))));
+    }
+}
