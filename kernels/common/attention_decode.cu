@@ -41,9 +41,14 @@
 //     partial_out [S, Hq, splits, D] f32, partial_lse [S, Hq, splits] f32 (log2 domain)
 //     out = sum_z exp2(lse_z - M) o_z / sum_z exp2(lse_z - M),  M = max_z lse_z
 //
+// The tensor-core kernels have `_x` twins (defined last) for the layer variants of
+// attention_extras.cuh: q rows q_stride apart, soft-capped scores, a sink per head in the final
+// denominator (the last split's merge, or the one split's), a sigmoid gate on the output.
+//
 // Bytes: each sequence's context K and V once per KV head (2 * L * Hkv * D * 2; FP8 * 1) plus q
 // and out: pure bandwidth. Splits exist so that small batches still cover every SM.
 #include "atlas_common.cuh"
+#include "attention_extras.cuh"
 
 #define DECODE_THREADS 128
 #define DECODE_UNROLL 4
@@ -71,9 +76,11 @@ struct DecodeOutput {
     float* partial_out;
     float* partial_lse;
     unsigned* split_counters;
-    long long q_row;  // token * Hq * D
+    long long q_row;  // token * Hq * D: the token's row of `out`
     int seq, num_q_heads, first_head, num_heads, split, num_splits, used_splits;
     float v_scale;  // what the block's sums of stored V values are multiplied by (FP8 caches)
+    const bf16* gate;     // EXTRAS: the token's gate heads (gated layers), or null
+    const float* sinks;   // EXTRAS: [Hq] sink logits, or null
 };
 
 // Where value (row, d) of the merge buffer [PARTS x HEADS rows][HEAD_DIM] lies. The tensor-core
@@ -96,7 +103,9 @@ __device__ __forceinline__ int merge_index(int row, int d) {
 // maxima and sums in the log2 domain, [PARTS][HEADS][HEAD_DIM] outputs at merge_index), then
 // write `out` (one split) or the block's normalised partial and log2-sum-exp, and let the last
 // split of the (sequence, head group) to finish merge every split (see the file comment).
-template <int HEAD_DIM, int HEADS, int PARTS, MergeLayout LAYOUT = MERGE_PLAIN>
+// EXTRAS: a head's sink joins the final denominator, and a gated layer's output is multiplied
+// by sigmoid of its gate (attention_extras.cuh).
+template <int HEAD_DIM, int HEADS, int PARTS, MergeLayout LAYOUT = MERGE_PLAIN, bool EXTRAS = false>
 __device__ __forceinline__ void finish_decode(const float* merge_max, const float* merge_sum, const float* merge_out,
                                               const DecodeOutput& to) {
     for (int item = threadIdx.x; item < to.num_heads * HEAD_DIM; item += blockDim.x) {
@@ -114,8 +123,12 @@ __device__ __forceinline__ void finish_decode(const float* merge_max, const floa
             }
         }
         const int head = to.first_head + h;
-        const float normalised = total > 0.0f ? value / total * to.v_scale : 0.0f;
+        float normalised = total > 0.0f ? value / total * to.v_scale : 0.0f;
         if (to.num_splits == 1) {
+            if constexpr (EXTRAS) {
+                normalised = total > 0.0f ? value / (total + sink_term(to.sinks, head, best)) * to.v_scale : 0.0f;
+                if (to.gate != nullptr) normalised *= sigmoid_of(to.gate[(long long)head * HEAD_DIM + d]);
+            }
             to.out[to.q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(normalised);
         } else {
             const long long slot = ((long long)to.seq * to.num_q_heads + head) * to.num_splits + to.split;
@@ -157,7 +170,12 @@ __device__ __forceinline__ void finish_decode(const float* merge_max, const floa
             }
             best = new_best;
         }
-        to.out[to.q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(total > 0.0f ? value / total : 0.0f);
+        float merged = total > 0.0f ? value / total : 0.0f;
+        if constexpr (EXTRAS) {
+            merged = total > 0.0f ? value / (total + sink_term(to.sinks, head, best)) : 0.0f;
+            if (to.gate != nullptr) merged *= sigmoid_of(to.gate[(long long)head * HEAD_DIM + d]);
+        }
+        to.out[to.q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(merged);
     }
 }
 
@@ -370,7 +388,7 @@ __device__ __forceinline__ void attention_decode_impl(
     }
     __syncthreads();
     DecodeOutput out_to{out, partial_out, partial_lse, split_counters, q_row, seq, num_q_heads, first_head,
-                        num_heads, split, num_splits, used_splits, 1.0f};
+                        num_heads, split, num_splits, used_splits, 1.0f, nullptr, nullptr};
     finish_decode<HEAD_DIM, HEADS, GROUPS>(merge_max, merge_sum, merge_out, out_to);
 }
 
@@ -453,13 +471,14 @@ __device__ __forceinline__ int kv_chunk(int row, int chunk) {
     else return swizzled_chunk<HEAD_DIM>(row, chunk);
 }
 
-template <int HEAD_DIM, int WARPS, int STAGES, typename KV>
+template <int HEAD_DIM, int WARPS, int STAGES, typename KV, bool EXTRAS = false>
 __device__ __forceinline__ void attention_decode_mma_impl(
     const bf16* __restrict__ q, const KV* __restrict__ k_plane, const KV* __restrict__ v_plane,
     bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
     unsigned* __restrict__ split_counters, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size,
-    float scale_log2, int sliding_window, int num_splits, int min_split_tokens, float v_scale) {
+    float scale_log2, int sliding_window, int num_splits, int min_split_tokens, float v_scale,
+    AttentionExtras extras = AttentionExtras{0, 0.0f, nullptr, 0}) {
     constexpr int KV_BYTES = sizeof(KV);
     constexpr bool FP8 = KV_BYTES == 1;
     constexpr MergeLayout LAYOUT = FP8 ? MERGE_FP8 : MERGE_BF16;
@@ -537,7 +556,8 @@ __device__ __forceinline__ void attention_decode_mma_impl(
 
     // q and the step's own K/V row come from the previous kernel.
     dependent_launch_entry();
-    const long long q_row = (long long)token * num_q_heads * HEAD_DIM;
+    const long long q_row = (long long)token * (EXTRAS ? extras.q_stride : num_q_heads * HEAD_DIM);
+    const long long out_row = (long long)token * num_q_heads * HEAD_DIM;
     // Q^T as B fragments: b0 (dims 16 s + 2t, + 1; head g), b1 (dims 16 s + 2t + 8, + 9; head g).
     // FP8: f16 fragments over dims permuted as the K fragments are (see above): k-step
     // s = 4 c + i takes dims 64 c + 16 t + 4 i + (0, 1) as k 2t, 2t + 1 and + (2, 3) as k 2t + 8,
@@ -629,7 +649,9 @@ __device__ __forceinline__ void attention_decode_mma_impl(
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int key = t0 + g + (c >> 1) * 8;
-            p[c] = key >= lo && key < context_len ? (s_acc[0][c] + s_acc[1][c]) * scale_log2 : -ATLAS_INF;
+            float score = (s_acc[0][c] + s_acc[1][c]) * scale_log2;
+            if constexpr (EXTRAS) score = capped_log2(score, extras.softcap_log2);
+            p[c] = key >= lo && key < context_len ? score : -ATLAS_INF;
         }
         float alpha[2];
 #pragma unroll
@@ -768,9 +790,10 @@ __device__ __forceinline__ void attention_decode_mma_impl(
         }
     }
     __syncthreads();
-    DecodeOutput out_to{out, partial_out, partial_lse, split_counters, q_row, seq, num_q_heads, first_head,
-                        num_heads, split, num_splits, used_splits, v_scale};
-    finish_decode<HEAD_DIM, DECODE_MMA_HEADS, WARPS, LAYOUT>(merge_max, merge_sum, merge_out, out_to);
+    const bf16* gate = EXTRAS && extras.gated ? q + q_row + (long long)num_q_heads * HEAD_DIM : nullptr;
+    DecodeOutput out_to{out, partial_out, partial_lse, split_counters, out_row, seq, num_q_heads, first_head,
+                        num_heads, split, num_splits, used_splits, v_scale, gate, EXTRAS ? extras.sinks : nullptr};
+    finish_decode<HEAD_DIM, DECODE_MMA_HEADS, WARPS, LAYOUT, EXTRAS>(merge_max, merge_sum, merge_out, out_to);
 }
 
 #define DEFINE_DECODE(HEAD_DIM, HEADS)                                                                          \
@@ -836,3 +859,32 @@ DEFINE_DECODE_MMA_FP8(128, 4, 3)
 DEFINE_DECODE_MMA_FP8(128, 4, 6)
 DEFINE_DECODE_MMA_FP8(128, 8, 4)
 DEFINE_DECODE_MMA_FP8(256, 4, 4)
+
+// The `_x` twins (attention_extras.cuh): sinks, soft-capping and gated outputs, each shape of the
+// kernels above with the extras' four arguments last. Defined after them so that the kernels
+// above compile as they did.
+#define DEFINE_DECODE_MMA_X(HEAD_DIM, WARPS, STAGES, SUFFIX, KV, V_SCALE_PARAM, V_SCALE)                        \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
+        attention_decode_mma_d##HEAD_DIM##_w##WARPS##_s##STAGES##SUFFIX##_x(                                     \
+            const bf16* q, const KV* k_plane, const KV* v_plane, bf16* out, float* partial_out,                 \
+            float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,      \
+            const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, \
+            float scale_log2, int sliding_window, int num_splits, int min_split_tokens V_SCALE_PARAM,           \
+            int q_stride, float softcap_log2, const float* sinks, int gated) {                                  \
+        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES, KV, true>(                                            \
+            q, k_plane, v_plane, out, partial_out, partial_lse, split_counters, query_start_loc, seq_lens,       \
+            block_tables, block_table_stride, num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, \
+            num_splits, min_split_tokens, V_SCALE, AttentionExtras{q_stride, softcap_log2, sinks, gated});       \
+    }
+
+#define DECODE_NO_V_SCALE
+#define DECODE_V_SCALE_PARAM , float v_scale
+DEFINE_DECODE_MMA_X(64, 4, 3, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_X(128, 4, 3, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_X(128, 8, 2, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_X(256, 4, 2, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_X(64, 4, 6, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_X(128, 4, 3, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_X(128, 4, 6, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_X(128, 8, 4, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_X(256, 4, 4, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)

@@ -33,6 +33,10 @@
 // converted (its bf16 twin does not overlap the load either). Conversion costs about 5 integer
 // or bf16 instructions per pair of elements.
 //
+// `_x` twins (defined last; attention_extras.cuh): q rows q_stride apart, soft-capped scores, the
+// head's sink in the final denominator, a sigmoid gate on the output. The host runs them, and
+// not the wgmma kernels, for layers that have any of these.
+//
 // FLOPs: 4 * sum over sequences of (query_len * context_len * Hq * D), halved by the causal mask
 // for prompts. Bytes: the K/V context of each sequence once per 64 rows of tile (a byte an element
 // with FP8), plus q and out.
@@ -41,6 +45,7 @@
 #pragma once
 
 #include "atlas_common.cuh"
+#include "attention_extras.cuh"
 
 // A varlen prefill grid: sequence s owns T(s) = floor(query_start[s] * G / block_m) + s tiles
 // onwards, each tile block_m query rows (token x head-in-group) of that sequence.
@@ -118,12 +123,14 @@ __device__ __forceinline__ int2 fp8_chunk_of_thread(int t) {
 #define PREFILL_BLOCK_N 64
 
 // KV = bf16, or unsigned char for FP8 (E4M3) K/V with v_scale (see the file comment).
-template <int HEAD_DIM, int STAGES, int BLOCK_M, typename KV>
+// EXTRAS: the `_x` kernels' sinks, soft-capping and gated output (attention_extras.cuh).
+template <int HEAD_DIM, int STAGES, int BLOCK_M, typename KV, bool EXTRAS = false>
 __device__ __forceinline__ void attention_prefill_impl(
     const bf16* __restrict__ q, const KV* __restrict__ k_plane, const KV* __restrict__ v_plane,
     bf16* __restrict__ out, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int block_table_stride, int num_seqs, int num_q_heads, int num_kv_heads,
-    int block_size, float scale_log2, int sliding_window, int skip_single_token, float v_scale) {
+    int block_size, float scale_log2, int sliding_window, int skip_single_token, float v_scale,
+    AttentionExtras extras = AttentionExtras{0, 0.0f, nullptr, 0}) {
     constexpr bool FP8 = sizeof(KV) == 1;
     constexpr int STRIDE = HEAD_DIM + 8;  // padded row: conflict-free fragment loads
     constexpr int CHUNKS = HEAD_DIM / 8;  // 16-byte chunks per row
@@ -149,7 +156,8 @@ __device__ __forceinline__ void attention_prefill_impl(
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const long long q_row_stride = (long long)num_q_heads * HEAD_DIM;
+    const long long q_row_stride = (long long)num_q_heads * HEAD_DIM;  // of out (and of q without EXTRAS)
+    const long long q_stride = EXTRAS ? (long long)extras.q_stride : q_row_stride;
     const int first_position = context_len - query_len;
 
     // Q tile -> shared (rows past the sequence are zero-filled).
@@ -159,7 +167,7 @@ __device__ __forceinline__ void attention_prefill_impl(
         const bool valid = row < num_rows;
         const int token = valid ? row / group : 0;
         const int head = kv_head * group + (valid ? row % group : 0);
-        const bf16* src = q + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM + chunk * 8;
+        const bf16* src = q + (first_token + token) * q_stride + (long long)head * HEAD_DIM + chunk * 8;
         cp_async_16(q_tile + r * STRIDE + chunk * 8, valid ? src : q, valid);
     }
     cp_async_commit();
@@ -336,7 +344,9 @@ __device__ __forceinline__ void attention_prefill_impl(
                     const int key = kv_start + n * 8 + 2 * t + e;
                     const bool allowed = unmasked || (row_valid[half] && key < kv_end && key <= position &&
                                                       (sliding_window <= 0 || key > position - sliding_window));
-                    const float value = allowed ? s[n][half * 2 + e] * scale_log2 : -ATLAS_INF;
+                    float value = s[n][half * 2 + e] * scale_log2;
+                    if constexpr (EXTRAS) value = capped_log2(value, extras.softcap_log2);
+                    value = allowed ? value : -ATLAS_INF;
                     s[n][half * 2 + e] = value;
                     tile_max = fmaxf(tile_max, value);
                 }
@@ -400,15 +410,23 @@ __device__ __forceinline__ void attention_prefill_impl(
         total += __shfl_xor_sync(0xffffffffu, total, 1);
         total += __shfl_xor_sync(0xffffffffu, total, 2);
         if (!row_valid[half]) continue;
-        float inverse = total > 0.0f ? 1.0f / total : 0.0f;
-        if constexpr (FP8) inverse *= v_scale;  // O sums stored V values
         const int row = first_row + warp * 16 + g + half * 8;
         const int token = row / group, head = kv_head * group + row % group;
+        if constexpr (EXTRAS) total += sink_term(extras.sinks, head, row_max[half]);
+        float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        if constexpr (FP8) inverse *= v_scale;  // O sums stored V values
         bf16* dst = out + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM;
+        const bf16* gate = q + (first_token + token) * q_stride + (long long)(num_q_heads + head) * HEAD_DIM;
 #pragma unroll
         for (int d = 0; d < DIM_TILES; ++d) {
-            const u32 pair = pack_bf16x2(o[d][half * 2] * inverse, o[d][half * 2 + 1] * inverse);
-            *reinterpret_cast<u32*>(dst + d * 8 + 2 * t) = pair;
+            float lo = o[d][half * 2] * inverse, hi = o[d][half * 2 + 1] * inverse;
+            if constexpr (EXTRAS) {
+                if (extras.gated) {
+                    lo *= sigmoid_of(gate[d * 8 + 2 * t]);
+                    hi *= sigmoid_of(gate[d * 8 + 2 * t + 1]);
+                }
+            }
+            *reinterpret_cast<u32*>(dst + d * 8 + 2 * t) = pack_bf16x2(lo, hi);
         }
     }
 }
@@ -454,3 +472,30 @@ DEFINE_PREFILL(64, 2, 128)
 DEFINE_PREFILL(128, 2, 128)
 DEFINE_PREFILL(128, 2, 64)
 DEFINE_PREFILL(256, 1, 64)
+
+// The `_x` twins (attention_extras.cuh), after the kernels above so that those compile as they did.
+#define DEFINE_PREFILL_X(HEAD_DIM, STAGES, BLOCK_M, SUFFIX, KV, V_SCALE_PARAM, V_SCALE)                       \
+    extern "C" __global__ void __launch_bounds__(BLOCK_M / 16 * 32, 2)                                        \
+        attention_prefill_d##HEAD_DIM##_m##BLOCK_M##SUFFIX##_x(                                                \
+            const bf16* q, const KV* k_plane, const KV* v_plane, bf16* out, const int* query_start_loc,        \
+            const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs,                \
+            int num_q_heads, int num_kv_heads, int block_size, float scale_log2, int sliding_window,           \
+            int skip_single_token V_SCALE_PARAM, int q_stride, float softcap_log2, const float* sinks,         \
+            int gated) {                                                                                       \
+        dependent_launch_entry();                                                                              \
+        attention_prefill_impl<HEAD_DIM, STAGES, BLOCK_M, KV, true>(                                           \
+            q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables, block_table_stride, num_seqs,   \
+            num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, skip_single_token, V_SCALE,     \
+            AttentionExtras{q_stride, softcap_log2, sinks, gated});                                            \
+    }
+
+#define PREFILL_NO_V_SCALE
+#define PREFILL_V_SCALE_PARAM , float v_scale
+DEFINE_PREFILL_X(64, 2, 128, , bf16, PREFILL_NO_V_SCALE, 1.0f)
+DEFINE_PREFILL_X(128, 2, 128, , bf16, PREFILL_NO_V_SCALE, 1.0f)
+DEFINE_PREFILL_X(128, 2, 64, , bf16, PREFILL_NO_V_SCALE, 1.0f)
+DEFINE_PREFILL_X(256, 1, 64, , bf16, PREFILL_NO_V_SCALE, 1.0f)
+DEFINE_PREFILL_X(64, 2, 128, _fp8, unsigned char, PREFILL_V_SCALE_PARAM, v_scale)
+DEFINE_PREFILL_X(128, 2, 128, _fp8, unsigned char, PREFILL_V_SCALE_PARAM, v_scale)
+DEFINE_PREFILL_X(128, 2, 64, _fp8, unsigned char, PREFILL_V_SCALE_PARAM, v_scale)
+DEFINE_PREFILL_X(256, 1, 64, _fp8, unsigned char, PREFILL_V_SCALE_PARAM, v_scale)

@@ -12,6 +12,10 @@
 //   Rotation of a head x (pairs (i, i + r/2), i < r/2; dims >= r pass through):
 //       y[i]       = x[i] cos[i] - x[i + r/2] sin[i]
 //       y[i + r/2] = x[i + r/2] cos[i] + x[i] sin[i]
+//   A gated layer (num_gate_heads G = Hq, Qwen3-Next) has its gate heads between the q and the k
+//   heads: qkv [N, (Hq + G + 2 Hkv) D], q_out [N, (Hq + G) D]; a gate head is copied to q_out
+//   after the q heads as the product gave it (scaled by the RMS like every value, no norm, no
+//   rotation). rotary_dim 0: no rotation (a layer without RoPE).
 //   A negative slot skips the K/V write (padding rows of a captured graph). An FP8 cache (the
 //   _fp8 kernels) stores E4M3 bytes of k / k_scale and v / v_scale (saturated at +-448).
 //   rms_source (may be null) [N, rms_width] bf16: the unnormalised input of the projection whose
@@ -51,13 +55,15 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
                                                     CACHE* v_plane, bf16* q_out, const W* q_norm, const W* k_norm,
                                                     float eps, int num_q_heads, int num_kv_heads, int head_dim,
                                                     int rotary_dim, int block_size, const bf16* rms_source,
-                                                    int rms_width, float k_inverse_scale, float v_inverse_scale) {
+                                                    int rms_width, int num_gate_heads, float k_inverse_scale,
+                                                    float v_inverse_scale) {
     __shared__ float head_values[ROPE_WARPS][ROPE_MAX_HEAD_DIM];
     __shared__ float rms_scratch[32];
     grid_dependents_launch();  // before this kernel's own wait: see the file comment
     const int token = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int total_heads = num_q_heads + 2 * num_kv_heads;
+    const int q_heads = num_q_heads + num_gate_heads;  // the heads q_out holds
+    const int total_heads = q_heads + 2 * num_kv_heads;
     const long long row_stride = (long long)total_heads * head_dim;
     const int half = rotary_dim / 2;
 
@@ -84,8 +90,9 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
     grid_dependency_wait();
     float* values = head_values[warp];
     for (int head = blockIdx.y * ROPE_WARPS + warp; head < total_heads; head += gridDim.y * ROPE_WARPS) {
-        const bool is_q = head < num_q_heads;
-        const bool is_v = head >= num_q_heads + num_kv_heads;
+        const bool is_q = head < q_heads;  // a q head, or a gate head (is_gate)
+        const bool is_gate = is_q && head >= num_q_heads;
+        const bool is_v = head >= q_heads + num_kv_heads;
         const bf16* in = qkv + token * row_stride + (long long)head * head_dim;
         bf16 raw[ROPE_PER_LANE];
 #pragma unroll
@@ -104,7 +111,7 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
             values[d] = v;
             sum_squares += v * v;
         }
-        const W* norm = is_v ? nullptr : (is_q ? q_norm : k_norm);
+        const W* norm = is_v || is_gate ? nullptr : (is_q ? q_norm : k_norm);
         if (norm != nullptr) {
             const float inverse_rms = 1.0f / sqrtf(warp_sum(sum_squares) / head_dim + eps);
             for (int d = lane; d < head_dim; d += 32) values[d] = values[d] * inverse_rms * to_float(norm[d]);
@@ -118,18 +125,18 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
             const int d = lane + 32 * j;
             if (d >= head_dim) break;
             results[j] = values[d];
-            if (!is_v && d < rotary_dim) {
+            if (!is_v && !is_gate && d < rotary_dim) {
                 const float other = d < half ? -values[d + half] : values[d - half];
                 results[j] = values[d] * cos_values[j] + other * sin_values[j];
             }
         }
         if (is_q) {
-            bf16* out = q_out + (long long)token * num_q_heads * head_dim + (long long)head * head_dim;
+            bf16* out = q_out + (long long)token * q_heads * head_dim + (long long)head * head_dim;
 #pragma unroll
             for (int j = 0; j < ROPE_PER_LANE; ++j)
                 if (lane + 32 * j < head_dim) out[lane + 32 * j] = from_float<bf16>(results[j]);
         } else {
-            const int kv_head = is_v ? head - num_q_heads - num_kv_heads : head - num_q_heads;
+            const int kv_head = is_v ? head - q_heads - num_kv_heads : head - q_heads;
             const long long block = slot / block_size, offset = slot % block_size;
             CACHE* out = (is_v ? v_plane : k_plane) + ((block * num_kv_heads + kv_head) * block_size + offset) * head_dim;
             const float inverse_scale = is_v ? v_inverse_scale : k_inverse_scale;
@@ -145,21 +152,22 @@ __device__ __forceinline__ void rope_and_cache_impl(const bf16* qkv, const int* 
         const bf16* qkv, const int* positions, const int* slot_mapping, const TABLE* table, int max_position,  \
         bf16* k_plane, bf16* v_plane, bf16* q_out, const W* q_norm, const W* k_norm, float eps,                \
         int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, int block_size,                       \
-        const bf16* rms_source, int rms_width) {                                                               \
+        const bf16* rms_source, int rms_width, int num_gate_heads) {                                           \
         rope_and_cache_impl<TABLE, W, bf16>(qkv, positions, slot_mapping, table, max_position, k_plane,        \
                                             v_plane, q_out, q_norm, k_norm, eps, num_q_heads, num_kv_heads,    \
-                                            head_dim, rotary_dim, block_size, rms_source, rms_width, 1.0f,     \
-                                            1.0f);                                                             \
+                                            head_dim, rotary_dim, block_size, rms_source, rms_width,           \
+                                            num_gate_heads, 1.0f, 1.0f);                                       \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(ROPE_WARPS * 32) rope_and_cache_##SUFFIX##_fp8(               \
         const bf16* qkv, const int* positions, const int* slot_mapping, const TABLE* table, int max_position,  \
         fp8_e4m3* k_plane, fp8_e4m3* v_plane, bf16* q_out, const W* q_norm, const W* k_norm, float eps,        \
         int num_q_heads, int num_kv_heads, int head_dim, int rotary_dim, int block_size,                       \
-        const bf16* rms_source, int rms_width, float k_inverse_scale, float v_inverse_scale) {                 \
+        const bf16* rms_source, int rms_width, int num_gate_heads, float k_inverse_scale,                      \
+        float v_inverse_scale) {                                                                               \
         rope_and_cache_impl<TABLE, W, fp8_e4m3>(qkv, positions, slot_mapping, table, max_position, k_plane,    \
                                                 v_plane, q_out, q_norm, k_norm, eps, num_q_heads,              \
                                                 num_kv_heads, head_dim, rotary_dim, block_size, rms_source,    \
-                                                rms_width, k_inverse_scale, v_inverse_scale);                  \
+                                                rms_width, num_gate_heads, k_inverse_scale, v_inverse_scale);  \
     }
 
 // Table type, then q/k norm weight type; each with a bf16 cache and (_fp8) an E4M3 one, whose

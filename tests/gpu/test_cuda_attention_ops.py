@@ -503,3 +503,72 @@ def test_fp8_prefill_kernels_against_float64(cuda_backend, rng, monkeypatch, ker
 
     reference = replace(case, keys=dequantized(k_bytes, k_scale), values=dequantized(v_bytes, v_scale))
     assert rel_l2(host(cuda_backend, out), reference_attention(reference, scale, None)) < BF16_TOLERANCE
+
+
+# -- the `_x` kernels: sinks, soft-capping, gated output -----------------------------------------
+
+
+def _reference_with_extras(case, scale, window, sinks, softcap, gate):
+    """float64 attention with a sink logit per head, soft-capped scores and a sigmoid gate."""
+    heads = case.heads
+    group = heads.num_q_heads // heads.num_kv_heads
+    out = np.zeros((case.num_tokens, heads.num_q_heads, heads.head_dim))
+    queries = case.query.reshape(case.num_tokens, heads.num_q_heads, heads.head_dim).astype(np.float64)
+    for s, (context_len, query_len) in enumerate(zip(case.context_lens, case.query_lens)):
+        start = int(case.query_start_loc[s])
+        blocks = case.block_tables[s, : -(-context_len // case.block_size)]
+        slots = (blocks[:, None] * case.block_size + np.arange(case.block_size)).reshape(-1)[:context_len]
+        positions = np.arange(context_len - query_len, context_len)
+        key_positions = np.arange(context_len)
+        allowed = key_positions[None, :] <= positions[:, None]
+        if window is not None:
+            allowed &= key_positions[None, :] > positions[:, None] - window
+        for head in range(heads.num_q_heads):
+            keys = case.keys[slots, head // group].astype(np.float64)
+            values = case.values[slots, head // group].astype(np.float64)
+            scores = queries[start : start + query_len, head] @ keys.T * scale
+            if softcap is not None:
+                scores = softcap * np.tanh(scores / softcap)
+            scores = np.where(allowed, scores, -np.inf)
+            peak = scores.max(axis=1, keepdims=True)
+            if sinks is not None:
+                peak = np.maximum(peak, sinks[head])
+            weights = np.exp(scores - peak)
+            denominator = weights.sum(axis=1, keepdims=True)
+            if sinks is not None:
+                denominator = denominator + np.exp(sinks[head] - peak)
+            out[start : start + query_len, head] = weights @ values / denominator
+    out = out.reshape(case.num_tokens, heads.q_size)
+    return out if gate is None else out / (1 + np.exp(-gate.astype(np.float64)))
+
+
+EXTRAS_CASES = [
+    # (heads, context lens, query lens, window, sinks, softcap, gated)
+    (HeadLayout(64, 8, 64), [700, 3000, 90, 1], [1, 1, 90, 1], 128, True, None, False),  # GPT-OSS, split decode
+    (HeadLayout(64, 8, 64), [2000], [1], None, True, None, False),  # one sequence: many splits merge the sink
+    (HeadLayout(16, 2, 256), [300, 1200, 40], [1, 1, 40], None, False, None, True),  # Qwen3-Next gated
+    (HeadLayout(8, 4, 256), [500, 77], [1, 77], 64, False, 50.0, False),  # soft-capped, windowed
+    (HeadLayout(32, 8, 128), [900, 130], [1, 130], None, True, 30.0, True),  # all at once
+]
+
+
+@pytest.mark.parametrize("heads, context_lens, query_lens, window, with_sinks, softcap, gated", EXTRAS_CASES)
+def test_attention_extras_against_float64(cuda_backend, rng, heads, context_lens, query_lens, window, with_sinks,
+                                          softcap, gated):
+    from atlas.adapters.cuda import ops_attention
+
+    case = paged_case(rng, heads, context_lens, query_lens)
+    kv = cuda_cache_with(cuda_backend, case)
+    sinks = (rng.standard_normal(heads.num_q_heads) * 3).astype(np.float32) if with_sinks else None
+    if sinks is not None:
+        sinks[0] = 30.0  # one head whose sink takes nearly all the weight
+    gate = bf16(rng.standard_normal((case.num_tokens, heads.q_size)) * 2) if gated else None
+    q = case.query if gate is None else np.concatenate([case.query, gate], axis=1)
+    extras = ops_attention.AttentionExtras(
+        None if sinks is None else cuda_backend.upload(sinks, DType.F32), softcap, gated)
+    out = poisoned(cuda_backend, (case.num_tokens, heads.q_size), DType.BF16)
+    scale = heads.head_dim**-0.5
+    ops_attention.attention(cuda_backend.runtime, cuda_backend.upload(q, DType.BF16), kv, 0,
+                            upload_metadata(cuda_backend, case), heads, scale, out, window, extras)
+    expected = _reference_with_extras(case, scale, window, sinks, softcap, gate)
+    assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE

@@ -10,7 +10,9 @@ kernel.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from atlas.adapters.cuda import ops_attention
 from atlas.adapters.cuda.dense import NORMED, PRODUCT, CudaDense
@@ -31,17 +33,21 @@ class CudaAttentionLayer:
     eps: float  # of the input norm, and of the q/k norms
     q_norm: CudaTensor | None  # [D] bf16
     k_norm: CudaTensor | None
-    rope_table: CudaTensor
+    rope_table: CudaTensor | None
+    extras: ops_attention.AttentionExtras | None = None  # sinks, soft-cap, gated output
 
 
 class CudaAttention:
     """`AttentionKernels` on one GPU."""
 
-    def __init__(self, rt: CudaRuntime, linear: LinearOp, dense: CudaDense, kv_dtypes: tuple[DType, ...]) -> None:
+    def __init__(
+        self, rt: CudaRuntime, linear: LinearOp, dense: CudaDense, kv_dtypes: tuple[DType, ...], upload=None
+    ) -> None:
         self._rt = rt
         self._linear = linear
         self._dense = dense
         self._kv_dtypes = kv_dtypes
+        self._upload = upload  # CudaGpuBackend.upload (the sinks' f32 logits)
 
     def allocate_cache(self, spec: KvCacheSpec) -> CudaKvCache:
         rt = self._rt
@@ -65,27 +71,27 @@ class CudaAttention:
 
     def prepare(self, host: HostAttention, layer: AttentionLayer) -> CudaAttentionLayer:
         heads = layer.heads
-        for unsupported, what in (
-            (host.sinks is not None, "sinks"),
-            (layer.logit_softcap is not None, "logit_softcap"),
-            (layer.gated_output, "gated_output"),
-            (layer.rope_table is None, "rope_table None (attention without RoPE)"),
-            (heads.head_dim not in ops_attention.SUPPORTED_HEAD_DIMS, f"head_dim {heads.head_dim}"),
-        ):
-            if unsupported:
-                raise UnsupportedError(f"{what}: not supported by the CUDA backend's attention yet")
+        if heads.head_dim not in ops_attention.SUPPORTED_HEAD_DIMS:
+            raise UnsupportedError(f"head_dim {heads.head_dim}: not supported by the CUDA backend's attention yet")
+        if host.sinks is not None and np.shape(host.sinks) != (heads.num_q_heads,):
+            raise ValueError(f"sinks: shape {list(np.shape(host.sinks))} is not [{heads.num_q_heads}]")
         eps = host.input_norm.eps
         if any(norm is not None and norm.eps != eps for norm in (host.q_norm, host.k_norm)):
             raise UnsupportedError("q_norm/k_norm: an eps other than the input norm's is not supported on CUDA")
         if (host.q_norm is None) != (host.k_norm is None):
             raise ValueError("q_norm and k_norm: give both or neither")
-        width = heads.q_size + 2 * heads.kv_size
+        width = layer.q_width + 2 * heads.kv_size
         if host.qkv.out_features != width:
             raise ValueError(f"qkv: {host.qkv.out_features} rows, the heads need {width}")
         qkv, bias = self._dense.matrix(host.qkv, "qkv")
         upload = self._dense.upload_norm
         norms = (None if norm is None else upload(norm) for norm in (host.q_norm, host.k_norm))
-        return self.layer(layer, qkv, bias, upload(host.input_norm), eps, *norms)
+        prepared = self.layer(layer, qkv, bias, upload(host.input_norm), eps, *norms)
+        if host.sinks is None and layer.logit_softcap is None and not layer.gated_output:
+            return prepared
+        sinks = None if host.sinks is None else self._upload(np.asarray(host.sinks, np.float32), DType.F32)
+        extras = ops_attention.AttentionExtras(sinks, layer.logit_softcap, layer.gated_output)
+        return replace(prepared, extras=extras)
 
     def layer(
         self,
@@ -107,8 +113,8 @@ class CudaAttention:
         self, x: CudaTensor, layer: CudaAttentionLayer, meta: AttentionMetadata, cache: CudaKvCache, q_out: CudaTensor
     ) -> None:
         rt, linear, spec = self._rt, self._linear, layer.spec
-        heads, index = spec.heads, spec.cache_layer
-        if layer.q_norm is None and layer.k_norm is None:
+        heads, index, gated = spec.heads, spec.cache_layer, spec.gated_output
+        if layer.q_norm is None and layer.k_norm is None and not gated and layer.rope_table is not None:
             targets = ops_attention.rope_targets(meta, layer.rope_table, cache, index, heads, q_out)
             if targets is not None and linear.rmsnorm_linear_rope(
                 x, layer.norm, layer.eps, layer.qkv, layer.bias, q_out, targets
@@ -119,13 +125,14 @@ class CudaAttention:
             linear(x, layer.qkv, qkv, None)  # the RoPE kernel scales by the norm's RMS
             ops_attention.rope_and_cache(
                 rt, qkv, meta, layer.rope_table, cache, index, heads, q_out, layer.q_norm, layer.k_norm, layer.eps,
-                rms_source=x,
+                rms_source=x, gated=gated,
             )
             return
         normed = rt.scratch_tensor(NORMED, x.shape, x.dtype)
         linear.rmsnorm_linear(x, layer.norm, layer.eps, layer.qkv, qkv, normed, layer.bias)
         ops_attention.rope_and_cache(
-            rt, qkv, meta, layer.rope_table, cache, index, heads, q_out, layer.q_norm, layer.k_norm, layer.eps
+            rt, qkv, meta, layer.rope_table, cache, index, heads, q_out, layer.q_norm, layer.k_norm, layer.eps,
+            gated=gated,
         )
 
     def attend(
@@ -133,5 +140,5 @@ class CudaAttention:
     ) -> None:
         spec = layer.spec
         ops_attention.attention(
-            self._rt, q, cache, spec.cache_layer, meta, spec.heads, spec.scale, out, spec.sliding_window
+            self._rt, q, cache, spec.cache_layer, meta, spec.heads, spec.scale, out, spec.sliding_window, layer.extras
         )

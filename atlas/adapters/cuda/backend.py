@@ -57,7 +57,7 @@ class CudaGpuBackend:
             device_name=self._rt.device_name,
         )
         self._dense = CudaDense(self._rt, self._linear, self.upload)
-        self._attention = CudaAttention(self._rt, self._linear, self._dense, kv_dtypes)
+        self._attention = CudaAttention(self._rt, self._linear, self._dense, kv_dtypes, self.upload)
         self._sampling = CudaSampling(self._rt)
         self._moe = CudaMoe(self._rt, self._linear, self.upload)
         self._recurrent = CudaRecurrent(self._rt, self.upload)

@@ -139,7 +139,7 @@ def rope_and_cache(
     rt: CudaRuntime,
     qkv: CudaTensor,
     meta: AttentionMetadata,
-    rope_table: CudaTensor,
+    rope_table: CudaTensor | None,
     kv: object,
     layer: int,
     heads: HeadLayout,
@@ -148,10 +148,13 @@ def rope_and_cache(
     k_norm: CudaTensor | None,
     norm_eps: float,
     rms_source: CudaTensor | None = None,
+    gated: bool = False,
 ) -> None:
     """rope_and_cache (the port's); with `rms_source` ([N, H] bf16, H a multiple of 8) each
     token's q, k and v are first scaled by 1 / sqrt(mean(rms_source^2) + norm_eps): qkv is then
-    the product of that unnormalised input with a projection its norm weight was folded into."""
+    the product of that unnormalised input with a projection its norm weight was folded into.
+    `gated`: qkv holds a gate head per q head after the q heads, which q_out keeps after them
+    (q_out [N, 2 Hq D]). `rope_table` None: nothing rotates."""
     cache = _check_cache(kv, heads)
     _check_metadata(meta)
     num_tokens = meta.num_tokens
@@ -161,11 +164,14 @@ def rope_and_cache(
     checks.dtype(qkv, "qkv", (DType.BF16,))
     checks.dtype(q_out, "q_out", (DType.BF16,))
     checks.at_least_rows(qkv, "qkv", num_tokens)
-    if qkv.shape[1:] != (heads.q_size + 2 * heads.kv_size,):
-        raise ValueError(f"qkv: width {qkv.shape[1:]} is not q + k + v = {heads.q_size + 2 * heads.kv_size}")
+    q_width = heads.q_size * (2 if gated else 1)
+    if qkv.shape[1:] != (q_width + 2 * heads.kv_size,):
+        raise ValueError(f"qkv: width {qkv.shape[1:]} is not q (+ gates) + k + v = {q_width + 2 * heads.kv_size}")
     checks.at_least_rows(q_out, "q_out", num_tokens)
-    if q_out.shape[1:] != (heads.q_size,):
-        raise ValueError(f"q_out: width {q_out.shape[1:]} is not Hq * D = {heads.q_size}")
+    if q_out.shape[1:] != (q_width,):
+        raise ValueError(f"q_out: width {q_out.shape[1:]} is not {q_width}")
+    if rope_table is None:
+        rope_table = CudaTensor(rt.workspace("rope_none", 16), (1, 0), DType.F32, rt)
     checks.rank(rope_table, "rope_table", 2)
     checks.dtype(rope_table, "rope_table", (DType.F32, DType.BF16))
     rotary_dim = rope_table.shape[1]
@@ -195,7 +201,8 @@ def rope_and_cache(
         k_scale, v_scale = cache.spec.layer_scales(layer)
         symbol += "_fp8"
         scales = (np.float32(1.0 / k_scale), np.float32(1.0 / v_scale))
-    total_heads = heads.num_q_heads + 2 * heads.num_kv_heads
+    gate_heads = heads.num_q_heads if gated else 0
+    total_heads = heads.num_q_heads + gate_heads + 2 * heads.num_kv_heads
     rt.launch(
         "rope_cache",
         symbol,
@@ -219,8 +226,25 @@ def rope_and_cache(
         np.int32(cache.spec.block_size),
         rms_source.address if rms_source is not None else 0,
         np.int32(rms_source.shape[1] if rms_source is not None else 0),
+        np.int32(gate_heads),
         *scales,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionExtras:
+    """What the `_x` kernels add (kernels/common/attention_extras.cuh): per-head sink logits, a
+    soft-cap of the scores, a sigmoid gate on the output (q rows then carry the gates)."""
+
+    sinks: CudaTensor | None = None  # [Hq] f32
+    softcap: float | None = None
+    gated: bool = False
+
+    def arguments(self, heads: HeadLayout) -> tuple:
+        q_stride = heads.q_size * (2 if self.gated else 1)
+        softcap_log2 = 0.0 if self.softcap is None else self.softcap * math.log2(math.e)
+        sinks = self.sinks.address if self.sinks is not None else 0
+        return (np.int32(q_stride), np.float32(softcap_log2), sinks, np.int32(self.gated))
 
 
 def attention(
@@ -233,7 +257,11 @@ def attention(
     scale: float,
     out: CudaTensor,
     sliding_window: int | None,
+    extras: AttentionExtras | None = None,
 ) -> None:
+    """Paged attention of the step's queries (see the kernels' headers); with `extras` the `_x`
+    kernels (mma.sync prefill, tensor-core decode: an FP8 cache or a block size the decode kernel
+    cannot tile then raises ValueError naming the way out)."""
     cache = _check_cache(kv, heads)
     _check_metadata(meta)
     head_dim = heads.head_dim
@@ -241,11 +269,12 @@ def attention(
         raise ValueError(f"heads.head_dim: {head_dim} has no attention kernel (have {SUPPORTED_HEAD_DIMS})")
     if heads.num_q_heads % heads.num_kv_heads:
         raise ValueError(f"heads: {heads.num_q_heads} query heads do not divide over {heads.num_kv_heads} KV heads")
-    for name, value in (("q", q), ("out", out)):
+    gated = extras is not None and extras.gated
+    for name, value, width in (("q", q, heads.q_size * (2 if gated else 1)), ("out", out, heads.q_size)):
         checks.dtype(value, name, (DType.BF16,))
         checks.at_least_rows(value, name, meta.num_tokens)
-        if value.shape[1:] != (heads.q_size,):
-            raise ValueError(f"{name}: width {value.shape[1:]} is not Hq * D = {heads.q_size}")
+        if value.shape[1:] != (width,):
+            raise ValueError(f"{name}: width {value.shape[1:]} is not {width}")
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window: {sliding_window} must be positive (or None)")
     if meta.num_seqs == 0 or meta.num_tokens == 0:
@@ -263,9 +292,12 @@ def attention(
     window = np.int32(sliding_window or 0)
     planes = (cache.key_plane(layer), cache.value_plane(layer))
     block_size = cache.spec.block_size
+    extra_arguments = extras.arguments(heads) if extras is not None else None
     if meta.max_query_len > 1:
-        _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale)
-    _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale)
+        _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale,
+                 extra_arguments)
+    _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale,
+            extra_arguments)
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,19 +322,21 @@ def wgmma_prefill_shared_bytes(head_dim: int, keys_per_tile: int, kv_fp8: bool =
     return _WGMMA_ROWS * head_dim * 2 + kv_bytes + 1024
 
 
-def prefill_kernel(rt: CudaRuntime, head_dim: int, kv_fp8: bool = False) -> PrefillKernel:
+def prefill_kernel(rt: CudaRuntime, head_dim: int, kv_fp8: bool = False, extras: bool = False) -> PrefillKernel:
     """The wgmma kernel where the loaded module has it (kernels/sm90 on Hopper), the device gives a
     block its shared memory and `rt.features.wgmma_attention` is on; else the mma.sync kernel.
-    `kv_fp8`: the `_fp8` twin, for a cache of E4M3 bytes (same launch shape, one more argument)."""
+    `kv_fp8`: the `_fp8` twin, for a cache of E4M3 bytes (same launch shape, one more argument).
+    `extras`: the mma.sync kernel's `_x` twin (sinks, soft-cap, gate; four more arguments)."""
     suffix = "_fp8" if kv_fp8 else ""
     keys_per_tile = WGMMA_KEYS_PER_TILE.get(head_dim)
-    if keys_per_tile is not None and rt.features.wgmma_attention:
+    if keys_per_tile is not None and rt.features.wgmma_attention and not extras:
         symbol = f"attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}{suffix}"
         shared_bytes = wgmma_prefill_shared_bytes(head_dim, keys_per_tile, kv_fp8)
         if shared_bytes <= rt.max_shared_optin and rt.kernels.provides("attention_prefill", symbol):
             return PrefillKernel(symbol, _WGMMA_ROWS, _WGMMA_THREADS, shared_bytes)
     rows, _, shared_bytes = prefill_tile(head_dim, rt.max_shared_optin, kv_fp8)
-    return PrefillKernel(f"attention_prefill_d{head_dim}_m{rows}{suffix}", rows, rows // 16 * 32, shared_bytes)
+    symbol = f"attention_prefill_d{head_dim}_m{rows}{suffix}{'_x' if extras else ''}"
+    return PrefillKernel(symbol, rows, rows // 16 * 32, shared_bytes)
 
 
 def prefill_tile(head_dim: int, max_shared_bytes: int, kv_fp8: bool = False) -> tuple[int, int, int]:
@@ -325,12 +359,14 @@ def prefill_tile(head_dim: int, max_shared_bytes: int, kv_fp8: bool = False) -> 
 
 
 def _prefill(
-    rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8=False, v_scale=1.0
+    rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8=False, v_scale=1.0,
+    extra_arguments=None,
 ) -> None:
     """Launches the prefill kernel; with `kv_fp8` the planes hold E4M3 bytes, `scale_log2` has the
-    K scale folded in, and the `_fp8` kernel multiplies its output by `v_scale`."""
+    K scale folded in, and the `_fp8` kernel multiplies its output by `v_scale`; with
+    `extra_arguments` (AttentionExtras.arguments) the `_x` kernel."""
     group = heads.num_q_heads // heads.num_kv_heads
-    kernel = prefill_kernel(rt, heads.head_dim, kv_fp8)
+    kernel = prefill_kernel(rt, heads.head_dim, kv_fp8, extra_arguments is not None)
     num_tiles = (meta.num_tokens * group) // kernel.rows + meta.num_seqs
     query_start_loc, seq_lens, block_tables, table_stride = common
     fp8_arguments = (np.float32(v_scale),) if kv_fp8 else ()
@@ -355,6 +391,7 @@ def _prefill(
         window,
         np.int32(1),  # single-token queries go to the decode kernel, launched next
         *fp8_arguments,
+        *(extra_arguments or ()),
         shared_bytes=kernel.shared_bytes,
     )
 
@@ -419,7 +456,9 @@ def decode_mma_shared_bytes(head_dim: int, warps: int, stages: int, kv_bytes: in
     return warps * stages * 2 * 16 * head_dim * kv_bytes
 
 
-def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale) -> None:
+def _decode(
+    rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale, extra_arguments=None
+) -> None:
     group = heads.num_q_heads // heads.num_kv_heads
     # Tensor cores: up to 8 query heads (the mma's n) per block, whatever the batch; a 16-token
     # tile's rows lie in one page (two at block size 8).
@@ -428,6 +467,11 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
         raise ValueError(
             "kv: an FP8 cache is read only by the tensor-core decode kernel (block size 8 or a multiple of 16, "
             "and mma_decode not in ATLAS_CUDA_DISABLE); use --kv-cache-dtype bf16"
+        )
+    if extra_arguments is not None and not mma:
+        raise ValueError(
+            "layer: sinks, soft-capping and gated outputs are decoded only by the tensor-core decode kernel "
+            "(--block-size 8 or a multiple of 16, and mma_decode not in ATLAS_CUDA_DISABLE)"
         )
     if mma:
         heads_per_block = 8
@@ -443,6 +487,7 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
         )
         symbol, threads = f"attention_decode_mma_d{heads.head_dim}_w{warps}_s{stages}", warps * 32
         symbol += "_fp8" if kv_fp8 else ""
+        symbol += "_x" if extra_arguments is not None else ""
         shared_bytes = decode_mma_shared_bytes(heads.head_dim, warps, stages, kv_bytes)
     else:
         kind, waves = "simt", 2
@@ -481,6 +526,7 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
         np.int32(splits),
         np.int32(min_tokens),
         *((np.float32(v_scale),) if kv_fp8 else ()),
+        *(extra_arguments or ()),
         shared_bytes=shared_bytes,
     )
 
