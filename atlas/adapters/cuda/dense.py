@@ -5,22 +5,24 @@ the gated activation and add into the residual themselves; the skinny GEMM; cuBL
 wider than the GEMV normalises itself), folds the input norm's weight into the matrix
 (`LinearOp.fold_rmsnorm`); a folded projection carries no norm weight and its products scale by
 each row's inverse RMS. Intermediates the fused kernels skip (the norm's output, a product before
-its activation or add) live in the runtime's workspaces.
+its activation or add) live in the runtime's workspaces. Family variants (a clamped SwiGLU, a bias
+on a gated product, a norm after the product, the embedding scale, soft-capped logits) run
+through dense_variants.py, off this path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from atlas.adapters.cuda import checks, ops_dense
+from atlas.adapters.cuda import checks, dense_variants, ops_dense
 from atlas.adapters.cuda.ops_dense import LinearOp
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.ports.gpu import DType, UnsupportedError
 from atlas.ports.kernels.dense import HostProjection, HostVocab
-from atlas.ports.kernels.host_weights import Activation, HostLinear, RmsNorm
+from atlas.ports.kernels.host_weights import GatedActivation, HostLinear, RmsNorm
 
 NORMED = "normed"  # workspace: rmsnorm(x) where no kernel fuses it
 PRODUCT = "product"  # workspace: a product before its activation or its add
@@ -33,7 +35,10 @@ class CudaProjection:
     norm: CudaTensor | None  # [in] bf16: the input norm's weight, unless folded or absent
     eps: float
     normalized: bool  # an input norm applies (its weight in `norm` or folded into `weight`)
-    activation: Activation | None
+    activation: GatedActivation | None
+    output_norm: CudaTensor | None = None  # [out] bf16: a norm after the product (dense_variants.py)
+    output_eps: float = 0.0
+    variant: bool = False  # runs through dense_variants.py (see `needs_variant`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +47,8 @@ class CudaVocab:
     final_norm: CudaTensor | None  # [H] bf16; None: folded into lm_head
     eps: float
     lm_head: CudaTensor  # [V, H] bf16, the embedding itself when tied
+    embedding_scale: float = 1.0
+    logit_softcap: float | None = None
 
 
 class CudaDense:
@@ -73,16 +80,17 @@ class CudaDense:
         return None if self._linear.fold_rmsnorm(norm_weight, weight) else norm_weight
 
     def prepare(self, host: HostProjection) -> CudaProjection:
-        if host.output_norm is not None:
-            raise UnsupportedError("output_norm: a norm after the product is not supported by the CUDA backend yet")
-        if host.activation is not None and not isinstance(host.activation, Activation):
-            raise UnsupportedError(f"activation: {host.activation} is not supported by the CUDA backend yet")
         weight, bias = self.matrix(host.linear, "linear")
-        if host.activation is not None and bias is not None:
-            raise UnsupportedError("linear: a bias on a gated projection is not supported by the CUDA backend yet")
+        if host.activation is not None and host.linear.out_features % 2:
+            raise ValueError(f"linear: {host.linear.out_features} rows are not [gate; up] halves")
         norm = None if host.input_norm is None else self.upload_norm(host.input_norm)
         eps = 0.0 if host.input_norm is None else host.input_norm.eps
-        return self.projection(weight, bias, norm, eps, host.activation)
+        if not dense_variants.needs_variant(host.activation, bias, host.output_norm):
+            return self.projection(weight, bias, norm, eps, host.activation)
+        projection = self.projection(weight, bias, norm, eps, host.activation, fold=False)
+        output_norm = None if host.output_norm is None else self.upload_norm(host.output_norm)
+        output_eps = 0.0 if host.output_norm is None else host.output_norm.eps
+        return replace(projection, output_norm=output_norm, output_eps=output_eps, variant=True)
 
     def projection(
         self,
@@ -90,7 +98,7 @@ class CudaDense:
         bias: CudaTensor | None,
         norm: CudaTensor | None,
         eps: float,
-        activation: Activation | None,
+        activation: GatedActivation | None,
         fold: bool = True,
     ) -> CudaProjection:
         """A projection over bf16 weights already on the device (`prepare`'s second half;
@@ -100,17 +108,14 @@ class CudaDense:
         return CudaProjection(weight, bias, None if folded else norm, eps, norm is not None, activation)
 
     def prepare_vocab(self, host: HostVocab) -> CudaVocab:
-        if host.embedding_scale != 1.0:
-            raise UnsupportedError("embedding_scale: a scaled embedding is not supported by the CUDA backend yet")
-        if host.logit_softcap is not None:
-            raise UnsupportedError("logit_softcap: soft-capped logits are not supported by the CUDA backend yet")
         lm_head = None
         if host.lm_head is not None:
             lm_head, bias = self.matrix(host.lm_head, "lm_head")
             if bias is not None:
                 raise UnsupportedError("lm_head: a bias is not supported by the CUDA backend yet")
         embedding = self._upload(host.embedding, DType.BF16)
-        return self.vocab(embedding, self.upload_norm(host.final_norm), host.final_norm.eps, lm_head)
+        vocab = self.vocab(embedding, self.upload_norm(host.final_norm), host.final_norm.eps, lm_head)
+        return replace(vocab, embedding_scale=float(host.embedding_scale), logit_softcap=host.logit_softcap)
 
     def vocab(
         self, embedding: CudaTensor, final_norm: CudaTensor, eps: float, lm_head: CudaTensor | None, fold: bool = True
@@ -125,10 +130,14 @@ class CudaDense:
     # -- running --------------------------------------------------------------------------
     def embed(self, token_ids: CudaTensor, vocab: CudaVocab, out: CudaTensor) -> None:
         ops_dense.gather_rows(self._rt, vocab.embedding, token_ids, out, "embedding")
+        dense_variants.scale_rows(self._rt, out, vocab.embedding_scale)
 
     def project(self, x: CudaTensor, projection: CudaProjection, out: CudaTensor) -> None:
         checks.rank(x, "x", 2)
         linear, rt = self._linear, self._rt
+        if projection.variant:
+            dense_variants.project(rt, linear, x, projection, out)
+            return
         weight, activation = projection.weight, projection.activation
         if projection.normalized:
             normed = rt.scratch_tensor(NORMED, x.shape, x.dtype)
@@ -149,6 +158,9 @@ class CudaDense:
             raise ValueError("projection: a gated activation has no residual form (use project)")
         checks.rank(residual, "residual", 2)
         rt = self._rt
+        if projection.variant:
+            dense_variants.project_add(rt, self._linear, x, projection, residual)
+            return
         delta = rt.scratch_tensor(PRODUCT, residual.shape, residual.dtype)
         if not projection.normalized and projection.bias is None:
             self._linear.linear_add(x, projection.weight, residual, delta)
@@ -160,3 +172,4 @@ class CudaDense:
         checks.rank(hidden, "hidden", 2)
         normed = self._rt.scratch_tensor(NORMED, hidden.shape, hidden.dtype)
         self._linear.rmsnorm_linear(hidden, vocab.final_norm, vocab.eps, vocab.lm_head, out, normed)
+        dense_variants.softcap(self._rt, out, vocab.logit_softcap)
