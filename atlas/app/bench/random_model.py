@@ -51,34 +51,147 @@ CONFIGS: dict[str, dict[str, Any]] = {
     ),
 }
 
+
+def _family(**config: Any) -> dict[str, Any]:
+    """A config of the model-families issue (its loaders read these checkpoints' names)."""
+    return dict(max_position_embeddings=131072, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2, **config)
+
+
+_QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, hidden_act="silu",
+    attention_bias=False,
+)
+_QWEN3_NEXT_80B_A3B = dict(
+    architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
+    intermediate_size=5120, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512,
+    num_experts_per_tok=10, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
+    full_attention_interval=4, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, rope_theta=10000000.0,
+    tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+)
+# The families' real configs, and cuts of the largest to as many layers as an H200's 64 GiB of
+# disk holds as random bf16 safetensors (the width, which sets every kernel's shape, is whole).
+CONFIGS.update({
+    "qwen3-30b-a3b": _family(**_QWEN3_30B_A3B),
+    "qwen3-30b-a3b-24l": _family(**{**_QWEN3_30B_A3B, "num_hidden_layers": 24}),
+    "qwen3-next-80b-a3b": _family(**_QWEN3_NEXT_80B_A3B),
+    "qwen3-next-16l": _family(**{**_QWEN3_NEXT_80B_A3B, "num_hidden_layers": 16}),
+    "gemma-3-12b": _family(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, hidden_size=3840,
+        intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6, rope_theta=1000000.0,
+        rope_local_base_freq=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0), rms_norm_eps=1e-6,
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
+        tie_word_embeddings=True, attention_bias=False,
+    ),
+    "gpt-oss-20b": _family(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+        intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+        rope_theta=150000.0, rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                               original_max_position_embeddings=4096, truncate=False),
+        swiglu_limit=7.0, rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=True, hidden_act="silu",
+    ),
+})
+
 _POOL_SIZE = 1 << 26  # 64M bf16 values (128 MB)
 _WEIGHT_STD = 0.02
 
 
 def tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """HF names and shapes of a Llama-family checkpoint for `config`."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
+    """HF checkpoint names and shapes for `config`: the Llama family, Qwen3-MoE, Qwen3-Next,
+    Gemma 3 and GPT-OSS (as their published checkpoints name them)."""
+    hidden = config["hidden_size"]
     shapes = [("model.embed_tokens.weight", (config["vocab_size"], hidden))]
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
-        shapes += [
-            (f"{prefix}.input_layernorm.weight", (hidden,)),
-            (f"{prefix}.self_attn.q_proj.weight", (heads * head_dim, hidden)),
-            (f"{prefix}.self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
-            (f"{prefix}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
-            (f"{prefix}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
-            (f"{prefix}.post_attention_layernorm.weight", (hidden,)),
-            (f"{prefix}.mlp.gate_proj.weight", (inter, hidden)),
-            (f"{prefix}.mlp.up_proj.weight", (inter, hidden)),
-            (f"{prefix}.mlp.down_proj.weight", (hidden, inter)),
-        ]
+        mixer = _mixer_shapes(config, layer, prefix)
+        head_norms = [shape for shape in mixer if shape[0].endswith(("q_norm.weight", "k_norm.weight"))]
+        if config["model_type"] == "qwen3":  # after the MLP, in the order this file has always written
+            mixer = [shape for shape in mixer if shape not in head_norms]
+        shapes += [(f"{prefix}.input_layernorm.weight", (hidden,)), *mixer,
+                   (f"{prefix}.post_attention_layernorm.weight", (hidden,)), *_feed_forward_shapes(config, prefix)]
         if config["model_type"] == "qwen3":
-            shapes += [(f"{prefix}.self_attn.q_norm.weight", (head_dim,)), (f"{prefix}.self_attn.k_norm.weight", (head_dim,))]
+            shapes += head_norms
     shapes.append(("model.norm.weight", (hidden,)))
     if not config.get("tie_word_embeddings"):
         shapes.append(("lm_head.weight", (config["vocab_size"], hidden)))
+    return shapes
+
+
+def _mixer_shapes(config: dict[str, Any], layer: int, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    hidden, model_type = config["hidden_size"], config["model_type"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    if model_type == "qwen3_next" and (layer + 1) % config["full_attention_interval"]:
+        key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+        value_heads = config["linear_num_value_heads"]
+        value_dim = value_heads * config["linear_value_head_dim"]
+        conv_dim = 2 * key_dim + value_dim
+        linear = f"{prefix}.linear_attn"
+        return [
+            (f"{linear}.in_proj_qkvz.weight", (2 * key_dim + 2 * value_dim, hidden)),
+            (f"{linear}.in_proj_ba.weight", (2 * value_heads, hidden)),
+            (f"{linear}.conv1d.weight", (conv_dim, 1, config["linear_conv_kernel_dim"])),
+            (f"{linear}.dt_bias", (value_heads,)),
+            (f"{linear}.A_log", (value_heads,)),
+            (f"{linear}.norm.weight", (config["linear_value_head_dim"],)),
+            (f"{linear}.out_proj.weight", (hidden, value_dim)),
+        ]
+    attn = f"{prefix}.self_attn"
+    gated = 2 if model_type == "qwen3_next" else 1  # a gate head per q head
+    shapes = [
+        (f"{attn}.q_proj.weight", (gated * heads * head_dim, hidden)),
+        (f"{attn}.k_proj.weight", (kv_heads * head_dim, hidden)),
+        (f"{attn}.v_proj.weight", (kv_heads * head_dim, hidden)),
+        (f"{attn}.o_proj.weight", (hidden, heads * head_dim)),
+    ]
+    if config.get("attention_bias"):
+        shapes += [(f"{attn}.{name}_proj.bias", (rows,)) for name, rows in
+                   (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim), ("o", hidden))]
+    if model_type in ("qwen3", "qwen3_moe", "qwen3_next", "gemma3_text"):
+        shapes += [(f"{attn}.q_norm.weight", (head_dim,)), (f"{attn}.k_norm.weight", (head_dim,))]
+    if model_type == "gpt_oss":
+        shapes.append((f"{attn}.sinks", (heads,)))
+    return shapes
+
+
+def _feed_forward_shapes(config: dict[str, Any], prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    hidden, model_type = config["hidden_size"], config["model_type"]
+    mlp = f"{prefix}.mlp"
+    if model_type in ("qwen3_moe", "qwen3_next"):
+        experts, inner = config["num_experts"], config["moe_intermediate_size"]
+        shapes = [(f"{mlp}.gate.weight", (experts, hidden))]
+        for expert in range(experts):
+            shapes += [(f"{mlp}.experts.{expert}.{name}_proj.weight", shape) for name, shape in
+                       (("gate", (inner, hidden)), ("up", (inner, hidden)), ("down", (hidden, inner)))]
+        if config.get("shared_expert_intermediate_size"):
+            shared = config["shared_expert_intermediate_size"]
+            shapes += [(f"{mlp}.shared_expert.{name}_proj.weight", shape) for name, shape in
+                       (("gate", (shared, hidden)), ("up", (shared, hidden)), ("down", (hidden, shared)))]
+            shapes.append((f"{mlp}.shared_expert_gate.weight", (1, hidden)))
+        return shapes
+    if model_type == "gpt_oss":
+        experts, inner = config["num_local_experts"], config["intermediate_size"]
+        return [
+            (f"{mlp}.router.weight", (experts, hidden)),
+            (f"{mlp}.router.bias", (experts,)),
+            (f"{mlp}.experts.gate_up_proj", (experts, hidden, 2 * inner)),
+            (f"{mlp}.experts.gate_up_proj_bias", (experts, 2 * inner)),
+            (f"{mlp}.experts.down_proj", (experts, inner, hidden)),
+            (f"{mlp}.experts.down_proj_bias", (experts, hidden)),
+        ]
+    inner = config["intermediate_size"]
+    shapes = [(f"{mlp}.{name}_proj.weight", shape) for name, shape in
+              (("gate", (inner, hidden)), ("up", (inner, hidden)), ("down", (hidden, inner)))]
+    if model_type == "gemma3_text":
+        shapes += [(f"{prefix}.pre_feedforward_layernorm.weight", (hidden,)),
+                   (f"{prefix}.post_feedforward_layernorm.weight", (hidden,))]
     return shapes
 
 
