@@ -32,7 +32,9 @@
 // chunkwise WY form, tensor cores over chunks of 64, is the prefill's next step).
 //
 // gdn_gated_norm: out[t, h] = rmsnorm(core[t, h], norm) * silu(z[t, h]) per value head, a warp per
-// (token, head). Bytes N Hv dv (4 + 2 + 2).
+// (token, head). Bytes N Hv dv (4 + 2 + 2). At decode (fuse_norm) gated_delta_rule does it instead:
+// the last of a head's column blocks (counters [S, Hv], zero between launches) normalises the
+// head's row, one launch less a layer.
 #include "atlas_common.cuh"
 
 #define CONV_THREADS 64
@@ -108,7 +110,8 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
     gated_delta_rule(const bf16* mixed, const bf16* projected, const float* decay_rate, const float* dt_bias,
                      const int* query_start_loc, const int* seq_lens, const int* state_slots, float* state,
                      float* core, int num_key_heads, int num_value_heads, int key_dim, int value_dim, int conv_dim,
-                     int projected_width) {
+                     int projected_width, int fuse_norm, const bf16* norm_weight, float eps, bf16* out,
+                     unsigned* counters) {
     dependent_launch_entry();
     __shared__ float k_staged[GDN_TOKENS][GDN_MAX_KEY_DIM];
     __shared__ float q_staged[GDN_TOKENS][GDN_MAX_KEY_DIM];
@@ -207,6 +210,25 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
     for (int i = 0; i < GDN_ROWS; ++i) {
         const int row = row0 + i;
         if (i < rows_per_warp && row < key_dim && has_column) head_state[(long long)row * value_dim + column] = s[i];
+    }
+    if (!fuse_norm) return;
+    // The gated norm of the head's rows, by the last of its column blocks (decode: one token).
+    if (!last_block_done(counters + (long long)blockIdx.z * num_value_heads + head, gridDim.x)) return;
+    for (int i = 0; i < rows.count; ++i) {
+        const long long item = (rows.first + i) * (long long)num_value_heads + head;
+        const float* row = core + item * value_dim;
+        float squares = 0.0f;
+        for (int d = threadIdx.x; d < value_dim; d += GDN_THREADS) {
+            const float value = __ldcg(row + d);
+            squares += value * value;
+        }
+        const float inverse_rms = rsqrtf(block_sum(squares, &partial[0][0][0][0]) / value_dim + eps);
+        const bf16* z = projected + (rows.first + i) * (long long)projected_width + conv_dim + (long long)head * value_dim;
+        for (int d = threadIdx.x; d < value_dim; d += GDN_THREADS) {
+            const float gate = to_float(z[d]);
+            out[item * value_dim + d] =
+                from_float<bf16>(__ldcg(row + d) * inverse_rms * to_float(norm_weight[d]) * (gate / (1.0f + expf(-gate))));
+        }
     }
 }
 

@@ -27,7 +27,8 @@
 //     moe_gate_up_<act>:  16 rows = the gate and up rows of 8 features; hidden = act(gate) * up
 //     moe_down:           16 rows of down; y = the product + bias
 // Only the active experts' weights are read: at N = 1 the 8 routed experts of Qwen3-30B-A3B are
-// 75 MB a layer, 9.4 MB an expert. A block's 8 warps split K.
+// 75 MB a layer, 9.4 MB an expert. A block's 8 warps split K. Three launches a decode layer:
+// route, gate_up, down (whose last block per row tile is the combine).
 //
 // Experts, prefill (N > MOE_GEMV_MAX_TOKENS): moe_align (one block) counts the pairs per expert,
 // prefix-sums them into offsets and tile starts (tiles of GEMM_BM rows) and scatters the pair ids
@@ -39,7 +40,9 @@
 // kernel's S = Q K^T loop). FLOPs 6 N k H I; bound by the tensor cores (mma.sync: well under
 // Hopper's wgmma peak; a wgmma variant is the next step, docs/cuda-notes.md).
 //
-// moe_combine: residual[t] += bf16(sum_j w_tj y[t k + j] + sigmoid(normed[t] . gate) y[P0 + t])
+// moe_combine (after the grouped GEMM; the grouped GEMV's down kernel does the same in the last
+// block of each row tile, its shared gates taken by moe_gate_up's shared slot):
+// residual[t] += bf16(sum_j w_tj y[t k + j] + sigmoid(normed[t] . gate) y[P0 + t])
 // (the unpermute is the pair order of y; the shared gate is a dot product the block takes itself).
 // Bytes N (k + 1) H 4 + 4 N H.
 //
@@ -348,13 +351,17 @@ __device__ __forceinline__ void grouped_mma_rows(float* acc, const bf16* row_a, 
 }
 
 // moe_gate_up_<act>: grid (ceil(max(I, Is) / 8), slots), MOE_WARPS warps. hidden [P, stride].
+// The shared slot's blocks also take the shared expert's gate, sigmoid(normed[t] . shared_gate),
+// block x for tokens x, x + gridDim.x, ... (at most one each up to 8 gridDim.x tokens), into
+// shared_gate_values [N] for moe_down's combine (null shared_gate: none).
 template <int ACT>
 __device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed, const int* __restrict__ expert_ids,
                                                  const bf16* __restrict__ gate_up, const bf16* __restrict__ gate_up_bias,
                                                  const bf16* __restrict__ shared_gate_up, bf16* __restrict__ hidden_out,
                                                  int num_tokens, int top_k, int num_experts, int hidden, int inner,
                                                  int shared_inner, int stride, int routed_slots, float alpha,
-                                                 float limit) {
+                                                 float limit, const bf16* __restrict__ shared_gate,
+                                                 float* __restrict__ shared_gate_values) {
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
     const int num_pairs = num_tokens * top_k;
@@ -362,6 +369,20 @@ __device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed
     const int expert = slot_pairs.expert, count = slot_pairs.count;
     if (expert < 0) return;
     const bool is_shared = expert == num_experts;
+    if (is_shared && shared_gate != nullptr) {
+        for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+            float dot = 0.0f;
+            for (int col = threadIdx.x * 8; col < hidden; col += blockDim.x * 8) {
+                float values[8], weights[8];
+                load8(normed + (long long)t * hidden + col, values);
+                load8(shared_gate + col, weights);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot = fmaf(values[i], weights[i], dot);
+            }
+            const float total = block_sum(dot, &partial[0][0][0]);
+            if (threadIdx.x == 0) shared_gate_values[t] = 1.0f / (1.0f + expf(-total));
+        }
+    }
     const int features = is_shared ? shared_inner : inner;
     const int first = blockIdx.x * 8;
     if (first >= features) return;
@@ -401,22 +422,59 @@ __device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed
     }
 }
 
-// moe_down: grid (ceil(H / 16), slots), MOE_WARPS warps. y [P, H] f32.
+__device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in, const bf16* __restrict__ down,
+                                              const bf16* __restrict__ down_bias, const bf16* __restrict__ shared_down,
+                                              float* __restrict__ y, const SlotPairs& slot_pairs,
+                                              float (*partial)[16][8], int num_experts, int hidden, int inner,
+                                              int shared_inner, int stride, int first);
+
+// moe_down: grid (ceil(H / 16), slots), MOE_WARPS warps. y [P, H] f32. The last of a row tile's
+// blocks (every slot's, counted at counters[blockIdx.x], zero between launches) adds the tile's
+// 16 rows of every token into the residual: the weighted sum of its k pairs' rows of y and its
+// shared expert's row times shared_gate_values[t] (null: 1), as moe_combine does.
 __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in, const int* __restrict__ expert_ids,
                                               const bf16* __restrict__ down, const bf16* __restrict__ down_bias,
                                               const bf16* __restrict__ shared_down, float* __restrict__ y, int num_tokens,
                                               int top_k, int num_experts, int hidden, int inner, int shared_inner,
-                                              int stride, int routed_slots) {
+                                              int stride, int routed_slots, const float* __restrict__ expert_weights,
+                                              const float* shared_gate_values, int has_shared,
+                                              bf16* __restrict__ residual, unsigned* __restrict__ counters) {
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
     const int num_pairs = num_tokens * top_k;
     find_slot(expert_ids, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs);
+    const int expert = slot_pairs.expert;
+    const int first = blockIdx.x * 16;
+    if (expert >= 0) moe_down_rows(hidden_in, down, down_bias, shared_down, y, slot_pairs, partial, num_experts, hidden,
+                                   inner, shared_inner, stride, first);
+    if (!last_block_done(counters + blockIdx.x, gridDim.y)) return;
+    for (int item = threadIdx.x; item < num_tokens * 16; item += blockDim.x) {
+        const int token = item >> 4, row = first + (item & 15);
+        if (row >= hidden) continue;
+        float total = 0.0f;
+        for (int j = 0; j < top_k; ++j) {
+            const long long pair = (long long)token * top_k + j;
+            total = fmaf(expert_weights[pair], __ldcg(y + pair * hidden + row), total);
+        }
+        if (has_shared) {
+            const float gate = shared_gate_values != nullptr ? __ldcg(shared_gate_values + token) : 1.0f;
+            total = fmaf(gate, __ldcg(y + ((long long)num_pairs + token) * hidden + row), total);
+        }
+        bf16* at = residual + (long long)token * hidden + row;
+        *at = from_float<bf16>(to_float(*at) + round_bf16(total));
+    }
+}
+
+// The 16 rows of y from `first` for the slot's pairs (the expert's down rows, streamed once per 8
+// of its tokens).
+__device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in, const bf16* __restrict__ down,
+                                              const bf16* __restrict__ down_bias, const bf16* __restrict__ shared_down,
+                                              float* __restrict__ y, const SlotPairs& slot_pairs,
+                                              float (*partial)[16][8], int num_experts, int hidden, int inner,
+                                              int shared_inner, int stride, int first) {
     const int expert = slot_pairs.expert, count = slot_pairs.count;
-    if (expert < 0) return;
     const bool is_shared = expert == num_experts;
     const int reduced = is_shared ? shared_inner : inner;
-    const int first = blockIdx.x * 16;
-    if (first >= hidden) return;
     const bf16* w = is_shared ? shared_down : down + (long long)expert * hidden * inner;
     const bf16* bias = is_shared || down_bias == nullptr ? nullptr : down_bias + (long long)expert * hidden;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -451,11 +509,12 @@ __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##NAME(                         \
         const bf16* normed, const int* expert_ids, const bf16* gate_up, const bf16* gate_up_bias,           \
         const bf16* shared_gate_up, bf16* hidden_out, int num_tokens, int top_k, int num_experts, int hidden, \
-        int inner, int shared_inner, int stride, int routed_slots, float alpha, float limit) {              \
+        int inner, int shared_inner, int stride, int routed_slots, float alpha, float limit,                \
+        const bf16* shared_gate, float* shared_gate_values) {                                               \
         dependent_launch_entry();                                                                           \
         moe_gate_up_impl<ACT>(normed, expert_ids, gate_up, gate_up_bias, shared_gate_up, hidden_out,        \
                               num_tokens, top_k, num_experts, hidden, inner, shared_inner, stride,          \
-                              routed_slots, alpha, limit);                                                  \
+                              routed_slots, alpha, limit, shared_gate, shared_gate_values);                 \
     }
 
 DEFINE_MOE_GATE_UP(silu, GATED_SILU)
@@ -465,10 +524,12 @@ DEFINE_MOE_GATE_UP(clamped, GATED_CLAMPED)
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
     moe_down(const bf16* hidden_in, const int* expert_ids, const bf16* down, const bf16* down_bias,
              const bf16* shared_down, float* y, int num_tokens, int top_k, int num_experts, int hidden, int inner,
-             int shared_inner, int stride, int routed_slots) {
+             int shared_inner, int stride, int routed_slots, const float* expert_weights,
+             const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters) {
     dependent_launch_entry();
     moe_down_impl(hidden_in, expert_ids, down, down_bias, shared_down, y, num_tokens, top_k, num_experts, hidden,
-                  inner, shared_inner, stride, routed_slots);
+                  inner, shared_inner, stride, routed_slots, expert_weights, shared_gate_values, has_shared, residual,
+                  counters);
 }
 
 // ---------------------------------------------------------------------------------------------

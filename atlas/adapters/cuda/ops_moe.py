@@ -168,7 +168,8 @@ def experts(
     residual: CudaTensor,
 ) -> None:
     """residual += the routed experts' weighted outputs + the (gated) shared expert's. The grouped
-    GEMV up to GEMV_MAX_TOKENS tokens, else the alignment and the grouped GEMM; the combine."""
+    GEMV up to GEMV_MAX_TOKENS tokens (its down kernel's last blocks add into the residual), else
+    the alignment, the grouped GEMM and the combine."""
     num_tokens, top_k_width = expert_ids.shape
     if num_tokens == 0:
         return
@@ -186,41 +187,45 @@ def experts(
         routed_slots = min(experts_count, num_pairs)
         slots = routed_slots + (1 if has_shared else 0)
         head = (np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count))
+        gate_values = rt.workspace("moe_shared_gate", num_tokens * 4) if weights.shared_gate is not None else 0
         rt.launch(
             "moe", f"moe_gate_up_{act.name}", (-(-stride // 8), slots), _WARPS * 32,
             normed.address, expert_ids.address, weights.gate_up.address, _address(weights.gate_up_bias),
             _address(weights.shared_gate_up), hidden_rows, *head, *dims, np.int32(routed_slots),
-            np.float32(act.alpha), np.float32(act.limit),
+            np.float32(act.alpha), np.float32(act.limit), _address(weights.shared_gate), gate_values,
         )
+        row_tiles = -(-hidden // 16)
+        # the last block of each row tile adds the tile's rows into the residual (the combine)
         rt.launch(
-            "moe", "moe_down", (-(-hidden // 16), slots), _WARPS * 32,
+            "moe", "moe_down", (row_tiles, slots), _WARPS * 32,
             hidden_rows, expert_ids.address, weights.down.address, _address(weights.down_bias),
-            _address(weights.shared_down), outputs, *head, *dims, np.int32(routed_slots),
+            _address(weights.shared_down), outputs, *head, *dims, np.int32(routed_slots), expert_weights.address,
+            gate_values, np.int32(has_shared), residual.address, rt.counters("moe_down_counters", row_tiles),
         )
-    else:
-        groups = experts_count + (1 if has_shared else 0)
-        offsets = rt.workspace("moe_offsets", (groups + 1) * 4)
-        tile_starts = rt.workspace("moe_tile_starts", (groups + 1) * 4)
-        sorted_pairs = rt.workspace("moe_sorted_pairs", rows * 4)
-        rt.launch(
-            "moe", "moe_align", (1,), 1024,
-            expert_ids.address, np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count),
-            np.int32(has_shared), offsets, tile_starts, sorted_pairs,
-        )
-        # sum over groups of ceil(rows_g / 64) <= rows / 64 + the groups that have rows
-        max_tiles = -(-rows // _GEMM_ROWS) + min(groups, rows)
-        layout = (offsets, tile_starts, sorted_pairs)
-        rt.launch(
-            "moe", f"moe_gemm_gate_up_{act.name}", (-(-stride // (_GEMM_ROWS // 2)), max_tiles), _GEMM_THREADS,
-            normed.address, *layout, weights.gate_up.address, _address(weights.gate_up_bias),
-            _address(weights.shared_gate_up), hidden_rows, np.int32(num_tokens), np.int32(top_k_width),
-            np.int32(experts_count), np.int32(groups), *dims, np.float32(act.alpha), np.float32(act.limit),
-        )
-        rt.launch(
-            "moe", "moe_gemm_down", (-(-hidden // _GEMM_ROWS), max_tiles), _GEMM_THREADS,
-            hidden_rows, *layout, weights.down.address, _address(weights.down_bias),
-            _address(weights.shared_down), outputs, np.int32(experts_count), np.int32(groups), *dims,
-        )
+        return
+    groups = experts_count + (1 if has_shared else 0)
+    offsets = rt.workspace("moe_offsets", (groups + 1) * 4)
+    tile_starts = rt.workspace("moe_tile_starts", (groups + 1) * 4)
+    sorted_pairs = rt.workspace("moe_sorted_pairs", rows * 4)
+    rt.launch(
+        "moe", "moe_align", (1,), 1024,
+        expert_ids.address, np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count),
+        np.int32(has_shared), offsets, tile_starts, sorted_pairs,
+    )
+    # sum over groups of ceil(rows_g / 64) <= rows / 64 + the groups that have rows
+    max_tiles = -(-rows // _GEMM_ROWS) + min(groups, rows)
+    layout = (offsets, tile_starts, sorted_pairs)
+    rt.launch(
+        "moe", f"moe_gemm_gate_up_{act.name}", (-(-stride // (_GEMM_ROWS // 2)), max_tiles), _GEMM_THREADS,
+        normed.address, *layout, weights.gate_up.address, _address(weights.gate_up_bias),
+        _address(weights.shared_gate_up), hidden_rows, np.int32(num_tokens), np.int32(top_k_width),
+        np.int32(experts_count), np.int32(groups), *dims, np.float32(act.alpha), np.float32(act.limit),
+    )
+    rt.launch(
+        "moe", "moe_gemm_down", (-(-hidden // _GEMM_ROWS), max_tiles), _GEMM_THREADS,
+        hidden_rows, *layout, weights.down.address, _address(weights.down_bias),
+        _address(weights.shared_down), outputs, np.int32(experts_count), np.int32(groups), *dims,
+    )
     rt.launch(
         "moe", "moe_combine", (num_tokens,), 256,
         outputs, expert_weights.address, normed.address, _address(weights.shared_gate), np.int32(has_shared),

@@ -175,13 +175,19 @@ class CudaRecurrent:
             return
         heads, value_dim = shape.num_value_heads, shape.value_head_dim
         core = rt.workspace("gdn_core", tokens * shape.value_dim * 4)
+        # Decode steps take the gated norm in the rule's last block per head (one launch less).
+        fused = meta.max_query_len == 1
+        counters = rt.counters("gdn_counters", meta.num_seqs * heads) if fused else 0
         rt.launch(
             "gated_delta", "gated_delta_rule", (-(-value_dim // _COLUMNS), heads, meta.num_seqs), 128,
             mixed.address, projected.address, layer.decay_rate.address, layer.dt_bias.address, *metadata,
             slots.recurrent_plane(shape.state_layer), core, np.int32(shape.num_key_heads), np.int32(heads),
             np.int32(shape.key_head_dim), np.int32(value_dim), np.int32(shape.conv_dim),
-            np.int32(shape.projected_width),
+            np.int32(shape.projected_width), np.int32(fused), layer.norm.address, np.float32(layer.eps),
+            out.address, counters,
         )
+        if fused:
+            return
         items = tokens * heads
         rt.launch(
             "gated_delta", "gdn_gated_norm", (math.ceil(items / 8),), 256,
