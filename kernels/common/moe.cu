@@ -34,11 +34,12 @@
 // prefix-sums them into offsets and tile starts (tiles of GEMM_BM rows) and scatters the pair ids
 // into expert-contiguous order; then a grouped GEMM whose tiles gather their rows through that
 // order as they load them (the permute fused into the load):
-//     moe_gemm_gate_up_<act>: [64 rows x (32 gate + 32 up weight rows)] tiles, hidden = act * up
-//     moe_gemm_down:          [64 rows x 64 weight rows] tiles, y = product + bias
-// mma.sync m16n8k16 over K tiles of 64 in a two-stage cp.async pipeline (the attention prefill
-// kernel's S = Q K^T loop). FLOPs 6 N k H I; bound by the tensor cores (mma.sync: well under
-// Hopper's wgmma peak; a wgmma variant is the next step, docs/cuda-notes.md).
+//     moe_gemm_gate_up_<act>: [128 rows x (64 features' gate and up rows, interleaved)] tiles,
+//                             hidden = act(gate) * up
+//     moe_gemm_down:          [128 rows x 128 weight rows] tiles, y = product + bias
+// mma.sync m16n8k16 (4 warps of 64 x 64) over K tiles of 32 in a three-stage cp.async pipeline.
+// FLOPs 6 N k H I; bound by the tensor cores (mma.sync: under Hopper's wgmma peak; a wgmma
+// variant is the next step, docs/cuda-notes.md).
 //
 // moe_combine (after the grouped GEMM; the grouped GEMV's down kernel does the same in the last
 // block of each row tile, its shared gates taken by moe_gate_up's shared slot):
@@ -539,11 +540,13 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 // expert as group E. offsets [groups + 1] (pair positions), tile_starts [groups + 1] (tiles of
 // GEMM_BM rows before each group), sorted_pairs [N k + N]: pair ids, grouped (in arrival order
 // within a group: every pair's result is computed alike whatever its row in a tile).
-#define GEMM_BM 64
-#define GEMM_BN 64
-#define GEMM_BK 64
-#define GEMM_THREADS 128
-#define GEMM_STRIDE (GEMM_BK + 8)  // padded rows: conflict-free ldmatrix
+#define GEMM_BM 128  // rows (pairs) a tile
+#define GEMM_BN 128  // weight rows a tile (gate_up: 64 features' gate and up rows, interleaved)
+#define GEMM_BK 32
+#define GEMM_STAGES 3
+#define GEMM_THREADS 128  // 4 warps, 2 along M x 2 along N, each a 64 x 64 tile
+#define GEMM_STRIDE (GEMM_BK + 8)  // padded rows (80 bytes): conflict-free ldmatrix and 16-byte cp.async
+#define GEMM_SHARED_BYTES (GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_STRIDE * 2)  // 61440: dynamic
 
 extern "C" __global__ void __launch_bounds__(1024)
     moe_align(const int* expert_ids, int num_tokens, int top_k, int num_experts, int has_shared, int* offsets,
@@ -602,65 +605,80 @@ __device__ __forceinline__ GemmTile locate_gemm_tile(const int* offsets, const i
     return located;
 }
 
-// s[n][c] (warp w: rows 16 w + g (+ 8 for c >= 2), columns 8 n + 2 t + (c & 1)) of the tile
-// A[GEMM_BM rows, K] B[GEMM_BN rows, K]^T, A's rows `a_rows[r]` (null: zero) and B's `b_rows[r]`
-// (null: zero; `fallback` is any valid global address), K % 8 == 0. Two stages of cp.async over K tiles of GEMM_BK.
-__device__ __forceinline__ void gemm_tile(float (*s)[4], const bf16* const* a_rows, const bf16* const* b_rows,
+// acc[mt][nt][c] of the tile A[GEMM_BM rows, K] B[GEMM_BN rows, K]^T: warp w (wm = w % 2, wn = w / 2)
+// holds rows 64 wm + 16 mt + g (+ 8 for c >= 2) and columns 64 wn + 8 nt + 2 t + (c & 1). A's
+// rows are `a_rows[i]` and B's `b_rows[i]` for the rows this thread copies (row tid / 4 + 32 i,
+// chunk tid % 4; null: zeros; `fallback` is any valid global address), K % 8 == 0. GEMM_STAGES
+// of cp.async over K tiles of GEMM_BK, one barrier a K tile; `shared` holds GEMM_SHARED_BYTES.
+constexpr int GEMM_PASSES = GEMM_BM * (GEMM_BK / 8) / GEMM_THREADS;
+extern __shared__ uint4 gemm_shared[];  // the GEMM kernels' GEMM_SHARED_BYTES
+
+__device__ __forceinline__ void gemm_tile(float (*acc)[8][4], const bf16* const* a_rows, const bf16* const* b_rows,
                                           int inner, bf16* shared, const bf16* fallback) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    constexpr int TILE = GEMM_BM * GEMM_STRIDE;  // elements of one A (or B) stage, GEMM_BM == GEMM_BN
-    constexpr int CHUNKS = GEMM_BK / 8;          // 16-byte chunks a row
-    constexpr int PASSES = GEMM_BM * CHUNKS / GEMM_THREADS;
+    const int warp_m = warp & 1, warp_n = warp >> 1;
+    constexpr int A_TILE = GEMM_BM * GEMM_STRIDE, STAGE = (GEMM_BM + GEMM_BN) * GEMM_STRIDE;
+    constexpr int CHUNKS = GEMM_BK / 8;
     const int chunk = tid % CHUNKS;
     auto load_stage = [&](int k_tile, int stage) {
-        bf16* a_dst = shared + stage * 2 * TILE;
-        bf16* b_dst = a_dst + TILE;
+        bf16* a_dst = shared + stage * STAGE;
+        bf16* b_dst = a_dst + A_TILE;
         const int k = k_tile * GEMM_BK + chunk * 8;
 #pragma unroll
-        for (int i = 0; i < PASSES; ++i) {
+        for (int i = 0; i < GEMM_PASSES; ++i) {
             const int r = tid / CHUNKS + i * (GEMM_THREADS / CHUNKS);
             const bool a_valid = a_rows[i] != nullptr && k < inner;
             const bool b_valid = b_rows[i] != nullptr && k < inner;
             cp_async_16(a_dst + r * GEMM_STRIDE + chunk * 8, a_valid ? a_rows[i] + k : fallback, a_valid);
             cp_async_16(b_dst + r * GEMM_STRIDE + chunk * 8, b_valid ? b_rows[i] + k : fallback, b_valid);
         }
-        cp_async_commit();
     };
 #pragma unroll
-    for (int n = 0; n < GEMM_BN / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
     const int k_tiles = (inner + GEMM_BK - 1) / GEMM_BK;
-    load_stage(0, 0);
+    // One commit group per K tile, empty ones included, so wait_group counts tiles exactly.
+#pragma unroll
+    for (int stage = 0; stage < GEMM_STAGES - 1; ++stage) {
+        if (stage < k_tiles) load_stage(stage, stage);
+        cp_async_commit();
+    }
+    // ldmatrix.x4 lanes: A's 16 x 16 step (rows 0-7 | 8-15 by lane bit 3, k 0-7 | 8-15 by bit 4);
+    // B's two 8-row n-tiles x 16 k (k halves by lane bit 3, n-tiles by bit 4).
+    const int a_row = warp_m * 64 + (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
+    const int b_row = warp_n * 64 + (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
     for (int k_tile = 0; k_tile < k_tiles; ++k_tile) {
-        const int stage = k_tile & 1;
-        if (k_tile + 1 < k_tiles) {
-            load_stage(k_tile + 1, stage ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const bf16* a_tile = shared + stage * 2 * TILE;
-        const bf16* b_tile = a_tile + TILE;
-        const bf16* a_lane = a_tile + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * GEMM_STRIDE + (lane >> 4) * 8;
-        const bf16* b_lane = b_tile + ((lane & 7) + (lane >> 4) * 8) * GEMM_STRIDE + ((lane >> 3) & 1) * 8;
+        cp_async_wait<GEMM_STAGES - 2>();  // this thread's copies of k_tile have landed
+        __syncthreads();                   // everyone's have, and every warp is done with k_tile - 1
+        const int next = k_tile + GEMM_STAGES - 1;
+        if (next < k_tiles) load_stage(next, next % GEMM_STAGES);
+        cp_async_commit();
+        const bf16* a_tile = shared + (k_tile % GEMM_STAGES) * STAGE;
+        const bf16* b_tile = a_tile + A_TILE;
 #pragma unroll
         for (int k = 0; k < GEMM_BK / 16; ++k) {
-            u32 a[4];
-            ldmatrix_x4(a, a_lane + k * 16);
+            u32 a[4][4];
 #pragma unroll
-            for (int n = 0; n < GEMM_BN / 8; n += 2) {
+            for (int mt = 0; mt < 4; ++mt) ldmatrix_x4(a[mt], a_tile + (a_row + mt * 16) * GEMM_STRIDE + a_col + k * 16);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
                 u32 b[4];
-                ldmatrix_x4(b, b_lane + n * 8 * GEMM_STRIDE + k * 16);
-                mma_bf16_16816(s[n], a, b);
-                mma_bf16_16816(s[n + 1], a, b + 2);
+                ldmatrix_x4(b, b_tile + (b_row + np * 16) * GEMM_STRIDE + b_col + k * 16);
+#pragma unroll
+                for (int mt = 0; mt < 4; ++mt) {
+                    mma_bf16_16816(acc[mt][2 * np], a[mt], b);
+                    mma_bf16_16816(acc[mt][2 * np + 1], a[mt], b + 2);
+                }
             }
         }
-        __syncthreads();  // every warp is done with the stage the next load overwrites
     }
+    cp_async_wait<0>();
 }
 
-// moe_gemm_gate_up_<act>: grid (ceil(max(I, Is) / 32), max tiles), GEMM_THREADS. A = normed rows of
-// the tile's tokens; B = 32 gate rows of features f0.. and their 32 up rows; hidden [P, stride].
+// moe_gemm_gate_up_<act>: grid (ceil(max(I, Is) / 64), max tiles), GEMM_THREADS, GEMM_SHARED_BYTES.
+// A = normed rows of the tile's tokens; B row r = feature f0 + r / 2's gate row (r even) or up row
+// (r odd), so a thread's accumulator pair (2t, 2t + 1) is one feature's gate and up; hidden [P, stride].
 template <int ACT>
 __device__ __forceinline__ void moe_gemm_gate_up_impl(const bf16* normed, const int* offsets, const int* tile_starts,
                                                       const int* sorted_pairs, const bf16* gate_up,
@@ -668,7 +686,6 @@ __device__ __forceinline__ void moe_gemm_gate_up_impl(const bf16* normed, const 
                                                       bf16* hidden_out, int num_tokens, int top_k, int num_experts,
                                                       int groups, int hidden, int inner, int shared_inner, int stride,
                                                       float alpha, float limit) {
-    __shared__ __align__(16) bf16 shared[2 * 2 * GEMM_BM * GEMM_STRIDE];
     const GemmTile tile = locate_gemm_tile(offsets, tile_starts, groups, blockIdx.y);
     if (tile.group < 0) return;
     const bool is_shared = tile.group == num_experts;
@@ -679,33 +696,33 @@ __device__ __forceinline__ void moe_gemm_gate_up_impl(const bf16* normed, const 
     const bf16* bias = is_shared || gate_up_bias == nullptr ? nullptr : gate_up_bias + (long long)tile.group * 2 * inner;
     const int num_pairs = num_tokens * top_k;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    constexpr int PASSES = GEMM_BM * (GEMM_BK / 8) / GEMM_THREADS;
-    const bf16* a_rows[PASSES];
-    const bf16* b_rows[PASSES];
+    const bf16* a_rows[GEMM_PASSES];
+    const bf16* b_rows[GEMM_PASSES];
 #pragma unroll
-    for (int i = 0; i < PASSES; ++i) {
+    for (int i = 0; i < GEMM_PASSES; ++i) {
         const int r = tid / (GEMM_BK / 8) + i * (GEMM_THREADS / (GEMM_BK / 8));
         const int row = tile.begin + r;
         a_rows[i] = row < tile.end ? normed + (long long)token_of_pair(sorted_pairs[row], num_pairs, top_k) * hidden
                                    : nullptr;
-        const int f = f0 + (r % (GEMM_BN / 2));
-        b_rows[i] = f < features ? w + (long long)(r < GEMM_BN / 2 ? f : features + f) * hidden : nullptr;
+        const int f = f0 + r / 2;
+        b_rows[i] = f < features ? w + (long long)((r & 1) ? features + f : f) * hidden : nullptr;
     }
-    float s[GEMM_BN / 8][4];
-    gemm_tile(s, a_rows, b_rows, hidden, shared, w);
+    float acc[4][8][4];
+    gemm_tile(acc, a_rows, b_rows, hidden, reinterpret_cast<bf16*>(gemm_shared), w);
     const int g = lane >> 2, t = lane & 3;
+    const int warp_m = warp & 1, warp_n = warp >> 1;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int row = tile.begin + warp * 16 + g + half * 8;
-        if (row >= tile.end) continue;
-        bf16* out = hidden_out + (long long)sorted_pairs[row] * stride;
+    for (int mt = 0; mt < 4; ++mt) {
 #pragma unroll
-        for (int n = 0; n < GEMM_BN / 16; ++n) {
+        for (int half = 0; half < 2; ++half) {
+            const int row = tile.begin + warp_m * 64 + mt * 16 + g + half * 8;
+            if (row >= tile.end) continue;
+            bf16* out = hidden_out + (long long)sorted_pairs[row] * stride;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int feature = f0 + n * 8 + 2 * t + e;
+            for (int nt = 0; nt < 8; ++nt) {
+                const int feature = f0 + warp_n * 32 + nt * 4 + t;
                 if (feature >= features) continue;
-                float gate = s[n][2 * half + e], up = s[n + GEMM_BN / 16][2 * half + e];
+                float gate = acc[mt][nt][2 * half], up = acc[mt][nt][2 * half + 1];
                 if (bias != nullptr) {
                     gate += to_float(bias[feature]);
                     up += to_float(bias[inner + feature]);
@@ -732,14 +749,13 @@ DEFINE_MOE_GEMM_GATE_UP(silu, GATED_SILU)
 DEFINE_MOE_GEMM_GATE_UP(gelu_tanh, GATED_GELU_TANH)
 DEFINE_MOE_GEMM_GATE_UP(clamped, GATED_CLAMPED)
 
-// moe_gemm_down: grid (ceil(H / 64), max tiles), GEMM_THREADS. A = hidden rows of the tile's
-// pairs; B = 64 rows of down; y [P, H] f32.
+// moe_gemm_down: grid (ceil(H / 128), max tiles), GEMM_THREADS, GEMM_SHARED_BYTES. A = hidden rows of
+// the tile's pairs; B = 128 rows of down; y [P, H] f32.
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
     moe_gemm_down(const bf16* hidden_in, const int* offsets, const int* tile_starts, const int* sorted_pairs,
                   const bf16* down, const bf16* down_bias, const bf16* shared_down, float* y, int num_experts,
                   int groups, int hidden, int inner, int shared_inner, int stride) {
     dependent_launch_entry();
-    __shared__ __align__(16) bf16 shared[2 * 2 * GEMM_BM * GEMM_STRIDE];
     const GemmTile tile = locate_gemm_tile(offsets, tile_starts, groups, blockIdx.y);
     if (tile.group < 0) return;
     const bool is_shared = tile.group == num_experts;
@@ -749,31 +765,34 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
     const bf16* w = is_shared ? shared_down : down + (long long)tile.group * hidden * inner;
     const bf16* bias = is_shared || down_bias == nullptr ? nullptr : down_bias + (long long)tile.group * hidden;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    constexpr int PASSES = GEMM_BM * (GEMM_BK / 8) / GEMM_THREADS;
-    const bf16* a_rows[PASSES];
-    const bf16* b_rows[PASSES];
+    const bf16* a_rows[GEMM_PASSES];
+    const bf16* b_rows[GEMM_PASSES];
 #pragma unroll
-    for (int i = 0; i < PASSES; ++i) {
+    for (int i = 0; i < GEMM_PASSES; ++i) {
         const int r = tid / (GEMM_BK / 8) + i * (GEMM_THREADS / (GEMM_BK / 8));
         const int row = tile.begin + r;
         a_rows[i] = row < tile.end ? hidden_in + (long long)sorted_pairs[row] * stride : nullptr;
         b_rows[i] = first + r < hidden ? w + (long long)(first + r) * reduced : nullptr;
     }
-    float s[GEMM_BN / 8][4];
-    gemm_tile(s, a_rows, b_rows, reduced, shared, w);
+    float acc[4][8][4];
+    gemm_tile(acc, a_rows, b_rows, reduced, reinterpret_cast<bf16*>(gemm_shared), w);
     const int g = lane >> 2, t = lane & 3;
+    const int warp_m = warp & 1, warp_n = warp >> 1;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int row = tile.begin + warp * 16 + g + half * 8;
-        if (row >= tile.end) continue;
-        float* out = y + (long long)sorted_pairs[row] * hidden;
+    for (int mt = 0; mt < 4; ++mt) {
 #pragma unroll
-        for (int n = 0; n < GEMM_BN / 8; ++n) {
+        for (int half = 0; half < 2; ++half) {
+            const int row = tile.begin + warp_m * 64 + mt * 16 + g + half * 8;
+            if (row >= tile.end) continue;
+            float* out = y + (long long)sorted_pairs[row] * hidden;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int column = first + n * 8 + 2 * t + e;
-                if (column < hidden)
-                    out[column] = s[n][2 * half + e] + (bias != nullptr ? to_float(bias[column]) : 0.0f);
+            for (int nt = 0; nt < 8; ++nt) {
+                const int column = first + warp_n * 64 + nt * 8 + 2 * t;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (column + e < hidden)
+                        out[column + e] = acc[mt][nt][2 * half + e] + (bias != nullptr ? to_float(bias[column + e]) : 0.0f);
+                }
             }
         }
     }

@@ -24,8 +24,9 @@ ROUTE_SMALL_MAX_TOKENS = 8  # moe_route_small: the decode routing in one launch
 ROUTE_ROWS = 4
 GEMV_MAX_TOKENS = 64  # the grouped GEMV (a slot's pairs in shared memory); past it the grouped GEMM
 _WARPS = 8
-_GEMM_ROWS = 64  # moe.cu GEMM_BM / GEMM_BN
+_GEMM_ROWS = 128  # moe.cu GEMM_BM / GEMM_BN (gate_up: 64 features a tile)
 _GEMM_THREADS = 128
+_GEMM_SHARED_BYTES = 3 * (128 + 128) * (32 + 8) * 2  # GEMM_SHARED_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +213,7 @@ def experts(
         expert_ids.address, np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count),
         np.int32(has_shared), offsets, tile_starts, sorted_pairs,
     )
-    # sum over groups of ceil(rows_g / 64) <= rows / 64 + the groups that have rows
+    # sum over groups of ceil(rows_g / 128) <= rows / 128 + the groups that have rows
     max_tiles = -(-rows // _GEMM_ROWS) + min(groups, rows)
     layout = (offsets, tile_starts, sorted_pairs)
     rt.launch(
@@ -220,11 +221,13 @@ def experts(
         normed.address, *layout, weights.gate_up.address, _address(weights.gate_up_bias),
         _address(weights.shared_gate_up), hidden_rows, np.int32(num_tokens), np.int32(top_k_width),
         np.int32(experts_count), np.int32(groups), *dims, np.float32(act.alpha), np.float32(act.limit),
+        shared_bytes=_GEMM_SHARED_BYTES,
     )
     rt.launch(
         "moe", "moe_gemm_down", (-(-hidden // _GEMM_ROWS), max_tiles), _GEMM_THREADS,
         hidden_rows, *layout, weights.down.address, _address(weights.down_bias),
         _address(weights.shared_down), outputs, np.int32(experts_count), np.int32(groups), *dims,
+        shared_bytes=_GEMM_SHARED_BYTES,
     )
     rt.launch(
         "moe", "moe_combine", (num_tokens,), 256,
