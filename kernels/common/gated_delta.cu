@@ -106,15 +106,16 @@ extern "C" __global__ void __launch_bounds__(CONV_THREADS)
 
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
-extern "C" __global__ void __launch_bounds__(GDN_THREADS)
-    gated_delta_rule(const bf16* mixed, const bf16* projected, const float* decay_rate, const float* dt_bias,
-                     const int* query_start_loc, const int* seq_lens, const int* state_slots, float* state,
-                     float* core, int num_key_heads, int num_value_heads, int key_dim, int value_dim, int conv_dim,
-                     int projected_width, int fuse_norm, const bf16* norm_weight, float eps, bf16* out,
-                     unsigned* counters) {
-    dependent_launch_entry();
-    __shared__ float k_staged[GDN_TOKENS][GDN_MAX_KEY_DIM];
-    __shared__ float q_staged[GDN_TOKENS][GDN_MAX_KEY_DIM];
+// FULL: key_dim == GDN_MAX_KEY_DIM, so every thread holds GDN_ROWS rows and reads its rows of the
+// staged k and q as float4 (a quarter of the shared loads); else rows past key_dim are masked.
+template <bool FULL>
+__device__ __forceinline__ void gated_delta_rule_impl(
+    const bf16* mixed, const bf16* projected, const float* decay_rate, const float* dt_bias,
+    const int* query_start_loc, const int* seq_lens, const int* state_slots, float* state, float* core,
+    int num_key_heads, int num_value_heads, int key_dim, int value_dim, int conv_dim, int projected_width,
+    int fuse_norm, const bf16* norm_weight, float eps, bf16* out, unsigned* counters) {
+    __shared__ __align__(16) float k_staged[GDN_TOKENS][GDN_MAX_KEY_DIM];
+    __shared__ __align__(16) float q_staged[GDN_TOKENS][GDN_MAX_KEY_DIM];
     __shared__ float v_staged[GDN_TOKENS][GDN_COLUMNS];
     __shared__ float decay_staged[GDN_TOKENS], beta_staged[GDN_TOKENS], kq_staged[GDN_TOKENS];
     __shared__ float partial[2][4][GDN_COLUMNS][2];  // [token parity][warp][column] (kv, sq)
@@ -179,12 +180,28 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
         for (int i = 0; i < staged; ++i) {
             const float decay = decay_staged[i];
             float kv = 0.0f, sq = 0.0f;
+            if constexpr (FULL) {
+                const float4* k4 = reinterpret_cast<const float4*>(&k_staged[i][row0]);
+                const float4* q4 = reinterpret_cast<const float4*>(&q_staged[i][row0]);
 #pragma unroll
-            for (int j = 0; j < GDN_ROWS; ++j) {
-                if (j < rows_per_warp && row0 + j < key_dim) {
-                    s[j] *= decay;
-                    kv = fmaf(s[j], k_staged[i][row0 + j], kv);
-                    sq = fmaf(s[j], q_staged[i][row0 + j], sq);
+                for (int j = 0; j < GDN_ROWS / 4; ++j) {
+                    const float4 kk = k4[j], qq = q4[j];
+                    const float ks[4] = {kk.x, kk.y, kk.z, kk.w}, qs[4] = {qq.x, qq.y, qq.z, qq.w};
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[4 * j + e] *= decay;
+                        kv = fmaf(s[4 * j + e], ks[e], kv);
+                        sq = fmaf(s[4 * j + e], qs[e], sq);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < GDN_ROWS; ++j) {
+                    if (j < rows_per_warp && row0 + j < key_dim) {
+                        s[j] *= decay;
+                        kv = fmaf(s[j], k_staged[i][row0 + j], kv);
+                        sq = fmaf(s[j], q_staged[i][row0 + j], sq);
+                    }
                 }
             }
             partial[parity][warp][lane][0] = kv;
@@ -198,9 +215,21 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
             }
             parity ^= 1;
             const float u = beta_staged[i] * (v_staged[i][lane] - kv);
+            if constexpr (FULL) {
+                const float4* k4 = reinterpret_cast<const float4*>(&k_staged[i][row0]);
 #pragma unroll
-            for (int j = 0; j < GDN_ROWS; ++j)
-                if (j < rows_per_warp && row0 + j < key_dim) s[j] = fmaf(k_staged[i][row0 + j], u, s[j]);
+                for (int j = 0; j < GDN_ROWS / 4; ++j) {
+                    const float4 kk = k4[j];
+                    s[4 * j] = fmaf(kk.x, u, s[4 * j]);
+                    s[4 * j + 1] = fmaf(kk.y, u, s[4 * j + 1]);
+                    s[4 * j + 2] = fmaf(kk.z, u, s[4 * j + 2]);
+                    s[4 * j + 3] = fmaf(kk.w, u, s[4 * j + 3]);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < GDN_ROWS; ++j)
+                    if (j < rows_per_warp && row0 + j < key_dim) s[j] = fmaf(k_staged[i][row0 + j], u, s[j]);
+            }
             if (warp == 0 && has_column)
                 core[(rows.first + base + i) * (long long)num_value_heads * value_dim + (long long)head * value_dim +
                      column] = sq + u * kq_staged[i];
@@ -231,6 +260,22 @@ extern "C" __global__ void __launch_bounds__(GDN_THREADS)
         }
     }
 }
+
+#define DEFINE_GATED_DELTA_RULE(NAME, FULL)                                                                   \
+    extern "C" __global__ void __launch_bounds__(GDN_THREADS) NAME(                                            \
+        const bf16* mixed, const bf16* projected, const float* decay_rate, const float* dt_bias,              \
+        const int* query_start_loc, const int* seq_lens, const int* state_slots, float* state, float* core,   \
+        int num_key_heads, int num_value_heads, int key_dim, int value_dim, int conv_dim, int projected_width, \
+        int fuse_norm, const bf16* norm_weight, float eps, bf16* out, unsigned* counters) {                   \
+        dependent_launch_entry();                                                                             \
+        gated_delta_rule_impl<FULL>(mixed, projected, decay_rate, dt_bias, query_start_loc, seq_lens,         \
+                                    state_slots, state, core, num_key_heads, num_value_heads, key_dim,        \
+                                    value_dim, conv_dim, projected_width, fuse_norm, norm_weight, eps, out,   \
+                                    counters);                                                                \
+    }
+
+DEFINE_GATED_DELTA_RULE(gated_delta_rule, false)
+DEFINE_GATED_DELTA_RULE(gated_delta_rule_d128, true)
 
 extern "C" __global__ void __launch_bounds__(256)
     gdn_gated_norm(const float* core, const bf16* projected, const bf16* norm_weight, float eps, bf16* out,

@@ -179,7 +179,8 @@ class CudaRecurrent:
         fused = meta.max_query_len == 1
         counters = rt.counters("gdn_counters", meta.num_seqs * heads) if fused else 0
         rt.launch(
-            "gated_delta", "gated_delta_rule", (-(-value_dim // _COLUMNS), heads, meta.num_seqs), 128,
+            "gated_delta", "gated_delta_rule_d128" if shape.key_head_dim == MAX_KEY_DIM else "gated_delta_rule",
+            (-(-value_dim // _COLUMNS), heads, meta.num_seqs), 128,
             mixed.address, projected.address, layer.decay_rate.address, layer.dt_bias.address, *metadata,
             slots.recurrent_plane(shape.state_layer), core, np.int32(shape.num_key_heads), np.int32(heads),
             np.int32(shape.key_head_dim), np.int32(value_dim), np.int32(shape.conv_dim),
