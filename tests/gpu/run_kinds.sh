@@ -29,7 +29,7 @@ for s in $STEPS; do case $s in
            tests/gpu/test_cuda_recurrent.py tests/gpu/test_cuda_attention_ops.py -k "moe or recurrent or extras or Moe" ;;
   sanitizer) step sanitizer 150 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST -x \
            tests/gpu/test_cuda_moe.py tests/gpu/test_cuda_recurrent.py tests/gpu/test_cuda_attention_ops.py \
-           -k "(match_the_mock and (1-2048 or 65-512 or 150-320 or ODD)) or (extras and 64-8-64)" ;;
+           -k "(match_the_mock and (1-2048 or 65-512 or 150-320 or odd)) or (extras and gpt_oss)" ;;
   bench) step bench 200 python3 benchmarks/bench_kinds.py moe gdn sinks prefill ;;
   llama) step llama 300 python3 -m atlas.app.cli bench --random llama-3.1-8b --device cuda --batch-sizes 1,64 \
            --prefill-lens 512 --output-len 16 ;;

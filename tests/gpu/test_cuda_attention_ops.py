@@ -552,7 +552,8 @@ EXTRAS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("heads, context_lens, query_lens, window, with_sinks, softcap, gated", EXTRAS_CASES)
+@pytest.mark.parametrize("heads, context_lens, query_lens, window, with_sinks, softcap, gated", EXTRAS_CASES,
+                         ids=["gpt_oss", "sink_splits", "qwen3_next_gated", "softcap", "everything"])
 def test_attention_extras_against_float64(cuda_backend, rng, heads, context_lens, query_lens, window, with_sinks,
                                           softcap, gated):
     from atlas.adapters.cuda import ops_attention

@@ -5,6 +5,8 @@ expert counts (128 experts, top 8; 512, top 10); captured in a graph."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from cuda_harness import bf16, host, poisoned, rel_l2
@@ -71,9 +73,21 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=["wgmma", "mma"])
+def gemm_kernel(request, cuda_backend, monkeypatch):
+    """The prefill GEMM's two forms: wgmma (kernels/sm90/moe.cu, Hopper) and mma.sync."""
+    runtime = cuda_backend.runtime
+    if request.param == "wgmma" and not runtime.kernels.provides("moe", "moe_wgmma_down"):
+        pytest.skip("no wgmma MoE kernels on this GPU")
+    monkeypatch.setattr(runtime, "features", dataclasses.replace(runtime.features, moe_wgmma=request.param == "wgmma"))
+    return request.param
+
+
 @pytest.mark.parametrize("num_tokens, hidden, inner, routing, activation, biases, shared_inner", CASES)
-def test_route_and_experts_match_the_mock(cuda_backend, rng, num_tokens, hidden, inner, routing, activation, biases,
-                                          shared_inner):
+def test_route_and_experts_match_the_mock(cuda_backend, rng, gemm_kernel, num_tokens, hidden, inner, routing,
+                                          activation, biases, shared_inner):
+    if num_tokens <= 64 and gemm_kernel == "mma":
+        pytest.skip("decode sizes take the grouped GEMV whatever the GEMM")
     host_moe = _host_moe(rng, hidden, inner, routing, activation, biases, shared_inner)
     x = bf16(rng.standard_normal((num_tokens, hidden)) * 2)
     normed, ids, weights, residual = _run(cuda_backend, host_moe, x, DType.BF16)

@@ -59,7 +59,7 @@ def _step(backend, act, layer, prepared, state, projected, query_lens, context_l
             np.asarray(backend.begin_download(out).wait(), np.float64))
 
 
-@pytest.mark.parametrize("layer", [QWEN3_NEXT, ODD])
+@pytest.mark.parametrize("layer", [QWEN3_NEXT, ODD], ids=["qwen3_next", "odd"])
 def test_steps_of_prompts_decodes_and_continuations_match_the_mock(cuda_backend, rng, layer):
     host_layer = _host(rng, layer)
     mock = MockGpuBackend(activation_dtype=DType.F32)

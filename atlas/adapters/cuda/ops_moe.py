@@ -216,18 +216,23 @@ def experts(
     # sum over groups of ceil(rows_g / 128) <= rows / 128 + the groups that have rows
     max_tiles = -(-rows // _GEMM_ROWS) + min(groups, rows)
     layout = (offsets, tile_starts, sorted_pairs)
+    # The same tiles on wgmma where the module has them (kernels/sm90/moe.cu), else mma.sync.
+    wgmma = (rt.features.moe_wgmma and _WGMMA_SHARED_BYTES <= rt.max_shared_optin
+             and rt.kernels.provides("moe", "moe_wgmma_down"))
+    kernel, threads, shared_bytes = ("wgmma", _WGMMA_THREADS, _WGMMA_SHARED_BYTES) if wgmma else (
+        "gemm", _GEMM_THREADS, _GEMM_SHARED_BYTES)
     rt.launch(
-        "moe", f"moe_gemm_gate_up_{act.name}", (-(-stride // (_GEMM_ROWS // 2)), max_tiles), _GEMM_THREADS,
+        "moe", f"moe_{kernel}_gate_up_{act.name}", (-(-stride // (_GEMM_ROWS // 2)), max_tiles), threads,
         normed.address, *layout, weights.gate_up.address, _address(weights.gate_up_bias),
         _address(weights.shared_gate_up), hidden_rows, np.int32(num_tokens), np.int32(top_k_width),
         np.int32(experts_count), np.int32(groups), *dims, np.float32(act.alpha), np.float32(act.limit),
-        shared_bytes=_GEMM_SHARED_BYTES,
+        shared_bytes=shared_bytes,
     )
     rt.launch(
-        "moe", "moe_gemm_down", (-(-hidden // _GEMM_ROWS), max_tiles), _GEMM_THREADS,
+        "moe", f"moe_{kernel}_down", (-(-hidden // _GEMM_ROWS), max_tiles), threads,
         hidden_rows, *layout, weights.down.address, _address(weights.down_bias),
         _address(weights.shared_down), outputs, np.int32(experts_count), np.int32(groups), *dims,
-        shared_bytes=_GEMM_SHARED_BYTES,
+        shared_bytes=shared_bytes,
     )
     rt.launch(
         "moe", "moe_combine", (num_tokens,), 256,

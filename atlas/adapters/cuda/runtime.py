@@ -44,7 +44,7 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
-    `launch_order`) turns some off, for debugging and A/B timings.
+    `launch_order`, `moe_wgmma`) turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -68,6 +68,8 @@ class CudaFeatures:
         programmatic serialization (cuBLASLt's) launches once that kernel's blocks have all
         started and runs what precedes its griddepcontrol.wait beside it (graphs.py
         `launch_after_start`); needs programmatic_launch.
+    moe_wgmma: the MoE experts' grouped GEMM (prefill sizes) on wgmma where the loaded module has
+        it (kernels/sm90/moe.cu); off: the mma.sync kernels.
     skinny_gemm: 9..64 token rows of bf16 `linear` (and its gated and residual-add forms) go
         through our own skinny tensor-core GEMM on Hopper (`gemm_skinny_*`, gemv.cu: TMA into a
         warp-specialised ring, K split over clusters that reduce through distributed shared
@@ -85,6 +87,7 @@ class CudaFeatures:
     mma_decode: bool = True
     rms_after_product: bool = True
     launch_order_edges: bool = True
+    moe_wgmma: bool = True
     skinny_gemm: bool = False
 
     @classmethod
@@ -101,6 +104,7 @@ class CudaFeatures:
             "mma_decode",
             "rms_after_product",
             "launch_order",
+            "moe_wgmma",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -116,6 +120,7 @@ class CudaFeatures:
             mma_decode="mma_decode" not in disabled,
             rms_after_product="rms_after_product" not in disabled,
             launch_order_edges=programmatic and "launch_order" not in disabled,
+            moe_wgmma="moe_wgmma" not in disabled,
         )
 
 

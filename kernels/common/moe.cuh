@@ -1,0 +1,850 @@
+// Mixture of experts: routing on the device and the experts grouped by expert, without a host
+// sync on the routing (every grid is sized by host bounds: tokens N, top_k, experts E).
+//
+//   x, normed, residual [N, H] bf16   router [E, H] bf16 (+ bias [E])   logits [N, E] f32
+//   expert_ids [N, k] i32, expert_weights [N, k] f32  (pair p = t k + j: token t's j-th expert)
+//   gate_up [E, 2I, H] bf16 (gate rows, then up rows; bias [E, 2I])   down [E, H, I] (bias [E, H])
+//   shared expert (optional): gate_up [2Is, H], down [H, Is], its sigmoid gate row [H]; it runs as
+//   group E with pairs P0 + t (P0 = N k), every token once, weight 1 (times its gate).
+//   hidden [P0 + N, Imax] bf16: act(gate) * up of each pair (pair order: no unpermute needed)
+//   y [P0 + N, H] f32: each pair's expert output (down product + bias), pair order
+//
+// Routing (moe_route_small for N <= 8, else the norm kernel + the router product + moe_topk):
+// a warp per token takes softmax or sigmoid scores of the logits, the top k by score + selection
+// bias (ties: lowest id: a warp arg-max over (value, -id) k times), renormalises and scales.
+// moe_route_small fuses the decode path into one launch: every block takes its ROUTE_ROWS router
+// rows' logits for all tokens (normalising x as it loads it, as the norm kernel would, block 0
+// writing `normed`), and the last block to finish routes every token.
+// Bytes: E H 2 (router, once) + N H 2 per block (x, from L2); FLOPs 2 N E H.
+//
+// Experts, decode (N <= MOE_GEMV_MAX_TOKENS): a grouped GEMV on tensor cores. grid.y = expert
+// slots: min(E, N k) for the routed experts (slot i serves the i-th smallest expert id that some
+// pair chose; the surplus slots leave at once) plus one for the shared expert. Each block finds
+// its slot's expert and pairs itself (a bitmap of the chosen experts and a ballot compaction over
+// the N k ids, in shared memory: no alignment kernel) and streams its weight rows once per 8 of
+// the expert's tokens (mma.sync m16n8k16, the tokens as the 8 columns, the k order permuted as in
+// gemv.cu's gemv_mma so that the fragments are plain 16-byte loads):
+//     moe_gate_up_<act>:  16 rows = the gate and up rows of 8 features; hidden = act(gate) * up
+//     moe_down:           16 rows of down; y = the product + bias
+// Only the active experts' weights are read: at N = 1 the 8 routed experts of Qwen3-30B-A3B are
+// 75 MB a layer, 9.4 MB an expert. A block's 8 warps split K. Three launches a decode layer:
+// route, gate_up, down (whose last block per row tile is the combine).
+//
+// Experts, prefill (N > MOE_GEMV_MAX_TOKENS): moe_align (one block) counts the pairs per expert,
+// prefix-sums them into offsets and tile starts (tiles of GEMM_BM rows) and scatters the pair ids
+// into expert-contiguous order; then a grouped GEMM whose tiles gather their rows through that
+// order as they load them (the permute fused into the load):
+//     moe_gemm_gate_up_<act>: [128 rows x (64 features' gate and up rows, interleaved)] tiles,
+//                             hidden = act(gate) * up
+//     moe_gemm_down:          [128 rows x 128 weight rows] tiles, y = product + bias
+// mma.sync m16n8k16 (4 warps of 64 x 64) over K tiles of 32 in a three-stage cp.async pipeline.
+// FLOPs 6 N k H I; bound by the tensor cores (mma.sync: under Hopper's wgmma peak; a wgmma
+// variant is the next step, docs/cuda-notes.md).
+//
+// moe_combine (after the grouped GEMM; the grouped GEMV's down kernel does the same in the last
+// block of each row tile, its shared gates taken by moe_gate_up's shared slot):
+// residual[t] += bf16(sum_j w_tj y[t k + j] + sigmoid(normed[t] . gate) y[P0 + t])
+// (the unpermute is the pair order of y; the shared gate is a dot product the block takes itself).
+// Bytes N (k + 1) H 4 + 4 N H.
+//
+// Every kernel waits for the previous one first: the weights a block streams depend on the ids.
+// The kernels live in this header so that kernels/sm90/moe.cu (the wgmma grouped GEMM) can define
+// every symbol of kernels/common/moe.cu beside its own.
+#pragma once
+
+#include "atlas_common.cuh"
+#include "gated_act.cuh"
+
+#define MOE_MAX_EXPERTS 512
+#define MOE_LANE_EXPERTS (MOE_MAX_EXPERTS / 32)
+#define MOE_MAX_SLOT_TOKENS 64  // MOE_GEMV_MAX_TOKENS: a token picks an expert at most once
+#define MOE_WARPS 8
+#define ROUTE_THREADS 256
+#define ROUTE_ROWS 4
+#define ROUTE_MAX_TOKENS 8
+
+// ---------------------------------------------------------------------------------------------
+// Routing of one token by one warp. logits [E] (bias included) in global memory, read through L2
+// (another block may have just written them). Expert e sits in lane e % 32, register e / 32.
+__device__ __forceinline__ void route_token(const float* logits, const float* selection_bias, int num_experts,
+                                            int top_k, int sigmoid_scoring, int renormalize, float scaling,
+                                            int* ids_out, float* weights_out) {
+    const int lane = threadIdx.x & 31;
+    float score[MOE_LANE_EXPERTS], ranked[MOE_LANE_EXPERTS];
+    float peak = -ATLAS_INF;
+#pragma unroll
+    for (int i = 0; i < MOE_LANE_EXPERTS; ++i) {
+        const int e = i * 32 + lane;
+        score[i] = e < num_experts ? __ldcg(logits + e) : -ATLAS_INF;
+        peak = fmaxf(peak, score[i]);
+    }
+    if (sigmoid_scoring) {
+#pragma unroll
+        for (int i = 0; i < MOE_LANE_EXPERTS; ++i)
+            if (i * 32 + lane < num_experts) score[i] = 1.0f / (1.0f + expf(-score[i]));
+    } else {
+        peak = warp_max(peak);
+        float total = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MOE_LANE_EXPERTS; ++i) {
+            if (i * 32 + lane < num_experts) {
+                score[i] = expf(score[i] - peak);
+                total += score[i];
+            }
+        }
+        total = warp_sum(total);
+#pragma unroll
+        for (int i = 0; i < MOE_LANE_EXPERTS; ++i)
+            if (i * 32 + lane < num_experts) score[i] = score[i] / total;
+    }
+#pragma unroll
+    for (int i = 0; i < MOE_LANE_EXPERTS; ++i) {
+        const int e = i * 32 + lane;
+        ranked[i] = e < num_experts ? score[i] + (selection_bias != nullptr ? selection_bias[e] : 0.0f) : -ATLAS_INF;
+    }
+    unsigned taken = 0u;  // bit i: expert i * 32 + lane is chosen
+    int my_id = 0;
+    float my_score = 0.0f, chosen_sum = 0.0f;
+    for (int j = 0; j < top_k; ++j) {
+        float best = -ATLAS_INF, best_score = 0.0f;
+        int best_e = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < MOE_LANE_EXPERTS; ++i) {
+            const int e = i * 32 + lane;
+            if (e < num_experts && !((taken >> i) & 1u) && (best_e == 0x7fffffff || ranked[i] > best)) {
+                best = ranked[i];
+                best_e = e;
+                best_score = score[i];
+            }
+        }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+            const int other_e = __shfl_xor_sync(0xffffffffu, best_e, offset);
+            const float other_score = __shfl_xor_sync(0xffffffffu, best_score, offset);
+            if (other > best || (other == best && other_e < best_e)) {
+                best = other;
+                best_e = other_e;
+                best_score = other_score;
+            }
+        }
+        if (best_e != 0x7fffffff && (best_e & 31) == lane) taken |= 1u << (best_e >> 5);
+        if (lane == j) {
+            my_id = best_e;
+            my_score = best_score;
+        }
+        chosen_sum += best_score;
+    }
+    if (lane < top_k) {
+        const float weight = renormalize ? my_score / chosen_sum : my_score;
+        ids_out[lane] = my_id;
+        weights_out[lane] = weight * scaling;
+    }
+}
+
+// moe_topk: a warp per token over logits [N, E] (bias included). grid ceil(N / 8), 256 threads.
+extern "C" __global__ void __launch_bounds__(256) moe_topk(const float* logits, const float* selection_bias,
+                                                           int* expert_ids, float* expert_weights, int num_tokens,
+                                                           int num_experts, int top_k, int sigmoid_scoring,
+                                                           int renormalize, float scaling) {
+    dependent_launch_entry();
+    const int token = blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (token >= num_tokens) return;
+    route_token(logits + (long long)token * num_experts, selection_bias, num_experts, top_k, sigmoid_scoring,
+                renormalize, scaling, expert_ids + (long long)token * top_k,
+                expert_weights + (long long)token * top_k);
+}
+
+// moe_route_small: the whole decode routing in one launch (see the file comment). grid
+// ceil(E / ROUTE_ROWS), ROUTE_THREADS threads; N <= ROUTE_MAX_TOKENS, H % 8 == 0; `counter` one
+// zeroed u32 (last_block_done).
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+    moe_route_small(const bf16* x, const bf16* norm_weight, float eps, const bf16* router, const bf16* router_bias,
+                    const float* selection_bias, bf16* normed, float* logits, unsigned* counter, int* expert_ids,
+                    float* expert_weights, int num_tokens, int hidden, int num_experts, int top_k,
+                    int sigmoid_scoring, int renormalize, float scaling) {
+    dependent_launch_entry();
+    __shared__ float scratch[32];
+    __shared__ float inverse_rms[ROUTE_MAX_TOKENS];
+    __shared__ float partial[ROUTE_THREADS / 32][ROUTE_ROWS][ROUTE_MAX_TOKENS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = blockIdx.x * ROUTE_ROWS;
+    for (int n = 0; n < num_tokens; ++n) {
+        const float total = block_sum(
+            [&] {
+                float sum = 0.0f;
+                for (int col = threadIdx.x * 8; col < hidden; col += ROUTE_THREADS * 8) {
+                    float values[8];
+                    load8(x + (long long)n * hidden + col, values);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) sum += values[i] * values[i];
+                }
+                return sum;
+            }(),
+            scratch);
+        if (threadIdx.x == 0) inverse_rms[n] = 1.0f / sqrtf(total / hidden + eps);
+    }
+    __syncthreads();
+    float acc[ROUTE_ROWS][ROUTE_MAX_TOKENS];
+#pragma unroll
+    for (int r = 0; r < ROUTE_ROWS; ++r)
+#pragma unroll
+        for (int n = 0; n < ROUTE_MAX_TOKENS; ++n) acc[r][n] = 0.0f;
+    for (int col = threadIdx.x * 8; col < hidden; col += ROUTE_THREADS * 8) {
+        float weights[ROUTE_ROWS][8], scales[8];
+#pragma unroll
+        for (int r = 0; r < ROUTE_ROWS; ++r)
+            load8(router + (long long)min(first + r, num_experts - 1) * hidden + col, weights[r]);
+        load8(norm_weight + col, scales);
+#pragma unroll
+        for (int n = 0; n < ROUTE_MAX_TOKENS; ++n) {
+            if (n < num_tokens) {
+                float values[8];
+                load8(x + (long long)n * hidden + col, values);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) values[i] = round_bf16(values[i] * inverse_rms[n] * scales[i]);
+                if (blockIdx.x == 0) store8(normed + (long long)n * hidden + col, values);
+#pragma unroll
+                for (int r = 0; r < ROUTE_ROWS; ++r)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[r][n] = fmaf(weights[r][i], values[i], acc[r][n]);
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROUTE_ROWS; ++r)
+#pragma unroll
+        for (int n = 0; n < ROUTE_MAX_TOKENS; ++n) {
+            const float total = warp_sum(acc[r][n]);
+            if (lane == 0) partial[warp][r][n] = total;
+        }
+    __syncthreads();
+    if (threadIdx.x < ROUTE_ROWS * ROUTE_MAX_TOKENS) {
+        const int r = threadIdx.x / ROUTE_MAX_TOKENS, n = threadIdx.x % ROUTE_MAX_TOKENS;
+        const int expert = first + r;
+        if (expert < num_experts && n < num_tokens) {
+            float total = router_bias != nullptr ? to_float(router_bias[expert]) : 0.0f;
+#pragma unroll
+            for (int j = 0; j < ROUTE_THREADS / 32; ++j) total += partial[j][r][n];
+            logits[(long long)n * num_experts + expert] = total;
+        }
+    }
+    if (!last_block_done(counter, gridDim.x)) return;
+    if (warp < num_tokens)
+        route_token(logits + (long long)warp * num_experts, selection_bias, num_experts, top_k, sigmoid_scoring,
+                    renormalize, scaling, expert_ids + (long long)warp * top_k,
+                    expert_weights + (long long)warp * top_k);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The grouped GEMV's slot: which expert a block serves and that expert's pairs, ascending.
+struct SlotPairs {
+    int expert;  // -1: no expert for this slot (the block leaves); E: the shared expert
+    int count;
+    int pairs[MOE_MAX_SLOT_TOKENS];
+};
+
+// Fills `slot_pairs` (shared memory) for slot `slot` (blockIdx.y); every thread calls it. Slots
+// below `routed_slots` serve the chosen experts in ascending id order; slot `routed_slots` the
+// shared expert (all tokens, pairs num_pairs + t).
+__device__ __forceinline__ void find_slot(const int* expert_ids, int num_pairs, int num_tokens, int num_experts,
+                                          int routed_slots, SlotPairs& slot_pairs) {
+    __shared__ unsigned present[MOE_MAX_EXPERTS / 32];
+    const int slot = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (slot >= routed_slots) {
+        if (threadIdx.x == 0) {
+            slot_pairs.expert = num_experts;
+            slot_pairs.count = min(num_tokens, MOE_MAX_SLOT_TOKENS);
+        }
+        for (int t = threadIdx.x; t < min(num_tokens, MOE_MAX_SLOT_TOKENS); t += blockDim.x)
+            slot_pairs.pairs[t] = num_pairs + t;
+        __syncthreads();
+        return;
+    }
+    const int words = (num_experts + 31) / 32;
+    for (int i = threadIdx.x; i < words; i += blockDim.x) present[i] = 0u;
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
+        const int e = expert_ids[p];
+        if (e >= 0 && e < num_experts) atomicOr(present + (e >> 5), 1u << (e & 31));
+    }
+    __syncthreads();
+    if (warp == 0) {
+        // lane l holds word l; the slot-th set bit over the words in order is the slot's expert
+        unsigned word = lane < words ? present[lane] : 0u;
+        const int count = __popc(word);
+        int inclusive = count;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int before = __shfl_up_sync(0xffffffffu, inclusive, offset);
+            if (lane >= offset) inclusive += before;
+        }
+        const int exclusive = inclusive - count;
+        const bool mine = slot >= exclusive && slot < inclusive;
+        int expert = -1;
+        if (mine) {
+            for (int skip = slot - exclusive; skip > 0; --skip) word &= word - 1u;  // drop the lower set bits
+            expert = lane * 32 + __ffs(word) - 1;
+        }
+        const unsigned owner = __ballot_sync(0xffffffffu, mine);
+        expert = owner != 0u ? __shfl_sync(0xffffffffu, expert, __ffs(owner) - 1) : -1;
+        int found = 0;
+        if (expert >= 0) {
+            for (int base = 0; base < num_pairs; base += 32) {
+                const int p = base + lane;
+                const bool hit = p < num_pairs && expert_ids[p] == expert;
+                const unsigned hits = __ballot_sync(0xffffffffu, hit);
+                const int at = found + __popc(hits & ((1u << lane) - 1u));
+                if (hit && at < MOE_MAX_SLOT_TOKENS) slot_pairs.pairs[at] = p;
+                found += __popc(hits);
+            }
+        }
+        if (lane == 0) {
+            slot_pairs.expert = expert;
+            slot_pairs.count = min(found, MOE_MAX_SLOT_TOKENS);
+        }
+    }
+    __syncthreads();
+}
+
+// The token whose row a pair reads: t for routed pair t k + j, t for shared pair num_pairs + t.
+__device__ __forceinline__ int token_of_pair(int pair, int num_pairs, int top_k) {
+    return pair >= num_pairs ? pair - num_pairs : pair / top_k;
+}
+
+// acc (rows g, g + 8; columns 2t, 2t + 1) += W[16 rows, K] x[8 columns, K]^T, with the k order
+// inside each 32-wide chunk permuted alike for both (gemv.cu's gemv_mma). The block's warps split
+// K in chunks of 32; a lane whose chunk lies past K contributes zeros (K % 8 == 0).
+__device__ __forceinline__ void grouped_mma_rows(float* acc, const bf16* row_a, const bf16* row_b, const bf16* x_row,
+                                                 bool has_column, int inner) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int t = lane & 3;
+    constexpr int STEP = MOE_WARPS * 32;
+    constexpr int BATCH = 4;
+    auto multiply = [&](uint4 wa, uint4 wb, uint4 xs) {
+        const u32 a0[4] = {wa.x, wb.x, wa.y, wb.y};
+        const u32 b0[2] = {xs.x, xs.y};
+        mma_bf16_16816(acc, a0, b0);
+        const u32 a1[4] = {wa.z, wb.z, wa.w, wb.w};
+        const u32 b1[2] = {xs.z, xs.w};
+        mma_bf16_16816(acc, a1, b1);
+    };
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    int k0 = warp * 32;
+    for (; k0 + (BATCH - 1) * STEP < inner; k0 += BATCH * STEP) {
+        uint4 wa[BATCH], wb[BATCH], xs[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const int k = k0 + u * STEP + 8 * t;
+            const bool valid = k < inner;
+            wa[u] = valid ? __ldg(reinterpret_cast<const uint4*>(row_a + k)) : zero;
+            wb[u] = valid ? __ldg(reinterpret_cast<const uint4*>(row_b + k)) : zero;
+            xs[u] = valid && has_column ? *reinterpret_cast<const uint4*>(x_row + k) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], xs[u]);
+    }
+    for (; k0 < inner; k0 += STEP) {
+        const int k = k0 + 8 * t;
+        const bool valid = k < inner;
+        const uint4 wa = valid ? __ldg(reinterpret_cast<const uint4*>(row_a + k)) : zero;
+        const uint4 wb = valid ? __ldg(reinterpret_cast<const uint4*>(row_b + k)) : zero;
+        const uint4 xs = valid && has_column ? *reinterpret_cast<const uint4*>(x_row + k) : zero;
+        multiply(wa, wb, xs);
+    }
+}
+
+// moe_gate_up_<act>: grid (ceil(max(I, Is) / 8), slots), MOE_WARPS warps. hidden [P, stride].
+// The shared slot's blocks also take the shared expert's gate, sigmoid(normed[t] . shared_gate),
+// block x for tokens x, x + gridDim.x, ... (at most one each up to 8 gridDim.x tokens), into
+// shared_gate_values [N] for moe_down's combine (null shared_gate: none).
+template <int ACT>
+__device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed, const int* __restrict__ expert_ids,
+                                                 const bf16* __restrict__ gate_up, const bf16* __restrict__ gate_up_bias,
+                                                 const bf16* __restrict__ shared_gate_up, bf16* __restrict__ hidden_out,
+                                                 int num_tokens, int top_k, int num_experts, int hidden, int inner,
+                                                 int shared_inner, int stride, int routed_slots, float alpha,
+                                                 float limit, const bf16* __restrict__ shared_gate,
+                                                 float* __restrict__ shared_gate_values) {
+    __shared__ SlotPairs slot_pairs;
+    __shared__ float partial[MOE_WARPS][16][8];
+    const int num_pairs = num_tokens * top_k;
+    find_slot(expert_ids, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs);
+    const int expert = slot_pairs.expert, count = slot_pairs.count;
+    if (expert < 0) return;
+    const bool is_shared = expert == num_experts;
+    if (is_shared && shared_gate != nullptr) {
+        for (int t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+            float dot = 0.0f;
+            for (int col = threadIdx.x * 8; col < hidden; col += blockDim.x * 8) {
+                float values[8], weights[8];
+                load8(normed + (long long)t * hidden + col, values);
+                load8(shared_gate + col, weights);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) dot = fmaf(values[i], weights[i], dot);
+            }
+            const float total = block_sum(dot, &partial[0][0][0]);
+            if (threadIdx.x == 0) shared_gate_values[t] = 1.0f / (1.0f + expf(-total));
+        }
+    }
+    const int features = is_shared ? shared_inner : inner;
+    const int first = blockIdx.x * 8;
+    if (first >= features) return;
+    const bf16* w = is_shared ? shared_gate_up : gate_up + (long long)expert * 2 * inner * hidden;
+    const bf16* bias = is_shared || gate_up_bias == nullptr ? nullptr : gate_up_bias + (long long)expert * 2 * inner;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int feature_g = min(first + g, features - 1);
+    const bf16* row_a = w + (long long)feature_g * hidden;               // gate row
+    const bf16* row_b = w + (long long)(features + feature_g) * hidden;  // its up row
+    for (int tile = 0; tile < count; tile += 8) {
+        const bool has_column = tile + g < count;
+        const int token = has_column ? token_of_pair(slot_pairs.pairs[tile + g], num_pairs, top_k) : 0;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        grouped_mma_rows(acc, row_a, row_b, normed + (long long)token * hidden, has_column, hidden);
+        partial[warp][g][2 * t] = acc[0];
+        partial[warp][g][2 * t + 1] = acc[1];
+        partial[warp][g + 8][2 * t] = acc[2];
+        partial[warp][g + 8][2 * t + 1] = acc[3];
+        __syncthreads();
+        if (threadIdx.x < 64) {
+            const int f = threadIdx.x >> 3, n = threadIdx.x & 7;
+            const int feature = first + f;
+            if (feature < features && tile + n < count) {
+                float gate = bias != nullptr ? to_float(bias[feature]) : 0.0f;
+                float up = bias != nullptr ? to_float(bias[inner + feature]) : 0.0f;
+#pragma unroll
+                for (int j = 0; j < MOE_WARPS; ++j) {
+                    gate += partial[j][f][n];
+                    up += partial[j][f + 8][n];
+                }
+                const float value = gated_value<ACT>(round_bf16(gate), round_bf16(up), alpha, limit);
+                hidden_out[(long long)slot_pairs.pairs[tile + n] * stride + feature] = from_float<bf16>(value);
+            }
+        }
+        __syncthreads();  // `partial` is free for the next tile
+    }
+}
+
+__device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in, const bf16* __restrict__ down,
+                                              const bf16* __restrict__ down_bias, const bf16* __restrict__ shared_down,
+                                              float* __restrict__ y, const SlotPairs& slot_pairs,
+                                              float (*partial)[16][8], int num_experts, int hidden, int inner,
+                                              int shared_inner, int stride, int first);
+
+// moe_down: grid (ceil(H / 16), slots), MOE_WARPS warps. y [P, H] f32. The last of a row tile's
+// blocks (every slot's, counted at counters[blockIdx.x], zero between launches) adds the tile's
+// 16 rows of every token into the residual: the weighted sum of its k pairs' rows of y and its
+// shared expert's row times shared_gate_values[t] (null: 1), as moe_combine does.
+__device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in, const int* __restrict__ expert_ids,
+                                              const bf16* __restrict__ down, const bf16* __restrict__ down_bias,
+                                              const bf16* __restrict__ shared_down, float* __restrict__ y, int num_tokens,
+                                              int top_k, int num_experts, int hidden, int inner, int shared_inner,
+                                              int stride, int routed_slots, const float* __restrict__ expert_weights,
+                                              const float* shared_gate_values, int has_shared,
+                                              bf16* __restrict__ residual, unsigned* __restrict__ counters) {
+    __shared__ SlotPairs slot_pairs;
+    __shared__ float partial[MOE_WARPS][16][8];
+    const int num_pairs = num_tokens * top_k;
+    find_slot(expert_ids, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs);
+    const int expert = slot_pairs.expert;
+    const int first = blockIdx.x * 16;
+    if (expert >= 0) moe_down_rows(hidden_in, down, down_bias, shared_down, y, slot_pairs, partial, num_experts, hidden,
+                                   inner, shared_inner, stride, first);
+    if (!last_block_done(counters + blockIdx.x, gridDim.y)) return;
+    for (int item = threadIdx.x; item < num_tokens * 16; item += blockDim.x) {
+        const int token = item >> 4, row = first + (item & 15);
+        if (row >= hidden) continue;
+        float total = 0.0f;
+        for (int j = 0; j < top_k; ++j) {
+            const long long pair = (long long)token * top_k + j;
+            total = fmaf(expert_weights[pair], __ldcg(y + pair * hidden + row), total);
+        }
+        if (has_shared) {
+            const float gate = shared_gate_values != nullptr ? __ldcg(shared_gate_values + token) : 1.0f;
+            total = fmaf(gate, __ldcg(y + ((long long)num_pairs + token) * hidden + row), total);
+        }
+        bf16* at = residual + (long long)token * hidden + row;
+        *at = from_float<bf16>(to_float(*at) + round_bf16(total));
+    }
+}
+
+// The 16 rows of y from `first` for the slot's pairs (the expert's down rows, streamed once per 8
+// of its tokens).
+__device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in, const bf16* __restrict__ down,
+                                              const bf16* __restrict__ down_bias, const bf16* __restrict__ shared_down,
+                                              float* __restrict__ y, const SlotPairs& slot_pairs,
+                                              float (*partial)[16][8], int num_experts, int hidden, int inner,
+                                              int shared_inner, int stride, int first) {
+    const int expert = slot_pairs.expert, count = slot_pairs.count;
+    const bool is_shared = expert == num_experts;
+    const int reduced = is_shared ? shared_inner : inner;
+    const bf16* w = is_shared ? shared_down : down + (long long)expert * hidden * inner;
+    const bf16* bias = is_shared || down_bias == nullptr ? nullptr : down_bias + (long long)expert * hidden;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const bf16* row_a = w + (long long)min(first + g, hidden - 1) * reduced;
+    const bf16* row_b = w + (long long)min(first + g + 8, hidden - 1) * reduced;
+    for (int tile = 0; tile < count; tile += 8) {
+        const bool has_column = tile + g < count;
+        const int pair = has_column ? slot_pairs.pairs[tile + g] : 0;
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        grouped_mma_rows(acc, row_a, row_b, hidden_in + (long long)pair * stride, has_column, reduced);
+        partial[warp][g][2 * t] = acc[0];
+        partial[warp][g][2 * t + 1] = acc[1];
+        partial[warp][g + 8][2 * t] = acc[2];
+        partial[warp][g + 8][2 * t + 1] = acc[3];
+        __syncthreads();
+        if (threadIdx.x < 128) {
+            const int r = threadIdx.x >> 3, n = threadIdx.x & 7;
+            const int row = first + r;
+            if (row < hidden && tile + n < count) {
+                float total = bias != nullptr ? to_float(bias[row]) : 0.0f;
+#pragma unroll
+                for (int j = 0; j < MOE_WARPS; ++j) total += partial[j][r][n];
+                y[(long long)slot_pairs.pairs[tile + n] * hidden + row] = total;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+#define DEFINE_MOE_GATE_UP(NAME, ACT)                                                                        \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##NAME(                         \
+        const bf16* normed, const int* expert_ids, const bf16* gate_up, const bf16* gate_up_bias,           \
+        const bf16* shared_gate_up, bf16* hidden_out, int num_tokens, int top_k, int num_experts, int hidden, \
+        int inner, int shared_inner, int stride, int routed_slots, float alpha, float limit,                \
+        const bf16* shared_gate, float* shared_gate_values) {                                               \
+        dependent_launch_entry();                                                                           \
+        moe_gate_up_impl<ACT>(normed, expert_ids, gate_up, gate_up_bias, shared_gate_up, hidden_out,        \
+                              num_tokens, top_k, num_experts, hidden, inner, shared_inner, stride,          \
+                              routed_slots, alpha, limit, shared_gate, shared_gate_values);                 \
+    }
+
+DEFINE_MOE_GATE_UP(silu, GATED_SILU)
+DEFINE_MOE_GATE_UP(gelu_tanh, GATED_GELU_TANH)
+DEFINE_MOE_GATE_UP(clamped, GATED_CLAMPED)
+
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
+    moe_down(const bf16* hidden_in, const int* expert_ids, const bf16* down, const bf16* down_bias,
+             const bf16* shared_down, float* y, int num_tokens, int top_k, int num_experts, int hidden, int inner,
+             int shared_inner, int stride, int routed_slots, const float* expert_weights,
+             const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters) {
+    dependent_launch_entry();
+    moe_down_impl(hidden_in, expert_ids, down, down_bias, shared_down, y, num_tokens, top_k, num_experts, hidden,
+                  inner, shared_inner, stride, routed_slots, expert_weights, shared_gate_values, has_shared, residual,
+                  counters);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill: alignment and the grouped GEMM.
+//
+// moe_align: one block of 1024 threads. Groups are the E experts, then (has_shared) the shared
+// expert as group E. offsets [groups + 1] (pair positions), tile_starts [groups + 1] (tiles of
+// GEMM_BM rows before each group), sorted_pairs [N k + N]: pair ids, grouped (in arrival order
+// within a group: every pair's result is computed alike whatever its row in a tile).
+#define GEMM_BM 128  // rows (pairs) a tile
+#define GEMM_BN 128  // weight rows a tile (gate_up: 64 features' gate and up rows, interleaved)
+#define GEMM_BK 32
+#define GEMM_STAGES 3
+#define GEMM_THREADS 128  // 4 warps, 2 along M x 2 along N, each a 64 x 64 tile
+#define GEMM_STRIDE (GEMM_BK + 8)  // padded rows (80 bytes): conflict-free ldmatrix and 16-byte cp.async
+#define GEMM_SHARED_BYTES (GEMM_STAGES * (GEMM_BM + GEMM_BN) * GEMM_STRIDE * 2)  // 61440: dynamic
+
+extern "C" __global__ void __launch_bounds__(1024)
+    moe_align(const int* expert_ids, int num_tokens, int top_k, int num_experts, int has_shared, int* offsets,
+              int* tile_starts, int* sorted_pairs) {
+    dependent_launch_entry();
+    __shared__ int counts[MOE_MAX_EXPERTS + 1];
+    __shared__ int cursor[MOE_MAX_EXPERTS + 1];
+    const int num_pairs = num_tokens * top_k;
+    const int groups = num_experts + (has_shared ? 1 : 0);
+    for (int e = threadIdx.x; e < groups; e += blockDim.x) counts[e] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
+        const int e = expert_ids[p];
+        if (e >= 0 && e < num_experts) atomicAdd(counts + e, 1);
+    }
+    if (has_shared && threadIdx.x == 0) counts[num_experts] = num_tokens;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int offset = 0, tiles = 0;
+        for (int e = 0; e < groups; ++e) {
+            offsets[e] = offset;
+            tile_starts[e] = tiles;
+            cursor[e] = offset;
+            offset += counts[e];
+            tiles += (counts[e] + GEMM_BM - 1) / GEMM_BM;
+        }
+        offsets[groups] = offset;
+        tile_starts[groups] = tiles;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
+        const int e = expert_ids[p];
+        if (e >= 0 && e < num_experts) sorted_pairs[atomicAdd(cursor + e, 1)] = p;
+    }
+    if (has_shared)
+        for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) sorted_pairs[cursor[num_experts] + t] = num_pairs + t;
+}
+
+// The group (expert) and rows [begin, end) of sorted_pairs of GEMM tile `tile` (grid.y); group -1
+// for a tile past the last.
+struct GemmTile {
+    int group, begin, end;
+};
+
+__device__ __forceinline__ GemmTile locate_gemm_tile(const int* offsets, const int* tile_starts, int groups, int tile) {
+    GemmTile located{-1, 0, 0};
+    if (tile >= tile_starts[groups]) return located;
+    int lo = 0, hi = groups - 1;  // the last group whose tiles start at or before `tile`
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (tile_starts[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    located.group = lo;
+    located.begin = offsets[lo] + (tile - tile_starts[lo]) * GEMM_BM;
+    located.end = min(located.begin + GEMM_BM, offsets[lo + 1]);
+    return located;
+}
+
+// acc[mt][nt][c] of the tile A[GEMM_BM rows, K] B[GEMM_BN rows, K]^T: warp w (wm = w % 2, wn = w / 2)
+// holds rows 64 wm + 16 mt + g (+ 8 for c >= 2) and columns 64 wn + 8 nt + 2 t + (c & 1). A's
+// rows are `a_rows[i]` and B's `b_rows[i]` for the rows this thread copies (row tid / 4 + 32 i,
+// chunk tid % 4; null: zeros; `fallback` is any valid global address), K % 8 == 0. GEMM_STAGES
+// of cp.async over K tiles of GEMM_BK, one barrier a K tile; `shared` holds GEMM_SHARED_BYTES.
+constexpr int GEMM_PASSES = GEMM_BM * (GEMM_BK / 8) / GEMM_THREADS;
+extern __shared__ uint4 gemm_shared[];  // the GEMM kernels' GEMM_SHARED_BYTES
+
+__device__ __forceinline__ void gemm_tile(float (*acc)[8][4], const bf16* const* a_rows, const bf16* const* b_rows,
+                                          int inner, bf16* shared, const bf16* fallback) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int warp_m = warp & 1, warp_n = warp >> 1;
+    constexpr int A_TILE = GEMM_BM * GEMM_STRIDE, STAGE = (GEMM_BM + GEMM_BN) * GEMM_STRIDE;
+    constexpr int CHUNKS = GEMM_BK / 8;
+    const int chunk = tid % CHUNKS;
+    auto load_stage = [&](int k_tile, int stage) {
+        bf16* a_dst = shared + stage * STAGE;
+        bf16* b_dst = a_dst + A_TILE;
+        const int k = k_tile * GEMM_BK + chunk * 8;
+#pragma unroll
+        for (int i = 0; i < GEMM_PASSES; ++i) {
+            const int r = tid / CHUNKS + i * (GEMM_THREADS / CHUNKS);
+            const bool a_valid = a_rows[i] != nullptr && k < inner;
+            const bool b_valid = b_rows[i] != nullptr && k < inner;
+            cp_async_16(a_dst + r * GEMM_STRIDE + chunk * 8, a_valid ? a_rows[i] + k : fallback, a_valid);
+            cp_async_16(b_dst + r * GEMM_STRIDE + chunk * 8, b_valid ? b_rows[i] + k : fallback, b_valid);
+        }
+    };
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
+    const int k_tiles = (inner + GEMM_BK - 1) / GEMM_BK;
+    // One commit group per K tile, empty ones included, so wait_group counts tiles exactly.
+#pragma unroll
+    for (int stage = 0; stage < GEMM_STAGES - 1; ++stage) {
+        if (stage < k_tiles) load_stage(stage, stage);
+        cp_async_commit();
+    }
+    // ldmatrix.x4 lanes: A's 16 x 16 step (rows 0-7 | 8-15 by lane bit 3, k 0-7 | 8-15 by bit 4);
+    // B's two 8-row n-tiles x 16 k (k halves by lane bit 3, n-tiles by bit 4).
+    const int a_row = warp_m * 64 + (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
+    const int b_row = warp_n * 64 + (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
+    for (int k_tile = 0; k_tile < k_tiles; ++k_tile) {
+        cp_async_wait<GEMM_STAGES - 2>();  // this thread's copies of k_tile have landed
+        __syncthreads();                   // everyone's have, and every warp is done with k_tile - 1
+        const int next = k_tile + GEMM_STAGES - 1;
+        if (next < k_tiles) load_stage(next, next % GEMM_STAGES);
+        cp_async_commit();
+        const bf16* a_tile = shared + (k_tile % GEMM_STAGES) * STAGE;
+        const bf16* b_tile = a_tile + A_TILE;
+#pragma unroll
+        for (int k = 0; k < GEMM_BK / 16; ++k) {
+            u32 a[4][4];
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) ldmatrix_x4(a[mt], a_tile + (a_row + mt * 16) * GEMM_STRIDE + a_col + k * 16);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, b_tile + (b_row + np * 16) * GEMM_STRIDE + b_col + k * 16);
+#pragma unroll
+                for (int mt = 0; mt < 4; ++mt) {
+                    mma_bf16_16816(acc[mt][2 * np], a[mt], b);
+                    mma_bf16_16816(acc[mt][2 * np + 1], a[mt], b + 2);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+}
+
+// moe_gemm_gate_up_<act>: grid (ceil(max(I, Is) / 64), max tiles), GEMM_THREADS, GEMM_SHARED_BYTES.
+// A = normed rows of the tile's tokens; B row r = feature f0 + r / 2's gate row (r even) or up row
+// (r odd), so a thread's accumulator pair (2t, 2t + 1) is one feature's gate and up; hidden [P, stride].
+template <int ACT>
+__device__ __forceinline__ void moe_gemm_gate_up_impl(const bf16* normed, const int* offsets, const int* tile_starts,
+                                                      const int* sorted_pairs, const bf16* gate_up,
+                                                      const bf16* gate_up_bias, const bf16* shared_gate_up,
+                                                      bf16* hidden_out, int num_tokens, int top_k, int num_experts,
+                                                      int groups, int hidden, int inner, int shared_inner, int stride,
+                                                      float alpha, float limit) {
+    const GemmTile tile = locate_gemm_tile(offsets, tile_starts, groups, blockIdx.y);
+    if (tile.group < 0) return;
+    const bool is_shared = tile.group == num_experts;
+    const int features = is_shared ? shared_inner : inner;
+    const int f0 = blockIdx.x * (GEMM_BN / 2);
+    if (f0 >= features) return;
+    const bf16* w = is_shared ? shared_gate_up : gate_up + (long long)tile.group * 2 * inner * hidden;
+    const bf16* bias = is_shared || gate_up_bias == nullptr ? nullptr : gate_up_bias + (long long)tile.group * 2 * inner;
+    const int num_pairs = num_tokens * top_k;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bf16* a_rows[GEMM_PASSES];
+    const bf16* b_rows[GEMM_PASSES];
+#pragma unroll
+    for (int i = 0; i < GEMM_PASSES; ++i) {
+        const int r = tid / (GEMM_BK / 8) + i * (GEMM_THREADS / (GEMM_BK / 8));
+        const int row = tile.begin + r;
+        a_rows[i] = row < tile.end ? normed + (long long)token_of_pair(sorted_pairs[row], num_pairs, top_k) * hidden
+                                   : nullptr;
+        const int f = f0 + r / 2;
+        b_rows[i] = f < features ? w + (long long)((r & 1) ? features + f : f) * hidden : nullptr;
+    }
+    float acc[4][8][4];
+    gemm_tile(acc, a_rows, b_rows, hidden, reinterpret_cast<bf16*>(gemm_shared), w);
+    const int g = lane >> 2, t = lane & 3;
+    const int warp_m = warp & 1, warp_n = warp >> 1;
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = tile.begin + warp_m * 64 + mt * 16 + g + half * 8;
+            if (row >= tile.end) continue;
+            bf16* out = hidden_out + (long long)sorted_pairs[row] * stride;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                const int feature = f0 + warp_n * 32 + nt * 4 + t;
+                if (feature >= features) continue;
+                float gate = acc[mt][nt][2 * half], up = acc[mt][nt][2 * half + 1];
+                if (bias != nullptr) {
+                    gate += to_float(bias[feature]);
+                    up += to_float(bias[inner + feature]);
+                }
+                out[feature] = from_float<bf16>(gated_value<ACT>(round_bf16(gate), round_bf16(up), alpha, limit));
+            }
+        }
+    }
+}
+
+#define DEFINE_MOE_GEMM_GATE_UP(NAME, ACT)                                                                    \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS) moe_gemm_gate_up_##NAME(                       \
+        const bf16* normed, const int* offsets, const int* tile_starts, const int* sorted_pairs,             \
+        const bf16* gate_up, const bf16* gate_up_bias, const bf16* shared_gate_up, bf16* hidden_out,         \
+        int num_tokens, int top_k, int num_experts, int groups, int hidden, int inner, int shared_inner,     \
+        int stride, float alpha, float limit) {                                                              \
+        dependent_launch_entry();                                                                            \
+        moe_gemm_gate_up_impl<ACT>(normed, offsets, tile_starts, sorted_pairs, gate_up, gate_up_bias,        \
+                                   shared_gate_up, hidden_out, num_tokens, top_k, num_experts, groups,       \
+                                   hidden, inner, shared_inner, stride, alpha, limit);                       \
+    }
+
+DEFINE_MOE_GEMM_GATE_UP(silu, GATED_SILU)
+DEFINE_MOE_GEMM_GATE_UP(gelu_tanh, GATED_GELU_TANH)
+DEFINE_MOE_GEMM_GATE_UP(clamped, GATED_CLAMPED)
+
+// moe_gemm_down: grid (ceil(H / 128), max tiles), GEMM_THREADS, GEMM_SHARED_BYTES. A = hidden rows of
+// the tile's pairs; B = 128 rows of down; y [P, H] f32.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+    moe_gemm_down(const bf16* hidden_in, const int* offsets, const int* tile_starts, const int* sorted_pairs,
+                  const bf16* down, const bf16* down_bias, const bf16* shared_down, float* y, int num_experts,
+                  int groups, int hidden, int inner, int shared_inner, int stride) {
+    dependent_launch_entry();
+    const GemmTile tile = locate_gemm_tile(offsets, tile_starts, groups, blockIdx.y);
+    if (tile.group < 0) return;
+    const bool is_shared = tile.group == num_experts;
+    const int reduced = is_shared ? shared_inner : inner;
+    const int first = blockIdx.x * GEMM_BN;
+    if (first >= hidden) return;
+    const bf16* w = is_shared ? shared_down : down + (long long)tile.group * hidden * inner;
+    const bf16* bias = is_shared || down_bias == nullptr ? nullptr : down_bias + (long long)tile.group * hidden;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const bf16* a_rows[GEMM_PASSES];
+    const bf16* b_rows[GEMM_PASSES];
+#pragma unroll
+    for (int i = 0; i < GEMM_PASSES; ++i) {
+        const int r = tid / (GEMM_BK / 8) + i * (GEMM_THREADS / (GEMM_BK / 8));
+        const int row = tile.begin + r;
+        a_rows[i] = row < tile.end ? hidden_in + (long long)sorted_pairs[row] * stride : nullptr;
+        b_rows[i] = first + r < hidden ? w + (long long)(first + r) * reduced : nullptr;
+    }
+    float acc[4][8][4];
+    gemm_tile(acc, a_rows, b_rows, reduced, reinterpret_cast<bf16*>(gemm_shared), w);
+    const int g = lane >> 2, t = lane & 3;
+    const int warp_m = warp & 1, warp_n = warp >> 1;
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = tile.begin + warp_m * 64 + mt * 16 + g + half * 8;
+            if (row >= tile.end) continue;
+            float* out = y + (long long)sorted_pairs[row] * hidden;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt) {
+                const int column = first + warp_n * 64 + nt * 8 + 2 * t;
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (column + e < hidden)
+                        out[column + e] = acc[mt][nt][2 * half + e] + (bias != nullptr ? to_float(bias[column + e]) : 0.0f);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// moe_combine: grid N, 256 threads, H % 8 == 0. shared_gate [H] bf16 or null (an ungated shared
+// expert adds with weight 1); has_shared: y holds the shared expert's rows at P0 + t.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_combine(const float* y, const float* expert_weights, const bf16* normed, const bf16* shared_gate,
+                int has_shared, bf16* residual, int num_tokens, int top_k, int hidden) {
+    dependent_launch_entry();
+    __shared__ float scratch[32];
+    const int token = blockIdx.x;
+    const int num_pairs = num_tokens * top_k;
+    float gate = 1.0f;
+    if (has_shared && shared_gate != nullptr) {
+        float dot = 0.0f;
+        for (int col = threadIdx.x * 8; col < hidden; col += blockDim.x * 8) {
+            float values[8], weights[8];
+            load8(normed + (long long)token * hidden + col, values);
+            load8(shared_gate + col, weights);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) dot = fmaf(values[i], weights[i], dot);
+        }
+        gate = 1.0f / (1.0f + expf(-block_sum(dot, scratch)));
+    }
+    for (int col = threadIdx.x * 8; col < hidden; col += blockDim.x * 8) {
+        float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int j = 0; j < top_k; ++j) {
+            const long long pair = (long long)token * top_k + j;
+            const float weight = expert_weights[pair];
+            float values[8];
+            load8(y + pair * hidden + col, values);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) total[i] = fmaf(weight, values[i], total[i]);
+        }
+        if (has_shared) {
+            float values[8];
+            load8(y + ((long long)num_pairs + token) * hidden + col, values);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) total[i] = fmaf(gate, values[i], total[i]);
+        }
+        float stream[8];
+        bf16* row = residual + (long long)token * hidden + col;
+        load8(row, stream);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) stream[i] += round_bf16(total[i]);
+        store8(row, stream);
+    }
+}
