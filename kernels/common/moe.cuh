@@ -313,6 +313,15 @@ __device__ __forceinline__ int token_of_pair(int pair, int num_pairs, int top_k)
     return pair >= num_pairs ? pair - num_pairs : pair / top_k;
 }
 
+// A weight chunk read once: no L1 allocation (as gemv.cu's weight loads).
+__device__ __forceinline__ uint4 load_weights(const bf16* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 // acc (rows g, g + 8; columns 2t, 2t + 1) += W[16 rows, K] x[8 columns, K]^T, with the k order
 // inside each 32-wide chunk permuted alike for both (gemv.cu's gemv_mma). The block's warps split
 // K in chunks of 32; a lane whose chunk lies past K contributes zeros (K % 8 == 0).
@@ -338,8 +347,8 @@ __device__ __forceinline__ void grouped_mma_rows(float* acc, const bf16* row_a, 
         for (int u = 0; u < BATCH; ++u) {
             const int k = k0 + u * STEP + 8 * t;
             const bool valid = k < inner;
-            wa[u] = valid ? __ldg(reinterpret_cast<const uint4*>(row_a + k)) : zero;
-            wb[u] = valid ? __ldg(reinterpret_cast<const uint4*>(row_b + k)) : zero;
+            wa[u] = valid ? load_weights(row_a + k) : zero;
+            wb[u] = valid ? load_weights(row_b + k) : zero;
             xs[u] = valid && has_column ? *reinterpret_cast<const uint4*>(x_row + k) : zero;
         }
 #pragma unroll
@@ -348,8 +357,8 @@ __device__ __forceinline__ void grouped_mma_rows(float* acc, const bf16* row_a, 
     for (; k0 < inner; k0 += STEP) {
         const int k = k0 + 8 * t;
         const bool valid = k < inner;
-        const uint4 wa = valid ? __ldg(reinterpret_cast<const uint4*>(row_a + k)) : zero;
-        const uint4 wb = valid ? __ldg(reinterpret_cast<const uint4*>(row_b + k)) : zero;
+        const uint4 wa = valid ? load_weights(row_a + k) : zero;
+        const uint4 wb = valid ? load_weights(row_b + k) : zero;
         const uint4 xs = valid && has_column ? *reinterpret_cast<const uint4*>(x_row + k) : zero;
         multiply(wa, wb, xs);
     }
