@@ -28,7 +28,7 @@ for s in $STEPS; do case $s in
   contract) ATLAS_ERROR_LOG=$OUT/errors.txt step contract 150 $PYTEST tests/contract ;;
   kinds) ATLAS_ERROR_LOG=$OUT/errors.txt step kinds 180 $PYTEST -s tests/gpu/test_cuda_moe.py \
            tests/gpu/test_cuda_recurrent.py tests/gpu/test_cuda_recurrent_hybrid.py tests/gpu/test_cuda_attention_ops.py \
-           -k "moe or recurrent or extras" ;;
+           -k "moe or recurrent or extras or head_dim_256" ;;
   sanitizer) step sanitizer 150 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST -x \
            tests/gpu/test_cuda_moe.py tests/gpu/test_cuda_recurrent.py tests/gpu/test_cuda_attention_ops.py \
            -k "(match_the_mock and (1-2048 or 65-512 or 150-320 or odd)) or (extras and gpt_oss)" ;;

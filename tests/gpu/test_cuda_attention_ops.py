@@ -425,6 +425,24 @@ def test_wgmma_prefill_tiles_against_float64(cuda_backend, rng, monkeypatch, key
         assert rel_l2(actual, expected) < BF16_TOLERANCE
 
 
+def test_wgmma_prefill_of_head_dim_256_against_float64(cuda_backend, rng):
+    """Head dim 256 (Qwen3-Next, Gemma 3) on wgmma (module attention_prefill_x, Hopper): GQA 8 and
+    4, a prompt continuing a cached context, a sliding window."""
+    from atlas.adapters.cuda import ops_attention
+
+    if cuda_backend.runtime.compute_capability != (9, 0):
+        pytest.skip("the wgmma kernels are built for sm_90a")
+    kernel = ops_attention.prefill_kernel(cuda_backend.runtime, 256)
+    assert (kernel.module, kernel.symbol) == ("attention_prefill_x", "attention_prefill_wgmma_d256_n64")
+    for heads, context_lens, query_lens, window in (
+        (HeadLayout(16, 2, 256), [1200, 300, 77], [1200, 200, 77], None),
+        (HeadLayout(8, 2, 256), [900, 400], [900, 1], 512),
+    ):
+        case = paged_case(rng, heads, context_lens, query_lens, block_size=16)
+        actual, expected = _attention_pair(cuda_backend, None, case, heads.head_dim**-0.5, window, use_mock=False)
+        assert rel_l2(actual, expected) < BF16_TOLERANCE
+
+
 # -- FP8 (E4M3) K/V: the prefill kernels' _fp8 twins ---------------------------------------------
 
 _E4M3_FINITE = np.array([code for code in range(256) if code & 0x7F != 0x7F], np.uint8)  # all but NaN
@@ -464,8 +482,8 @@ def test_fp8_prefill_kernels_against_float64(cuda_backend, rng, monkeypatch, ker
 
     rt = cuda_backend.runtime
     wgmma = kernel.startswith("wgmma")
-    if wgmma and (rt.compute_capability != (9, 0) or head_dim not in ops_attention.WGMMA_KEYS_PER_TILE):
-        pytest.skip("the wgmma kernels are built for sm_90a, head dims 64 and 128")
+    if wgmma and (rt.compute_capability != (9, 0) or head_dim not in (64, 128)):
+        pytest.skip("the wgmma FP8 kernels are built for sm_90a, head dims 64 and 128")
     monkeypatch.setattr(rt, "features", replace(rt.features, wgmma_attention=wgmma))
     if wgmma:
         keys_per_tile = int(kernel.removeprefix("wgmma_n"))

@@ -19,8 +19,10 @@ _PREFILL_BLOCK_N = 64
 # (head_dim, rows per tile) pairs attention_prefill.cu defines.
 _PREFILL_VARIANTS = {(64, 128), (128, 128), (128, 64), (256, 64)}
 # kernels/sm90/attention_prefill.cu: wgmma kernels for these head dims, with 128-row tiles of two
-# warpgroups and K/V tiles of 64 keys (two blocks per SM) or 128 keys (one block per SM).
-WGMMA_KEYS_PER_TILE = {64: 64, 128: 64}
+# warpgroups and K/V tiles of 64 keys (two blocks per SM) or 128 keys (one block per SM). Head dim
+# 256 and the `_x` variants live in the module attention_prefill_x (Hopper only, WGMMA_X_MODULE).
+WGMMA_KEYS_PER_TILE = {64: 64, 128: 64, 256: 64}
+WGMMA_X_MODULE = "attention_prefill_x"
 _WGMMA_ROWS = 128
 _WGMMA_THREADS = 256
 _DECODE_THREADS = 128
@@ -308,6 +310,7 @@ class PrefillKernel:
     rows: int  # query rows (token x head-in-group) per tile
     threads: int
     shared_bytes: int
+    module: str = "attention_prefill"
 
 
 def wgmma_prefill_shared_bytes(head_dim: int, keys_per_tile: int, kv_fp8: bool = False) -> int:
@@ -326,14 +329,15 @@ def prefill_kernel(rt: CudaRuntime, head_dim: int, kv_fp8: bool = False, extras:
     """The wgmma kernel where the loaded module has it (kernels/sm90 on Hopper), the device gives a
     block its shared memory and `rt.features.wgmma_attention` is on; else the mma.sync kernel.
     `kv_fp8`: the `_fp8` twin, for a cache of E4M3 bytes (same launch shape, one more argument).
-    `extras`: the mma.sync kernel's `_x` twin (sinks, soft-cap, gate; four more arguments)."""
+    `extras`: the `_x` twin (sinks, soft-cap, gate; four more arguments)."""
     suffix = "_fp8" if kv_fp8 else ""
     keys_per_tile = WGMMA_KEYS_PER_TILE.get(head_dim)
-    if keys_per_tile is not None and rt.features.wgmma_attention and not extras:
-        symbol = f"attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}{suffix}"
+    if keys_per_tile is not None and rt.features.wgmma_attention:
+        symbol = f"attention_prefill_wgmma_d{head_dim}_n{keys_per_tile}{suffix}{'_x' if extras else ''}"
+        module = WGMMA_X_MODULE if extras or head_dim == 256 else "attention_prefill"
         shared_bytes = wgmma_prefill_shared_bytes(head_dim, keys_per_tile, kv_fp8)
-        if shared_bytes <= rt.max_shared_optin and rt.kernels.provides("attention_prefill", symbol):
-            return PrefillKernel(symbol, _WGMMA_ROWS, _WGMMA_THREADS, shared_bytes)
+        if shared_bytes <= rt.max_shared_optin and rt.kernels.provides(module, symbol):
+            return PrefillKernel(symbol, _WGMMA_ROWS, _WGMMA_THREADS, shared_bytes, module)
     rows, _, shared_bytes = prefill_tile(head_dim, rt.max_shared_optin, kv_fp8)
     symbol = f"attention_prefill_d{head_dim}_m{rows}{suffix}{'_x' if extras else ''}"
     return PrefillKernel(symbol, rows, rows // 16 * 32, shared_bytes)
@@ -371,7 +375,7 @@ def _prefill(
     query_start_loc, seq_lens, block_tables, table_stride = common
     fp8_arguments = (np.float32(v_scale),) if kv_fp8 else ()
     rt.launch(
-        "attention_prefill",
+        kernel.module,
         kernel.symbol,
         (num_tiles, heads.num_kv_heads),
         kernel.threads,
