@@ -3,8 +3,9 @@
 # part 3), most important first, each step time-boxed (about 10 minutes in all on an H200):
 #   contract   the contract suite on CUDA for the dense, attention, moe and recurrent kinds
 #   kinds      the CUDA paths of those kinds against the mock / float64 (tests/gpu/test_cuda_{moe,recurrent}.py,
-#              the attention `_x` kernels), and a hybrid Qwen3-Next on them against transformers
-#              within its own bf16 error (test_cuda_recurrent_hybrid.py)
+#              the attention `_x` kernels), and Qwen3-Next (hybrid), Gemma 3 and GPT-OSS models on
+#              them against transformers within its own bf16 error (test_cuda_recurrent_hybrid.py,
+#              test_cuda_family_layers.py)
 #   sanitizer  compute-sanitizer memcheck over a subset of those
 #   bench      benchmarks/bench_kinds.py: MoE / GDN layers against their byte rooflines, 8k prefill
 #              against transformers' own modules, sinks attention against plain
@@ -26,9 +27,9 @@ PYTEST="python3 -m pytest -m gpu -q -rfE -p no:cacheprovider --tb=short"
 python3 -c "from atlas.adapters.cuda import CudaGpuBackend; CudaGpuBackend().close()" > "$OUT/compile.log" 2>&1
 for s in $STEPS; do case $s in
   contract) ATLAS_ERROR_LOG=$OUT/errors.txt step contract 150 $PYTEST tests/contract ;;
-  kinds) ATLAS_ERROR_LOG=$OUT/errors.txt step kinds 180 $PYTEST -s tests/gpu/test_cuda_moe.py \
-           tests/gpu/test_cuda_recurrent.py tests/gpu/test_cuda_recurrent_hybrid.py tests/gpu/test_cuda_attention_ops.py \
-           -k "moe or recurrent or extras or head_dim_256" ;;
+  kinds) ATLAS_ERROR_LOG=$OUT/errors.txt step kinds 200 $PYTEST -s tests/gpu/test_cuda_moe.py \
+           tests/gpu/test_cuda_recurrent.py tests/gpu/test_cuda_recurrent_hybrid.py tests/gpu/test_cuda_family_layers.py \
+           tests/gpu/test_cuda_attention_ops.py -k "moe or recurrent or family or extras or head_dim_256" ;;
   sanitizer) step sanitizer 150 compute-sanitizer --tool memcheck --print-limit 20 $PYTEST -x \
            tests/gpu/test_cuda_moe.py tests/gpu/test_cuda_recurrent.py tests/gpu/test_cuda_attention_ops.py \
            -k "(match_the_mock and (1-2048 or 65-512 or 150-320 or odd)) or (extras and gpt_oss)" ;;
@@ -37,7 +38,7 @@ for s in $STEPS; do case $s in
            --prefill-lens 512 --output-len 16 ;;
 esac; done
 echo "--- failures"; grep -hE "^(FAILED|ERROR)" "$OUT"/*.log 2>/dev/null | cut -c1-220 | head -30
-echo "--- model error"; grep -h "atlas .* transformers-bf16" "$OUT/kinds.log" 2>/dev/null | head -4
+echo "--- model error"; grep -h "atlas .* transformers-bf16" "$OUT/kinds.log" 2>/dev/null | head -6
 echo "--- largest relative L2 error per test (bf16 bound 1e-2)"
 sort -k2,2 -k1,1gr "$OUT/errors.txt" 2>/dev/null | awk '!seen[$2]++' | sed 's#tests/gpu/##' | cut -c1-150 | head -30
 echo "--- sanitizer"; grep -E "ERROR SUMMARY|Invalid|out of bounds" "$OUT/sanitizer.log" 2>/dev/null | head -8
