@@ -39,6 +39,7 @@
 
 #define CONV_THREADS 64
 #define CONV_MAX_KERNEL 8
+#define CONV_BATCH 16  // a prompt's inputs in flight a thread
 #define GDN_THREADS 128
 #define GDN_COLUMNS 32
 #define GDN_MAX_KEY_DIM 128
@@ -82,22 +83,32 @@ extern "C" __global__ void __launch_bounds__(CONV_THREADS)
         history[j] = j < history_len && !rows.fresh ? state[(long long)j * conv_dim] : 0.0f;
     const bf16* x = projected + (long long)rows.first * projected_width + channel;
     bf16* y = out + (long long)rows.first * conv_dim + channel;
-    for (int t = 0; t < rows.count; ++t) {
-        const float input = to_float(x[(long long)t * projected_width]);
-        float acc = 0.0f;
+    // CONV_BATCH tokens' inputs are loaded before the first is used: a prompt's walk is then a
+    // chain of batches, not of single loads.
+    for (int t0 = 0; t0 < rows.count; t0 += CONV_BATCH) {
+        float inputs[CONV_BATCH];
 #pragma unroll
-        for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
-            if (j < history_len) acc = fmaf(weights[j], history[j], acc);
-        acc = fmaf(newest_weight, input, acc);
+        for (int u = 0; u < CONV_BATCH; ++u)
+            inputs[u] = t0 + u < rows.count ? to_float(x[(long long)(t0 + u) * projected_width]) : 0.0f;
 #pragma unroll
-        for (int j = 0; j < CONV_MAX_KERNEL - 2; ++j)
-            if (j + 1 < history_len) history[j] = history[j + 1];
-        if (history_len > 0) {
+        for (int u = 0; u < CONV_BATCH; ++u) {
+            if (t0 + u >= rows.count) break;
+            const float input = inputs[u];
+            float acc = 0.0f;
 #pragma unroll
             for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
-                if (j == history_len - 1) history[j] = input;
+                if (j < history_len) acc = fmaf(weights[j], history[j], acc);
+            acc = fmaf(newest_weight, input, acc);
+#pragma unroll
+            for (int j = 0; j < CONV_MAX_KERNEL - 2; ++j)
+                if (j + 1 < history_len) history[j] = history[j + 1];
+            if (history_len > 0) {
+#pragma unroll
+                for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
+                    if (j == history_len - 1) history[j] = input;
+            }
+            y[(long long)(t0 + u) * conv_dim] = from_float<bf16>(acc / (1.0f + expf(-acc)));
         }
-        y[(long long)t * conv_dim] = from_float<bf16>(acc / (1.0f + expf(-acc)));
     }
 #pragma unroll
     for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
@@ -147,33 +158,56 @@ __device__ __forceinline__ void gated_delta_rule_impl(
     for (int base = 0; base < rows.count; base += GDN_TOKENS) {
         const int staged = min(GDN_TOKENS, rows.count - base);
         __syncthreads();  // the previous stage's tokens are done with the staging buffers
-        for (int i = warp; i < staged; i += 4) {
+        // Warp w stages tokens w, w + 4, ...: every load of its tokens first, then the norms.
+        constexpr int PER_WARP = GDN_TOKENS / 4;
+        float q_in[PER_WARP][GDN_MAX_KEY_DIM / 32], k_in[PER_WARP][GDN_MAX_KEY_DIM / 32];
+        float v_in[PER_WARP], b_in[PER_WARP], a_in[PER_WARP];
+#pragma unroll
+        for (int j = 0; j < PER_WARP; ++j) {
+            const int i = warp + 4 * j;
+            if (i >= staged) continue;
             const long long token = rows.first + base + i;
             const bf16* mixed_row = mixed + token * conv_dim;
+#pragma unroll
+            for (int m = 0; m < GDN_MAX_KEY_DIM / 32; ++m) {
+                const int d = lane + 32 * m;
+                q_in[j][m] = d < key_dim ? to_float(mixed_row[q_offset + d]) : 0.0f;
+                k_in[j][m] = d < key_dim ? to_float(mixed_row[k_offset + d]) : 0.0f;
+            }
+            v_in[j] = has_column ? to_float(mixed_row[v_offset + column]) : 0.0f;
+            const bf16* projected_row = projected + token * projected_width;
+            b_in[j] = to_float(projected_row[b_offset]);
+            a_in[j] = to_float(projected_row[a_offset]);
+        }
+#pragma unroll
+        for (int j = 0; j < PER_WARP; ++j) {
+            const int i = warp + 4 * j;
+            if (i >= staged) continue;
             float q_squares = 0.0f, k_squares = 0.0f;
-            for (int d = lane; d < key_dim; d += 32) {
-                const float qv = to_float(mixed_row[q_offset + d]), kv = to_float(mixed_row[k_offset + d]);
-                q_staged[i][d] = qv;
-                k_staged[i][d] = kv;
-                q_squares += qv * qv;
-                k_squares += kv * kv;
+#pragma unroll
+            for (int m = 0; m < GDN_MAX_KEY_DIM / 32; ++m) {
+                q_squares += q_in[j][m] * q_in[j][m];
+                k_squares += k_in[j][m] * k_in[j][m];
             }
             const float q_norm = rsqrtf(warp_sum(q_squares) + 1e-6f) * q_scale;
             const float k_norm = rsqrtf(warp_sum(k_squares) + 1e-6f);
             float kq = 0.0f;
-            for (int d = lane; d < key_dim; d += 32) {
-                q_staged[i][d] *= q_norm;
-                k_staged[i][d] *= k_norm;
-                kq += q_staged[i][d] * k_staged[i][d];
+#pragma unroll
+            for (int m = 0; m < GDN_MAX_KEY_DIM / 32; ++m) {
+                const int d = lane + 32 * m;
+                const float qn = q_in[j][m] * q_norm, kn = k_in[j][m] * k_norm;
+                if (d < key_dim) {
+                    q_staged[i][d] = qn;
+                    k_staged[i][d] = kn;
+                }
+                kq += qn * kn;
             }
             kq = warp_sum(kq);
-            v_staged[i][lane] = has_column ? to_float(mixed_row[v_offset + column]) : 0.0f;
+            v_staged[i][lane] = v_in[j];
             if (lane == 0) {
-                const bf16* projected_row = projected + token * projected_width;
-                const float b = to_float(projected_row[b_offset]), a = to_float(projected_row[a_offset]);
                 kq_staged[i] = kq;
-                beta_staged[i] = 1.0f / (1.0f + expf(-b));
-                decay_staged[i] = expf(-rate * softplus(a + bias));
+                beta_staged[i] = 1.0f / (1.0f + expf(-b_in[j]));
+                decay_staged[i] = expf(-rate * softplus(a_in[j] + bias));
             }
         }
         __syncthreads();
