@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
+import msgspec
 
 from atlas.adapters.http.engine_client import EngineClient
 from atlas.adapters.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError
@@ -29,7 +30,7 @@ from atlas.adapters.http.server_metrics import ServerMetrics
 from atlas.domain.engine_events import EngineFailure
 from atlas.domain.fan_out import SeedSource, fan_out
 from atlas.domain.text.sequence_text import SequenceText, TextDelta
-from atlas.domain.requests import FinishReason, SamplingParams
+from atlas.domain.requests import FinishReason, OutputConstraint, SamplingParams
 from atlas.ports.tokenizer import Tokenizer
 
 
@@ -52,7 +53,8 @@ class _Choice:
 
 
 class Generation:
-    """Drives the sequences of one request; iterate `batches()` once."""
+    """Drives the sequences of one request; iterate `batches()` once. Every sequence carries
+    `constraint` (structured output, a forced tool call, a thinking budget) to the engine."""
 
     def __init__(
         self,
@@ -66,6 +68,7 @@ class Generation:
         in_flight: InFlight,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        constraint: OutputConstraint | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -81,6 +84,8 @@ class Generation:
         for prompt_idx, prompt in enumerate(prompts):
             base_id = request_id if len(prompts) == 1 else f"{request_id}-p{prompt_idx}"
             for choice_idx, request in enumerate(fan_out(base_id, prompt, params, seeds)):
+                if constraint is not None:
+                    request = msgspec.structs.replace(request, constraint=constraint)
                 index = prompt_idx * params.n + choice_idx
                 text = SequenceText(tokenizer, request.prompt_token_ids, request.sampling)
                 self._choices[request.request_id] = _Choice(index, request.request_id, text)

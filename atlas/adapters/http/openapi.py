@@ -18,7 +18,7 @@ import msgspec
 
 from atlas.adapters.http.auth import BearerAuth
 from atlas.adapters.http.engine_client import ServedModel
-from atlas.adapters.http.errors import ErrorBody
+from atlas.adapters.http.errors import AnthropicErrorBody, ErrorBody
 
 OPENAPI_VERSION = "3.1.0"
 _PATH_PARAMETER = re.compile(r"<(?:\w+:)?(\w+)>")  # Quart's <path:model_id> -> OpenAPI's {model_id}
@@ -41,6 +41,7 @@ class Route:
     response: type | None = None  # the 200 JSON body's Struct
     stream: type | None = None  # the Struct of each SSE event when the body asks `stream: true`
     media_type: str = "application/json"  # of the 200 body when it is not a Struct
+    error: type = ErrorBody  # the error object's shape on this route (Anthropic's on /v1/messages)
 
     @property
     def openapi_path(self) -> str:
@@ -70,8 +71,8 @@ def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_a
     """The OpenAPI 3.1 document of `routes`; with `bearer_auth`, protected routes require it.
     Once a `model` is loaded, request bodies' `model` is its name (or absent) and the token
     counts are bounded by its context."""
-    types = list(dict.fromkeys(t for route in routes for t in (route.request, route.response, route.stream) if t))
-    types.append(ErrorBody)
+    types = list(dict.fromkeys(t for route in routes for t in (route.request, route.response, route.stream, route.error)
+                               if t))
     schemas, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     schema_of = dict(zip(types, schemas, strict=True))
     if model is not None:
@@ -107,15 +108,20 @@ def _describe_served_model(properties: dict[str, Any], model: ServedModel) -> No
 
 def _event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
     """One server-sent event of a stream (OpenAPI 3.1 describes an event stream per event):
-    `data:` holds a chunk, an error object (an error after the 200 went out), or `[DONE]`."""
+    `data:` holds a chunk, an error object (an error after the 200 went out), or `[DONE]`;
+    Anthropic's and the Responses API's events also name their type in `event:`."""
     return {
-        "description": "with `stream: true`: a `data:` event per chunk, then `data: [DONE]`",
+        "description": "with `stream: true`: an event per chunk (OpenAI's chat and completions end with "
+                       "`data: [DONE]`)",
         "type": "object",
         "required": ["data"],
-        "properties": {"data": {"anyOf": [
-            {"const": "[DONE]"},
-            {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, error]}},
-        ]}},
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"anyOf": [
+                {"const": "[DONE]"},
+                {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, error]}},
+            ]},
+        },
     }
 
 
@@ -126,14 +132,14 @@ def _operation(route: Route, schema_of: dict[type, dict[str, Any]]) -> dict[str,
         success = {route.media_type: {"schema": {"type": "string"} if route.media_type != "application/json"
                                       else {"type": "object"}}}
     if route.stream is not None:
-        success["text/event-stream"] = {"schema": _event_schema(schema_of[route.stream], schema_of[ErrorBody])}
+        success["text/event-stream"] = {"schema": _event_schema(schema_of[route.stream], schema_of[route.error])}
     operation: dict[str, Any] = {
         "operationId": route.name,
         "summary": route.summary,
         "responses": {
             "200": {"description": "OK", "content": success},
             "default": {"description": "an error object (4xx for the client's mistakes, 503 while not ready)",
-                        "content": {"application/json": {"schema": schema_of[ErrorBody]}}},
+                        "content": {"application/json": {"schema": schema_of[route.error]}}},
         },
     }
     if route.path_parameters:
