@@ -117,16 +117,43 @@ def sse_payloads(body: bytes) -> list:
 
 
 
+class Served:
+    """The app under test with SDK clients on it (no socket: httpx's ASGI transport)."""
+
+    def __init__(self, engine: ScriptedEngine, app) -> None:
+        import anthropic
+        import httpx
+        import httpx2
+        import openai
+
+        self.engine = engine
+        self._http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tiny")
+        self._http2 = httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://tiny")
+        self.openai = openai.AsyncOpenAI(base_url="http://tiny/v1", api_key="unused", http_client=self._http,
+                                         max_retries=0)
+        self.anthropic = anthropic.AsyncAnthropic(base_url="http://tiny", api_key="unused", http_client=self._http2,
+                                                  max_retries=0)
+
+    @property
+    def http(self):
+        return self._http
+
+    async def close(self) -> None:
+        await self._http.aclose()
+        await self._http2.aclose()
+
+
 @asynccontextmanager
 async def serving(tokenizer, chat: ChatFeatures, script_text: str, config=DEFAULT_CONFIG):
-    """(engine, an httpx client on the app) for SDK clients: the scripted model writes
-    `script_text`, then its end-of-sequence token."""
-    import httpx
-
+    """The app with SDK clients (`Served`): the scripted model writes `script_text`, then its
+    end-of-sequence token."""
     engine = ScriptedEngine(tokenizer.encode(script_text, add_special_tokens=False),
                             eos_token_id=min(tokenizer.eos_token_ids))
     app = make_app(engine, tokenizer, config, chat=chat, max_model_len=4096)
     async with app.test_app() as test_app:
         await wait_healthy(test_app.test_client())
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tiny") as http:
-            yield engine, http
+        served = Served(engine, app)
+        try:
+            yield served
+        finally:
+            await served.close()

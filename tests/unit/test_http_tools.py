@@ -78,10 +78,6 @@ def rendered_call(tokenizer: HfTokenizer) -> str:
     return turn
 
 
-def sdk(http) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url="http://tiny/v1", api_key="unused", http_client=http, max_retries=0)
-
-
 def prompt_of(engine, tokenizer: HfTokenizer, index: int = 0) -> str:
     return tokenizer.decode(engine.submitted[index].prompt_token_ids, skip_special_tokens=False)
 
@@ -93,8 +89,8 @@ PARSED_FAMILIES = ["hermes", "qwen3_coder", "llama3_json", "mistral"]
 @pytest.mark.parametrize("family", PARSED_FAMILIES)
 async def test_auto_tool_calls_are_parsed_for_every_parser(models, family):
     model = models[family]
-    async with serving(model.tokenizer, model.features, rendered_call(model.tokenizer)) as (_, http):
-        response = await sdk(http).chat.completions.create(model="tiny", messages=USER, tools=TOOLS)
+    async with serving(model.tokenizer, model.features, rendered_call(model.tokenizer)) as served:
+        response = await served.openai.chat.completions.create(model="tiny", messages=USER, tools=TOOLS)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -107,8 +103,8 @@ async def test_auto_tool_calls_are_parsed_for_every_parser(models, family):
 @pytest.mark.parametrize("family", PARSED_FAMILIES)
 async def test_streamed_tool_calls_send_id_and_name_once_then_the_arguments_in_pieces(models, family):
     model = models[family]
-    async with serving(model.tokenizer, model.features, rendered_call(model.tokenizer)) as (_, http):
-        client = sdk(http)
+    async with serving(model.tokenizer, model.features, rendered_call(model.tokenizer)) as served:
+        client = served.openai
         stream = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, stream=True)
         chunks = [chunk async for chunk in stream]
         async with client.chat.completions.stream(model="tiny", messages=USER, tools=TOOLS) as assembled:
@@ -129,8 +125,8 @@ async def test_streamed_tool_calls_send_id_and_name_once_then_the_arguments_in_p
 async def test_text_before_a_call_is_content_and_the_markup_never_is(models):
     model = models["hermes"]
     script = "Let me check that.\n" + rendered_call(model.tokenizer).lstrip("\n")
-    async with serving(model.tokenizer, model.features, script) as (_, http):
-        client = sdk(http)
+    async with serving(model.tokenizer, model.features, script) as served:
+        client = served.openai
         message = (await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS)).choices[0].message
         stream = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, stream=True)
         content = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
@@ -142,8 +138,8 @@ async def test_text_before_a_call_is_content_and_the_markup_never_is(models):
 async def test_a_call_written_while_thinking_is_not_a_call(models):
     model = models["qwen3"]
     script = f"<think>\nMaybe I should write{rendered_call(model.tokenizer)}\n</think>\n\nIt is sunny in Paris."
-    async with serving(model.tokenizer, model.features, script) as (_, http):
-        client = sdk(http)
+    async with serving(model.tokenizer, model.features, script) as served:
+        client = served.openai
         response = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS)
         stream = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, stream=True)
         chunks = [chunk async for chunk in stream]
@@ -163,8 +159,8 @@ async def test_a_call_written_while_thinking_is_not_a_call(models):
 async def test_unparsable_markup_comes_back_as_content(models):
     model = models["hermes"]
     script = "<tool_call>\nnot a call at all\n</tool_call>"
-    async with serving(model.tokenizer, model.features, script) as (_, http):
-        response = await sdk(http).chat.completions.create(model="tiny", messages=USER, tools=TOOLS)
+    async with serving(model.tokenizer, model.features, script) as served:
+        response = await served.openai.chat.completions.create(model="tiny", messages=USER, tools=TOOLS)
     assert response.choices[0].message.content == script and response.choices[0].message.tool_calls is None
     assert response.choices[0].finish_reason == "stop"
 
@@ -173,8 +169,8 @@ async def test_unparsable_markup_comes_back_as_content(models):
 async def test_parallel_tool_calls_false_keeps_the_first_call(models):
     model = models["hermes"]
     second = rendered_call(model.tokenizer).replace("Paris", "Rome")
-    async with serving(model.tokenizer, model.features, rendered_call(model.tokenizer) + second) as (_, http):
-        client = sdk(http)
+    async with serving(model.tokenizer, model.features, rendered_call(model.tokenizer) + second) as served:
+        client = served.openai
         both = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS)
         first = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, parallel_tool_calls=False)
         stream = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, stream=True,
@@ -189,9 +185,9 @@ async def test_parallel_tool_calls_false_keeps_the_first_call(models):
 async def test_tool_choice_none_shows_no_tools_and_reads_no_calls(models):
     model = models["hermes"]
     script = rendered_call(model.tokenizer)
-    async with serving(model.tokenizer, model.features, script) as (engine, http):
-        response = await sdk(http).chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="none")
-    assert "get_weather" not in prompt_of(engine, model.tokenizer)
+    async with serving(model.tokenizer, model.features, script) as served:
+        response = await served.openai.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="none")
+    assert "get_weather" not in prompt_of(served.engine, model.tokenizer)
     assert response.choices[0].message.tool_calls is None and response.choices[0].message.content == script
 
 
@@ -199,10 +195,10 @@ async def test_tool_choice_none_shows_no_tools_and_reads_no_calls(models):
 async def test_assistant_tool_calls_and_tool_results_render_for_the_next_turn(models):
     model = models["hermes"]
     result = {"role": "tool", "tool_call_id": "abcDEF123", "content": '{"temp": 21}'}
-    async with serving(model.tokenizer, model.features, "It is 21 degrees.") as (engine, http):
-        response = await sdk(http).chat.completions.create(model="tiny", messages=[*USER, CALL_MESSAGE, result],
+    async with serving(model.tokenizer, model.features, "It is 21 degrees.") as served:
+        response = await served.openai.chat.completions.create(model="tiny", messages=[*USER, CALL_MESSAGE, result],
                                                            tools=TOOLS)
-    prompt = prompt_of(engine, model.tokenizer)
+    prompt = prompt_of(served.engine, model.tokenizer)
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>' in prompt
     assert '<tool_response>\n{"temp": 21}\n</tool_response>' in prompt
     assert response.choices[0].message.content == "It is 21 degrees."
@@ -213,8 +209,8 @@ async def test_a_template_that_ignores_tools_is_a_400_unless_a_grammar_forces_th
     model = models["plain"]
     assert not model.tokenizer.renders_tools and model.features.tool_call_parser is None
     forced_text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
-    async with serving(model.tokenizer, model.features, forced_text) as (_, http):
-        client = sdk(http)
+    async with serving(model.tokenizer, model.features, forced_text) as served:
+        client = served.openai
         with pytest.raises(openai.BadRequestError) as auto:
             await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS)
         with pytest.raises(openai.BadRequestError) as unmasked:
@@ -222,8 +218,8 @@ async def test_a_template_that_ignores_tools_is_a_400_unless_a_grammar_forces_th
     assert "ignores tools" in auto.value.body["message"] and auto.value.body["param"] == "tools"
     assert auto.value.body["code"] == "unsupported_feature"
     assert "token masks" in unmasked.value.body["message"]
-    async with serving(model.tokenizer, model.constrained(), forced_text) as (engine, http):
-        client = sdk(http)
+    async with serving(model.tokenizer, model.constrained(), forced_text) as served:
+        client = served.openai
         required = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required")
         named = await client.chat.completions.create(
             model="tiny", messages=USER, tools=[*TOOLS, {"type": "function", "function": {"name": "now"}}],
@@ -232,9 +228,9 @@ async def test_a_template_that_ignores_tools_is_a_400_unless_a_grammar_forces_th
             await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS,
                                                  tool_choice={"type": "function", "function": {"name": "nope"}})
     weather = FunctionTool("get_weather", WEATHER_SCHEMA, "Weather by city")
-    assert engine.submitted[0].constraint.grammar == ForcedToolCalls("hermes", (weather,), parallel=True)
-    assert engine.submitted[0].constraint.grammar_field == "tools"
-    assert [r.constraint.grammar for r in engine.submitted[1:]] == [ForcedToolCalls("hermes", (weather,))] * 2
+    assert served.engine.submitted[0].constraint.grammar == ForcedToolCalls("hermes", (weather,), parallel=True)
+    assert served.engine.submitted[0].constraint.grammar_field == "tools"
+    assert [r.constraint.grammar for r in served.engine.submitted[1:]] == [ForcedToolCalls("hermes", (weather,))] * 2
     for response in (required, named):
         assert response.choices[0].finish_reason == "tool_calls"
         assert json.loads(response.choices[0].message.tool_calls[0].function.arguments) == ARGUMENTS
@@ -259,10 +255,10 @@ JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "re
 ])
 async def test_structured_output_fields_become_every_choices_constraint(models, fields, spec, field):
     model = models["plain"]
-    async with serving(model.tokenizer, model.constrained(), '{"name": "Ada"}') as (engine, http):
-        response = await sdk(http).chat.completions.create(model="tiny", messages=USER, n=2, extra_body=fields)
+    async with serving(model.tokenizer, model.constrained(), '{"name": "Ada"}') as served:
+        response = await served.openai.chat.completions.create(model="tiny", messages=USER, n=2, extra_body=fields)
     assert [c.message.content for c in response.choices] == ['{"name": "Ada"}'] * 2
-    constraints = [request.constraint for request in engine.submitted]
+    constraints = [request.constraint for request in served.engine.submitted]
     assert len(constraints) == 2 and constraints[0] == constraints[1]
     assert constraints[0].grammar == spec and constraints[0].grammar_field == field
     assert constraints[0].thinking_budget is None and constraints[0].reasoning is None
@@ -282,30 +278,30 @@ async def test_structured_output_fields_become_every_choices_constraint(models, 
 ])
 async def test_invalid_constraints_are_400s_naming_the_field(models, fields, param, words):
     model = models["plain"]
-    async with serving(model.tokenizer, model.constrained(), "{}") as (engine, http):
+    async with serving(model.tokenizer, model.constrained(), "{}") as served:
         with pytest.raises(openai.BadRequestError) as raised:
-            await sdk(http).chat.completions.create(model="tiny", messages=USER, extra_body=fields)
+            await served.openai.chat.completions.create(model="tiny", messages=USER, extra_body=fields)
     assert raised.value.body["param"] == param and words in raised.value.body["message"]
-    assert not engine.submitted
+    assert not served.engine.submitted
 
 
 @pytest.mark.anyio
 async def test_structured_output_is_a_400_while_the_engine_applies_no_masks(models):
     model = models["plain"]
-    async with serving(model.tokenizer, model.features, "{}") as (engine, http):
+    async with serving(model.tokenizer, model.features, "{}") as served:
         with pytest.raises(openai.BadRequestError) as raised:
-            await sdk(http).chat.completions.create(model="tiny", messages=USER,
+            await served.openai.chat.completions.create(model="tiny", messages=USER,
                                                     response_format={"type": "json_object"})
     assert raised.value.body["code"] == "unsupported_feature" and raised.value.body["param"] == "response_format"
-    assert not engine.submitted
+    assert not served.engine.submitted
 
 
 @pytest.mark.anyio
 async def test_reasoning_is_split_from_the_answer_streamed_and_not(models):
     model = models["qwen3"]
     script = "<think>\nThe user asks about France.\n</think>\n\nParis."
-    async with serving(model.tokenizer, model.features, script) as (_, http):
-        client = sdk(http)
+    async with serving(model.tokenizer, model.features, script) as served:
+        client = served.openai
         message = (await client.chat.completions.create(model="tiny", messages=USER)).choices[0].message
         stream = await client.chat.completions.create(model="tiny", messages=USER, stream=True)
         deltas = [chunk.choices[0].delta async for chunk in stream]
@@ -321,10 +317,10 @@ async def test_reasoning_is_split_from_the_answer_streamed_and_not(models):
 @pytest.mark.anyio
 async def test_enable_thinking_false_reaches_the_template_and_the_output_is_all_content(models):
     model = models["qwen3"]
-    async with serving(model.tokenizer, model.features, "Paris.") as (engine, http):
-        response = await sdk(http).chat.completions.create(
+    async with serving(model.tokenizer, model.features, "Paris.") as served:
+        response = await served.openai.chat.completions.create(
             model="tiny", messages=USER, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert prompt_of(engine, model.tokenizer).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert prompt_of(served.engine, model.tokenizer).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert response.choices[0].message.content == "Paris." and "reasoning_content" not in response.choices[0].message.model_extra
 
 
@@ -338,36 +334,36 @@ async def test_enable_thinking_false_reaches_the_template_and_the_output_is_all_
 async def test_thinking_budgets_reach_the_engine_with_the_reasoning_markers(models, fields, budget, field):
     model = models["qwen3"]
     think, end_think = model.tokenizer.token_id("<think>"), model.tokenizer.token_id("</think>")
-    async with serving(model.tokenizer, model.constrained(), "<think>\nHm.\n</think>\n\nParis.") as (engine, http):
-        response = await sdk(http).chat.completions.create(model="tiny", messages=USER, extra_body=fields)
-    constraint = engine.submitted[0].constraint
+    async with serving(model.tokenizer, model.constrained(), "<think>\nHm.\n</think>\n\nParis.") as served:
+        response = await served.openai.chat.completions.create(model="tiny", messages=USER, extra_body=fields)
+    constraint = served.engine.submitted[0].constraint
     assert constraint.thinking_budget == budget and constraint.grammar is None
     assert (constraint.reasoning.start_token_id, constraint.reasoning.end_token_id) == (think, end_think)
     assert not constraint.starts_in_reasoning  # Qwen3's prompt opens no block: the model does
     assert response.choices[0].message.content == "Paris."
-    async with serving(model.tokenizer, model.features, "Paris.") as (engine, http):
+    async with serving(model.tokenizer, model.features, "Paris.") as served:
         with pytest.raises(openai.BadRequestError) as raised:
-            await sdk(http).chat.completions.create(model="tiny", messages=USER, extra_body=fields)
+            await served.openai.chat.completions.create(model="tiny", messages=USER, extra_body=fields)
     assert raised.value.body["param"] == field and raised.value.body["code"] == "unsupported_feature"
 
 
 @pytest.mark.anyio
 async def test_a_budget_on_a_model_that_does_not_reason_changes_nothing(models):
     model = models["plain"]
-    async with serving(model.tokenizer, model.features, "Paris.") as (engine, http):
-        response = await sdk(http).chat.completions.create(model="tiny", messages=USER, reasoning_effort="high")
-    assert engine.submitted[0].constraint is None and response.choices[0].message.content == "Paris."
+    async with serving(model.tokenizer, model.features, "Paris.") as served:
+        response = await served.openai.chat.completions.create(model="tiny", messages=USER, reasoning_effort="high")
+    assert served.engine.submitted[0].constraint is None and response.choices[0].message.content == "Paris."
 
 
 @pytest.mark.anyio
 async def test_a_grammar_on_a_reasoning_model_starts_after_the_block_unless_thinking_is_off(models):
     model = models["qwen3"]
-    async with serving(model.tokenizer, model.constrained(), "{}") as (engine, http):
-        client = sdk(http)
+    async with serving(model.tokenizer, model.constrained(), "{}") as served:
+        client = served.openai
         await client.chat.completions.create(model="tiny", messages=USER, response_format={"type": "json_object"})
         await client.chat.completions.create(model="tiny", messages=USER, response_format={"type": "json_object"},
                                              extra_body={"chat_template_kwargs": {"enable_thinking": False},
                                                          "thinking_token_budget": 8})
-    thinking, not_thinking = (request.constraint for request in engine.submitted)
+    thinking, not_thinking = (request.constraint for request in served.engine.submitted)
     assert thinking.grammar == JsonObject() and thinking.reasoning is not None and thinking.thinking_budget is None
     assert not_thinking.reasoning is None and not_thinking.thinking_budget is None
