@@ -69,10 +69,10 @@ from atlas.adapters.http.responses_api_schemas import (
     ResponsesRequest,
     ResponsesTextOut,
     ResponsesUsage,
-    unsupported_responses_features,
     ResponsesTextFormatText,
+    unsupported_responses_features,
 )
-from atlas.adapters.http.responses_items import input_messages, new_item_id, output_message, responses_turn
+from atlas.adapters.http.responses_items import input_messages, output_message, responses_turn
 from atlas.adapters.http.state import ServerState, decode_body, now_s
 
 JSON = "application/json"
@@ -125,6 +125,10 @@ async def delete_response(state: ServerState, response_id: str) -> Response:
     if not state.responses.delete(response_id):
         raise _not_found(response_id)
     return Response(sse.encode_json(ResponseDeleted(response_id)), 200, content_type=JSON)
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def _not_found(response_id: str) -> ApiError:

@@ -8,14 +8,13 @@ Input side (in order; `instructions` first as a system message):
     function_call_output                               -> a role "tool" message
     input_image / input_file / input_audio parts, item_reference -> a 400
 
-Output side: a choice's reasoning is a `reasoning` item, its content a `message` item with one
-`output_text` part, each call a `function_call` item; the conversation continues (for
-`previous_response_id`) with one assistant message holding all three.
+Output side (the items themselves are built as the stream goes, `responses_api`): the
+conversation continues (for `previous_response_id`) with one assistant message holding the
+choice's reasoning, content and calls.
 """
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from atlas.adapters.http.chat_choices import ChatChoices
@@ -24,12 +23,6 @@ from atlas.adapters.http.errors import bad_request, excerpt
 from atlas.adapters.http.responses_api_schemas import (
     InputContent,
     InputItem,
-    OutputFunctionCall,
-    OutputItem,
-    OutputMessage,
-    OutputReasoning,
-    OutputText,
-    ReasoningText,
     ResponsesRequest,
     ResponsesTextFormatJsonObject,
     ResponsesTextFormatJsonSchema,
@@ -109,10 +102,11 @@ def _text(content: str | list[InputContent] | None, field: str) -> str:
     return "".join(texts)
 
 
-def responses_turn(request: ResponsesRequest, history: tuple[dict[str, Any], ...] = ()) -> ChatTurn:
-    """The turn: `instructions`, the stored conversation of `previous_response_id`, then the input."""
+def responses_turn(request: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatTurn:
+    """The turn: `instructions`, then `conversation` (the stored one of `previous_response_id`
+    followed by `input_messages(request.input)`)."""
     messages = [{"role": "system", "content": request.instructions}] if request.instructions else []
-    messages += list(history) + input_messages(request.input)
+    messages += conversation
     budget = None
     if request.reasoning is not None and request.reasoning.effort is not None:
         budget = ThinkingBudget(REASONING_EFFORT_BUDGETS[request.reasoning.effort], "reasoning.effort")
@@ -139,38 +133,6 @@ def _structured(request: ResponsesRequest) -> StructuredOutput | None:
     if isinstance(fmt, ResponsesTextFormatJsonSchema):
         return StructuredOutput(JsonSchema(fmt.schema, bool(fmt.strict)), "text.format.schema")
     return None
-
-
-def new_item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def output_items(choices: ChatChoices, index: int, ids: OutputIds) -> list[OutputItem]:
-    """A finished choice as output items: reasoning, the message (unless it is only calls), calls."""
-    items: list[OutputItem] = []
-    reasoning = choices.reasoning(index)
-    if reasoning is not None:
-        items.append(OutputReasoning(ids.reasoning, [ReasoningText(reasoning)]))
-    content = choices.content(index)
-    calls = choices.tool_calls(index)
-    if content or not calls:
-        items.append(OutputMessage(ids.message, [OutputText(content)]))
-    items += [OutputFunctionCall(ids.call(idx), call.id, call.name, call.arguments) for idx, call in enumerate(calls)]
-    return items
-
-
-class OutputIds:
-    """The ids of one response's output items, the same in its stream and in its final body."""
-
-    def __init__(self) -> None:
-        self.reasoning = new_item_id("rs")
-        self.message = new_item_id("msg")
-        self._calls: list[str] = []
-
-    def call(self, index: int) -> str:
-        while len(self._calls) <= index:
-            self._calls.append(new_item_id("fc"))
-        return self._calls[index]
 
 
 def output_message(choices: ChatChoices, index: int) -> dict[str, Any]:
