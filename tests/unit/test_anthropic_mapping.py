@@ -15,7 +15,7 @@ from atlas.adapters.http.chat_turn import OutputReading, ToolChoice
 from atlas.adapters.http.choices import ChoiceUpdate
 from atlas.adapters.http.errors import ApiError
 from atlas.domain.text.reasoning import reasoning_tags
-from atlas.ports.grammar import FunctionTool
+from atlas.ports.grammar import FunctionTool, JsonSchema
 
 USER = {"role": "user", "content": "Weather?"}
 TOOL = {"name": "get_weather", "input_schema": {"type": "object"}, "description": "Weather"}
@@ -91,6 +91,19 @@ def test_thinking_enabled_is_a_budget_and_enable_thinking_disabled_turns_it_off(
     disabled = anthropic_turn(request(thinking={"type": "disabled"}))
     assert disabled.thinking_budget is None and disabled.template_kwargs == {"enable_thinking": False}
     assert anthropic_turn(request()).template_kwargs == {}
+    adaptive = anthropic_turn(request(thinking={"type": "adaptive", "display": "summarized"}))
+    assert adaptive.thinking_budget is None and adaptive.template_kwargs == {"enable_thinking": True}
+
+
+def test_output_config_gives_an_effort_budget_and_a_json_schema():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    turn = anthropic_turn(request(output_config={"effort": "medium", "format": {"type": "json_schema",
+                                                                                 "schema": schema}}))
+    assert (turn.thinking_budget.tokens, turn.thinking_budget.field) == (4096, "output_config.effort")
+    assert turn.structured.spec == JsonSchema(schema) and turn.structured.field == "output_config.format.schema"
+    assert anthropic_turn(request(output_config={"effort": "max"})).thinking_budget is None
+    both = anthropic_turn(request(output_config={"effort": "low"}, thinking={"type": "enabled", "budget_tokens": 50}))
+    assert both.thinking_budget.tokens == 50
 
 
 def finished(text: str, finish: str = "stop", stop: str | int | None = None, tools=True) -> ChatChoices:

@@ -8,7 +8,10 @@ Request side:
     assistant text / tool_use / thinking  -> content / tool_calls (arguments as JSON) / reasoning_content
     tools, tool_choice auto|any|tool|none -> ToolsRequest (auto|required|named|none);
                                              disable_parallel_tool_use -> one call at most
-    thinking enabled (budget_tokens)      -> enable_thinking + a thinking budget; disabled -> no thinking
+    thinking enabled (budget_tokens)      -> enable_thinking + a thinking budget; disabled -> no thinking;
+                                             adaptive, between_tools -> enable_thinking, the model decides
+    output_config.effort                  -> a thinking budget (low 1024 ... xhigh 32768; max: none)
+    output_config.format (json_schema)    -> structured output
     image and document blocks             -> a 400 (text-only models)
 
 Output side: a choice's reasoning is a `thinking` block, its content a `text` block, each call
@@ -32,6 +35,7 @@ from atlas.adapters.http.anthropic_schemas import (
     TextBlock,
     TextOut,
     ThinkingBlock,
+    ThinkingDisabled,
     ThinkingEnabled,
     ThinkingOut,
     ToolChoiceAny,
@@ -43,26 +47,36 @@ from atlas.adapters.http.anthropic_schemas import (
     PromptFields,
 )
 from atlas.adapters.http.chat_choices import ChatChoices
-from atlas.adapters.http.chat_turn import ChatTurn, ThinkingBudget, ToolChoice, ToolsRequest
+from atlas.adapters.http.chat_turn import ChatTurn, StructuredOutput, ThinkingBudget, ToolChoice, ToolsRequest
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.params import RequestedSampling
-from atlas.ports.grammar import FunctionTool
+from atlas.ports.grammar import FunctionTool, JsonSchema
 
 StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+# output_config.effort as thinking budgets: OpenAI's levels, then one more step of 2x; "max" has no cap.
+EFFORT_BUDGETS = {"low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768}
 
 
 def anthropic_turn(request: PromptFields) -> ChatTurn:
     """The turn a messages (or count_tokens) body asks for; 400 naming the block for images."""
     template_kwargs: dict[str, Any] = {}
     budget = None
+    config = request.output_config
+    if config is not None and config.effort in EFFORT_BUDGETS:
+        budget = ThinkingBudget(EFFORT_BUDGETS[config.effort], "output_config.effort")
     if isinstance(request.thinking, ThinkingEnabled):
-        template_kwargs["enable_thinking"] = True
         budget = ThinkingBudget(request.thinking.budget_tokens, "thinking.budget_tokens")
-    elif request.thinking is not None:
-        template_kwargs["enable_thinking"] = False
+    if request.thinking is not None:
+        template_kwargs["enable_thinking"] = not isinstance(request.thinking, ThinkingDisabled)
+    structured = None
+    if config is not None and config.format is not None:
+        structured = StructuredOutput(JsonSchema(config.format.schema), "output_config.format.schema")
     return ChatTurn(
         messages=chat_messages(request.system, request.messages),
         tools=tools_request(request.tools, request.tool_choice),
+        structured=structured,
         thinking_budget=budget,
         template_kwargs=template_kwargs,
     )

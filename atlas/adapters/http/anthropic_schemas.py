@@ -109,6 +109,26 @@ class ThinkingDisabled(msgspec.Struct, tag_field="type", tag="disabled"):
     pass
 
 
+class ThinkingAdaptive(msgspec.Struct, tag_field="type", tag="adaptive", kw_only=True):
+    display: Literal["summarized", "omitted"] | None = None  # ignored: the thinking is returned whole
+
+
+class ThinkingBetweenTools(msgspec.Struct, tag_field="type", tag="between_tools"):
+    pass
+
+
+Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | ThinkingBetweenTools
+
+
+class JsonOutputFormat(msgspec.Struct, tag_field="type", tag="json_schema"):
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: JsonOutputFormat | None = None
+
+
 class Metadata(msgspec.Struct, kw_only=True):
     user_id: str | None = None
 
@@ -125,8 +145,10 @@ class PromptFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     system: System | None = None
     tools: Annotated[list[AnthropicTool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: AnthropicToolChoice | None = None
-    thinking: ThinkingEnabled | ThinkingDisabled | None = None
+    thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
     mcp_servers: list[dict[str, Any]] | None = None  # rejected when non-empty: no MCP connector here
+    cache_control: dict[str, Any] | None = None  # ignored: the prefix cache needs no markers
 
 
 class MessagesRequest(PromptFields, forbid_unknown_fields=True, kw_only=True):
@@ -138,8 +160,13 @@ class MessagesRequest(PromptFields, forbid_unknown_fields=True, kw_only=True):
     top_k: Count | None = None
     metadata: Metadata | None = None
     service_tier: str | None = None  # one tier here
-    container: str | None = None  # rejected: no code-execution containers
+    container: str | dict[str, Any] | None = None  # rejected: no code-execution containers
     context_management: dict[str, Any] | None = None  # ignored: no server-side context editing
+    diagnostics: dict[str, Any] | None = None  # ignored: no prompt-cache diagnostics
+    inference_geo: str | None = None  # ignored: one place
+    speed: Literal["standard", "fast"] | None = None  # ignored: one speed
+    user_profile_id: str | None = None  # ignored: no per-user accounting
+    workspace_id: str | None = None  # ignored: no workspaces
 
 
 class CountTokensRequest(PromptFields, forbid_unknown_fields=True, kw_only=True):

@@ -265,8 +265,8 @@ def _budget(features: ChatFeatures, budget: ThinkingBudget | None) -> int | None
 
 def _check_engine_applies(features: ChatFeatures, field_name: str) -> None:
     if not features.engine_applies_constraints:
-        raise bad_request(field_name, f"{field_name} needs token masks, which this server's engine does not apply "
-                                      f"yet", code=UNSUPPORTED)
+        raise bad_request(field_name, f"{field_name} needs constrained decoding (token masks), which this "
+                                      f"server's engine does not apply yet", code=UNSUPPORTED)
 
 
 def _cut(message: str, limit: int = 300) -> str:
