@@ -312,8 +312,12 @@ async def test_openapi_describes_every_registered_route_with_the_request_schemas
     assert chat_properties["temperature"]["anyOf"][0]["maximum"] == 2.0
     assert chat_properties["model"]["anyOf"][0] == {"enum": ["tiny"]}
     assert chat_properties["max_tokens"]["anyOf"][0]["maximum"] == 255  # the context is 256 tokens
-    assert chat["security"] == [{"bearer": []}] and "security" not in document["paths"]["/health"]["get"]
+    assert chat["security"] == [{"bearer": []}, {"apiKey": []}] and "security" not in document["paths"]["/health"]["get"]
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    messages = document["paths"]["/v1/messages"]["post"]["responses"]
+    assert messages["default"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorBody")
+    assert served["MessagesRequest"]["properties"]["max_tokens"] == {"type": "integer", "minimum": 1, "maximum": 255}
+    assert {"/v1/responses", "/v1/responses/{response_id}", "/v1/messages/count_tokens"} <= set(document["paths"])
 
 
 @pytest.mark.anyio

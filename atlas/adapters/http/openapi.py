@@ -84,7 +84,7 @@ def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_a
     for route in routes:
         operation = _operation(route, schema_of)
         if bearer_auth and BearerAuth.protects(route.path):
-            operation["security"] = [{"bearer": []}]
+            operation["security"] = [{"bearer": []}, {"apiKey": []}]  # either header
         paths.setdefault(route.openapi_path, {})[route.method.lower()] = operation
     document: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
@@ -93,17 +93,21 @@ def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_a
         "components": {"schemas": components},
     }
     if bearer_auth:
-        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                      "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     return document
 
 
 def _describe_served_model(properties: dict[str, Any], model: ServedModel) -> None:
     if "model" in properties:
         properties["model"] = {"anyOf": [{"enum": [model.name]}, {"type": "null"}], "default": None}
-    for name in ("max_tokens", "max_completion_tokens"):  # at most the context minus the prompt
-        if name in properties:
-            properties[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": model.max_model_len - 1},
-                                          {"type": "null"}], "default": None}
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):  # at most the context minus the prompt
+        if name not in properties:
+            continue
+        bounded = {"type": "integer", "minimum": 1, "maximum": model.max_model_len - 1}
+        if "default" in properties[name]:  # optional (null allowed); Anthropic's max_tokens is required
+            bounded = {"anyOf": [bounded, {"type": "null"}], "default": None}
+        properties[name] = bounded
 
 
 def _event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
