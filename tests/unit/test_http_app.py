@@ -318,6 +318,8 @@ async def test_openapi_describes_every_registered_route_with_the_request_schemas
     assert messages["default"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorBody")
     assert served["MessagesRequest"]["properties"]["max_tokens"] == {"type": "integer", "minimum": 1, "maximum": 255}
     assert {"/v1/responses", "/v1/responses/{response_id}", "/v1/messages/count_tokens"} <= set(document["paths"])
+    links = document["paths"]["/v1/responses"]["post"]["responses"]["200"]["links"]
+    assert links["getResponse"]["parameters"] == {"response_id": "$response.body#/id"}
 
 
 @pytest.mark.anyio

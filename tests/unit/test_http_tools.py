@@ -15,7 +15,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers.chat_templates import QWEN3, TOOL_TEMPLATES
+from helpers.chat_templates import TOOL_TEMPLATES
 from helpers.model_folders import with_chat_template
 from helpers.scripted_engine import serving
 

@@ -32,6 +32,7 @@ from atlas.adapters.http.anthropic_schemas import (
     ImageBlock,
     MessagesRequest,
     RedactedThinkingBlock,
+    SystemBlock,
     TextBlock,
     TextOut,
     ThinkingBlock,
@@ -93,7 +94,7 @@ def requested_sampling(request: MessagesRequest) -> RequestedSampling:
     )
 
 
-def chat_messages(system: str | list[TextBlock] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
+def chat_messages(system: str | list[SystemBlock] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
     """Template-ready messages; 400 naming `messages[i].content[j]` for a block a text model cannot take."""
     result: list[dict[str, Any]] = []
     if system:

@@ -120,7 +120,8 @@ class ThinkingBetweenTools(msgspec.Struct, tag_field="type", tag="between_tools"
 Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | ThinkingBetweenTools
 
 
-class JsonOutputFormat(msgspec.Struct, tag_field="type", tag="json_schema"):
+class JsonOutputFormat(msgspec.Struct, kw_only=True):
+    type: Literal["json_schema"]  # a plain field: a tagged Struct outside a union takes a missing tag
     schema: dict[str, Any]
 
 
@@ -133,8 +134,13 @@ class Metadata(msgspec.Struct, kw_only=True):
     user_id: str | None = None
 
 
+class SystemBlock(msgspec.Struct, kw_only=True):
+    type: Literal["text"]  # a plain field: a tagged Struct outside a union takes a missing tag
+    text: str
+
+
 Messages = Annotated[list[AnthropicMessage], Meta(min_length=1, max_length=MAX_MESSAGES)]
-System = str | Annotated[list[TextBlock], Meta(max_length=MAX_CONTENT_PARTS)]
+System = str | Annotated[list[SystemBlock], Meta(max_length=MAX_CONTENT_PARTS)]
 
 
 class PromptFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,18 +158,7 @@ async def prepare_turn(model: ServedModel, turn: ChatTurn) -> PreparedTurn:
     check_prompt_fits(len(prompt_ids), model.max_model_len, turn.messages_field)
     tags = features.reasoning
     starts_in_reasoning = tags is not None and output_starts_in_reasoning(tags, prompt, turn.enable_thinking)
-    budget = _budget(features, turn.thinking_budget) if turn.enable_thinking else None
-    constraint = None
-    if spec is not None or budget is not None:
-        _check_engine_applies(features, spec.field if spec is not None else turn.thinking_budget.field)
-        constraint = OutputConstraint(
-            grammar=spec.spec if spec is not None else None,
-            grammar_field=spec.field if spec is not None else "",
-            # With thinking off the grammar starts at the first token: no block may open.
-            reasoning=features.reasoning_markers if tags is not None and turn.enable_thinking else None,
-            starts_in_reasoning=starts_in_reasoning and features.reasoning_markers is not None,
-            thinking_budget=budget,
-        )
+    constraint = _constraint(features, turn, spec, starts_in_reasoning)
     reading = OutputReading(
         reasoning=tags,
         starts_in_reasoning=starts_in_reasoning,
@@ -179,6 +167,28 @@ async def prepare_turn(model: ServedModel, turn: ChatTurn) -> PreparedTurn:
         parallel_tool_calls=tools.parallel if tools is not None else True,
     )
     return PreparedTurn(prompt_ids, constraint, reading)
+
+
+def _constraint(features: ChatFeatures, turn: ChatTurn, spec: StructuredOutput | None,
+                starts_in_reasoning: bool) -> OutputConstraint | None:
+    """What the engine must enforce: the grammar (after the reasoning block, when the model
+    may open one) and the thinking budget; None when neither applies."""
+    budget = _budget(features, turn.thinking_budget) if turn.enable_thinking else None
+    if spec is None and budget is None:
+        return None
+    _check_engine_applies(features, spec.field if spec is not None else turn.thinking_budget.field)
+    markers = features.reasoning_markers if features.reasoning is not None and turn.enable_thinking else None
+    if spec is not None and starts_in_reasoning and markers is None:
+        raise bad_request(spec.field, "this model's reasoning tags are not single tokens, so a grammar cannot start "
+                                      "after its reasoning block; send chat_template_kwargs.enable_thinking false",
+                          code=UNSUPPORTED)
+    return OutputConstraint(
+        grammar=spec.spec if spec is not None else None,
+        grammar_field=spec.field if spec is not None else "",
+        reasoning=markers,  # with thinking off the grammar starts at the first token: no block may open
+        starts_in_reasoning=starts_in_reasoning and markers is not None,
+        thinking_budget=budget,
+    )
 
 
 async def count_prompt_tokens(model: ServedModel, turn: ChatTurn) -> int:
@@ -272,8 +282,3 @@ def _check_engine_applies(features: ChatFeatures, field_name: str) -> None:
 def _cut(message: str, limit: int = 300) -> str:
     return message if len(message) <= limit else message[: limit - 3] + "..."
 
-
-def function_tools(definitions: Sequence[tuple[str, str | None, dict[str, Any] | None]]) -> tuple[FunctionTool, ...]:
-    """FunctionTools from (name, description, parameters) triples."""
-    return tuple(FunctionTool(name, dict(parameters or {}), description or "") for name, description, parameters
-                 in definitions)

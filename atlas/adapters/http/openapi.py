@@ -18,7 +18,7 @@ import msgspec
 
 from atlas.adapters.http.auth import BearerAuth
 from atlas.adapters.http.engine_client import ServedModel
-from atlas.adapters.http.errors import AnthropicErrorBody, ErrorBody
+from atlas.adapters.http.errors import ErrorBody
 
 OPENAPI_VERSION = "3.1.0"
 _PATH_PARAMETER = re.compile(r"<(?:\w+:)?(\w+)>")  # Quart's <path:model_id> -> OpenAPI's {model_id}
@@ -42,6 +42,8 @@ class Route:
     stream: type | None = None  # the Struct of each SSE event when the body asks `stream: true`
     media_type: str = "application/json"  # of the 200 body when it is not a Struct
     error: type = ErrorBody  # the error object's shape on this route (Anthropic's on /v1/messages)
+    # OpenAPI links: routes whose path parameter a field of this route's 200 body supplies
+    links: tuple[tuple[str, str, str], ...] = ()  # (operationId, path parameter, field of the 200 body)
 
     @property
     def openapi_path(self) -> str:
@@ -137,11 +139,15 @@ def _operation(route: Route, schema_of: dict[type, dict[str, Any]]) -> dict[str,
                                       else {"type": "object"}}}
     if route.stream is not None:
         success["text/event-stream"] = {"schema": _event_schema(schema_of[route.stream], schema_of[route.error])}
+    ok: dict[str, Any] = {"description": "OK", "content": success}
+    if route.links:
+        ok["links"] = {operation_id: {"operationId": operation_id, "parameters": {parameter: f"$response.body#/{field}"}}
+                       for operation_id, parameter, field in route.links}
     operation: dict[str, Any] = {
         "operationId": route.name,
         "summary": route.summary,
         "responses": {
-            "200": {"description": "OK", "content": success},
+            "200": ok,
             "default": {"description": "an error object (4xx for the client's mistakes, 503 while not ready)",
                         "content": {"application/json": {"schema": schema_of[route.error]}}},
         },
