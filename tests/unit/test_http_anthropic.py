@@ -260,3 +260,24 @@ async def test_an_engine_failure_mid_stream_is_an_anthropic_error_event(qwen3):
     events = sse_events(response.content)
     assert [name for name, _ in events] == ["message_start", "ping", "error"]
     assert events[-1][1]["error"]["type"] == "overloaded_error" and "fell over" in events[-1][1]["error"]["message"]
+
+
+@pytest.mark.anyio
+async def test_a_quiet_stream_gets_pings_until_the_engine_writes_again(qwen3, monkeypatch):
+    from helpers.scripted_engine import ScriptedEngine, make_app, wait_healthy
+
+    from atlas.adapters.http import anthropic as anthropic_route
+
+    tokenizer, features = qwen3
+    monkeypatch.setattr(anthropic_route, "PING_INTERVAL_S", 0.05)
+    engine = ScriptedEngine(tokenizer.encode(" the sea is blue", add_special_tokens=False), stall_after=2)
+    app = make_app(engine, tokenizer, HttpConfig(request_timeout_s=0.5), chat=features, max_model_len=4096)
+    async with app.test_app() as test_app:
+        await wait_healthy(test_app.test_client())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tiny") as http:
+            response = await http.post("/v1/messages", json={"max_tokens": 50, "messages": USER, "stream": True})
+    names = [name for name, _ in sse_events(response.content)]
+    deltas = [idx for idx, name in enumerate(names) if name == "content_block_delta"]
+    assert names[:2] == ["message_start", "ping"] and names[-2:] == ["message_delta", "message_stop"]
+    assert names[deltas[-1] + 1:].count("ping") >= 3  # the engine stalled after two tokens
+    assert sse_events(response.content)[-2][1]["delta"]["stop_reason"] == "max_tokens"  # --request-timeout

@@ -10,7 +10,9 @@ event sequence:
     content_block_start(tool_use)  content_block_delta(input_json_delta)...                   content_block_stop
     message_delta(stop_reason, usage)  message_stop
 
-Blocks open as their first piece arrives and close when the next kind of block begins.
+Blocks open as their first piece arrives and close when the next kind of block begins. A
+`ping` also goes out whenever the engine has written nothing for PING_INTERVAL_S (a long
+prompt's prefill), so proxies and clients do not time the stream out.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from atlas.adapters.http.params import build_sampling_params
 from atlas.adapters.http.state import ServerState, decode_body
 
 JSON = "application/json"
+PING_INTERVAL_S = 10.0
 
 
 async def messages(state: ServerState, body: bytes) -> Response:
@@ -82,7 +85,7 @@ async def messages(state: ServerState, body: bytes) -> Response:
     message_id = f"msg_{uuid.uuid4().hex}"
     generation = Generation(engine, model.tokenizer, message_id, [turn.prompt_ids], params, state.seeds,
                             state.metrics, state.in_flight, state.config.request_timeout_s,
-                            constraint=turn.constraint)
+                            constraint=turn.constraint, heartbeat_s=PING_INTERVAL_S if request.stream else None)
     results = ChoiceResults(1, False)
     parsed = ChatChoices(1, turn.reading, random.Random(secrets.randbits(64)))
     if request.stream:
@@ -182,6 +185,9 @@ async def _stream(
         yield sse.named_event("message_start", MessageStart(start)) + sse.named_event("ping", Ping())
         async with aclosing(generation.batches()) as batches:
             async for batch in batches:
+                if not batch:  # the heartbeat: nothing written for PING_INTERVAL_S
+                    yield sse.named_event("ping", Ping())
+                    continue
                 frames = []
                 for update in merge_batch(batch):
                     results.add(update)

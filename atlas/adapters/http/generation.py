@@ -16,6 +16,7 @@ step. While `batches()` runs, the generation is in the server's `InFlight` set.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,15 @@ from atlas.domain.fan_out import SeedSource, fan_out
 from atlas.domain.text.sequence_text import SequenceText, TextDelta
 from atlas.domain.requests import FinishReason, OutputConstraint, SamplingParams
 from atlas.ports.tokenizer import Tokenizer
+
+
+class _Quiet(enum.Enum):
+    """No output within the heartbeat."""
+
+    QUIET = "quiet"
+
+
+_QUIET = _Quiet.QUIET
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +79,7 @@ class Generation:
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         constraint: OutputConstraint | None = None,
+        heartbeat_s: float | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -78,6 +89,7 @@ class Generation:
         self._clock = clock
         self.arrival_s = clock()
         self._deadline_s = None if timeout_s is None else self.arrival_s + timeout_s
+        self._heartbeat_s = heartbeat_s
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self.requests = []
         self._choices: dict[str, _Choice] = {}
@@ -106,7 +118,8 @@ class Generation:
 
     async def batches(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Deltas in arrival order, several per batch when they queue up; ends when every
-        choice has finished. Raises ApiError for a request the engine rejects or cannot run."""
+        choice has finished. With `heartbeat_s`, an empty batch after that long without output
+        (a stream's keep-alive). Raises ApiError for a request the engine rejects or cannot run."""
         stream = self._engine.submit(self.requests)
         unfinished = dict(self._choices)
         cause = "client_disconnected"  # why sequences were left unfinished, if they were
@@ -114,6 +127,9 @@ class Generation:
         try:
             while unfinished:
                 items = None if self._interrupted else await self._next_items(stream)
+                if items is _QUIET:
+                    yield []
+                    continue
                 if items is None:  # interrupted, or the deadline passed
                     reason = FinishReason.ABORT if self._interrupted else FinishReason.LENGTH
                     self.timed_out = not self._interrupted
@@ -134,15 +150,18 @@ class Generation:
                 self._metrics.aborted.inc((cause,))
             stream.close()
 
-    async def _next_items(self, stream) -> list | None:
+    async def _next_items(self, stream) -> list | _Quiet | None:
         """The next output and everything queued behind it; [] at end of stream, None at the
-        deadline or when interrupted."""
+        deadline or when interrupted, _QUIET when the heartbeat passed first."""
         delay_s = None if self._deadline_s is None else self._deadline_s - self._clock()
+        heartbeat = self._heartbeat_s is not None and (delay_s is None or self._heartbeat_s < delay_s)
+        if heartbeat:
+            delay_s = self._heartbeat_s
         try:
             with anyio.move_on_after(delay_s) as self._waiting:
                 first = await stream.receive()
                 return self._drain(stream, first)
-            return None
+            return _QUIET if heartbeat and not self._interrupted else None
         except anyio.EndOfStream:
             return []
         finally:
