@@ -64,7 +64,8 @@ def models(tiny, tmp_path_factory) -> dict[str, Model]:
         folder = tiny if template is None else with_chat_template(
             tiny, tmp_path_factory.mktemp(family) / "model", template, think_tags=family == "qwen3")
         tokenizer = HfTokenizer.from_folder(folder)
-        result[family] = Model(tokenizer, chat_features(tokenizer, folder, tokenizer.vocab_size))
+        features = chat_features(tokenizer, folder, tokenizer.vocab_size, engine_applies_constraints=False)
+        result[family] = Model(tokenizer, features)
     return result
 
 

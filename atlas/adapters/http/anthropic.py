@@ -196,8 +196,10 @@ async def _stream(
                     yield b"".join(frames)
         reason, sequence = stop_reason(parsed, 0)
         usage = DeltaUsage(generation.num_output_tokens, generation.num_prompt_tokens)
-        yield b"".join([*blocks.finish(), sse.named_event("message_delta", MessageDelta(StopInfo(reason, sequence), usage)),
+        last = MessageDelta(StopInfo(reason, sequence), usage)
+        yield b"".join([*blocks.finish(), sse.named_event("message_delta", last),
                         sse.named_event("message_stop", MessageStop())])
     finally:
         if state.dump is not None:
-            state.dump.write("messages", 200, True, started_s, body, _message(message_id, model_name, generation, parsed))
+            answer = _message(message_id, model_name, generation, parsed)
+            state.dump.write("messages", 200, True, started_s, body, answer)

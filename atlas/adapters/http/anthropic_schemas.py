@@ -66,7 +66,8 @@ class RedactedThinkingBlock(msgspec.Struct, tag_field="type", tag="redacted_thin
     data: str
 
 
-ContentBlock = TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+ContentBlock = (TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+                | RedactedThinkingBlock)
 
 
 class AnthropicMessage(msgspec.Struct):

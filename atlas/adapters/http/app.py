@@ -35,7 +35,12 @@ from atlas.adapters.http.errors import AnthropicErrorBody, ApiError, excerpt, st
 from atlas.adapters.http.openapi import ApiDocument, Route
 from atlas.adapters.http import page
 from atlas.adapters.http.responses import ChatChunk, ChatCompletion, Completion
-from atlas.adapters.http.responses_api_schemas import ResponseDeleted, ResponseObject, ResponsesBody, ResponsesStreamEvent
+from atlas.adapters.http.responses_api_schemas import (
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesBody,
+    ResponsesStreamEvent,
+)
 from atlas.adapters.http.schemas import ChatCompletionBody, CompletionBody, DetokenizeRequest, TokenizeBody
 from atlas.adapters.http.service import Detokenized, HealthStatus, ModelCard, ModelList, Tokenized
 from atlas.adapters.http.state import HttpConfig, ServerState

@@ -82,8 +82,9 @@ def _structured_outputs(outputs: StructuredOutputs) -> StructuredOutput:
               "json_object": outputs.json_object or None}
     given = [name for name, value in fields.items() if value is not None]
     if len(given) != 1:
-        raise bad_request("structured_outputs", "structured_outputs takes exactly one of json, regex, choice, "
-                                                "grammar, json_object" + (f" (got {', '.join(given)})" if given else ""))
+        got = f" (got {', '.join(given)})" if given else ""
+        raise bad_request("structured_outputs", f"structured_outputs takes exactly one of json, regex, choice, "
+                                                f"grammar, json_object{got}")
     field = f"structured_outputs.{given[0]}"
     if outputs.json is not None:
         return StructuredOutput(JsonSchema(_schema_object(outputs.json, field)), field)

@@ -63,8 +63,9 @@ class ToolsRequest:
     @property
     def definitions(self) -> list[dict[str, Any]]:
         """The tools in OpenAI's form, as chat templates take them."""
+        no_arguments = {"type": "object", "properties": {}}
         return [{"type": "function", "function": {"name": tool.name, "description": tool.description,
-                                                  "parameters": tool.parameters or {"type": "object", "properties": {}}}}
+                                                  "parameters": tool.parameters or no_arguments}}
                 for tool in self.tools]
 
 
@@ -245,7 +246,9 @@ def _grammar(features: ChatFeatures, structured: StructuredOutput | None,
     if structured is not None:
         raise bad_request(structured.field, f"{structured.field} and a forced tool call both constrain the output; "
                                             f"send one of them")
-    chosen = tools.tools if tools.choice is ToolChoice.REQUIRED else tuple(t for t in tools.tools if t.name == tools.named)
+    chosen = tools.tools
+    if tools.choice is ToolChoice.NAMED:
+        chosen = tuple(tool for tool in tools.tools if tool.name == tools.named)
     parallel = tools.parallel and tools.choice is ToolChoice.REQUIRED
     markup = features.forced_tool_markup
     assert markup is not None  # checked by _tool_parsing

@@ -141,8 +141,10 @@ def _operation(route: Route, schema_of: dict[type, dict[str, Any]]) -> dict[str,
         success["text/event-stream"] = {"schema": _event_schema(schema_of[route.stream], schema_of[route.error])}
     ok: dict[str, Any] = {"description": "OK", "content": success}
     if route.links:
-        ok["links"] = {operation_id: {"operationId": operation_id, "parameters": {parameter: f"$response.body#/{field}"}}
-                       for operation_id, parameter, field in route.links}
+        ok["links"] = {
+            operation_id: {"operationId": operation_id, "parameters": {parameter: f"$response.body#/{field}"}}
+            for operation_id, parameter, field in route.links
+        }
     operation: dict[str, Any] = {
         "operationId": route.name,
         "summary": route.summary,

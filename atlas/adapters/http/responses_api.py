@@ -267,7 +267,8 @@ class _Items:
             events.append(ReasoningTextDone(0, item.id, index, 0, text))
         elif isinstance(item, OutputMessage):
             done = OutputMessage(item.id, [OutputText(text)])
-            events += [OutputTextDone(0, item.id, index, 0, text), ContentPartDone(0, item.id, index, 0, OutputText(text))]
+            events += [OutputTextDone(0, item.id, index, 0, text),
+                       ContentPartDone(0, item.id, index, 0, OutputText(text))]
         else:
             done = OutputFunctionCall(item.id, item.call_id, item.name, text)
             events.append(FunctionCallArgumentsDone(0, item.id, index, item.name, text))
