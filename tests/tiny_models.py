@@ -89,3 +89,20 @@ def reference_logits(model, token_ids: list[int]) -> np.ndarray:
     with torch.no_grad():
         output = model(torch.tensor([token_ids]))
     return output.logits[0].float().numpy()
+
+
+def qkvz_rows(layer) -> np.ndarray:
+    """Rows of transformers' Qwen3-Next in_proj_qkvz (per key head: q, k, its value heads' v,
+    then z) in `DeltaNetLayer`'s order (all q, all k, all v, all z)."""
+    dk, group_v = layer.key_head_dim, layer.num_value_heads // layer.num_key_heads * layer.value_head_dim
+    per_head = 2 * dk + 2 * group_v
+    starts = np.arange(layer.num_key_heads) * per_head
+    parts = [(0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + group_v), (2 * dk + group_v, per_head)]
+    return np.concatenate([np.arange(start + lo, start + hi) for lo, hi in parts for start in starts])
+
+
+def ba_rows(layer) -> np.ndarray:
+    """Rows of transformers' in_proj_ba (per key head: its value heads' b, then a) as all b, all a."""
+    group = layer.num_value_heads // layer.num_key_heads
+    starts = np.arange(layer.num_key_heads) * 2 * group
+    return np.concatenate([np.arange(start + lo, start + lo + group) for lo in (0, group) for start in starts])

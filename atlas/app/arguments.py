@@ -83,7 +83,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="KV cache element type (default: the activation type); fp8 (= fp8_e4m3) halves the "
                        "cache's bytes, with per-layer K/V scales from the checkpoint (self_attn.k_scale, "
                        "v_scale) or 1.0")
-    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_env("scheduling_policy", "fifo"))
+    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_env("scheduling_policy", "fifo"),
+                       help="fifo (default) or priority: requests with a lower priority field run first and are "
+                       "preempted last")
+    group.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                       default=not _env("no_prefix_caching", False, bool),
+                       help="recompute every prompt instead of reusing the KV of cached prefixes")
     group.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", False, bool),
                        help="never capture CUDA graphs")
     group.add_argument("--seed", type=int, default=_env("seed", None, int),
@@ -104,6 +109,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         kv_cache_gb=args.kv_cache_gb,
         kv_cache_dtype=args.kv_cache_dtype,
         scheduling_policy=args.scheduling_policy,
+        prefix_caching=args.prefix_caching,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
     )

@@ -18,15 +18,18 @@ from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
 from atlas.app.settings import EngineSettings
 from atlas.domain.engine import EngineCore
-from atlas.domain.kv_blocks import BlockPool
+from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.cache.manager import full_attention_cache
 from atlas.domain.memory_plan import GIB, check_weights_fit, plan_kv_cache
 from atlas.domain.models.config import ModelConfig, ModelConfigError
 from atlas.domain.models.families import check_supported, kv_cache_scales, load_model
+from atlas.domain.models.model import Model
 from atlas.domain.models.quantization import check_quantization
-from atlas.domain.models.transformer import Transformer
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
+from atlas.domain.scheduling_policy import POLICIES
 from atlas.domain.worker import Worker, WorkerConfig
-from atlas.ports.gpu import DType, GpuBackend, KvCacheSpec
+from atlas.ports.gpu import DType, GpuBackend
+from atlas.ports.kernels.attention import KvCacheSpec
 from atlas.ports.tokenizer import Tokenizer
 
 log = logging.getLogger("atlas")
@@ -46,7 +49,7 @@ class LoadedEngine:
     model_dir: Path
     model_name: str
     backend: GpuBackend
-    model: Transformer
+    model: Model
     max_model_len: int
     settings: EngineSettings
 
@@ -79,12 +82,14 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     log.info("loading %s (%s, %.2f GiB in bf16) on %s", model_dir, config.architecture, weight_bytes / GIB, backend.name)
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
     model = load_model(config, weights, backend, max_positions=max_model_len, progress=progress.update)
+    kv_shape = model.single_kv_group()
 
     kv_dtype = _kv_dtype(settings.kv_cache_dtype, backend)
     max_num_tokens = settings.max_prefill_tokens
     graph_sizes = () if settings.enforce_eager else _graph_sizes(settings)
     max_rows = max(settings.max_num_seqs, max(graph_sizes, default=0))
-    block_bytes = KvCacheSpec(config.num_layers, 1, settings.block_size, config.num_kv_heads, config.head_dim, kv_dtype)
+    num_layers = len(model.layers)
+    block_bytes = KvCacheSpec(num_layers, 1, settings.block_size, kv_shape.num_kv_heads, kv_shape.head_dim, kv_dtype)
     kv_budget = settings.kv_cache_gb if settings.kv_cache_gb is not None else (
         MOCK_KV_CACHE_GB if backend.name == "mock" else None
     )
@@ -101,10 +106,10 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     )
     scales = kv_cache_scales(config, weights) if kv_dtype.is_quantized else ()
     spec = KvCacheSpec(
-        config.num_layers, plan.num_blocks + 1, settings.block_size, config.num_kv_heads, config.head_dim, kv_dtype,
+        num_layers, plan.num_blocks + 1, settings.block_size, kv_shape.num_kv_heads, kv_shape.head_dim, kv_dtype,
         scales,
     )
-    kv = backend.allocate_kv_cache(spec)
+    kv = backend.attention.allocate_cache(spec)
     log.info(
         "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
         plan.num_blocks, settings.block_size, plan.num_tokens, spec.total_bytes / GIB, kv_dtype.value,
@@ -119,7 +124,6 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
         worker.capture_graphs()
-    pool = BlockPool(plan.num_blocks, settings.block_size)
     scheduler = Scheduler(
         SchedulerConfig(
             max_model_len=max_model_len,
@@ -127,9 +131,10 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
             max_num_batched_tokens=max_num_tokens,
             block_size=settings.block_size,
         ),
-        pool,
+        full_attention_cache(BlockPool(plan.num_blocks, settings.block_size), settings.prefix_caching),
+        POLICIES[settings.scheduling_policy](),
     )
-    core = EngineCore(scheduler, pool, worker, max_model_len, config.vocab_size, tokenizer.eos_token_ids)
+    core = EngineCore(scheduler, worker, max_model_len, config.vocab_size, tokenizer.eos_token_ids)
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,

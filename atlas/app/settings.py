@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atlas.domain.scheduling_policy import POLICIES
+
 DEVICES = ("auto", "cuda", "mock")
 DTYPES = ("auto", "bf16", "f32")
 KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3
-SCHEDULING_POLICIES = ("fifo",)
+SCHEDULING_POLICIES = tuple(POLICIES)
 
 
 class SettingsError(ValueError):
@@ -27,7 +29,8 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.90
     kv_cache_gb: float | None = None  # fixed KV size instead of the utilisation rule (mock default: 2)
     kv_cache_dtype: str = "auto"
-    scheduling_policy: str = "fifo"
+    scheduling_policy: str = "fifo"  # or "priority": lower Request.priority first
+    prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (--no-prefix-caching)
     enforce_eager: bool = False  # never capture graphs
     seed: int | None = None  # seeds requests that bring none (None: a fresh random seed each)
 

@@ -225,4 +225,5 @@ class Request(msgspec.Struct, frozen=True):
     sampling: SamplingParams
     seed: int  # resolved: the client's seed, or one drawn by the front end
     arrival_s: float = 0.0
+    priority: int = 0  # lower runs first under --scheduling-policy priority (fifo accepts only 0)
     constraint: OutputConstraint | None = None

@@ -27,7 +27,9 @@ import numpy as np
 from atlas.domain.requests import MAX_LOGPROBS
 from atlas.domain.sampling import PackedSampling
 from atlas.domain.step_inputs import HostStepInputs
-from atlas.ports.gpu import AttentionMetadata, DType, GpuBackend, SamplingTensors, Tensor
+from atlas.ports.gpu import Device, DType, Tensor, leading_block
+from atlas.ports.kernels.attention import AttentionMetadata
+from atlas.ports.kernels.sampling import SamplingTensors
 
 _INITIAL_CSR_CAPACITY = 1024
 _NUM_F32_FIELDS = 6  # temperature, top_p, min_p, repetition, presence and frequency penalties
@@ -74,7 +76,7 @@ class _Layout:
 class StepBuffers:
     """Device buffers for steps of up to `max_tokens` tokens and `max_seqs` sequences."""
 
-    def __init__(self, backend: GpuBackend, max_tokens: int, max_seqs: int, table_width: int) -> None:
+    def __init__(self, backend: Device, max_tokens: int, max_seqs: int, table_width: int) -> None:
         self._backend = backend
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
@@ -230,7 +232,7 @@ class StepBuffers:
 
     def top_logprob_views(self, num_rows: int, num_top: int) -> tuple[Tensor, Tensor]:
         """Dense [num_rows, num_top] views over the start of the [max_seqs, MAX_LOGPROBS] buffers."""
-        return _leading_block(self.top_ids, num_rows, num_top), _leading_block(self.top_logprobs, num_rows, num_top)
+        return leading_block(self.top_ids, num_rows, num_top), leading_block(self.top_logprobs, num_rows, num_top)
 
     def _put(self, buffer: Tensor, values: np.ndarray, count: int) -> Tensor:
         view = buffer.rows(0, count)
@@ -251,7 +253,3 @@ class StepBuffers:
             self.bias_token_ids = backend.empty((size,), DType.I32)
             self.bias_values = backend.empty((size,), DType.F32)
 
-
-def _leading_block(buffer: Tensor, num_rows: int, num_columns: int) -> Tensor:
-    total = buffer.shape[0] * buffer.shape[1]
-    return buffer.view(total).rows(0, num_rows * num_columns).view(num_rows, num_columns)

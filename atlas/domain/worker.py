@@ -18,11 +18,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from atlas.domain.batch import SamplingRow, ScheduledBatch, StepResult, TokenLogprobs
-from atlas.domain.models.transformer import StepTensors, Transformer
+from atlas.domain.models.model import Model, StepTensors
 from atlas.domain.sampling import PackedSampling, pack_rows
 from atlas.domain.step_buffers import StepBuffers
 from atlas.domain.step_inputs import HostStepInputs, build_step_inputs, pad_decode_inputs
-from atlas.ports.gpu import DType, GpuBackend, Graph, KvCache, LogprobsOut, PendingDownload, Tensor
+from atlas.ports.gpu import DType, GpuBackend, Graph, PendingDownload, Tensor
+from atlas.ports.kernels.attention import KvCache
+from atlas.ports.kernels.sampling import LogprobsOut
 
 # What a graph's padding rows sample with: greedy, no filters (their ids are never read).
 _PADDING_ROW = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
@@ -79,7 +81,8 @@ class PendingStep:
 class Worker:
     """Executes steps of one model on one backend."""
 
-    def __init__(self, backend: GpuBackend, model: Transformer, kv: KvCache, config: WorkerConfig) -> None:
+    def __init__(self, backend: GpuBackend, model: Model, kv: KvCache, config: WorkerConfig) -> None:
+        """`kv`: the cache of the model's one KV cache group (`Model.single_kv_group`)."""
         self.backend = backend
         self.model = model
         self.kv = kv
@@ -125,7 +128,7 @@ class Worker:
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
         bucket = self._graph_bucket(batch)
         logits = self._forward(batch, bucket, _pack(rows, bucket))
-        return self.backend.download(logits.rows(0, batch.num_sampled))
+        return self.backend.begin_download(logits.rows(0, batch.num_sampled)).wait()
 
     def capture_graphs(self) -> None:
         """Capture every decode graph now (startup), instead of on first use."""
@@ -152,7 +155,7 @@ class Worker:
             graph.replay()
             return logits
         buffers.gather_tokens(inputs.num_tokens)
-        return self.model.forward(self._step_tensors(inputs), self.kv, self.workspace, inputs.num_sample_rows)
+        return self.model.forward(self._step_tensors(inputs), (self.kv,), self.workspace, inputs.num_sample_rows)
 
     def _step_tensors(self, inputs: HostStepInputs) -> StepTensors:
         buffers = self.buffers
@@ -198,8 +201,8 @@ class Worker:
 
         def run_step(out_ids: Tensor) -> None:
             buffers.gather_tokens(bucket)
-            logits = self.model.forward(step, self.kv, self.workspace, bucket)
-            backend.sample(logits, sampling, out_ids)
+            logits = self.model.forward(step, (self.kv,), self.workspace, bucket)
+            backend.sampling.sample(logits, sampling, out_ids)
             outputs[:] = [logits]
 
         # Warm up outside capture: lazy compilation and workspaces settle first. Its ids go to a
@@ -219,7 +222,7 @@ class Worker:
             top_ids, top_logprobs = buffers.top_logprob_views(num_rows, num_top)
             logprobs_out = LogprobsOut(buffers.sampled_logprobs.rows(0, num_rows), top_ids, top_logprobs, num_top)
         out_ids = buffers.sampled_ids.rows(0, num_rows)
-        backend.sample(logits, tensors, out_ids, logprobs_out)
+        backend.sampling.sample(logits, tensors, out_ids, logprobs_out)
         ids_download = backend.begin_download(out_ids)
         logprobs_downloads = None
         if logprobs_out is not None:

@@ -29,9 +29,11 @@ class ScriptedEngine:
     """
 
     def __init__(self, token_ids: list[int], stall_after: int | None = None,
-                 failure: EngineFailure | None = None, eos_token_id: int | None = None) -> None:
+                 failure: EngineFailure | None = None, eos_token_id: int | None = None,
+                 cached_tokens=lambda request_id: 0) -> None:
         self.token_ids = list(token_ids) + ([eos_token_id] if eos_token_id is not None else [])
         self.ends_with_stop = eos_token_id is not None
+        self.cached_tokens = cached_tokens  # request id -> prompt tokens it reports as cached
         self.stall_after = stall_after
         self.failure = failure
         self.router = OutputRouter()
@@ -57,7 +59,9 @@ class ScriptedEngine:
             self.active.pop(request_id, None)
 
     def stats(self) -> EngineStats:
-        return EngineStats(len(self.active), 0, NUM_BLOCKS, NUM_BLOCKS - len(self.active), 0, 0, 0, 0)
+        return EngineStats(len(self.active), 0, NUM_BLOCKS, NUM_BLOCKS - len(self.active), 0, 0, 0, 0,
+                           num_prefix_cache_queries=sum(len(r.prompt_token_ids) for r in self.submitted),
+                           num_prefix_cache_hits=sum(self.cached_tokens(r.request_id) for r in self.submitted))
 
     def health(self) -> EngineHealth:
         return EngineHealth(True, True, "ok")
@@ -72,7 +76,8 @@ class ScriptedEngine:
                     continue
                 token = queue.popleft()
                 finish = None if queue else FinishReason.STOP if stops else FinishReason.LENGTH
-                outputs.append(SequenceOutput(request_id, (token,), finish, len(request.prompt_token_ids), done + 1))
+                outputs.append(SequenceOutput(request_id, (token,), finish, len(request.prompt_token_ids), done + 1,
+                                              num_cached_tokens=self.cached_tokens(request_id)))
                 if finish is not None:
                     del self.active[request_id]
             self.router.deliver(outputs)
@@ -144,11 +149,11 @@ class Served:
 
 
 @asynccontextmanager
-async def serving(tokenizer, chat: ChatFeatures, script_text: str, config=DEFAULT_CONFIG):
+async def serving(tokenizer, chat: ChatFeatures, script_text: str, config=DEFAULT_CONFIG, cached_tokens: int = 0):
     """The app with SDK clients (`Served`): the scripted model writes `script_text`, then its
-    end-of-sequence token."""
+    end-of-sequence token; each request reports `cached_tokens` prompt tokens from the cache."""
     engine = ScriptedEngine(tokenizer.encode(script_text, add_special_tokens=False),
-                            eos_token_id=min(tokenizer.eos_token_ids))
+                            eos_token_id=min(tokenizer.eos_token_ids), cached_tokens=lambda request_id: cached_tokens)
     app = make_app(engine, tokenizer, config, chat=chat, max_model_len=4096)
     async with app.test_app() as test_app:
         await wait_healthy(test_app.test_client())

@@ -175,3 +175,14 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model):
 ])
 def test_bad_serve_flags_are_one_line_naming_them(tiny_model, args, env, named):
     assert named in serve_errors(str(tiny_model), "--device", "mock", *args, env=env)
+
+
+def test_the_priority_policy_and_no_prefix_caching_flags_reach_the_engine(tiny_model, capsys):
+    code, out, err = run_cli(capsys, "generate", str(tiny_model), "--prompt", "hello", "--device", "mock",
+                             "--max-tokens", "3", "--scheduling-policy", "priority", "--no-prefix-caching")
+    assert code == 0, err
+    assert "--- prompt: 'hello'" in out
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock",
+                "--scheduling-policy", "lottery")
+    assert "invalid choice: 'lottery' (choose from 'fifo', 'priority')" in capsys.readouterr().err

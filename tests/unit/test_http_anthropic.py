@@ -84,6 +84,19 @@ async def test_a_text_answer_and_its_token_counts(qwen3):
 
 
 @pytest.mark.anyio
+async def test_prompt_tokens_from_the_prefix_cache_are_cache_reads(qwen3):
+    tokenizer, features = qwen3
+    async with serving(tokenizer, features, "Hi.", cached_tokens=16) as served:
+        message = await served.anthropic.messages.create(model="tiny", max_tokens=10, messages=USER)
+        counted = await served.anthropic.messages.count_tokens(model="tiny", messages=USER)
+        response = await served.http.post("/v1/messages", json={"max_tokens": 10, "messages": USER, "stream": True})
+    assert message.usage.cache_read_input_tokens == 16
+    assert message.usage.input_tokens + 16 == counted.input_tokens
+    final = sse_events(response.content)[-2][1]["usage"]
+    assert final["cache_read_input_tokens"] == 16 and final["input_tokens"] == counted.input_tokens - 16
+
+
+@pytest.mark.anyio
 async def test_the_stream_is_anthropics_event_sequence(qwen3):
     tokenizer, features = qwen3
     async with serving(tokenizer, features, THINK_TEXT_CALL) as served:

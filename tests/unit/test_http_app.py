@@ -94,6 +94,31 @@ async def test_stream_shape_for_two_choices(tokenizer):
 
 
 @pytest.mark.anyio
+async def test_priority_reaches_the_engine_and_usage_counts_cached_prompt_tokens_once(tokenizer):
+    """With n choices the later ones reuse the first's blocks: the usage reports what the
+    prompt found in the cache before the request, the fewest any choice found."""
+    script = tokenizer.encode(SCRIPT_TEXT)
+    engine = ScriptedEngine(script, cached_tokens=lambda request_id: 4 if request_id.endswith("-0") else 12)
+    app = make_app(engine, tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        response = await client.post("/v1/chat/completions", json={**CHAT, "n": 3, "priority": -2, "max_tokens": 3})
+        usage = (await response.get_json())["usage"]
+        response = await client.post("/v1/completions", json={
+            "prompt": "x", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+        streamed = sse_payloads(await response.get_data())[-1]["usage"]
+        bad = await client.post("/v1/chat/completions", json={**CHAT, "priority": "high"})
+        metrics = (await (await client.get("/metrics")).get_data()).decode()
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert [r.priority for r in engine.submitted] == [-2, -2, -2, 0]
+    assert streamed["prompt_tokens_details"] == {"cached_tokens": 12}  # n = 1: its one choice's
+    assert bad.status_code == 400 and (await bad.get_json())["error"]["param"] == "priority"
+    assert "atlas_prefix_cache_hits_total 40" in metrics  # 4 + 12 + 12 + 12, as the engine counts
+    assert "# TYPE atlas_prefix_cache_queries_total counter" in metrics
+
+
+@pytest.mark.anyio
 async def test_a_stop_string_cuts_the_text_and_aborts_the_sequence(tokenizer):
     engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT))
     app = make_app(engine, tokenizer)

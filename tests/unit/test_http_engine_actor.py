@@ -13,13 +13,15 @@ from atlas.app.engine_actor import EngineActor, OutputRouter
 from atlas.domain.engine_events import EngineFailure
 from atlas.domain.batch import SequenceOutput
 from atlas.domain.engine import EngineCore
-from atlas.domain.kv_blocks import BlockPool
+from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.cache.manager import full_attention_cache
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.families import load_model
 from atlas.domain.requests import FinishReason, Request, SamplingParams
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.worker import Worker, WorkerConfig
-from atlas.ports.gpu import DType, KvCacheSpec
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.attention import KvCacheSpec
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4
@@ -36,10 +38,9 @@ def build_core() -> EngineCore:
     backend = MockGpuBackend()
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, 0)), backend, MAX_LEN)
     spec = KvCacheSpec(config.num_layers, NUM_BLOCKS + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
-    worker = Worker(backend, model, backend.allocate_kv_cache(spec), WorkerConfig(128, 16, MAX_LEN))
-    pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE)
-    scheduler = Scheduler(SchedulerConfig(MAX_LEN, 16, 128, BLOCK_SIZE), pool)
-    return EngineCore(scheduler, pool, worker, MAX_LEN, config.vocab_size, frozenset({96}))
+    worker = Worker(backend, model, backend.attention.allocate_cache(spec), WorkerConfig(128, 16, MAX_LEN))
+    scheduler = Scheduler(SchedulerConfig(MAX_LEN, 16, 128, BLOCK_SIZE), full_attention_cache(BlockPool(NUM_BLOCKS, BLOCK_SIZE)))
+    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, frozenset({96}))
 
 
 def request(request_id: str, max_tokens: int = 6, prompt=(5, 9, 13, 17), **sampling) -> Request:

@@ -45,7 +45,7 @@ def compiler(folder, tokenizer) -> LlguidanceCompiler:
 @pytest.mark.parametrize("spec", SPECS, ids=lambda spec: type(spec).__name__)
 def test_a_constrained_request_crosses_to_the_engine_process_unchanged(spec):
     constraint = OutputConstraint(spec, "response_format", MARKERS, starts_in_reasoning=True, thinking_budget=32)
-    request = Request("r-1", (1, 2, 3), SamplingParams(max_tokens=5), 7, 0.0, constraint)
+    request = Request("r-1", (1, 2, 3), SamplingParams(max_tokens=5), 7, 0.0, priority=2, constraint=constraint)
     frame = msgspec.msgpack.encode(Commands([AddRequest(request)]))
     decoded = msgspec.msgpack.decode(frame, type=ToEngine)
     assert decoded.commands[0].request == request

@@ -156,6 +156,14 @@ async def test_the_store_is_bounded_and_drops_the_least_recently_used(qwen3):
 
 
 @pytest.mark.anyio
+async def test_prompt_tokens_from_the_prefix_cache_are_counted_as_cached(qwen3):
+    tokenizer, features = qwen3
+    async with serving(tokenizer, features, "Hi.", cached_tokens=8) as served:
+        response = await served.openai.responses.create(model="tiny", input="Hello")
+    assert response.usage.input_tokens_details.cached_tokens == 8 and response.usage.input_tokens > 8
+
+
+@pytest.mark.anyio
 async def test_max_output_tokens_makes_it_incomplete(qwen3):
     tokenizer, features = qwen3
     async with serving(tokenizer, features, "It is sunny and warm today.") as served:

@@ -109,7 +109,7 @@ def test_sampling_from_the_arena_views_equals_the_reference(rng):
     buffers.send()
     logits = rng.standard_normal((len(ROWS), 30)).astype(np.float32) * 3
     out = buffers.sampled_ids.rows(0, len(ROWS))
-    backend.sample(backend.upload(logits), buffers.sampling_tensors(packed), out)
+    backend.sampling.sample(backend.upload(logits), buffers.sampling_tensors(packed), out)
     expected = sample_rows(logits, packed, None).token_ids
     np.testing.assert_array_equal(backend.download(out), expected)
     assert backend.download(out)[2] == 4  # the +5 bias on token 4 wins at this temperature
@@ -131,7 +131,7 @@ def test_graph_sampling_views_cover_the_rows_without_penalties_or_bias(rng):
 
     logits = rng.standard_normal((len(ROWS), 30)).astype(np.float32) * 3
     out = backend.empty((len(ROWS),), DType.I32)
-    backend.sample(backend.upload(logits), tensors, out)
+    backend.sampling.sample(backend.upload(logits), tensors, out)
     plain = pack_rows(
         [SamplingRow(row.temperature, row.top_k, row.top_p, row.min_p, row.seed, row.counter) for row in ROWS]
     )

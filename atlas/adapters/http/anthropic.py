@@ -111,7 +111,9 @@ async def count_tokens(state: ServerState, body: bytes) -> Response:
 
 def _message(message_id: str, model_name: str, generation: Generation, parsed: ChatChoices) -> MessageOut:
     reason, sequence = stop_reason(parsed, 0)
-    usage = AnthropicUsage(generation.num_prompt_tokens, generation.num_output_tokens)
+    cached = generation.num_cached_tokens  # Anthropic counts cache reads apart from input_tokens
+    usage = AnthropicUsage(generation.num_prompt_tokens - cached, generation.num_output_tokens,
+                           cache_read_input_tokens=cached)
     return MessageOut(message_id, model_name, content_blocks(parsed, 0), reason, sequence, usage)
 
 
@@ -195,7 +197,8 @@ async def _stream(
                 if frames:
                     yield b"".join(frames)
         reason, sequence = stop_reason(parsed, 0)
-        usage = DeltaUsage(generation.num_output_tokens, generation.num_prompt_tokens)
+        cached = generation.num_cached_tokens
+        usage = DeltaUsage(generation.num_output_tokens, generation.num_prompt_tokens - cached, cached)
         last = MessageDelta(StopInfo(reason, sequence), usage)
         yield b"".join([*blocks.finish(), sse.named_event("message_delta", last),
                         sse.named_event("message_stop", MessageStop())])

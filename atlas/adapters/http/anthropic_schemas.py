@@ -285,6 +285,7 @@ class StopInfo(msgspec.Struct):
 class DeltaUsage(msgspec.Struct):
     output_tokens: int
     input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
 
 
 class MessageDelta(msgspec.Struct, tag_field="type", tag="message_delta"):

@@ -43,6 +43,7 @@ from atlas.adapters.http.responses import (
     FunctionCall,
     FunctionDelta,
     TokenTexts,
+    PromptTokensDetails,
     ToolCallChunk,
     ToolCallOut,
     Usage,
@@ -75,7 +76,8 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
                                            model.sampling_defaults))
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", now_s(), model.name)
     generation = Generation(engine, model.tokenizer, reply.id, [turn.prompt_ids], params, state.seeds, state.metrics,
-                            state.in_flight, state.config.request_timeout_s, constraint=turn.constraint)
+                            state.in_flight, state.config.request_timeout_s, priority=request.priority or 0,
+                            constraint=turn.constraint)
     results = ChoiceResults(generation.num_choices, params.logprobs is not None)
     parsed = ChatChoices(generation.num_choices, turn.reading, random.Random(secrets.randbits(64)))
     if request.stream:
@@ -93,7 +95,7 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
 
 def _usage(generation: Generation) -> Usage:
     prompt, completion = generation.num_prompt_tokens, generation.num_output_tokens
-    return Usage(prompt, completion, prompt + completion)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(generation.num_cached_tokens))
 
 
 def _message(parsed: ChatChoices, index: int) -> ChatMessageOut:

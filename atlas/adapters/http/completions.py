@@ -24,6 +24,7 @@ from atlas.adapters.http.responses import (
     Completion,
     CompletionChoice,
     TokenTexts,
+    PromptTokensDetails,
     Usage,
 )
 from atlas.adapters.http.schemas import CompletionRequest, unsupported_features
@@ -70,7 +71,8 @@ async def completions(state: ServerState, body: bytes) -> Response:
     ]
     reply = _Reply(model.name, echo_texts, params.n)
     generation = Generation(engine, model.tokenizer, reply.id, [ids for _, ids in prompts], params, state.seeds,
-                            state.metrics, state.in_flight, state.config.request_timeout_s)
+                            state.metrics, state.in_flight, state.config.request_timeout_s,
+                            priority=request.priority or 0)
     results = ChoiceResults(generation.num_choices, params.logprobs is not None)
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -85,7 +87,7 @@ async def completions(state: ServerState, body: bytes) -> Response:
 
 def _usage(generation: Generation) -> Usage:
     prompt, completion = generation.num_prompt_tokens, generation.num_output_tokens
-    return Usage(prompt, completion, prompt + completion)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(generation.num_cached_tokens))
 
 
 def _completion(reply: _Reply, generation: Generation, results: ChoiceResults, token_texts: TokenTexts) -> Completion:

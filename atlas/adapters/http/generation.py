@@ -51,7 +51,7 @@ class ChoiceDelta:
 
 
 class _Choice:
-    __slots__ = ("index", "seq_id", "text", "finished", "num_output_tokens", "last_token_s")
+    __slots__ = ("index", "seq_id", "text", "finished", "num_output_tokens", "num_cached_tokens", "last_token_s")
 
     def __init__(self, index: int, seq_id: str, text: SequenceText) -> None:
         self.index = index
@@ -59,6 +59,7 @@ class _Choice:
         self.text = text
         self.finished = False
         self.num_output_tokens = 0
+        self.num_cached_tokens: int | None = None  # known once the engine reports on it
         self.last_token_s: float | None = None
 
 
@@ -78,6 +79,7 @@ class Generation:
         in_flight: InFlight,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        priority: int = 0,
         constraint: OutputConstraint | None = None,
         heartbeat_s: float | None = None,
     ) -> None:
@@ -91,11 +93,12 @@ class Generation:
         self._deadline_s = None if timeout_s is None else self.arrival_s + timeout_s
         self._heartbeat_s = heartbeat_s
         self.num_prompt_tokens = sum(len(p) for p in prompts)
+        self._num_choices_per_prompt = params.n
         self.requests = []
         self._choices: dict[str, _Choice] = {}
         for prompt_idx, prompt in enumerate(prompts):
             base_id = request_id if len(prompts) == 1 else f"{request_id}-p{prompt_idx}"
-            for choice_idx, request in enumerate(fan_out(base_id, prompt, params, seeds)):
+            for choice_idx, request in enumerate(fan_out(base_id, prompt, params, seeds, priority=priority)):
                 if constraint is not None:
                     request = msgspec.structs.replace(request, constraint=constraint)
                 index = prompt_idx * params.n + choice_idx
@@ -115,6 +118,19 @@ class Generation:
         self._interrupted = True
         if self._waiting is not None:
             self._waiting.cancel()
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt like
+        `num_prompt_tokens`: the fewest any of its choices found, since the choices after the
+        first reuse the blocks the first computed."""
+        per_prompt: dict[int, int] = {}
+        for choice in self._choices.values():
+            if choice.num_cached_tokens is not None:
+                prompt_idx = choice.index // self._num_choices_per_prompt
+                per_prompt[prompt_idx] = min(per_prompt.get(prompt_idx, choice.num_cached_tokens),
+                                             choice.num_cached_tokens)
+        return sum(per_prompt.values())
 
     async def batches(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Deltas in arrival order, several per batch when they queue up; ends when every
@@ -185,6 +201,7 @@ class Generation:
             choice = unfinished.get(item.seq_id)
             if choice is None:
                 continue
+            choice.num_cached_tokens = item.num_cached_tokens
             delta = choice.text.apply(item)
             num_new = len(delta.token_ids)
             if num_new:

@@ -15,10 +15,15 @@ from atlas.domain.batch import TokenLogprobs
 from atlas.ports.tokenizer import Tokenizer
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(msgspec.Struct):

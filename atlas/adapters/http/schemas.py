@@ -49,6 +49,7 @@ MAX_GRAMMAR_CHARS = 1 << 20
 Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 TokenCount = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+Priority = Annotated[int, Meta(ge=-INT32_MAX, le=INT32_MAX)]  # vLLM's: any int, lower first
 Penalty = Annotated[float, Meta(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Role = Literal["system", "user", "assistant", "tool", "developer"]
@@ -183,6 +184,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     spaces_between_special_tokens: bool | None = None
+    priority: Priority | None = None  # lower runs first under --scheduling-policy priority
 
 
 class ChatCompletionRequest(_SamplingFields, forbid_unknown_fields=True, kw_only=True):

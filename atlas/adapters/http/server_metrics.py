@@ -62,6 +62,10 @@ class ServerMetrics:
         self._stat_gauge("atlas_engine_steps_total", "Engine steps run", lambda s: s.num_steps, "counter")
         self._stat_gauge("atlas_preemptions_total", "Sequences preempted by recompute", lambda s: s.num_preemptions,
                          "counter")
+        self._stat_gauge("atlas_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
+                         lambda s: s.num_prefix_cache_queries, "counter")
+        self._stat_gauge("atlas_prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
+                         lambda s: s.num_prefix_cache_hits, "counter")
 
     def _stat_gauge(self, name: str, help_text: str, read: Callable[[EngineStats], float], kind: str = "gauge") -> None:
         def value() -> float:

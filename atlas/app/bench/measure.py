@@ -16,6 +16,8 @@ from atlas.app.builder import LoadedEngine
 from atlas.domain.batch import ScheduledBatch
 from atlas.domain.requests import Request, SamplingParams
 from atlas.ports.gpu import DType, GpuBackend
+from atlas.ports.kernels.dense import HostProjection
+from atlas.ports.kernels.host_weights import HostLinear
 
 GB = 1e9
 
@@ -80,9 +82,10 @@ def _copy_rate(backend: GpuBackend, rng: np.random.Generator, copy_bytes: int, r
 
 def _gemm_rate(backend: GpuBackend, rng: np.random.Generator, size: int, repeats: int) -> float:
     x = backend.upload(rng.standard_normal((size, size), dtype=np.float32), DType.BF16)
-    w = backend.upload(rng.standard_normal((size, size), dtype=np.float32) * 0.02, DType.BF16)
+    weight = HostLinear(rng.standard_normal((size, size), dtype=np.float32) * 0.02)
+    projection = backend.dense.prepare(HostProjection(weight))
     out = backend.empty((size, size), DType.BF16)
-    return 2 * size**3 / _time(backend, lambda: backend.linear(x, w, out), repeats)
+    return 2 * size**3 / _time(backend, lambda: backend.dense.project(x, projection, out), repeats)
 
 
 def _time(backend: GpuBackend, fn, repeats: int) -> float:

@@ -1,0 +1,41 @@
+"""Reading a checkpoint's tensors by Hugging Face name, shape-checked, for the family loaders."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atlas.ports.kernels.host_weights import HostLinear, RmsNorm
+from atlas.ports.weights import WeightError, WeightSource
+
+
+class CheckpointReader:
+    """Host arrays by name; a missing tensor or a shape config.json does not imply is a
+    `WeightError` naming the tensor."""
+
+    def __init__(self, weights: WeightSource) -> None:
+        self.weights = weights
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.weights:
+            raise WeightError(
+                f"the checkpoint has no tensor {name!r}: the model folder is incomplete or does not match config.json"
+            )
+        array = self.weights.get(name)
+        if tuple(array.shape) != shape:
+            raise WeightError(f"tensor {name!r} has shape {tuple(array.shape)}, config.json implies {shape}")
+        return array
+
+    def stacked(self, names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> np.ndarray:
+        """The tensors concatenated along their first dimension (fused projections)."""
+        return np.concatenate([self.array(name, shape) for name, shape in names_and_shapes], axis=0)
+
+    def norm(self, name: str, width: int, eps: float) -> RmsNorm:
+        return RmsNorm(self.array(name, (width,)), eps)
+
+    def linear(self, prefix: str, out_features: int, in_features: int, bias: bool = False) -> HostLinear:
+        """`<prefix>.weight` [out, in] and, with `bias`, `<prefix>.bias` [out]."""
+        weight = self.array(f"{prefix}.weight", (out_features, in_features))
+        return HostLinear(weight, self.array(f"{prefix}.bias", (out_features,)) if bias else None)
