@@ -194,7 +194,8 @@ class _Reply:
         elif reason == "abort":
             status = "cancelled"
         prompt, completion = generation.num_prompt_tokens, generation.num_output_tokens
-        usage = ResponsesUsage(prompt, completion, prompt + completion, InputTokensDetails(generation.num_cached_tokens),
+        cached = InputTokensDetails(generation.num_cached_tokens)
+        usage = ResponsesUsage(prompt, completion, prompt + completion, cached,
                                OutputTokensDetails(parsed.num_reasoning_tokens(0)))
         return self.snapshot(status, output, usage, incomplete)
 
