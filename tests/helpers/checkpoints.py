@@ -416,7 +416,7 @@ def quantize_mxfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     grouped = np.asarray(values, np.float32).reshape(*np.shape(values)[:-1], -1, 32)
     largest = np.maximum(np.abs(grouped).max(axis=-1), np.float32(2.0**-100))
     exponents = np.ceil(np.log2(largest / 6)).astype(np.int32)
-    scaled = grouped / np.exp2(exponents.astype(np.float32))[..., None]
+    scaled = np.ldexp(grouped, -exponents[..., None])
     codes = np.abs(np.abs(scaled)[..., None] - magnitudes).argmin(axis=-1).astype(np.uint8)
     codes |= np.where(scaled < 0, 8, 0).astype(np.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -427,5 +427,5 @@ def mxfp4_values(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """The float32 values [..., K] MXFP4 blocks [..., K/32, 16] and scales [..., K/32] stand for."""
     table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
     elements = np.stack([table[blocks & 0x0F], table[blocks >> 4]], axis=-1).reshape(*blocks.shape[:-1], 32)
-    values = elements * np.exp2(scales.astype(np.float32) - 127)[..., None]
+    values = np.ldexp(elements, scales.astype(np.int32)[..., None] - 127)
     return values.reshape(*scales.shape[:-1], -1)

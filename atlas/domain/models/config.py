@@ -44,6 +44,8 @@ SLIDING_ATTENTION = "sliding_attention"
 # Families whose layer types follow a pattern when config.json has no `layer_types`: every
 # `period`-th layer is full attention, the others slide (transformers' `sliding_window_pattern`).
 _LAYER_PATTERNS = {"gemma3_text": 6, "gpt_oss": 2}
+# Families whose config.json may leave out `tie_word_embeddings` because transformers' default ties.
+_TIED_BY_DEFAULT = ("gemma3_text",)
 # RoPE bases transformers assumes where config.json names none: (full or every layer, sliding layers).
 _DEFAULT_THETAS = {"gemma3_text": (1_000_000.0, 10_000.0), "gpt_oss": (150_000.0, None)}
 
@@ -120,7 +122,7 @@ class ModelConfig:
                 rope_scaling=rope.scaling,
                 rotary_dim=int(head_dim * float(partial)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
                 attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "gpt_oss"))),
                 qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 sliding_window=_sliding_window(cfg),

@@ -122,10 +122,7 @@ def attention_mixer(
     k_norm = options.norm(f"{attn}.k_norm.weight", head_dim) if options.qk_norm else None
     sinks = reader.array(f"{attn}.sinks", (heads.num_q_heads,)).astype(np.float32) if options.sinks else None
     group, cache_layer = locate(groups, index)
-    spec = AttentionLayer(
-        heads, cache_layer, options.scale, table,
-        sliding_window=config.layer_window(index), logit_softcap=config.attn_logit_softcap,
-    )  # fmt: skip
+    spec = AttentionLayer(heads, cache_layer, options.scale, table, sliding_window=config.layer_window(index))
     host = HostAttention(options.norm(f"{prefix}.input_layernorm.weight", hidden), qkv, q_norm, k_norm, sinks)
     post_norm = options.norm(f"{prefix}.{options.post_norm}.weight", hidden) if options.post_norm else None
     output = HostProjection(reader.linear(f"{attn}.o_proj", hidden, heads.q_size, bias), output_norm=post_norm)
@@ -164,9 +161,9 @@ def vocabulary(
     backend: GpuBackend,
     norm: NormReader,
     embedding_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> Vocab:
-    """`model.embed_tokens`, `model.norm` and `lm_head` (the embedding where tied), with the
-    config's final logit soft-cap."""
+    """`model.embed_tokens`, `model.norm` and `lm_head` (the embedding where tied)."""
     hidden = config.hidden_size
     lm_head: HostLinear | None = None
     if not config.tie_word_embeddings:
@@ -179,6 +176,6 @@ def vocabulary(
             final_norm=norm("model.norm.weight", hidden),
             lm_head=lm_head,
             embedding_scale=embedding_scale,
-            logit_softcap=config.final_logit_softcap,
+            logit_softcap=logit_softcap,
         )
     )

@@ -6,8 +6,9 @@ each type with its own RoPE (a local base frequency for the sliding layers; the 
 possibly scaled, for the full layers). Each layer is sandwich-normed: a norm before and after
 attention and before and after its GeGLU (GELU-tanh); q and k are RMS-normed per head. Every
 norm weight is stored as w for a multiplier 1 + w. The embedding is scaled by sqrt(hidden); the
-softmax scale is `query_pre_attn_scalar` ** -0.5; attention scores and final logits are
-soft-capped where config.json sets it.
+softmax scale is `query_pre_attn_scalar` ** -0.5; the final logits are soft-capped where
+config.json sets `final_logit_softcapping` (attention scores never are: transformers' Gemma 3
+ignores `attn_logit_softcapping`, so a config that sets it is refused).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ def load_gemma3(
             "use_bidirectional_attention: Gemma 3's bidirectional (encoder) attention is not supported; "
             "Atlas runs causal decoders"
         )
+    if config.attn_logit_softcap is not None:
+        raise ModelConfigError(
+            "attn_logit_softcapping: Gemma 3 normalises q and k instead of soft-capping attention scores, and "
+            "transformers ignores this field; Atlas refuses a config that sets it rather than guess (use null)"
+        )
     decoder.check_layer_types(config, (FULL_ATTENTION, SLIDING_ATTENTION))
     gated = decoder.activation(config)
     reader = CheckpointReader(weights)
@@ -62,7 +68,9 @@ def load_gemma3(
         layers.append(Layer(mixer, feed_forward))
         if progress:
             progress(index + 1, total_steps)
-    vocab = decoder.vocabulary(config, reader, backend, norm, embedding_scale=hidden**0.5)
+    vocab = decoder.vocabulary(
+        config, reader, backend, norm, embedding_scale=hidden**0.5, logit_softcap=config.final_logit_softcap
+    )
     if progress:
         progress(total_steps, total_steps)
     return Model(backend, vocab, layers, groups, hidden, config.vocab_size)

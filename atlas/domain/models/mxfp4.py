@@ -31,8 +31,8 @@ _CHUNK_ELEMENTS = 1 << 22  # float32 values dequantized at once (16 MiB)
 
 def dequantize(blocks: np.ndarray, scales: np.ndarray, name: str) -> np.ndarray:
     """The bf16 values [..., K] of MXFP4 `blocks` [..., K/32, 16] and `scales` [..., K/32] (both
-    uint8). Raises `WeightError` naming `name` for other dtypes, shapes that do not pair up, or a
-    NaN scale. Works in chunks of rows so the float32 intermediate stays small."""
+    uint8). Raises `WeightError` naming `name` for other dtypes, shapes that do not pair up, a NaN
+    scale, or a value too large for bf16. Works in chunks of rows so the float32 intermediate stays small."""
     blocks, scales = np.asarray(blocks), np.asarray(scales)
     if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
         raise WeightError(f"{name}: MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
@@ -52,5 +52,9 @@ def dequantize(blocks: np.ndarray, scales: np.ndarray, name: str) -> np.ndarray:
         stop = start + rows_per_chunk
         elements = _BYTE_VALUES[flat_blocks[start:stop]].reshape(-1, blocks.shape[-2], BLOCK_SIZE)
         powers = np.ldexp(np.float32(1.0), flat_scales[start:stop].astype(np.int32) - E8M0_BIAS)
-        out[start:stop] = (elements * powers[..., None]).reshape(-1, width)
+        with np.errstate(over="ignore"):  # an overflow is refused just below
+            values = elements * powers[..., None]
+        if not np.isfinite(values).all():
+            raise WeightError(f"{name}: an MXFP4 value overflows bf16 (a scale near 2^127 on a large element)")
+        out[start:stop] = values.reshape(-1, width)
     return out.reshape(*blocks.shape[:-2], width)

@@ -19,17 +19,15 @@ def rope_table(config: ModelConfig, max_positions: int, rope: Rope | None = None
     """[max_positions, rotary_dim] float32: cos | sin, scaled by the attention factor (yarn).
     `rope`: the RoPE of a layer type (`ModelConfig.layer_rope`); None: the config's main one."""
     rope = rope or Rope(config.rope_theta, config.rope_scaling)
-    inverse_frequencies, attention_factor = _inverse_frequencies(
-        rope.theta, config.rotary_dim, rope.scaling, config.max_position_embeddings
-    )
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inverse_frequencies.astype(np.float64)[None, :]
+    frequencies, attention_factor = inverse_frequencies(rope, config.rotary_dim, config.max_position_embeddings)
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * frequencies.astype(np.float64)[None, :]
     table = np.concatenate([np.cos(angles), np.sin(angles)], axis=1) * attention_factor
     return table.astype(np.float32)
 
 
-def _inverse_frequencies(
-    theta: float, rotary_dim: int, scaling: RopeScaling, max_position_embeddings: int
-) -> tuple[np.ndarray, float]:
+def inverse_frequencies(rope: Rope, rotary_dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """([rotary_dim / 2] float32 inverse frequencies, the factor cos and sin are scaled by)."""
+    theta, scaling = rope.theta, rope.scaling
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
     base_frequencies = np.float32(1.0) / (np.float32(theta) ** exponents)
     if scaling.kind == "default":
