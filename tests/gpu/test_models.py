@@ -252,7 +252,8 @@ def test_families_prefill_decode_and_chunk_within_transformers_bf16_error(config
             exact = _hf_logits(exact_model, tokens[:stop])[-1]
             hf_bf16 = _hf_logits(bf16_model, tokens[:stop])[-1]
             ours_error, hf_error = _relative(ours[row], exact), _relative(hf_bf16, exact)
-            print(f"{config['model_type']} step {step_id} len {stop}: atlas {ours_error:.2e} transformers-bf16 {hf_error:.2e}")
+            print(f"{config['model_type']} step {step_id} len {stop}: "
+                  f"atlas {ours_error:.2e} transformers-bf16 {hf_error:.2e}")
             assert ours_error <= 1.5 * hf_error, (step_id, stop, ours_error, hf_error)
 
 

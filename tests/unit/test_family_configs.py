@@ -43,7 +43,9 @@ QWEN3_30B_A3B = dict(
 
 
 @pytest.mark.parametrize(
-    "raw, billions", [(GEMMA_3_1B, 1.00), (GPT_OSS_20B, 20.91), (QWEN3_30B_A3B, 30.53)], ids=["gemma3", "gpt-oss", "qwen3-moe"]
+    "raw, billions",
+    [(GEMMA_3_1B, 1.00), (GPT_OSS_20B, 20.91), (QWEN3_30B_A3B, 30.53)],
+    ids=["gemma3", "gpt-oss", "qwen3-moe"],
 )
 def test_parameter_counts_are_the_published_ones(raw, billions):
     """The startup memory check counts every expert: the totals the model cards give."""
@@ -84,8 +86,10 @@ def test_mxfp4_is_refused_for_an_architecture_whose_loader_does_not_dequantize_i
         (dict(GEMMA_3_1B, use_bidirectional_attention=True), "use_bidirectional_attention"),
         (dict(GEMMA_3_1B, attn_logit_softcapping=50.0), "attn_logit_softcapping"),
         (dict(GPT_OSS_20B, layer_types=["chunked_attention", "full_attention"] * 12), "chunked_attention layers"),
+        (dict(GPT_OSS_20B, sliding_window=None), "sliding_window: .* no window"),
+        (dict(QWEN3_30B_A3B, num_experts_per_tok=None), r"num_experts_per_tok: 0 must be in \[1, num_experts = 128\]"),
     ],
-    ids=["bidirectional", "attention-softcap", "layer-type"],
+    ids=["bidirectional", "attention-softcap", "layer-type", "no-window", "top-k"],
 )
 def test_an_option_atlas_does_not_run_is_refused_before_any_weight_is_read(raw, match):
     two_layers = dict(raw, num_hidden_layers=2)

@@ -165,10 +165,6 @@ class ModelConfig:
             raise ModelConfigError(
                 f"layer_types has {len(self.layer_types)} entries for num_hidden_layers {self.num_layers}"
             )
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ModelConfigError(
-                f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts = {self.num_experts}]"
-            )
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends over a sliding window."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from atlas.domain.models.cache_groups import CacheGroup, KvShape, attention_groups, locate
 from atlas.domain.models.checkpoint import CheckpointReader
-from atlas.domain.models.config import ModelConfig, ModelConfigError, Rope
+from atlas.domain.models.config import SLIDING_ATTENTION, ModelConfig, ModelConfigError, Rope
 from atlas.domain.models.feed_forward import DenseFeedForward
 from atlas.domain.models.mixers import AttentionMixer
 from atlas.domain.models.rope import rope_table
@@ -25,6 +25,7 @@ from atlas.ports.gpu import DType, GpuBackend, Tensor
 from atlas.ports.kernels.attention import AttentionLayer, HeadLayout, HostAttention
 from atlas.ports.kernels.dense import HostProjection, HostVocab, Vocab
 from atlas.ports.kernels.host_weights import Activation, HostLinear, RmsNorm
+from atlas.ports.kernels.moe import Routing, Scoring
 from atlas.ports.weights import WeightError
 
 ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}
@@ -49,25 +50,36 @@ def activation(config: ModelConfig) -> Activation:
     """The dense GLU's activation named by config.json; `ModelConfigError` for any other."""
     found = ACTIVATIONS.get(config.hidden_act)
     if found is None:
-        raise ModelConfigError(f"hidden_act {config.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        supported = ", ".join(ACTIVATIONS)
+        raise ModelConfigError(f"hidden_act {config.hidden_act!r} is not supported; supported: {supported}")
     return found
 
 
 def check_layer_types(config: ModelConfig, supported: tuple[str, ...]) -> None:
-    """Refuse a `layer_types` entry the family's loader does not build, naming it."""
+    """Refuse a `layer_types` entry the family's loader does not build, and sliding layers
+    without a `sliding_window`, naming the field."""
     unknown = sorted(set(config.layer_types) - set(supported))
     if unknown:
         raise ModelConfigError(
             f"layer_types: {', '.join(unknown)} layers are not supported for {config.architecture}; "
             f"supported: {', '.join(supported)}"
         )
+    if SLIDING_ATTENTION in config.layer_types and config.sliding_window is None:
+        raise ModelConfigError("sliding_window: config.json has sliding_attention layers but no window for them")
+
+
+def routing(config: ModelConfig, renormalize: bool) -> Routing:
+    """Softmax routing to the config's top `num_experts_per_tok` of `num_experts` experts."""
+    experts, top_k = config.num_experts, config.num_experts_per_tok
+    if not 0 < top_k <= experts:
+        raise ModelConfigError(f"num_experts_per_tok: {top_k} must be in [1, num_experts = {experts}]")
+    return Routing(experts, top_k, Scoring.SOFTMAX, renormalize=renormalize)
 
 
 def kv_groups(config: ModelConfig) -> tuple[CacheGroup, ...]:
     """The KV cache groups, each layer declared with its own window (`attention_groups`)."""
-    return attention_groups(
-        [KvShape(config.num_kv_heads, config.head_dim, config.layer_window(layer)) for layer in range(config.num_layers)]
-    )
+    heads, dim = config.num_kv_heads, config.head_dim
+    return attention_groups([KvShape(heads, dim, config.layer_window(layer)) for layer in range(config.num_layers)])
 
 
 def rope_tables(config: ModelConfig, backend: GpuBackend, max_positions: int) -> list[Tensor]:

@@ -22,6 +22,7 @@ from atlas.ports.gpu import GpuBackend, Kind
 from atlas.ports.weights import WeightSource
 
 ARCHITECTURES = ("Gemma3ForCausalLM",)
+QUERY_PRE_ATTN_SCALAR = 256  # transformers' default where config.json names none
 
 
 def kinds(config: ModelConfig) -> frozenset[Kind]:
@@ -53,7 +54,7 @@ def load_gemma3(
     norm = decoder.offset_norms(reader, config.rms_norm_eps)
     groups = decoder.kv_groups(config)
     tables = decoder.rope_tables(config, backend, max_positions)
-    scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+    scale = (config.query_pre_attn_scalar or QUERY_PRE_ATTN_SCALAR) ** -0.5
     options = decoder.AttentionOptions(norm, scale, qk_norm=True, post_norm="post_attention_layernorm")
     hidden, total_steps = config.hidden_size, config.num_layers + 1
     layers = []

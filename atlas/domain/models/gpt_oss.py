@@ -28,7 +28,7 @@ from atlas.domain.models.layers import Layer
 from atlas.domain.models.model import Model
 from atlas.ports.gpu import GpuBackend, Kind
 from atlas.ports.kernels.host_weights import ClampedSwiglu, HostLinear, RmsNorm
-from atlas.ports.kernels.moe import HostMoe, Routing, Scoring
+from atlas.ports.kernels.moe import HostMoe, Routing
 from atlas.ports.weights import WeightSource
 
 ARCHITECTURES = ("GptOssForCausalLM",)
@@ -48,6 +48,7 @@ def load_gpt_oss(
     """Build a `Model` from a GPT-OSS checkpoint (float or MXFP4 experts); raises WeightError
     naming a bad tensor and ModelConfigError naming an option Atlas does not run."""
     decoder.check_layer_types(config, (FULL_ATTENTION, SLIDING_ATTENTION))
+    routing = decoder.routing(config, renormalize=True)  # a softmax over the top-k logits
     reader = CheckpointReader(weights)
     norm = decoder.plain_norms(reader, config.rms_norm_eps)
     groups = decoder.kv_groups(config)
@@ -58,7 +59,7 @@ def load_gpt_oss(
     for index in range(config.num_layers):
         mixer = decoder.attention_mixer(config, reader, backend, index, groups, tables[index], options)
         post_norm = norm(f"model.layers.{index}.post_attention_layernorm.weight", config.hidden_size)
-        layers.append(Layer(mixer, _moe(config, reader, backend, index, post_norm)))
+        layers.append(Layer(mixer, _moe(config, reader, backend, index, post_norm, routing)))
         if progress:
             progress(index + 1, total_steps)
     vocab = decoder.vocabulary(config, reader, backend, norm)
@@ -67,7 +68,9 @@ def load_gpt_oss(
     return Model(backend, vocab, layers, groups, config.hidden_size, config.vocab_size)
 
 
-def _moe(config: ModelConfig, reader: CheckpointReader, backend: GpuBackend, index: int, norm: RmsNorm) -> MoeFeedForward:
+def _moe(
+    config: ModelConfig, reader: CheckpointReader, backend: GpuBackend, index: int, norm: RmsNorm, routing: Routing
+) -> MoeFeedForward:
     prefix = f"model.layers.{index}.mlp"
     experts, hidden, inner = config.num_experts, config.hidden_size, config.moe_intermediate_size
     gate_up = _expert_weight(reader, f"{prefix}.experts.gate_up_proj", experts, 2 * inner, hidden)
@@ -75,7 +78,6 @@ def _moe(config: ModelConfig, reader: CheckpointReader, backend: GpuBackend, ind
     gate_up_bias = reader.array(f"{prefix}.experts.gate_up_proj_bias", (experts, 2 * inner))
     # [gate; up] rows as the MoE kind takes them, from the checkpoint's interleaved ones
     order = np.concatenate([np.arange(0, 2 * inner, 2), np.arange(1, 2 * inner, 2)])
-    routing = Routing(experts, config.num_experts_per_tok, Scoring.SOFTMAX, renormalize=True)
     host = HostMoe(
         input_norm=norm,
         router=reader.linear(f"{prefix}.router", experts, hidden, bias=True),

@@ -20,7 +20,7 @@ from atlas.domain.models.layers import FeedForward, Layer
 from atlas.domain.models.model import Model
 from atlas.ports.gpu import GpuBackend, Kind
 from atlas.ports.kernels.host_weights import Activation, HostLinear, RmsNorm
-from atlas.ports.kernels.moe import HostMoe, Routing, Scoring
+from atlas.ports.kernels.moe import HostMoe, Routing
 from atlas.ports.weights import WeightSource
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -43,6 +43,7 @@ def load_qwen3_moe(
     ModelConfigError naming an option Atlas does not run."""
     decoder.check_layer_types(config, (FULL_ATTENTION, SLIDING_ATTENTION))
     gated = decoder.activation(config)
+    routing = decoder.routing(config, renormalize=config.norm_topk_prob) if Kind.MOE in kinds(config) else None
     reader = CheckpointReader(weights)
     norm = decoder.plain_norms(reader, config.rms_norm_eps)
     groups = decoder.kv_groups(config)
@@ -53,7 +54,7 @@ def load_qwen3_moe(
     for index in range(config.num_layers):
         mixer = decoder.attention_mixer(config, reader, backend, index, groups, tables[index], options)
         post_norm = norm(f"model.layers.{index}.post_attention_layernorm.weight", config.hidden_size)
-        layers.append(Layer(mixer, _feed_forward(config, reader, backend, index, post_norm, gated)))
+        layers.append(Layer(mixer, _feed_forward(config, reader, backend, index, post_norm, gated, routing)))
         if progress:
             progress(index + 1, total_steps)
     vocab = decoder.vocabulary(config, reader, backend, norm)
@@ -63,15 +64,18 @@ def load_qwen3_moe(
 
 
 def _feed_forward(
-    config: ModelConfig, reader: CheckpointReader, backend: GpuBackend, index: int, norm: RmsNorm, gated: Activation
+    config: ModelConfig,
+    reader: CheckpointReader,
+    backend: GpuBackend,
+    index: int,
+    norm: RmsNorm,
+    gated: Activation,
+    routing: Routing | None,
 ) -> FeedForward:
     prefix = f"model.layers.{index}.mlp"
     hidden = config.hidden_size
-    if not config.is_moe_layer(index):
+    if routing is None or not config.is_moe_layer(index):
         return decoder.glu_feed_forward(reader, backend, prefix, (hidden, config.intermediate_size), norm, gated)
-    routing = Routing(
-        config.num_experts, config.num_experts_per_tok, Scoring.SOFTMAX, renormalize=config.norm_topk_prob
-    )
     gate_up, down = _experts(reader, prefix, config.num_experts, hidden, config.moe_intermediate_size)
     host = HostMoe(
         input_norm=norm,
