@@ -48,6 +48,31 @@ FAMILIES: dict[str, dict[str, Any]] = {
         architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=10000.0,
         rope_scaling=dict(rope_type="linear", factor=2.0),
     ),
+    # The families below run transformers' eager attention: its SDPA path has no soft-capping.
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=32, rope_theta=1000000.0,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
+        attn_implementation="eager",
+    ),
+    # Two sliding layers around a full one, each type with its RoPE (the full one scaled); caps
+    # small enough to bend these activations.
+    "gemma3": dict(
+        architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", head_dim=32, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=24,
+        final_logit_softcapping=1.5, hidden_activation="gelu_pytorch_tanh",
+        tie_word_embeddings=True, attn_implementation="eager",
+        rope_parameters=dict(
+            full_attention=dict(rope_type="linear", factor=4.0, rope_theta=1000000.0),
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    # YaRN from a short original context with untruncated ramp ends; a clamp the experts reach.
+    "gpt_oss": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", head_dim=32, intermediate_size=64,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.0, attn_implementation="eager",
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=16.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=64),
+    ),
 }
 
 
@@ -71,8 +96,9 @@ def build_reference(config_dict: dict[str, Any], seed: int = 0):
     tensors = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            # norms initialise to ones: perturb them so a wrong norm weight would show
-            if name.endswith("norm.weight"):
+            # norms initialise to ones (Gemma's to zeros) and biases to zeros: perturb them so a
+            # wrong norm weight or a dropped bias would show
+            if name.endswith("norm.weight") or name.endswith("bias"):
                 param.add_(torch.randn_like(param) * 0.1)
             rounded = param.to(torch.bfloat16)
             param.copy_(rounded.to(torch.float32))

@@ -174,6 +174,89 @@ def test_batched_decode_matches_transformers_within_its_own_bf16_error(config, n
           f"atlas error / transformers-bf16 error at most {worst:.2f}")
 
 
+# The families loaded by qwen3_moe.py, gemma3.py and gpt_oss.py: real configs cut to a few layers
+# (expert counts and sizes, head dims, GQA ratios, vocabularies, windows and RoPE are the real
+# ones). Gemma 3 keeps six layers so its sixth is a full one; the references run transformers'
+# eager attention (GPT-OSS's sinks have no SDPA path).
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+    initializer_range=0.02, attn_implementation="eager",
+)
+GEMMA_3_1B = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
+    intermediate_size=6912, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768, query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window=512,
+    sliding_window_pattern=6, tie_word_embeddings=True, initializer_range=0.02, attn_implementation="eager",
+)
+GPT_OSS_20B = dict(
+    architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+    intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=2, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, layer_types=["sliding_attention", "full_attention"], sliding_window=128,
+    attention_bias=True, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0,
+    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                      original_max_position_embeddings=4096),
+    swiglu_limit=7.0, tie_word_embeddings=False, initializer_range=0.02, attn_implementation="eager",
+)  # fmt: skip
+
+
+def _load_or_skip(config: dict, tensors: dict, backend) -> object:
+    """The model on CUDA, or a skip naming what the CUDA kinds cannot run yet."""
+    from atlas.ports.gpu import MissingKindError, UnsupportedError
+
+    model_config = ModelConfig.from_dict(config)
+    try:
+        return load_model(model_config, DictWeights(tensors), backend, max_positions=2048)
+    except (UnsupportedError, MissingKindError) as exc:
+        pytest.skip(f"{model_config.architecture} does not run on the CUDA backend yet: {exc}")
+
+
+@pytest.mark.parametrize(
+    "config", [QWEN3_30B_A3B, GEMMA_3_1B, GPT_OSS_20B], ids=["qwen3-30b-a3b-2l", "gemma3-1b-6l", "gpt-oss-20b-2l"]
+)
+def test_families_prefill_decode_and_chunk_within_transformers_bf16_error(config, cuda_backend, rng):
+    """Prefills of 1, 17 and 600 tokens in one batch (past the 128- and 512-token windows), a
+    batched decode of each, then a 300-token prompt in two chunks beside decodes: every sampled
+    row within 1.5x transformers' own bf16 error of its float32 logits."""
+    reference, tensors = build_reference(config, seed=11)
+    model = _load_or_skip(config, tensors, cuda_backend)
+    model_config = ModelConfig.from_dict(config)
+    spec = KvCacheSpec(model_config.num_layers, 161, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
+                       DType.BF16)
+    worker = Worker(cuda_backend, model, cuda_backend.attention.allocate_cache(spec), WorkerConfig(1024, 8, 2048))
+    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (1, 17, 600, 300)]
+    free_blocks = [int(b) for b in rng.permutation(160)]
+    tables = []
+    for prompt in prompts:
+        count = -(-(len(prompt) + 2) // BLOCK_SIZE)
+        tables.append(tuple(free_blocks[:count]))
+        free_blocks = free_blocks[count:]
+    decoded = [prompt + [7] for prompt in prompts[:3]]
+    steps = [  # (tokens, start, stop, table) per sequence; every row samples
+        [(prompt, 0, len(prompt), table) for prompt, table in zip(prompts[:3], tables)],
+        [(tokens, len(tokens) - 1, len(tokens), table) for tokens, table in zip(decoded, tables)],
+        [(decoded[0] + [9], len(decoded[0]), len(decoded[0]) + 1, tables[0]), (prompts[3], 0, 150, tables[3])],
+        [(decoded[2] + [9], len(decoded[2]), len(decoded[2]) + 1, tables[2]), (prompts[3], 150, 300, tables[3])],
+    ]
+    exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
+    for step_id, step in enumerate(steps):
+        batch = ScheduledBatch(step_id, tuple(
+            ScheduledSequence(f"s{i}", tuple(tokens[start:stop]), start, table, GREEDY)
+            for i, (tokens, start, stop, table) in enumerate(step)
+        ), BLOCK_SIZE)
+        ours = worker.compute_logits(batch)
+        for row, (tokens, _, stop, _) in enumerate(step):
+            exact = _hf_logits(exact_model, tokens[:stop])[-1]
+            hf_bf16 = _hf_logits(bf16_model, tokens[:stop])[-1]
+            ours_error, hf_error = _relative(ours[row], exact), _relative(hf_bf16, exact)
+            print(f"{config['model_type']} step {step_id} len {stop}: "
+                  f"atlas {ours_error:.2e} transformers-bf16 {hf_error:.2e}")
+            assert ours_error <= 1.5 * hf_error, (step_id, stop, ours_error, hf_error)
+
+
 def _smollm2_dir() -> Path:
     folder = Path(os.environ.get("ATLAS_SMOLLM2_DIR", Path.home() / ".cache/atlas/models/smollm2"))
     if not (folder / "config.json").exists():

@@ -50,7 +50,9 @@ def relative_error(ours, reference):
     return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
 
 
-@pytest.mark.parametrize("family", ["llama3", "smollm2", "mistral", "qwen2", "qwen3", "yarn", "linear"])
+@pytest.mark.parametrize(
+    "family", ["llama3", "smollm2", "mistral", "qwen2", "qwen3", "yarn", "linear", "qwen3_moe", "gemma3", "gpt_oss"]
+)
 def test_mixed_batch_matches_transformers(family, rng):
     config = tiny_config(family)
     reference, tensors = build_reference(config)
@@ -67,7 +69,7 @@ def test_mixed_batch_matches_transformers(family, rng):
         assert relative_error(logits[row], expected) < 1e-4, (family, len(prompt))
 
 
-@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"])
 def test_chunked_prefill_then_decode_matches_transformers(family, rng):
     """A prompt computed in three chunks, then decodes, each step in a batch with a stranger."""
     config = tiny_config(family)

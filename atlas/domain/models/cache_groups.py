@@ -71,3 +71,19 @@ def locate(groups: Sequence[CacheGroup], layer: int) -> tuple[int, int]:
         if layer in group.layers:
             return index, group.index_of(layer)
     raise ValueError(f"layer {layer} is in no cache group")
+
+
+def attention_groups(shapes: Sequence[KvShape]) -> tuple[CacheGroup, ...]:
+    """The cache groups of a model whose every layer attends; `shapes[i]` is layer i's KV shape
+    with its own window.
+
+    The engine serves one KV cache group today (`Model.single_kv_group`), so layers whose shapes
+    differ only in their window (Gemma 3's and GPT-OSS's sliding and full layers) share one group
+    without a window: every layer keeps all its pages and each applies its own window in
+    attention (`AttentionLayer.sliding_window`). That is correct, not memory-saving; once the
+    engine serves several groups this becomes `group_caches(shapes)`, whose sliding groups free
+    the pages that left their window, and no loader changes.
+    """
+    if len({(shape.num_kv_heads, shape.head_dim) for shape in shapes}) == 1 and len(set(shapes)) > 1:
+        shapes = [KvShape(shape.num_kv_heads, shape.head_dim) for shape in shapes]
+    return group_caches(shapes)

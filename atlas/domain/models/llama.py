@@ -8,11 +8,10 @@ kinds, fusing q/k/v and gate/up into single projections; the backend prepares ea
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from atlas.domain.models import decoder
 from atlas.domain.models.cache_groups import CacheGroup, KvShape, group_caches, locate
 from atlas.domain.models.checkpoint import CheckpointReader
-from atlas.domain.models.config import ModelConfig, ModelConfigError
+from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.feed_forward import DenseFeedForward
 from atlas.domain.models.layers import Layer
 from atlas.domain.models.mixers import AttentionMixer
@@ -31,10 +30,6 @@ ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
-ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}
-
-ProgressCallback = Callable[[int, int], None]
-
 
 def kinds(config: ModelConfig) -> frozenset[Kind]:
     """The kernel kinds a model of this family calls."""
@@ -46,12 +41,10 @@ def load_llama_family(
     weights: WeightSource,
     backend: GpuBackend,
     max_positions: int,
-    progress: ProgressCallback | None = None,
+    progress: decoder.ProgressCallback | None = None,
 ) -> Model:
     """Build a `Model` from a Llama-family checkpoint; raises WeightError naming a bad tensor."""
-    activation = ACTIVATIONS.get(config.hidden_act)
-    if activation is None:
-        raise ModelConfigError(f"hidden_act {config.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+    activation = decoder.activation(config)
     reader = CheckpointReader(weights)
     hidden, eps = config.hidden_size, config.rms_norm_eps
     total_steps = config.num_layers + 2

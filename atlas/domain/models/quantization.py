@@ -16,6 +16,8 @@ Accepted (anything else is refused by `read_quantization` with a one-line `Quant
     activation_scheme dynamic, or static with per-tensor weights (`input_scale`)
     modules            every Linear but `modules_to_not_convert` / `ignored_layers` (transformers'
                        rule: a regex ending at a module boundary, or a suffix)
+  quant_method "mxfp4" for GPT-OSS only, whose loader dequantizes the MXFP4 experts to bf16 at
+    load (`mxfp4.py`); `read_quantization` returns None for it, the weights being float after.
 
 MoE experts are Linear modules like any other (`...mlp.experts.7.gate_proj`), and stacked
 expert tensors [E, out, in] carry scales with the same leading dim. Every scale multiplies,
@@ -49,8 +51,9 @@ E4M3_MAX = 448.0  # largest finite E4M3 value; larger magnitudes would cast to N
 BLOCK_SIZE = (128, 128)
 SUPPORTED = (
     "compressed-tensors float-quantized (8-bit float weights per tensor, per channel or in 128x128 blocks) "
-    "and quant_method fp8 (e4m3, per tensor or weight_block_size [128, 128])"
+    "and quant_method fp8 (e4m3, per tensor or weight_block_size [128, 128]); mxfp4 for GPT-OSS"
 )
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)  # their loaders dequantize MXFP4 experts at load
 
 
 class QuantizationError(ModelConfigError):
@@ -140,8 +143,9 @@ class Fp8Checkpoint:
 
 def read_quantization(raw_config: Mapping[str, Any]) -> Fp8Checkpoint | None:
     """Classify config.json's `quantization_config`: None when there is none (bf16/f16/f32
-    weights), an `Fp8Checkpoint` when Atlas can load it; raises `QuantizationError` naming
-    what it cannot load (method, format, bits, strategy, activation scheme, block size)."""
+    weights) or when the loader dequantizes it (MXFP4 experts of `MXFP4_ARCHITECTURES`), an
+    `Fp8Checkpoint` when Atlas can load it; raises `QuantizationError` naming what it cannot
+    load (method, format, bits, strategy, activation scheme, block size, architecture)."""
     config = raw_config.get("quantization_config")
     if config is None:
         return None
@@ -152,6 +156,12 @@ def read_quantization(raw_config: Mapping[str, Any]) -> Fp8Checkpoint | None:
         return _compressed_tensors(config)
     if method == "fp8":
         return _fine_grained_fp8(config)
+    if method == "mxfp4":
+        architecture = (raw_config.get("architectures") or [None])[0]
+        if architecture not in MXFP4_ARCHITECTURES:
+            raise QuantizationError(f"quant_method 'mxfp4' is loaded for {', '.join(MXFP4_ARCHITECTURES)} only, "
+                                    f"not {architecture}")
+        return None
     raise QuantizationError(f"quant_method {method!r} is not supported")
 
 
