@@ -17,10 +17,11 @@ from atlas.app.backends import make_backend
 from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
 from atlas.app.settings import EngineSettings
+from atlas.domain.cache.manager import CacheManager
+from atlas.domain.device_caches import allocate_caches
 from atlas.domain.engine import EngineCore
-from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.manager import full_attention_cache
-from atlas.domain.memory_plan import GIB, check_weights_fit, plan_kv_cache
+from atlas.domain.memory_plan import GIB, CacheDemand, CachePlan, check_weights_fit, plan_cache
+from atlas.domain.models.cache_groups import CacheGroupKind
 from atlas.domain.models.config import ModelConfig, ModelConfigError
 from atlas.domain.models.families import check_supported, kv_cache_scales, load_model
 from atlas.domain.models.model import Model
@@ -29,7 +30,6 @@ from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
 from atlas.domain.worker import Worker, WorkerConfig
 from atlas.ports.gpu import DType, GpuBackend
-from atlas.ports.kernels.attention import KvCacheSpec
 from atlas.ports.tokenizer import Tokenizer
 
 log = logging.getLogger("atlas")
@@ -82,43 +82,34 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     log.info("loading %s (%s, %.2f GiB in bf16) on %s", model_dir, config.architecture, weight_bytes / GIB, backend.name)
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
     model = load_model(config, weights, backend, max_positions=max_model_len, progress=progress.update)
-    kv_shape = model.single_kv_group()
 
     kv_dtype = _kv_dtype(settings.kv_cache_dtype, backend)
     max_num_tokens = settings.max_prefill_tokens
     graph_sizes = () if settings.enforce_eager else _graph_sizes(settings)
     max_rows = max(settings.max_num_seqs, max(graph_sizes, default=0))
-    num_layers = len(model.layers)
-    block_bytes = KvCacheSpec(num_layers, 1, settings.block_size, kv_shape.num_kv_heads, kv_shape.head_dim, kv_dtype)
     kv_budget = settings.kv_cache_gb if settings.kv_cache_gb is not None else (
         MOCK_KV_CACHE_GB if backend.name == "mock" else None
     )
     free_bytes, total_bytes = backend.memory_info()
-    plan = plan_kv_cache(
+    plan = plan_cache(
         free_bytes=free_bytes,
         total_bytes=total_bytes,
         utilization=settings.gpu_memory_utilization,
         reserved_bytes=model.workspace_bytes(max(max_num_tokens, max_rows), max_rows),
-        bytes_per_block=block_bytes.bytes_per_block,
+        groups=model.cache_groups,
+        kv_dtype=kv_dtype,
         block_size=settings.block_size,
-        max_model_len=max_model_len,
+        demand=CacheDemand(settings.max_num_seqs, max_num_tokens, max_model_len),
         kv_budget_bytes=int(kv_budget * GIB) if kv_budget is not None else None,
     )
     scales = kv_cache_scales(config, weights) if kv_dtype.is_quantized else ()
-    spec = KvCacheSpec(
-        num_layers, plan.num_blocks + 1, settings.block_size, kv_shape.num_kv_heads, kv_shape.head_dim, kv_dtype,
-        scales,
-    )
-    kv = backend.attention.allocate_cache(spec)
-    log.info(
-        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
-        plan.num_blocks, settings.block_size, plan.num_tokens, spec.total_bytes / GIB, kv_dtype.value,
-    )
+    caches = allocate_caches(backend, model.cache_groups, plan.num_pages, settings.block_size, kv_dtype, scales)
+    _log_caches(model, plan, kv_dtype)
 
     worker = Worker(
         backend,
         model,
-        kv,
+        caches,
         WorkerConfig(max_num_tokens, settings.max_num_seqs, max_model_len, graph_sizes),
     )
     if worker.graph_batch_sizes:
@@ -131,7 +122,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
             max_num_batched_tokens=max_num_tokens,
             block_size=settings.block_size,
         ),
-        full_attention_cache(BlockPool(plan.num_blocks, settings.block_size), settings.prefix_caching),
+        CacheManager.for_groups(model.cache_groups, plan.num_pages, settings.block_size, settings.prefix_caching),
         POLICIES[settings.scheduling_policy](),
     )
     core = EngineCore(scheduler, worker, max_model_len, config.vocab_size, tokenizer.eos_token_ids)
@@ -146,6 +137,19 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         max_model_len=max_model_len,
         settings=settings,
     )
+
+
+def _log_caches(model: Model, plan: CachePlan, kv_dtype: DType) -> None:
+    for group, pages, size in zip(model.cache_groups, plan.num_pages, plan.bytes_per_page, strict=True):
+        layers = f"{len(group.layers)} of {len(model.layers)} layers"
+        if group.kind is CacheGroupKind.RECURRENT_STATE:
+            log.info("recurrent state: %d slots (%s, %.1f MiB a slot)", pages, layers, size / 2**20)
+            continue
+        window = f", window {group.window}" if group.window is not None else ""
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %s%s, %.2f GiB, %s)",
+            pages, plan.block_size, pages * plan.block_size, layers, window, pages * size / GIB, kv_dtype.value,
+        )
 
 
 def _kv_dtype(name: str, backend: GpuBackend) -> DType:

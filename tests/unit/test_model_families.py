@@ -9,15 +9,15 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from fakes import DictWeights  # noqa: E402
+from helpers.engines import make_worker as worker_over  # noqa: E402
 from tiny_models import build_reference, reference_logits, tiny_config  # noqa: E402
 
 from atlas.adapters.mock.backend import MockGpuBackend  # noqa: E402
 from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
 from atlas.domain.models.config import ModelConfig  # noqa: E402
 from atlas.domain.models.families import kv_cache_scales, load_model  # noqa: E402
-from atlas.domain.worker import Worker, WorkerConfig  # noqa: E402
+from atlas.domain.worker import WorkerConfig  # noqa: E402
 from atlas.ports.gpu import DType  # noqa: E402
-from atlas.ports.kernels.attention import KvCacheSpec  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -30,9 +30,7 @@ def make_worker(config_dict, tensors):
     config = ModelConfig.from_dict(config_dict)
     backend = MockGpuBackend()
     model = load_model(config, DictWeights(tensors), backend, max_positions=config.max_position_embeddings)
-    spec = KvCacheSpec(config.num_layers, NUM_BLOCKS + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
-    kv = backend.attention.allocate_cache(spec)
-    return Worker(backend, model, kv, WorkerConfig(512, 16, config.max_position_embeddings))
+    return worker_over(model, NUM_BLOCKS, BLOCK_SIZE, WorkerConfig(512, 16, config.max_position_embeddings))
 
 
 class BlockAllocator:
@@ -109,9 +107,7 @@ def test_fp8_kv_cache_stays_within_e4m3_precision_of_transformers(family, rng):
     assert kv_scales[1] == (pytest.approx(0.04), pytest.approx(0.01))
     backend = MockGpuBackend()
     model = load_model(model_config, weights, backend, max_positions=model_config.max_position_embeddings)
-    spec = KvCacheSpec(num_layers, NUM_BLOCKS + 1, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
-                       DType.FP8_E4M3, kv_scales)
-    worker = Worker(backend, model, backend.attention.allocate_cache(spec), WorkerConfig(512, 16, 512))
+    worker = worker_over(model, NUM_BLOCKS, BLOCK_SIZE, WorkerConfig(512, 16, 512), DType.FP8_E4M3, kv_scales)
     blocks = BlockAllocator(rng)
     prompts = [list(rng.integers(0, config["vocab_size"], size=n)) for n in (1, 7, 60)]
     sequences = [

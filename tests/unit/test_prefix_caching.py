@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 from helpers.scheduling import (
     BLOCK_SIZE,
+    FULL_ATTENTION,
     NO_EOS,
     VOCAB_SIZE,
     PagedFakeWorker,
@@ -28,7 +29,8 @@ from helpers.scheduling import (
 
 from atlas.domain.batch import BlockTable, ScheduledBatch, StepResult
 from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.groups import FULL_ATTENTION, CacheGroupKind, CacheGroupSpec, KvGroup, StateSlotGroup
+from atlas.domain.cache.groups import KvGroup, StateSlotGroup
+from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, StateShape
 from atlas.domain.cache.manager import CacheManager
 from atlas.domain.requests import FinishReason
 from atlas.domain.scheduler import Scheduler
@@ -287,7 +289,7 @@ def test_random_shared_prefix_workloads_match_the_reference_and_return_every_blo
     assert pool.num_free_blocks == num_blocks
 
 
-SLIDING = CacheGroupSpec(CacheGroupKind.SLIDING_WINDOW, window=6)
+SLIDING = CacheGroupSpec(KvShape(1, 8, sliding_window=6))
 
 
 def windowed_scheduler(full_blocks: int, window_blocks: int, prefix_caching: bool, budget: int = 8, **kwargs):
@@ -362,7 +364,7 @@ def test_random_workloads_over_full_and_sliding_window_groups_match_the_referenc
     assert full.num_free_blocks == full.num_blocks and window.num_free_blocks == window.num_blocks
 
 
-STATE = CacheGroupSpec(CacheGroupKind.RECURRENT_STATE)
+STATE = CacheGroupSpec(StateShape(conv_dim=8, conv_kernel=4, num_heads=1, key_dim=4, value_dim=4))
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -397,5 +399,5 @@ def test_cache_groups_that_cannot_serve_a_step_are_refused_at_construction() -> 
         CacheManager.build([StateSlotGroup(STATE, BlockPool(2, 1))], prefix_caching=True)
     with pytest.raises(ValueError, match="share one block size"):
         CacheManager.build([KvGroup(FULL_ATTENTION, BlockPool(8, 4)), KvGroup(SLIDING, BlockPool(8, 8))], True)
-    with pytest.raises(ValueError, match="needs window"):
-        CacheGroupSpec(CacheGroupKind.SLIDING_WINDOW)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        KvShape(1, 8, sliding_window=1)

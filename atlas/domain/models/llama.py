@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from atlas.domain.models.cache_groups import CacheGroup, KvShape, group_caches, locate
+from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, group_caches, locate
 from atlas.domain.models.checkpoint import CheckpointReader
 from atlas.domain.models.config import ModelConfig, ModelConfigError
 from atlas.domain.models.feed_forward import DenseFeedForward
@@ -87,7 +87,7 @@ def _layer(
     index: int,
     activation: Activation,
     table: Tensor,
-    groups: tuple[CacheGroup, ...],
+    groups: tuple[CacheGroupSpec, ...],
 ) -> Layer:
     prefix = f"model.layers.{index}"
     hidden, head_dim, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
