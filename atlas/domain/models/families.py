@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from atlas.domain.models import llama
+from atlas.domain.models import llama, qwen3_next
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.model import Model
 from atlas.ports.gpu import GpuBackend, Kind, require_kinds
@@ -22,6 +22,7 @@ class Family:
 
 
 _FAMILIES: dict[str, Family] = {name: Family(llama.kinds, llama.load_llama_family) for name in llama.ARCHITECTURES}
+_FAMILIES.update({name: Family(qwen3_next.kinds, qwen3_next.load_qwen3_next) for name in qwen3_next.ARCHITECTURES})
 
 
 class UnsupportedArchitectureError(ValueError):
