@@ -166,3 +166,16 @@ def test_a_sliding_window_model_serves_from_released_blocks_and_graphs_as_transf
     assert peak <= 3 * 7 + 64 // 4, peak
     for index, prompt in enumerate(prompts):
         assert teacher_forced_gap(reference, prompt, tokens[f"r{index}"], logprobs[f"r{index}"]) < 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_atlas_doctor_finds_every_layer_within_the_noise(family, tmp_path):
+    """The family's checkpoint as transformers writes it, through `atlas doctor` on the mock:
+    every layer's hidden state within float32 summation error of transformers'."""
+    from atlas.app.doctor import run_doctor
+    from tiny_models import write_model_folder
+
+    write_model_folder(tmp_path, family, num_hidden_layers=2)
+    report = run_doctor(str(tmp_path), device="mock", write=lambda line: None)
+    assert report.passed and report.reference is not None and len(report.layers) == 2
+    assert max(check.error for check in report.layers) < 1e-5 and report.logits_error < 1e-5

@@ -139,6 +139,22 @@ def test_decode_graphs_pad_into_the_scratch_slot_and_give_the_eager_tokens(check
     assert graphed.executor.cache_layout.state_scratch_slots == (4,)
 
 
+def test_atlas_doctor_finds_every_layer_within_the_noise_in_float32_and_bf16(checkpoint):
+    """Float32 on the mock: summation-order error only. bf16 activations: within three times
+    transformers' own bf16 error, layer by layer."""
+    from atlas.app.doctor import run_doctor
+
+    folder, _ = checkpoint
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    exact = run_doctor(str(folder), device="mock", prompt=prompt, write=lambda line: None)
+    assert exact.passed and [check.kind for check in exact.layers] == [
+        "gated deltanet + moe", "gated attention + moe", "gated deltanet + dense", "gated attention + moe"
+    ]
+    assert max(check.error for check in exact.layers) < 1e-5
+    rounded = run_doctor(str(folder), device="mock", dtype="bf16", prompt=prompt, write=lambda line: None)
+    assert rounded.passed and all(check.error > 1e-4 for check in rounded.layers)  # it did round
+
+
 def test_a_backend_without_the_recurrent_and_moe_kinds_is_refused_naming_them(checkpoint):
     folder, _ = checkpoint
 
