@@ -134,9 +134,16 @@ class KvGroup:
 class StateSlotGroup:
     """Recurrent-state slots (conv + SSM state), one per running sequence.
 
-    Its pool's pages are slots (`block_size` 1). Prefix hits would need snapshots of the
-    state at block boundaries, which are not kept yet, so this group serves no hit: a model with
-    recurrent layers computes every prompt in full.
+    Its pool's pages are slots (`block_size` 1). A slot's state is reset by the kernels, not
+    here: a sequence computing from its first token starts from zero (`RecurrentMetadata`), so
+    a new or preempted sequence never reads what a slot held before.
+
+    Prefix hits would need the state at the hit's last block boundary, which is not kept, so
+    this group serves no hit and a model with recurrent layers computes every prompt in full.
+    Keeping it needs the recurrent kinds to write the state at block boundaries inside a step
+    (their chunked form has it only at chunk ends) into snapshot pages, and a copy from a
+    snapshot into a slot at admission; a snapshot is a whole state (some 75 MiB for
+    Qwen3-Next-80B), so only a few per prompt are affordable (docs/architecture.md).
     """
 
     __slots__ = ("spec", "pool")
