@@ -11,6 +11,10 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+# the loader's row orders of Qwen3-Next's in_proj_qkvz and in_proj_ba, for the tests that map
+# transformers' weights by hand
+from atlas.domain.models.qwen3_next import ba_rows, qkvz_rows  # noqa: F401
+
 BASE = dict(
     vocab_size=512,
     hidden_size=128,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,7 +78,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
 
     backend = make_backend(settings.device, config.model_type, settings.dtype)
     free_bytes, total_bytes = backend.memory_info()
-    weight_bytes = 2 * config.num_parameters()
+    weight_bytes = _weight_bytes(weights)
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
     log.info("loading %s (%s, %.2f GiB in bf16) on %s", model_dir, config.architecture, weight_bytes / GIB, backend.name)
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
@@ -137,6 +138,17 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         max_model_len=max_model_len,
         settings=settings,
     )
+
+
+def _weight_bytes(weights: SafetensorsWeights) -> int:
+    """What the checkpoint's tensors take on a device in bf16, read from the headers alone
+    (every family, MoE experts included); a multi-token-prediction head (`mtp.*`) is loaded only
+    when speculative decoding asks for it, so it is not counted."""
+    total = 0
+    for name in weights.names():
+        if not name.startswith("mtp."):
+            total += math.prod(weights.shape(name))
+    return 2 * total
 
 
 def _log_caches(model: Model, plan: CachePlan, kv_dtype: DType) -> None:

@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from atlas.domain.models.qwen3_next import ba_rows, qkvz_rows  # noqa: E402
+from tiny_models import ba_rows, qkvz_rows  # noqa: E402
 
 from atlas.adapters.mock.backend import MockGpuBackend  # noqa: E402
 from atlas.domain.models.cache_groups import KvShape, StateShape, group_caches, locate  # noqa: E402
