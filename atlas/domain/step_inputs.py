@@ -104,18 +104,12 @@ def build_step_inputs(batch: ScheduledBatch, layout: CacheLayout, num_sample_slo
     num_tokens = int(query_start[-1])
     token_seq = np.repeat(np.arange(num_seqs), query_lens)  # the sequence of each token row
     positions = (np.arange(num_tokens) + np.repeat(starts - query_start[:-1], query_lens)).astype(np.int32)
-    for seq in sequences:
-        # a lone full-attention group's table is `block_ids` (no `kv_block_tables`)
-        if (len(seq.kv_block_tables) or 1) != layout.num_kv_groups or len(seq.state_slots) != layout.num_state_groups:
-            raise ValueError(
-                f"sequence {seq.seq_id!r} carries {len(seq.block_tables)} block tables and {len(seq.state_slots)} "
-                f"state slots for {layout.num_kv_groups} KV and {layout.num_state_groups} recurrent groups"
-            )
+    lone = _check_groups(sequences, layout)
     block_tables = np.empty((num_seqs, layout.num_kv_groups, layout.table_width), np.int32)
     slot_mapping = np.empty((layout.num_kv_groups, num_tokens), np.int32)
     for group in range(layout.num_kv_groups):
         table = block_tables[:, group]
-        _fill_table(table, sequences, group, layout, seq_lens)
+        _fill_table(table, sequences, group, layout, seq_lens, lone)
         slot_mapping[group] = table[token_seq, positions // block_size] * block_size + positions % block_size
     samples = np.fromiter((seq.sampling is not None for seq in sequences), bool, num_seqs)
     token_gather = np.arange(num_sample_slots, num_sample_slots + num_tokens, dtype=np.int32)
@@ -140,8 +134,30 @@ def build_step_inputs(batch: ScheduledBatch, layout: CacheLayout, num_sample_slo
     )
 
 
+def _check_groups(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -> bool:
+    """Whether the batch's tables are `block_ids` alone (a lone full-attention group, with no
+    `kv_block_tables`). Raises ValueError unless every sequence carries a table per KV group
+    and a slot per recurrent group."""
+    shapes = {(len(seq.kv_block_tables), len(seq.state_slots)) for seq in sequences}
+    expected = {(layout.num_kv_groups, layout.num_state_groups)}
+    if layout.num_kv_groups == 1:
+        expected.add((0, layout.num_state_groups))
+    if shapes - expected:
+        seq = next(s for s in sequences if (len(s.kv_block_tables), len(s.state_slots)) not in expected)
+        raise ValueError(
+            f"sequence {seq.seq_id!r} carries {len(seq.block_tables)} block tables and {len(seq.state_slots)} "
+            f"state slots for {layout.num_kv_groups} KV and {layout.num_state_groups} recurrent groups"
+        )
+    return all(num_tables == 0 for num_tables, _ in shapes)
+
+
 def _fill_table(
-    table: np.ndarray, sequences: Sequence[ScheduledSequence], group: int, layout: CacheLayout, seq_lens: np.ndarray
+    table: np.ndarray,
+    sequences: Sequence[ScheduledSequence],
+    group: int,
+    layout: CacheLayout,
+    seq_lens: np.ndarray,
+    lone: bool,
 ) -> None:
     """Write KV group `group`'s block table of each sequence into `table` [S, W]: entry i is
     block i's page, the group's scratch block where the sequence holds none (released from a
@@ -150,11 +166,11 @@ def _fill_table(
         first_block_idx 2, block_ids (7, 3), scratch 99:   [99 99 7 3 99 99 ...]
     """
     num_seqs, width = len(sequences), layout.table_width
-    if group == 0 and not any(seq.kv_block_tables for seq in sequences):  # a lone full-attention group
-        held = [seq.block_ids for seq in sequences]
+    if lone:
+        held: Sequence[tuple[int, ...]] = [seq.block_ids for seq in sequences]
         firsts = np.zeros(num_seqs, np.int32)
     else:
-        tables = [seq.kv_block_tables[group] for seq in sequences]
+        tables = [seq.block_tables[group] for seq in sequences]
         held = [t.block_ids for t in tables]
         firsts = np.fromiter((t.first_block_idx for t in tables), np.int32, num_seqs)
     counts = np.fromiter((len(ids) for ids in held), np.int32, num_seqs)
@@ -165,11 +181,12 @@ def _fill_table(
             raise ValueError(f"sequence {seq.seq_id!r} has {covered[index]} blocks, more than {width}")
         raise ValueError(f"sequence {seq.seq_id!r}: {covered[index]} blocks cannot hold {seq.context_len} tokens")
     table[...] = layout.kv_scratch_blocks[group]
-    columns = np.arange(width)
+    columns = np.arange(width, dtype=np.int32)  # (int32 against int32: no promotion per element)
+    held_entries = columns < covered[:, None]
+    if not lone:
+        held_entries &= columns >= firsts[:, None]
     # a row-major boolean mask takes the concatenated tables in order
-    table[(columns >= firsts[:, None]) & (columns < covered[:, None])] = np.fromiter(
-        itertools.chain.from_iterable(held), np.int32, int(counts.sum())
-    )
+    table[held_entries] = np.fromiter(itertools.chain.from_iterable(held), np.int32, int(counts.sum()))
 
 
 def _state_slots(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -> np.ndarray:
