@@ -116,6 +116,9 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
         worker.capture_graphs()
+    cache = CacheManager.for_groups(model.cache_groups, plan.num_pages, settings.block_size, settings.prefix_caching)
+    if settings.prefix_caching and not cache.caches_prefixes:
+        log.info("prefix caching is off: the recurrent layers keep no state at block boundaries to start a hit from")
     scheduler = Scheduler(
         SchedulerConfig(
             max_model_len=max_model_len,
@@ -123,7 +126,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
             max_num_batched_tokens=max_num_tokens,
             block_size=settings.block_size,
         ),
-        CacheManager.for_groups(model.cache_groups, plan.num_pages, settings.block_size, settings.prefix_caching),
+        cache,
         POLICIES[settings.scheduling_policy](),
     )
     core = EngineCore(scheduler, worker, max_model_len, config.vocab_size, tokenizer.eos_token_ids)

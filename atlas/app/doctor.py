@@ -35,6 +35,7 @@ from atlas.adapters.weights.safetensors import SafetensorsWeights
 from atlas.app.backends import make_backend
 from atlas.app.builder import read_model_config
 from atlas.app.model_store import resolve_model
+from atlas.app.progress import Progress
 from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence
 from atlas.domain.device_caches import allocate_caches
 from atlas.domain.models.families import check_supported, load_model
@@ -110,10 +111,12 @@ def run_doctor(
     prompt: str = DEFAULT_PROMPT,
     reference: str | None = None,
     write: Write = print,
+    show_progress: bool = True,
 ) -> DoctorReport:
-    """Compare Atlas with transformers layer by layer on `prompt` and print the table (see the
-    module docstring). Raises ValueError for what the user can fix: an unknown model or
-    architecture, an empty prompt, a device that is not there."""
+    """Compare Atlas with transformers layer by layer on `prompt` and print the table through
+    `write` (see the module docstring; weight-loading progress goes to stderr). Raises
+    ValueError for what the user can fix: an unknown model or architecture, an empty prompt, a
+    device that is not there."""
     model_dir = resolve_model(model)
     config = read_model_config(model_dir)
     check_supported(config)
@@ -124,7 +127,9 @@ def run_doctor(
     dtype_name = backend.capabilities.activation_dtype.value
     write(f"atlas doctor: {model_dir} ({config.architecture}), {len(token_ids)} prompt tokens, {backend.name} {dtype_name}")
     write(f"running Atlas on {backend.capabilities.device_name} ...")
-    loaded = load_model(config, SafetensorsWeights(model_dir), backend, max_positions=len(token_ids))
+    progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
+    loaded = load_model(config, SafetensorsWeights(model_dir), backend, max_positions=len(token_ids),
+                        progress=progress.update)
     hidden, logits = _atlas_states(loaded, token_ids)
     reference_dir = resolve_model(reference) if reference is not None else model_dir
     states = _transformers_states(reference_dir, token_ids, len(loaded.layers), write)

@@ -370,7 +370,8 @@ STATE = CacheGroupSpec(StateShape(conv_dim=8, conv_kernel=4, num_heads=1, key_di
 @pytest.mark.parametrize("seed", range(3))
 def test_a_recurrent_state_group_gives_each_running_sequence_its_own_slot(seed: int) -> None:
     """A hybrid model (full attention + recurrent layers): one slot per running sequence bounds
-    how many run at once; without state snapshots nothing is served from the prefix cache."""
+    how many run at once; without state snapshots no hit could be served, so the prefix cache
+    is off and keeps nothing."""
     rng = random.Random(200 + seed)
     full, slots = BlockPool(16, BLOCK_SIZE), BlockPool(3, 1)
     cache = CacheManager.build([KvGroup(FULL_ATTENTION, full), StateSlotGroup(STATE, slots)], prefix_caching=True)
@@ -385,8 +386,9 @@ def test_a_recurrent_state_group_gives_each_running_sequence_its_own_slot(seed: 
 
     run_random_workload(rng, scheduler, worker, sequences, pipelined=bool(seed % 2), observe=observe)
     assert_reference_tokens(sequences, num_states=1)
-    assert max(running) == 3 and scheduler.cache.stats().num_hit_tokens == 0
-    assert slots.num_free_blocks == 3
+    stats = scheduler.cache.stats()
+    assert max(running) == 3 and stats.num_hit_tokens == 0 and stats.num_blocks_cached == 0
+    assert slots.num_free_blocks == 3 and full.num_free_blocks == 16
 
 
 def test_cache_groups_that_cannot_serve_a_step_are_refused_at_construction() -> None:

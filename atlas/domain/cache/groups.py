@@ -43,6 +43,11 @@ class CacheGroup(Protocol):
         """Whether a cached page is useful only below its parent's (the radix tree's rule)."""
         ...
 
+    @property
+    def serves_prefix_hits(self) -> bool:
+        """Whether a sequence can ever start from this group's cached pages."""
+        ...
+
     def num_pages(self, num_tokens: int) -> int:
         """Pages covering a sequence of `num_tokens` tokens, released ones included."""
         ...
@@ -92,6 +97,10 @@ class KvGroup:
     @property
     def is_prefix_closed(self) -> bool:
         return self.spec.window is None
+
+    @property
+    def serves_prefix_hits(self) -> bool:
+        return True
 
     def num_pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -160,6 +169,10 @@ class StateSlotGroup:
     @property
     def is_prefix_closed(self) -> bool:
         return False
+
+    @property
+    def serves_prefix_hits(self) -> bool:
+        return False  # no state snapshots (see the class docstring)
 
     def num_pages(self, num_tokens: int) -> int:
         return 1 if num_tokens > 0 else 0

@@ -101,8 +101,11 @@ class CacheManager:
 
     @classmethod
     def build(cls, groups: SequenceList[CacheGroup], prefix_caching: bool) -> CacheManager:
-        """A manager with a radix prefix cache, or with `NoPrefixCache` when caching is off."""
-        tree = RadixTree([group.is_prefix_closed for group in groups]) if prefix_caching else NoPrefixCache(len(groups))
+        """A manager with a radix prefix cache, or with `NoPrefixCache` when caching is off or
+        some group serves no prefix hit (recurrent state): a hit needs every group, so nothing
+        cached could be reused."""
+        caching = prefix_caching and all(group.serves_prefix_hits for group in groups)
+        tree = RadixTree([group.is_prefix_closed for group in groups]) if caching else NoPrefixCache(len(groups))
         return cls(groups, tree)
 
     @classmethod
@@ -119,6 +122,11 @@ class CacheManager:
             for spec, count in zip(specs, num_pages, strict=True)
         ]
         return cls.build(groups, prefix_caching)
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether blocks are kept for later prompts (caching on, and every group can serve a hit)."""
+        return isinstance(self.tree, RadixTree)
 
     def begin_step(self) -> None:
         """A new step is being built: blocks computed by earlier steps are readable now."""
