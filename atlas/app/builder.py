@@ -158,7 +158,7 @@ def _log_caches(model: Model, plan: CachePlan, kv_dtype: DType) -> None:
     for group, pages, size in zip(model.cache_groups, plan.num_pages, plan.bytes_per_page, strict=True):
         layers = f"{len(group.layers)} of {len(model.layers)} layers"
         if group.kind is CacheGroupKind.RECURRENT_STATE:
-            log.info("recurrent state: %d slots (%s, %.1f MiB a slot)", pages, layers, size / 2**20)
+            log.info("recurrent state: %d slots (%s, %.1f KiB a slot)", pages, layers, size / 2**10)
             continue
         window = f", window {group.window}" if group.window is not None else ""
         log.info(
