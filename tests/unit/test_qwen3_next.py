@@ -155,6 +155,32 @@ def test_atlas_doctor_finds_every_layer_within_the_noise_in_float32_and_bf16(che
     assert rounded.passed and all(check.error > 1e-4 for check in rounded.layers)  # it did round
 
 
+def test_a_reused_state_slot_starts_from_zero_whatever_it_held(checkpoint, rng):
+    """Sequence a fills slot 0 (a prompt and a decode), then b starts in slot 0 over a's pages:
+    b's logits are those b gets on a fresh worker, so nothing of a's state leaks."""
+    from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence
+
+    folder, reference = checkpoint
+    greedy = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+    a, b = _prompts(reference.config.vocab_size, lengths=(21, 13), seed=7)
+
+    def step(seq_id, tokens, start):
+        blocks = tuple(range(-(-(start + len(tokens)) // BLOCK_SIZE)))
+        return ScheduledSequence(seq_id, tuple(tokens), start, blocks, greedy, kv_block_tables=(BlockTable(blocks),),
+                                 state_slots=(0,))
+
+    def worker():
+        model = load_model(_config(folder), SafetensorsWeights(folder), MockGpuBackend(), max_positions=128)
+        return make_worker(model, 8, BLOCK_SIZE, WorkerConfig(64, 2, 128))
+
+    used = worker()
+    used.compute_logits(ScheduledBatch(0, (step("a", a, 0),), BLOCK_SIZE))
+    used.compute_logits(ScheduledBatch(1, (step("a", [5], len(a)),), BLOCK_SIZE))
+    reused = used.compute_logits(ScheduledBatch(2, (step("b", b, 0),), BLOCK_SIZE))
+    fresh = worker().compute_logits(ScheduledBatch(0, (step("b", b, 0),), BLOCK_SIZE))
+    np.testing.assert_array_equal(reused, fresh)
+
+
 def test_a_backend_without_the_recurrent_and_moe_kinds_is_refused_naming_them(checkpoint):
     folder, _ = checkpoint
 
