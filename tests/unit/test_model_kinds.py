@@ -47,3 +47,25 @@ def test_layers_with_the_same_per_sequence_state_share_a_group():
     assert [locate(groups, layer) for layer in (0, 1, 2, 3, 4, 6)] == [(0, 0), (1, 0), (1, 1), (0, 1), (2, 0), (2, 1)]
     with pytest.raises(ValueError, match="layer 5"):
         locate(groups, 5)
+
+
+def test_each_group_gets_a_device_cache_one_page_past_its_pool_and_a_pool_of_its_own():
+    """A hybrid declaration (full attention, a window, recurrent state): the device caches hold
+    the pool's pages and the scratch page, FP8 scales go to the group of their layer, and the
+    cache manager's pools follow the same counts."""
+    from atlas.domain.cache.manager import CacheManager
+    from atlas.domain.device_caches import allocate_caches, scratch_page
+    from atlas.ports.gpu import DType
+
+    full, window, state = KvShape(2, 16), KvShape(2, 16, 32), StateShape(48, 4, 2, 8, 8)
+    groups = group_caches([full, window, state, full, state])
+    scales = tuple((0.5 + layer, 1.0) for layer in range(5))
+    caches = allocate_caches(MockGpuBackend(), groups, (6, 4, 3), 8, DType.FP8_E4M3, scales)
+    assert [cache.spec.num_blocks for cache in caches[:2]] == [7, 5] and caches[2].spec.num_slots == 4
+    assert caches[0].spec.scales == ((0.5, 1.0), (3.5, 1.0)) and caches[1].spec.scales == ((1.5, 1.0),)
+    assert caches[2].spec.num_layers == 2 and [scratch_page(cache) for cache in caches] == [6, 4, 3]
+    manager = CacheManager.for_groups(groups, (6, 4, 3), 8, prefix_caching=True)
+    assert [(group.pool.num_blocks, group.pool.block_size) for group in manager.groups] == [(6, 8), (4, 8), (3, 1)]
+    assert not manager.caches_prefixes  # a recurrent group serves no hit
+    with pytest.raises(ValueError, match="2 page counts for 3 cache groups"):
+        allocate_caches(MockGpuBackend(), groups, (6, 4), 8, DType.F32)
