@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,10 +18,11 @@ from atlas.app.backends import make_backend
 from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
 from atlas.app.settings import EngineSettings
+from atlas.domain.cache.manager import CacheManager
+from atlas.domain.device_caches import allocate_caches
 from atlas.domain.engine import EngineCore
-from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.manager import full_attention_cache
-from atlas.domain.memory_plan import GIB, check_weights_fit, plan_kv_cache
+from atlas.domain.memory_plan import GIB, CacheDemand, CachePlan, check_weights_fit, plan_cache
+from atlas.domain.models.cache_groups import CacheGroupKind
 from atlas.domain.models.config import ModelConfig, ModelConfigError
 from atlas.domain.models.families import check_supported, kv_cache_scales, load_model
 from atlas.domain.models.model import Model
@@ -29,7 +31,6 @@ from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
 from atlas.domain.worker import Worker, WorkerConfig
 from atlas.ports.gpu import DType, GpuBackend
-from atlas.ports.kernels.attention import KvCacheSpec
 from atlas.ports.tokenizer import Tokenizer
 
 log = logging.getLogger("atlas")
@@ -77,53 +78,47 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
 
     backend = make_backend(settings.device, config.model_type, settings.dtype)
     free_bytes, total_bytes = backend.memory_info()
-    weight_bytes = 2 * config.num_parameters()
+    weight_bytes = _weight_bytes(weights)
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
     log.info("loading %s (%s, %.2f GiB in bf16) on %s", model_dir, config.architecture, weight_bytes / GIB, backend.name)
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
     model = load_model(config, weights, backend, max_positions=max_model_len, progress=progress.update)
-    kv_shape = model.single_kv_group()
 
     kv_dtype = _kv_dtype(settings.kv_cache_dtype, backend)
     max_num_tokens = settings.max_prefill_tokens
     graph_sizes = () if settings.enforce_eager else _graph_sizes(settings)
     max_rows = max(settings.max_num_seqs, max(graph_sizes, default=0))
-    num_layers = len(model.layers)
-    block_bytes = KvCacheSpec(num_layers, 1, settings.block_size, kv_shape.num_kv_heads, kv_shape.head_dim, kv_dtype)
     kv_budget = settings.kv_cache_gb if settings.kv_cache_gb is not None else (
         MOCK_KV_CACHE_GB if backend.name == "mock" else None
     )
     free_bytes, total_bytes = backend.memory_info()
-    plan = plan_kv_cache(
+    plan = plan_cache(
         free_bytes=free_bytes,
         total_bytes=total_bytes,
         utilization=settings.gpu_memory_utilization,
         reserved_bytes=model.workspace_bytes(max(max_num_tokens, max_rows), max_rows),
-        bytes_per_block=block_bytes.bytes_per_block,
+        groups=model.cache_groups,
+        kv_dtype=kv_dtype,
         block_size=settings.block_size,
-        max_model_len=max_model_len,
+        demand=CacheDemand(settings.max_num_seqs, max_num_tokens, max_model_len),
         kv_budget_bytes=int(kv_budget * GIB) if kv_budget is not None else None,
     )
     scales = kv_cache_scales(config, weights) if kv_dtype.is_quantized else ()
-    spec = KvCacheSpec(
-        num_layers, plan.num_blocks + 1, settings.block_size, kv_shape.num_kv_heads, kv_shape.head_dim, kv_dtype,
-        scales,
-    )
-    kv = backend.attention.allocate_cache(spec)
-    log.info(
-        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
-        plan.num_blocks, settings.block_size, plan.num_tokens, spec.total_bytes / GIB, kv_dtype.value,
-    )
+    caches = allocate_caches(backend, model.cache_groups, plan.num_pages, settings.block_size, kv_dtype, scales)
+    _log_caches(model, plan, kv_dtype)
 
     worker = Worker(
         backend,
         model,
-        kv,
+        caches,
         WorkerConfig(max_num_tokens, settings.max_num_seqs, max_model_len, graph_sizes),
     )
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
         worker.capture_graphs()
+    cache = CacheManager.for_groups(model.cache_groups, plan.num_pages, settings.block_size, settings.prefix_caching)
+    if settings.prefix_caching and not cache.caches_prefixes:
+        log.info("prefix caching is off: the recurrent layers keep no state at block boundaries to start a hit from")
     scheduler = Scheduler(
         SchedulerConfig(
             max_model_len=max_model_len,
@@ -131,7 +126,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
             max_num_batched_tokens=max_num_tokens,
             block_size=settings.block_size,
         ),
-        full_attention_cache(BlockPool(plan.num_blocks, settings.block_size), settings.prefix_caching),
+        cache,
         POLICIES[settings.scheduling_policy](),
     )
     core = EngineCore(scheduler, worker, max_model_len, config.vocab_size, tokenizer.eos_token_ids)
@@ -146,6 +141,30 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         max_model_len=max_model_len,
         settings=settings,
     )
+
+
+def _weight_bytes(weights: SafetensorsWeights) -> int:
+    """What the checkpoint's tensors take on a device in bf16, read from the headers alone
+    (every family, MoE experts included); a multi-token-prediction head (`mtp.*`) is loaded only
+    when speculative decoding asks for it, so it is not counted."""
+    total = 0
+    for name in weights.names():
+        if not name.startswith("mtp."):
+            total += math.prod(weights.shape(name))
+    return 2 * total
+
+
+def _log_caches(model: Model, plan: CachePlan, kv_dtype: DType) -> None:
+    for group, pages, size in zip(model.cache_groups, plan.num_pages, plan.bytes_per_page, strict=True):
+        layers = f"{len(group.layers)} of {len(model.layers)} layers"
+        if group.kind is CacheGroupKind.RECURRENT_STATE:
+            log.info("recurrent state: %d slots (%s, %.1f KiB a slot)", pages, layers, size / 2**10)
+            continue
+        window = f", window {group.window}" if group.window is not None else ""
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %s%s, %.2f GiB, %s)",
+            pages, plan.block_size, pages * plan.block_size, layers, window, pages * size / GIB, kv_dtype.value,
+        )
 
 
 def _kv_dtype(name: str, backend: GpuBackend) -> DType:

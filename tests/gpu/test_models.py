@@ -95,7 +95,7 @@ def test_random_real_configs_match_transformers_within_its_own_bf16_error(config
     model = load_model(model_config, DictWeights(tensors), cuda_backend, max_positions=2048)
     spec = KvCacheSpec(model_config.num_layers, 129, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
                        DType.BF16)
-    worker = Worker(cuda_backend, model, cuda_backend.attention.allocate_cache(spec), WorkerConfig(1024, 8, 2048))
+    worker = Worker(cuda_backend, model, (cuda_backend.attention.allocate_cache(spec),), WorkerConfig(1024, 8, 2048))
     prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (1, 17, 500)]
     free_blocks = list(rng.permutation(128))
     tables = []
@@ -145,8 +145,8 @@ def test_batched_decode_matches_transformers_within_its_own_bf16_error(config, n
     spec = KvCacheSpec(model_config.num_layers, num_seqs * blocks_per_seq + 1, BLOCK_SIZE, model_config.num_kv_heads,
                        model_config.head_dim, kv_dtype)
     kv = cuda_backend.attention.allocate_cache(spec)
-    eager_worker = Worker(cuda_backend, model, kv, WorkerConfig(2048, num_seqs, 2048))
-    graph_worker = Worker(cuda_backend, model, kv, WorkerConfig(2048, num_seqs, 2048, graph_batch_sizes=(num_seqs,)))
+    eager_worker = Worker(cuda_backend, model, (kv,), WorkerConfig(2048, num_seqs, 2048))
+    graph_worker = Worker(cuda_backend, model, (kv,), WorkerConfig(2048, num_seqs, 2048, graph_batch_sizes=(num_seqs,)))
     prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=int(n))]
                for n in rng.integers(5, 2 * BLOCK_SIZE - 2, size=num_seqs)]
     tables = [tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
@@ -307,16 +307,15 @@ def _engine(backend, graph_sizes):
     from fakes import random_llama_weights
 
     from atlas.domain.engine import EngineCore
-    from atlas.domain.cache.block_pool import BlockPool
-    from atlas.domain.cache.manager import full_attention_cache
+    from atlas.domain.cache.manager import CacheManager
     from atlas.domain.scheduler import Scheduler, SchedulerConfig
 
     config = ModelConfig.from_dict(SMALL_LLAMA)
     model = load_model(config, DictWeights(random_llama_weights(SMALL_LLAMA, seed=5, scale=0.1)), backend, 512)
     spec = KvCacheSpec(config.num_layers, 201, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
-    worker = Worker(backend, model, backend.attention.allocate_cache(spec), WorkerConfig(256, 16, 512, graph_sizes))
+    worker = Worker(backend, model, (backend.attention.allocate_cache(spec),), WorkerConfig(256, 16, 512, graph_sizes))
     worker.capture_graphs()
-    scheduler = Scheduler(SchedulerConfig(512, 16, 256, BLOCK_SIZE), full_attention_cache(BlockPool(200, BLOCK_SIZE)))
+    scheduler = Scheduler(SchedulerConfig(512, 16, 256, BLOCK_SIZE), CacheManager.for_groups(model.cache_groups, (200,), BLOCK_SIZE, True))
     return EngineCore(scheduler, worker, 512, 512, frozenset())
 
 
@@ -333,7 +332,7 @@ def test_graph_replay_with_device_side_tokens_matches_eager_logits(cuda_backend,
         model = load_model(config, DictWeights(random_llama_weights(SMALL_LLAMA, seed=5, scale=0.1)), cuda_backend, 512)
         spec = KvCacheSpec(config.num_layers, 101, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
         kv = cuda_backend.attention.allocate_cache(spec)
-        return Worker(cuda_backend, model, kv, WorkerConfig(256, 16, 512, graph_sizes))
+        return Worker(cuda_backend, model, (kv,), WorkerConfig(256, 16, 512, graph_sizes))
 
     graphed, eager = worker((4, 8, 16)), worker(())
     prompts = [tuple(int(t) for t in rng.integers(0, 512, size=int(n))) for n in rng.integers(2, 40, size=11)]

@@ -108,9 +108,14 @@ def weight_bytes_per_step(engine: LoadedEngine) -> int:
 
 
 def kv_bytes_per_token(engine: LoadedEngine) -> int:
-    config = engine.config
-    itemsize = engine.core.executor.kv.spec.dtype.itemsize
-    return config.kv_bytes_per_token_per_dtype_byte * itemsize
+    """K and V bytes a token of context costs a decode step: those of every attention layer (one
+    of a sliding window reads at most its window; counted in full here)."""
+    caches = engine.core.executor.caches
+    return sum(
+        cache.spec.bytes_per_block // cache.spec.block_size
+        for group, cache in zip(engine.model.cache_groups, caches, strict=True)
+        if group.kind.is_kv
+    )
 
 
 def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_tokens: int,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from atlas.domain.models.cache_groups import CacheGroup, KvShape, attention_groups, locate
+from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, group_caches, locate
 from atlas.domain.models.checkpoint import CheckpointReader
 from atlas.domain.models.config import SLIDING_ATTENTION, ModelConfig, ModelConfigError, Rope
 from atlas.domain.models.feed_forward import DenseFeedForward
@@ -76,10 +76,11 @@ def routing(config: ModelConfig, renormalize: bool) -> Routing:
     return Routing(experts, top_k, Scoring.SOFTMAX, renormalize=renormalize)
 
 
-def kv_groups(config: ModelConfig) -> tuple[CacheGroup, ...]:
-    """The KV cache groups, each layer declared with its own window (`attention_groups`)."""
+def kv_groups(config: ModelConfig) -> tuple[CacheGroupSpec, ...]:
+    """The KV cache groups, each layer declared with its own window: sliding layers form groups
+    of their own, whose pages are released once they leave the window."""
     heads, dim = config.num_kv_heads, config.head_dim
-    return attention_groups([KvShape(heads, dim, config.layer_window(layer)) for layer in range(config.num_layers)])
+    return group_caches([KvShape(heads, dim, config.layer_window(layer)) for layer in range(config.num_layers)])
 
 
 def rope_tables(config: ModelConfig, backend: GpuBackend, max_positions: int) -> list[Tensor]:
@@ -116,7 +117,7 @@ def attention_mixer(
     reader: CheckpointReader,
     backend: GpuBackend,
     index: int,
-    groups: tuple[CacheGroup, ...],
+    groups: tuple[CacheGroupSpec, ...],
     table: Tensor,
     options: AttentionOptions,
 ) -> AttentionMixer:

@@ -9,7 +9,7 @@ kinds, fusing q/k/v and gate/up into single projections; the backend prepares ea
 from __future__ import annotations
 
 from atlas.domain.models import decoder
-from atlas.domain.models.cache_groups import CacheGroup, KvShape, group_caches, locate
+from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, group_caches, locate
 from atlas.domain.models.checkpoint import CheckpointReader
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.feed_forward import DenseFeedForward
@@ -80,7 +80,7 @@ def _layer(
     index: int,
     activation: Activation,
     table: Tensor,
-    groups: tuple[CacheGroup, ...],
+    groups: tuple[CacheGroupSpec, ...],
 ) -> Layer:
     prefix = f"model.layers.{index}"
     hidden, head_dim, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
