@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from atlas.domain.models.cache_groups import CacheGroup, KvShape
 from atlas.domain.models.layers import Layer, LayerStep, Workspace
@@ -39,8 +40,34 @@ class StepTensors:
     recurrent: RecurrentMetadata | None = None  # the state slots, for models with recurrent layers
 
 
+class VocabEnds(Protocol):
+    """The loop's two ends: token ids into the residual stream, and the logits of sampled rows."""
+
+    def embed(self, backend: GpuBackend, token_ids: Tensor, out: Tensor) -> None:
+        """out [N, H] = the embedding rows of token_ids [N] i32."""
+        ...
+
+    def logits(self, backend: GpuBackend, hidden: Tensor, out: Tensor) -> None:
+        """out [R, V] f32 = the logits of hidden [R, H] (only read)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceVocab:
+    """The vocabulary on one device: the dense kind's `embed` and `logits`."""
+
+    vocab: Vocab
+
+    def embed(self, backend: GpuBackend, token_ids: Tensor, out: Tensor) -> None:
+        backend.dense.embed(token_ids, self.vocab, out)
+
+    def logits(self, backend: GpuBackend, hidden: Tensor, out: Tensor) -> None:
+        backend.dense.logits(hidden, self.vocab, out)
+
+
 class Model:
-    """A loaded model: its prepared weights on a backend and the forward loop over them."""
+    """A loaded model: its prepared weights on a backend and the forward loop over them.
+    `ends` replaces the dense kind's vocabulary ends (a tensor-parallel rank's split vocabulary)."""
 
     def __init__(
         self,
@@ -50,9 +77,11 @@ class Model:
         cache_groups: Sequence[CacheGroup],
         hidden_size: int,
         vocab_size: int,
+        ends: VocabEnds | None = None,
     ) -> None:
         self.backend = backend
         self.vocab = vocab
+        self.ends = ends if ends is not None else DeviceVocab(vocab)
         self.layers = tuple(layers)
         self.cache_groups = tuple(cache_groups)
         self.hidden_size = hidden_size
@@ -111,7 +140,7 @@ class Model:
         backend = self.backend
         num_tokens = step.meta.num_tokens
         residual = workspace.residual.rows(0, num_tokens)
-        backend.dense.embed(step.token_ids, self.vocab, residual)
+        self.ends.embed(backend, step.token_ids, residual)
         layer_step = LayerStep(backend, num_tokens, step.meta, step.recurrent, caches, workspace)
         for layer in self.layers:
             layer.mixer.forward(layer_step, residual)
@@ -122,7 +151,7 @@ class Model:
         else:
             sample_hidden = workspace.sample_hidden.rows(0, num_sample_rows)
             backend.gather_rows(residual, step.sample_indices, sample_hidden)
-        backend.dense.logits(sample_hidden, self.vocab, logits)
+        self.ends.logits(backend, sample_hidden, logits)
         return logits
 
     def _needs(self) -> tuple[list[int], int, int]:
