@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.adapters.weights.safetensors import SafetensorsWeights
@@ -17,7 +19,7 @@ from atlas.app.backends import make_backend
 from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
 from atlas.app.settings import EngineSettings
-from atlas.domain.engine import EngineCore
+from atlas.domain.engine import EngineCore, StepExecutor
 from atlas.domain.cache.block_pool import BlockPool
 from atlas.domain.cache.manager import full_attention_cache
 from atlas.domain.memory_plan import GIB, check_weights_fit, plan_kv_cache
@@ -31,6 +33,7 @@ from atlas.domain.worker import Worker, WorkerConfig
 from atlas.ports.gpu import DType, GpuBackend
 from atlas.ports.kernels.attention import KvCacheSpec
 from atlas.ports.tokenizer import Tokenizer
+from atlas.ports.weights import WeightSource
 
 log = logging.getLogger("atlas")
 
@@ -41,17 +44,66 @@ _KV_DTYPES = {"bf16": DType.BF16, "f16": DType.F16, "f32": DType.F32, "fp8": DTy
 
 @dataclass
 class LoadedEngine:
-    """Everything a front end needs: the engine core, the tokenizer and the model's identity."""
+    """Everything a front end needs: the engine core, the tokenizer and the model's identity.
+
+    A model on rank processes (`parallel_engine.py`) has no backend or model in this process;
+    `close` stops its ranks, and `watch` reports their failure (a rank that died while idle)."""
 
     core: EngineCore
     tokenizer: Tokenizer
     config: ModelConfig
     model_dir: Path
     model_name: str
-    backend: GpuBackend
-    model: Model
+    backend: GpuBackend | None
+    model: Model | None
     max_model_len: int
     settings: EngineSettings
+    on_close: Callable[[], None] = lambda: None
+    on_watch: Callable[[Callable[[str], None]], None] = field(default=lambda callback: None)
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (rank processes)."""
+        self.on_close()
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """Call `on_failure(message)` if the engine's other processes fail outside a step."""
+        self.on_watch(on_failure)
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """The largest step a worker runs: tokens, and rows sampled (also its graphs' batch)."""
+
+    max_tokens: int
+    max_rows: int
+
+
+class ModelPlacement(Protocol):
+    """Where the weights go: the whole model on one device, or one tensor-parallel rank's part
+    (`rank_engine.RankPart`)."""
+
+    def make_backend(self, settings: EngineSettings, config: ModelConfig) -> GpuBackend: ...
+
+    def weight_bytes(self, config: ModelConfig) -> int:
+        """The weights' device bytes, for the check before loading."""
+        ...
+
+    def load(self, config: ModelConfig, weights: WeightSource, backend: GpuBackend, max_positions: int,
+             limits: StepLimits, progress: Callable[[int, int], None]) -> Model: ...
+
+
+class OneDevice:
+    """The whole model on one device."""
+
+    def make_backend(self, settings: EngineSettings, config: ModelConfig) -> GpuBackend:
+        return make_backend(settings.device, config.model_type, settings.dtype)
+
+    def weight_bytes(self, config: ModelConfig) -> int:
+        return 2 * config.num_parameters()
+
+    def load(self, config: ModelConfig, weights: WeightSource, backend: GpuBackend, max_positions: int,
+             limits: StepLimits, progress: Callable[[int, int], None]) -> Model:
+        return load_model(config, weights, backend, max_positions=max_positions, progress=progress)
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
@@ -65,8 +117,17 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
-def build_engine(settings: EngineSettings, show_progress: bool = True) -> LoadedEngine:
-    """Load a model and wire an engine; every user mistake raises a ValueError naming the fix."""
+def build_engine(
+    settings: EngineSettings, show_progress: bool = True, placement: ModelPlacement | None = None
+) -> LoadedEngine:
+    """Load a model and wire an engine; every user mistake raises a ValueError naming the fix.
+    With --tensor-parallel-size > 1 (or expert parallelism) the model runs on rank processes
+    (`parallel_engine.py`); each rank builds its part through here with its `placement`."""
+    if placement is None and settings.is_parallel:
+        from atlas.app.parallel_engine import build_parallel_engine
+
+        return build_parallel_engine(settings, show_progress)
+    placement = placement or OneDevice()
     model_dir = resolve_model(settings.model)
     config = read_model_config(model_dir)
     check_supported(config)
@@ -75,19 +136,20 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     weights = SafetensorsWeights(model_dir)
     max_model_len = settings.max_seq_len or config.max_position_embeddings
 
-    backend = make_backend(settings.device, config.model_type, settings.dtype)
+    backend = placement.make_backend(settings, config)
     free_bytes, total_bytes = backend.memory_info()
-    weight_bytes = 2 * config.num_parameters()
+    weight_bytes = placement.weight_bytes(config)
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
     log.info("loading %s (%s, %.2f GiB in bf16) on %s", model_dir, config.architecture, weight_bytes / GIB, backend.name)
-    progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
-    model = load_model(config, weights, backend, max_positions=max_model_len, progress=progress.update)
-    kv_shape = model.single_kv_group()
-
-    kv_dtype = _kv_dtype(settings.kv_cache_dtype, backend)
     max_num_tokens = settings.max_prefill_tokens
     graph_sizes = () if settings.enforce_eager else _graph_sizes(settings)
     max_rows = max(settings.max_num_seqs, max(graph_sizes, default=0))
+    limits = StepLimits(max(max_num_tokens, max_rows), max_rows)
+    progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
+    model = placement.load(config, weights, backend, max_model_len, limits, progress.update)
+    kv_shape = model.single_kv_group()
+
+    kv_dtype = _kv_dtype(settings.kv_cache_dtype, backend)
     num_layers = len(model.layers)
     block_bytes = KvCacheSpec(num_layers, 1, settings.block_size, kv_shape.num_kv_heads, kv_shape.head_dim, kv_dtype)
     kv_budget = settings.kv_cache_gb if settings.kv_cache_gb is not None else (
@@ -98,7 +160,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         free_bytes=free_bytes,
         total_bytes=total_bytes,
         utilization=settings.gpu_memory_utilization,
-        reserved_bytes=model.workspace_bytes(max(max_num_tokens, max_rows), max_rows),
+        reserved_bytes=model.workspace_bytes(limits.max_tokens, limits.max_rows),
         bytes_per_block=block_bytes.bytes_per_block,
         block_size=settings.block_size,
         max_model_len=max_model_len,
@@ -124,17 +186,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
         worker.capture_graphs()
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_model_len=max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=max_num_tokens,
-            block_size=settings.block_size,
-        ),
-        full_attention_cache(BlockPool(plan.num_blocks, settings.block_size), settings.prefix_caching),
-        POLICIES[settings.scheduling_policy](),
-    )
-    core = EngineCore(scheduler, worker, max_model_len, config.vocab_size, tokenizer.eos_token_ids)
+    core = make_core(settings, plan.num_blocks, worker, max_model_len, config.vocab_size, tokenizer)
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,
@@ -146,6 +198,22 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         max_model_len=max_model_len,
         settings=settings,
     )
+
+
+def make_core(settings: EngineSettings, num_blocks: int, executor: StepExecutor, max_model_len: int,
+              vocab_size: int, tokenizer: Tokenizer) -> EngineCore:
+    """The engine core over `num_blocks` KV blocks, driving `executor`."""
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_prefill_tokens,
+            block_size=settings.block_size,
+        ),
+        full_attention_cache(BlockPool(num_blocks, settings.block_size), settings.prefix_caching),
+        POLICIES[settings.scheduling_policy](),
+    )
+    return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids)
 
 
 def _kv_dtype(name: str, backend: GpuBackend) -> DType:
