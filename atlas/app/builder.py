@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.adapters.weights.safetensors import SafetensorsWeights
@@ -34,6 +34,9 @@ from atlas.ports.gpu import DType, GpuBackend
 from atlas.ports.kernels.attention import KvCacheSpec
 from atlas.ports.tokenizer import Tokenizer
 from atlas.ports.weights import WeightSource
+
+if TYPE_CHECKING:
+    from atlas.app.parallel_engine import RankExecutor
 
 log = logging.getLogger("atlas")
 
@@ -60,6 +63,7 @@ class LoadedEngine:
     settings: EngineSettings
     on_close: Callable[[], None] = lambda: None
     on_watch: Callable[[Callable[[str], None]], None] = field(default=lambda callback: None)
+    ranks: RankExecutor | None = None  # the executor over the rank processes, if any
 
     def close(self) -> None:
         """Release what the engine holds outside this process (rank processes)."""

@@ -20,13 +20,23 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections import deque
 
 import msgspec
 
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.app.builder import LoadedEngine, make_core, read_model_config
 from atlas.app.model_store import resolve_model
-from atlas.app.rank_engine import CollectStep, RankLoaded, RunStep, decode_result, model_rank, on_mock
+from atlas.app.rank_engine import (
+    CollectStep,
+    MeasureRank,
+    RankLoaded,
+    RankMeasures,
+    RunStep,
+    decode_result,
+    model_rank,
+    on_mock,
+)
 from atlas.app.ranks import RankFailure, RankGroup
 from atlas.app.settings import EngineSettings, SettingsError
 from atlas.domain.batch import ScheduledBatch, StepResult
@@ -41,18 +51,33 @@ MAX_MOCK_RANKS = 8
 
 
 class RankExecutor:
-    """The engine core's `StepExecutor` over a rank group (see the module docstring)."""
+    """The engine core's `StepExecutor` over a rank group (see the module docstring). Steps are
+    collected in the order they were submitted: asking for a later one collects the earlier."""
 
     def __init__(self, group: RankGroup) -> None:
         self._group = group
         self._encode = msgspec.msgpack.Encoder().encode
+        self._in_flight: deque[PendingRankStep] = deque()
 
     def submit(self, batch: ScheduledBatch) -> PendingRankStep:
         self._group.send(self._encode(RunStep(batch)))
-        return PendingRankStep(self, batch.step_id)
+        pending = PendingRankStep(self, batch.step_id)
+        self._in_flight.append(pending)
+        return pending
 
-    def collect(self, step_id: int) -> StepResult:
-        """Every rank's result of `step_id` (the oldest in flight); RankFailure when they differ."""
+    def collect_until(self, pending: PendingRankStep) -> None:
+        """Collect every step in flight up to `pending`. RankFailure when a rank failed or the
+        ranks' results differ."""
+        while pending.is_pending:
+            oldest = self._in_flight.popleft()
+            oldest.resolve(self._collect(oldest.step_id))
+
+    def measure(self, batch_sizes: list[int]) -> list[RankMeasures]:
+        """Every rank's device ceilings and its share of a decode step (`atlas bench`)."""
+        return [msgspec.msgpack.decode(reply, type=RankMeasures)
+                for reply in self._group.step(self._encode(MeasureRank(batch_sizes)))]
+
+    def _collect(self, step_id: int) -> StepResult:
         replies = self._group.step(self._encode(CollectStep(step_id)))
         for rank, reply in enumerate(replies[1:], start=1):
             if reply != replies[0]:
@@ -64,12 +89,18 @@ class RankExecutor:
 class PendingRankStep:
     def __init__(self, executor: RankExecutor, step_id: int) -> None:
         self._executor = executor
-        self._step_id = step_id
+        self.step_id = step_id
         self._result: StepResult | None = None
 
+    @property
+    def is_pending(self) -> bool:
+        return self._result is None
+
+    def resolve(self, result: StepResult) -> None:
+        self._result = result
+
     def result(self) -> StepResult:
-        if self._result is None:
-            self._result = self._executor.collect(self._step_id)
+        self._executor.collect_until(self)
         return self._result
 
 
@@ -113,7 +144,8 @@ def build_parallel_engine(settings: EngineSettings, show_progress: bool = True) 
     num_blocks = min(rank.num_blocks for rank in loaded)
     log.info("%d ranks loaded (%.2f GiB of weights each on %s); KV cache: %d blocks of %d tokens per rank",
              world, loaded[0].weight_bytes / GIB, loaded[0].device_name, num_blocks, settings.block_size)
-    core = make_core(settings, num_blocks, RankExecutor(group), max_model_len, config.vocab_size, tokenizer)
+    executor = RankExecutor(group)
+    core = make_core(settings, num_blocks, executor, max_model_len, config.vocab_size, tokenizer)
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,
@@ -125,6 +157,7 @@ def build_parallel_engine(settings: EngineSettings, show_progress: bool = True) 
         max_model_len=max_model_len,
         settings=settings,
         on_close=owner.close,
+        ranks=executor,
         on_watch=lambda callback: group.watch(lambda failure: callback(str(failure))),
     )
 

@@ -54,7 +54,22 @@ class CollectStep(msgspec.Struct, tag=True):
     step_id: int
 
 
-RankMessage = RunStep | CollectStep
+class MeasureRank(msgspec.Struct, tag=True):
+    """`atlas bench`: measure the rank's device and its share of decode steps of these sizes."""
+
+    batch_sizes: list[int]
+
+
+class RankMeasures(msgspec.Struct):
+    device_name: str
+    copy_bytes_per_s: float
+    gemm_flops_per_s: float
+    weight_bytes_per_step: int  # what one decode step of this rank reads
+    kv_bytes_per_token: int  # per token of context, this rank's KV heads
+    collective_s: list[float]  # per decode step of each batch size asked
+
+
+RankMessage = RunStep | CollectStep | MeasureRank
 
 
 class RankPart:
@@ -130,6 +145,8 @@ class ModelRank:
         if isinstance(message, RunStep):
             self._pending.append((message.batch.step_id, self._executor.submit(message.batch)))
             return b""
+        if isinstance(message, MeasureRank):
+            return self._encode(self._measure(message.batch_sizes))
         step_id, pending = self._pending.popleft()
         if step_id != message.step_id:
             raise RuntimeError(f"collect of step {message.step_id}, but step {step_id} is the oldest in flight")
@@ -137,6 +154,17 @@ class ModelRank:
 
     def close(self) -> None:
         self._part.close()
+
+    def _measure(self, batch_sizes: list[int]) -> RankMeasures:
+        from atlas.app.bench.ranks import measure_rank, rank_kv_bytes_per_token, rank_weight_bytes_per_step
+
+        engine, part = self._engine, self._part
+        if engine.backend is None or engine.model is None or part.comm is None:
+            raise RuntimeError("the rank has no device model to measure")
+        copy, gemm, collective_s = measure_rank(engine.backend, part.comm, engine.model, batch_sizes)
+        itemsize = self._executor.kv.spec.dtype.itemsize
+        return RankMeasures(engine.backend.capabilities.device_name, copy, gemm, rank_weight_bytes_per_step(engine.config, part.placement),
+                            rank_kv_bytes_per_token(engine.config, part.placement, itemsize), collective_s)
 
 
 def on_mock(device: str) -> bool:

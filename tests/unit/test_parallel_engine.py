@@ -4,6 +4,7 @@ their fix; a rank that dies stops the engine process, which names it; nothing is
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -90,3 +91,22 @@ async def test_a_rank_killed_while_idle_stops_the_engine_process_naming_it(model
     assert not health.is_healthy and health.detail == "engine failed: rank 1 was killed by SIGKILL"
     assert engine._process.returncode is not None
     assert all_gone(pids)
+
+
+def test_the_engine_bench_on_two_ranks_reports_each_ranks_roofline_and_its_collectives(model, tmp_path):
+    from atlas.app.cli import main
+
+    report_path = tmp_path / "bench.json"
+    code = main(["bench", "engine", str(model), "--device", "mock", "--tensor-parallel-size", "2", "--batch-sizes",
+                 "1,2", "--decode-tokens", "4", "--context", "16", "--kv-cache-gb", "0.01", "--json",
+                 str(report_path)])
+    assert code == 0
+    report = json.loads(report_path.read_text())
+    assert report["ranks"] == 2 and report["device"].startswith("2 ranks of numpy")
+    config = json.loads((model / "config.json").read_text())
+    one_device = LLM.from_settings(settings(model), show_progress=False).engine
+    whole_bytes = 2 * one_device.config.num_parameters() - 2 * config["vocab_size"] * config["hidden_size"]
+    assert report["weight_gb_per_step"] * 1e9 == pytest.approx(whole_bytes / 2, rel=1e-6)
+    assert [row["batch"] for row in report["decode"]] == [1, 2]
+    assert all(row["collective_ms"] > 0 and 0 < row["roofline_fraction"] for row in report["decode"])
+    assert not rank_pids()

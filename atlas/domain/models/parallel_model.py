@@ -15,6 +15,7 @@ norms, routers, a replicated KV head).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from atlas.domain.models.cache_groups import CacheGroup
 from atlas.domain.models.config import ModelConfig
@@ -46,7 +47,7 @@ from atlas.domain.models.sharding import (
 )
 from atlas.domain.parallel import RankPlacement
 from atlas.ports.comm import CommBackend
-from atlas.ports.gpu import GpuBackend
+from atlas.ports.gpu import DType, GpuBackend
 from atlas.ports.kernels.dense import HostProjection, HostVocab
 from atlas.ports.kernels.moe import HostMoe
 from atlas.ports.weights import WeightSource
@@ -188,3 +189,26 @@ def load_rank_model(
     backend, then `shard_model`. Raises what `load_model` does, and `ShardingError`."""
     described = load_model(config, DeferredWeights(weights), DescribingBackend(backend), max_positions, progress)
     return shard_model(described, backend, comm, placement, max_tokens, max_rows)
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    """One collective of a step: `all_reduce` of a [rows, width] tensor in place, or
+    `all_gather` of each rank's [rows, width] into [t * rows, width]."""
+
+    op: str
+    rows: int
+    width: int
+    dtype: DType
+
+
+def step_collectives(model: Model, num_tokens: int, num_rows: int) -> list[Collective]:
+    """The collectives one step of `num_tokens` tokens and `num_rows` sampled rows makes on a
+    rank's model, in order: the embedding's all-reduce, one all-reduce per mixer and per
+    feed-forward, the logits' all-gather (what `atlas bench` times)."""
+    ends = model.ends
+    if not isinstance(ends, ParallelVocab):
+        return []
+    dtype = model.backend.capabilities.activation_dtype
+    reduce = Collective("all_reduce", num_tokens, model.hidden_size, dtype)
+    return [reduce] * (1 + 2 * len(model.layers)) + [Collective("all_gather", num_rows, ends.local_size, DType.F32)]
