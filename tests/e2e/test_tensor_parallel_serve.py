@@ -48,14 +48,20 @@ def test_two_ranks_answer_the_sdk_like_one_device_and_stopping_leaves_nothing(tw
     assert "Traceback" not in two_ranks.log_path.read_text()
 
 
-def test_killing_a_rank_makes_the_server_exit_naming_it_without_hanging(two_ranks):
-    processes = descendants(two_ranks.process.pid)
-    victim = rank_pids(two_ranks.process.pid)[1]
+@pytest.mark.parametrize("mode", [[], ["--single-process"]], ids=["engine-process", "single-process"])
+def test_killing_a_rank_makes_the_server_exit_naming_it_without_hanging(tiny_model, tmp_path, mode):
+    live = LiveServer(tiny_server_args(tiny_model, "--tensor-parallel-size", "2", *mode), tmp_path / "server.log")
+    live.wait_ready()
+    processes = descendants(live.process.pid)
+    victim = rank_pids(live.process.pid)[1]
     os.kill(victim, signal.SIGKILL)
     started = time.monotonic()
-    assert two_ranks.process.wait(30) == 2  # EXIT_FATAL
+    try:
+        assert live.process.wait(30) == 2  # EXIT_FATAL
+    finally:
+        live.stop()
     print(f"exited {time.monotonic() - started:.2f} s after the kill")
     assert all_gone(processes)
-    log = two_ranks.log()
+    log = live.log_path.read_text()
     assert "engine stopped: rank 1 was killed by SIGKILL" in log
     assert "atlas: error: rank 1 was killed by SIGKILL" in log

@@ -47,7 +47,7 @@ def test_two_ranks_generate_what_one_device_does_and_closing_leaves_no_rank(mode
             assert [output.outputs[0].token_ids for output in two.generate(prompts, params)] == expected
         assert two.engine.core.stats().num_blocks_free == two.engine.core.stats().num_blocks_total
     finally:
-        two.engine.close()
+        two.close()
     assert all_gone(pids)
 
 
