@@ -121,6 +121,14 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
+def open_weights(model_dir: Path, config: ModelConfig) -> WeightSource:
+    """The folder's safetensors, or the generated weights of a benchmark folder that has none
+    (`atlas bench --random` of a model too large to write; see `bench/random_model.py`)."""
+    from atlas.app.bench.random_model import open_generated
+
+    return open_generated(model_dir, config.raw) or SafetensorsWeights(model_dir)
+
+
 def build_engine(
     settings: EngineSettings, show_progress: bool = True, placement: ModelPlacement | None = None
 ) -> LoadedEngine:
@@ -137,7 +145,7 @@ def build_engine(
     check_supported(config)
     check_quantization(config.raw, loadable=())  # FP8 weights load once the dense kind takes them
     tokenizer = HfTokenizer.from_folder(model_dir)
-    weights = SafetensorsWeights(model_dir)
+    weights = open_weights(model_dir, config)
     max_model_len = settings.max_seq_len or config.max_position_embeddings
 
     backend = placement.make_backend(settings, config)

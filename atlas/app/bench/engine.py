@@ -104,7 +104,8 @@ def _model_folder(args: argparse.Namespace) -> Path | str:
 
         if args.random not in CONFIGS:
             raise ValueError(f"--random {args.random!r} is not a known config; known: {', '.join(CONFIGS)}")
-        return write_random_model(args.random, atlas_home() / "bench" / args.random)
+        # transformers reads files; Atlas alone generates the weights as it loads them
+        return write_random_model(args.random, atlas_home() / "bench" / args.random, files=args.reference == "hf")
     if not args.model:
         raise ValueError("atlas bench engine needs a MODEL or --random CONFIG (e.g. --random llama-3.1-8b)")
     from atlas.app.model_store import resolve_model
