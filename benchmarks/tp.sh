@@ -3,7 +3,7 @@
 # important first, each step time-boxed; logs and JSON in $OUT, a short table last.
 #   source .devkit/env.sh && bash benchmarks/tp.sh            (every step that fits the GPUs here)
 #   bash benchmarks/tp.sh check llama8b                        (some steps)
-# Steps: check (tests/gpu/test_tensor_parallel.py: vs transformers, graphs = eager bits),
+# Steps: check (tests/gpu/test_parallel_models.py: vs transformers, graphs = eager bits),
 #   llama8b (8B batch 1, TP=2 vs TP=1), llama70b (70B shape, TP=4, batch 1 vs the per-rank
 #   roofline; 4 GPUs), allreduce (decode-size all-reduce, P2P vs NCCL), qwen3moe (Qwen3-30B-A3B,
 #   expert parallel 2 vs one GPU, batch 64), table.
@@ -27,7 +27,7 @@ DEFAULT="check llama8b allreduce qwen3moe table"
 [ "$GPUS" -ge 4 ] && DEFAULT="check llama8b llama70b allreduce qwen3moe table"
 for step in ${*:-$DEFAULT}; do case $step in
   check) filter="tp2 or ep2"; [ "$GPUS" -ge 4 ] && filter="tp2 or ep2 or tp4"
-         run check 420 python3 -m pytest tests/gpu/test_tensor_parallel.py -m gpu -q -s -k "$filter" ;;
+         run check 420 python3 -m pytest tests/gpu/test_parallel_models.py -m gpu -q -s -k "$filter" ;;
   llama8b) bench llama8b-tp1 240 llama-3.1-8b 1
            bench llama8b-tp2 240 llama-3.1-8b 1 --tensor-parallel-size 2 ;;
   llama70b) bench llama70b-tp4 480 llama-3.1-70b 1 --tensor-parallel-size 4 ;;

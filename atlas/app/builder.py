@@ -133,7 +133,7 @@ def build_engine(
     settings: EngineSettings, show_progress: bool = True, placement: ModelPlacement | None = None
 ) -> LoadedEngine:
     """Load a model and wire an engine; every user mistake raises a ValueError naming the fix.
-    With --tensor-parallel-size > 1 (or expert parallelism) the model runs on rank processes
+    With --tensor-parallel-size > 1 the model runs on rank processes
     (`parallel_engine.py`); each rank builds its part through here with its `placement`."""
     if placement is None and settings.is_parallel:
         from atlas.app.parallel_engine import build_parallel_engine

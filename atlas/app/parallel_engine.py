@@ -127,6 +127,8 @@ def build_parallel_engine(settings: EngineSettings, show_progress: bool = True) 
     check_supported(config)
     check_quantization(config.raw, loadable=())
     mock = on_mock(settings.device)
+    if settings.dtype == "f32" and not mock:
+        raise SettingsError("--dtype f32 runs only on the mock backend; the CUDA kernels compute in bf16")
     check_parallel_sizes(settings, ShardedSizes.of(config), MAX_MOCK_RANKS if mock else _gpu_count())
     tokenizer = HfTokenizer.from_folder(model_dir)
     max_model_len = settings.max_seq_len or config.max_position_embeddings

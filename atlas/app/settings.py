@@ -44,8 +44,8 @@ class EngineSettings:
 
     @property
     def is_parallel(self) -> bool:
-        """Whether the model runs on rank processes (several devices, or expert placement)."""
-        return self.tensor_parallel_size > 1 or self.enable_expert_parallel
+        """Whether the model runs on rank processes, one per device."""
+        return self.tensor_parallel_size > 1
 
     def __post_init__(self) -> None:
         _choice("--device", self.device, DEVICES)
@@ -71,6 +71,11 @@ class EngineSettings:
         if not 1 <= self.tensor_parallel_size <= MAX_RANKS:
             raise SettingsError(
                 f"--tensor-parallel-size must be between 1 and {MAX_RANKS} (got {self.tensor_parallel_size})"
+            )
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise SettingsError(
+                "--enable-expert-parallel places the experts over the --tensor-parallel-size ranks; "
+                "give --tensor-parallel-size 2 or more"
             )
 
 

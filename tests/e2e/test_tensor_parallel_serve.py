@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import openai
 import pytest
-from conftest import LiveServer, tiny_server_args
+from conftest import DEVICE, LiveServer, tiny_server_args
 
 from helpers.processes import all_gone, descendants, rank_pids
 
@@ -18,34 +19,44 @@ pytestmark = pytest.mark.e2e
 MESSAGES = [{"role": "user", "content": "Tell me about the weather on the hills."}]
 
 
-@pytest.fixture
-def two_ranks(tiny_model, tmp_path):
-    live = LiveServer(tiny_server_args(tiny_model, "--tensor-parallel-size", "2"), tmp_path / "server.log")
-    yield live.wait_ready()
-    live.stop()
-
-
 def _client(live: LiveServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=live.v1, api_key="unused", max_retries=0)
 
 
-def test_two_ranks_answer_the_sdk_like_one_device_and_stopping_leaves_nothing(two_ranks, server):
-    processes = descendants(two_ranks.process.pid)
-    assert len(rank_pids(two_ranks.process.pid)) == 2
-    for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
-        answers = [
-            _client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, **sampling)
-            .choices[0].message.content
-            for live in (server, two_ranks)
-        ]
-        assert answers[0] and answers[1] == answers[0]
-    stream = _client(two_ranks).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, n=2,
-                                                        temperature=1.0, seed=3, stream=True)
-    finished = [choice.finish_reason for chunk in stream for choice in chunk.choices if choice.finish_reason]
-    assert sorted(finished) == ["length", "length"]
-    assert two_ranks.stop() == 0
+def _gpu_memory_used_mib() -> list[int]:
+    """Per GPU on a CUDA run (nvidia-smi sees the whole device, inside containers too); [] on the mock."""
+    if DEVICE != "cuda":
+        return []
+    listing = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout
+    return [int(line) for line in listing.split()][:2]
+
+
+def test_two_ranks_answer_the_sdk_like_one_device_and_stopping_leaves_nothing(server, tiny_model, tmp_path):
+    memory_before = _gpu_memory_used_mib()
+    two_ranks = LiveServer(tiny_server_args(tiny_model, "--tensor-parallel-size", "2"), tmp_path / "server.log")
+    try:
+        two_ranks.wait_ready()
+        processes = descendants(two_ranks.process.pid)
+        assert len(rank_pids(two_ranks.process.pid)) == 2
+        for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
+            answers = [
+                _client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, **sampling)
+                .choices[0].message.content
+                for live in (server, two_ranks)
+            ]
+            assert answers[0] and answers[1] == answers[0]
+        stream = _client(two_ranks).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, n=2,
+                                                            temperature=1.0, seed=3, stream=True)
+        finished = [choice.finish_reason for chunk in stream for choice in chunk.choices if choice.finish_reason]
+        assert sorted(finished) == ["length", "length"]
+        assert two_ranks.stop() == 0
+    finally:
+        two_ranks.stop()
     assert all_gone(processes)
     assert "Traceback" not in two_ranks.log_path.read_text()
+    for before, after in zip(memory_before, _gpu_memory_used_mib()):
+        assert after <= before + 64, (memory_before, after)  # the ranks' memory is free again
 
 
 @pytest.mark.parametrize("mode", [[], ["--single-process"]], ids=["engine-process", "single-process"])

@@ -1,4 +1,4 @@
-"""Rank processes for the multi-GPU tensor-parallel checks (test_tensor_parallel.py).
+"""Rank processes for the multi-GPU tensor-parallel checks (test_parallel_models.py).
 
 Each rank loads its part of a safetensors folder the test wrote (through the rank's own partial
 reads) on its GPU, joins the others with NCCL and the P2P all-reduce, and answers each

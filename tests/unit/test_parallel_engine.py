@@ -59,6 +59,8 @@ def test_a_size_that_does_not_divide_is_refused_naming_the_flag_and_the_sizes_th
     assert "4 attention heads do not split into 3" in message and message.endswith("Tensor-parallel sizes that fit (up to 8): 1, 2, 4")
     with pytest.raises(SettingsError, match="--tensor-parallel-size 2: expert-parallel size 2 .* has no experts"):
         build_engine(settings(model, tensor_parallel_size=2, enable_expert_parallel=True))
+    with pytest.raises(SettingsError, match="give --tensor-parallel-size 2 or more"):
+        settings(model, enable_expert_parallel=True)
     assert not rank_pids()
 
 

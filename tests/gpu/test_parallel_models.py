@@ -2,7 +2,7 @@
 transformers, within 1.5x its own bf16 error; every rank holds the same logits; decode graphs
 (their all-reduces captured inside) replay the eager step's bits.
 
-    source .devkit/env.sh && python3 -m pytest tests/gpu/test_tensor_parallel.py -m gpu -q -s
+    source .devkit/env.sh && python3 -m pytest tests/gpu/test_parallel_models.py -m gpu -q -s
 """
 
 from __future__ import annotations
