@@ -81,8 +81,9 @@ class RankExecutor:
         replies = self._group.step(self._encode(CollectStep(step_id)))
         for rank, reply in enumerate(replies[1:], start=1):
             if reply != replies[0]:
+                ours, theirs = decode_result(replies[0]).token_ids, decode_result(reply).token_ids
                 raise RankFailure(rank, f"rank {rank} sampled other tokens than rank 0 at step {step_id}: "
-                                        f"{decode_result(reply).token_ids} against {decode_result(replies[0]).token_ids}")
+                                        f"{theirs} against {ours}")
         return decode_result(replies[0])
 
 

@@ -163,7 +163,8 @@ class ModelRank:
             raise RuntimeError("the rank has no device model to measure")
         copy, gemm, collective_s = measure_rank(engine.backend, part.comm, engine.model, batch_sizes)
         itemsize = self._executor.kv.spec.dtype.itemsize
-        return RankMeasures(engine.backend.capabilities.device_name, copy, gemm, rank_weight_bytes_per_step(engine.config, part.placement),
+        return RankMeasures(engine.backend.capabilities.device_name, copy, gemm,
+                            rank_weight_bytes_per_step(engine.config, part.placement),
                             rank_kv_bytes_per_token(engine.config, part.placement, itemsize), collective_s)
 
 

@@ -103,11 +103,13 @@ def hybrid_model(backend, shape: HybridShape = HybridShape(), seed: int = 0) -> 
                               weights(shape.value_heads, scale=0.5), norm(spec.value_head_dim))
     delta_net = DeltaNetMixer(
         spec, group, dense.prepare(HostProjection(HostLinear(weights(spec.projected_width, hidden)), norm(hidden))),
-        backend.recurrent.prepare(delta_host, spec), dense.prepare(HostProjection(HostLinear(weights(hidden, spec.value_dim)))),
+        backend.recurrent.prepare(delta_host, spec),
+        dense.prepare(HostProjection(HostLinear(weights(hidden, spec.value_dim)))),
         hidden,
     )
     glu = DenseFeedForward(
-        dense.prepare(HostProjection(HostLinear(weights(2 * shape.intermediate, hidden)), norm(hidden), Activation.SILU)),
+        dense.prepare(HostProjection(HostLinear(weights(2 * shape.intermediate, hidden)), norm(hidden),
+                                     Activation.SILU)),
         dense.prepare(HostProjection(HostLinear(weights(hidden, shape.intermediate)))), shape.intermediate, hidden,
     )
     layers = [Layer(attention(0, False), moe(True)), Layer(delta_net, glu), Layer(attention(2, True), moe(False))]

@@ -42,7 +42,8 @@ def test_two_ranks_generate_what_one_device_does_and_closing_leaves_no_rank(mode
     pids = rank_pids()
     assert len(pids) == 2
     try:
-        for params in (SamplingParams(max_tokens=10, temperature=0.0), SamplingParams(max_tokens=10, temperature=0.9, seed=7)):
+        for params in (SamplingParams(max_tokens=10, temperature=0.0),
+                       SamplingParams(max_tokens=10, temperature=0.9, seed=7)):
             expected = [output.outputs[0].token_ids for output in one.generate(prompts, params)]
             assert [output.outputs[0].token_ids for output in two.generate(prompts, params)] == expected
         assert two.engine.core.stats().num_blocks_free == two.engine.core.stats().num_blocks_total
@@ -56,7 +57,8 @@ def test_a_size_that_does_not_divide_is_refused_naming_the_flag_and_the_sizes_th
         build_engine(settings(model, tensor_parallel_size=3))
     message = str(refusal.value)
     assert message.startswith("--tensor-parallel-size 3: tensor-parallel size 3 does not divide this model")
-    assert "4 attention heads do not split into 3" in message and message.endswith("Tensor-parallel sizes that fit (up to 8): 1, 2, 4")
+    assert "4 attention heads do not split into 3" in message
+    assert message.endswith("Tensor-parallel sizes that fit (up to 8): 1, 2, 4")
     with pytest.raises(SettingsError, match="--tensor-parallel-size 2: expert-parallel size 2 .* has no experts"):
         build_engine(settings(model, tensor_parallel_size=2, enable_expert_parallel=True))
     with pytest.raises(SettingsError, match="give --tensor-parallel-size 2 or more"):

@@ -62,7 +62,8 @@ def _bench(engine, args: argparse.Namespace, model, batch_sizes: list[int], pref
         measures = engine.ranks.measure(batch_sizes)
         device = f"{ranks} ranks of {measures[0].device_name}"
         ceilings = Ceilings(min(m.copy_bytes_per_s for m in measures), min(m.gemm_flops_per_s for m in measures))
-        bytes_read = BytesRead(max(m.weight_bytes_per_step for m in measures), max(m.kv_bytes_per_token for m in measures))
+        bytes_read = BytesRead(max(m.weight_bytes_per_step for m in measures),
+                               max(m.kv_bytes_per_token for m in measures))
         collective_s = [max(m.collective_s[index] for m in measures) for index in range(len(batch_sizes))]
     else:
         on_mock = engine.backend.name == "mock"

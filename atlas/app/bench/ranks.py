@@ -72,7 +72,9 @@ def collective_seconds(backend: GpuBackend, comm: CommBackend, collectives: list
     return (time.perf_counter() - started) / _REPEATS
 
 
-def measure_rank(backend: GpuBackend, comm: CommBackend, model: Model, batch_sizes: list[int]) -> tuple[float, float, list[float]]:
+def measure_rank(
+    backend: GpuBackend, comm: CommBackend, model: Model, batch_sizes: list[int]
+) -> tuple[float, float, list[float]]:
     """(copy bytes/s, bf16 GEMM FLOP/s, seconds in collectives per decode step of each batch size)."""
     on_mock = backend.name == "mock"  # small: every rank of the mock shares the host's cores
     ceilings = measure_ceilings(backend, copy_bytes=(32 << 20) if on_mock else (2 << 30),

@@ -13,15 +13,15 @@ process group, each with one end of a socket pair, and talks to them in the fram
 
 What a rank does is a plug-in: `factory(RankContext) -> RankWorker` runs once in the rank
 (load weights, build its device, join the communicator whose id the driver made; what it
-reports back is `worker.loaded()`) and `worker.step(body) -> bytes` runs each step; the factory travels pickled (a top-level function
-or a `functools.partial` of one), importable in the rank because the rank takes the driver's
-`sys.path`.
+reports back is `worker.loaded()`) and `worker.step(body) -> bytes` runs each step; the
+factory travels pickled (a top-level function or a `functools.partial` of one), importable in
+the rank because the rank takes the driver's `sys.path`.
 
 Health. A rank that raises reports it and waits to be stopped, so its message is never lost;
 a rank that dies is seen by a watcher thread at once. Either way the driver kills the whole
 group (SIGKILL to the process group, which takes anything the ranks started too), calls
-`on_failure` (or the callback given to `watch`), and raises `RankFailure` naming the rank at fault from `start`, `collect` and
-`check` from then on. No wait of the driver outlives a dead rank. Ranks die with the driver
+`on_failure` (or the callback given to `watch`), and raises `RankFailure` naming the rank at
+fault from `start`, `collect` and `check` from then on. No wait of the driver outlives a dead rank. Ranks die with the driver
 too (Linux's parent-death signal, bound to the thread that called `start`, so call it from a
 thread that lives as long as the group), and a rank whose driver closes its socket exits.
 """

@@ -82,10 +82,12 @@ def shard_model(
         _feed_forward_cut(layer.feed_forward)
     rank = _Rank(backend, comm, placement, described.hidden_size, max_tokens)
     layers = [
-        Layer(_mixer_cut(layer.mixer)(layer.mixer, rank), _feed_forward_cut(layer.feed_forward)(layer.feed_forward, rank))
+        Layer(_mixer_cut(layer.mixer)(layer.mixer, rank),
+              _feed_forward_cut(layer.feed_forward)(layer.feed_forward, rank))
         for layer in described.layers
     ]
-    groups = tuple(CacheGroup(cache_shape_part(group.shape, placement), group.layers) for group in described.cache_groups)
+    groups = tuple(CacheGroup(cache_shape_part(group.shape, placement), group.layers)
+                   for group in described.cache_groups)
     host_vocab = described.vocab
     if not isinstance(host_vocab, HostVocab):
         raise ShardingError("the model was not loaded through a DescribingBackend")
@@ -170,7 +172,9 @@ def _feed_forward_cut(feed_forward: FeedForward) -> Callable[[FeedForward, _Rank
 
 def _described(prepared: object, kind: type):
     if not isinstance(prepared, kind):
-        raise ShardingError(f"expected the described {kind.__name__} of a DescribingBackend, got {type(prepared).__name__}")
+        raise ShardingError(
+            f"expected the described {kind.__name__} of a DescribingBackend, got {type(prepared).__name__}"
+        )
     return prepared
 
 

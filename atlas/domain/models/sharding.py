@@ -182,8 +182,9 @@ def moe_part(host: HostMoe, placement: RankPlacement) -> HostMoe:
     if host.shared is not None:
         shared_width = host.shared.gate_up.out_features // 2
         s_start, s_stop = placement.split(shared_width)
+        shared_rows = [(s_start, s_stop), (shared_width + s_start, shared_width + s_stop)]
         shared = HostSharedExpert(
-            gate_up=linear_rows(host.shared.gate_up, [(s_start, s_stop), (shared_width + s_start, shared_width + s_stop)]),
+            gate_up=linear_rows(host.shared.gate_up, shared_rows),
             down=linear_columns(host.shared.down, (s_start, s_stop), placement.carries_residual),
             gate=None if host.shared.gate is None else whole(host.shared.gate),
         )
