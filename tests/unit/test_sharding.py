@@ -80,3 +80,15 @@ def test_quantization_blocks_split_with_their_rows_or_are_refused():
         linear_rows(linear, [(64, 192)])
     channel = HostLinear(np.ones((4, 2), np.float32), scales=np.arange(4, dtype=np.float32))
     assert linear_rows(channel, [(0, 1), (3, 4)]).scales.tolist() == [0.0, 3.0]
+
+
+def test_an_expert_stack_reads_only_the_experts_and_rows_asked_for():
+    rng = np.random.default_rng(0)
+    tensors = {f"e{e}.{part}": rng.standard_normal((3, 2)).astype(np.float32) for e in range(4) for part in ("g", "u")}
+    groups = [[(f"e{e}.g", (3, 2)), (f"e{e}.u", (3, 2))] for e in range(4)]
+    whole = CheckpointReader(DictWeights(tensors)).experts(groups)
+    deferred = CheckpointReader(DeferredWeights(DictWeights(tensors))).experts(groups)
+    assert isinstance(whole, np.ndarray) and whole.shape == (4, 6, 2) and deferred.shape == (4, 6, 2)
+    expected = whole[2:4][:, [1, 2, 4, 5]]
+    np.testing.assert_array_equal(read_part(deferred, [[(2, 4)], [(1, 3), (4, 6)], None]), expected)
+    np.testing.assert_array_equal(read_part(whole, [[(2, 4)], [(1, 3), (4, 6)], None]), expected)

@@ -115,6 +115,24 @@ class RowStack(LazyArray):
         return np.concatenate(pieces, axis=0)
 
 
+class LeadingStack(LazyArray):
+    """Arrays (deferred or not) of one shape stacked along a new leading dimension (the experts
+    of an MoE layer), read part by part: an expert-parallel rank reads only its experts."""
+
+    def __init__(self, parts: Sequence[np.ndarray | LazyArray]) -> None:
+        first = parts[0]
+        if any(tuple(part.shape) != tuple(first.shape) or part.dtype != first.dtype for part in parts):
+            raise ValueError("stacked tensors differ in shape or dtype")
+        self.parts = tuple(parts)
+        self.shape = (len(parts), *first.shape)
+        self.dtype = np.dtype(first.dtype)
+
+    def part(self, spec: PartSpec) -> np.ndarray:
+        spec = _full_spec(spec, self.shape)
+        chosen = [self.parts[index] for start, stop in spec[0] for index in range(start, stop)]
+        return np.stack([read_part(part, spec[1:]) for part in chosen])
+
+
 def read_part(array: np.ndarray | LazyArray, spec: PartSpec) -> np.ndarray:
     """A new array of the ranges `spec` keeps along each dimension, concatenated in order:
 
@@ -132,6 +150,13 @@ def concatenate_rows(parts: Sequence[np.ndarray | LazyArray]) -> np.ndarray | Ro
     if any(isinstance(part, LazyArray) for part in parts):
         return RowStack(parts)
     return np.concatenate(parts, axis=0)
+
+
+def stack_leading(parts: Sequence[np.ndarray | LazyArray]) -> np.ndarray | LeadingStack:
+    """np.stack along a new dimension 0, or a `LeadingStack` when a part is deferred."""
+    if any(isinstance(part, LazyArray) for part in parts):
+        return LeadingStack(parts)
+    return np.stack(parts)
 
 
 class DeferredWeights:
