@@ -17,7 +17,7 @@ import numpy as np
 from atlas.app.bench.measure import measure_ceilings
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.model import Model
-from atlas.domain.models.parallel_model import Collective, step_collectives
+from atlas.domain.models.parallel_model import Collective, CollectiveOp, step_collectives
 from atlas.domain.parallel import RankPlacement
 from atlas.ports.comm import CommBackend
 from atlas.ports.gpu import GpuBackend
@@ -50,13 +50,13 @@ def collective_seconds(backend: GpuBackend, comm: CommBackend, collectives: list
     buffers = []
     for collective in collectives:
         src = backend.upload(np.full((collective.rows, collective.width), 0.5, np.float32), collective.dtype)
-        out = (src if collective.op == "all_reduce"
+        out = (src if collective.op is CollectiveOp.ALL_REDUCE
                else backend.empty((comm.world_size * collective.rows, collective.width), collective.dtype))
         buffers.append((collective.op, src, out))
 
     def run() -> None:
         for op, src, out in buffers:
-            if op == "all_reduce":
+            if op is CollectiveOp.ALL_REDUCE:
                 comm.all_reduce(src)
             else:
                 comm.all_gather(src, out)

@@ -14,6 +14,7 @@ norms, routers, a replicated KV head).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -195,12 +196,16 @@ def load_rank_model(
     return shard_model(described, backend, comm, placement, max_tokens, max_rows)
 
 
+class CollectiveOp(enum.Enum):
+    ALL_REDUCE = "all_reduce"  # [rows, width] summed in place
+    ALL_GATHER = "all_gather"  # each rank's [rows, width] into [t * rows, width]
+
+
 @dataclass(frozen=True, slots=True)
 class Collective:
-    """One collective of a step: `all_reduce` of a [rows, width] tensor in place, or
-    `all_gather` of each rank's [rows, width] into [t * rows, width]."""
+    """One collective of a step."""
 
-    op: str
+    op: CollectiveOp
     rows: int
     width: int
     dtype: DType
@@ -214,5 +219,6 @@ def step_collectives(model: Model, num_tokens: int, num_rows: int) -> list[Colle
     if not isinstance(ends, ParallelVocab):
         return []
     dtype = model.backend.capabilities.activation_dtype
-    reduce = Collective("all_reduce", num_tokens, model.hidden_size, dtype)
-    return [reduce] * (1 + 2 * len(model.layers)) + [Collective("all_gather", num_rows, ends.local_size, DType.F32)]
+    reduce = Collective(CollectiveOp.ALL_REDUCE, num_tokens, model.hidden_size, dtype)
+    gather = Collective(CollectiveOp.ALL_GATHER, num_rows, ends.local_size, DType.F32)
+    return [reduce] * (1 + 2 * len(model.layers)) + [gather]

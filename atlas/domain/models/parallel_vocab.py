@@ -74,11 +74,6 @@ class ParallelVocab:
         first = world * rows * (rows - 1) // 2  # the orders of 1 .. rows - 1 rows come first
         backend.gather_rows(gathered, self._order.rows(first, first + world * rows), out.view(rows * world, width))
 
-    def bytes_used(self) -> int:
-        """Device bytes of its buffers (for the memory plan)."""
-        tensors = (self._local_of, self._ids, self._local_logits, self._gathered, self._order)
-        return sum(int(np.prod(t.shape)) * t.dtype.itemsize for t in tensors)
-
 
 def _row_orders(world_size: int, max_rows: int) -> np.ndarray:
     """For each row count r = 1 .. max_rows, in turn, the gather order of `logits` for r rows:
