@@ -93,6 +93,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="never capture CUDA graphs")
     group.add_argument("--seed", type=int, default=_env("seed", None, int),
                        help="seed for requests that bring none (default: a fresh random seed per request)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=_env("tensor_parallel_size", 1, int),
+                       help="split the model over this many GPUs (one process each; default 1); heads, "
+                       "feed-forward width and vocabulary must divide by it")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       default=_env("enable_expert_parallel", False, bool),
+                       help="MoE models: place whole experts on the --tensor-parallel-size ranks instead of "
+                       "splitting every expert over them")
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
@@ -112,6 +119,8 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         prefix_caching=args.prefix_caching,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 

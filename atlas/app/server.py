@@ -221,14 +221,18 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
         from atlas.app.engine_actor import EngineActor
 
         engine = await anyio.to_thread.run_sync(build_engine, settings)
-        actor = EngineActor(engine.core)
-        model = await anyio.to_thread.run_sync(
-            _served_model, settings, served_name, engine.model_dir, engine.tokenizer, engine.max_model_len,
-            engine.config.vocab_size, override_json, parsers)
-        async with anyio.create_task_group() as group:
-            group.start_soon(actor.run)
-            yield model, actor
-            actor.shutdown()
+        try:
+            actor = EngineActor(engine.core)
+            engine.watch(actor.fail_from_thread)  # rank processes that die while the engine idles
+            model = await anyio.to_thread.run_sync(
+                _served_model, settings, served_name, engine.model_dir, engine.tokenizer, engine.max_model_len,
+                engine.config.vocab_size, override_json, parsers)
+            async with anyio.create_task_group() as group:
+                group.start_soon(actor.run)
+                yield model, actor
+                actor.shutdown()
+        finally:
+            await anyio.to_thread.run_sync(engine.close)
 
     @asynccontextmanager
     async def in_own_process() -> AsyncIterator:

@@ -101,6 +101,7 @@ class Worker:
         self.caches = tuple(caches)
         self.config = config
         self.block_size = block_sizes.pop()
+        self.kv_dtype = caches[kv_groups[0]].spec.dtype  # every KV group's (the model's --kv-cache-dtype)
         self.cache_layout = CacheLayout(
             block_size=self.block_size,
             table_width=-(-config.max_model_len // self.block_size),

@@ -1,9 +1,13 @@
-"""Reading a checkpoint's tensors by Hugging Face name, shape-checked, for the family loaders."""
+"""Reading a checkpoint's tensors by Hugging Face name, shape-checked, for the family loaders.
+
+Over `DeferredWeights` (a tensor-parallel rank's load) every tensor stays deferred, stacks
+included, until the sharding pass reads the rank's part (`shard_reads.py`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from atlas.domain.models.shard_reads import concatenate_rows, stack_leading
 from atlas.ports.kernels.host_weights import HostLinear, RmsNorm
 from atlas.ports.weights import WeightError, WeightSource
 
@@ -29,8 +33,15 @@ class CheckpointReader:
         return array
 
     def stacked(self, names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> np.ndarray:
-        """The tensors concatenated along their first dimension (fused projections)."""
-        return np.concatenate([self.array(name, shape) for name, shape in names_and_shapes], axis=0)
+        """The tensors concatenated along their first dimension (fused projections); deferred
+        tensors give a deferred `RowStack`."""
+        return concatenate_rows([self.array(name, shape) for name, shape in names_and_shapes])
+
+    def experts(self, names_and_shapes: list[list[tuple[str, tuple[int, ...]]]]) -> np.ndarray:
+        """One [E, ...] stack of an MoE layer's experts, expert e the concatenation of group e's
+        tensors along their first dimension (gate_proj and up_proj into its gate_up rows).
+        Deferred tensors give a deferred stack, so an expert-parallel rank reads its experts only."""
+        return stack_leading([self.stacked(group) for group in names_and_shapes])
 
     def norm(self, name: str, width: int, eps: float) -> RmsNorm:
         return RmsNorm(self.array(name, (width,)), eps)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from atlas.domain.models.cache_groups import CacheGroupSpec
 from atlas.domain.models.layers import GroupMetadata, Layer, LayerStep, Workspace
@@ -44,8 +45,34 @@ class StepTensors:
         return self.token_ids.shape[0]
 
 
+class VocabEnds(Protocol):
+    """The loop's two ends: token ids into the residual stream, and the logits of sampled rows."""
+
+    def embed(self, backend: GpuBackend, token_ids: Tensor, out: Tensor) -> None:
+        """out [N, H] = the embedding rows of token_ids [N] i32."""
+        ...
+
+    def logits(self, backend: GpuBackend, hidden: Tensor, out: Tensor) -> None:
+        """out [R, V] f32 = the logits of hidden [R, H] (only read)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceVocab:
+    """The vocabulary on one device: the dense kind's `embed` and `logits`."""
+
+    vocab: Vocab
+
+    def embed(self, backend: GpuBackend, token_ids: Tensor, out: Tensor) -> None:
+        backend.dense.embed(token_ids, self.vocab, out)
+
+    def logits(self, backend: GpuBackend, hidden: Tensor, out: Tensor) -> None:
+        backend.dense.logits(hidden, self.vocab, out)
+
+
 class Model:
-    """A loaded model: its prepared weights on a backend and the forward loop over them."""
+    """A loaded model: its prepared weights on a backend and the forward loop over them.
+    `ends` replaces the dense kind's vocabulary ends (a tensor-parallel rank's split vocabulary)."""
 
     def __init__(
         self,
@@ -55,9 +82,11 @@ class Model:
         cache_groups: Sequence[CacheGroupSpec],
         hidden_size: int,
         vocab_size: int,
+        ends: VocabEnds | None = None,
     ) -> None:
         self.backend = backend
         self.vocab = vocab
+        self.ends = ends if ends is not None else DeviceVocab(vocab)
         self.layers = tuple(layers)
         self.cache_groups = tuple(cache_groups)
         self.hidden_size = hidden_size
@@ -114,7 +143,7 @@ class Model:
         backend = self.backend
         num_tokens = step.num_tokens
         residual = workspace.residual.rows(0, num_tokens)
-        backend.dense.embed(step.token_ids, self.vocab, residual)
+        self.ends.embed(backend, step.token_ids, residual)
         layer_step = LayerStep(backend, num_tokens, step.metadata, caches, workspace)
         for index, layer in enumerate(self.layers):
             layer.mixer.forward(layer_step, residual)
@@ -127,7 +156,7 @@ class Model:
         else:
             sample_hidden = workspace.sample_hidden.rows(0, num_sample_rows)
             backend.gather_rows(residual, step.sample_indices, sample_hidden)
-        backend.dense.logits(sample_hidden, self.vocab, logits)
+        self.ends.logits(backend, sample_hidden, logits)
         return logits
 
     def _needs(self) -> tuple[list[int], int, int]:
