@@ -24,7 +24,8 @@ from atlas.domain.memory_plan import GIB, check_weights_fit, plan_kv_cache
 from atlas.domain.models.config import ModelConfig, ModelConfigError
 from atlas.domain.models.families import check_supported, kv_cache_scales, load_model
 from atlas.domain.models.model import Model
-from atlas.domain.models.quantization import check_quantization
+from atlas.domain.models.quantization_config import Fp8Layout, check_quantization, with_quantization
+from atlas.domain.models.quantization_weights import QuantizedOnLoad, checkpoint_bytes
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
 from atlas.domain.worker import Worker, WorkerConfig
@@ -52,6 +53,7 @@ class LoadedEngine:
     model: Model
     max_model_len: int
     settings: EngineSettings
+    weight_bytes: int  # the weights as the device holds them (FP8 projections: a byte an element)
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
@@ -70,16 +72,23 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
     model_dir = resolve_model(settings.model)
     config = read_model_config(model_dir)
     check_supported(config)
-    check_quantization(config.raw, loadable=())  # FP8 weights load once the dense kind takes them
+    quantize = settings.quantization != "none"
+    if quantize:
+        config = ModelConfig.from_dict(with_quantization(config.raw, settings.quantization))
+    quantization = check_quantization(config.raw, loadable=tuple(Fp8Layout))
     tokenizer = HfTokenizer.from_folder(model_dir)
-    weights = SafetensorsWeights(model_dir)
+    stored = SafetensorsWeights(model_dir)
+    weights = QuantizedOnLoad(stored) if quantize else stored
     max_model_len = settings.max_seq_len or config.max_position_embeddings
 
     backend = make_backend(settings.device, config.model_type, settings.dtype)
     free_bytes, total_bytes = backend.memory_info()
-    weight_bytes = 2 * config.num_parameters()
+    weight_bytes = checkpoint_bytes(stored, quantize)
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
-    log.info("loading %s (%s, %.2f GiB in bf16) on %s", model_dir, config.architecture, weight_bytes / GIB, backend.name)
+    log.info(
+        "loading %s (%s, %.2f GiB%s) on %s", model_dir, config.architecture, weight_bytes / GIB,
+        "" if quantization is None else f", {quantization.describe()}", backend.name,
+    )
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
     model = load_model(config, weights, backend, max_positions=max_model_len, progress=progress.update)
     kv_shape = model.single_kv_group()
@@ -145,6 +154,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         model=model,
         max_model_len=max_model_len,
         settings=settings,
+        weight_bytes=weight_bytes,
     )
 
 
