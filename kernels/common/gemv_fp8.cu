@@ -17,14 +17,17 @@
 // products are those of the dequantized weight (x stays bf16: no activation rounding here).
 //
 // SIMT (one token row, gemv_fp8_<what>_r{1,2,4}): as gemv_impl, a block owns ROWS output rows,
-// its 4 warps split K, each lane loading 16 bytes of every row per step, BATCH steps of loads in
+// its warps split K, each lane loading 16 bytes of every row per step, BATCH steps of loads in
 // flight (the first before griddepcontrol.wait: the weights do not depend on the previous kernel);
 // x chunks are converted once per step and reused by the ROWS rows; partial sums meet in shared
 // memory. Per 16 weights a lane spends 8 conversions to f16 pairs, 16 to f32 and 16 FMAs: about
-// three times bf16's instructions per byte, which is why the rows share each x chunk.
+// three times bf16's instructions per byte, which is why the rows share each x chunk. Two warps
+// a block, not gemv_impl's four: a 16-byte load covers twice bf16's elements, so at K = 4096 four
+// warps would leave each lane two loads a row (128 bytes in flight, ~48 KB an SM at 3 blocks);
+// two warps keep BATCH = 4 loads a row in flight and fit 7 blocks an SM (~110 KB).
 //
 //     block b: rows b * ROWS .. (gated: features b * ROWS / 2 .., gate then up rows)
-//     warp w, lane l: k = (w * 32 + l) * 16, then + 4 * 32 * 16, ...
+//     warp w, lane l: k = (w * 32 + l) * 16, then + 2 * 32 * 16, ...
 //
 // mma (2..8 token rows, gemv_fp8_mma_<what>): as gemv_mma_impl, a warp owns 16 weight rows and
 // feeds mma.sync m16n8k16 (bf16, f32 accumulators) with the tokens as n = 8 columns. Lane
@@ -39,7 +42,7 @@
 // 8 warps split K and meet in shared memory.
 #include "atlas_common.cuh"
 
-#define FP8_GEMV_WARPS 4
+#define FP8_GEMV_WARPS 2
 #define FP8_MMA_WARPS 8
 #define FP8_LOAD 16  // weights per 16-byte load
 

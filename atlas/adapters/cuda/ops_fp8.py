@@ -33,8 +33,8 @@ from atlas.ports.gpu import NUMPY_DTYPES, DType, UnsupportedError
 from atlas.ports.kernels.host_weights import Activation, HostLinear
 
 BLOCK = 128  # the block layout's tile (rows and columns)
-_GEMV_THREADS = 128
-_MMA_THREADS = 256
+_GEMV_THREADS = 64  # gemv_fp8.cu's FP8_GEMV_WARPS
+_MMA_THREADS = 256  # FP8_MMA_WARPS
 _QUANT_THREADS = 256
 _ACTIVATION_NAMES = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu_tanh"}
 # Workspaces of this module's intermediates (the callers' own are named apart).
@@ -236,14 +236,15 @@ class Fp8LinearOp:
         self, x: CudaTensor, matrix: Fp8Matrix, norm: CudaTensor | None, eps: float, out: CudaTensor | None
     ) -> CudaTensor:
         """[rmsnorm](x) W^T through quantized x and cuBLASLt's FP8 GEMM: into `out` where given
-        and the layout allows (per channel), else into a workspace; returns the [N, M] product.
-        The block layout's products take a multiple of 4 token rows: x's padding rows are zeros."""
+        and N is a multiple of 4, else into a workspace; returns the [N, M] product. The product
+        runs on N rounded up to 4 token rows (the block modes' rule, kept for both so one shape
+        rule holds): x's padding rows are zeros, their outputs are never read."""
         rt = self._rt
         if self._gemm is None:
             raise RuntimeError("linear: the backend was closed")
         num_tokens, inner = x.shape
         features = matrix.shape[0]
-        rows = -(-num_tokens // 4) * 4 if matrix.block else num_tokens
+        rows = -(-num_tokens // 4) * 4
         quantized = rt.scratch_tensor(_X, (rows, inner), DType.FP8_E4M3)
         groups = -(-inner // BLOCK)
         scales = rt.scratch_tensor(_X_SCALES, (groups * rows if matrix.block else rows,), DType.F32)
