@@ -8,8 +8,9 @@ what the mock computes with), through the dense kind's members; outputs poisoned
   cuBLASLt's FP8 tensor cores: within bf16 rounding of the same product with x rounded so in
   numpy, and within FP8_ACTIVATION_TOLERANCE of the unrounded one. That bound is E4M3's: 3
   mantissa bits round each value of x by at most 2^-4 of itself, 2^-4 / sqrt(3) ~ 3.6% in the
-  mean square for a value spread evenly over its binade, and a product's error is the mean of
-  its terms' (measured here: 2.2-2.6%).
+  mean square at worst, and a product's relative error is about its terms' (these cases'
+  rounded references: 1.6-2.7% from the exact ones, 3.6-4.0% for the gated form, where the
+  gate's and the up row's errors compound through act(gate) * up).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from atlas.ports.kernels.host_weights import Activation, HostLinear, RmsNorm
 pytestmark = pytest.mark.gpu
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-FP8_ACTIVATION_TOLERANCE = 0.05
+FP8_ACTIVATION_TOLERANCE = 0.06
 EPS = 1e-5
 
 

@@ -21,7 +21,10 @@ from atlas.adapters.cuda.registry import (
     select_modules,
 )
 
-EXPECTED_MODULES = {"attention_decode", "attention_prefill", "elementwise", "gemv", "norm", "rope_cache", "sampling"}
+EXPECTED_MODULES = {
+    "attention_decode", "attention_prefill", "elementwise", "fp8_quantize", "gemv", "gemv_fp8", "norm", "rope_cache",
+    "sampling",
+}
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
