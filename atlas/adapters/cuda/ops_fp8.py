@@ -70,7 +70,8 @@ def upload_fp8(rt: CudaRuntime, upload, host: HostLinear, what: str) -> Fp8Matri
         raise UnsupportedError(f"{what}: FP8 weights run on Hopper (sm_90) GPUs only; this one is sm_{major}{minor}")
     weight = np.asarray(host.weight)
     if weight.ndim != 2 or weight.dtype != NUMPY_DTYPES[DType.FP8_E4M3]:
-        raise ValueError(f"{what}: quantized weights must be float8_e4m3fn [out, in], got {weight.dtype} {weight.shape}")
+        raise ValueError(f"{what}: quantized weights must be float8_e4m3fn [out, in], got {weight.dtype} "
+                         f"{weight.shape}")
     rows, inner = weight.shape
     if inner % 16:
         raise UnsupportedError(f"{what}: FP8 weights need an input width that is a multiple of 16, got {inner}")

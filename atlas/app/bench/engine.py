@@ -175,7 +175,8 @@ def _weights_format(engine) -> str:
 
 
 def _print(report: dict) -> None:
-    print(f"device {report['device']}; {report['model']}, {report['weights']} weights, {report['kv_cache_dtype']} KV cache; "
+    print(f"device {report['device']}; {report['model']}, {report['weights']} weights, "
+          f"{report['kv_cache_dtype']} KV cache; "
           f"weights read per decode step {report['weight_gb_per_step']:.2f} GB; "
           f"copy {report['copy_tb_per_s']:.2f} TB/s; "
           f"bf16 GEMM {report['gemm_tflops']:.1f} TFLOP/s")

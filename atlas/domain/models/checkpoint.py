@@ -62,7 +62,8 @@ class CheckpointReader:
         if bias:
             biases = np.concatenate([self.array(f"{prefix}.bias", (rows,)) for prefix, rows in parts])
         if all(weight is None for weight in quantized):
-            return HostLinear(self.stacked([(f"{prefix}.weight", (rows, in_features)) for prefix, rows in parts]), biases)
+            weights = [(f"{prefix}.weight", (rows, in_features)) for prefix, rows in parts]
+            return HostLinear(self.stacked(weights), biases)
         if any(weight is None for weight in quantized):
             names = ", ".join(prefix for prefix, _ in parts)
             raise WeightError(f"{names}: fused projections mix FP8 and unquantized weights")
@@ -81,8 +82,7 @@ class CheckpointReader:
         if self.quantization is None:
             raise WeightError(f"tensor {name!r} is FP8, but config.json has no quantization_config describing it")
         weight = read_fp8_weight(self.weights, prefix, self.quantization)
-        if weight is not None and tuple(weight.data.shape) != (out_features, in_features):
-            raise WeightError(
-                f"tensor {name!r} has shape {tuple(weight.data.shape)}, config.json implies {(out_features, in_features)}"
-            )
+        expected = (out_features, in_features)
+        if weight is not None and tuple(weight.data.shape) != expected:
+            raise WeightError(f"tensor {name!r} has shape {tuple(weight.data.shape)}, config.json implies {expected}")
         return weight

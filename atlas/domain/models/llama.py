@@ -117,8 +117,9 @@ def _layer(
         hidden_size=hidden,
     )
     intermediate = config.intermediate_size
-    gate_up = reader.stacked_linear([(f"{prefix}.mlp.gate_proj", intermediate), (f"{prefix}.mlp.up_proj", intermediate)],
-                                    hidden)
+    gate_up = reader.stacked_linear(
+        [(f"{prefix}.mlp.gate_proj", intermediate), (f"{prefix}.mlp.up_proj", intermediate)], hidden
+    )
     feed_forward = DenseFeedForward(
         gate_up=dense.prepare(
             HostProjection(

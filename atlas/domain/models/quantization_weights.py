@@ -240,7 +240,8 @@ class QuantizedOnLoad:
             yield f"{module}.weight_scale"
 
     def __contains__(self, name: str) -> bool:
-        return name in self._weights or (name.endswith(".weight_scale") and name.removesuffix(".weight_scale") in self._quantized)
+        scale_of = name.removesuffix(".weight_scale")
+        return name in self._weights or (scale_of != name and scale_of in self._quantized)
 
     def shape(self, name: str) -> tuple[int, ...]:
         module = name.removesuffix(".weight_scale")
