@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,8 @@ from atlas.domain.models.cache_groups import CacheGroupKind, CacheGroupSpec
 from atlas.domain.models.config import ModelConfig, ModelConfigError
 from atlas.domain.models.families import check_supported, kv_cache_scales, load_model
 from atlas.domain.models.model import Model
-from atlas.domain.models.quantization import check_quantization
+from atlas.domain.models.quantization_config import Fp8Layout, check_quantization, with_quantization
+from atlas.domain.models.quantization_weights import QuantizedOnLoad, checkpoint_bytes
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
 from atlas.domain.worker import Worker, WorkerConfig
@@ -66,6 +66,7 @@ class LoadedEngine:
     on_watch: Callable[[Callable[[str], None]], None] = field(default=lambda callback: None)
     ranks: RankExecutor | None = None  # the executor over the rank processes, if any
     num_pages: tuple[int, ...] = ()  # each cache group's pages (KV blocks or state slots)
+    weight_bytes: int = 0  # the weights as the device holds them (FP8 projections: a byte an element)
 
     def close(self) -> None:
         """Release what the engine holds outside this process (rank processes)."""
@@ -90,8 +91,9 @@ class ModelPlacement(Protocol):
 
     def make_backend(self, settings: EngineSettings, config: ModelConfig) -> GpuBackend: ...
 
-    def weight_bytes(self, config: ModelConfig, weights: WeightSource) -> int:
-        """The weights' device bytes, for the check before loading."""
+    def weight_bytes(self, checkpoint_bytes: int) -> int:
+        """This placement's share of the weights' device bytes (`checkpoint_bytes`: the whole
+        model's), for the check before loading."""
         ...
 
     def load(self, config: ModelConfig, weights: WeightSource, backend: GpuBackend, max_positions: int,
@@ -104,8 +106,8 @@ class OneDevice:
     def make_backend(self, settings: EngineSettings, config: ModelConfig) -> GpuBackend:
         return make_backend(settings.device, config.model_type, settings.dtype)
 
-    def weight_bytes(self, config: ModelConfig, weights: WeightSource) -> int:
-        return _weight_bytes(weights)
+    def weight_bytes(self, checkpoint_bytes: int) -> int:
+        return checkpoint_bytes
 
     def load(self, config: ModelConfig, weights: WeightSource, backend: GpuBackend, max_positions: int,
              limits: StepLimits, progress: Callable[[int, int], None]) -> Model:
@@ -145,16 +147,23 @@ def build_engine(
     model_dir = resolve_model(settings.model)
     config = read_model_config(model_dir)
     check_supported(config)
-    check_quantization(config.raw, loadable=())  # FP8 weights load once the dense kind takes them
+    quantize = settings.quantization != "none"
+    if quantize:
+        config = ModelConfig.from_dict(with_quantization(config.raw, settings.quantization))
+    quantization = check_quantization(config.raw, loadable=tuple(Fp8Layout))
     tokenizer = HfTokenizer.from_folder(model_dir)
-    weights = open_weights(model_dir, config)
+    stored = open_weights(model_dir, config)
+    weights = QuantizedOnLoad(stored) if quantize else stored
     max_model_len = settings.max_seq_len or config.max_position_embeddings
 
     backend = placement.make_backend(settings, config)
     free_bytes, total_bytes = backend.memory_info()
-    weight_bytes = placement.weight_bytes(config, weights)
+    weight_bytes = placement.weight_bytes(checkpoint_bytes(stored, quantize))
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
-    log.info("loading %s (%s, %.2f GiB in bf16) on %s", model_dir, config.architecture, weight_bytes / GIB, backend.name)
+    log.info(
+        "loading %s (%s, %.2f GiB%s) on %s", model_dir, config.architecture, weight_bytes / GIB,
+        "" if quantization is None else f", {quantization.describe()}", backend.name,
+    )
     max_num_tokens = settings.max_prefill_tokens
     graph_sizes = () if settings.enforce_eager else _graph_sizes(settings)
     max_rows = max(settings.max_num_seqs, max(graph_sizes, default=0))
@@ -203,6 +212,7 @@ def build_engine(
         max_model_len=max_model_len,
         settings=settings,
         num_pages=tuple(plan.num_pages),
+        weight_bytes=weight_bytes,
     )
 
 
@@ -224,17 +234,6 @@ def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pa
         POLICIES[settings.scheduling_policy](),
     )
     return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids)
-
-
-def _weight_bytes(weights: WeightSource) -> int:
-    """What the checkpoint's tensors take on a device in bf16, read from the headers alone
-    (every family, MoE experts included); a multi-token-prediction head (`mtp.*`) is loaded only
-    when speculative decoding asks for it, so it is not counted."""
-    total = 0
-    for name in weights.names():
-        if not name.startswith("mtp."):
-            total += math.prod(weights.shape(name))
-    return 2 * total
 
 
 def _log_caches(model: Model, plan: CachePlan, kv_dtype: DType) -> None:

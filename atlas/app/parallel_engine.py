@@ -43,7 +43,7 @@ from atlas.app.settings import EngineSettings, SettingsError
 from atlas.domain.batch import ScheduledBatch, StepResult
 from atlas.domain.memory_plan import GIB
 from atlas.domain.models.families import check_supported
-from atlas.domain.models.quantization import check_quantization
+from atlas.domain.models.quantization_config import check_quantization
 from atlas.domain.parallel import ShardedSizes, parallel_refusal
 
 log = logging.getLogger("atlas")

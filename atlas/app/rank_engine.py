@@ -113,9 +113,9 @@ class RankPart:
         self.release = backend.close
         return backend
 
-    def weight_bytes(self, config: ModelConfig, weights: WeightSource | None = None) -> int:
+    def weight_bytes(self, checkpoint_bytes: int) -> int:
         """About 1/t of the weights (norms and routers, kept whole, are small)."""
-        return 2 * config.num_parameters() // self.context.world_size
+        return checkpoint_bytes // self.context.world_size
 
     def load(self, config: ModelConfig, weights: WeightSource, backend: GpuBackend, max_positions: int,
              limits: StepLimits, progress: Callable[[int, int], None]) -> Model:
@@ -153,7 +153,7 @@ class ModelRank:
         engine = self._engine
         device = engine.backend.capabilities.device_name if engine.backend is not None else ""
         groups = msgspec.to_builtins(list(engine.model.cache_groups)) if engine.model is not None else []
-        return self._encode(RankLoaded(groups, list(engine.num_pages), self._part.weight_bytes(engine.config), device))
+        return self._encode(RankLoaded(groups, list(engine.num_pages), engine.weight_bytes, device))
 
     def step(self, body: bytes) -> bytes:
         message = self._decode(body)

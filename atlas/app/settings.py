@@ -9,6 +9,7 @@ from atlas.domain.scheduling_policy import POLICIES
 DEVICES = ("auto", "cuda", "mock")
 DTYPES = ("auto", "bf16", "f32")
 KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3
+QUANTIZATIONS = ("none", "fp8")
 SCHEDULING_POLICIES = tuple(POLICIES)
 MAX_RANKS = 8  # the GPUs of one host
 
@@ -30,6 +31,7 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.90
     kv_cache_gb: float | None = None  # fixed KV size instead of the utilisation rule (mock default: 2)
     kv_cache_dtype: str = "auto"
+    quantization: str = "none"  # fp8: quantize a float checkpoint's projections per output channel at load
     scheduling_policy: str = "fifo"  # or "priority": lower Request.priority first
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (--no-prefix-caching)
     enforce_eager: bool = False  # never capture graphs
@@ -51,6 +53,7 @@ class EngineSettings:
         _choice("--device", self.device, DEVICES)
         _choice("--dtype", self.dtype, DTYPES)
         _choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("--quantization", self.quantization, QUANTIZATIONS)
         _choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise SettingsError(f"--max-seq-len must be at least 2 (got {self.max_seq_len})")

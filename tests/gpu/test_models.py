@@ -401,3 +401,138 @@ def _near_tie_where_paths_part(cuda, mock, conversation, got, expected) -> float
         if name == "mock":
             gap = float((logits[best[0]] - logits[got[index]]) / abs(logits[best[0]]))
     return gap
+
+
+# FP8 checkpoints: how far past transformers' own bf16 error (both against float32 transformers on
+# the dequantized weights) Atlas's logits may be. Steps of at most 8 tokens run the decode GEMVs,
+# which read the weights exactly and keep x in bf16: bf16's bound. Longer steps round each
+# projection's input to E4M3 for the FP8 tensor cores (3 mantissa bits, ~2.5% of each product:
+# ops_fp8.py). On the CPU (torch, the 8B cut with a 32000-token vocabulary, every projection's
+# input rounded to E4M3 per token / per 128 columns) the last position's logits of a 17-token
+# prompt were 6.6 / 6.4 times transformers-bf16's error from float32 (11.7% / 10.9% against
+# 1.8%), and 0.9 / 0.8 times at 300 tokens, where bf16's own error is 15%.
+FP8_DECODE_FACTOR = 1.5
+FP8_PREFILL_FACTOR = 12.0
+
+
+@pytest.mark.parametrize(
+    "config, layout",
+    [(LLAMA_3_1_8B, "channel"), (LLAMA_3_1_8B, "block"), (LLAMA_3_2_1B, "channel")],
+    ids=["llama3.1-8b-2l-channel", "llama3.1-8b-2l-block", "llama3.2-1b-4l-channel"],
+)
+def test_fp8_checkpoints_match_transformers_on_their_dequantized_weights(config, layout, cuda_backend, rng):
+    """An FP8 checkpoint (llm-compressor's per-channel layout, or 128 x 128 blocks as Qwen3-FP8 and
+    DeepSeek-V3 store them) against transformers given its dequantized weights: decode-sized
+    steps (a prefill of 1 + 3 + 4 tokens, three decodes, one) within bf16's bound, prefills of
+    17 and 500 tokens within E4M3 activations' bound."""
+    from fp8_checkpoints import load_dequantized, quantize_checkpoint
+
+    reference, tensors = build_reference(config, seed=3)
+    stored, quantization_config, dequantized = quantize_checkpoint(tensors, layout)
+    load_dequantized(reference, dequantized)
+    model_config = ModelConfig.from_dict({**config, "quantization_config": quantization_config})
+    model = load_model(model_config, DictWeights(stored), cuda_backend, max_positions=2048)
+    spec = KvCacheSpec(model_config.num_layers, 129, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
+                       DType.BF16)
+    worker = Worker(cuda_backend, model, cuda_backend.attention.allocate_cache(spec), WorkerConfig(1024, 8, 2048))
+    exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
+    free_blocks = [int(b) for b in rng.permutation(128)]
+
+    def run(step_id: int, rows: list[tuple[list[int], int, int, tuple[int, ...]]], factor: float) -> float:
+        batch = ScheduledBatch(step_id, tuple(
+            ScheduledSequence(f"s{i}", tuple(tokens[start:stop]), start, table, GREEDY)
+            for i, (tokens, start, stop, table) in enumerate(rows)
+        ), BLOCK_SIZE)
+        ours = worker.compute_logits(batch)
+        worst = 0.0
+        for row, (tokens, _, stop, _) in enumerate(rows):
+            exact = _hf_logits(exact_model, tokens[:stop])[-1]
+            ours_error = _relative(ours[row], exact)
+            hf_error = _relative(_hf_logits(bf16_model, tokens[:stop])[-1], exact)
+            worst = max(worst, ours_error / hf_error)
+            assert ours_error <= factor * hf_error, (layout, step_id, stop, ours_error, hf_error)
+        return worst
+
+    def tables(prompts):
+        nonlocal free_blocks
+        result = []
+        for prompt in prompts:
+            count = -(-(len(prompt) + 2) // BLOCK_SIZE)
+            result.append(tuple(free_blocks[:count]))
+            free_blocks = free_blocks[count:]
+        return result
+
+    short = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (1, 3, 4)]
+    short_tables = tables(short)
+    decode = run(0, [(p, 0, len(p), t) for p, t in zip(short, short_tables)], FP8_DECODE_FACTOR)
+    decode = max(decode, run(1, [(p + [7], len(p), len(p) + 1, t) for p, t in zip(short, short_tables)],
+                             FP8_DECODE_FACTOR))
+    decode = max(decode, run(2, [(short[0] + [7, 9], len(short[0]) + 1, len(short[0]) + 2, short_tables[0])],
+                             FP8_DECODE_FACTOR))
+    long = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (17, 500)]
+    prefill = run(3, [(p, 0, len(p), t) for p, t in zip(long, tables(long))], FP8_PREFILL_FACTOR)
+    print(f"{config['model_type']} {layout}: atlas error / transformers-bf16 error at most {decode:.2f} in decode-"
+          f"sized steps, {prefill:.2f} in prefills")
+
+
+@pytest.mark.parametrize("layout", ["block"])
+def test_an_fp8_batch_decodes_the_same_from_its_graph(layout, cuda_backend, rng):
+    """16 sequences decoding one step of an FP8 8B cut (the FP8 GEMM with E4M3 activations,
+    cuBLASLt's scale pointers inside the graph): eager and replayed logits bit for bit, and
+    within E4M3 activations' bound of transformers."""
+    from fp8_checkpoints import load_dequantized, quantize_checkpoint
+
+    config, num_seqs = LLAMA_3_1_8B, 16
+    reference, tensors = build_reference(config, seed=5)
+    stored, quantization_config, dequantized = quantize_checkpoint(tensors, layout)
+    load_dequantized(reference, dequantized)
+    model_config = ModelConfig.from_dict({**config, "quantization_config": quantization_config})
+    model = load_model(model_config, DictWeights(stored), cuda_backend, max_positions=2048)
+    spec = KvCacheSpec(model_config.num_layers, 2 * num_seqs + 1, BLOCK_SIZE, model_config.num_kv_heads,
+                       model_config.head_dim, DType.BF16)
+    kv = cuda_backend.attention.allocate_cache(spec)
+    eager_worker = Worker(cuda_backend, model, kv, WorkerConfig(2048, num_seqs, 2048))
+    graph_worker = Worker(cuda_backend, model, kv, WorkerConfig(2048, num_seqs, 2048, graph_batch_sizes=(num_seqs,)))
+    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=int(n))]
+               for n in rng.integers(5, 2 * BLOCK_SIZE - 2, size=num_seqs)]
+    tables = [(2 * i, 2 * i + 1) for i in range(num_seqs)]
+
+    def step(worker: Worker, step_id: int, rows: list[tuple[list[int], int, int]]) -> np.ndarray:
+        return worker.compute_logits(ScheduledBatch(step_id, tuple(
+            ScheduledSequence(f"s{i}", tuple(tokens[start:stop]), start, tables[i], GREEDY)
+            for i, (tokens, start, stop) in enumerate(rows)
+        ), BLOCK_SIZE))
+
+    step(eager_worker, 0, [(prompt, 0, len(prompt)) for prompt in prompts])
+    decoded = [prompt + [7] for prompt in prompts]
+    rows = [(tokens, len(tokens) - 1, len(tokens)) for tokens in decoded]
+    eager = step(eager_worker, 1, rows)
+    for step_id in (2, 3):
+        np.testing.assert_array_equal(step(graph_worker, step_id, rows), eager)
+    exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
+    for row, tokens in enumerate(decoded[:4]):
+        exact = _hf_logits(exact_model, tokens)[-1]
+        ours_error, hf_error = _relative(eager[row], exact), _relative(_hf_logits(bf16_model, tokens)[-1], exact)
+        assert ours_error <= FP8_PREFILL_FACTOR * hf_error, (row, ours_error, hf_error)
+
+
+def test_smollm2_quantized_at_load_computes_what_the_mock_does(kernel_cache_dir):
+    """`--quantization fp8` on the real SmolLM2-135M (its projections quantized per channel as
+    they load): CUDA and the mock (rounding activations to bf16 like a GPU) read the same E4M3
+    bytes, and over a 6-token step (the decode GEMVs: x stays bf16) their logits differ no more
+    than twice as much as the bf16 model's do, plus 1e-3."""
+    from atlas.app.llm import LLM
+
+    folder = str(_smollm2_dir())
+    context = (1, 504, 3125, 314, 253, 2)
+    batch = ScheduledBatch(0, (ScheduledSequence("probe", context, 0, (0,), GREEDY),), BLOCK_SIZE)
+    gaps = {}
+    for quantization in ("none", "fp8"):
+        logits = []
+        for device, dtype in (("cuda", "auto"), ("mock", "bf16")):
+            llm = LLM(folder, device=device, dtype=dtype, show_progress=False, max_seq_len=256,
+                      quantization=quantization, enforce_eager=True)
+            logits.append(llm.engine.core.executor.compute_logits(batch)[0])
+        gaps[quantization] = _relative(logits[0], logits[1])
+    print(f"SmolLM2 CUDA against the mock: bf16 {gaps['none']:.2e}, FP8 quantized at load {gaps['fp8']:.2e}")
+    assert gaps["fp8"] <= 2 * gaps["none"] + 1e-3

@@ -10,7 +10,7 @@ from fakes import DictWeights
 from atlas.adapters.mock.backend import MockGpuBackend
 from atlas.domain.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, ModelConfigError, Rope
 from atlas.domain.models.families import load_model
-from atlas.domain.models.quantization import QuantizationError, read_quantization
+from atlas.domain.models.quantization_config import QuantizationError, read_quantization
 from atlas.domain.models.rope import inverse_frequencies, rope_table
 
 GEMMA_3_1B = dict(

@@ -35,7 +35,9 @@ REFERENCE_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "hf_refe
 
 
 def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
-    model = _model_folder(args)
+    model = _model_folder(args, fp8=settings.quantization == "fp8")
+    if args.random:  # an FP8 random checkpoint is written as FP8 (the per-channel layout), not quantized at load
+        settings = dataclasses.replace(settings, quantization="none")
     batch_sizes = _sizes(args.batch_sizes, "--batch-sizes")
     reference = _run_reference(model, args) if args.reference == "hf" else None
     prefill_lens = _sizes(args.prefill_lens, "--prefill-lens") if args.prefill_lens else _default_prefill(settings)
@@ -98,15 +100,19 @@ def _default_prefill(settings: EngineSettings) -> list[int]:
     return [512, 2048, 8192] if on_gpu else []
 
 
-def _model_folder(args: argparse.Namespace) -> Path | str:
+def _model_folder(args: argparse.Namespace, fp8: bool) -> Path | str:
+    """The model to bench; `--random` with `fp8` (`--quantization fp8`) writes the random
+    checkpoint's projections as FP8 tensors (compressed-tensors, per channel), in a folder of
+    its own."""
     if args.random:
         from atlas.app.bench.random_model import CONFIGS, write_random_model
         from atlas.app.model_store import atlas_home
 
         if args.random not in CONFIGS:
             raise ValueError(f"--random {args.random!r} is not a known config; known: {', '.join(CONFIGS)}")
-        # transformers reads files; Atlas alone generates the weights as it loads them
-        return write_random_model(args.random, atlas_home() / "bench" / args.random, files=args.reference == "hf")
+        # transformers reads files; Atlas alone generates bf16 weights as it loads them (FP8 ones are written)
+        folder = atlas_home() / "bench" / (args.random + ("-fp8" if fp8 else ""))
+        return write_random_model(args.random, folder, files=args.reference == "hf" or fp8, fp8=fp8)
     if not args.model:
         raise ValueError("atlas bench engine needs a MODEL or --random CONFIG (e.g. --random llama-3.1-8b)")
     from atlas.app.model_store import resolve_model
@@ -176,6 +182,7 @@ def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], pref
         "model_dir": str(engine.model_dir),
         "kv_cache_dtype": engine.settings.kv_cache_dtype if ranks > 1 else engine.core.executor.kv_dtype.value,
         "ranks": ranks,
+        "weights": _weights_format(engine),
         "weight_gb_per_step": bytes_read.weight_bytes / GB,
         "copy_tb_per_s": ceilings.copy_bytes_per_s / 1e12,
         "gemm_tflops": ceilings.gemm_flops_per_s / 1e12,
@@ -187,9 +194,17 @@ def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], pref
     }
 
 
+def _weights_format(engine) -> str:
+    from atlas.domain.models.quantization_config import read_quantization
+
+    quantization = read_quantization(engine.config.raw)
+    return "bf16" if quantization is None else quantization.describe()
+
+
 def _print(report: dict) -> None:
     per_rank = " per rank" if report["ranks"] > 1 else ""
-    print(f"device {report['device']}; {report['model']}, {report['kv_cache_dtype']} KV cache; "
+    print(f"device {report['device']}; {report['model']}, {report['weights']} weights, "
+          f"{report['kv_cache_dtype']} KV cache; "
           f"weights read per decode step{per_rank} {report['weight_gb_per_step']:.2f} GB; "
           f"copy {report['copy_tb_per_s']:.2f} TB/s; "
           f"bf16 GEMM {report['gemm_tflops']:.1f} TFLOP/s{per_rank}")

@@ -108,11 +108,12 @@ def _time(backend: GpuBackend, fn, repeats: int) -> float:
 
 
 def weight_bytes_per_step(engine: LoadedEngine) -> int:
-    """Bytes of weights a decode step reads: every matrix once (the embedding only if tied,
-    where it doubles as the lm head); norms included, embedding-row lookups neglected."""
+    """Bytes of weights a decode step reads: every matrix once as the device holds it (FP8
+    projections a byte an element with their scales, the bf16 LM head two), the embedding only if
+    tied, where it doubles as the LM head; norms included, embedding-row lookups neglected."""
     config = engine.config
     embedding_bytes = 2 * config.vocab_size * config.hidden_size
-    total = 2 * config.num_parameters()
+    total = engine.weight_bytes
     return total if config.tie_word_embeddings else total - embedding_bytes
 
 

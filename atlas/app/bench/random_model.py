@@ -10,6 +10,11 @@ With `files=False` the folder holds no weights, only `random_weights.json`: Atla
 `GeneratedWeights`, whose every matrix is a strided view of the same kind of pool (rows at
 staggered offsets), so a 70B model needs no 140 GB of files and a tensor-parallel rank copies
 only its part (transformers cannot load such a folder).
+
+With `fp8=True` the layer projections are written as llm-compressor writes FP8_DYNAMIC models
+(compressed-tensors "float-quantized", one scale per output channel): E4M3 bytes from a pool of
+normal samples quantized once, `<module>.weight_scale` [out, 1] in bf16 around the bf16 model's
+spread; the embedding, norms and LM head stay bf16, as in the published checkpoints.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from atlas.adapters.weights.safetensors import (
     write_index,
 )
 from atlas.app.bench.folders import staged_folder
+from atlas.domain.models.quantization_weights import E4M3, E4M3_MAX, quantized_at_load
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(
@@ -77,6 +83,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
 _POOL_SIZE = 1 << 26  # 64M bf16 values (128 MB)
 _WEIGHT_STD = 0.02
 GENERATED_MARKER = "random_weights.json"
+_FP8_SPREAD = 4.5  # the pool's E4M3 bytes hold normal samples scaled so 4.5 sigma is 448
+FP8_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"},
+    }},
+    "ignore": ["lm_head"],
+}  # fmt: skip
 
 
 def tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -120,10 +136,13 @@ def _feed_forward_shapes(config: dict[str, Any], prefix: str) -> list[tuple[str,
 
 
 def write_random_model(name_or_config: str | dict[str, Any], out_dir: Path | str, seed: int = 0,
-                       progress: bool = True, files: bool = True) -> Path:
+                       progress: bool = True, files: bool = True, fp8: bool = False) -> Path:
     """Write the folder atomically; an existing complete folder with the same config is reused.
-    `files=False`: no safetensors, weights generated when read (see the module docstring)."""
+    `files=False`: no safetensors, weights generated when read (see the module docstring).
+    `fp8`: the layer projections as a per-channel FP8 checkpoint (see the module's docstring)."""
     config = CONFIGS[name_or_config] if isinstance(name_or_config, str) else dict(name_or_config)
+    if fp8:
+        config = {**config, "quantization_config": FP8_QUANTIZATION_CONFIG}
     out_dir = Path(out_dir).expanduser().resolve()
     config_path = out_dir / "config.json"
     if config_path.exists() and json.loads(config_path.read_text()) == config:
@@ -131,7 +150,7 @@ def write_random_model(name_or_config: str | dict[str, Any], out_dir: Path | str
             return out_dir
     with staged_folder(out_dir) as staging:
         if files:
-            _write_weights(config, staging, np.random.default_rng(seed), progress)
+            _write_weights(config, staging, np.random.default_rng(seed), progress, fp8)
         else:
             (staging / GENERATED_MARKER).write_text(json.dumps({"seed": seed}))
         _write_tokenizer(config, staging)
@@ -140,10 +159,19 @@ def write_random_model(name_or_config: str | dict[str, Any], out_dir: Path | str
     return out_dir
 
 
-def _write_weights(config: dict[str, Any], folder: Path, rng: np.random.Generator, progress: bool) -> None:
-    pool = (rng.standard_normal(_POOL_SIZE, dtype=np.float32) * _WEIGHT_STD).astype(ml_dtypes.bfloat16)
+def _write_weights(config: dict[str, Any], folder: Path, rng: np.random.Generator, progress: bool,
+                   fp8: bool = False) -> None:
+    normal = rng.standard_normal(_POOL_SIZE, dtype=np.float32)
+    pool = (normal * _WEIGHT_STD).astype(ml_dtypes.bfloat16)
+    fp8_pool = np.clip(normal * (E4M3_MAX / _FP8_SPREAD), -E4M3_MAX, E4M3_MAX).astype(E4M3) if fp8 else None
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    specs = [TensorSpec(name, bf16, shape) for name, shape in tensor_shapes(config)]
+    specs = []
+    for name, shape in tensor_shapes(config):
+        if fp8 and quantized_at_load(name, shape):
+            specs.append(TensorSpec(name, E4M3, shape))
+            specs.append(TensorSpec(name.removesuffix(".weight") + ".weight_scale", bf16, (shape[0], 1)))
+        else:
+            specs.append(TensorSpec(name, bf16, shape))
     shards = plan_shards(specs, 5 << 30)
     filenames = shard_filenames(len(shards))
     total = sum(spec.num_bytes for spec in specs)
@@ -151,7 +179,7 @@ def _write_weights(config: dict[str, Any], folder: Path, rng: np.random.Generato
     for shard, filename in zip(shards, filenames):
         with SafetensorsWriter(folder / filename, shard) as writer:
             for spec in shard:
-                writer.write(spec.name, _tensor(spec, pool, rng))
+                writer.write(spec.name, _tensor(spec, fp8_pool if spec.dtype == E4M3 else pool, rng))
                 written += spec.num_bytes
                 if progress:
                     print(f"\rwriting random weights: {written / 2**30:.1f}/{total / 2**30:.1f} GiB", end="",
@@ -166,6 +194,9 @@ def _tensor(spec: TensorSpec, pool: np.ndarray, rng: np.random.Generator) -> np.
     count = int(np.prod(spec.shape))
     if spec.name.endswith("norm.weight"):
         return (1.0 + 0.05 * rng.standard_normal(count)).astype(ml_dtypes.bfloat16).reshape(spec.shape)
+    if spec.name.endswith(".weight_scale"):  # per row, around the bf16 model's spread
+        spread = _WEIGHT_STD * _FP8_SPREAD / E4M3_MAX
+        return (spread * rng.uniform(0.8, 1.25, size=count)).astype(ml_dtypes.bfloat16).reshape(spec.shape)
     start = int(rng.integers(0, _POOL_SIZE))
     if count <= _POOL_SIZE - start:
         return pool[start : start + count].reshape(spec.shape)

@@ -15,6 +15,7 @@ from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.feed_forward import DenseFeedForward
 from atlas.domain.models.layers import Layer
 from atlas.domain.models.mixers import AttentionMixer
+from atlas.domain.models.quantization_config import read_quantization
 from atlas.domain.models.model import Model
 from atlas.domain.models.rope import rope_table
 from atlas.ports.gpu import DType, GpuBackend, Kind, Tensor
@@ -43,9 +44,10 @@ def load_llama_family(
     max_positions: int,
     progress: decoder.ProgressCallback | None = None,
 ) -> Model:
-    """Build a `Model` from a Llama-family checkpoint; raises WeightError naming a bad tensor."""
+    """Build a `Model` from a Llama-family checkpoint (float, or FP8 projections as
+    config.json's quantization_config describes them); raises WeightError naming a bad tensor."""
     activation = decoder.activation(config)
-    reader = CheckpointReader(weights)
+    reader = CheckpointReader(weights, read_quantization(config.raw))
     hidden, eps = config.hidden_size, config.rms_norm_eps
     total_steps = config.num_layers + 2
     groups = group_caches([KvShape(config.num_kv_heads, config.head_dim, config.sliding_window)] * config.num_layers)
@@ -90,10 +92,7 @@ def _layer(
         (f"{prefix}.self_attn.k_proj", heads.kv_size),
         (f"{prefix}.self_attn.v_proj", heads.kv_size),
     ]
-    qkv = HostLinear(
-        reader.stacked([(f"{name}.weight", (rows, hidden)) for name, rows in projections]),
-        reader.stacked([(f"{name}.bias", (rows,)) for name, rows in projections]) if config.attention_bias else None,
-    )
+    qkv = reader.stacked_linear(projections, hidden, bias=config.attention_bias)
     q_norm = k_norm = None
     if config.qk_norm:
         q_norm = reader.norm(f"{prefix}.self_attn.q_norm.weight", head_dim, eps)
@@ -111,16 +110,13 @@ def _layer(
         hidden_size=hidden,
     )
     intermediate = config.intermediate_size
-    gate_up = reader.stacked(
-        [
-            (f"{prefix}.mlp.gate_proj.weight", (intermediate, hidden)),
-            (f"{prefix}.mlp.up_proj.weight", (intermediate, hidden)),
-        ]
+    gate_up = reader.stacked_linear(
+        [(f"{prefix}.mlp.gate_proj", intermediate), (f"{prefix}.mlp.up_proj", intermediate)], hidden
     )
     feed_forward = DenseFeedForward(
         gate_up=dense.prepare(
             HostProjection(
-                HostLinear(gate_up),
+                gate_up,
                 input_norm=reader.norm(f"{prefix}.post_attention_layernorm.weight", hidden, eps),
                 activation=activation,
             )
