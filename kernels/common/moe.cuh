@@ -47,6 +47,10 @@
 // (the unpermute is the pair order of y; the shared gate is a dot product the block takes itself).
 // Bytes N (k + 1) H 4 + 4 N H.
 //
+// Expert parallelism: a rank holds E of the routed experts, from first_expert on. moe_shift_ids
+// makes the ids local first (one launch, only where first_expert > 0); every kernel skips pairs
+// whose id is outside [0, E), the combine included, so the rank adds its experts' share only.
+//
 // Every kernel waits for the previous one first: the weights a block streams depend on the ids.
 // The kernels live in this header so that kernels/sm90/moe.cu (the wgmma grouped GEMM) can define
 // every symbol of kernels/common/moe.cu beside its own.
@@ -62,6 +66,10 @@
 #define ROUTE_THREADS 256
 #define ROUTE_ROWS 4
 #define ROUTE_MAX_TOKENS 8
+
+// Whether expert id e names one of the E experts this GPU holds (an expert-parallel rank's ids
+// are shifted by moe_shift_ids; the others' pairs are skipped everywhere).
+__device__ __forceinline__ bool held(int e, int num_experts) { return e >= 0 && e < num_experts; }
 
 // ---------------------------------------------------------------------------------------------
 // Routing of one token by one warp. logits [E] (bias included) in global memory, read through L2
@@ -267,7 +275,7 @@ __device__ __forceinline__ void find_slot(const int* expert_ids, int num_pairs, 
     __syncthreads();
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         const int e = expert_ids[p];
-        if (e >= 0 && e < num_experts) atomicOr(present + (e >> 5), 1u << (e & 31));
+        if (held(e, num_experts)) atomicOr(present + (e >> 5), 1u << (e & 31));
     }
     __syncthreads();
     if (warp == 0) {
@@ -468,7 +476,8 @@ __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in
         float total = 0.0f;
         for (int j = 0; j < top_k; ++j) {
             const long long pair = (long long)token * top_k + j;
-            total = fmaf(expert_weights[pair], __ldcg(y + pair * hidden + row), total);
+            if (held(expert_ids[pair], num_experts))
+                total = fmaf(expert_weights[pair], __ldcg(y + pair * hidden + row), total);
         }
         if (has_shared) {
             const float gate = shared_gate_values != nullptr ? __ldcg(shared_gate_values + token) : 1.0f;
@@ -547,6 +556,16 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
 }
 
 // ---------------------------------------------------------------------------------------------
+// moe_shift_ids: local[p] = expert_ids[p] - first_expert (an expert-parallel rank holding experts
+// first_expert .. first_expert + E - 1: the others' ids leave [0, E) and are skipped).
+extern "C" __global__ void __launch_bounds__(256)
+    moe_shift_ids(const int* expert_ids, int* local_ids, int num_pairs, int first_expert) {
+    dependent_launch_entry();
+    const int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p < num_pairs) local_ids[p] = expert_ids[p] - first_expert;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Prefill: alignment and the grouped GEMM.
 //
 // moe_align: one block of 1024 threads. Groups are the E experts, then (has_shared) the shared
@@ -573,7 +592,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     __syncthreads();
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         const int e = expert_ids[p];
-        if (e >= 0 && e < num_experts) atomicAdd(counts + e, 1);
+        if (held(e, num_experts)) atomicAdd(counts + e, 1);
     }
     if (has_shared && threadIdx.x == 0) counts[num_experts] = num_tokens;
     __syncthreads();
@@ -592,7 +611,7 @@ extern "C" __global__ void __launch_bounds__(1024)
     __syncthreads();
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
         const int e = expert_ids[p];
-        if (e >= 0 && e < num_experts) sorted_pairs[atomicAdd(cursor + e, 1)] = p;
+        if (held(e, num_experts)) sorted_pairs[atomicAdd(cursor + e, 1)] = p;
     }
     if (has_shared)
         for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) sorted_pairs[cursor[num_experts] + t] = num_pairs + t;
@@ -813,10 +832,12 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
 
 // ---------------------------------------------------------------------------------------------
 // moe_combine: grid N, 256 threads, H % 8 == 0. shared_gate [H] bf16 or null (an ungated shared
-// expert adds with weight 1); has_shared: y holds the shared expert's rows at P0 + t.
+// expert adds with weight 1); has_shared: y holds the shared expert's rows at P0 + t. Pairs of
+// experts not held (ids outside [0, E)) have no row of y and add nothing.
 extern "C" __global__ void __launch_bounds__(256)
-    moe_combine(const float* y, const float* expert_weights, const bf16* normed, const bf16* shared_gate,
-                int has_shared, bf16* residual, int num_tokens, int top_k, int hidden) {
+    moe_combine(const float* y, const int* expert_ids, const float* expert_weights, const bf16* normed,
+                const bf16* shared_gate, int has_shared, bf16* residual, int num_tokens, int top_k, int num_experts,
+                int hidden) {
     dependent_launch_entry();
     __shared__ float scratch[32];
     const int token = blockIdx.x;
@@ -837,6 +858,7 @@ extern "C" __global__ void __launch_bounds__(256)
         float total[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
         for (int j = 0; j < top_k; ++j) {
             const long long pair = (long long)token * top_k + j;
+            if (!held(expert_ids[pair], num_experts)) continue;
             const float weight = expert_weights[pair];
             float values[8];
             load8(y + pair * hidden + col, values);

@@ -2,17 +2,18 @@
 with a bias or GPT-OSS's clamped SwiGLU, a norm after the product (Gemma's sandwich norms), the
 embedding scale and soft-capped logits.
 
-They compose the existing product (`LinearOp`, unfused: the projection's norm is never folded
-for them) with small kernels, so the Llama-shaped path that `dense.py` runs is untouched:
+They compose the existing product (`product`: `LinearOp` on bf16 weights, `Fp8LinearOp` on FP8;
+unfused, the projection's norm is never folded for them) with small kernels, so the Llama-shaped path that `dense.py` runs is untouched:
 `needs_variant` says which projections come here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from atlas.adapters.cuda import ops_dense
-from atlas.adapters.cuda.ops_dense import LinearOp
 from atlas.adapters.cuda.ops_moe import gated_kind
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
@@ -22,6 +23,9 @@ from atlas.ports.kernels.host_weights import Activation
 NORMED = "variant_normed"
 PRODUCT = "variant_product"
 GATED = "variant_gated"
+
+
+Product = Callable[[CudaTensor, object, CudaTensor, "CudaTensor | None"], None]  # (x, weight, out, bias)
 
 
 def needs_variant(activation, bias: object | None, output_norm: object | None) -> bool:
@@ -35,7 +39,7 @@ def _blocks(rt: CudaRuntime, count: int) -> int:
     return int(max(1, min(-(-count // 256), rt.num_sms * 8)))
 
 
-def project(rt: CudaRuntime, linear: LinearOp, x: CudaTensor, projection, out: CudaTensor) -> None:
+def project(rt: CudaRuntime, product_op: Product, x: CudaTensor, projection, out: CudaTensor) -> None:
     """out = output_norm(act(input_norm(x) @ W.T + b)) for a `CudaProjection` (its norm unfolded)."""
     num_tokens = x.shape[0]
     source = x
@@ -45,7 +49,7 @@ def project(rt: CudaRuntime, linear: LinearOp, x: CudaTensor, projection, out: C
     rows = projection.weight.shape[0]
     plain = projection.activation is None and projection.output_norm is None
     product = out if plain else rt.scratch_tensor(PRODUCT, (num_tokens, rows), out.dtype)
-    linear(source, projection.weight, product, projection.bias)
+    product_op(source, projection.weight, product, projection.bias)
     if projection.activation is not None:
         gated = out if projection.output_norm is None else rt.scratch_tensor(GATED, (num_tokens, rows // 2), out.dtype)
         kind = gated_kind(projection.activation)
@@ -59,18 +63,18 @@ def project(rt: CudaRuntime, linear: LinearOp, x: CudaTensor, projection, out: C
         ops_dense.rmsnorm(rt, product, None, projection.output_norm, projection.output_eps, out)
 
 
-def project_add(rt: CudaRuntime, linear: LinearOp, x: CudaTensor, projection, residual: CudaTensor) -> None:
+def project_add(rt: CudaRuntime, product_op: Product, x: CudaTensor, projection, residual: CudaTensor) -> None:
     """residual += the projection (with its output norm, in one kernel after the product)."""
     delta = rt.scratch_tensor(PRODUCT, residual.shape, residual.dtype)
     if projection.output_norm is None:
-        project(rt, linear, x, projection, delta)
+        project(rt, product_op, x, projection, delta)
         ops_dense.add_into(rt, delta, residual)
         return
     source = x
     if projection.normalized:
         source = rt.scratch_tensor(NORMED, x.shape, x.dtype)
         ops_dense.rmsnorm(rt, x, None, projection.norm, projection.eps, source)
-    linear(source, projection.weight, delta, projection.bias)
+    product_op(source, projection.weight, delta, projection.bias)
     num_tokens, hidden = residual.shape
     if hidden % 8:
         raise ValueError(f"residual: width {hidden} is not a multiple of 8 (an output norm's kernel)")

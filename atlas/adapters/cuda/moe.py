@@ -3,8 +3,9 @@ grouped by expert (a grouped GEMV over the active experts' weights at decode, an
 GEMM at prefill), the shared expert in the same launches, and a combine that adds the weighted
 outputs into the residual (kernels/common/moe.cu, ops_moe.py).
 
-`prepare` uploads bf16 weights as the checkpoint gives them ([E, 2I, H], [E, H, I]); the norm
-weight stays apart (route writes the normalised rows the experts read).
+`prepare` uploads bf16 weights as the checkpoint gives them ([E, 2I, H], [E, H, I]: an
+expert-parallel rank's E held experts from `HostMoe.first_expert`); the norm weight stays apart
+(route writes the normalised rows the experts read).
 """
 
 from __future__ import annotations
@@ -44,14 +45,16 @@ class CudaMoe:
     def prepare(self, host: HostMoe) -> CudaMoeLayer:
         routing = host.routing
         experts, hidden = routing.num_experts, host.router.in_features
-        inner = host.down.in_features
+        inner, held = host.down.in_features, np.shape(host.gate_up.weight)[0]
+        if not (0 <= host.first_expert and host.first_expert + held <= experts):
+            raise ValueError(f"first_expert: {held} experts from {host.first_expert} exceed the {experts} routed")
         for name, linear in (("router", host.router), ("gate_up", host.gate_up), ("down", host.down)):
             if linear.scales is not None:
                 raise UnsupportedError(f"{name}: quantized expert weights are not supported by the CUDA backend yet")
         expected = {
             "router": (tuple(host.router.weight.shape), (experts, hidden)),
-            "gate_up": (tuple(np.shape(host.gate_up.weight)), (experts, 2 * inner, hidden)),
-            "down": (tuple(np.shape(host.down.weight)), (experts, hidden, inner)),
+            "gate_up": (tuple(np.shape(host.gate_up.weight)), (held, 2 * inner, hidden)),
+            "down": (tuple(np.shape(host.down.weight)), (held, hidden, inner)),
         }
         for name, (got, want) in expected.items():
             if got != want:
@@ -78,6 +81,7 @@ class CudaMoe:
             shared_down=shared_down,
             shared_gate=shared_gate,
             activation=ops_moe.gated_kind(host.activation),
+            first_expert=host.first_expert,
         )
         return CudaMoeLayer(
             upload(host.input_norm.weight, DType.BF16), host.input_norm.eps, upload(host.router.weight, DType.BF16),

@@ -138,6 +138,7 @@ class ExpertWeights:
     shared_down: CudaTensor | None  # [H, Is]
     shared_gate: CudaTensor | None  # [H]
     activation: GatedKind
+    first_expert: int = 0  # gate_up[0] is routed expert first_expert (an expert-parallel rank's)
 
     @property
     def num_experts(self) -> int:
@@ -168,12 +169,18 @@ def experts(
     expert_weights: CudaTensor,
     residual: CudaTensor,
 ) -> None:
-    """residual += the routed experts' weighted outputs + the (gated) shared expert's. The grouped
+    """residual += the held experts' weighted outputs + the (gated) shared expert's. The grouped
     GEMV up to GEMV_MAX_TOKENS tokens (its down kernel's last blocks add into the residual), else
     the alignment, the grouped GEMM and the combine."""
     num_tokens, top_k_width = expert_ids.shape
     if num_tokens == 0:
         return
+    if weights.first_expert:
+        local = rt.scratch_tensor("moe_local_ids", expert_ids.shape, DType.I32)
+        count = num_tokens * top_k_width
+        rt.launch("moe", "moe_shift_ids", (-(-count // 256),), 256, expert_ids.address, local.address,
+                  np.int32(count), np.int32(weights.first_expert))
+        expert_ids = local
     hidden, inner, shared_inner = weights.hidden, weights.inner, weights.shared_inner
     experts_count = weights.num_experts
     has_shared = weights.shared_down is not None
@@ -236,8 +243,9 @@ def experts(
     )
     rt.launch(
         "moe", "moe_combine", (num_tokens,), 256,
-        outputs, expert_weights.address, normed.address, _address(weights.shared_gate), np.int32(has_shared),
-        residual.address, np.int32(num_tokens), np.int32(top_k_width), np.int32(hidden),
+        outputs, expert_ids.address, expert_weights.address, normed.address, _address(weights.shared_gate),
+        np.int32(has_shared), residual.address, np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count),
+        np.int32(hidden),
     )
 
 
