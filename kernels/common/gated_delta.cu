@@ -31,11 +31,18 @@
 // Decode is bound by the state's bytes; a prompt is a chain of T token steps per block (the
 // chunkwise WY form, tensor cores over chunks of 64, is the prefill's next step).
 //
+// Rounding: the conv's sum (before silu) and its output, beta and o are rounded to bf16 where
+// transformers' bf16 path for Qwen3-Next rounds them (the noise `atlas doctor` measures; the mock
+// rounds the same places); g, the l2 norms, the recurrence and the state stay f32. A head whose o
+// nearly cancels is scaled up by the gated norm, so another rounding pattern of the same size can
+// move an MoE near tie after it.
+//
 // gdn_gated_norm: out[t, h] = rmsnorm(core[t, h], norm) * silu(z[t, h]) per value head, a warp per
 // (token, head). Bytes N Hv dv (4 + 2 + 2). At decode (fuse_norm) gated_delta_rule does it instead:
 // the last of a head's column blocks (counters [S, Hv], zero between launches) normalises the
 // head's row, one launch less a layer.
 #include "atlas_common.cuh"
+#include "gated_act.cuh"  // round_bf16
 
 #define CONV_THREADS 64
 #define CONV_MAX_KERNEL 8
@@ -107,6 +114,7 @@ extern "C" __global__ void __launch_bounds__(CONV_THREADS)
                 for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
                     if (j == history_len - 1) history[j] = input;
             }
+            acc = round_bf16(acc);  // as transformers' bf16 conv: its sum rounded, then silu's output
             y[(long long)(t0 + u) * conv_dim] = from_float<bf16>(acc / (1.0f + expf(-acc)));
         }
     }
@@ -206,7 +214,7 @@ __device__ __forceinline__ void gated_delta_rule_impl(
             v_staged[i][lane] = v_in[j];
             if (lane == 0) {
                 kq_staged[i] = kq;
-                beta_staged[i] = 1.0f / (1.0f + expf(-b_in[j]));
+                beta_staged[i] = round_bf16(1.0f / (1.0f + expf(-b_in[j])));  // bf16, as transformers holds it
                 decay_staged[i] = expf(-rate * softplus(a_in[j] + bias));
             }
         }
@@ -266,7 +274,7 @@ __device__ __forceinline__ void gated_delta_rule_impl(
             }
             if (warp == 0 && has_column)
                 core[(rows.first + base + i) * (long long)num_value_heads * value_dim + (long long)head * value_dim +
-                     column] = sq + u * kq_staged[i];
+                     column] = round_bf16(sq + u * kq_staged[i]);  // o in bf16, as the gated norm reads it there
         }
     }
 #pragma unroll
