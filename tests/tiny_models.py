@@ -98,15 +98,18 @@ def tiny_config(family: str, **overrides: Any) -> dict[str, Any]:
     return config
 
 
-def build_reference(config_dict: dict[str, Any], seed: int = 0):
-    """(transformers model in float32, {name: bf16 numpy array}) with identical weights."""
+def build_reference(config_dict: dict[str, Any], seed: int = 0, device: str = "cpu"):
+    """(transformers model in float32, {name: bf16 numpy array}) with identical weights. `device`
+    "cuda" draws a GPU test's billions of parameters on the GPU (seconds, not minutes on the
+    CPU; other values, as the generator differs) and leaves the model there."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**{k: v for k, v in config_dict.items() if k != "architectures"})
     config.architectures = config_dict["architectures"]
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     tensors = {}
     with torch.no_grad():
@@ -117,7 +120,7 @@ def build_reference(config_dict: dict[str, Any], seed: int = 0):
                 param.add_(torch.randn_like(param) * 0.1)
             rounded = param.to(torch.bfloat16)
             param.copy_(rounded.to(torch.float32))
-            tensors[name] = rounded.to(torch.float32).numpy().astype(ml_dtypes.bfloat16)
+            tensors[name] = rounded.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # the same bits
     if config_dict.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     return model, tensors

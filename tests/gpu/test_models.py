@@ -18,9 +18,11 @@ pytest.importorskip("transformers")
 
 from chat_prompts import CHAT_PROMPTS  # noqa: E402
 from fakes import DictWeights  # noqa: E402
+from helpers.engines import make_worker  # noqa: E402
 from tiny_models import build_reference  # noqa: E402
 
-from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
+from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
+from atlas.domain.models.cache_groups import kv_group_indices  # noqa: E402
 from atlas.domain.models.config import ModelConfig  # noqa: E402
 from atlas.domain.models.families import load_model  # noqa: E402
 from atlas.domain.requests import SamplingParams  # noqa: E402
@@ -174,10 +176,11 @@ def test_batched_decode_matches_transformers_within_its_own_bf16_error(config, n
           f"atlas error / transformers-bf16 error at most {worst:.2f}")
 
 
-# The families loaded by qwen3_moe.py, gemma3.py and gpt_oss.py: real configs cut to a few layers
-# (expert counts and sizes, head dims, GQA ratios, vocabularies, windows and RoPE are the real
-# ones). Gemma 3 keeps six layers so its sixth is a full one; the references run transformers'
-# eager attention (GPT-OSS's sinks have no SDPA path).
+# The families loaded by qwen3_moe.py, qwen3_next.py, gemma3.py and gpt_oss.py: real configs cut to
+# a few layers (expert counts and sizes, head dims, GQA ratios, vocabularies, windows and RoPE are
+# the real ones). Gemma 3 keeps six layers so its sixth is a full one, Qwen3-Next a Gated DeltaNet
+# layer and a gated attention one; the references run transformers' eager attention (GPT-OSS's
+# sinks have no SDPA path).
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
     intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
@@ -203,30 +206,38 @@ GPT_OSS_20B = dict(
 )  # fmt: skip
 
 
-def _load_or_skip(config: dict, tensors: dict, backend) -> object:
-    """The model on CUDA, or a skip naming what the CUDA kinds cannot run yet."""
-    from atlas.ports.gpu import MissingKindError, UnsupportedError
+QWEN3_NEXT_80B_A3B = dict(
+    architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=151936, hidden_size=2048,
+    intermediate_size=5120, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512,
+    num_experts_per_tok=10, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2,
+    layer_types=["linear_attention", "full_attention"], num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144, rms_norm_eps=1e-6,
+    rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
+    tie_word_embeddings=False, initializer_range=0.02, attn_implementation="eager",
+)  # fmt: skip
+FAMILIES = {"qwen3-30b-a3b-2l": QWEN3_30B_A3B, "qwen3-next-80b-a3b-2l": QWEN3_NEXT_80B_A3B,
+            "gemma3-1b-6l": GEMMA_3_1B, "gpt-oss-20b-2l": GPT_OSS_20B}
 
-    model_config = ModelConfig.from_dict(config)
-    try:
-        return load_model(model_config, DictWeights(tensors), backend, max_positions=2048)
-    except (UnsupportedError, MissingKindError) as exc:
-        pytest.skip(f"{model_config.architecture} does not run on the CUDA backend yet: {exc}")
+
+def _scheduled(model, index: int, tokens: list[int], start: int, stop: int, table: tuple[int, ...]):
+    """Sequence `index`'s tokens [start, stop) with the same pages in every KV group of the
+    model and state slot `index` in every recurrent group."""
+    groups = model.cache_groups
+    num_kv = len(kv_group_indices(groups))
+    return ScheduledSequence(f"s{index}", tuple(tokens[start:stop]), start, table, GREEDY,
+                             kv_block_tables=(BlockTable(table),) * num_kv,
+                             state_slots=(index,) * (len(groups) - num_kv))
 
 
-@pytest.mark.parametrize(
-    "config", [QWEN3_30B_A3B, GEMMA_3_1B, GPT_OSS_20B], ids=["qwen3-30b-a3b-2l", "gemma3-1b-6l", "gpt-oss-20b-2l"]
-)
-def test_families_prefill_decode_and_chunk_within_transformers_bf16_error(config, cuda_backend, rng):
+def family_steps(config: dict, backend, rng, device: str = _DEVICE) -> list[tuple[int, int, float, float]]:
     """Prefills of 1, 17 and 600 tokens in one batch (past the 128- and 512-token windows), a
-    batched decode of each, then a 300-token prompt in two chunks beside decodes: every sampled
-    row within 1.5x transformers' own bf16 error of its float32 logits."""
-    reference, tensors = build_reference(config, seed=11)
-    model = _load_or_skip(config, tensors, cuda_backend)
-    model_config = ModelConfig.from_dict(config)
-    spec = KvCacheSpec(model_config.num_layers, 161, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
-                       DType.BF16)
-    worker = Worker(cuda_backend, model, cuda_backend.attention.allocate_cache(spec), WorkerConfig(1024, 8, 2048))
+    batched decode of each, then a 300-token prompt in two chunks beside decodes (its state,
+    where the model has one, carried from the first chunk): (step, length, Atlas's relative
+    error, transformers bf16's) of every sampled row against transformers float32."""
+    reference, tensors = build_reference(config, seed=11, device=device)
+    model = load_model(ModelConfig.from_dict(config), DictWeights(tensors), backend, max_positions=2048)
+    worker = make_worker(model, 160, BLOCK_SIZE, WorkerConfig(1024, 8, 2048), backend.capabilities.activation_dtype)
     prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (1, 17, 600, 300)]
     free_blocks = [int(b) for b in rng.permutation(160)]
     tables = []
@@ -235,26 +246,31 @@ def test_families_prefill_decode_and_chunk_within_transformers_bf16_error(config
         tables.append(tuple(free_blocks[:count]))
         free_blocks = free_blocks[count:]
     decoded = [prompt + [7] for prompt in prompts[:3]]
-    steps = [  # (tokens, start, stop, table) per sequence; every row samples
-        [(prompt, 0, len(prompt), table) for prompt, table in zip(prompts[:3], tables)],
-        [(tokens, len(tokens) - 1, len(tokens), table) for tokens, table in zip(decoded, tables)],
-        [(decoded[0] + [9], len(decoded[0]), len(decoded[0]) + 1, tables[0]), (prompts[3], 0, 150, tables[3])],
-        [(decoded[2] + [9], len(decoded[2]), len(decoded[2]) + 1, tables[2]), (prompts[3], 150, 300, tables[3])],
+    steps = [  # (sequence, tokens, start, stop) per row; every row samples
+        [(i, prompt, 0, len(prompt)) for i, prompt in enumerate(prompts[:3])],
+        [(i, tokens, len(tokens) - 1, len(tokens)) for i, tokens in enumerate(decoded)],
+        [(0, decoded[0] + [9], len(decoded[0]), len(decoded[0]) + 1), (3, prompts[3], 0, 150)],
+        [(2, decoded[2] + [9], len(decoded[2]), len(decoded[2]) + 1), (3, prompts[3], 150, 300)],
     ]
     exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
+    results = []
     for step_id, step in enumerate(steps):
-        batch = ScheduledBatch(step_id, tuple(
-            ScheduledSequence(f"s{i}", tuple(tokens[start:stop]), start, table, GREEDY)
-            for i, (tokens, start, stop, table) in enumerate(step)
-        ), BLOCK_SIZE)
-        ours = worker.compute_logits(batch)
-        for row, (tokens, _, stop, _) in enumerate(step):
+        rows = tuple(_scheduled(model, i, tokens, start, stop, tables[i]) for i, tokens, start, stop in step)
+        ours = worker.compute_logits(ScheduledBatch(step_id, rows, BLOCK_SIZE))
+        for row, (_, tokens, _, stop) in enumerate(step):
             exact = _hf_logits(exact_model, tokens[:stop])[-1]
             hf_bf16 = _hf_logits(bf16_model, tokens[:stop])[-1]
-            ours_error, hf_error = _relative(ours[row], exact), _relative(hf_bf16, exact)
-            print(f"{config['model_type']} step {step_id} len {stop}: "
-                  f"atlas {ours_error:.2e} transformers-bf16 {hf_error:.2e}")
-            assert ours_error <= 1.5 * hf_error, (step_id, stop, ours_error, hf_error)
+            results.append((step_id, stop, _relative(ours[row], exact), _relative(hf_bf16, exact)))
+    return results
+
+
+@pytest.mark.parametrize("config", FAMILIES.values(), ids=FAMILIES.keys())
+def test_families_prefill_decode_and_chunk_within_transformers_bf16_error(config, cuda_backend, rng):
+    """Every sampled row of `family_steps` within 1.5x transformers' own bf16 error."""
+    for step_id, length, ours_error, hf_error in family_steps(config, cuda_backend, rng):
+        print(f"{config['model_type']} step {step_id} len {length}: "
+              f"atlas {ours_error:.2e} transformers-bf16 {hf_error:.2e}")
+        assert ours_error <= 1.5 * hf_error, (step_id, length, ours_error, hf_error)
 
 
 def _smollm2_dir() -> Path:
