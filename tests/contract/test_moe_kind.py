@@ -3,6 +3,8 @@ transformers' own Qwen3-MoE, GPT-OSS and Qwen3-Next blocks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from contract_harness import prepared_or_skip, require_kind
@@ -117,6 +119,31 @@ def test_experts_add_the_weighted_routed_and_shared_experts(harness, rng, activa
         hidden_shared = glu(normed @ host.shared.gate_up.weight.T.astype(np.float64), activation)
         gate = 1 / (1 + np.exp(-(normed @ host.shared.gate.weight.T.astype(np.float64))))
         expected += gate * (hidden_shared @ host.shared.down.weight.T.astype(np.float64))
+    assert rel(residual - x, expected - x) < harness.tolerance * 2
+
+
+@pytest.mark.parametrize("num_tokens", [5, 80])
+def test_an_expert_parallel_share_adds_only_the_experts_it_holds(harness, rng, num_tokens):
+    """Experts 3..5 of the 8 routed (`HostMoe.first_expert` 3): a token's picks of the others add
+    nothing; at decode sizes and past them (grouped GEMV and GEMM on CUDA)."""
+    hidden, inner, routing = 64, 48, Routing(8, 2, renormalize=True)
+    whole = _host_moe(rng, hidden, inner, routing, biases=True)
+    held = range(3, 6)
+    share = dataclasses.replace(
+        whole, first_expert=held.start,
+        gate_up=HostLinear(whole.gate_up.weight[held.start : held.stop], whole.gate_up.bias[held.start : held.stop]),
+        down=HostLinear(whole.down.weight[held.start : held.stop], whole.down.bias[held.start : held.stop]),
+    )
+    x = bf16(rng.standard_normal((num_tokens, hidden)) * 2)
+    normed, ids, weights, residual = _run(harness, share, x)
+    picks = [e in held for e in ids.ravel()]
+    assert any(picks) and not all(picks)
+    expected = x.astype(np.float64).copy()
+    for t in range(num_tokens):
+        for e, w in zip(ids[t], weights[t], strict=True):
+            if e in held:
+                expected[t] += w * expert(normed[t], whole.gate_up.weight[e], whole.gate_up.bias[e],
+                                          whole.down.weight[e], whole.down.bias[e], whole.activation)
     assert rel(residual - x, expected - x) < harness.tolerance * 2
 
 
