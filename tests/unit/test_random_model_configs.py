@@ -17,9 +17,9 @@ def test_a_family_config_has_its_models_parameter_count(name, billions):
 
 
 def test_qwen3_next_alternates_three_linear_layers_with_one_gated_attention_layer():
-    names = dict(tensor_shapes(CONFIGS["qwen3-next-16l"]))
-    config = CONFIGS["qwen3-next-16l"]
-    for layer in range(16):
+    names = dict(tensor_shapes(CONFIGS["qwen3-next-20l"]))
+    config = CONFIGS["qwen3-next-20l"]
+    for layer in range(20):
         full = (layer + 1) % config["full_attention_interval"] == 0
         assert (f"model.layers.{layer}.self_attn.q_proj.weight" in names) == full
         assert (f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight" in names) == (not full)

@@ -159,6 +159,7 @@ def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], pref
             "step_ms": 1e3 * row.step_s, "device_step_ms": 1e3 * row.device_step_s,
             "host_gap_fraction": row.host_gap_fraction, "roofline_step_ms": 1e3 * row.roofline_step_s,
             "roofline_fraction": row.roofline_fraction, "collective_ms": 1e3 * collectives,
+            "read_gb": row.roofline_step_s * ceilings.copy_bytes_per_s / GB,
         }
         if row.batch in reference_decode:
             entry["reference_tokens_per_s"] = reference_decode[row.batch]["tokens_per_s"]
@@ -183,7 +184,10 @@ def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], pref
         "kv_cache_dtype": engine.settings.kv_cache_dtype if ranks > 1 else engine.core.executor.kv_dtype.value,
         "ranks": ranks,
         "weights": _weights_format(engine),
-        "weight_gb_per_step": bytes_read.weight_bytes / GB,
+        "weight_gb_per_step": (bytes_read.weight_bytes + bytes_read.experts_read(1)) / GB,  # at batch 1
+        "routed_expert_gb": bytes_read.expert_bytes / GB,
+        "experts": [bytes_read.num_experts, bytes_read.top_k],
+        "state_mb_per_sequence": bytes_read.state_bytes_per_sequence / 1e6,
         "copy_tb_per_s": ceilings.copy_bytes_per_s / 1e12,
         "gemm_tflops": ceilings.gemm_flops_per_s / 1e12,
         "decode": decode_rows,
@@ -217,6 +221,13 @@ def _print(report: dict) -> None:
         print(f"{row['batch']:>5} {row['mean_context']:>7.1f} {row['tokens_per_s']:>10.1f} {row['step_ms']:>8.3f} "
               f"{row['device_step_ms']:>9.3f} {100 * row['host_gap_fraction']:>7.1f}% {100 * row['roofline_fraction']:>7.1f}% "
               f"{vs:>7}{coll}")
+    experts, top_k = report["experts"]
+    if experts or report["state_mb_per_sequence"]:
+        print(f"roofline: the step's bytes over the copy bandwidth: the weights but the routed experts, the "
+              f"{report['routed_expert_gb']:.2f} GB of routed experts ({top_k} of {experts} a token) times "
+              f"1 - (1 - k/E)^batch (uniform routing), KV, and {report['state_mb_per_sequence']:.1f} MB of "
+              f"recurrent state a sequence (read + written); GB a step: "
+              + ", ".join(f"batch {row['batch']} {row['read_gb']:.2f}" for row in report["decode"]))
     if report["ranks"] > 1:
         print(f"roofline: one rank's weight and KV bytes over its copy bandwidth; coll ms: the step's "
               f"{report['ranks']}-rank all-reduces and logits all-gather on their own")

@@ -14,6 +14,7 @@ import numpy as np
 
 from atlas.app.builder import LoadedEngine
 from atlas.domain.batch import ScheduledBatch
+from atlas.domain.models.config import ModelConfig
 from atlas.domain.requests import Request, SamplingParams
 from atlas.ports.gpu import DType, GpuBackend
 from atlas.ports.kernels.dense import HostProjection
@@ -31,10 +32,31 @@ class Ceilings:
 @dataclass(frozen=True, slots=True)
 class BytesRead:
     """What a decode step reads on the device that bounds it (on several ranks: the busiest
-    rank's part): every weight once, and the KV of each token of context."""
+    rank's part): every weight once but the routed experts, the routed experts the step's tokens
+    pick, the KV of each token of context, and each sequence's recurrent state, read and written.
 
-    weight_bytes: int
+    The experts a step touches: each MoE layer's share 1 - (1 - k/E)^batch of its E experts,
+    the expected share under uniform routing. Exact at batch 1 (a token's k experts are distinct);
+    past it an upper bound of the expected bytes (uneven routing touches fewer experts), so the
+    roofline fraction of a large batch may flatter by a few percent."""
+
+    weight_bytes: int  # every weight once, the routed experts aside
     kv_bytes_per_token: int
+    expert_bytes: int = 0  # every routed expert of every MoE layer
+    num_experts: int = 0
+    top_k: int = 0
+    state_bytes_per_sequence: int = 0  # recurrent state (conv + delta rule) read plus written
+
+    def experts_read(self, batch: int) -> float:
+        """Bytes of the routed experts `batch` tokens are expected to touch."""
+        if not self.num_experts:
+            return 0.0
+        return self.expert_bytes * (1.0 - (1.0 - self.top_k / self.num_experts) ** batch)
+
+    def step_bytes(self, batch: int, context_tokens: float) -> float:
+        """Bytes a decode step of `batch` sequences with `context_tokens` of context in all reads."""
+        return (self.weight_bytes + self.experts_read(batch) + context_tokens * self.kv_bytes_per_token
+                + batch * self.state_bytes_per_sequence)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +67,7 @@ class DecodeResult:
     steps: int
     step_s: float  # engine step, host included (steps overlap)
     device_step_s: float  # the same step replayed back to back: device time alone
-    roofline_step_s: float  # (weight + KV bytes read) / copy bandwidth
+    roofline_step_s: float  # `BytesRead.step_bytes` / copy bandwidth
 
     @property
     def tokens_per_s(self) -> float:
@@ -128,9 +150,29 @@ def kv_bytes_per_token(engine: LoadedEngine) -> int:
     )
 
 
+def routed_expert_bytes(config: ModelConfig) -> int:
+    """Bytes of every routed expert's gate, up and down rows, bf16 (as the MoE kinds hold them;
+    a shared expert is an ordinary weight), over the MoE layers."""
+    per_layer = config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size * 2
+    return per_layer * sum(config.is_moe_layer(layer) for layer in range(config.num_layers))
+
+
+def state_bytes_per_sequence(engine: LoadedEngine) -> int:
+    """Recurrent-state bytes a decode step reads and writes per sequence: its slot of every
+    recurrent group, twice."""
+    caches = engine.core.executor.caches
+    return 2 * sum(
+        cache.spec.bytes_per_slot
+        for group, cache in zip(engine.model.cache_groups, caches, strict=True)
+        if not group.kind.is_kv
+    )
+
+
 def engine_bytes_read(engine: LoadedEngine) -> BytesRead:
     """The bytes a decode step of a one-device engine reads."""
-    return BytesRead(weight_bytes_per_step(engine), kv_bytes_per_token(engine))
+    config, experts = engine.config, routed_expert_bytes(engine.config)
+    return BytesRead(weight_bytes_per_step(engine) - experts, kv_bytes_per_token(engine), experts,
+                     config.num_experts, config.num_experts_per_tok, state_bytes_per_sequence(engine))
 
 
 def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_tokens: int,
@@ -185,7 +227,7 @@ def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_to
         raise RuntimeError(f"batch {batch}: {len(recorded) - len(decoding)} timed steps were not full decode steps")
     device_step_s = _replay_device_time(engine, decoding[len(decoding) // 2])
     mean_context = np.mean([sum(s.context_len for s in b.sequences) for b in decoding])
-    read_bytes = bytes_read.weight_bytes + mean_context * bytes_read.kv_bytes_per_token
+    read_bytes = bytes_read.step_bytes(batch, mean_context)
     return DecodeResult(batch, context_len, float(mean_context) / batch, decode_tokens, step_s, device_step_s,
                         read_bytes / bandwidth)
 
@@ -202,9 +244,14 @@ def _replay_device_time(engine: LoadedEngine, batch: ScheduledBatch, repeats: in
 
 
 def prefill_flops(engine: LoadedEngine, num_tokens: int) -> float:
+    """2 FLOPs a parameter a token (a routed expert's only for the k tokens in E that pick it)
+    plus causal attention's."""
     config = engine.config
     attention = 4 * config.num_layers * config.num_heads * config.head_dim * num_tokens * (num_tokens + 1) / 2
-    return 2 * config.num_parameters() * num_tokens + attention
+    parameters = config.num_parameters()
+    if config.num_experts:
+        parameters -= routed_expert_bytes(config) // 2 * (1 - config.num_experts_per_tok / config.num_experts)
+    return 2 * parameters * num_tokens + attention
 
 
 def measure_prefill(engine: LoadedEngine, num_tokens: int, repeats: int = 2) -> PrefillResult:
