@@ -2,9 +2,10 @@
 with a bias or GPT-OSS's clamped SwiGLU, a norm after the product (Gemma's sandwich norms), the
 embedding scale and soft-capped logits.
 
-They compose the existing product (`product`: `LinearOp` on bf16 weights, `Fp8LinearOp` on FP8;
-unfused, the projection's norm is never folded for them) with small kernels, so the Llama-shaped path that `dense.py` runs is untouched:
-`needs_variant` says which projections come here.
+They compose the existing product (`product_op`: `LinearOp` on bf16 weights, `Fp8LinearOp` on
+FP8; unfused, the projection's norm is never folded for them) with small kernels, so the
+Llama-shaped path that `dense.py` runs is untouched: `needs_variant` says which projections come
+here.
 """
 
 from __future__ import annotations

@@ -94,7 +94,8 @@ class CudaMoe:
     def _shared(self, host: HostMoe, hidden: int) -> tuple[CudaTensor, CudaTensor, CudaTensor | None]:
         shared = host.shared
         assert shared is not None
-        for name, linear in (("shared.gate_up", shared.gate_up), ("shared.down", shared.down), ("shared.gate", shared.gate)):
+        parts = (("shared.gate_up", shared.gate_up), ("shared.down", shared.down), ("shared.gate", shared.gate))
+        for name, linear in parts:
             if linear is not None and (linear.scales is not None or linear.bias is not None):
                 raise UnsupportedError(f"{name}: biases or quantized weights are not supported by the CUDA backend yet")
         inner = shared.down.in_features

@@ -249,7 +249,9 @@ def experts(
     )
 
 
-def check_routing_outputs(expert_ids: CudaTensor, expert_weights: CudaTensor, num_tokens: int, top_k_width: int) -> None:
+def check_routing_outputs(
+    expert_ids: CudaTensor, expert_weights: CudaTensor, num_tokens: int, top_k_width: int
+) -> None:
     for name, tensor, dtype in (("expert_ids", expert_ids, DType.I32), ("expert_weights", expert_weights, DType.F32)):
         checks.dtype(tensor, name, (dtype,))
         checks.shape(tensor, name, (num_tokens, top_k_width))

@@ -103,7 +103,9 @@ class CudaRecurrent:
         if layer.key_head_dim > MAX_KEY_DIM:
             raise UnsupportedError(f"key_head_dim: {layer.key_head_dim} is over the CUDA kernel's {MAX_KEY_DIM}")
         if not 1 <= layer.conv_kernel <= MAX_CONV_KERNEL:
-            raise UnsupportedError(f"conv_kernel: {layer.conv_kernel} is outside the CUDA kernel's 1..{MAX_CONV_KERNEL}")
+            raise UnsupportedError(
+                f"conv_kernel: {layer.conv_kernel} is outside the CUDA kernel's 1..{MAX_CONV_KERNEL}"
+            )
         upload = self._upload
         return CudaDeltaNetLayer(
             layer,
