@@ -3,9 +3,12 @@
 Runs as its own process (Atlas never imports torch) and prints one JSON object on stdout:
 decode tokens/s with a static KV cache and `torch.compile(mode="reduce-overhead")` (CUDA
 graphs), and prefill seconds with SDPA attention, on the same workloads `atlas bench` uses.
+With `--random-weights` only DIR's config.json is read and the weights are transformers' own
+random initialisation, drawn on the GPU (a generated `atlas bench --random` folder has no files;
+the shapes, hence the speed, are the same). An empty `--batch-sizes` times prefill only.
 
     python benchmarks/hf_reference.py --model DIR --batch-sizes 1 --context 512 --decode-tokens 64 \
-        --prefill-lens 512,2048,8192
+        --prefill-lens 512,2048,8192 [--random-weights]
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, CompileConfig
+from transformers import AutoConfig, AutoModelForCausalLM, CompileConfig
 
 
 def log(message: str) -> None:
@@ -78,9 +81,15 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--prefill-lens", default="512,2048,8192")
+    parser.add_argument("--random-weights", action="store_true", help="the config's shapes, random weights")
     args = parser.parse_args()
     started = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if args.random_weights:
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.bfloat16,
+                                                     attn_implementation="sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, attn_implementation="sdpa")
     model = model.to("cuda").eval()
     log(f"loaded in {time.perf_counter() - started:.0f}s")
     vocab = model.config.vocab_size
@@ -91,6 +100,7 @@ def main() -> int:
               for b in args.batch_sizes.split(",") if b]
     print(json.dumps({
         "implementation": "transformers static cache + torch.compile (decode), SDPA (prefill)",
+        "weights": "random (its own draw)" if args.random_weights else "the checkpoint's",
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(),
         "decode": decode,

@@ -39,7 +39,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     if args.random:  # an FP8 random checkpoint is written as FP8 (the per-channel layout), not quantized at load
         settings = dataclasses.replace(settings, quantization="none")
     batch_sizes = _sizes(args.batch_sizes, "--batch-sizes")
-    reference = _run_reference(model, args) if args.reference == "hf" else None
+    reference = _run_reference(model, args) if args.reference != "none" else None
     prefill_lens = _sizes(args.prefill_lens, "--prefill-lens") if args.prefill_lens else _default_prefill(settings)
     settings = dataclasses.replace(
         settings,
@@ -131,12 +131,15 @@ def _sizes(text: str, flag: str) -> list[int]:
 
 
 def _run_reference(model: Path | str, args: argparse.Namespace) -> dict:
-    """transformers on the same folder, before Atlas takes the device's memory."""
+    """transformers on the same folder (`hf-random`: on its config, weights drawn on the device),
+    before Atlas takes the device's memory."""
     if not REFERENCE_SCRIPT.exists():
         raise ValueError(f"--reference hf needs {REFERENCE_SCRIPT} (run from a checkout of the repository)")
     command = [sys.executable, str(REFERENCE_SCRIPT), "--model", str(model), "--batch-sizes",
                args.reference_batch_sizes, "--context", str(args.context), "--decode-tokens",
                str(args.decode_tokens), "--prefill-lens", args.prefill_lens or "512,2048,8192"]
+    if args.reference == "hf-random":
+        command.append("--random-weights")
     print("running the transformers reference (compiling takes minutes) ...", file=sys.stderr)
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
     if result.returncode != 0:
