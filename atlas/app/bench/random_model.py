@@ -95,14 +95,11 @@ _QWEN3_NEXT_80B_A3B = dict(
     linear_value_head_dim=128, linear_conv_kernel_dim=4, rms_norm_eps=1e-6, rope_theta=10000000.0,
     tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
 )
-# The families' real configs, and cuts at full width (which sets every kernel's shape): Qwen3-Next
-# (3.3 GB a layer) to as many layers as an H200 (36) or an H100 (20) holds, and both MoE models to
-# 4 layers, small enough to write as files for transformers' prefill beside Atlas's.
+# The families' real configs, and Qwen3-Next (3.3 GB a layer) cut at full width (which sets every
+# kernel's shape) to as many layers as an H200 (36) or an H100 (20) holds with its caches.
 CONFIGS.update({
-    "qwen3-30b-a3b-4l": {**CONFIGS["qwen3-30b-a3b"], "num_hidden_layers": 4},
     "qwen3-next-80b-a3b": _family(**_QWEN3_NEXT_80B_A3B),
-    **{f"qwen3-next-{layers}l": _family(**{**_QWEN3_NEXT_80B_A3B, "num_hidden_layers": layers})
-       for layers in (4, 20, 36)},
+    **{f"qwen3-next-{layers}l": _family(**{**_QWEN3_NEXT_80B_A3B, "num_hidden_layers": layers}) for layers in (20, 36)},
     "gemma-3-12b": _family(
         architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262208, hidden_size=3840,
         intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
