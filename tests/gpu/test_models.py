@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy as copy_module
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -230,47 +231,85 @@ def _scheduled(model, index: int, tokens: list[int], start: int, stop: int, tabl
                              state_slots=(index,) * (len(groups) - num_kv))
 
 
-def family_steps(config: dict, backend, rng, device: str = _DEVICE) -> list[tuple[int, int, float, float]]:
+@dataclass(frozen=True, slots=True)
+class RowError:
+    """One sampled row against transformers float32: squared L2 norms of Atlas's and
+    transformers bf16's differences from it, and of it."""
+
+    step_id: int
+    length: int
+    atlas: float
+    transformers_bf16: float
+    reference: float
+
+
+def relative_errors(rows: list[RowError]) -> tuple[float, float]:
+    """(Atlas's, transformers bf16's) relative L2 error over `rows` together."""
+    reference = sum(row.reference for row in rows)
+    return (float(np.sqrt(sum(row.atlas for row in rows) / reference)),
+            float(np.sqrt(sum(row.transformers_bf16 for row in rows) / reference)))
+
+
+FAMILY_BATCH = 16  # the short prompts family_steps prefills and decodes together
+
+
+def family_steps(config: dict, backend, rng, device: str = _DEVICE) -> list[RowError]:
     """Prefills of 1, 17 and 600 tokens in one batch (past the 128- and 512-token windows), a
-    batched decode of each, then a 300-token prompt in two chunks beside decodes (its state,
-    where the model has one, carried from the first chunk): (step, length, Atlas's relative
-    error, transformers bf16's) of every sampled row against transformers float32."""
+    batched decode of each, a 300-token prompt in two chunks beside decodes (its state, where
+    the model has one, carried from the first chunk), then FAMILY_BATCH short prompts prefilled
+    together and decoded twice: every sampled row's errors (58 rows)."""
     reference, tensors = build_reference(config, seed=11, device=device)
     model = load_model(ModelConfig.from_dict(config), DictWeights(tensors), backend, max_positions=2048)
-    worker = make_worker(model, 160, BLOCK_SIZE, WorkerConfig(1024, 8, 2048), backend.capabilities.activation_dtype)
-    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (1, 17, 600, 300)]
-    free_blocks = [int(b) for b in rng.permutation(160)]
+    worker = make_worker(model, 200, BLOCK_SIZE, WorkerConfig(1024, 32, 2048), backend.capabilities.activation_dtype)
+    lengths = [1, 17, 600, 300, *(int(n) for n in rng.integers(2, 40, size=FAMILY_BATCH))]
+    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in lengths]
+    free_blocks = [int(b) for b in rng.permutation(200)]
     tables = []
     for prompt in prompts:
-        count = -(-(len(prompt) + 2) // BLOCK_SIZE)
+        count = -(-(len(prompt) + 3) // BLOCK_SIZE)
         tables.append(tuple(free_blocks[:count]))
         free_blocks = free_blocks[count:]
-    decoded = [prompt + [7] for prompt in prompts[:3]]
+    decoded = [prompt + [7] for prompt in prompts]
+    batch = range(4, 4 + FAMILY_BATCH)
     steps = [  # (sequence, tokens, start, stop) per row; every row samples
-        [(i, prompt, 0, len(prompt)) for i, prompt in enumerate(prompts[:3])],
-        [(i, tokens, len(tokens) - 1, len(tokens)) for i, tokens in enumerate(decoded)],
+        [(i, prompts[i], 0, len(prompts[i])) for i in range(3)],
+        [(i, decoded[i], len(decoded[i]) - 1, len(decoded[i])) for i in range(3)],
         [(0, decoded[0] + [9], len(decoded[0]), len(decoded[0]) + 1), (3, prompts[3], 0, 150)],
         [(2, decoded[2] + [9], len(decoded[2]), len(decoded[2]) + 1), (3, prompts[3], 150, 300)],
+        [(i, prompts[i], 0, len(prompts[i])) for i in batch],
+        [(i, decoded[i], len(decoded[i]) - 1, len(decoded[i])) for i in batch],
+        [(i, decoded[i] + [9], len(decoded[i]), len(decoded[i]) + 1) for i in batch],
     ]
     exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
-    results = []
+    errors = []
     for step_id, step in enumerate(steps):
         rows = tuple(_scheduled(model, i, tokens, start, stop, tables[i]) for i, tokens, start, stop in step)
-        ours = worker.compute_logits(ScheduledBatch(step_id, rows, BLOCK_SIZE))
+        ours = np.asarray(worker.compute_logits(ScheduledBatch(step_id, rows, BLOCK_SIZE)), np.float64)
         for row, (_, tokens, _, stop) in enumerate(step):
-            exact = _hf_logits(exact_model, tokens[:stop])[-1]
-            hf_bf16 = _hf_logits(bf16_model, tokens[:stop])[-1]
-            results.append((step_id, stop, _relative(ours[row], exact), _relative(hf_bf16, exact)))
-    return results
+            exact = np.asarray(_hf_logits(exact_model, tokens[:stop])[-1], np.float64)
+            hf_bf16 = np.asarray(_hf_logits(bf16_model, tokens[:stop])[-1], np.float64)
+            errors.append(RowError(step_id, stop, float(np.sum((ours[row] - exact) ** 2)),
+                                   float(np.sum((hf_bf16 - exact) ** 2)), float(np.sum(exact**2))))
+    return errors
 
 
 @pytest.mark.parametrize("config", FAMILIES.values(), ids=FAMILIES.keys())
 def test_families_prefill_decode_and_chunk_within_transformers_bf16_error(config, cuda_backend, rng):
-    """Every sampled row of `family_steps` within 1.5x transformers' own bf16 error."""
-    for step_id, length, ours_error, hf_error in family_steps(config, cuda_backend, rng):
-        print(f"{config['model_type']} step {step_id} len {length}: "
-              f"atlas {ours_error:.2e} transformers-bf16 {hf_error:.2e}")
-        assert ours_error <= 1.5 * hf_error, (step_id, length, ours_error, hf_error)
+    """The rows of `family_steps` (prefill batches, batched decodes, two chunked-prefill steps)
+    together within 1.5x transformers' own bf16 error. Not row by row: a random router's top-k
+    nearly ties for some tokens, where a bf16 port and transformers' bf16 each pick another
+    expert now and then, that row's error then 3-10x the others' (the bf16 mock, an exact bf16
+    port, lands at 2.6x on one Qwen3-30B-A3B row and 7.8x on one GPT-OSS row, 0.1-1x elsewhere);
+    over many rows those flips weigh alike on both sides, while a broken path shows."""
+    rows = family_steps(config, cuda_backend, rng)
+    for step_id in sorted({row.step_id for row in rows}):
+        step = [row for row in rows if row.step_id == step_id]
+        atlas, hf = relative_errors(step)
+        lengths = ",".join(str(row.length) for row in step)
+        print(f"{config['model_type']} step {step_id} (lens {lengths}): atlas {atlas:.2e} transformers-bf16 {hf:.2e}")
+    atlas, hf = relative_errors(rows)
+    print(f"{config['model_type']} all steps: atlas {atlas:.2e} transformers-bf16 {hf:.2e}")
+    assert atlas <= 1.5 * hf, (atlas, hf)
 
 
 def _smollm2_dir() -> Path:
