@@ -9,8 +9,8 @@
 #   contract  the contract suite on CUDA (tests/contract)
 #   moe       atlas bench --random qwen3-30b-a3b: batch 1 and 64 against the bytes they read, 8k prefill
 #             against transformers (its own random draw of the same shapes, --reference hf-random)
-#   next      the same for Qwen3-Next at full width, 36 layers on an H200 (20 on an H100): batch 1
 #   dense     atlas bench --random llama-3.1-8b: batch 1 and 64, 8k prefill (docs/benchmarks.md's figures)
+#   next      as moe, for Qwen3-Next at full width, 36 layers on an H200 (20 on an H100): batch 1
 #   kinds     the MoE and recurrent kinds' own GPU tests against the mock, with what time is left
 #   source .devkit/env.sh && bash benchmarks/families_gpu.sh [steps...]
 set -uo pipefail
@@ -43,15 +43,15 @@ bench() {  # bench NAME LIMIT CONFIG FLAGS...
   step "$name" "$limit" $ATLAS bench --random "$config" --device cuda --prefill-lens 8192 --json "$OUT/$name.json" "$@"
 }
 
-for s in ${*:-families doctor contract moe next dense kinds}; do case $s in
+for s in ${*:-families doctor contract moe dense next kinds}; do case $s in
   families) step families 230 $PYTEST tests/gpu/test_models.py -k families_prefill_decode_and_chunk ;;
   doctor) step doctor 90 $PYTEST tests/gpu/test_doctor_cuda.py -k "qwen3_moe or qwen3_next or gemma3 or gpt_oss" ;;
   contract) step contract 90 $PYTEST tests/contract ;;
   moe) bench moe 120 qwen3-30b-a3b --batch-sizes 1,64 --reference hf-random --reference-batch-sizes "" ;;
-  next) bench next 140 "$NEXT" --batch-sizes 1 --max-num-seqs 8 --reference hf-random --reference-batch-sizes "" ;;
   dense) bench dense 80 llama-3.1-8b --batch-sizes 1,64 ;;
+  next) bench next 150 "$NEXT" --batch-sizes 1 --max-num-seqs 8 --reference hf-random --reference-batch-sizes "" ;;
   kinds) step kinds 120 $PYTEST -x tests/gpu/test_cuda_moe.py tests/gpu/test_cuda_recurrent.py ;;
-  *) echo "unknown step $s (families doctor contract moe next dense kinds)" ;;
+  *) echo "unknown step $s (families doctor contract moe dense next kinds)" ;;
 esac; done
 echo "--- failures"; grep -hE "^(FAILED|ERROR)|Error:|error:" "$OUT"/{families,doctor,contract,kinds}.log 2>/dev/null | cut -c1-200 | head -20
 for name in moe next dense; do
