@@ -24,7 +24,13 @@ from cuda.core import Device, Kernel, LaunchConfig, ObjectCode, launch
 
 from atlas.adapters.cuda.compiler import KernelCompiler, packaged_cubins
 from atlas.adapters.cuda.driver import check
-from atlas.adapters.cuda.memory import DeviceAllocation, DeviceMemoryPool, PinnedDownloads, PinnedStaging
+from atlas.adapters.cuda.memory import (
+    BulkUploads,
+    DeviceAllocation,
+    DeviceMemoryPool,
+    PinnedDownloads,
+    PinnedStaging,
+)
 from atlas.adapters.cuda.registry import KernelModule, KernelTarget, arch_family, nvrtc_arch, select_modules
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.adapters.cuda.tma import TensorMap, parameter_array
@@ -45,7 +51,7 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
-    `launch_order`) turns some off, for debugging and A/B timings.
+    `launch_order`, `bulk_upload`) turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -76,6 +82,9 @@ class CudaFeatures:
         faster with it at batch 16 and 150 us slower at batch 64 (docs/cuda-notes.md run 20); the tests,
         `bench_kernels.py` and `ablate_model_step.py gemm` turn it on to keep it correct and
         measured.
+    bulk_upload: uploads larger than a staging slot (the weights at load) go through
+        `BulkUploads`, a ring of page-locked slots filled by several threads, instead of the
+        driver's pageable copy.
     """
 
     programmatic_launch: bool = True
@@ -87,6 +96,7 @@ class CudaFeatures:
     rms_after_product: bool = True
     launch_order_edges: bool = True
     skinny_gemm: bool = False
+    bulk_upload: bool = True
 
     @classmethod
     def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
@@ -102,6 +112,7 @@ class CudaFeatures:
             "mma_decode",
             "rms_after_product",
             "launch_order",
+            "bulk_upload",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -117,6 +128,7 @@ class CudaFeatures:
             mma_decode="mma_decode" not in disabled,
             rms_after_product="rms_after_product" not in disabled,
             launch_order_edges=programmatic and "launch_order" not in disabled,
+            bulk_upload="bulk_upload" not in disabled,
         )
 
 
@@ -229,7 +241,10 @@ class CudaRuntime:
         self.stream = self.device.create_stream()
         self.stream_handle = int(self.stream.handle)
         self.pool = DeviceMemoryPool(f"device {device_ordinal} ({self.device_name})")
-        self.staging = PinnedStaging(self.stream_handle)
+        self.features = CudaFeatures.for_device(self.compute_capability)
+        threads = min(4, os.cpu_count() or 1)
+        bulk = BulkUploads(self.stream_handle, num_threads=threads) if self.features.bulk_upload else None
+        self.staging = PinnedStaging(self.stream_handle, bulk=bulk)
         self.downloads = PinnedDownloads(self.stream_handle)
         driver_cuda = int(check("cuDriverGetVersion", cu.cuDriverGetVersion()))
         report_phase("cuda context", time.perf_counter() - started,
@@ -238,7 +253,6 @@ class CudaRuntime:
         self.target = target
         compiler = KernelCompiler(self.arch, kernel_cache_dir, packaged_cubins(self.arch, driver_cuda))
         self.kernels = KernelLibrary(select_modules(target), compiler)
-        self.features = CudaFeatures.for_device(self.compute_capability)
         self.capturing = False
         self._workspaces: dict[str, DeviceAllocation] = {}
         self._retired_workspaces: list[DeviceAllocation] = []
