@@ -268,9 +268,12 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
             prepared.extend(await anyio.to_thread.run_sync(_tokenizer_and_features, model_dir, parsers))
 
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(prepare)
-                ready = await process.start()
+            try:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(prepare)
+                    ready = await process.start()
+            except BaseExceptionGroup as failures:  # the load's own error, as without the group
+                raise failures.exceptions[0] from None
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await process.close()
