@@ -11,6 +11,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from atlas.ports import startup as _startup  # noqa: F401 - first, so a server's start counts from here
+
 from atlas.app.arguments import (
     ArgumentParser,
     add_engine_arguments,

@@ -22,8 +22,8 @@ from atlas.adapters.cuda import CudaGpuBackend
 for start in ('cold', 'warm'):
     import tempfile, os
     backend = CudaGpuBackend(kernel_cache_dir='/tmp/atlas-cache-check')
-    s = backend.runtime.kernels.compiler.stats
-    print(start, 'start:', len(s.compiled), 'compiled,', len(s.loaded_from_cache), 'loaded from cache')
+    backend.runtime.kernels.wait()
+    print(start, 'start:', backend.runtime.kernels.compiler.stats.describe())
     backend.close()
 print('passed')" ;;
   sanitizer) step sanitizer 360 compute-sanitizer --tool memcheck --print-limit 30 \
