@@ -88,6 +88,12 @@ def cubin_file_name(module: KernelModule, source_key: str) -> str:
     return f"{module.name}-{source_key[:20]}.cubin"
 
 
+def _skipped_modules() -> set[str]:
+    """Modules `ATLAS_PACKAGED_CUBINS_SKIP` (comma-separated names) sends to NVRTC: to bisect a
+    packaged cubin that misbehaves."""
+    return {name.strip() for name in os.environ.get("ATLAS_PACKAGED_CUBINS_SKIP", "").split(",") if name.strip()}
+
+
 def packaged_cubins(arch: str, driver_cuda: int | None, root: Path | None = None) -> PackagedCubins | None:
     """The package's cubins for `arch` when they can be used: not turned off by
     `ATLAS_PACKAGED_CUBINS=0`, built for this arch, and by a CUDA no newer than the driver's
@@ -185,7 +191,7 @@ class KernelCompiler:
 
     def packaged_path(self, module: KernelModule) -> Path | None:
         """The packaged cubin that matches the module's current source, if there is one."""
-        if self.packaged is None:
+        if self.packaged is None or module.name in _skipped_modules():
             return None
         path = self.packaged.path_of(module, self.source_key(module))
         return path if path.is_file() else None
