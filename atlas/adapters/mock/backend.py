@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
+from atlas.adapters.mock.numerics import causal_attention
 from atlas.adapters.mock.sampler import sample_rows
 from atlas.adapters.mock.tensor import MockTensor
 from atlas.domain.sampling import PackedSampling
@@ -32,9 +33,6 @@ from atlas.ports.gpu import (
     dtype_of,
 )
 
-# Queries attend in tiles of this many rows so a 4k-token prompt never builds a 4k x 4k x heads
-# score tensor at once.
-_ATTENTION_QUERY_TILE = 256
 _FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
@@ -350,13 +348,9 @@ class MockGpuBackend:
             slots = slots[:context_len]
             keys = kv.keys[layer, slots].astype(np.float32) * k_scale  # [L, Hkv, D]
             values = kv.values[layer, slots].astype(np.float32) * v_scale
-            first_position = context_len - (stop - start)
-            for tile in range(start, stop, _ATTENTION_QUERY_TILE):
-                tile_stop = min(stop, tile + _ATTENTION_QUERY_TILE)
-                positions = first_position + np.arange(tile - start, tile_stop - start)
-                result[tile:tile_stop] = _attend(
-                    queries[tile:tile_stop], keys, values, positions, scale, sliding_window
-                )
+            result[start:stop] = causal_attention(
+                queries[start:stop], keys, values, context_len - (stop - start), scale, sliding_window
+            )
         out.data[...] = result.reshape(out.shape)
 
     def act_mul(self, x: MockTensor, activation: Activation, out: MockTensor) -> None:
@@ -453,27 +447,6 @@ def _rotate(x: np.ndarray, table: np.ndarray) -> np.ndarray:
     rotated[..., :half] = first * cos - second * sin
     rotated[..., half:rotary_dim] = second * cos + first * sin
     return rotated
-
-
-def _attend(
-    queries: np.ndarray,
-    keys: np.ndarray,
-    values: np.ndarray,
-    positions: np.ndarray,
-    scale: float,
-    sliding_window: int | None,
-) -> np.ndarray:
-    """Causal softmax attention. queries [n, Hkv, G, D]; keys/values [L, Hkv, D]."""
-    scores = np.einsum("nhgd,lhd->hgnl", queries, keys) * np.float32(scale)
-    key_positions = np.arange(keys.shape[0])
-    allowed = key_positions[None, :] <= positions[:, None]
-    if sliding_window is not None:
-        allowed &= key_positions[None, :] > positions[:, None] - sliding_window
-    scores = np.where(allowed, scores, -np.inf)
-    scores -= scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores)
-    weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("hgnl,lhd->nhgd", weights, values)
 
 
 def _default_memory_bytes() -> int:
