@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import ml_dtypes
 import numpy as np
 
-from atlas.adapters.mock.numerics import causal_attention
+from atlas.adapters.mock.numerics import causal_attention, gather_f32
 from atlas.adapters.mock.sampler import sample_rows
 from atlas.adapters.mock.tensor import MockTensor
 from atlas.domain.sampling import PackedSampling
@@ -346,8 +346,8 @@ class MockGpuBackend:
             num_blocks = -(-context_len // block_size)
             slots = (block_tables[seq, :num_blocks, None] * block_size + np.arange(block_size)).reshape(-1)
             slots = slots[:context_len]
-            keys = kv.keys[layer, slots].astype(np.float32) * k_scale  # [L, Hkv, D]
-            values = kv.values[layer, slots].astype(np.float32) * v_scale
+            keys = gather_f32(kv.keys[layer], slots, k_scale)  # [L, Hkv, D]
+            values = gather_f32(kv.values[layer], slots, v_scale)
             result[start:stop] = causal_attention(
                 queries[start:stop], keys, values, context_len - (stop - start), scale, sliding_window
             )

@@ -19,6 +19,18 @@ MAX_TILE_SCORES = 4 << 20
 _MIN_TILE_ROWS = 16
 
 
+def gather_f32(cache: np.ndarray, slots: np.ndarray, scale: float) -> np.ndarray:
+    """cache[slots] in float32 times `scale` (a quantized cache's dequantization), built in one
+    new array: the same numbers as `cache[slots].astype(float32) * scale`, without two more
+    copies of the context's K or V in every decode step."""
+    rows = cache[slots]
+    if rows.dtype != np.float32:
+        rows = rows.astype(np.float32)
+    if scale != 1.0:
+        rows *= np.float32(scale)
+    return rows
+
+
 def causal_attention(
     queries: np.ndarray,
     keys: np.ndarray,
@@ -43,8 +55,11 @@ def causal_attention(
     # One GEMM per kv head over its group's rows: [num_kv_heads, group, n, head_dim]. The scale
     # goes on the queries (n x D products) rather than on the scores (n x L).
     grouped = np.ascontiguousarray(queries.transpose(1, 2, 0, 3)) * np.float32(scale)
-    keys_t = np.ascontiguousarray(keys.transpose(1, 2, 0))  # [num_kv_heads, head_dim, L]
-    values_h = np.ascontiguousarray(values.transpose(1, 0, 2))  # [num_kv_heads, L, head_dim]
+    # Views, not copies: each head's [L, head_dim] rows are strided but BLAS takes them as they
+    # are (a leading dimension of num_kv_heads x head_dim), and copying K^T cost more than the
+    # products in decode.
+    keys_t = keys.transpose(1, 2, 0)  # [num_kv_heads, head_dim, L]
+    values_h = values.transpose(1, 0, 2)  # [num_kv_heads, L, head_dim]
     out = np.empty((num_kv_heads, group, num_queries, head_dim), np.float32)
     rows_per_tile = _tile_rows(num_kv_heads * group, first_position + num_queries, max_tile_scores)
     for row_start in range(0, num_queries, rows_per_tile):
