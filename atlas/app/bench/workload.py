@@ -209,8 +209,8 @@ async def exact_text(
 ) -> tuple[str, int]:
     """`head` (of `head_len` tokens) followed by random words of `pool`, `num_tokens` tokens in
     all, and the count reached: words are added while short and dropped while long (a word is
-    at least one token, so dropping the excess in words never drops too few). Gives up after a
-    few rounds with the last text and its count."""
+    at least one token, so dropping one word per excess token never leaves the text long).
+    Gives up after a few rounds with the last text and its count."""
     words = [rng.choice(pool) for _ in range(max(num_tokens - head_len, 1))]
     count = -1
     for _ in range(_MAX_ADJUSTMENTS):
