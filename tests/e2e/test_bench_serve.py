@@ -190,3 +190,9 @@ def test_a_server_without_tokenize_gets_approximate_lengths_and_its_vllm_counter
     assert summary["usage_cached_tokens"] == 6 * 4
     assert summary["reusable_tokens"] >= 5 * 30  # counted in words, the prefix's after the first
     assert summary["prefix_cache_hits_of_reusable"] == pytest.approx(24 / summary["reusable_tokens"])
+
+
+def test_requests_longer_than_the_server_context_are_refused_before_sending(server):
+    result = bench(server.url, "--input-len", "300:400", "--output-len", "200", check=False)
+    assert result.returncode == 2 and "max_model_len 512" in result.stderr and "--input-len" in result.stderr
+    assert result.stdout == ""
