@@ -5,10 +5,17 @@ from __future__ import annotations
 import argparse
 import difflib
 import os
-import sys
 from typing import NoReturn
 
-from atlas.app.settings import DEVICES, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineSettings
+from atlas.app.settings import (
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    EngineSettings,
+    SettingsError,
+)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -29,8 +36,7 @@ class ArgumentParser(argparse.ArgumentParser):
                     message = f"unexpected argument '{name}'; did you mean '{match[0]}'?"
                     break
                 message = f"unexpected argument '{name}'; see --help for the flags"
-        self.print_usage(sys.stderr)
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
@@ -45,13 +51,19 @@ def _all_flags(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _env(name: str, default, cast=str):
-    """Default for a flag from ATLAS_<NAME> (e.g. ATLAS_MAX_SEQ_LEN), else `default`."""
-    value = os.environ.get("ATLAS_" + name.upper().replace("-", "_"))
+    """Default for a flag from ATLAS_<NAME> (e.g. ATLAS_MAX_SEQ_LEN), else `default`.
+    Raises SettingsError naming the variable when its value is not a `cast`."""
+    variable = "ATLAS_" + name.upper().replace("-", "_")
+    value = os.environ.get(variable)
     if value is None:
         return default
     if cast is bool:
         return value.lower() in ("1", "true", "yes", "on")
-    return cast(value)
+    try:
+        return cast(value)
+    except ValueError:
+        kind = {int: "an integer", float: "a number"}.get(cast, "valid")
+        raise SettingsError(f"{variable}={value!r} is not {kind}") from None
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,11 +91,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="KV cache element type (default: the activation type); fp8 (= fp8_e4m3) halves the "
                        "cache's bytes, with per-layer K/V scales from the checkpoint (self_attn.k_scale, "
                        "v_scale) or 1.0")
-    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_env("scheduling_policy", "fifo"))
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default=_env("quantization", "none"),
+                       help="fp8: quantize a float checkpoint's layer projections to FP8 (E4M3, one scale per "
+                       "output channel) as it loads, halving their bytes; embeddings and the LM head stay as "
+                       "stored. FP8 checkpoints load as published without it")
+    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_env("scheduling_policy", "fifo"),
+                       help="fifo (default) or priority: requests with a lower priority field run first and are "
+                       "preempted last")
+    group.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                       default=not _env("no_prefix_caching", False, bool),
+                       help="recompute every prompt instead of reusing the KV of cached prefixes")
     group.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", False, bool),
                        help="never capture CUDA graphs")
     group.add_argument("--seed", type=int, default=_env("seed", None, int),
                        help="seed for requests that bring none (default: a fresh random seed per request)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=_env("tensor_parallel_size", 1, int),
+                       help="split the model over this many GPUs (one process each; default 1); heads, "
+                       "feed-forward width and vocabulary must divide by it")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       default=_env("enable_expert_parallel", False, bool),
+                       help="MoE models: place whole experts on the --tensor-parallel-size ranks instead of "
+                       "splitting every expert over them")
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
@@ -99,9 +127,13 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_gb=args.kv_cache_gb,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         scheduling_policy=args.scheduling_policy,
+        prefix_caching=args.prefix_caching,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 

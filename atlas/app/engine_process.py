@@ -15,9 +15,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -50,6 +52,7 @@ from atlas.app.engine_protocol import (
     frame,
 )
 from atlas.app.settings import EngineSettings
+from atlas.app.threads import blas_thread_variables
 from atlas.domain.engine import EngineCore, EngineStats
 from atlas.domain.requests import ParameterError, Request
 
@@ -68,9 +71,21 @@ class EngineLoop:
         self._frames = frames  # may hold bytes that arrived with Start
         self._encode = msgspec.msgpack.Encoder().encode
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
+        self._send_lock = threading.Lock()  # `fail` may come from a rank watcher's thread
 
     def send(self, message: FromEngine) -> None:
-        self._sock.sendall(frame(self._encode(message)))
+        data = frame(self._encode(message))
+        with self._send_lock:
+            self._sock.sendall(data)
+
+    def fail(self, message: str) -> None:
+        """Report that the engine cannot go on (its ranks failed while it waited for commands)
+        and end `run`: the API process then fails every request and stops."""
+        try:
+            self.send(Crashed(message))
+            self._sock.shutdown(socket.SHUT_RD)  # wakes `run` from its wait for commands
+        except OSError:
+            pass  # the API process is gone already
 
     def run(self) -> None:
         """Until Shutdown or EOF; a step's exception is reported as Crashed and re-raised."""
@@ -287,28 +302,18 @@ class EngineProcess:
             await anyio.to_thread.run_sync(process.wait)
 
 
-BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")
-
-
-def blas_thread_variables() -> dict[str, str]:
-    """BLAS thread settings for a process that runs engine steps next to the HTTP side.
-
-    Unless the user chose, BLAS gets every core but one, which is left to the HTTP side: numpy's
-    OpenBLAS otherwise spins a thread per core, and on a small machine those spinning threads
-    and the event loop take turns on the same cores (a 64x64 matmul measured 18 ms instead of
-    15 us on a loaded 2-core machine). Empty when the user set one of the variables.
-    """
-    if any(name in os.environ for name in BLAS_THREAD_VARIABLES):
-        return {}
-    return {"OPENBLAS_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) - 1))}
-
-
 def _engine_environment() -> dict[str, str]:
     return {**os.environ, **blas_thread_variables()}
 
 
 def child_main(fd: int) -> int:
     """The engine process: read Start, load the model, serve commands until told to stop."""
+    # The API process decides when the engine stops: Ctrl-C in a terminal (and a service
+    # manager's SIGTERM to the whole group) reaches this process too, and the engine must keep
+    # stepping while the API drains its requests. It exits on Shutdown, or on EOF when the API
+    # process is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     sock = socket.socket(fileno=fd)
@@ -335,12 +340,16 @@ def child_main(fd: int) -> int:
         traceback.print_exc()
         sock.sendall(frame(encode(LoadFailed(f"{type(error).__name__}: {error}", False))))
         return 1
-    sock.sendall(frame(encode(Ready(str(engine.model_dir), engine.max_model_len, engine.config.vocab_size,
-                                    engine.core.stats()))))
     try:
-        EngineLoop(engine.core, sock, frames).run()
+        sock.sendall(frame(encode(Ready(str(engine.model_dir), engine.max_model_len, engine.config.vocab_size,
+                                        engine.core.stats()))))
+        loop = EngineLoop(engine.core, sock, frames)
+        engine.watch(loop.fail)
+        loop.run()
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the API process went away
+    finally:
+        engine.close()
     return 0
 
 

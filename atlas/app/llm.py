@@ -1,7 +1,8 @@
 """The Python API: `LLM(model).generate(prompts, SamplingParams(...))` and `.chat(messages)`.
 
 It drives the engine core synchronously in the caller's thread (no event loop), with the
-same front-end text handling the server uses.
+same front-end text handling the server uses, and limits numpy's BLAS threads as `atlas serve`
+does (`atlas.app.threads`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from atlas.app.builder import LoadedEngine, build_engine
 from atlas.domain.fan_out import SeedSource, fan_out
 from atlas.domain.text.sequence_text import SequenceText, TextDelta
 from atlas.app.settings import EngineSettings
-from atlas.domain.batch import TokenLogprobs
+from atlas.app.threads import limit_blas_threads
+from atlas.domain.batch import SequenceOutput, TokenLogprobs
 from atlas.domain.requests import Request, SamplingParams
 from atlas.ports.tokenizer import Tokenizer
 
@@ -40,6 +42,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (the fewest of its choices)
 
     @property
     def finished(self) -> bool:
@@ -50,12 +53,14 @@ class LLM:
     """A model loaded for offline generation. Settings are `EngineSettings` fields."""
 
     def __init__(self, model: str, *, show_progress: bool = True, **settings: Any) -> None:
+        limit_blas_threads()
         self.engine: LoadedEngine = build_engine(EngineSettings(model=model, **settings), show_progress)
         self._seeds = SeedSource(self.engine.settings.seed, _fresh_seed)
 
     @classmethod
     def from_settings(cls, settings: EngineSettings, show_progress: bool = True) -> LLM:
         llm = cls.__new__(cls)
+        limit_blas_threads()
         llm.engine = build_engine(settings, show_progress)
         llm._seeds = SeedSource(settings.seed, _fresh_seed)
         return llm
@@ -64,10 +69,26 @@ class LLM:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop what the engine runs outside this process (the rank processes of a model on
+        several devices, which otherwise live until this process exits)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def generate(
-        self, prompts: PromptInput | Sequence[PromptInput], sampling_params: SamplingParams | None = None
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, or a list of token ids); outputs in prompt order."""
+        """Complete each prompt (text, or a list of token ids); outputs in prompt order.
+        `priority` (lower first) needs `scheduling_policy="priority"`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -77,7 +98,7 @@ class LLM:
                 items.append((prompt, self.tokenizer.encode(prompt)))
             else:
                 items.append((None, [int(t) for t in prompt]))
-        return self._run(items, params)
+        return self._run(items, params, priority)
 
     def chat(
         self,
@@ -86,6 +107,7 @@ class LLM:
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        priority: int = 0,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several, with the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
@@ -93,7 +115,7 @@ class LLM:
         for conversation in conversations:
             prompt = self.render_chat(conversation, tools=tools, **(chat_template_kwargs or {}))  # type: ignore[arg-type]
             items.append((prompt, self.tokenizer.encode(prompt, add_special_tokens=False)))
-        return self._run(items, sampling_params or SamplingParams())
+        return self._run(items, sampling_params or SamplingParams(), priority)
 
     def render_chat(self, messages: Sequence[Message], tools=None, **template_kwargs: Any) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **template_kwargs)
@@ -103,24 +125,31 @@ class LLM:
         prompt = self.render_chat(messages)
         request = fan_out(_new_id(), self.tokenizer.encode(prompt, add_special_tokens=False),
                           sampling_params or SamplingParams(), self._seeds)[0]
-        for delta in self._deltas([request]):
-            if delta[1].text:
-                yield delta[1].text
+        for _, delta in self._deltas([request]):
+            if delta.text:
+                yield delta.text
 
-    def _run(self, items: list[tuple[str | None, list[int]]], params: SamplingParams) -> list[RequestOutput]:
+    def _run(
+        self, items: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int
+    ) -> list[RequestOutput]:
         results: list[RequestOutput] = []
         choices: dict[str, CompletionOutput] = {}
+        owners: dict[str, RequestOutput] = {}
+        cached: dict[str, int] = {}
         requests: list[Request] = []
         for prompt, token_ids in items:
             request_id = _new_id()
-            fanned = fan_out(request_id, token_ids, params, self._seeds)
+            fanned = fan_out(request_id, token_ids, params, self._seeds, priority=priority)
             outputs = [CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
                        for index in range(len(fanned))]
             results.append(RequestOutput(request_id, prompt, list(token_ids), outputs))
             for request, output in zip(fanned, outputs):
                 choices[request.request_id] = output
+                owners[request.request_id] = results[-1]
                 requests.append(request)
-        for request_id, delta in self._deltas(requests):
+        for engine_output, delta in self._deltas(requests):
+            request_id = engine_output.seq_id
+            cached[request_id] = engine_output.num_cached_tokens
             choice = choices[request_id]
             choice.text += delta.text
             choice.token_ids.extend(delta.token_ids)
@@ -129,9 +158,13 @@ class LLM:
             if delta.finish_reason is not None:
                 choice.finish_reason = delta.finish_reason.value
                 choice.stop_reason = delta.stop_reason
+        for result in results:
+            result.num_cached_tokens = min(
+                (num for seq_id, num in cached.items() if owners[seq_id] is result), default=0
+            )
         return results
 
-    def _deltas(self, requests: list[Request]) -> Iterator[tuple[str, TextDelta]]:
+    def _deltas(self, requests: list[Request]) -> Iterator[tuple[SequenceOutput, TextDelta]]:
         """Run the engine until every request finishes, yielding text deltas as they come."""
         core, tokenizer = self.engine.core, self.tokenizer
         texts: dict[str, SequenceText] = {}
@@ -149,7 +182,7 @@ class LLM:
                         core.abort(output.seq_id)
                     if delta.finish_reason is not None:
                         del texts[output.seq_id]
-                    yield output.seq_id, delta
+                    yield output, delta
         finally:
             for request_id in texts:  # interrupted (an error, or the caller stopped iterating)
                 core.abort(request_id)

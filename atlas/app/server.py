@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import ipaddress
 import json
 import logging
-import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -30,12 +32,21 @@ from atlas.app.arguments import ArgumentParser, add_engine_arguments, engine_set
 from atlas.app.arguments import _env as env_default
 from atlas.app.settings import EngineSettings
 
+if TYPE_CHECKING:
+    from hypercorn.config import Config
+    from quart import Quart
+
 log = logging.getLogger("atlas.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8888
 DEFAULT_MODEL = "smollm2"
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 EXIT_FATAL = 2
+# After the drain: hypercorn closes connections and the engine stops. The process exits by
+# --shutdown-timeout + EXIT_MARGIN_S (plus interpreter teardown) even if something hangs.
+EXIT_MARGIN_S = 1.5
+HYPERCORN_GRACEFUL_S = 0.5
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +69,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds after which a request still generating ends with finish_reason 'length'")
     group.add_argument("--max-request-bytes", type=int, default=env_default("max_request_bytes", 16 << 20, int),
                        help="largest request body accepted; larger ones get 413 (default 16 MiB)")
+    group.add_argument("--max-choices-per-request", type=int, default=env_default("max_choices_per_request", None, int),
+                       help="most sequences one request may ask for, prompts x n; more is a 400 (default 256)")
+    group.add_argument("--shutdown-timeout", type=float,
+                       default=env_default("shutdown_timeout", DEFAULT_SHUTDOWN_TIMEOUT_S, float), metavar="SECONDS",
+                       help="at SIGINT/SIGTERM, how long requests in flight may finish before they end with "
+                            "finish_reason 'abort' (default 30; 0 ends them at once; a second signal too)")
     group.add_argument("--dump", nargs="?", const="", default=env_default("dump", None), metavar="PATH",
                        help="append every request and its response to a JSONL file "
                             "(default PATH: ./atlas-dump-<time>.jsonl)")
@@ -70,7 +87,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run the engine core in the API process (a thread) instead of its own process")
     group.add_argument("--access-log", action="store_true", default=env_default("access_log", False, bool),
                        help="log every HTTP request")
+    _add_chat_arguments(parser)
     add_engine_arguments(parser)
+
+
+def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    from atlas.app.chat_features import REASONING_PARSER_CHOICES, TOOL_CALL_PARSER_CHOICES
+
+    group = parser.add_argument_group("tools, reasoning and stored responses")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSER_CHOICES,
+                       default=env_default("tool_call_parser", "auto"),
+                       help="the markup tool calls are read from (default auto: detected from the chat template; "
+                            "none: tool calls come back as text)")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES,
+                       default=env_default("reasoning_parser", "auto"),
+                       help="split <think>...</think> into reasoning_content (default auto: detected from the chat "
+                            "template; none: the block stays in the content)")
+    group.add_argument("--max-stored-responses", type=int, default=env_default("max_stored_responses", 1000, int),
+                       help="responses /v1/responses keeps for previous_response_id and GET, least recently used "
+                            "dropped first (default 1000; 0 stores none)")
+    group.add_argument("--max-stored-responses-bytes", type=int,
+                       default=env_default("max_stored_responses_bytes", 64 << 20, int),
+                       help="their total size (default 64 MiB)")
 
 
 def _env_list(name: str) -> list[str] | None:
@@ -92,9 +130,18 @@ def http_config(args: argparse.Namespace):
         raise ValueError(f"--request-timeout must be positive (got {args.request_timeout})")
     if args.max_request_bytes < 1024:
         raise ValueError(f"--max-request-bytes must be at least 1024 (got {args.max_request_bytes})")
+    if args.max_choices_per_request is not None and args.max_choices_per_request < 1:
+        raise ValueError(f"--max-choices-per-request must be at least 1 (got {args.max_choices_per_request})")
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        raise ValueError(f"--shutdown-timeout must be 0 or more seconds (got {args.shutdown_timeout})")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be between 1 and 65535 (got {args.port})")
+    if args.max_stored_responses < 0 or args.max_stored_responses_bytes < 0:
+        raise ValueError("--max-stored-responses and --max-stored-responses-bytes must be 0 or more")
     dump_path = None
     if args.dump is not None:
         dump_path = Path(args.dump or f"atlas-dump-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
+    limits = {} if args.max_choices_per_request is None else {"max_choices_per_request": args.max_choices_per_request}
     return HttpConfig(
         served_name=args.model_name,
         request_timeout_s=args.request_timeout,
@@ -102,6 +149,9 @@ def http_config(args: argparse.Namespace):
         require_auth=args.require_auth,
         auth_tokens=frozenset(tokens),
         dump_path=dump_path,
+        max_stored_responses=args.max_stored_responses,
+        max_stored_responses_bytes=args.max_stored_responses_bytes,
+        **limits,
     )
 
 
@@ -150,17 +200,19 @@ def sampling_defaults(model_dir: Path, override_json: str | None):
 
 
 def _served_model(settings: EngineSettings, served_name: str | None, model_dir: Path, tokenizer,
-                  max_model_len: int, vocab_size: int, override_json: str | None):
+                  max_model_len: int, vocab_size: int, override_json: str | None, parsers: tuple[str, str]):
     from atlas.adapters.http.engine_client import ServedModel
+    from atlas.app.chat_features import chat_features
 
     name = served_name or settings.model
     aliases = frozenset({settings.model, str(model_dir)} - {name})
     return ServedModel(name, aliases, tokenizer, max_model_len, vocab_size, settings.seed, int(time.time()),
-                       sampling_defaults(model_dir, override_json))
+                       sampling_defaults(model_dir, override_json),
+                       chat_features(tokenizer, model_dir, vocab_size, *parsers))
 
 
 def engine_launcher(settings: EngineSettings, served_name: str | None, single_process: bool,
-                    override_json: str | None = None):
+                    override_json: str | None = None, parsers: tuple[str, str] = ("auto", "auto")):
     """The lifespan's launcher: load the model, run the engine while the context is open."""
 
     @asynccontextmanager
@@ -169,13 +221,18 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
         from atlas.app.engine_actor import EngineActor
 
         engine = await anyio.to_thread.run_sync(build_engine, settings)
-        actor = EngineActor(engine.core)
-        model = _served_model(settings, served_name, engine.model_dir, engine.tokenizer, engine.max_model_len,
-                              engine.config.vocab_size, override_json)
-        async with anyio.create_task_group() as group:
-            group.start_soon(actor.run)
-            yield model, actor
-            actor.shutdown()
+        try:
+            actor = EngineActor(engine.core)
+            engine.watch(actor.fail_from_thread)  # rank processes that die while the engine idles
+            model = await anyio.to_thread.run_sync(
+                _served_model, settings, served_name, engine.model_dir, engine.tokenizer, engine.max_model_len,
+                engine.config.vocab_size, override_json, parsers)
+            async with anyio.create_task_group() as group:
+                group.start_soon(actor.run)
+                yield model, actor
+                actor.shutdown()
+        finally:
+            await anyio.to_thread.run_sync(engine.close)
 
     @asynccontextmanager
     async def in_own_process() -> AsyncIterator:
@@ -192,8 +249,8 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
             with anyio.CancelScope(shield=True):
                 await process.close()
             raise
-        model = _served_model(settings, served_name, model_dir, tokenizer, ready.max_model_len, ready.vocab_size,
-                              override_json)
+        model = await anyio.to_thread.run_sync(_served_model, settings, served_name, model_dir, tokenizer,
+                                               ready.max_model_len, ready.vocab_size, override_json, parsers)
         async with anyio.create_task_group() as group:
             group.start_soon(process.run)
             yield model, process
@@ -208,22 +265,18 @@ def build_app(args: argparse.Namespace, on_fatal=None):
 
     settings = engine_settings(args)
     config = http_config(args)
-    launcher = engine_launcher(settings, args.model_name, args.single_process, args.override_generation_config)
+    launcher = engine_launcher(settings, args.model_name, args.single_process, args.override_generation_config,
+                               (args.tool_call_parser, args.reasoning_parser))
     return create_app(config, launcher, on_fatal)
 
 
 def limit_blas_threads(single_process: bool) -> None:
-    """With the engine in this process, bound BLAS threads before numpy loads (its thread pool
-    reads the variables once, at import). Logs a warning when numpy is already loaded."""
-    if not single_process:
-        return
-    from atlas.app.engine_process import blas_thread_variables
+    """With the engine in this process, bound BLAS threads (`atlas.app.threads`); the engine
+    process gets its own variables when it is spawned."""
+    if single_process:
+        from atlas.app.threads import limit_blas_threads as limit
 
-    variables = blas_thread_variables()
-    if variables and "numpy" in sys.modules:
-        log.warning("numpy was imported before the server could limit its BLAS threads; set %s yourself",
-                    " and ".join(f"{k}={v}" for k, v in variables.items()))
-    os.environ.update(variables)
+        limit()
 
 
 def app_from_environment():
@@ -234,6 +287,9 @@ def app_from_environment():
     add_serve_arguments(parser)
     args = parser.parse_args([])
     limit_blas_threads(args.single_process)
+    from atlas.adapters.http import protocol_errors
+
+    protocol_errors.install()  # before hypercorn accepts a connection (the lifespan starts first)
     return build_app(args)
 
 
@@ -254,43 +310,100 @@ def exposure_warning(host: str, require_auth: bool) -> str | None:
     return f"listening on {host}: the API is reachable from other machines{advice}"
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound socket for `host:port`, before anything loads, so a taken port or an address that
+    is not this machine's is a one-line ValueError naming --port or --bind."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as error:
+        raise ValueError(f"--bind {host}: not an address this machine can listen on ({error})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: {host}:{port} is already in use (another server?); "
+                             f"stop it or choose another --port") from None
+        raise ValueError(f"cannot listen on {host}:{port}: {error.strerror}; check --bind and --port") from None
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> int:
     """`atlas serve`: check the configuration, then serve until Ctrl-C or SIGTERM."""
-    from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
+    from atlas.adapters.http import protocol_errors
     from atlas.app.model_store import resolve_model
 
     limit_blas_threads(args.single_process)
     model_dir = resolve_model(args.model)  # a missing model is a one-line error now, not after startup
     sampling_defaults(model_dir, args.override_generation_config)
     fatal: list[str] = []
-    stop = asyncio.Event()
+    failed = asyncio.Event()
 
     def on_fatal(message: str) -> None:
         fatal.append(message)
-        stop.set()
+        failed.set()
 
-    app = build_app(args, on_fatal)
+    app = build_app(args, on_fatal)  # flag errors first; nothing loads until hypercorn starts it
+    listener = listening_socket(args.host, args.port)
+    protocol_errors.install()
     config = Config()
-    host = args.host
-    config.bind = [f"[{host}]:{args.port}" if ":" in host else f"{host}:{args.port}"]
+    config.bind = [f"fd://{listener.detach()}"]
     config.accesslog = logging.getLogger("atlas.access") if args.access_log else None
-    config.graceful_timeout = 5.0
-    warning = exposure_warning(host, args.require_auth)
+    config.errorlog = logging.getLogger("hypercorn.error")  # through our handler, once
+    config.graceful_timeout = HYPERCORN_GRACEFUL_S
+    config.include_server_header = False
+    warning = exposure_warning(args.host, args.require_auth)
     if warning is not None:
         log.warning("%s", warning)
     log.info("Atlas listening on http://%s:%d (model %s loads in the background; /health is 503 until ready)",
-             host, args.port, args.model_name or args.model)
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
-        await serve(app, config, shutdown_trigger=stop.wait)
-
-    asyncio.run(main())
+             args.host, args.port, args.model_name or args.model)
+    asyncio.run(_serve(app, config, failed, args.shutdown_timeout))
     if fatal:
         print(f"atlas: error: {fatal[0]}", file=sys.stderr)
         return EXIT_FATAL
     return 0
+
+
+async def _serve(app: Quart, config: Config, failed: asyncio.Event, shutdown_timeout_s: float) -> None:
+    """Serve until the engine fails or a signal. A signal drains first (`shut_down`): new
+    requests get 503, those in flight get `shutdown_timeout_s`; a second signal ends them now."""
+    from hypercorn.asyncio import serve
+
+    from atlas.adapters.http import shut_down
+
+    loop = asyncio.get_running_loop()
+    received: list[str] = []
+    signalled, stop_serving, abort_now = asyncio.Event(), asyncio.Event(), anyio.Event()
+
+    def on_signal(signum: int) -> None:
+        if signalled.is_set():
+            abort_now.set()
+        received.append(signal.Signals(signum).name)
+        signalled.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+    serving = asyncio.create_task(serve(app, config, shutdown_trigger=stop_serving.wait))
+    waits = [asyncio.create_task(signalled.wait()), asyncio.create_task(failed.wait())]
+    await asyncio.wait([serving, *waits], return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+    if serving.done():
+        serving.result()  # hypercorn stopped by itself: raise what stopped it
+        return
+    deadline_s = loop.time() + (shutdown_timeout_s if signalled.is_set() else 0.0) + EXIT_MARGIN_S
+    if signalled.is_set():
+        log.info("%s: shutting down; new requests get 503, requests in flight may finish within %gs "
+                 "(--shutdown-timeout), then end with finish_reason 'abort'", received[0], shutdown_timeout_s)
+        await shut_down(app, shutdown_timeout_s, abort_now)
+    stop_serving.set()
+    try:
+        await asyncio.wait_for(serving, max(deadline_s - loop.time(), 0.1))
+    except TimeoutError:
+        log.warning("the server did not stop within %gs of the shutdown timeout; exiting", EXIT_MARGIN_S)

@@ -43,17 +43,45 @@ class SamplingRow:
 
 
 @dataclass(frozen=True, slots=True)
+class BlockTable:
+    """One KV cache group's pages of one sequence. Position p lives in page
+    `block_ids[p // block_size - first_block_idx]`; blocks before `first_block_idx` left a
+    sliding window and are no longer held (always 0 in a full-attention group).
+
+        block_size 4, first_block_idx 2, block_ids (7, 3)
+        positions  0 .. 7 | 8 9 10 11 | 12 13
+        page       (none) | 7         | 3
+    """
+
+    block_ids: tuple[int, ...]
+    first_block_idx: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class ScheduledSequence:
-    """One sequence's share of a step: compute `token_ids` at positions start_position.."""
+    """One sequence's share of a step: compute `token_ids` at positions start_position..
+
+    A model with one full-attention cache group (every model before cache groups) needs only
+    `block_ids`. A model with several groups (sliding-window layers, recurrent layers) gets one
+    table per KV group in `kv_block_tables` and one slot per recurrent group in `state_slots`,
+    in the order of the model's group specs; `block_ids` is then its first KV group's pages.
+    """
 
     seq_id: str
     token_ids: tuple[int, ...]
     start_position: int
-    block_ids: tuple[int, ...]  # the whole block table, covering every position computed
+    block_ids: tuple[int, ...]  # the (first KV group's) block table, covering every position computed
     sampling: SamplingRow | None  # None: a prefill chunk that does not reach the last token
     # The last token is a placeholder (PLACEHOLDER_TOKEN) sampled by the previous step, still
     # on the device: its id is that step's sampled id of this row.
     placeholder_row: int | None = None
+    kv_block_tables: tuple[BlockTable, ...] = ()  # every KV group's; () for a lone full-attention group
+    state_slots: tuple[int, ...] = ()  # every recurrent-state group's slot
+
+    @property
+    def block_tables(self) -> tuple[BlockTable, ...]:
+        """One table per KV cache group, whatever the number of groups."""
+        return self.kv_block_tables or (BlockTable(self.block_ids),)
 
     @property
     def num_tokens(self) -> int:
@@ -112,3 +140,4 @@ class SequenceOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: tuple[TokenLogprobs, ...] = ()
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission

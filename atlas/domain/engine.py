@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
-from atlas.domain.kv_blocks import BlockPool
 from atlas.domain.requests import ParameterError, Request
 from atlas.domain.sequence import Sequence
 from atlas.domain.sampling import validate_token_ids
@@ -45,11 +44,14 @@ class EngineStats:
     num_running: int
     num_waiting: int
     num_blocks_total: int
-    num_blocks_free: int
+    num_blocks_free: int  # free or cached-evictable: back to num_blocks_total when idle
     num_steps: int
-    num_prompt_tokens: int  # prompt tokens of every request admitted
+    num_prompt_tokens: int  # prompt tokens of every request added
     num_generated_tokens: int
     num_preemptions: int  # times a sequence was preempted by recompute, since start
+    num_blocks_cached: int = 0  # of the free ones, those holding a cached prefix
+    num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    num_prefix_cache_hits: int = 0  # of those, found there
 
 
 class EngineCore:
@@ -58,14 +60,12 @@ class EngineCore:
     def __init__(
         self,
         scheduler: Scheduler,
-        pool: BlockPool,
         executor: StepExecutor,
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: frozenset[int],
     ) -> None:
         self.scheduler = scheduler
-        self.pool = pool
         self.executor = executor
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -125,6 +125,10 @@ class EngineCore:
             outputs += self._commit_oldest()
         return outputs
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no running request uses; returns how many were freed."""
+        return self.scheduler.cache.reset_prefix_cache()
+
     def _commit_oldest(self) -> list[SequenceOutput]:
         batch, pending = self._in_flight.popleft()
         result = pending.result()
@@ -141,13 +145,17 @@ class EngineCore:
             self._num_finished_preemptions += sequence.num_preemptions
 
     def stats(self) -> EngineStats:
+        cache = self.scheduler.cache.stats()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
-            num_blocks_total=self.pool.num_blocks,
-            num_blocks_free=self.pool.num_free_blocks,
+            num_blocks_total=cache.num_blocks_total,
+            num_blocks_free=cache.num_blocks_free,
             num_steps=self._num_steps,
             num_prompt_tokens=self._num_prompt_tokens,
             num_generated_tokens=self._num_generated_tokens,
             num_preemptions=self._num_finished_preemptions + sum(s.num_preemptions for s in self._sequences.values()),
+            num_blocks_cached=cache.num_blocks_cached,
+            num_prefix_cache_queries=cache.num_queried_tokens,
+            num_prefix_cache_hits=cache.num_hit_tokens,
         )

@@ -34,18 +34,22 @@ def fan_out(
     params: SamplingParams,
     seeds: SeedSource,
     arrival_s: float = 0.0,
+    priority: int = 0,
 ) -> list[Request]:
     """The engine requests for `params.n` choices: ids `request_id` (n=1) or `request_id-i`.
 
     Choice i of a seeded request uses seed + i * stride, so every choice differs and the whole
-    response reproduces.
+    response reproduces. The choices share the prompt's KV: the scheduler admits the first,
+    and the others start from its blocks in the prefix cache a step later.
     """
     base_seed = params.seed if params.seed is not None else seeds.next()
     single = msgspec.structs.replace(params, n=1) if params.n != 1 else params
     prompt = tuple(prompt_token_ids)
     if params.n == 1:
-        return [Request(request_id, prompt, single, base_seed & _UINT64, arrival_s)]
+        return [Request(request_id, prompt, single, base_seed & _UINT64, arrival_s, priority)]
     return [
-        Request(f"{request_id}-{index}", prompt, single, (base_seed + index * _SEED_STRIDE) & _UINT64, arrival_s)
+        Request(
+            f"{request_id}-{index}", prompt, single, (base_seed + index * _SEED_STRIDE) & _UINT64, arrival_s, priority
+        )
         for index in range(params.n)
     ]

@@ -7,15 +7,21 @@ There are no prefill or decode phases. A sequence's `num_computed_tokens` catche
    left), one that is caught up gets 1 (a decode). A long prompt therefore runs in chunks over
    several steps, and prefill chunks and decodes share one batch.
 2. If nothing was preempted, waiting sequences in the policy's order, while the budget,
-   `max_num_seqs` and free blocks allow; the first that does not fit stops admission.
+   `max_num_seqs` and free blocks allow; the first that does not fit stops admission. A
+   sequence starts from the longest prefix the prefix cache holds, so it costs only its new
+   tokens and blocks; one whose hit would reach blocks this very step computes (the other forks
+   of its prompt, say) stops admission too, and hits them in full next step.
 
 A sequence samples a token exactly when its chunk reaches its last token. Blocks are reserved
-before tokens are handed out (check, then commit). A running sequence that cannot get a block
-preempts by recompute the victim its policy names (never one already in the step being built):
-the victim's blocks go back to the pool and it waits at the front of the queue to recompute its
-prompt and output later, which yields the same tokens. Nothing can livelock on a pool that is
-too small: `add` refuses a prompt larger than the whole pool, and a sequence whose next token
-would need more positions than the whole pool holds finishes with LENGTH.
+before tokens are handed out (check, then commit), through the cache manager
+(`atlas.domain.cache`), which also evicts cached blocks nobody uses when free ones run short. A
+running sequence that cannot get a block preempts by recompute the victim its policy names
+(never one already in the step being built): the victim's full blocks stay in the prefix cache,
+the rest go back to the pool, and it waits at the front of the queue to recompute its prompt and
+output later, from the cache as far as it still holds them, which yields the same tokens.
+Nothing can livelock on a pool that is too small: `add` refuses a prompt larger than the whole
+pool, and a sequence whose next token would need more positions than the whole pool holds
+finishes with LENGTH.
 
 Steps overlap: `schedule()` may build step N+1 while step N is in flight (at most one
 uncommitted batch). Scheduling a step advances `num_computed_tokens` at once and gives each
@@ -27,11 +33,11 @@ and a step computed for a sequence that finished meanwhile is simply discarded.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence, SequenceOutput, StepResult, TokenLogprobs
-from atlas.domain.kv_blocks import BlockPool
+from atlas.domain.cache.manager import CacheManager
 from atlas.domain.requests import FinishReason, ParameterError, SequenceStatus
 from atlas.domain.sequence import PLACEHOLDER_TOKEN, PendingToken, Sequence
 from atlas.domain.sampling import sampling_row
@@ -87,18 +93,20 @@ class _StepPlan:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running set and their blocks in `pool`."""
+    """Owns the waiting queue, the running set and their pages in `cache`."""
 
-    __slots__ = ("config", "pool", "policy", "_waiting", "_running", "_live", "_in_flight", "_next_step_id")
+    __slots__ = ("config", "cache", "policy", "_waiting", "_running", "_live", "_in_flight", "_next_step_id")
 
-    def __init__(self, config: SchedulerConfig, pool: BlockPool, policy: SchedulingPolicy | None = None) -> None:
-        """Raises ValueError when the pool's block size differs from the config's."""
-        if pool.block_size != config.block_size:
+    def __init__(self, config: SchedulerConfig, cache: CacheManager, policy: SchedulingPolicy | None = None) -> None:
+        """Raises ValueError when the cache's block size differs from the config's, or a cache
+        group cannot hold one sequence's step of `max_num_batched_tokens`."""
+        if cache.block_size != config.block_size:
             raise ValueError(
-                f"the pool's block_size ({pool.block_size}) differs from the config's ({config.block_size})"
+                f"the cache's block_size ({cache.block_size}) differs from the config's ({config.block_size})"
             )
+        cache.check_step_fits(config.max_num_batched_tokens)
         self.config = config
-        self.pool = pool
+        self.cache = cache
         self.policy: SchedulingPolicy = policy if policy is not None else FifoPolicy()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in admission order
@@ -125,7 +133,8 @@ class Scheduler:
         """Queue a fresh sequence at the back of the waiting queue.
 
         Raises ParameterError("prompt", ...) when the prompt leaves no room for one output token
-        under `max_model_len`, or needs more blocks than the whole pool holds. Raises ValueError
+        under `max_model_len`, or needs more blocks than the whole pool holds, and the policy's
+        ParameterError for a request it cannot honour (a priority under fifo). Raises ValueError
         for an engine mistake: a duplicate id, a sequence already started, or a
         `max_total_tokens` outside (prompt, max_model_len].
         """
@@ -137,17 +146,11 @@ class Scheduler:
                 f"the prompt has {num_prompt_tokens} tokens but max_model_len is {max_model_len}, which leaves "
                 f"no room for an output token; shorten the prompt to at most {max_model_len - 1} tokens",
             )
-        num_prompt_blocks = BlockPool.blocks_needed(num_prompt_tokens, self.pool.block_size)
-        if num_prompt_blocks > self.pool.num_blocks:
-            raise ParameterError(
-                "prompt",
-                f"the prompt has {num_prompt_tokens} tokens, which need {num_prompt_blocks} KV blocks of "
-                f"{self.pool.block_size} tokens, but the KV cache holds only {self.pool.num_blocks} blocks "
-                f"({self._capacity_tokens} tokens); shorten the prompt or give the KV cache more memory",
-            )
+        self.cache.check_prompt_fits(num_prompt_tokens)
+        self.policy.check(seq)
         if seq.seq_id in self._live:
             raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
-        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.num_blocks:
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or not seq.cache.is_empty:
             raise ValueError(f"sequence {seq.seq_id!r} was already started: {seq!r}")
         if not num_prompt_tokens < seq.max_total_tokens <= max_model_len:
             raise ValueError(
@@ -184,22 +187,24 @@ class Scheduler:
             raise RuntimeError(
                 f"steps {[f.step_id for f in self._in_flight]} are in flight; commit one before scheduling again"
             )
+        self.cache.begin_step()
         plan = _StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if plan.num_preempted == 0:
             self._admit_waiting(plan)
         step_id = self._next_step_id
         self._next_step_id += 1
-        scheduled = tuple(_scheduled_sequence(p) for p in plan.planned)
+        scheduled = tuple(self._scheduled_sequence(p) for p in plan.planned)
         sample_row = 0
         for planned in plan.planned:  # the step is as good as run: advance, and await its samples
             planned.seq.mark_computed(planned.num_tokens)
+            self.cache.release_unread(planned.seq)
             if planned.samples:
                 planned.seq.append_pending(PendingToken(step_id, sample_row))
                 sample_row += 1
         if plan.planned:
             self._in_flight.append(_InFlight(step_id, tuple(plan.planned)))
-        return ScheduledBatch(step_id=step_id, sequences=scheduled, block_size=self.pool.block_size)
+        return ScheduledBatch(step_id=step_id, sequences=scheduled, block_size=self.cache.block_size)
 
     @property
     def num_in_flight(self) -> int:
@@ -239,14 +244,15 @@ class Scheduler:
         return outputs
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if queues, statuses, block tables and the pool disagree.
+        """Raise AssertionError if queues, statuses, block tables and the cache disagree.
 
-        Checked on top of the pool's own invariants: waiting and running partition the live
-        sequences; waiting ones hold no blocks and no cache; running ones have something left to
-        compute and hold exactly the blocks for their computed (and in-flight) tokens; every used
-        block belongs to exactly as many sequences as its ref count says.
+        Checked on top of the cache manager's invariants (running sequences hold exactly the
+        pages for their computed and in-flight tokens; every used page has as many holders as
+        its ref count; free + used + evictable = total): waiting and running partition the live
+        sequences; waiting ones hold no pages and no cache; running ones have something left to
+        compute.
         """
-        self.pool.check_invariants()
+        self.cache.check_invariants(self._running)
         waiting_ids = [seq.seq_id for seq in self._waiting]
         running_ids = [seq.seq_id for seq in self._running]
         if sorted(waiting_ids + running_ids) != sorted(self._live):
@@ -254,31 +260,11 @@ class Scheduler:
         if len(self._running) > self.config.max_num_seqs:
             raise AssertionError(f"{len(self._running)} running > max_num_seqs {self.config.max_num_seqs}")
         for seq in self._waiting:
-            if seq.status is not SequenceStatus.WAITING or seq.num_blocks or seq.num_computed_tokens:
+            if seq.status is not SequenceStatus.WAITING or not seq.cache.is_empty or seq.num_computed_tokens:
                 raise AssertionError(f"a waiting sequence holds cache state: {seq!r}")
-        holders: Counter[int] = Counter()
         for seq in self._running:
-            covered = seq.num_computed_tokens  # in-flight tokens included
-            expected_blocks = BlockPool.blocks_needed(covered, self.pool.block_size)
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens < 1:
                 raise AssertionError(f"a running sequence is not running or has nothing to compute: {seq!r}")
-            if seq.num_blocks != expected_blocks:
-                raise AssertionError(
-                    f"{seq!r} covers {covered} tokens with {seq.num_blocks} blocks, not {expected_blocks}"
-                )
-            holders.update(seq.block_ids)
-        for block_id, count in holders.items():
-            ref_count = self.pool.ref_count(block_id)
-            if ref_count != count:
-                raise AssertionError(f"block {block_id} has {count} holder(s) but ref count {ref_count}")
-        if self.pool.num_used_blocks != len(holders):
-            raise AssertionError(
-                f"the pool has {self.pool.num_used_blocks} used blocks but sequences hold {len(holders)}"
-            )
-
-    @property
-    def _capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.pool.block_size
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         """Give each running sequence, oldest first, its next tokens, preempting when blocks run out."""
@@ -290,9 +276,14 @@ class Scheduler:
                 continue
             num_tokens = min(seq.num_uncomputed_tokens, plan.budget_left)
             if self._grow(seq, num_tokens, idx, plan):
-                plan.add(seq, num_tokens)
+                self._plan(plan, seq, num_tokens)
                 idx += 1
             # else `seq` itself was preempted: the next sequence moved into slot `idx`
+
+    def _plan(self, plan: _StepPlan, seq: Sequence, num_tokens: int) -> None:
+        start = seq.num_computed_tokens
+        plan.add(seq, num_tokens)
+        self.cache.on_scheduled(seq, start, start + num_tokens)
 
     def _grow(self, seq: Sequence, num_tokens: int, idx: int, plan: _StepPlan) -> bool:
         """Attach the blocks `seq` needs to compute `num_tokens` more; False if it was preempted.
@@ -305,11 +296,7 @@ class Scheduler:
 
         Victims come from `_running[idx:]`: the sequences before `idx` are already in the step.
         """
-        needed = BlockPool.blocks_needed(seq.num_computed_tokens + num_tokens, self.pool.block_size)
-        num_new_blocks = needed - seq.num_blocks
-        if num_new_blocks == 0:
-            return True
-        while (reservation := self.pool.reserve(num_new_blocks)) is None:
+        while (reservation := self.cache.reserve(seq, num_tokens)) is None:
             candidates = self._running[idx:]
             victim = self.policy.choose_victim(candidates, seq)
             if not any(victim is candidate for candidate in candidates):
@@ -318,7 +305,7 @@ class Scheduler:
             plan.num_preempted += 1
             if victim is seq:
                 return False
-        seq.attach_blocks(self.pool.commit(reservation))
+        self.cache.commit(seq, reservation)
         return True
 
     def _admit_waiting(self, plan: _StepPlan) -> None:
@@ -329,26 +316,30 @@ class Scheduler:
                 break
             if self._live.get(seq.seq_id) is not seq or seq.status is not SequenceStatus.WAITING:
                 raise ValueError(f"the policy admitted {seq.seq_id!r}, which is not waiting")
-            num_tokens = min(seq.num_uncomputed_tokens, plan.budget_left)
-            reservation = self.pool.reserve(BlockPool.blocks_needed(num_tokens, self.pool.block_size))
+            hit = self.cache.lookup(seq)
+            if hit.waits_for_step:
+                break  # this step computes blocks it would reuse: next step it hits them in full
+            num_tokens = min(seq.num_tokens - hit.num_tokens, plan.budget_left)
+            reservation = self.cache.reserve(seq, num_tokens, hit)
             if reservation is None:
                 break
-            seq.attach_blocks(self.pool.commit(reservation))
+            self.cache.commit(seq, reservation)
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             admitted.append(seq)
-            plan.add(seq, num_tokens)
+            self._plan(plan, seq, num_tokens)
         for seq in admitted:
             self._waiting.remove(seq)
 
     def _preempt(self, victim: Sequence) -> None:
         self._running.remove(victim)
-        self.pool.free(victim.reset_for_recompute())
+        self.cache.release(victim)
+        victim.reset_for_recompute()
         self._waiting.appendleft(victim)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._running.remove(seq)
-        self.pool.free(seq.release_blocks())
+        self.cache.release(seq)
         del self._live[seq.seq_id]
         seq.finish(reason)
 
@@ -356,7 +347,7 @@ class Scheduler:
         token_id = result.token_ids[row_idx]
         seq.resolve_pending(token_id)
         reason = stop_reason(seq)
-        if reason is None and seq.num_tokens > self._capacity_tokens:
+        if reason is None and not self.cache.fits(seq.num_tokens):
             # Sampling again would need every token in the cache, more than the whole pool holds.
             reason = FinishReason.LENGTH
         if reason is not None:
@@ -382,25 +373,28 @@ class Scheduler:
         return in_flight
 
 
-def _scheduled_sequence(planned: _Planned) -> ScheduledSequence:
-    """The step's view of `planned`, taken before the step advances the sequence."""
-    seq = planned.seq
-    start = seq.num_computed_tokens
-    token_ids = tuple(seq.tokens_slice(start, start + planned.num_tokens))
-    pending = seq.pending
-    placeholder_row = None
-    if token_ids[-1] == PLACEHOLDER_TOKEN:
-        # only the newest placeholder can be computed: the previous step samples it
-        assert len(pending) == 1 and start + planned.num_tokens == seq.num_tokens
-        placeholder_row = pending[-1].sample_row
-    return ScheduledSequence(
-        seq_id=seq.seq_id,
-        token_ids=token_ids,
-        start_position=start,
-        block_ids=seq.block_ids,
-        sampling=sampling_row(seq) if planned.samples else None,
-        placeholder_row=placeholder_row,
-    )
+    def _scheduled_sequence(self, planned: _Planned) -> ScheduledSequence:
+        """The step's view of `planned`, taken before the step advances the sequence."""
+        seq = planned.seq
+        start = seq.num_computed_tokens
+        token_ids = tuple(seq.tokens_slice(start, start + planned.num_tokens))
+        pending = seq.pending
+        placeholder_row = None
+        if token_ids[-1] == PLACEHOLDER_TOKEN:
+            # only the newest placeholder can be computed: the previous step samples it
+            assert len(pending) == 1 and start + planned.num_tokens == seq.num_tokens
+            placeholder_row = pending[-1].sample_row
+        block_ids, kv_block_tables, state_slots = self.cache.step_tables(seq)
+        return ScheduledSequence(
+            seq_id=seq.seq_id,
+            token_ids=token_ids,
+            start_position=start,
+            block_ids=block_ids,
+            sampling=sampling_row(seq) if planned.samples else None,
+            placeholder_row=placeholder_row,
+            kv_block_tables=kv_block_tables,
+            state_slots=state_slots,
+        )
 
 
 def _output(seq: Sequence, new_token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...]) -> SequenceOutput:
@@ -411,4 +405,5 @@ def _output(seq: Sequence, new_token_ids: tuple[int, ...], logprobs: tuple[Token
         num_prompt_tokens=seq.num_prompt_tokens,
         num_output_tokens=seq.num_resolved_tokens - seq.num_prompt_tokens,
         logprobs=logprobs,
+        num_cached_tokens=seq.num_cached_tokens,
     )

@@ -1,6 +1,8 @@
-"""A request being run: its tokens, its block table, and the token a step in flight will sample.
+"""A request being run: its tokens, its cache pages, and the token a step in flight will sample.
 
-A sequence owns its tokens and block table and changes only through named methods. With the
+A sequence owns its tokens and its cache holdings (block tables per cache group, its path in
+the prefix cache) and changes only through named methods; the cache manager changes the
+holdings. With the
 engine preparing step N+1 while step N runs, a sequence sampled in step N carries a *pending*
 token: a placeholder whose id only the device knows until step N is committed. Step N+1 can
 already compute it (the worker reads the id from step N's sampled ids on the device).
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atlas.domain.cache.holdings import CacheHoldings
 from atlas.domain.requests import FinishReason, ParameterError, Request, SamplingParams, SequenceStatus
 
 PLACEHOLDER_TOKEN = -1
@@ -24,18 +27,19 @@ class PendingToken:
 
 
 class Sequence:
-    """A request being run: its tokens, how many are in the KV cache, and its blocks.
+    """A request being run: its tokens, how many are in the KV cache, and its cache pages.
 
     `token_ids` holds the prompt then the output. `num_computed_tokens` counts tokens whose
-    K/V are in the cache; the scheduler feeds the next ones until it catches up with
-    `num_tokens`, then each step samples one more.
+    K/V are in the cache (found in the prefix cache, or computed); the scheduler feeds the next
+    ones until it catches up with `num_tokens`, then each step samples one more.
     """
 
     __slots__ = (
         "request",
         "_token_ids",
         "num_computed_tokens",
-        "_block_ids",
+        "num_cached_tokens",
+        "_cache",
         "status",
         "finish_reason",
         "max_total_tokens",
@@ -52,7 +56,8 @@ class Sequence:
         self.request = request
         self._token_ids: list[int] = list(request.prompt_token_ids)
         self.num_computed_tokens = 0
-        self._block_ids: list[int] = []
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first admitted
+        self._cache = CacheHoldings()
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.max_total_tokens = max_total_tokens
@@ -100,12 +105,13 @@ class Sequence:
         return self._token_ids[-1]
 
     @property
-    def block_ids(self) -> tuple[int, ...]:
-        return tuple(self._block_ids)
+    def cache(self) -> CacheHoldings:
+        """Its pages in each cache group and its path in the prefix cache (the cache manager's)."""
+        return self._cache
 
     @property
-    def num_blocks(self) -> int:
-        return len(self._block_ids)
+    def priority(self) -> int:
+        return self.request.priority
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -160,27 +166,30 @@ class Sequence:
         """Tokens the penalties apply to, with their output counts (empty without penalties)."""
         return self._penalty_counts if self._penalty_counts is not None else {}
 
-    def attach_blocks(self, block_ids: list[int]) -> None:
-        self._block_ids.extend(block_ids)
+    def start_from_cache(self, num_tokens: int) -> None:
+        """Admission found its first `num_tokens` tokens in the prefix cache: they count as
+        computed. The first admission's count is the request's cached prompt tokens."""
+        if self.num_computed_tokens or self.status is not SequenceStatus.WAITING:
+            raise AssertionError(f"{self.seq_id}: only a waiting sequence starts from the cache")
+        self.mark_computed(num_tokens)
+        if self.num_preemptions == 0:
+            self.num_cached_tokens = num_tokens
 
     def mark_computed(self, num_tokens: int) -> None:
         if self.num_computed_tokens + num_tokens > len(self._token_ids):
             raise AssertionError("computed more tokens than the sequence holds")
         self.num_computed_tokens += num_tokens
 
-    def release_blocks(self) -> list[int]:
-        """Detach the block table (the caller returns the blocks to the pool)."""
-        blocks, self._block_ids = self._block_ids, []
-        return blocks
-
-    def reset_for_recompute(self) -> list[int]:
-        """Preemption by recompute: forget the cache (and a pending token, sampled again later);
-        prompt and output are refilled later."""
+    def reset_for_recompute(self) -> None:
+        """Preemption by recompute, once the cache manager released its pages: forget the
+        computed count (and a pending token, sampled again later); prompt and output are
+        refilled later, from the prefix cache as far as it still holds them."""
+        if not self._cache.is_empty:
+            raise AssertionError(f"{self.seq_id}: preempted while still holding cache pages")
         self._drop_pending()
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
-        return self.release_blocks()
 
     def finish(self, reason: FinishReason) -> None:
         self._drop_pending()  # finished while steps sample for it: those tokens are void
@@ -190,5 +199,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.seq_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-            f"blocks={self._block_ids}, {self.status.value})"
+            f"{self._cache!r}, {self.status.value})"
         )

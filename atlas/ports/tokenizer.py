@@ -45,5 +45,15 @@ class Tokenizer(Protocol):
         tools: Sequence[Mapping[str, Any]] | None = None,
         **template_kwargs: Any,
     ) -> str:
-        """The prompt text for `messages`; raises ChatTemplateError saying why it cannot."""
+        """The prompt text for `messages`; raises ChatTemplateError saying why it cannot.
+
+        `tools` are OpenAI tool definitions; assistant messages may carry OpenAI `tool_calls`
+        (arguments as a JSON string) and `role: tool` messages the results.
+        """
+        ...
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template puts `tools` into the prompt (False: a tools request cannot
+        be rendered faithfully unless a grammar forces the call)."""
         ...

@@ -1,10 +1,11 @@
-"""Hostile and malformed requests: each gets a 4xx with an OpenAI error object, none a 500,
-and the server keeps serving."""
+"""Hostile and malformed requests: each gets a 4xx with an error object (OpenAI's, or Anthropic's
+on /v1/messages), none a 500, and the server keeps serving."""
 
 from __future__ import annotations
 
 import json
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +26,15 @@ def chat_raw(raw: bytes):
 
 def completion(**fields):
     return ("POST", "/v1/completions", json.dumps({"model": "tiny", **fields}).encode())
+
+
+def message(**fields):
+    body = {"model": "tiny", "max_tokens": 5, "messages": USER, **fields}
+    return ("POST", "/v1/messages", json.dumps(body).encode())
+
+
+def response(**fields):
+    return ("POST", "/v1/responses", json.dumps({"model": "tiny", "input": "hi", **fields}).encode())
 
 
 CASES = {
@@ -105,12 +115,59 @@ CASES = {
     "suffix": completion(prompt="x", suffix="y"),
     "best_of above n": completion(prompt="x", best_of=3),
     "completion logprobs too many": completion(prompt="x", logprobs=21),
+    "temperature above two": chat(temperature=2.5),
+    "temperature 1e999": chat_raw(b'{"messages":[{"role":"user","content":"x"}],"temperature":1e999}'),
+    "top_p -1e999": chat_raw(b'{"messages":[{"role":"user","content":"x"}],"top_p":-1e999}'),
+    "presence_penalty 1e999": chat_raw(b'{"messages":[{"role":"user","content":"x"}],"presence_penalty":1e999}'),
+    "logit_bias 1e999": chat_raw(b'{"messages":[{"role":"user","content":"x"}],"logit_bias":{"5":1e999}}'),
+    "logit_bias two thousand entries": chat(logit_bias={str(i): 1 for i in range(2000)}),
+    "stop string of 2k characters": chat(stop=["x" * 2048]),
+    "stop strings of 5k characters together": chat(stop=["x" * 1000] * 5),
+    "three hundred stop_token_ids": chat(stop_token_ids=list(range(300))),
+    "six hundred tools": chat(tools=[{"type": "function", "function": {"name": "f"}}] * 600),
+    "two thousand content parts": chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x"}] * 2000}]),
+    "prompts x n over the cap": completion(prompt=["a", "b", "c"], n=128),
+    "chat_template_kwargs sets messages": chat(chat_template_kwargs={"messages": []}),
+    "detokenize more than a context": ("POST", "/detokenize", json.dumps({"tokens": [5] * (MAX_SEQ_LEN + 1)}).encode()),
     "tokenize neither prompt nor messages": ("POST", "/tokenize", b'{"model":"tiny"}'),
     "detokenize out of vocabulary": ("POST", "/detokenize", b'{"tokens":[1, 999999]}'),
     "detokenize strings": ("POST", "/detokenize", b'{"tokens":["a"]}'),
     "wrong method": ("GET", "/v1/chat/completions", b""),
     "unknown route": ("POST", "/v1/nothing-here", b"{}"),
     "delete models": ("DELETE", "/v1/models", b""),
+    "tools not a list": chat(tools={"name": "f"}),
+    "tool without a name": chat(tools=[{"type": "function", "function": {}}]),
+    "tool of another type": chat(tools=[{"type": "web_search"}]),
+    "named tool not among the tools": chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                           tool_choice={"type": "function", "function": {"name": "g"}}),
+    "tool_choice required without tools": chat(tool_choice="required"),
+    "json_schema format without a schema object": chat(response_format={"type": "json_schema"}),
+    "response_format of unknown type": chat(response_format={"type": "yaml"}),
+    "json_schema that is no schema": chat(response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "x", "schema": {"type": 5}}}),
+    "structured_outputs empty": chat(structured_outputs={}),
+    "structured_outputs regex that does not parse": chat(structured_outputs={"regex": "(("}),
+    "structured_outputs grammar that does not parse": chat(structured_outputs={"grammar": "start: ((("}),
+    "thinking_token_budget negative": chat(thinking_token_budget=-1),
+    "reasoning_effort unknown": chat(reasoning_effort="extreme"),
+    "messages: max_tokens missing": message(max_tokens=None),
+    "messages: temperature above one": message(temperature=1.5),
+    "messages: an image": message(messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]),
+    "messages: unknown block": message(messages=[{"role": "user", "content": [{"type": "hologram"}]}]),
+    "messages: role system": message(messages=[{"role": "system", "content": "x"}]),
+    "messages: tools that the template ignores": message(tools=[{"name": "f", "input_schema": {"type": "object"}}]),
+    "messages: thinking budget negative": message(thinking={"type": "enabled", "budget_tokens": -1}),
+    "messages: unknown field": message(temprature=0.5),
+    "count_tokens: messages missing": ("POST", "/v1/messages/count_tokens", b'{"model":"tiny"}'),
+    "responses: input missing": ("POST", "/v1/responses", b'{"model":"tiny"}'),
+    "responses: input empty list": response(input=[]),
+    "responses: an image": response(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+    "responses: unknown previous response": response(previous_response_id="resp_nothing"),
+    "responses: background": response(background=True),
+    "responses: hosted tool": response(tools=[{"type": "file_search"}]),
+    "responses: get unknown": ("GET", "/v1/responses/resp_nothing", b""),
+    "responses: delete unknown": ("DELETE", "/v1/responses/resp_nothing", b""),
 }
 
 
@@ -120,9 +177,11 @@ def test_hostile_request_gets_a_4xx_error_object(server, name):
     response = httpx.request(method, server.url + path, content=body, timeout=60,
                              headers={"Content-Type": "application/json"})
     assert 400 <= response.status_code < 500, (name, response.status_code, response.text[:300])
-    error = response.json()["error"]
+    body = response.json()
+    error = body["error"]
     assert isinstance(error["message"], str) and error["message"]
     assert error["type"] in ("invalid_request_error", "not_found_error")
+    assert (body.get("type") == "error") == path.startswith("/v1/messages")  # Anthropic's shape there
 
 
 def test_there_are_at_least_forty_cases():
@@ -137,7 +196,7 @@ def test_invalid_values_name_their_field(server, field, param):
     bad = {"max_tokens": -1, "temperature": -1, "top_p": 5, "n": 0, "stop": [""], "top_k": -9, "min_p": 9}[field]
     response = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, field: bad}, timeout=30)
     assert response.status_code == 400
-    assert response.json()["error"]["param"] == param
+    assert response.json()["error"]["param"].split("[")[0] == param  # stop strings are named by index
 
 
 def test_long_prompt_error_names_the_token_counts(server):
@@ -161,15 +220,57 @@ def test_huge_bodies_get_413(server):
     assert chunked.status_code == 413
 
 
+def raw_exchange(port: int, data: bytes) -> tuple[int, dict]:
+    """Send bytes, read the reply until the server closes; (status, JSON body)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(data)
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+@pytest.mark.parametrize("garbage,status", [
+    (b"\x00\x01\x02GARBAGE\r\n\r\n", 400),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400),
+    (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+])
+def test_malformed_http_gets_an_error_object(server, garbage, status):
+    answered, body = raw_exchange(server.port, garbage)
+    assert answered == status and body["error"]["message"]
+
+
 def test_garbage_on_the_socket_does_not_stop_the_server(server):
-    for garbage in (b"\x00\x01\x02GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
-                    b"GET / HTTP/9.9\r\n\r\n"):
+    for garbage in (b"GET / HTTP/9.9\r\n\r\n", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03"):  # a TLS hello
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
             sock.sendall(garbage)
             try:
                 sock.recv(1024)
             except OSError:
                 pass
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_megabyte_stop_string_is_refused_without_growing_the_server(server):
+    """The old matcher stored every prefix of every stop string: 1 MB of stop grew the API
+    process to 23 GB. Now the schema refuses it; the peak resident memory barely moves."""
+    proc = Path(f"/proc/{server.process.pid}")
+    if not (proc / "clear_refs").exists():
+        pytest.skip("needs Linux /proc to read the peak resident memory")
+    (proc / "clear_refs").write_text("5")  # the peak (VmHWM) restarts from the current RSS
+    before_kb = _status_kb(proc, "VmRSS")
+    stop = "x" * (1 << 20)
+    for path, body in (("/v1/completions", {"prompt": "hi", "stop": stop, "max_tokens": 4}),
+                       ("/v1/chat/completions", {"messages": USER, "stop": [stop], "max_tokens": 4})):
+        response = httpx.post(server.url + path, json=body, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["param"].startswith("stop")
+    assert _status_kb(proc, "VmHWM") - before_kb < 50 * 1024
+
+
+def _status_kb(proc: Path, key: str) -> int:
+    line = next(line for line in (proc / "status").read_text().splitlines() if line.startswith(key + ":"))
+    return int(line.split()[1])
 
 
 def test_unknown_fields_openai_clients_send_are_accepted(server):

@@ -168,3 +168,23 @@ def test_async_client_streams_concurrently(server):
     results = asyncio.run(main())
     assert all(usage == 16 and text for text, usage in results)
     assert len({text for text, _ in results}) > 6
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client):
+    messages = [{"role": "user", "content": "Say it again: the prefix cache keeps every full block of this prompt."}]
+    before = server.metrics()
+    answers = [
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                       extra_body=FIXED_LENGTH)
+        for _ in range(2)
+    ]
+    first, again = answers
+    prompt_tokens = first.usage.prompt_tokens
+    assert again.choices[0].message.content == first.choices[0].message.content
+    # every full 16-token block but the one holding the last prompt token, which must be computed
+    assert again.usage.prompt_tokens_details.cached_tokens == (prompt_tokens - 1) // 16 * 16 > 0
+    assert first.usage.prompt_tokens_details.cached_tokens < again.usage.prompt_tokens_details.cached_tokens
+    after = server.metrics()
+    hits = sum(a.usage.prompt_tokens_details.cached_tokens for a in answers)
+    assert after["atlas_prefix_cache_hits_total"] - before["atlas_prefix_cache_hits_total"] == hits
+    assert after["atlas_prefix_cache_queries_total"] - before["atlas_prefix_cache_queries_total"] == 2 * prompt_tokens

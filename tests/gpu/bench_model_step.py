@@ -2,7 +2,7 @@
 
 Run: python tests/gpu/bench_model_step.py [smollm2] [llama8b]
 
-The real model loop (atlas.domain.models.transformer) over random bf16 weights of two shapes:
+The real model loop (atlas.domain.models.model) over random bf16 weights of two shapes:
 
   SmolLM2-135M, batch 1 at a 512-token context: one captured decode step (forward + greedy
     sampling, ~280 kernels) replayed back to back, with and without programmatic dependent
@@ -20,7 +20,6 @@ never used). Device time by events; replays are back to back, so host work is no
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import sys
 
@@ -31,17 +30,17 @@ from cuda.bindings import driver as cu
 from atlas.adapters.cuda import CudaGpuBackend, ops_attention
 from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.tensor import CudaTensor
+from atlas.domain.models.cache_groups import KvShape, group_caches
 from atlas.domain.models.config import ModelConfig
+from atlas.domain.models.feed_forward import DenseFeedForward
+from atlas.domain.models.layers import Layer
+from atlas.domain.models.mixers import AttentionMixer
+from atlas.domain.models.model import Model, StepTensors
 from atlas.domain.models.rope import rope_table
-from atlas.domain.models.transformer import (
-    AttentionWeights,
-    DecoderLayer,
-    MlpWeights,
-    StepTensors,
-    Transformer,
-    fold_norm_weights,
-)
-from atlas.ports.gpu import Activation, AttentionMetadata, DType, KvCacheSpec, SamplingTensors
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.attention import AttentionLayer, AttentionMetadata, HeadLayout, KvCacheSpec
+from atlas.ports.kernels.host_weights import Activation
+from atlas.ports.kernels.sampling import SamplingTensors
 
 SMOLLM2 = {
     "architectures": ["LlamaForCausalLM"],
@@ -93,50 +92,45 @@ class RandomFill:
 
 
 def build_model(
-    backend: CudaGpuBackend,
-    fill: RandomFill,
-    raw_config: dict,
-    max_positions: int,
-    kind: type = Transformer,
-    fold: bool = True,
-) -> Transformer:
-    """A model of `raw_config`'s shape over random weights, its norm weights folded into the
-    projections where the backend folds them (as the loader does) unless `fold` is False."""
+    backend: CudaGpuBackend, fill: RandomFill, raw_config: dict, max_positions: int, fold: bool = True
+) -> Model:
+    """A model of `raw_config`'s shape over random weights filled on the device, prepared as the
+    CUDA kinds prepare a checkpoint's (the norm weights folded into the projections where the
+    backend folds them) unless `fold` is False."""
     config = ModelConfig.from_dict(raw_config)
     h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
-    qkv_rows = (config.num_heads + 2 * config.num_kv_heads) * d
+    heads = HeadLayout(config.num_heads, config.num_kv_heads, d)
     ones = backend.upload(np.ones(h, np.float32), DType.BF16)
-    layers = [
-        DecoderLayer(
-            input_norm=ones,
-            attention=AttentionWeights(
-                fill.tensor((qkv_rows, h)), None, fill.tensor((h, config.num_heads * d)), None, None
-            ),
-            post_attention_norm=ones,
-            mlp=MlpWeights(fill.tensor((2 * i, h)), fill.tensor((h, i)), Activation.SILU),
-            sliding_window=None,
-        )
-        for _ in range(config.num_layers)
-    ]
-    embedding = fill.tensor((config.vocab_size, h))
-    lm_head = embedding if config.tie_word_embeddings else fill.tensor((config.vocab_size, h))
     table = backend.upload(rope_table(config, max_positions), DType.F32)
-    final_norm: CudaTensor | None = ones
-    if fold:
-        layers, final_norm = fold_norm_weights(backend, layers, ones, lm_head, embedding)
-    return kind(config, backend, embedding, layers, final_norm, lm_head, table)
+    dense, attention, eps = backend.dense, backend.attention, config.rms_norm_eps
+    layers = []
+    for index in range(config.num_layers):
+        spec = AttentionLayer(heads, index, d**-0.5, table)
+        qkv = fill.tensor((heads.q_size + 2 * heads.kv_size, h))
+        mixer = AttentionMixer(
+            spec, 0, attention.layer(spec, qkv, None, ones, eps, fold=fold),
+            dense.projection(fill.tensor((h, heads.q_size)), None, None, 0.0, None), h,
+        )
+        feed_forward = DenseFeedForward(
+            dense.projection(fill.tensor((2 * i, h)), None, ones, eps, Activation.SILU, fold=fold),
+            dense.projection(fill.tensor((h, i)), None, None, 0.0, None), i, h,
+        )
+        layers.append(Layer(mixer, feed_forward))
+    embedding = fill.tensor((config.vocab_size, h))
+    lm_head = None if config.tie_word_embeddings else fill.tensor((config.vocab_size, h))
+    vocab = dense.vocab(embedding, ones, eps, lm_head, fold=fold)
+    groups = group_caches([KvShape(config.num_kv_heads, d)] * config.num_layers)
+    return Model(backend, vocab, layers, groups, h, config.vocab_size)
 
 
-def weight_bytes_per_step(model: Transformer) -> int:
+def weight_bytes_per_step(config: ModelConfig) -> int:
     """Bytes of every matrix a decode step reads (layers and lm_head; embedding rows are few)."""
-    total = math.prod(model.lm_head.shape) * 2
-    for layer in model.layers:
-        for matrix in (layer.attention.qkv, layer.attention.output, layer.mlp.gate_up, layer.mlp.down):
-            total += math.prod(matrix.shape) * 2
-    return total
+    h, i, d = config.hidden_size, config.intermediate_size, config.head_dim
+    qkv, output = (config.num_heads + 2 * config.num_kv_heads) * d * h, h * config.num_heads * d
+    return 2 * (config.num_layers * (qkv + output + 3 * h * i) + config.vocab_size * h)
 
 
-def step_inputs(backend, model: Transformer, context_lens: list[int], query_lens: list[int]):
+def step_inputs(backend, model: Model, context_lens: list[int], query_lens: list[int]):
     """Token ids, metadata and sample rows for sequences whose last `query_lens` tokens run now."""
     blocks = [-(-c // _BLOCK_SIZE) for c in context_lens]
     tables = np.zeros((len(context_lens), max(blocks)), np.int32)
@@ -161,7 +155,7 @@ def step_inputs(backend, model: Transformer, context_lens: list[int], query_lens
     )
     token_ids = backend.upload(np.arange(num_tokens, dtype=np.int32) % model.vocab_size)
     last_rows = (np.cumsum(query_lens) - 1).astype(np.int32)
-    return StepTensors(token_ids, meta, backend.upload(last_rows)), next_block
+    return StepTensors(token_ids, (meta,), backend.upload(last_rows)), next_block
 
 
 def greedy_params(backend, num_rows: int) -> SamplingTensors:
@@ -214,10 +208,10 @@ def llama_8b_with_kv(backend, fill, max_batch: int, context: int = 512):
     """The Llama-3.1-8B shape over random weights, and a filled KV cache for `max_batch`
     sequences of `context` tokens."""
     model = build_model(backend, fill, LLAMA_8B, 8192)
-    config = model.config
+    config = ModelConfig.from_dict(LLAMA_8B)
     blocks = max_batch * context // _BLOCK_SIZE + 64
     spec = KvCacheSpec(config.num_layers, blocks, _BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
-    kv = backend.allocate_kv_cache(spec)
+    kv = backend.attention.allocate_cache(spec)
     fill.fill_bytes(kv.base_address, spec.total_bytes)
     return model, kv
 
@@ -236,9 +230,9 @@ def capture_decode_step(backend, model, kv, batch: int, context: int, sample: bo
     out_ids = backend.empty((batch,), DType.I32)
 
     def forward() -> None:
-        logits = model.forward(step, kv, workspace, batch)
+        logits = model.forward(step, (kv,), workspace, batch)
         if sample:
-            backend.sample(logits, params, out_ids)
+            backend.sampling.sample(logits, params, out_ids)
 
     forward()  # eager first: cuBLASLt times its candidates outside the capture
     backend.synchronize()
@@ -255,9 +249,9 @@ def with_features(backend, **changes) -> None:
 def smollm2_rows(backend, events, rng) -> list[tuple[str, str, str]]:
     fill = RandomFill(backend, rng, 0.05)
     model = build_model(backend, fill, SMOLLM2, 1024)
-    config = model.config
+    config = ModelConfig.from_dict(SMOLLM2)
     spec = KvCacheSpec(config.num_layers, 64, _BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
-    kv = backend.allocate_kv_cache(spec)
+    kv = backend.attention.allocate_cache(spec)
     fill.fill_bytes(kv.base_address, spec.total_bytes)
     rows = []
     for pdl in (True, False):
@@ -280,12 +274,12 @@ def smollm2_rows(backend, events, rng) -> list[tuple[str, str, str]]:
 def llama_rows(backend, events, rng, copy_bandwidth: float) -> list[tuple[str, str, str]]:
     fill = RandomFill(backend, rng, 0.02)
     model = build_model(backend, fill, LLAMA_8B, 8192)
-    config = model.config
+    config = ModelConfig.from_dict(LLAMA_8B)
     kv_blocks = 64 * 512 // _BLOCK_SIZE + 8192 // _BLOCK_SIZE
     spec = KvCacheSpec(config.num_layers, kv_blocks, _BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
-    kv = backend.allocate_kv_cache(spec)
+    kv = backend.attention.allocate_cache(spec)
     fill.fill_bytes(kv.base_address, spec.total_bytes)
-    weights = weight_bytes_per_step(model)
+    weights = weight_bytes_per_step(config)
     kv_per_token = config.kv_bytes_per_token_per_dtype_byte * 2
     rows, step_us = [], {}
     for batch in (1, 64):
@@ -313,17 +307,18 @@ def llama_rows(backend, events, rng, copy_bandwidth: float) -> list[tuple[str, s
     step, _ = step_inputs(backend, model, [tokens], [tokens])
     workspace = model.allocate_workspace(tokens, 1)
     # FLOPs: the layers' matrices for every token, lm_head for the sampled row, causal attention.
-    layer_matrices = weights // 2 - math.prod(model.lm_head.shape)
-    flops = 2 * layer_matrices * tokens + 2 * math.prod(model.lm_head.shape)
+    lm_head = config.vocab_size * config.hidden_size
+    layer_matrices = weights // 2 - lm_head
+    flops = 2 * layer_matrices * tokens + 2 * lm_head
     flops += config.num_layers * 4 * tokens * tokens / 2 * config.num_heads * config.head_dim
     default_keys = dict(ops_attention.WGMMA_KEYS_PER_TILE)
     for kind in ("wgmma n64", "wgmma n128", "mma.sync"):
         with_features(backend, wgmma_attention=kind != "mma.sync")
         keys = 128 if kind == "wgmma n128" else 64
         ops_attention.WGMMA_KEYS_PER_TILE.update({64: keys, 128: keys})
-        model.forward(step, kv, workspace, 1)
+        model.forward(step, (kv,), workspace, 1)
         backend.synchronize()
-        us = events.median_us(lambda: model.forward(step, kv, workspace, 1), repeats=1, rounds=3)
+        us = events.median_us(lambda: model.forward(step, (kv,), workspace, 1), repeats=1, rounds=3)
         rate = flops / (us * 1e-6)
         rows.append(
             (
@@ -339,10 +334,10 @@ def llama_rows(backend, events, rng, copy_bandwidth: float) -> list[tuple[str, s
 
 def prefill_gemm_rate(backend, events, fill) -> float:
     x = fill.tensor((8192, 4096))
-    w = fill.tensor((14336, 4096))
+    projection = backend.dense.projection(fill.tensor((14336, 4096)), None, None, 0.0, None)
     out = backend.empty((8192, 14336), DType.BF16)
-    backend.linear(x, w, out)
-    us = events.median_us(lambda: backend.linear(x, w, out), repeats=5)
+    backend.dense.project(x, projection, out)
+    us = events.median_us(lambda: backend.dense.project(x, projection, out), repeats=5)
     return 2 * 8192 * 14336 * 4096 / (us * 1e-6)
 
 

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from atlas.adapters.mock.backend import MockGpuBackend
-from atlas.ports.gpu import DType
+from cuda_harness import MockReference, cuda_test_backend
 
 
 def _require_cuda() -> None:
@@ -32,14 +31,13 @@ def kernel_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def cuda_backend(kernel_cache_dir: Path):
+    """A `CudaTestBackend`: the CUDA backend plus an entry point per internal op path."""
     _require_cuda()
-    from atlas.adapters.cuda import CudaGpuBackend
-
-    backend = CudaGpuBackend(kernel_cache_dir=kernel_cache_dir)
+    backend = cuda_test_backend(kernel_cache_dir)
     yield backend
     backend.synchronize()
 
 
 @pytest.fixture(scope="session")
-def mock_backend() -> MockGpuBackend:
-    return MockGpuBackend(activation_dtype=DType.F32)
+def mock_backend() -> MockReference:
+    return MockReference()

@@ -1,4 +1,12 @@
-"""Helpers for comparing the CUDA backend with the mock: rounding, poisoning, paged KV cases."""
+"""Helpers for the CUDA backend's kernel-path tests: rounding, poisoning, paged KV cases, and the
+two test backends that give each internal op path an entry point.
+
+The port's members work at a layer's granularity (tests/contract checks them on every backend);
+these tests pin down the CUDA paths behind them one by one (GEMV, tensor-core GEMV, skinny
+GEMM, cuBLASLt; the folded norm; the RoPE epilogue; each attention kernel). `CudaTestBackend`
+is the CUDA backend with those paths callable; `MockReference` is the mock with the same entry
+points in numpy, the float32 reference they are compared with.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +16,14 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from atlas.adapters.mock.attention import MockAttentionLayer, _quantize, _rotate
+from atlas.adapters.mock.backend import MockGpuBackend
+from atlas.adapters.mock.dense import gated_activation, rmsnorm
 from atlas.domain.sampling import PackedSampling
-from atlas.ports.gpu import AttentionMetadata, DType, HeadLayout, KvCacheSpec, SamplingTensors
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.attention import AttentionLayer, AttentionMetadata, HeadLayout, KvCacheSpec
+from atlas.ports.kernels.host_weights import Activation
+from atlas.ports.kernels.sampling import LogprobsOut, SamplingTensors
 
 BF16_TOLERANCE = 1e-2
 
@@ -145,7 +159,7 @@ def cuda_cache_with(backend, case: PagedCase):
     """A CUDA cache whose layer 0 holds the case's K and V (NaN outside the contexts)."""
     from atlas.adapters.cuda.tensor import CudaTensor
 
-    kv = backend.allocate_kv_cache(case.spec)
+    kv = backend.attention.allocate_cache(case.spec)
     spec = case.spec
     for address, slots in ((kv.key_plane(0), case.keys), (kv.value_plane(0), case.values)):
         # slot-major [blocks * bs, Hkv, D] -> the adapter's head-major pages [blocks, Hkv, bs, D]
@@ -156,7 +170,7 @@ def cuda_cache_with(backend, case: PagedCase):
 
 
 def mock_cache_with(backend, case: PagedCase):
-    kv = backend.allocate_kv_cache(case.spec)
+    kv = backend.attention.allocate_cache(case.spec)
     kv.keys[0] = case.keys
     kv.values[0] = case.values
     return kv
@@ -219,3 +233,160 @@ def _non_empty(array: np.ndarray, dtype) -> np.ndarray:
     """A one-element placeholder for an empty CSR array (a device buffer of size 0 is legal,
     but keeping one element matches what a persistent runner buffer looks like)."""
     return array.astype(dtype) if array.size else np.zeros(1, dtype=dtype)
+
+
+def launched_symbols(backend, fn) -> list[str]:
+    """The kernel symbols `fn` launches on `backend` (cuBLASLt's kernels are not ours: not listed)."""
+    rt = backend.runtime
+    launched: list[str] = []
+    launch = rt.launch
+
+    def recording_launch(module, symbol, *args, **kwargs):
+        launched.append(symbol)
+        launch(module, symbol, *args, **kwargs)
+
+    rt.launch = recording_launch
+    try:
+        fn()
+    finally:
+        rt.launch = launch
+    return launched
+
+
+def cuda_test_backend(kernel_cache_dir):
+    """A `CudaTestBackend` (imported here: the CUDA adapter needs the cuda extra)."""
+    from atlas.adapters.cuda.backend import CudaGpuBackend
+
+    class CudaTestBackend(CudaGpuBackend):
+        """The CUDA backend with an entry point for each internal op path (see the module doc)."""
+
+        def rmsnorm(self, x, weight, eps, out):
+            from atlas.adapters.cuda import ops_dense
+
+            ops_dense.rmsnorm(self.runtime, x, None, weight, eps, out)
+
+        def add_rmsnorm(self, x, residual, weight, eps, out):
+            from atlas.adapters.cuda import ops_dense
+
+            ops_dense.rmsnorm(self.runtime, x, residual, weight, eps, out)
+
+        def embedding(self, token_ids, table, out):
+            from atlas.adapters.cuda import ops_dense
+
+            ops_dense.gather_rows(self.runtime, table, token_ids, out, "embedding")
+
+        def act_mul(self, x, activation, out):
+            from atlas.adapters.cuda import ops_dense
+
+            ops_dense.act_mul(self.runtime, x, activation, out)
+
+        def linear(self, x, weight, out, bias=None):
+            self._linear(x, weight, out, bias)
+
+        def linear_add(self, x, weight, residual, scratch):
+            self._linear.linear_add(x, weight, residual, scratch)
+
+        def fold_rmsnorm(self, norm_weight, weight) -> bool:
+            return self._linear.fold_rmsnorm(norm_weight, weight)
+
+        def rmsnorm_linear(self, x, norm_weight, eps, weight, out, normed, bias=None):
+            self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, bias)
+
+        def rmsnorm_gated_linear(self, x, norm_weight, eps, weight, activation, out, normed, scratch):
+            self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, None, activation, scratch)
+
+        def rope_and_cache(self, qkv, meta, rope_table, kv, layer, heads, q_out, q_norm=None, k_norm=None,
+                           norm_eps=1e-6):
+            from atlas.adapters.cuda import ops_attention
+
+            ops_attention.rope_and_cache(self.runtime, qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm,
+                                         norm_eps)
+
+        def qkv_rope_cache(self, x, norm_weight, eps, weight, bias, meta, rope_table, kv, layer, heads, q_out,
+                           q_norm=None, k_norm=None):
+            """The attention kind's `project` over tensors prepared by hand (`norm_weight` None:
+            folded into `weight`)."""
+            from atlas.adapters.cuda.attention import CudaAttentionLayer
+
+            spec = AttentionLayer(heads, layer, heads.head_dim**-0.5, rope_table)
+            prepared = CudaAttentionLayer(spec, weight, bias, norm_weight, eps, q_norm, k_norm, rope_table)
+            self.attention.project(x, prepared, meta, kv, q_out)
+
+        def paged_attention(self, q, kv, layer, meta, heads, scale, out, sliding_window=None):
+            from atlas.adapters.cuda import ops_attention
+
+            ops_attention.attention(self.runtime, q, kv, layer, meta, heads, scale, out, sliding_window)
+
+        def sample(self, logits, params, out_token_ids, logprobs=None):
+            self.sampling.sample(logits, params, out_token_ids, logprobs)
+
+    return CudaTestBackend(kernel_cache_dir=kernel_cache_dir)
+
+
+class MockReference(MockGpuBackend):
+    """The mock (float32) with `CudaTestBackend`'s entry points, each in numpy."""
+
+    def __init__(self) -> None:
+        super().__init__(activation_dtype=DType.F32)
+
+    def rmsnorm(self, x, weight, eps, out):
+        out.data[...] = rmsnorm(x.as_f32(), weight.weight_f32(), eps)
+
+    def add_rmsnorm(self, x, residual, weight, eps, out):
+        residual.data[...] = residual.as_f32() + x.as_f32()
+        self.rmsnorm(residual, weight, eps, out)
+
+    def embedding(self, token_ids, table, out):
+        out.data[...] = table.data[token_ids.data]
+
+    def act_mul(self, x, activation: Activation, out):
+        out.data[...] = gated_activation(x.as_f32(), activation)
+
+    def linear(self, x, weight, out, bias=None):
+        result = x.as_f32() @ weight.weight_f32().T
+        out.data[...] = result if bias is None else result + bias.weight_f32()
+
+    def linear_add(self, x, weight, residual, scratch):
+        self.linear(x, weight, scratch)
+        residual.data[...] = residual.as_f32() + scratch.as_f32()
+
+    def rmsnorm_linear(self, x, norm_weight, eps, weight, out, normed, bias=None):
+        self.rmsnorm(x, norm_weight, eps, normed)
+        self.linear(normed, weight, out, bias)
+
+    def rmsnorm_gated_linear(self, x, norm_weight, eps, weight, activation, out, normed, scratch):
+        self.rmsnorm_linear(x, norm_weight, eps, weight, scratch, normed)
+        self.act_mul(scratch, activation, out)
+
+    def rope_and_cache(self, qkv, meta, rope_table, kv, layer, heads, q_out, q_norm=None, k_norm=None, norm_eps=1e-6):
+        n, dim = qkv.shape[0], heads.head_dim
+        fused = qkv.as_f32()
+        q = fused[:, : heads.q_size].reshape(n, heads.num_q_heads, dim)
+        k = fused[:, heads.q_size : heads.q_size + heads.kv_size].reshape(n, heads.num_kv_heads, dim)
+        v = fused[:, heads.q_size + heads.kv_size :].reshape(n, heads.num_kv_heads, dim)
+        if q_norm is not None:
+            q, k = rmsnorm(q, q_norm.weight_f32(), norm_eps), rmsnorm(k, k_norm.weight_f32(), norm_eps)
+        table = rope_table.weight_f32()[meta.positions.data]
+        q_out.data[...] = _rotate(q, table).reshape(n, heads.q_size)
+        slots = meta.slot_mapping.data
+        stored = slots >= 0
+        k_scale, v_scale = kv.spec.layer_scales(layer)
+        kv.keys[layer, slots[stored]] = _quantize(_rotate(k, table)[stored], k_scale, kv.spec.dtype)
+        kv.values[layer, slots[stored]] = _quantize(v[stored], v_scale, kv.spec.dtype)
+
+    def qkv_rope_cache(self, x, norm_weight, eps, weight, bias, meta, rope_table, kv, layer, heads, q_out,
+                       q_norm=None, k_norm=None):
+        width = heads.q_size + 2 * heads.kv_size
+        qkv, normed = self.empty((x.shape[0], width), DType.F32), self.empty(x.shape, DType.F32)
+        self.rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed, bias)
+        self.rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm, eps)
+
+    def paged_attention(self, q, kv, layer, meta, heads, scale, out, sliding_window=None):
+        spec = AttentionLayer(heads, layer, scale, None, sliding_window)
+        self.attention.attend(q, MockAttentionLayer(spec, None, None, None, None, None), meta, kv, out)
+
+    def sample(self, logits, params: SamplingTensors, out_token_ids, logprobs: LogprobsOut | None = None):
+        self.sampling.sample(logits, params, out_token_ids, logprobs)
+
+    def kv_to_host(self, kv, layer: int):
+        return kv.to_host(layer)

@@ -29,7 +29,9 @@ def _graphs(name: str):
 
     from atlas.app.bench.random_model import write_random_model
     from atlas.app.model_store import atlas_home
-    from atlas.ports.gpu import DType, KvCacheSpec
+    from atlas.domain.models.config import ModelConfig
+    from atlas.ports.gpu import DType
+    from atlas.ports.kernels.attention import KvCacheSpec
 
     folder = write_random_model(name, atlas_home() / "bench" / name)
     settings = EngineSettings(
@@ -45,22 +47,22 @@ def _graphs(name: str):
 
     fill = RandomFill(backend, np.random.default_rng(1), 0.05)
     model = build_model(backend, fill, SMOLLM2, 1024)
-    config = model.config
+    config = ModelConfig.from_dict(SMOLLM2)
     workspace = model.allocate_workspace(1, 1)
     params, out_ids = greedy_params(backend, 1), backend.empty((1,), DType.I32)
     graphs = {"worker": worker_graph}
     spec = KvCacheSpec(config.num_layers, 64, 16, config.num_kv_heads, config.head_dim, DType.BF16)
-    kv = backend.allocate_kv_cache(spec)
+    kv = backend.attention.allocate_cache(spec)
     fill.fill_bytes(kv.base_address, spec.total_bytes)
     alive = [engine, model, workspace, params, out_ids, kv]
     # the bench's step (512-token context, captured for it), then the worker's context (520 after
     # its 8 steps) and capture length (2048: the graph's split count covers it)
     for context, captured_for in ((512, 512), (520, 520), (512, 2048), (520, 2048)):
         step, _ = step_inputs(backend, model, [context], [1])
-        step = dataclasses.replace(step, meta=dataclasses.replace(step.meta, max_seq_len=captured_for))
+        step = dataclasses.replace(step, metadata=(dataclasses.replace(step.metadata[0], max_seq_len=captured_for),))
 
         def forward(step=step) -> None:
-            backend.sample(model.forward(step, kv, workspace, 1), params, out_ids)
+            backend.sampling.sample(model.forward(step, (kv,), workspace, 1), params, out_ids)
 
         forward()
         backend.synchronize()

@@ -29,7 +29,9 @@ def main(specs: list[str]) -> None:
     import bench_model_step as bench
 
     from atlas.adapters.cuda import CudaGpuBackend
-    from atlas.ports.gpu import DType, KvCacheSpec
+    from atlas.domain.models.config import ModelConfig
+    from atlas.ports.gpu import DType
+    from atlas.ports.kernels.attention import KvCacheSpec
 
     backend = CudaGpuBackend()
     events = bench.Events(backend)
@@ -39,13 +41,13 @@ def main(specs: list[str]) -> None:
         config_name, scale = MODELS[name]
         fill = bench.RandomFill(backend, np.random.default_rng(0), scale)
         model = bench.build_model(backend, fill, getattr(bench, config_name), 8192)
-        config = model.config
+        config = ModelConfig.from_dict(getattr(bench, config_name))
         wanted = [(batch, context) for n, batch, context in parsed if n == name]
         blocks = sum(batch * -(-context // bench._BLOCK_SIZE) for batch, context in wanted) + 64
         spec = KvCacheSpec(
             config.num_layers, blocks, bench._BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16
         )
-        kv = backend.allocate_kv_cache(spec)
+        kv = backend.attention.allocate_cache(spec)
         fill.fill_bytes(kv.base_address, spec.total_bytes)
         for batch, context in wanted:
             step, _ = bench.step_inputs(backend, model, [context] * batch, [1] * batch)
@@ -53,7 +55,7 @@ def main(specs: list[str]) -> None:
             params, out_ids = bench.greedy_params(backend, batch), backend.empty((batch,), DType.I32)
 
             def forward(step=step, workspace=workspace, params=params, out_ids=out_ids, model=model, kv=kv) -> None:
-                backend.sample(model.forward(step, kv, workspace, step.meta.num_seqs), params, out_ids)
+                backend.sampling.sample(model.forward(step, (kv,), workspace, step.metadata[0].num_seqs), params, out_ids)
 
             forward()
             backend.synchronize()

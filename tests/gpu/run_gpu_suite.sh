@@ -1,6 +1,7 @@
 #!/bin/bash
-# One GPU-machine call: the CUDA op suite, a warm-start check, compute-sanitizer memcheck over
-# the op suite, kernel timings and whole-model step timings (random weights). Full logs under
+# One GPU-machine call: the contract suite on CUDA and the CUDA kernel-path suite, a warm-start
+# check, compute-sanitizer memcheck over both, kernel timings and whole-model step timings
+# (random weights). Full logs under
 # $OUT; a short table is printed last.
 #   source .devkit/env.sh && bash tests/gpu/run_gpu_suite.sh [tests|cache|sanitizer|probe|bench|model ...]
 set -uo pipefail
@@ -14,7 +15,7 @@ step() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
   printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" \
     "$(grep -E 'passed|failed|error|ERROR SUMMARY' "$OUT/$name.log" | tail -n 1 | cut -c1-100)" >> "$OUT/summary.txt"; }
 for s in $STEPS; do case $s in
-  tests) ATLAS_ERROR_LOG=$OUT/errors.txt step tests 330 python3 -m pytest tests/gpu -m gpu -q -rfE -p no:cacheprovider --tb=short ;;
+  tests) ATLAS_ERROR_LOG=$OUT/errors.txt step tests 420 python3 -m pytest tests/contract tests/gpu -m gpu -q -rfE -p no:cacheprovider --tb=short ;;
   cache) step cache 60 python3 -c "
 import logging; logging.basicConfig(level=logging.INFO, format='%(message)s')
 from atlas.adapters.cuda import CudaGpuBackend
@@ -25,8 +26,8 @@ for start in ('cold', 'warm'):
     print(start, 'start:', len(s.compiled), 'compiled,', len(s.loaded_from_cache), 'loaded from cache')
     backend.close()
 print('passed')" ;;
-  sanitizer) step sanitizer 280 compute-sanitizer --tool memcheck --print-limit 30 \
-      python3 -m pytest tests/gpu -m gpu -q -p no:cacheprovider --tb=line -x \
+  sanitizer) step sanitizer 360 compute-sanitizer --tool memcheck --print-limit 30 \
+      python3 -m pytest tests/contract tests/gpu -m gpu -q -p no:cacheprovider --tb=line -x \
       -k "not warm_start and not too_large and not oom" ;;
   probe) step probe 60 compute-sanitizer --tool memcheck --print-limit 3 python3 tests/gpu/sanitizer_probe.py ;;
   bench) step bench 150 python3 tests/gpu/bench_kernels.py ;;

@@ -1,5 +1,5 @@
-"""CUDA RoPE + cache write, paged attention and page copies against the mock (and a float64
-BLAS reference for prompts too long for the mock's einsum)."""
+"""The CUDA RoPE + cache write paths and each attention kernel against the float32 reference (and
+a float64 BLAS reference for prompts too long for the mock's einsum)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from cuda_harness import (
     bf16,
     cuda_cache_with,
     host,
+    launched_symbols,
     mock_cache_with,
     paged_case,
     poisoned,
@@ -21,7 +22,8 @@ from cuda_harness import (
     upload_metadata,
 )
 
-from atlas.ports.gpu import DType, HeadLayout, KvCacheSpec
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.attention import HeadLayout
 
 pytestmark = pytest.mark.gpu
 
@@ -60,8 +62,8 @@ def test_rope_and_cache(
         table = bf16(table)
     norms = [bf16(rng.standard_normal(heads.head_dim) + 1) for _ in range(2)] if with_norm else [None, None]
 
-    c_kv = cuda_backend.allocate_kv_cache(case.spec)
-    m_kv = mock_backend.allocate_kv_cache(case.spec)
+    c_kv = cuda_backend.attention.allocate_cache(case.spec)
+    m_kv = mock_backend.attention.allocate_cache(case.spec)
     _poison_cache(cuda_backend, c_kv)  # unwritten slots must stay NaN
     m_kv.keys[...] = np.nan
     m_kv.values[...] = np.nan
@@ -148,7 +150,7 @@ def test_qkv_rope_cache_one_token(
         saved = rt.features
         rt.features = replace(saved, gemv_rope=fused)
         try:
-            kv = cuda_backend.allocate_kv_cache(case.spec)
+            kv = cuda_backend.attention.allocate_cache(case.spec)
             _poison_cache(cuda_backend, kv)
             q_out = poisoned(cuda_backend, (1, heads.q_size), DType.BF16)
             c_norm, c_weight = cuda_backend.upload(norm, norm_dtype), cuda_backend.upload(weight, DType.BF16)
@@ -167,15 +169,13 @@ def test_qkv_rope_cache_one_token(
                 0,
                 heads,
                 q_out,
-                poisoned(cuda_backend, (1, width), DType.BF16),
-                poisoned(cuda_backend, (1, hidden), DType.BF16),
             )
             keys, values = cuda_backend.kv_to_host(kv, 0)
             return host(cuda_backend, q_out), np.asarray(keys, np.float32), np.asarray(values, np.float32)
         finally:
             rt.features = saved
 
-    m_kv = mock_backend.allocate_kv_cache(case.spec)
+    m_kv = mock_backend.attention.allocate_cache(case.spec)
     m_kv.keys[...] = np.nan
     m_kv.values[...] = np.nan
     m_q = mock_backend.empty((1, heads.q_size), DType.F32)
@@ -191,8 +191,6 @@ def test_qkv_rope_cache_one_token(
         0,
         heads,
         m_q,
-        mock_backend.empty((1, width), DType.BF16),
-        mock_backend.empty((1, hidden), DType.BF16),
     )
     m_keys, m_values = (np.asarray(plane, np.float32) for plane in mock_backend.kv_to_host(m_kv, 0))
     fused, unfused = on_cuda(True), on_cuda(False)
@@ -233,13 +231,12 @@ def test_qkv_rope_cache_scales_after_the_product(cuda_backend, mock_backend, rng
     def on_cuda(on: bool):
         rt.features = replace(saved, rms_after_product=on)
         try:
-            kv = cuda_backend.allocate_kv_cache(case.spec)
+            kv = cuda_backend.attention.allocate_cache(case.spec)
             _poison_cache(cuda_backend, kv)
             q_out = poisoned(cuda_backend, (num_tokens, heads.q_size), DType.BF16)
             c_norm, c_weight = cuda_backend.upload(norm, DType.BF16), cuda_backend.upload(weight, DType.BF16)
             assert cuda_backend.fold_rmsnorm(c_norm, c_weight)
-            normed = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
-            cuda_backend.qkv_rope_cache(
+            launched = launched_symbols(cuda_backend, lambda: cuda_backend.qkv_rope_cache(
                 cuda_backend.upload(x, DType.BF16),
                 None,
                 1e-5,
@@ -251,18 +248,16 @@ def test_qkv_rope_cache_scales_after_the_product(cuda_backend, mock_backend, rng
                 0,
                 heads,
                 q_out,
-                poisoned(cuda_backend, (num_tokens, width), DType.BF16),
-                normed,
                 cuda_backend.upload(q_norm, DType.BF16) if with_norm else None,
                 cuda_backend.upload(k_norm, DType.BF16) if with_norm else None,
-            )
-            assert np.isnan(host(cuda_backend, normed)).all() == on  # no norm kernel wrote it
+            ))
+            assert any(symbol.startswith("rmsnorm_") for symbol in launched) != on  # no norm kernel ran
             keys, values = cuda_backend.kv_to_host(kv, 0)
             return host(cuda_backend, q_out), np.asarray(keys, np.float32), np.asarray(values, np.float32)
         finally:
             rt.features = saved
 
-    m_kv = mock_backend.allocate_kv_cache(case.spec)
+    m_kv = mock_backend.attention.allocate_cache(case.spec)
     m_q = mock_backend.empty((num_tokens, heads.q_size), DType.F32)
     mock_backend.qkv_rope_cache(
         mock_backend.upload(x),
@@ -276,8 +271,6 @@ def test_qkv_rope_cache_scales_after_the_product(cuda_backend, mock_backend, rng
         0,
         heads,
         m_q,
-        mock_backend.empty((num_tokens, width), DType.BF16),
-        mock_backend.empty((num_tokens, hidden), DType.BF16),
         mock_backend.upload(q_norm) if with_norm else None,
         mock_backend.upload(k_norm) if with_norm else None,
     )
@@ -307,13 +300,13 @@ def _attention_pair(cuda_backend, mock_backend, case, scale, window, use_mock: b
     c_kv = cuda_cache_with(cuda_backend, case)
     c_meta = upload_metadata(cuda_backend, case)
     out = poisoned(cuda_backend, (case.num_tokens, case.heads.q_size), DType.BF16)
-    cuda_backend.attention(cuda_backend.upload(case.query, DType.BF16), c_kv, 0, c_meta, case.heads, scale, out, window)
+    cuda_backend.paged_attention(cuda_backend.upload(case.query, DType.BF16), c_kv, 0, c_meta, case.heads, scale, out, window)
     actual = host(cuda_backend, out)
     if use_mock:
         m_kv = mock_cache_with(mock_backend, case)
         m_meta = upload_metadata(mock_backend, case)
         expected_tensor = mock_backend.empty((case.num_tokens, case.heads.q_size), DType.F32)
-        mock_backend.attention(
+        mock_backend.paged_attention(
             mock_backend.upload(case.query), m_kv, 0, m_meta, case.heads, scale, expected_tensor, window
         )
         expected = host(mock_backend, expected_tensor)
@@ -394,34 +387,6 @@ def test_attention_output_depends_on_every_context_token(cuda_backend, mock_back
     after, _ = _attention_pair(cuda_backend, mock_backend, case, scale, None, use_mock=False)
     assert np.abs(after[0] - before[0]).max() > 1e-3
     np.testing.assert_array_equal(after[1], before[1])
-
-
-def test_copy_blocks_copies_every_layer(cuda_backend, rng):
-    from atlas.adapters.cuda.tensor import CudaTensor
-
-    spec = KvCacheSpec(num_layers=3, num_blocks=10, block_size=16, num_kv_heads=2, head_dim=64, dtype=DType.BF16)
-    kv = cuda_backend.allocate_kv_cache(spec)
-    contents = bf16(rng.standard_normal(kv.plane_bytes * 2 * spec.num_layers // 2))
-    cuda_backend.copy_from_host(CudaTensor(kv.base_address, (contents.size,), DType.BF16, kv), contents)
-    before = [cuda_backend.kv_to_host(kv, layer) for layer in range(spec.num_layers)]
-    src, dst = np.array([1, 7, 4], np.int32), np.array([0, 2, 9], np.int32)
-    cuda_backend.copy_blocks(kv, cuda_backend.upload(src), cuda_backend.upload(dst))
-    for layer in range(spec.num_layers):
-        keys, values = cuda_backend.kv_to_host(kv, layer)
-        for old, new in ((before[layer][0], keys), (before[layer][1], values)):
-            np.testing.assert_array_equal(np.asarray(new[dst], np.float32), np.asarray(old[src], np.float32))
-            untouched = [b for b in range(spec.num_blocks) if b not in dst]
-            np.testing.assert_array_equal(
-                np.asarray(new[untouched], np.float32), np.asarray(old[untouched], np.float32)
-            )
-
-
-def test_kv_cache_too_large_says_what_fits(cuda_backend):
-    _, total = cuda_backend.memory_info()
-    per_block = KvCacheSpec(32, 1, 16, 8, 128, DType.BF16).bytes_per_block
-    spec = KvCacheSpec(32, 2 * total // per_block, 16, 8, 128, DType.BF16)
-    with pytest.raises(MemoryError, match="blocks"):
-        cuda_backend.allocate_kv_cache(spec)
 
 
 def test_prefill_falls_back_to_64_row_tiles_where_shared_memory_is_scarce(cuda_backend, mock_backend, rng, monkeypatch):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from cuda_harness import BF16_TOLERANCE, bf16, host, paged_case, poisoned, rel_l2, upload_metadata
 
-from atlas.ports.gpu import DType, HeadLayout, KvCacheSpec
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.attention import HeadLayout, KvCacheSpec
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +35,7 @@ def _cuda_fp8_cache(backend, case):
     from atlas.adapters.cuda.tensor import CudaTensor
 
     spec = _fp8_spec(case)
-    kv = backend.allocate_kv_cache(spec)
+    kv = backend.attention.allocate_cache(spec)
     for address, slots in zip((kv.key_plane(0), kv.value_plane(0)), _quantized(case), strict=True):
         pages = slots.reshape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim).transpose(0, 2, 1, 3)
         raw = np.ascontiguousarray(pages).view(np.uint8).reshape(-1)
@@ -43,7 +44,7 @@ def _cuda_fp8_cache(backend, case):
 
 
 def _mock_fp8_cache(backend, case):
-    kv = backend.allocate_kv_cache(_fp8_spec(case))
+    kv = backend.attention.allocate_cache(_fp8_spec(case))
     kv.keys[0], kv.values[0] = _quantized(case)
     return kv
 
@@ -74,10 +75,10 @@ def test_fp8_attention_against_the_mock_on_the_same_bytes(
     scale = 1 / math.sqrt(heads.head_dim)
     c_kv, m_kv = _cuda_fp8_cache(cuda_backend, case), _mock_fp8_cache(mock_backend, case)
     out = poisoned(cuda_backend, (case.num_tokens, heads.q_size), DType.BF16)
-    cuda_backend.attention(cuda_backend.upload(case.query, DType.BF16), c_kv, 0, upload_metadata(cuda_backend, case),
+    cuda_backend.paged_attention(cuda_backend.upload(case.query, DType.BF16), c_kv, 0, upload_metadata(cuda_backend, case),
                            heads, scale, out, window)
     expected = mock_backend.empty((case.num_tokens, heads.q_size), DType.F32)
-    mock_backend.attention(mock_backend.upload(case.query), m_kv, 0, upload_metadata(mock_backend, case), heads,
+    mock_backend.paged_attention(mock_backend.upload(case.query), m_kv, 0, upload_metadata(mock_backend, case), heads,
                            scale, expected, window)
     assert rel_l2(host(cuda_backend, out), host(mock_backend, expected)) < BF16_TOLERANCE
 
@@ -91,7 +92,7 @@ def test_fp8_decode_reads_every_dim_of_every_key_in_place(cuda_backend, mock_bac
 
     def run() -> np.ndarray:
         out = poisoned(cuda_backend, (case.num_tokens, heads.q_size), DType.BF16)
-        cuda_backend.attention(cuda_backend.upload(case.query, DType.BF16), _cuda_fp8_cache(cuda_backend, case), 0,
+        cuda_backend.paged_attention(cuda_backend.upload(case.query, DType.BF16), _cuda_fp8_cache(cuda_backend, case), 0,
                                upload_metadata(cuda_backend, case), heads, scale, out, None)
         return host(cuda_backend, out).reshape(2, heads.num_q_heads, heads.head_dim)
 
@@ -114,10 +115,10 @@ def test_fp8_rope_and_cache_writes_the_mocks_bytes(cuda_backend, mock_backend, r
     inverse = 10000.0 ** (-np.arange(0, heads.head_dim, 2) / heads.head_dim)
     angles = np.arange(256)[:, None] * inverse[None, :]
     table = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
-    c_kv = cuda_backend.allocate_kv_cache(_fp8_spec(case))
+    c_kv = cuda_backend.attention.allocate_cache(_fp8_spec(case))
     raw = CudaTensor(c_kv.base_address, (2 * c_kv.plane_bytes,), DType.U8, c_kv)
     cuda_backend.copy_from_host(raw, np.full(raw.shape, 0x7F, np.uint8))  # NaN: unwritten slots stay so
-    m_kv = mock_backend.allocate_kv_cache(_fp8_spec(case))
+    m_kv = mock_backend.attention.allocate_cache(_fp8_spec(case))
     c_q = poisoned(cuda_backend, (case.num_tokens, heads.q_size), DType.BF16)
     cuda_backend.rope_and_cache(cuda_backend.upload(qkv, DType.BF16), upload_metadata(cuda_backend, case),
                                 cuda_backend.upload(table), c_kv, 0, heads, c_q)

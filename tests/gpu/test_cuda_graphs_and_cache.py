@@ -8,14 +8,25 @@ import math
 
 import numpy as np
 import pytest
-from cuda_harness import bf16, cuda_cache_with, paged_case, poisoned, rel_l2, sampling_tensors, upload_metadata
+from cuda_harness import (
+    bf16,
+    cuda_cache_with,
+    cuda_test_backend,
+    paged_case,
+    poisoned,
+    rel_l2,
+    sampling_tensors,
+    upload_metadata,
+)
 
 from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.families import load_model
 from atlas.domain.sampling import pack_rows
 from atlas.domain.worker import Worker, WorkerConfig
-from atlas.ports.gpu import Activation, DType, HeadLayout, KvCacheSpec
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.attention import HeadLayout, KvCacheSpec
+from atlas.ports.kernels.host_weights import Activation
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +60,7 @@ class _DecodeStep:
         b.embedding(self.token_ids, self.table, self.hidden)
         b.rmsnorm(self.hidden, self.norm, 1e-6, self.normed)
         b.linear(self.normed, self.q_proj, self.q)
-        b.attention(self.q, self.kv, 0, self.meta, heads, 1 / math.sqrt(heads.head_dim), self.attended)
+        b.paged_attention(self.q, self.kv, 0, self.meta, heads, 1 / math.sqrt(heads.head_dim), self.attended)
         b.linear(self.attended, self.mlp, self.gated)
         b.act_mul(self.gated, Activation.SILU, self.activated)
         b.linear(self.activated, self.head, self.logits)
@@ -184,7 +195,7 @@ def test_capture_without_warm_up_creates_the_workspaces_it_needs(kernel_cache_di
 
     if not cuda.available():
         pytest.skip("no CUDA GPU")
-    backend = cuda.CudaGpuBackend(kernel_cache_dir=kernel_cache_dir)
+    backend = cuda_test_backend(kernel_cache_dir)
     heads = HeadLayout(16, 2, 128)
     case = paged_case(rng, heads, [3000, 2200], [1, 1])  # long contexts: split-K decode
     kv = cuda_cache_with(backend, case)
@@ -200,7 +211,7 @@ def test_capture_without_warm_up_creates_the_workspaces_it_needs(kernel_cache_di
     ids = backend.empty((3,), DType.I32)
 
     def step() -> None:
-        backend.attention(q, kv, 0, meta, heads, 1 / math.sqrt(heads.head_dim), attended)
+        backend.paged_attention(q, kv, 0, meta, heads, 1 / math.sqrt(heads.head_dim), attended)
         backend.linear(x16, weight, projected)
         backend.sample(logits, params, ids)
 
@@ -234,7 +245,7 @@ def _decode_worker(backend, graph_sizes: tuple[int, ...]) -> Worker:
     config = ModelConfig.from_dict(DECODE_LLAMA)
     model = load_model(config, DictWeights(random_llama_weights(DECODE_LLAMA, seed=3, scale=0.1)), backend, 128)
     spec = KvCacheSpec(config.num_layers, 17, DECODE_BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
-    return Worker(backend, model, backend.allocate_kv_cache(spec), WorkerConfig(128, 8, 128, graph_sizes))
+    return Worker(backend, model, (backend.attention.allocate_cache(spec),), WorkerConfig(128, 8, 128, graph_sizes))
 
 
 def _eager_ids(backend, logits, rows: list[SamplingRow]) -> tuple[int, ...]:
@@ -254,8 +265,8 @@ def test_decode_graph_samples_as_eager_sampling_and_samples_again_for_bias_and_p
     worker = _decode_worker(cuda_backend, (8,))
     worker.capture_graphs()
     launches = []
-    original_sample = cuda_backend.sample
-    monkeypatch.setattr(cuda_backend, "sample", lambda *args: (launches.append(1), original_sample(*args))[1])
+    original_sample = cuda_backend.sampling.sample
+    monkeypatch.setattr(cuda_backend.sampling, "sample", lambda *args: (launches.append(1), original_sample(*args))[1])
 
     prompts = [tuple(int(t) for t in rng.integers(0, 512, size=int(n))) for n in (5, 12, 20, 27, 9)]
     tables = [(2 * i, 2 * i + 1) for i in range(len(prompts))]  # 32 tokens each; block 16 is scratch

@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from cuda_harness import BF16_TOLERANCE, bf16, host, poisoned, rel_l2
+from cuda_harness import BF16_TOLERANCE, bf16, cuda_test_backend, host, poisoned, rel_l2
 
 from atlas.ports.gpu import DType
 
@@ -98,7 +98,7 @@ def test_a_fresh_backend_takes_the_stored_winner_without_timing(tmp_path, rng, m
     weight = bf16(rng.standard_normal((3072, 2048)) / 45)
     results = []
     for run in range(2):
-        backend = cuda.CudaGpuBackend(kernel_cache_dir=tmp_path)
+        backend = cuda_test_backend(tmp_path)
         if run == 1:  # the winner of bucket 256 is on disk now: no candidate may be timed
             monkeypatch.setattr(gemm_tuning.CandidateTimer, "seconds", _refuse_timing)
         out = poisoned(backend, (200, 3072), DType.BF16)

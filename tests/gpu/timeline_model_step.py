@@ -24,9 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_model_step import Events, RandomFill, capture_decode_step, llama_8b_with_kv
+from bench_model_step import LLAMA_8B, Events, RandomFill, capture_decode_step, llama_8b_with_kv
 
 from atlas.adapters.cuda import CudaGpuBackend
+from atlas.domain.models.config import ModelConfig
 
 _GEMMS = ("qkv", "o", "gate_up", "down")
 _KINDS = ("attention_decode", "rope", "add_rmsnorm", "rmsnorm", "act_mul", "add_into", "gather", "sample", "gemv")
@@ -90,7 +91,7 @@ def main(argv: list[str]) -> int:
     events = Events(backend)
     fill = RandomFill(backend, np.random.default_rng(0), 0.02)
     model, kv = llama_8b_with_kv(backend, fill, max(batches))
-    config = model.config
+    config = ModelConfig.from_dict(LLAMA_8B)
     torch.cuda.init()
     for batch, skinny in runs:
         rt.features = dataclasses.replace(features, skinny_gemm=skinny)

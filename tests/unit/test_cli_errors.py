@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -142,3 +144,45 @@ def test_a_kv_cache_dtype_the_backend_lacks_names_the_flag_and_the_choices():
     assert _kv_dtype("auto", backend) is DType.BF16
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is not supported on cuda; use auto or one of bf16$"):
         _kv_dtype("fp8", backend)
+
+
+def serve_errors(*args: str, env: dict[str, str] | None = None) -> str:
+    result = subprocess.run([sys.executable, "-m", "atlas", "serve", *args], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, **(env or {})})
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(tiny_model):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = serve_errors(str(tiny_model), "--device", "mock", "--port", str(port))
+    assert "already in use" in line and f"--port {port}" in line
+
+
+@pytest.mark.parametrize("args,env,named", [
+    (["--port", "70000"], None, "--port"),
+    (["--port", "eighty"], None, "--port"),
+    (["--bind", "no-such-host.invalid"], None, "--bind"),
+    (["--shutdown-timeout", "-1"], None, "--shutdown-timeout"),
+    (["--max-choices-per-request", "0"], None, "--max-choices-per-request"),
+    ([], {"ATLAS_PORT": "http"}, "ATLAS_PORT"),
+    (["--max-seq-lenn", "5"], None, "--max-seq-len"),
+])
+def test_bad_serve_flags_are_one_line_naming_them(tiny_model, args, env, named):
+    assert named in serve_errors(str(tiny_model), "--device", "mock", *args, env=env)
+
+
+def test_the_priority_policy_and_no_prefix_caching_flags_reach_the_engine(tiny_model, capsys):
+    code, out, err = run_cli(capsys, "generate", str(tiny_model), "--prompt", "hello", "--device", "mock",
+                             "--max-tokens", "3", "--scheduling-policy", "priority", "--no-prefix-caching")
+    assert code == 0, err
+    assert "--- prompt: 'hello'" in out
+    with pytest.raises(SystemExit):
+        run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock",
+                "--scheduling-policy", "lottery")
+    assert "invalid choice: 'lottery' (choose from 'fifo', 'priority')" in capsys.readouterr().err

@@ -80,6 +80,10 @@ class TokenizerAdapter:
     ) -> str:
         raise ChatTemplateError("no chat template in this test tokenizer")
 
+    @property
+    def renders_tools(self) -> bool:
+        return False
+
 
 def byte_level_bpe() -> TokenizerAdapter:
     tokenizer = HfTokenizer(models.BPE())

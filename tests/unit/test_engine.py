@@ -5,32 +5,29 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fakes import TINY_LLAMA, DictWeights, random_llama_weights
+from helpers.engines import make_cache, make_worker
 
 from atlas.adapters.mock.backend import MockGpuBackend
 from atlas.domain.engine import EngineCore
-from atlas.domain.kv_blocks import BlockPool
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.families import load_model
 from atlas.domain.requests import ParameterError, Request, SamplingParams
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
-from atlas.domain.worker import Worker, WorkerConfig
-from atlas.ports.gpu import DType, KvCacheSpec
+from atlas.domain.worker import WorkerConfig
 
 BLOCK_SIZE = 4
 MAX_LEN = 128
 EOS = frozenset({96})
 
 
-def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=()):
+def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=(), prefix_caching=True, policy=None):
     config = ModelConfig.from_dict(TINY_LLAMA)
     backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed)), backend, MAX_LEN)
-    spec = KvCacheSpec(config.num_layers, num_blocks + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
-    worker_config = WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes)
-    worker = Worker(backend, model, backend.allocate_kv_cache(spec), worker_config)
-    pool = BlockPool(num_blocks, BLOCK_SIZE)
-    scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), pool)
-    return EngineCore(scheduler, pool, worker, MAX_LEN, config.vocab_size, EOS)
+    worker = make_worker(model, num_blocks, BLOCK_SIZE, WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes))
+    cache = make_cache(model, num_blocks, BLOCK_SIZE, max_num_seqs, prefix_caching)
+    scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, policy)
+    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)
 
 
 def run(core, requests, check=True):
@@ -42,7 +39,6 @@ def run(core, requests, check=True):
             tokens[output.seq_id].extend(output.new_token_ids)
         if check:
             core.scheduler.check_invariants()
-            core.pool.check_invariants()
     return tokens
 
 
@@ -113,6 +109,9 @@ def test_requests_the_engine_cannot_run_are_refused_with_the_field():
     with pytest.raises(ParameterError) as caught:
         core.add_request(Request("bias", (1, 2), SamplingParams(logit_bias={1000: 5.0}), seed=0))
     assert caught.value.field == "logit_bias"
+    with pytest.raises(ParameterError, match="--scheduling-policy priority") as caught:
+        core.add_request(Request("urgent", (1, 2), greedy(), seed=0, priority=-3))
+    assert caught.value.field == "priority"
     assert not core.has_unfinished
 
 
@@ -210,3 +209,98 @@ def test_decode_graphs_padded_to_buckets_give_the_eager_tokens(rng, mixes, sampl
     if not sampled_again:  # steps overlapped: graph steps gathered ids still on the device
         assert any(placeholders for placeholders, _ in graph_steps)
     assert graphed_core.stats().num_blocks_free == 400
+
+
+def shared_prefix_prompts(rng, count, stem_len=21, tail_high=12):
+    """Prompts from three 21-token stems (five blocks and one token) plus random tails."""
+    stems = [tuple(int(t) for t in rng.integers(0, 96, size=stem_len)) for _ in range(3)]
+    return [
+        stems[i % 3] + tuple(int(t) for t in rng.integers(0, 96, size=int(rng.integers(0, tail_high))))
+        for i in range(count)
+    ]
+
+
+def run_in_waves(core, waves):
+    """Each wave is added once the previous one finished, so later waves hit earlier ones'
+    blocks; the leak check runs after every wave."""
+    tokens = {}
+    for wave in waves:
+        tokens.update(run(core, wave))
+        stats = core.stats()
+        assert stats.num_blocks_free == stats.num_blocks_total and stats.num_running == 0
+    return tokens
+
+
+def test_greedy_tokens_are_the_same_with_and_without_the_prefix_cache(rng):
+    """f32 on the mock: a hit reads K/V another request wrote, the uncached run computes them."""
+    first = [Request(f"a{i}", p, greedy(10), seed=i) for i, p in enumerate(shared_prefix_prompts(rng, 12))]
+    second = [Request(f"b{i}", p, greedy(10), seed=i) for i, p in enumerate(shared_prefix_prompts(rng, 8))]
+    cached_core, uncached_core = build_core(), build_core(prefix_caching=False)
+    cached = run_in_waves(cached_core, [first, second])
+    # the next turn of each conversation: prompt, answer and a new message
+    follow_ups = [
+        Request(f"c{i}", r.prompt_token_ids + tuple(cached[r.request_id]) + (7, 8, 9), greedy(6), seed=i)
+        for i, r in enumerate(first)
+    ]
+    cached.update(run_in_waves(cached_core, [follow_ups]))
+    uncached = run_in_waves(uncached_core, [first, second, follow_ups])
+    assert cached == uncached
+    stats, baseline = cached_core.stats(), uncached_core.stats()
+    assert stats.num_prefix_cache_hits > 0 and baseline.num_prefix_cache_hits == 0
+    assert stats.num_prefix_cache_queries == baseline.num_prefix_cache_queries == baseline.num_prompt_tokens
+    # every follow-up finds at least the full blocks of its first turn's prompt
+    assert stats.num_prefix_cache_hits >= sum(len(r.prompt_token_ids) // BLOCK_SIZE * BLOCK_SIZE for r in first)
+    cache = cached_core.scheduler.cache
+    assert cached_core.reset_prefix_cache() == stats.num_blocks_cached > 0
+    assert cache.groups[0].pool.num_free_blocks == 400
+
+
+def test_preemption_in_a_tiny_pool_resumes_through_the_cache_with_unchanged_tokens(rng):
+    batch = [Request(f"r{i}", p, greedy(24), seed=i) for i, p in enumerate(shared_prefix_prompts(rng, 8))]
+    expected = run(build_core(prefix_caching=False), batch)
+    tight = build_core(num_blocks=40, budget=64)
+    assert run(tight, batch) == expected
+    stats = tight.stats()
+    assert stats.num_preemptions > 0 and stats.num_prefix_cache_hits > 0
+    assert stats.num_blocks_free == 40
+
+
+def test_the_n_choices_of_a_request_compute_its_prompt_once(rng):
+    from atlas.domain.fan_out import SeedSource, fan_out
+
+    prompt = tuple(int(t) for t in rng.integers(0, 96, size=30))  # seven full blocks and two tokens
+    params = SamplingParams(n=4, temperature=0.9, max_tokens=8, seed=5)
+    choices = fan_out("req", prompt, params, SeedSource(None, lambda: 0))
+    cached_core = build_core()
+    steps = []
+    original_submit = cached_core.executor.submit
+
+    def recording_submit(batch):
+        steps.append({s.seq_id: s.start_position for s in batch.sequences if s.start_position == 0 or s.num_tokens > 1})
+        return original_submit(batch)
+
+    cached_core.executor.submit = recording_submit
+    cached = run(cached_core, choices)
+    assert cached == run(build_core(prefix_caching=False), choices)
+    # choice 0 computes the prompt; the others wait a step and start after its full blocks
+    assert steps[:2] == [{"req-0": 0}, {"req-1": 28, "req-2": 28, "req-3": 28}]
+    assert cached_core.stats().num_prefix_cache_hits == 3 * 28
+
+
+def test_aborting_every_request_at_every_stage_leaves_every_block_free_or_cached(rng):
+    core = build_core(num_blocks=60, budget=16)
+    prompts = shared_prefix_prompts(rng, 6)
+    for index, prompt in enumerate(prompts):
+        core.add_request(Request(f"r{index}", prompt, greedy(40), seed=index))
+    for index in range(len(prompts)):
+        for _ in range(index):
+            core.step()
+            core.scheduler.check_invariants()
+        core.abort(f"r{index}")
+        core.scheduler.check_invariants()
+    while core.has_unfinished:
+        core.step()
+    stats = core.stats()
+    assert stats.num_blocks_free == 60 and stats.num_blocks_cached > 0
+    assert core.reset_prefix_cache() == stats.num_blocks_cached
+    assert core.scheduler.cache.groups[0].pool.num_free_blocks == 60

@@ -4,25 +4,20 @@ disconnects and metrics, with no model in the loop (the tokenizer is the tiny mo
 from __future__ import annotations
 
 import json
+import re
 import shutil
-from collections import deque
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
 import pytest
+from helpers.scripted_engine import NUM_BLOCKS, ScriptedEngine, make_app, sse_payloads, wait_healthy
 
-from atlas.adapters.http import HttpConfig, ServedModel, create_app
+from atlas.adapters.http import HttpConfig
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.app.bench.tiny_model import write_tiny_model
-from atlas.app.engine_actor import OutputRouter
-from atlas.domain.engine_events import EngineFailure, EngineHealth
-from atlas.domain.batch import SequenceOutput
-from atlas.domain.engine import EngineStats
-from atlas.domain.requests import FinishReason, Request
+from atlas.domain.engine_events import EngineFailure
 
 SCRIPT_TEXT = " the sea is blue and the sky is grey over the hills today"
-NUM_BLOCKS = 100
 
 
 @pytest.fixture
@@ -38,94 +33,6 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer(model_dir) -> HfTokenizer:
     return HfTokenizer.from_folder(model_dir)
-
-
-class ScriptedEngine:
-    """An EngineClient that plays every sequence the same token ids, one per tick.
-
-    `stall_after` stops producing after that many tokens; `failure` answers every request
-    with that EngineFailure instead.
-    """
-
-    def __init__(self, token_ids: list[int], stall_after: int | None = None,
-                 failure: EngineFailure | None = None) -> None:
-        self.token_ids = token_ids
-        self.stall_after = stall_after
-        self.failure = failure
-        self.router = OutputRouter()
-        self.active: dict[str, tuple[Request, deque[int], int]] = {}
-        self.aborted: list[str] = []
-        self.submitted: list[Request] = []
-
-    def submit(self, requests):
-        stream = self.router.open([r.request_id for r in requests])
-        for request in requests:
-            self.submitted.append(request)
-            if self.failure is not None:
-                self.router.fail(request.request_id, self.failure)
-                return stream
-            script = self.token_ids[: request.sampling.max_tokens or len(self.token_ids)]
-            self.active[request.request_id] = (request, deque(script), len(script))
-        return stream
-
-    def abort(self, request_ids):
-        for request_id in self.router.close(request_ids):
-            self.aborted.append(request_id)
-            self.active.pop(request_id, None)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(len(self.active), 0, NUM_BLOCKS, NUM_BLOCKS - len(self.active), 0, 0, 0, 0)
-
-    def health(self) -> EngineHealth:
-        return EngineHealth(True, True, "ok")
-
-    async def run(self) -> None:
-        while True:
-            await anyio.sleep(0.001)
-            outputs = []
-            for request_id, (request, queue, num_scripted) in list(self.active.items()):
-                done = num_scripted - len(queue)
-                if not queue or (self.stall_after is not None and done >= self.stall_after):
-                    continue
-                token = queue.popleft()
-                finish = FinishReason.LENGTH if not queue else None
-                outputs.append(SequenceOutput(request_id, (token,), finish, len(request.prompt_token_ids), done + 1))
-                if finish is not None:
-                    del self.active[request_id]
-            self.router.deliver(outputs)
-
-
-DEFAULT_CONFIG = HttpConfig()
-
-
-def make_app(engine, tokenizer, config=DEFAULT_CONFIG, gate: anyio.Event | None = None,
-             failure: Exception | None = None, fatal: list | None = None):
-    @asynccontextmanager
-    async def launch():
-        if gate is not None:
-            await gate.wait()
-        if failure is not None:
-            raise failure
-        model = ServedModel("tiny", frozenset({"/models/tiny"}), tokenizer, 256, tokenizer.vocab_size, 7, 0)
-        async with anyio.create_task_group() as group:
-            group.start_soon(engine.run)
-            yield model, engine
-            group.cancel_scope.cancel()
-
-    return create_app(config, launch, fatal.append if fatal is not None else None)
-
-
-async def wait_healthy(client) -> None:
-    with anyio.fail_after(10):
-        while (await client.get("/health")).status_code != 200:
-            await anyio.sleep(0.01)
-
-
-def sse_payloads(body: bytes) -> list:
-    events = [e for e in body.decode().split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events)
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(e[6:]) for e in events[:-1]]
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
@@ -184,6 +91,31 @@ async def test_stream_shape_for_two_choices(tokenizer):
         assert mine[0]["delta"] == {"role": "assistant", "content": ""}
         assert "".join(c["delta"].get("content", "") for c in mine) == tokenizer.decode(script)
         assert [c["finish_reason"] for c in mine].count("length") == 1 and mine[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.anyio
+async def test_priority_reaches_the_engine_and_usage_counts_cached_prompt_tokens_once(tokenizer):
+    """With n choices the later ones reuse the first's blocks: the usage reports what the
+    prompt found in the cache before the request, the fewest any choice found."""
+    script = tokenizer.encode(SCRIPT_TEXT)
+    engine = ScriptedEngine(script, cached_tokens=lambda request_id: 4 if request_id.endswith("-0") else 12)
+    app = make_app(engine, tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        response = await client.post("/v1/chat/completions", json={**CHAT, "n": 3, "priority": -2, "max_tokens": 3})
+        usage = (await response.get_json())["usage"]
+        response = await client.post("/v1/completions", json={
+            "prompt": "x", "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}})
+        streamed = sse_payloads(await response.get_data())[-1]["usage"]
+        bad = await client.post("/v1/chat/completions", json={**CHAT, "priority": "high"})
+        metrics = (await (await client.get("/metrics")).get_data()).decode()
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 4}
+    assert [r.priority for r in engine.submitted] == [-2, -2, -2, 0]
+    assert streamed["prompt_tokens_details"] == {"cached_tokens": 12}  # n = 1: its one choice's
+    assert bad.status_code == 400 and (await bad.get_json())["error"]["param"] == "priority"
+    assert "atlas_prefix_cache_hits_total 40" in metrics  # 4 + 12 + 12 + 12, as the engine counts
+    assert "# TYPE atlas_prefix_cache_queries_total counter" in metrics
 
 
 @pytest.mark.anyio
@@ -335,3 +267,161 @@ async def test_tokenize_and_detokenize_round_trip(tokenizer):
         assert tokenized["tokens"] == tokenizer.encode(text) and tokenized["max_model_len"] == 256
         back = await (await client.post("/detokenize", json={"tokens": tokenized["tokens"]})).get_json()
         assert back == {"prompt": text}
+
+
+@pytest.mark.anyio
+async def test_a_reply_without_tool_calls_has_no_tool_calls_field(tokenizer):
+    app = make_app(ScriptedEngine(tokenizer.encode(SCRIPT_TEXT)), tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        answer = await (await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})).get_json()
+    message = answer["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"] and "tool_calls" not in message
+
+
+@pytest.mark.anyio
+async def test_choices_over_the_flag_are_a_400_naming_it(tokenizer):
+    engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT))
+    app = make_app(engine, tokenizer, HttpConfig(max_choices_per_request=4))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        chat = await client.post("/v1/chat/completions", json={**CHAT, "n": 5})
+        completion = await client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 2})
+        fits = await client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 1})
+        for response in (chat, completion):
+            assert response.status_code == 400
+            error = (await response.get_json())["error"]
+            assert error["param"] == "n" and "--max-choices-per-request" in error["message"]
+        assert fits.status_code == 200 and len((await fits.get_json())["choices"]) == 4
+    assert len(engine.submitted) == 4  # the refused requests reached neither tokenizer nor engine
+
+
+@pytest.mark.anyio
+async def test_detokenize_takes_at_most_a_context_of_ids(tokenizer):
+    app = make_app(ScriptedEngine([]), tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        response = await client.post("/detokenize", json={"tokens": [5] * 257})  # the context is 256
+        assert response.status_code == 400 and (await response.get_json())["error"]["param"] == "tokens"
+
+
+@pytest.mark.anyio
+async def test_openapi_describes_every_registered_route_with_the_request_schemas(tokenizer):
+    import msgspec
+
+    from atlas.adapters.http.schemas import ChatCompletionRequest
+
+    app = make_app(ScriptedEngine([]), tokenizer, HttpConfig(require_auth=True, auth_tokens=frozenset({"t"})))
+    registered = {(re.sub(r"<(?:\w+:)?(\w+)>", r"{\1}", rule.rule), method.lower())
+                  for rule in app.url_map.iter_rules() for method in rule.methods - {"HEAD", "OPTIONS"}
+                  if rule.endpoint != "static"}
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        document = await (await client.get("/openapi.json")).get_json()  # open without the token
+    described = {(path, method) for path, item in document["paths"].items() for method in item}
+    assert described == registered and ("/v1/chat/completions", "post") in described
+    chat = document["paths"]["/v1/chat/completions"]["post"]
+    body_schema = chat["requestBody"]["content"]["application/json"]["schema"]
+    assert body_schema["$ref"] == "#/components/schemas/ChatCompletionRequest" and "anyOf" in body_schema
+    _, generated = msgspec.json.schema_components([ChatCompletionRequest], ref_template="#/components/schemas/{name}")
+    served = document["components"]["schemas"]
+    for name, schema in generated.items():
+        assert {**served[name], "properties": {}} == {**schema, "properties": {}}
+        for field, field_schema in schema["properties"].items():
+            if field not in ("model", "max_tokens", "max_completion_tokens"):  # these describe the served model
+                assert served[name]["properties"][field] == field_schema, field
+    chat_properties = served["ChatCompletionRequest"]["properties"]
+    assert chat_properties["temperature"]["anyOf"][0]["maximum"] == 2.0
+    assert chat_properties["model"]["anyOf"][0] == {"enum": ["tiny"]}
+    assert chat_properties["max_tokens"]["anyOf"][0]["maximum"] == 255  # the context is 256 tokens
+    assert chat["security"] == [{"bearer": []}, {"apiKey": []}] and "security" not in document["paths"]["/health"]["get"]
+    assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    messages = document["paths"]["/v1/messages"]["post"]["responses"]
+    assert messages["default"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorBody")
+    assert served["MessagesRequest"]["properties"]["max_tokens"] == {"type": "integer", "minimum": 1, "maximum": 255}
+    assert {"/v1/responses", "/v1/responses/{response_id}", "/v1/messages/count_tokens"} <= set(document["paths"])
+    links = document["paths"]["/v1/responses"]["post"]["responses"]["200"]["links"]
+    assert links["getResponse"]["parameters"] == {"response_id": "$response.body#/id"}
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("stream", [True, False])
+async def test_shutdown_refuses_new_requests_then_ends_the_rest_with_abort(tokenizer, stream):
+    engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT), stall_after=3)
+    app = make_app(engine, tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        async with anyio.create_task_group() as group:
+            responses = []
+
+            async def request() -> None:
+                responses.append(await client.post("/v1/chat/completions",
+                                                   json={**CHAT, "n": 2, "max_tokens": 50, "stream": stream}))
+
+            group.start_soon(request)
+            with anyio.fail_after(10):
+                while len(engine.submitted) < 2:
+                    await anyio.sleep(0.01)
+            drained = []
+            group.start_soon(lambda: _drain(app, drained))
+            with anyio.fail_after(10):
+                while (await client.get("/health")).status_code == 200:
+                    await anyio.sleep(0.01)
+            refused = await client.post("/v1/chat/completions", json=CHAT)
+            health = await client.get("/health")
+        metrics = (await (await client.get("/metrics")).get_data()).decode()
+    assert refused.status_code == 503 and (await refused.get_json())["error"]["code"] == "shutting_down"
+    assert (await health.get_json())["error"]["code"] == "shutting_down"
+    assert drained == [1]
+    (response,) = responses
+    if stream:
+        chunks = sse_payloads(await response.get_data())  # ends with data: [DONE]
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
+    else:
+        finishes = [choice["finish_reason"] for choice in (await response.get_json())["choices"]]
+    assert finishes == ["abort", "abort"]
+    assert sorted(engine.aborted) == sorted(r.request_id for r in engine.submitted)
+    assert 'atlas_requests_aborted_total{cause="shutdown"} 1' in metrics and "atlas_requests_in_flight 0" in metrics
+
+
+async def _drain(app, drained: list) -> None:
+    from atlas.adapters.http import shut_down
+
+    drained.append(await shut_down(app, timeout_s=0.3))
+
+
+@pytest.mark.anyio
+async def test_shutdown_lets_a_request_that_finishes_in_time_finish(tokenizer):
+    script = tokenizer.encode(SCRIPT_TEXT)
+    engine = ScriptedEngine(script)
+    app = make_app(engine, tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        async with anyio.create_task_group() as group:
+            responses = []
+
+            async def request() -> None:
+                responses.append(await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 200,
+                                                                            "stream": True}))
+
+            group.start_soon(request)
+            with anyio.fail_after(10):
+                while not engine.submitted:
+                    await anyio.sleep(0.001)
+            drained = []
+            await _drain_with(app, drained, 30.0)
+    chunks = sse_payloads(await responses[0].get_data())
+    assert drained == [0] and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "".join(c["choices"][0]["text"] for c in chunks) == tokenizer.decode(script)
+
+
+async def _drain_with(app, drained: list, timeout_s: float) -> None:
+    from atlas.adapters.http import shut_down
+
+    with anyio.fail_after(20):
+        drained.append(await shut_down(app, timeout_s))

@@ -73,7 +73,11 @@ def test_logprobs_map_to_the_engine_and_errors_use_the_client_names():
     assert sampling_params(chat(logprobs=True, top_logprobs=4), 1, 100, 50).logprobs == 4
     assert sampling_params(completion(logprobs=3), 1, 100, 50).logprobs == 3
     with pytest.raises(ApiError) as error:
-        sampling_params(chat(logprobs=True, top_logprobs=21), 1, 100, 50)
+        sampling_params(chat(top_logprobs=2), 1, 100, 50)
+    assert error.value.detail.param == "top_logprobs"
+    with pytest.raises(ApiError) as error:
+        decode_body(b'{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}',
+                    ChatCompletionRequest)
     assert error.value.detail.param == "top_logprobs"
 
 
@@ -92,10 +96,9 @@ def test_stop_may_be_a_string_or_a_list():
 
 
 def test_unsupported_features_are_named():
-    assert unsupported_features(chat(response_format={"type": "json_object"}))[0] == "response_format"
-    assert unsupported_features(chat(response_format={"type": "text"})) is None
-    assert unsupported_features(chat(tool_choice={"type": "function", "function": {"name": "f"}}))[0] == "tool_choice"
-    assert unsupported_features(chat(tool_choice="auto")) is None
+    assert unsupported_features(chat(modalities=["text", "audio"]))[0] == "modalities"
+    assert unsupported_features(chat(response_format={"type": "json_object"})) is None
+    assert unsupported_features(chat(tool_choice={"type": "function", "function": {"name": "f"}})) is None
     assert unsupported_features(completion(suffix="x"))[0] == "suffix"
     assert unsupported_features(completion(best_of=2, n=2)) is None
 
@@ -105,15 +108,15 @@ def test_openai_client_extras_decode_and_typos_are_named():
             b'"user":"u","metadata":{"a":"b"},"store":true,"service_tier":"auto","parallel_tool_calls":false}')
     assert decode_body(body, ChatCompletionRequest).user == "u"
     with pytest.raises(ApiError) as error:
-        decode_body(b'{"messages":[],"temprature":1}', ChatCompletionRequest)
+        decode_body(b'{"messages":[{"role":"user"}],"temprature":1}', ChatCompletionRequest)
     assert error.value.detail.param == "temprature"
 
 
 @pytest.mark.parametrize("body,param", [
     (b'{"messages":[{"role":1}]}', "messages[0].role"),
     (b'{"messages":[{"content":"x"}]}', "messages[0].role"),
-    (b'{"messages":[],"stop":["a",3]}', "stop"),
-    (b'{"messages":[],"stream_options":{"x":1}}', "stream_options.x"),
+    (b'{"messages":[{"role":"user"}],"stop":["a",3]}', "stop"),
+    (b'{"messages":[{"role":"user"}],"stream_options":{"x":1}}', "stream_options.x"),
 ])
 def test_validation_errors_name_the_field(body, param):
     with pytest.raises(msgspec.ValidationError) as raised:
@@ -200,3 +203,25 @@ def test_exposure_warning_only_beyond_loopback():
     assert exposure_warning("localhost", False) is None
     assert "--require-auth" in exposure_warning("0.0.0.0", False)
     assert "--require-auth" not in exposure_warning("0.0.0.0", True)
+
+
+class _Generation:
+    def __init__(self, in_flight) -> None:
+        self.in_flight, self.interrupted = in_flight, 0
+
+    def interrupt(self) -> None:
+        self.interrupted += 1
+        self.in_flight.discard(self)  # as batches() does once it has sent its abort chunk
+
+
+def test_the_drain_interrupts_what_is_left_and_anything_that_starts_after_it():
+    import anyio
+
+    from atlas.adapters.http.in_flight import InFlight
+
+    in_flight = InFlight()
+    early, late = _Generation(in_flight), _Generation(in_flight)
+    in_flight.add(early)
+    assert anyio.run(in_flight.drain, 0.0) == 1 and early.interrupted == 1 and len(in_flight) == 0
+    in_flight.add(late)  # admitted before the shutdown, reached the engine after its timeout
+    assert late.interrupted == 1 and len(in_flight) == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from atlas.domain.kv_blocks import BlockPool
+from atlas.domain.cache.block_pool import BlockPool
 
 
 def test_commit_hands_out_lowest_ids_first_with_ref_count_one() -> None:

@@ -11,6 +11,7 @@ from helpers.checkpoints import tiny_llama_gguf
 
 import atlas
 from atlas.adapters.weights.gguf_import import import_gguf
+from atlas.domain.requests import ParameterError
 
 
 @pytest.fixture(scope="module")
@@ -52,3 +53,15 @@ def test_chat_applies_the_template_and_logprobs_come_back(llm):
     assert len(choice.logprobs) == 4
     for token_id, entry in zip(choice.token_ids, choice.logprobs):
         assert entry.token_id == token_id and len(entry.top) == 2 and entry.top[0][0] == token_id  # greedy
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_and_a_priority_needs_the_policy(llm):
+    prompt = [5 + (i % 20) for i in range(40)]  # two full blocks of 16 before the block with the last token
+    params = atlas.SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    (first,) = llm.generate(prompt, params)
+    (again,) = llm.generate(prompt, params)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens == 32 and first.num_cached_tokens < 32
+    with pytest.raises(ParameterError, match="--scheduling-policy priority"):
+        llm.generate(prompt, params, priority=1)
+    assert not llm.engine.core.has_unfinished

@@ -1,141 +1,42 @@
-"""Scenario tests of the scheduler with tiny numbers (block size 4, a handful of blocks).
+"""Scenario tests of the scheduler with tiny numbers (block size 4, a handful of blocks), without
+the prefix cache (tests/unit/test_prefix_caching.py tells its stories).
 
-The fake worker is a greedy "model" whose next token is a hash of the whole context, read back
-through a paged cache of token slots addressed by the batch's block tables. Any correct
-schedule (chunked, batched, preempted and recomputed) therefore yields the same tokens, and a
-wrong block table, position or recompute yields different ones.
+The fake worker (tests/helpers/scheduling.py) is a greedy "model" whose next token is a hash of
+the whole context, read back through a paged cache of token slots addressed by the batch's block
+tables. Any correct schedule (chunked, batched, preempted and recomputed) therefore yields the
+same tokens, and a wrong block table, position or recompute yields different ones.
 """
 
 from __future__ import annotations
 
-import hashlib
 import random
-from collections.abc import Callable, Collection, Iterable, Sequence as SequenceList
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Sequence as SequenceList
 
 import pytest
+from helpers.scheduling import (
+    BLOCK_SIZE,
+    EOS_ID,
+    NO_EOS,
+    VOCAB_SIZE,
+    Finished,
+    PagedFakeWorker,
+    batch_shape,
+    full_attention_cache,
+    greedy_next_token,
+    greedy_reference,
+    make_scheduler,
+    make_seq,
+    run_to_completion,
+    step,
+)
 
 from atlas.domain.batch import ScheduledBatch, StepResult, TokenLogprobs
-from atlas.domain.kv_blocks import BlockPool
-from atlas.domain.requests import FinishReason, ParameterError, Request, SamplingParams, SequenceStatus
-from atlas.domain.sequence import Sequence
+from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.requests import FinishReason, ParameterError, SequenceStatus
 from atlas.domain.sampling import sampling_row
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
-from atlas.domain.scheduling_policy import SchedulingPolicy
-
-BLOCK_SIZE = 4
-VOCAB_SIZE = 50
-EOS_ID = 3
-NO_EOS: frozenset[int] = frozenset()
-
-
-def greedy_next_token(context: tuple[int, ...]) -> int:
-    digest = hashlib.blake2b(repr(context).encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") % VOCAB_SIZE
-
-
-class PagedFakeWorker:
-    """Writes each scheduled token into its cache slot; samples by reading the context back."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.slots: list[int | None] = [None] * (num_blocks * BLOCK_SIZE)
-        self.last_sampled: tuple[int, ...] = ()  # like the device's sampled-ids buffer
-
-    def execute(self, batch: ScheduledBatch) -> StepResult:
-        sampled = []
-        for scheduled in batch.sequences:
-            assert len(scheduled.block_ids) == BlockPool.blocks_needed(scheduled.context_len, BLOCK_SIZE)
-            token_ids = list(scheduled.token_ids)
-            if scheduled.placeholder_row is not None:  # sampled by the previous step, not known to the host
-                token_ids[-1] = self.last_sampled[scheduled.placeholder_row]
-            assert min(token_ids) >= 0
-            for offset, token_id in enumerate(token_ids):
-                self.slots[self._slot(scheduled.block_ids, scheduled.start_position + offset)] = token_id
-            if scheduled.sampling is not None:
-                assert scheduled.sampling.is_greedy
-                context = tuple(self.slots[self._slot(scheduled.block_ids, p)] for p in range(scheduled.context_len))
-                sampled.append(greedy_next_token(context))
-        self.last_sampled = tuple(sampled)
-        return StepResult(step_id=batch.step_id, token_ids=tuple(sampled))
-
-    @staticmethod
-    def _slot(block_ids: tuple[int, ...], position: int) -> int:
-        return block_ids[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
-
-
-@dataclass
-class Finished:
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-
-
-def make_seq(
-    seq_id: str,
-    prompt: SequenceList[int],
-    max_tokens: int | None = None,
-    max_model_len: int = 64,
-    eos_token_ids: frozenset[int] = frozenset({EOS_ID}),
-    **sampling: object,
-) -> Sequence:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, **sampling)
-    request = Request(request_id=seq_id, prompt_token_ids=tuple(prompt), sampling=params, seed=7)
-    max_total_tokens = max_model_len if max_tokens is None else min(max_model_len, len(prompt) + max_tokens)
-    return Sequence(request, max_total_tokens=max_total_tokens, eos_token_ids=eos_token_ids)
-
-
-def make_scheduler(
-    num_blocks: int,
-    budget: int,
-    max_num_seqs: int = 8,
-    max_model_len: int = 64,
-    policy: SchedulingPolicy | None = None,
-) -> tuple[Scheduler, BlockPool, PagedFakeWorker]:
-    pool = BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE)
-    config = SchedulerConfig(
-        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=BLOCK_SIZE
-    )
-    return Scheduler(config, pool, policy), pool, PagedFakeWorker(num_blocks)
-
-
-def step(scheduler: Scheduler, worker: PagedFakeWorker) -> tuple[ScheduledBatch, list]:
-    batch = scheduler.schedule()
-    scheduler.check_invariants()
-    outputs = scheduler.commit(batch, worker.execute(batch)) if not batch.is_empty else []
-    scheduler.check_invariants()
-    return batch, outputs
-
-
-def run_to_completion(
-    scheduler: Scheduler,
-    worker: PagedFakeWorker,
-    on_batch: Callable[[ScheduledBatch], None] = lambda batch: None,
-    max_steps: int = 400,
-) -> dict[str, Finished]:
-    finished: dict[str, Finished] = {}
-    for _ in range(max_steps):
-        if not scheduler.has_unfinished:
-            break
-        batch, outputs = step(scheduler, worker)
-        assert not batch.is_empty, "unfinished sequences but nothing scheduled: livelock"
-        on_batch(batch)
-        for output in outputs:
-            record = finished.setdefault(output.seq_id, Finished())
-            record.token_ids.extend(output.new_token_ids)
-            record.finish_reason = output.finish_reason
-    assert not scheduler.has_unfinished, f"not done after {max_steps} steps"
-    assert scheduler.pool.num_free_blocks == scheduler.pool.num_blocks
-    return finished
-
-
-def greedy_reference(prompt: SequenceList[int], num_tokens: int) -> list[int]:
-    context = list(prompt)
-    for _ in range(num_tokens):
-        context.append(greedy_next_token(tuple(context)))
-    return context[len(prompt) :]
-
-
-def batch_shape(batch: ScheduledBatch) -> list[tuple[str, int, int, tuple[int, ...], bool]]:
-    return [(s.seq_id, s.start_position, s.num_tokens, s.block_ids, s.sampling is not None) for s in batch.sequences]
+from atlas.domain.scheduling_policy import FifoPolicy, PriorityPolicy
+from atlas.domain.sequence import Sequence
 
 
 PROMPTS = {
@@ -274,7 +175,7 @@ def test_preemption_takes_the_newest_running_sequence_and_requeues_it_first() ->
     batch, outputs = step(scheduler, worker)
     assert batch_shape(batch) == [("a", 8, 1, (0, 1, 2), True)]
     assert b.num_preemptions == 1 and b.num_computed_tokens == 0 and b.status is SequenceStatus.WAITING
-    assert b.num_output_tokens == 2 and b.num_blocks == 0
+    assert b.num_output_tokens == 2 and b.cache.is_empty
     assert [o.finish_reason for o in outputs] == [FinishReason.LENGTH]  # a is done: 3 tokens
     assert (scheduler.num_running, scheduler.num_waiting) == (0, 2)
 
@@ -525,6 +426,9 @@ def test_nothing_to_do_gives_an_empty_batch_that_needs_no_commit() -> None:
 class ShortestPromptFirst:
     """A policy that admits short prompts first and preempts like fifo."""
 
+    def check(self, seq: Sequence) -> None:
+        pass
+
     def admission_order(self, waiting: Collection[Sequence]) -> Iterable[Sequence]:
         return sorted(waiting, key=lambda seq: seq.num_prompt_tokens)
 
@@ -541,6 +445,9 @@ def test_a_policy_object_decides_the_admission_order() -> None:
 
 
 class PreemptsAStranger:
+    def check(self, seq: Sequence) -> None:
+        pass
+
     def admission_order(self, waiting: Collection[Sequence]) -> Iterable[Sequence]:
         return iter(waiting)
 
@@ -570,7 +477,7 @@ def test_add_refuses_engine_mistakes() -> None:
     with pytest.raises(ValueError, match="already started"):
         scheduler.add(seq)
     with pytest.raises(ValueError, match="block_size"):
-        Scheduler(SchedulerConfig(max_model_len=32, block_size=16), BlockPool(8, block_size=4))
+        Scheduler(SchedulerConfig(max_model_len=32, block_size=16), full_attention_cache(BlockPool(8, block_size=4)))
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         SchedulerConfig(max_model_len=32, max_num_batched_tokens=0)
 
@@ -621,7 +528,7 @@ def test_random_workloads_with_arrivals_and_aborts_match_the_reference(seed: int
             scheduler.commit(*in_flight.pop(0))
             scheduler.check_invariants()
     assert not arrivals and not scheduler.has_unfinished, "livelock"
-    assert pool.num_free_blocks == num_blocks
+    assert scheduler.cache.stats().num_blocks_free == num_blocks
 
     for seq in sequences:
         expected = expected_greedy_run(seq)
@@ -629,3 +536,41 @@ def test_random_workloads_with_arrivals_and_aborts_match_the_reference(seed: int
             assert list(seq.output_token_ids) == expected.token_ids[: seq.num_output_tokens]
         else:
             assert Finished(list(seq.output_token_ids), seq.finish_reason) == expected
+
+
+def test_the_priority_policy_admits_lower_values_first_and_equals_in_arrival_order() -> None:
+    scheduler, _, worker = make_scheduler(num_blocks=16, budget=32, max_num_seqs=2, policy=PriorityPolicy())
+    for seq_id, priority in (("a", 5), ("b", 0), ("c", 5), ("d", -1), ("e", 0)):
+        scheduler.add(make_seq(seq_id, PROMPTS["b"], max_tokens=1, priority=priority))
+    admitted = [[s.seq_id for s in step(scheduler, worker)[0].sequences] for _ in range(3)]
+    assert admitted == [["d", "b"], ["e", "a"], ["c"]]
+
+
+def test_under_pressure_the_priority_policy_preempts_the_least_urgent_not_the_newest() -> None:
+    def third_step(policy, priority_a: int):
+        scheduler, _, worker = make_scheduler(num_blocks=4, budget=16, policy=policy)
+        a = make_seq("a", [1, 2, 3, 4, 5, 6, 7], max_tokens=3, eos_token_ids=NO_EOS, priority=priority_a)
+        b = make_seq("b", [8, 9, 10, 11, 12, 13, 14], max_tokens=3, eos_token_ids=NO_EOS)
+        scheduler.add(a)
+        step(scheduler, worker)
+        scheduler.add(b)
+        step(scheduler, worker)
+        batch, _ = step(scheduler, worker)  # a's position 8 needs a third block; there is none
+        return batch_shape(batch), a.num_preemptions, b.num_preemptions
+
+    assert third_step(PriorityPolicy(), 2) == ([("b", 7, 1, (2, 3), True)], 1, 0)  # a (2) yields to b (0)
+    assert third_step(FifoPolicy(), 0) == ([("a", 8, 1, (0, 1, 2), True)], 0, 1)  # fifo: the newest, b
+    with pytest.raises(ParameterError, match="--scheduling-policy priority") as caught:
+        third_step(FifoPolicy(), 2)
+    assert caught.value.field == "priority"
+
+
+def test_the_priority_policy_resumes_a_preempted_urgent_sequence_before_earlier_arrivals() -> None:
+    policy = PriorityPolicy()
+    low = [make_seq(f"low{i}", [i], priority=1) for i in range(3)]
+    urgent = make_seq("urgent", [9], priority=0)
+    urgent.num_preemptions = 1  # as if preempted: it waits at the queue's front, yet by priority
+    order = [seq.seq_id for seq in policy.admission_order([urgent, *low])]
+    assert order == ["urgent", "low0", "low1", "low2"]
+    assert policy.choose_victim([urgent, *low], urgent) is low[2]
+    assert policy.choose_victim([urgent], urgent) is urgent

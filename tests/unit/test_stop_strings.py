@@ -9,6 +9,7 @@ from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from atlas.domain.text import IncrementalDetokenizer, StopMatch, StopStringMatcher
+from atlas.domain.text.stop_strings import compile_stops
 
 
 def run(stops: list[str], chunks: list[str], include: bool = False) -> tuple[str, str | None]:
@@ -157,3 +158,41 @@ def test_stops_straddling_tokens_through_the_detokenizer() -> None:
             break
     assert (emitted, stop) == ("The answer: 日本語 ", "###END")
     assert not any("###END" in tokenizer.decode([token_id]) for token_id in output_ids)  # it straddled
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_long_self_overlapping_stops_match_the_whole_text_answer(seed: int) -> None:
+    # Periodic stops ("abab...", "aaab") are where prefix tables earn their keep.
+    rng = random.Random(1000 + seed)
+    alphabet = "ab"
+    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(rng.randint(1, 4))]
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+    include = rng.random() < 0.5
+    cuts = sorted(rng.randint(0, len(text)) for _ in range(rng.randint(0, 12)))
+    chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    assert run(stops, chunks, include) == reference(stops, text, include), (stops, chunks)
+
+
+def test_a_megabyte_stop_string_costs_its_length_not_its_square() -> None:
+    # The old matcher kept every prefix of every stop: 1 MB of stop string grew to ~500 GB.
+    stop = "ab" * (1 << 19)
+    compiled = compile_stops((stop,))
+    assert len(compiled.failures[0]) == len(stop) and compiled.failures[0].itemsize == 4
+    matcher = StopStringMatcher([stop], include_stop_str_in_output=False)
+    emitted = "".join(matcher.push("ab" * 4096).text for _ in range(127))  # one push short of the stop
+    assert emitted == "" and matcher.push("x").text == "ab" * (127 * 4096) + "x"
+    assert run([stop], ["zz" + stop[:1000], stop[1000:] + "tail"]) == ("zz", stop)
+
+
+def test_the_held_tail_is_never_longer_than_the_longest_stop_minus_one() -> None:
+    matcher = StopStringMatcher(["aaaab", "abc"], include_stop_str_in_output=False)
+    assert matcher.push("a" * 10) == StopMatch("a" * 6)  # holds "aaaa", a prefix of "aaaab"
+    assert matcher.push("cab") == StopMatch("aaaac")  # holds "ab", a prefix of "abc"
+    assert matcher.push("d") == StopMatch("abd")
+    assert matcher.flush() == ""
+
+
+def test_every_choice_of_a_request_shares_one_compiled_table() -> None:
+    first = StopStringMatcher(["</s>", "END"], include_stop_str_in_output=False)
+    second = StopStringMatcher(["</s>", "END"], include_stop_str_in_output=True)
+    assert first._compiled is second._compiled

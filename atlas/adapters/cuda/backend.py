@@ -1,8 +1,13 @@
-"""CudaGpuBackend: the GPU port on an NVIDIA device through cuda-python.
+"""CudaGpuBackend: the device port and the dense, attention and sampling kinds on an NVIDIA GPU
+through cuda-python.
 
-Every op is one of our kernels (kernels/, compiled by NVRTC through the registry) or a
-cuBLASLt call, enqueued on one stream; `download` and `synchronize` are the only waits.
-Activations and the KV cache are bf16; weights bf16 [out, in]; accumulation fp32.
+Every kernel is one of ours (kernels/, compiled by NVRTC through the registry) or a cuBLASLt
+call, enqueued on one stream; `download` and `synchronize` are the only waits. Activations and
+the KV cache are bf16 (or an FP8 cache); weights bf16 [out, in], or FP8 (E4M3 with per-channel or
+128 x 128 block scales, Hopper); accumulation fp32. The kinds
+live beside this module (dense.py, attention.py, ops_sampling.py); MoE and recurrent kernels are
+not written yet, so `capabilities.kinds` leaves them out and a model that needs them is refused
+at load.
 """
 
 from __future__ import annotations
@@ -14,24 +19,21 @@ from pathlib import Path
 import numpy as np
 from cuda.bindings import driver as cu
 
-from atlas.adapters.cuda import checks, graphs, ops_attention, ops_dense, ops_sampling
+from atlas.adapters.cuda import checks, graphs, ops_dense
+from atlas.adapters.cuda.attention import CudaAttention
+from atlas.adapters.cuda.dense import CudaDense
 from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.kv_cache import CudaKvCache
-from atlas.adapters.cuda.memory import PendingCopy, PoolStats
+from atlas.adapters.cuda.memory import CompletedCopy, PendingCopy, PoolStats
+from atlas.adapters.cuda.ops_fp8 import Fp8LinearOp
+from atlas.adapters.cuda.ops_sampling import CudaSampling
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
-from atlas.ports.gpu import (
-    NUMPY_DTYPES,
-    Activation,
-    AttentionMetadata,
-    Capabilities,
-    DType,
-    HeadLayout,
-    KvCacheSpec,
-    LogprobsOut,
-    SamplingTensors,
-    dtype_of,
-)
+from atlas.ports.gpu import NUMPY_DTYPES, Capabilities, DType, Kind, MissingKindError, dtype_of
+from atlas.ports.kernels.moe import MoeKernels
+from atlas.ports.kernels.recurrent import RecurrentKernels
+
+KINDS = frozenset({Kind.DENSE, Kind.ATTENTION, Kind.SAMPLING})
 
 
 class CudaGpuBackend:
@@ -47,12 +49,21 @@ class CudaGpuBackend:
         cache_dir = Path(kernel_cache_dir) if kernel_cache_dir is not None else None
         self._rt = CudaRuntime(device_ordinal, cache_dir, model_hint, quant)
         self._linear = ops_dense.LinearOp(self._rt)
+        self._fp8 = Fp8LinearOp(self._rt)
+        self._init_kinds(DType.BF16)
+
+    def _init_kinds(self, activation_dtype: DType) -> None:
+        kv_dtypes = (DType.BF16, DType.FP8_E4M3) if self._fp8_cache_ok() else (DType.BF16,)
         self._capabilities = Capabilities(
-            activation_dtype=DType.BF16,
-            kv_dtypes=(DType.BF16, DType.FP8_E4M3) if self._fp8_cache_ok() else (DType.BF16,),
+            activation_dtype=activation_dtype,
+            kv_dtypes=kv_dtypes,
+            kinds=KINDS,
             supports_graphs=True,
             device_name=self._rt.device_name,
         )
+        self._dense = CudaDense(self._rt, self._linear, self._fp8, self.upload)
+        self._attention = CudaAttention(self._rt, self._linear, self._dense, kv_dtypes)
+        self._sampling = CudaSampling(self._rt)
 
     def _fp8_cache_ok(self) -> bool:
         """E4M3 conversions exist from sm_89, and only the tensor-core decode kernel reads FP8."""
@@ -68,6 +79,26 @@ class CudaGpuBackend:
         return self._capabilities
 
     @property
+    def dense(self) -> CudaDense:
+        return self._dense
+
+    @property
+    def attention(self) -> CudaAttention:
+        return self._attention
+
+    @property
+    def sampling(self) -> CudaSampling:
+        return self._sampling
+
+    @property
+    def moe(self) -> MoeKernels:
+        raise MissingKindError("the CUDA backend has no MoE kernels yet")
+
+    @property
+    def recurrent(self) -> RecurrentKernels:
+        raise MissingKindError("the CUDA backend has no recurrent kernels yet")
+
+    @property
     def runtime(self) -> CudaRuntime:
         """The device context (kernel stats, pool, stream) for tests and benchmarks."""
         return self._rt
@@ -78,6 +109,7 @@ class CudaGpuBackend:
     def close(self) -> None:
         """Release the cached memory, staging buffers and cuBLASLt handle."""
         self._linear.close()
+        self._fp8.close()
         self._rt.close()
 
     # -- memory -------------------------------------------------------------------------
@@ -106,6 +138,8 @@ class CudaGpuBackend:
         self._rt.staging.upload(dst.address, host)
 
     def download(self, src: CudaTensor) -> np.ndarray:
+        """A host copy of `src` after all enqueued work (tests and benchmarks; the port's copy
+        is `begin_download`)."""
         self._rt.ensure_current()
         self._rt.forbid_in_capture("download")
         checks.tensor(src, "src")
@@ -113,13 +147,14 @@ class CudaGpuBackend:
         self._rt.staging.download(src.address, out)
         return out
 
-    def begin_download(self, src: CudaTensor) -> PendingCopy:
+    def begin_download(self, src: CudaTensor) -> PendingCopy | CompletedCopy:
         self._rt.ensure_current()
         self._rt.forbid_in_capture("begin_download")
         checks.tensor(src, "src")
         return self._rt.downloads.begin(src.address, src.shape, NUMPY_DTYPES[src.dtype])
 
     def fill(self, dst: CudaTensor, value: float) -> None:
+        """Set every element of `dst` to `value` (tests poison outputs and caches with NaN)."""
         self._rt.ensure_current()
         checks.tensor(dst, "dst")
         count = dst.num_elements
@@ -150,26 +185,8 @@ class CudaGpuBackend:
     def memory_info(self) -> tuple[int, int]:
         return self._rt.memory_info()
 
-    def allocate_kv_cache(self, spec: KvCacheSpec) -> CudaKvCache:
-        self._rt.ensure_current()
-        self._rt.forbid_in_capture("allocate_kv_cache")
-        if spec.dtype not in self._capabilities.kv_dtypes:
-            supported = ", ".join(dtype.value for dtype in self._capabilities.kv_dtypes)
-            raise ValueError(f"spec.dtype: {spec.dtype.value} KV caches are not supported on this GPU ({supported})")
-        if spec.head_dim % 8:
-            raise ValueError(f"spec.head_dim: {spec.head_dim} is not a multiple of 8")
-        try:
-            allocation = self._rt.pool.allocate(spec.total_bytes)
-        except MemoryError as error:
-            free, _ = self._rt.memory_info()
-            fits = free // spec.bytes_per_block
-            raise MemoryError(
-                f"a KV cache of {spec.num_blocks} blocks needs {spec.total_bytes / 2**30:.2f} GiB; "
-                f"{free / 2**30:.2f} GiB free holds {fits} blocks ({error})"
-            ) from error
-        return CudaKvCache(spec, allocation)
-
     def kv_to_host(self, kv: CudaKvCache, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of one layer as [num_blocks, block_size, num_kv_heads, head_dim] (tests)."""
         self._rt.ensure_current()
         spec = kv.spec
         planes = []
@@ -179,133 +196,18 @@ class CudaGpuBackend:
             planes.append(np.ascontiguousarray(kv.plane_to_slots(raw)))
         return planes[0], planes[1]
 
-    # -- ops ----------------------------------------------------------------------------
-    def embedding(self, token_ids: CudaTensor, table: CudaTensor, out: CudaTensor) -> None:
-        ops_dense.gather_rows(self._rt, table, token_ids, out, "embedding")
+    def kv_from_host(self, kv: CudaKvCache, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Store one layer's K and V from slot-major [num_slots, num_kv_heads, head_dim] arrays
+        (converted to the cache's dtype) into the head-major pages (tests)."""
+        self._rt.ensure_current()
+        spec = kv.spec
+        for address, slots in ((kv.key_plane(layer), keys), (kv.value_plane(layer), values)):
+            pages = np.asarray(slots).reshape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+            host = np.ascontiguousarray(pages.transpose(0, 2, 1, 3), dtype=NUMPY_DTYPES[spec.dtype])
+            self._rt.staging.upload(address, host.reshape(-1))
 
     def gather_rows(self, x: CudaTensor, indices: CudaTensor, out: CudaTensor) -> None:
         ops_dense.gather_rows(self._rt, x, indices, out, "gather_rows")
-
-    def rmsnorm(self, x: CudaTensor, weight: CudaTensor, eps: float, out: CudaTensor) -> None:
-        ops_dense.rmsnorm(self._rt, x, None, weight, eps, out)
-
-    def add_rmsnorm(self, x: CudaTensor, residual: CudaTensor, weight: CudaTensor, eps: float, out: CudaTensor) -> None:
-        ops_dense.rmsnorm(self._rt, x, residual, weight, eps, out)
-
-    def linear(self, x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: CudaTensor | None = None) -> None:
-        self._linear(x, weight, out, bias)
-
-    def linear_add(
-        self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor, defer: bool = False
-    ) -> bool:
-        return self._linear.linear_add(x, weight, residual, scratch, defer)
-
-    def fold_rmsnorm(self, norm_weight: CudaTensor, weight: CudaTensor) -> bool:
-        return self._linear.fold_rmsnorm(norm_weight, weight)
-
-    def rmsnorm_linear(
-        self,
-        x: CudaTensor,
-        norm_weight: CudaTensor | None,
-        eps: float,
-        weight: CudaTensor,
-        out: CudaTensor,
-        normed: CudaTensor,
-        bias: CudaTensor | None = None,
-        add_first: CudaTensor | None = None,
-    ) -> None:
-        self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, bias, add_first=add_first)
-
-    def rmsnorm_gated_linear(
-        self,
-        x: CudaTensor,
-        norm_weight: CudaTensor | None,
-        eps: float,
-        weight: CudaTensor,
-        activation: Activation,
-        out: CudaTensor,
-        normed: CudaTensor,
-        scratch: CudaTensor,
-        add_first: CudaTensor | None = None,
-    ) -> None:
-        self._linear.rmsnorm_linear(x, norm_weight, eps, weight, out, normed, None, activation, scratch, add_first)
-
-    def qkv_rope_cache(
-        self,
-        x: CudaTensor,
-        norm_weight: CudaTensor | None,
-        eps: float,
-        weight: CudaTensor,
-        bias: CudaTensor | None,
-        meta: AttentionMetadata,
-        rope_table: CudaTensor,
-        kv: CudaKvCache,
-        layer: int,
-        heads: HeadLayout,
-        q_out: CudaTensor,
-        qkv: CudaTensor,
-        normed: CudaTensor,
-        q_norm: CudaTensor | None = None,
-        k_norm: CudaTensor | None = None,
-        add_first: CudaTensor | None = None,
-    ) -> None:
-        if q_norm is None and k_norm is None:
-            targets = ops_attention.rope_targets(meta, rope_table, kv, layer, heads, q_out)
-            if targets is not None and self._linear.rmsnorm_linear_rope(
-                x, norm_weight, eps, weight, bias, q_out, targets, add_first
-            ):
-                return
-        if bias is None and self._linear.rms_after_product(x, norm_weight, add_first):
-            self._linear(x, weight, qkv, None)  # the RoPE kernel scales by the norm's RMS
-            ops_attention.rope_and_cache(
-                self._rt, qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm, eps, rms_source=x
-            )
-            return
-        self.rmsnorm_linear(x, norm_weight, eps, weight, qkv, normed, bias, add_first)
-        self.rope_and_cache(qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm, eps)
-
-    def act_mul(self, x: CudaTensor, activation: Activation, out: CudaTensor) -> None:
-        ops_dense.act_mul(self._rt, x, activation, out)
-
-    def rope_and_cache(
-        self,
-        qkv: CudaTensor,
-        meta: AttentionMetadata,
-        rope_table: CudaTensor,
-        kv: CudaKvCache,
-        layer: int,
-        heads: HeadLayout,
-        q_out: CudaTensor,
-        q_norm: CudaTensor | None = None,
-        k_norm: CudaTensor | None = None,
-        norm_eps: float = 1e-6,
-    ) -> None:
-        ops_attention.rope_and_cache(self._rt, qkv, meta, rope_table, kv, layer, heads, q_out, q_norm, k_norm, norm_eps)
-
-    def attention(
-        self,
-        q: CudaTensor,
-        kv: CudaKvCache,
-        layer: int,
-        meta: AttentionMetadata,
-        heads: HeadLayout,
-        scale: float,
-        out: CudaTensor,
-        sliding_window: int | None = None,
-    ) -> None:
-        ops_attention.attention(self._rt, q, kv, layer, meta, heads, scale, out, sliding_window)
-
-    def sample(
-        self,
-        logits: CudaTensor,
-        params: SamplingTensors,
-        out_token_ids: CudaTensor,
-        logprobs: LogprobsOut | None = None,
-    ) -> None:
-        ops_sampling.sample(self._rt, logits, params, out_token_ids, logprobs)
-
-    def copy_blocks(self, kv: CudaKvCache, src_block_ids: CudaTensor, dst_block_ids: CudaTensor) -> None:
-        ops_attention.copy_blocks(self._rt, kv, src_block_ids, dst_block_ids)
 
     # -- execution ----------------------------------------------------------------------
     def capture(self, fn: Callable[[], None]) -> graphs.CudaGraph:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from atlas.adapters.cuda.memory import DeviceAllocation
-from atlas.ports.gpu import KvCacheSpec
+from atlas.ports.kernels.attention import KvCacheSpec
 
 
 class CudaKvCache:

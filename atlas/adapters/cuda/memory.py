@@ -212,6 +212,7 @@ class PinnedDownloads:
     `begin` enqueues the copy and records an event; `PendingCopy.wait` waits for that event
     only, so the host can read step N's ids while step N+1 is already queued behind it. A slot
     is reused after `num_slots` later copies; a copy not waited for by then is reported lost.
+    A copy larger than a slot (whole logits, for tests and benchmarks) is made at once instead.
     """
 
     def __init__(self, stream_handle: int, num_slots: int = 32, slot_bytes: int = 1 << 20) -> None:
@@ -225,10 +226,13 @@ class PinnedDownloads:
         self._generations = [0] * num_slots
         self._next = 0
 
-    def begin(self, device_address: int, shape: tuple[int, ...], dtype: np.dtype) -> PendingCopy:
+    def begin(self, device_address: int, shape: tuple[int, ...], dtype: np.dtype) -> PendingCopy | CompletedCopy:
         num_bytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if num_bytes > self.slot_bytes:
-            raise ValueError(f"an asynchronous download of {num_bytes} bytes exceeds the {self.slot_bytes}-byte slots")
+        if num_bytes > self.slot_bytes:  # logits for a test or a bench: copy now, synchronously
+            out = np.empty(shape, dtype)
+            check("cuMemcpyDtoHAsync", cu.cuMemcpyDtoHAsync(out.ctypes.data, device_address, num_bytes, self._stream))
+            check("cuStreamSynchronize", cu.cuStreamSynchronize(self._stream))
+            return CompletedCopy(out)
         slot = self._next
         self._next = (slot + 1) % len(self._events)
         check("cuEventSynchronize", cu.cuEventSynchronize(self._events[slot]))  # its last copy has landed
@@ -253,6 +257,18 @@ class PinnedDownloads:
         for event in self._events:
             cu.cuEventDestroy(event)
         cu.cuMemFreeHost(self._base)
+
+
+class CompletedCopy:
+    """A copy larger than a slot, made synchronously by `PinnedDownloads.begin`."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: np.ndarray) -> None:
+        self._result = result
+
+    def wait(self) -> np.ndarray:
+        return self._result
 
 
 class PendingCopy:

@@ -1,5 +1,4 @@
-"""KV-cache ops: fused RoPE + cache write, paged attention (prefill tiles and split-K decode),
-and page copies."""
+"""KV-cache ops: fused RoPE + cache write, and paged attention (prefill tiles and split-K decode)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,8 @@ from atlas.adapters.cuda import checks
 from atlas.adapters.cuda.kv_cache import CudaKvCache
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
-from atlas.ports.gpu import AttentionMetadata, DType, HeadLayout
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.attention import AttentionMetadata, HeadLayout
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 _PREFILL_BLOCK_N = 64
@@ -484,26 +484,3 @@ def _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, win
         shared_bytes=shared_bytes,
     )
 
-
-def copy_blocks(rt: CudaRuntime, kv: object, src_block_ids: CudaTensor, dst_block_ids: CudaTensor) -> None:
-    if not isinstance(kv, CudaKvCache):
-        raise ValueError(f"kv: expected a CudaKvCache, got {type(kv).__name__}")
-    checks.dtype(src_block_ids, "src_block_ids", (DType.I32,))
-    checks.dtype(dst_block_ids, "dst_block_ids", (DType.I32,))
-    checks.rank(src_block_ids, "src_block_ids", 1)
-    checks.shape(dst_block_ids, "dst_block_ids", src_block_ids.shape)
-    num_pairs = src_block_ids.shape[0]
-    if num_pairs == 0:
-        return
-    spec = kv.spec
-    rt.launch(
-        "elementwise",
-        "copy_kv_pages",
-        (num_pairs, 2 * spec.num_layers),
-        256,
-        kv.base_address,
-        src_block_ids.address,
-        dst_block_ids.address,
-        np.int32(spec.num_blocks),
-        np.int64(kv.page_bytes),
-    )

@@ -16,7 +16,8 @@ from atlas.adapters.cuda.ops_attention import RopeTargets
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.adapters.cuda.tma import TensorMap, bf16_rows_map
-from atlas.ports.gpu import Activation, DType
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.host_weights import Activation
 
 _FLOAT_TYPES = (DType.BF16, DType.F32)
 # At most this many token rows go through the GEMV kernel; more go to cuBLASLt, or up to
@@ -309,9 +310,9 @@ class LinearOp:
         rt.launch("elementwise", symbol, (blocks,), 256, weight.address, norm_weight.address, np.int64(count), columns)
         return True
 
-    def rms_after_product(self, x: CudaTensor, norm_weight: CudaTensor | None, add_first: CudaTensor | None) -> bool:
+    def rms_after_product(self, x: CudaTensor, norm_weight: CudaTensor | None) -> bool:
         """Whether the product of x with a projection whose norm weight is folded into it
-        (`norm_weight` None, nothing to add first) leaves the norm's RMS to the kernel after it
+        (`norm_weight` None) leaves the norm's RMS to the kernel after it
         (the `rms_after_product` feature): past the GEMV sizes, bf16 rows of whole 16-byte loads,
         whichever GEMM takes the product. Those kernels (`act_mul_rms`, RoPE's `rms_source`) scale
         by 1 / sqrt(mean(x^2) + eps), the value the norm kernel takes."""
@@ -319,7 +320,6 @@ class LinearOp:
         num_tokens, width = x.shape
         return (
             norm_weight is None
-            and add_first is None
             and features.rms_after_product
             and GEMV_MAX_TOKENS < num_tokens <= _MAX_GRID_Y
             and x.dtype is DType.BF16
@@ -337,30 +337,24 @@ class LinearOp:
         elif not self._skinny(x, weight, out, bias, checks.type_suffix(out.dtype)):
             self._cublas(x, weight, out, bias, num_tokens, num_rows, inner)
 
-    def linear_add(
-        self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor, defer: bool = False
-    ) -> bool:
+    def linear_add(self, x: CudaTensor, weight: CudaTensor, residual: CudaTensor, scratch: CudaTensor) -> None:
         """residual += x weight^T: for a few token rows one GEMV that adds into the residual
         itself; past them with `rms_after_product` cuBLASLt adding into it (beta = 1; `scratch`
         is where its first call times the candidates); else the product into `scratch` and an
-        add, or with `defer` the product alone (returns True: the next norm's add_rmsnorm kernel
-        adds it)."""
+        add."""
         num_tokens = _check_linear(x, weight, residual, None)[0]
         checks.dtype(residual, "residual", (DType.BF16,))
         checks.dtype(scratch, "scratch", (DType.BF16,))
         checks.shape(scratch, "scratch", residual.shape)
         if num_tokens == 0 or self._fused_gemv(x, weight, residual, None, "add", None, 0.0):
-            return False
+            return
         features = self._rt.features
         if num_tokens > GEMV_MAX_TOKENS and features.rms_after_product:
             checks.dtype(x, "x", (DType.BF16,))
             self._cublas(x, weight, residual, None, num_tokens, weight.shape[0], weight.shape[1], scratch)
-            return False
+            return
         self(x, weight, scratch, None)
-        if defer:
-            return True
         add_into(self._rt, scratch, residual)
-        return False
 
     def rmsnorm_linear(
         self,
@@ -373,7 +367,6 @@ class LinearOp:
         bias: CudaTensor | None = None,
         activation: Activation | None = None,
         scratch: CudaTensor | None = None,
-        add_first: CudaTensor | None = None,
     ) -> None:
         """out = rmsnorm(x) weight^T (+ bias), or with `activation` act(rmsnorm(x) gate^T) *
         (rmsnorm(x) up^T) for weight = [gate; up]. For a few narrow token rows one GEMV that
@@ -381,8 +374,7 @@ class LinearOp:
         one GEMV that applies the activation to its own rows, or the product (into `scratch`
         when gated) and act_mul. Without `norm_weight` (folded into `weight`): for one token row
         one GEMV that scales its row sums by the inverse RMS, else the norm kernel with a unit
-        weight first. `add_first` (x += add_first first): the norm kernel's add_rmsnorm form,
-        or an add before a GEMV."""
+        weight first."""
         if activation is None:
             num_tokens = _check_linear(x, weight, out, bias)[0]
         else:
@@ -396,15 +388,12 @@ class LinearOp:
         checks.shape(normed, "normed", x.shape)
         if num_tokens == 0:
             return
-        if add_first is not None and num_tokens <= GEMV_MAX_TOKENS:  # a GEMV may read x itself
-            add_into(self._rt, add_first, x)
-            add_first = None
         gated = activation is not None
         if (
             gated
             and out.dtype is DType.BF16
             and out.shape[1] % 8 == 0
-            and self.rms_after_product(x, norm_weight, add_first)
+            and self.rms_after_product(x, norm_weight)
         ):
             assert activation is not None and scratch is not None
             self(x, weight, scratch, None)
@@ -425,10 +414,7 @@ class LinearOp:
             x, weight, out, bias, what, norm_weight, eps, gated
         ):
             return
-        if add_first is None:
-            rmsnorm(self._rt, x, None, norm_weight, eps, normed)
-        else:  # x += add_first, then normed = rmsnorm(x): one add_rmsnorm kernel
-            rmsnorm(self._rt, add_first, x, norm_weight, eps, normed)
+        rmsnorm(self._rt, x, None, norm_weight, eps, normed)
         if activation is None:
             self(normed, weight, out, bias)
         elif not self._fused_gemv(normed, weight, out, None, f"gated_{_ACTIVATION_NAMES[activation]}", None, 0.0, True):
@@ -445,7 +431,6 @@ class LinearOp:
         bias: CudaTensor | None,
         q_out: CudaTensor,
         rope: RopeTargets,
-        add_first: CudaTensor | None = None,
     ) -> bool:
         """rmsnorm(x) times the fused q | k | v projection as one GEMV that normalises x as it
         loads it and rotates q and k and writes the cache in its epilogue (one token row of up to
@@ -470,8 +455,6 @@ class LinearOp:
             checks.dtype(bias, "bias", (DType.BF16,))
         what = f"rmsnorm_{checks.type_suffix(norm_weight.dtype)}_rope_{checks.type_suffix(rope.table.dtype)}"
         rows = 4 if features // 4 >= 2 * self._rt.num_sms else 2
-        if add_first is not None:
-            add_into(self._rt, add_first, x)
         self._rt.launch(
             "gemv",
             f"gemv_{what}_r{rows}_t1",

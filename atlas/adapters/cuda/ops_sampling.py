@@ -1,5 +1,5 @@
-"""`sample`: one block per row runs the whole rule chain of `SamplingTensors` on the device;
-only the token ids (and logprobs when asked) are written out."""
+"""The sampling kind on CUDA: one block per row runs the whole rule chain of `SamplingTensors`
+on the device; only the token ids (and logprobs when asked) are written out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import numpy as np
 from atlas.adapters.cuda import checks
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
-from atlas.ports.gpu import DType, LogprobsOut, SamplingTensors
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.sampling import LogprobsOut, SamplingTensors
 
 _THREADS = 1024
 _RADIX_BINS = 256
@@ -128,3 +129,19 @@ def sample(
         np.int32(num_top),
         shared_bytes=_SHARED_BYTES,
     )
+
+
+class CudaSampling:
+    """`SamplingKernels` on one GPU."""
+
+    def __init__(self, rt: CudaRuntime) -> None:
+        self._rt = rt
+
+    def sample(
+        self,
+        logits: CudaTensor,
+        params: SamplingTensors,
+        out_token_ids: CudaTensor,
+        logprobs: LogprobsOut | None = None,
+    ) -> None:
+        sample(self._rt, logits, params, out_token_ids, logprobs)

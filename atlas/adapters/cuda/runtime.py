@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import threading
 import time
@@ -25,7 +26,9 @@ from atlas.adapters.cuda.compiler import KernelCompiler
 from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.memory import DeviceAllocation, DeviceMemoryPool, PinnedDownloads, PinnedStaging
 from atlas.adapters.cuda.registry import KernelModule, KernelTarget, arch_family, nvrtc_arch, select_modules
+from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.adapters.cuda.tma import TensorMap, parameter_array
+from atlas.ports.gpu import DType
 
 log = logging.getLogger("atlas.cuda")
 
@@ -48,18 +51,19 @@ class CudaFeatures:
         atlas_common.cuh).
     wgmma_attention: prefill attention through the wgmma kernels where the loaded module has them.
     gemm_tuning: cuBLASLt times its top algorithms once per shape and keeps the fastest.
-    gemv_fused: at decode sizes `rmsnorm_linear`, `rmsnorm_gated_linear` and `linear_add` are
-        each one GEMV (the norm taken as x is loaded, or after the product where `fold_rmsnorm`
-        folded its weight; the activation or residual add applied to the block's own rows).
-    gemv_rope: a one-token `qkv_rope_cache` on rows up to 2048 wide is one GEMV that also
+    gemv_fused: at decode sizes the dense kind's `project` (a norm, a gated activation) and
+        `project_add` are each one GEMV (the norm taken as x is loaded, or after the product where
+        `fold_rmsnorm` folded its weight at `prepare`; the activation or residual add applied to
+        the block's own rows).
+    gemv_rope: a one-token attention `project` on rows up to 2048 wide is one GEMV that also
         rotates q and k and writes the cache (needs gemv_fused too).
     mma_decode: decode attention on tensor cores (mma.sync; the SIMT kernel without it).
     rms_after_product: past the GEMV sizes, a norm folded into its projection (`fold_rmsnorm`)
         runs no norm kernel: the projection reads the residual as it is and the kernel after the
         product scales each token's row by its inverse RMS (RoPE + cache write after qkv, act_mul
         after gate_up), while the output projections add into the residual inside the GEMM
-        (cuBLASLt's beta = 1, or the skinny GEMM's add form) instead of leaving the add to that
-        norm kernel.
+        (cuBLASLt's beta = 1, or the skinny GEMM's add form). Off, they take a product and an
+        add kernel.
     launch_order_edges: in a captured graph, a kernel of ours after one launched without
         programmatic serialization (cuBLASLt's) launches once that kernel's blocks have all
         started and runs what precedes its griddepcontrol.wait beside it (graphs.py
@@ -336,6 +340,11 @@ class CudaRuntime:
         allocation = self.pool.allocate(max(num_bytes, 1))
         self._workspaces[name] = allocation
         return allocation.address
+
+    def scratch_tensor(self, name: str, shape: tuple[int, ...], dtype: DType) -> CudaTensor:
+        """A tensor of `shape` over workspace `name`: where a member keeps an intermediate that
+        its fused kernels may skip (a norm's output, a product before its epilogue)."""
+        return CudaTensor(self.workspace(name, math.prod(shape) * dtype.itemsize), tuple(shape), dtype, self)
 
     def counters(self, name: str, count: int) -> int:
         """Address of `count` u32 counters, all zero, for kernels whose last block to finish does

@@ -7,11 +7,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from atlas.adapters.http.generation import ChoiceDelta, Generation
-from atlas.adapters.http.server_metrics import ServerMetrics
 from atlas.domain.batch import TokenLogprobs
 
 
@@ -80,13 +80,14 @@ class ChoiceResults:
         return len(self._parts)
 
 
-async def collect(generation: Generation, results: ChoiceResults, metrics: ServerMetrics) -> None:
-    """Run a non-streamed request to its end, folding every delta into `results`."""
-    metrics.in_flight += 1
-    try:
-        async with aclosing(generation.batches()) as batches:
-            async for batch in batches:
-                for update in merge_batch(batch):
-                    results.add(update)
-    finally:
-        metrics.in_flight -= 1
+async def collect(
+    generation: Generation, results: ChoiceResults, on_update: Callable[[ChoiceUpdate], object] | None = None
+) -> None:
+    """Run a non-streamed request to its end, folding every delta into `results` (and handing
+    each update to `on_update`, which parses chat choices)."""
+    async with aclosing(generation.batches()) as batches:
+        async for batch in batches:
+            for update in merge_batch(batch):
+                results.add(update)
+                if on_update is not None:
+                    on_update(update)

@@ -18,12 +18,13 @@ from atlas.adapters.http import sse
 from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
-from atlas.adapters.http.params import check_prompt_fits, sampling_params
-from atlas.adapters.http.prompts import completion_prompts
+from atlas.adapters.http.params import check_choices, check_prompt_fits, sampling_params
+from atlas.adapters.http.prompts import completion_prompts, count_prompts
 from atlas.adapters.http.responses import (
     Completion,
     CompletionChoice,
     TokenTexts,
+    PromptTokensDetails,
     Usage,
 )
 from atlas.adapters.http.schemas import CompletionRequest, unsupported_features
@@ -55,6 +56,7 @@ async def completions(state: ServerState, body: bytes) -> Response:
     unsupported = unsupported_features(request)
     if unsupported is not None:
         raise bad_request(*unsupported)
+    check_choices(count_prompts(request.prompt), request.n, state.config.max_choices_per_request)
     add_special = request.add_special_tokens if request.add_special_tokens is not None else True
     prompts = await completion_prompts(model.tokenizer, request.prompt, add_special, model.vocab_size)
     for _, ids in prompts:
@@ -69,13 +71,14 @@ async def completions(state: ServerState, body: bytes) -> Response:
     ]
     reply = _Reply(model.name, echo_texts, params.n)
     generation = Generation(engine, model.tokenizer, reply.id, [ids for _, ids in prompts], params, state.seeds,
-                            state.metrics, state.config.request_timeout_s)
+                            state.metrics, state.in_flight, state.config.request_timeout_s,
+                            priority=request.priority or 0)
     results = ChoiceResults(generation.num_choices, params.logprobs is not None)
     if request.stream:
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         frames = _stream(state, generation, reply, results, token_texts, body, started_s, include_usage)
         return Response(sse.with_errors(frames), 200, sse.HEADERS)
-    await collect(generation, results, state.metrics)
+    await collect(generation, results)
     answer = _completion(reply, generation, results, token_texts)
     if state.dump is not None:
         state.dump.write("completions", 200, False, started_s, body, answer)
@@ -84,7 +87,7 @@ async def completions(state: ServerState, body: bytes) -> Response:
 
 def _usage(generation: Generation) -> Usage:
     prompt, completion = generation.num_prompt_tokens, generation.num_output_tokens
-    return Usage(prompt, completion, prompt + completion)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(generation.num_cached_tokens))
 
 
 def _completion(reply: _Reply, generation: Generation, results: ChoiceResults, token_texts: TokenTexts) -> Completion:
@@ -111,7 +114,6 @@ async def _stream(
 ) -> AsyncGenerator[bytes, None]:
     with_logprobs = results.logprobs is not None
     offsets = [len(reply.echo(index)) for index in range(generation.num_choices)]
-    state.metrics.in_flight += 1
     try:
         echoes = [
             sse.event(Completion(reply.id, reply.created, reply.model,
@@ -138,7 +140,6 @@ async def _stream(
             yield sse.event(Completion(reply.id, reply.created, reply.model, [], _usage(generation)))
         yield sse.DONE
     finally:
-        state.metrics.in_flight -= 1
         if state.dump is not None:
             state.dump.write("completions", 200, True, started_s, body,
                              _completion(reply, generation, results, token_texts))

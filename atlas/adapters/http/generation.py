@@ -9,26 +9,39 @@ a consumer that falls behind gets several tokens per wake-up instead of one wake
     engine step k+1 -> out(seq0)                    >  one batch: [delta(0), delta(1), delta(0)]
     consumer wakes  ------------------------------ /
 
-Leaving `batches()` early (client gone, handler error, timeout) aborts every sequence that
-has not finished, so its KV blocks are freed at the engine's next step.
+Leaving `batches()` early (client gone, handler error, timeout, `interrupt()` at shutdown)
+aborts every sequence that has not finished, so its KV blocks are freed at the engine's next
+step. While `batches()` runs, the generation is in the server's `InFlight` set.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
+import msgspec
 
 from atlas.adapters.http.engine_client import EngineClient
 from atlas.adapters.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError
+from atlas.adapters.http.in_flight import InFlight
 from atlas.adapters.http.server_metrics import ServerMetrics
 from atlas.domain.engine_events import EngineFailure
 from atlas.domain.fan_out import SeedSource, fan_out
 from atlas.domain.text.sequence_text import SequenceText, TextDelta
-from atlas.domain.requests import FinishReason, SamplingParams
+from atlas.domain.requests import FinishReason, OutputConstraint, SamplingParams
 from atlas.ports.tokenizer import Tokenizer
+
+
+class _Quiet(enum.Enum):
+    """No output within the heartbeat."""
+
+    QUIET = "quiet"
+
+
+_QUIET = _Quiet.QUIET
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +51,7 @@ class ChoiceDelta:
 
 
 class _Choice:
-    __slots__ = ("index", "seq_id", "text", "finished", "num_output_tokens", "last_token_s")
+    __slots__ = ("index", "seq_id", "text", "finished", "num_output_tokens", "num_cached_tokens", "last_token_s")
 
     def __init__(self, index: int, seq_id: str, text: SequenceText) -> None:
         self.index = index
@@ -46,11 +59,13 @@ class _Choice:
         self.text = text
         self.finished = False
         self.num_output_tokens = 0
+        self.num_cached_tokens: int | None = None  # known once the engine reports on it
         self.last_token_s: float | None = None
 
 
 class Generation:
-    """Drives the sequences of one request; iterate `batches()` once."""
+    """Drives the sequences of one request; iterate `batches()` once. Every sequence carries
+    `constraint` (structured output, a forced tool call, a thinking budget) to the engine."""
 
     def __init__(
         self,
@@ -61,20 +76,31 @@ class Generation:
         params: SamplingParams,
         seeds: SeedSource,
         metrics: ServerMetrics,
+        in_flight: InFlight,
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        priority: int = 0,
+        constraint: OutputConstraint | None = None,
+        heartbeat_s: float | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
+        self._in_flight = in_flight
+        self._interrupted = False
+        self._waiting: anyio.CancelScope | None = None
         self._clock = clock
         self.arrival_s = clock()
         self._deadline_s = None if timeout_s is None else self.arrival_s + timeout_s
+        self._heartbeat_s = heartbeat_s
         self.num_prompt_tokens = sum(len(p) for p in prompts)
+        self._num_choices_per_prompt = params.n
         self.requests = []
         self._choices: dict[str, _Choice] = {}
         for prompt_idx, prompt in enumerate(prompts):
             base_id = request_id if len(prompts) == 1 else f"{request_id}-p{prompt_idx}"
-            for choice_idx, request in enumerate(fan_out(base_id, prompt, params, seeds)):
+            for choice_idx, request in enumerate(fan_out(base_id, prompt, params, seeds, priority=priority)):
+                if constraint is not None:
+                    request = msgspec.structs.replace(request, constraint=constraint)
                 index = prompt_idx * params.n + choice_idx
                 text = SequenceText(tokenizer, request.prompt_token_ids, request.sampling)
                 self._choices[request.request_id] = _Choice(index, request.request_id, text)
@@ -86,19 +112,45 @@ class Generation:
     def num_output_tokens(self) -> int:
         return sum(choice.num_output_tokens for choice in self._choices.values())
 
+    def interrupt(self) -> None:
+        """End now (the server is shutting down): every unfinished choice finishes with
+        finish_reason "abort" in the next batch."""
+        self._interrupted = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt like
+        `num_prompt_tokens`: the fewest any of its choices found, since the choices after the
+        first reuse the blocks the first computed."""
+        per_prompt: dict[int, int] = {}
+        for choice in self._choices.values():
+            if choice.num_cached_tokens is not None:
+                prompt_idx = choice.index // self._num_choices_per_prompt
+                per_prompt[prompt_idx] = min(per_prompt.get(prompt_idx, choice.num_cached_tokens),
+                                             choice.num_cached_tokens)
+        return sum(per_prompt.values())
+
     async def batches(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Deltas in arrival order, several per batch when they queue up; ends when every
-        choice has finished. Raises ApiError for a request the engine rejects or cannot run."""
+        choice has finished. With `heartbeat_s`, an empty batch after that long without output
+        (a stream's keep-alive). Raises ApiError for a request the engine rejects or cannot run."""
         stream = self._engine.submit(self.requests)
         unfinished = dict(self._choices)
         cause = "client_disconnected"  # why sequences were left unfinished, if they were
+        self._in_flight.add(self)
         try:
             while unfinished:
-                items = await self._next_items(stream)
-                if items is None:  # the deadline passed
-                    self.timed_out = True
-                    self._metrics.aborted.inc(("timeout",))
-                    yield [self._end(choice, FinishReason.LENGTH, unfinished) for choice in list(unfinished.values())]
+                items = None if self._interrupted else await self._next_items(stream)
+                if items is _QUIET:
+                    yield []
+                    continue
+                if items is None:  # interrupted, or the deadline passed
+                    reason = FinishReason.ABORT if self._interrupted else FinishReason.LENGTH
+                    self.timed_out = not self._interrupted
+                    self._metrics.aborted.inc(("shutdown" if self._interrupted else "timeout",))
+                    yield [self._end(choice, reason, unfinished) for choice in list(unfinished.values())]
                     return
                 if not items:  # the stream closed early: the engine is shutting down
                     cause = "engine_stopped"
@@ -108,24 +160,28 @@ class Generation:
             cause = "error"
             raise
         finally:
+            self._in_flight.discard(self)
             if unfinished:
                 self._engine.abort(list(unfinished))
                 self._metrics.aborted.inc((cause,))
             stream.close()
 
-    async def _next_items(self, stream) -> list | None:
-        """The next output and everything queued behind it; [] at end of stream, None at timeout."""
+    async def _next_items(self, stream) -> list | _Quiet | None:
+        """The next output and everything queued behind it; [] at end of stream, None at the
+        deadline or when interrupted, _QUIET when the heartbeat passed first."""
+        delay_s = None if self._deadline_s is None else self._deadline_s - self._clock()
+        heartbeat = self._heartbeat_s is not None and (delay_s is None or self._heartbeat_s < delay_s)
+        if heartbeat:
+            delay_s = self._heartbeat_s
         try:
-            if self._deadline_s is None:
+            with anyio.move_on_after(delay_s) as self._waiting:
                 first = await stream.receive()
-            else:
-                with anyio.move_on_after(self._deadline_s - self._clock()):
-                    first = await stream.receive()
-                    return self._drain(stream, first)
-                return None
+                return self._drain(stream, first)
+            return _QUIET if heartbeat and not self._interrupted else None
         except anyio.EndOfStream:
             return []
-        return self._drain(stream, first)
+        finally:
+            self._waiting = None
 
     @staticmethod
     def _drain(stream, first) -> list:
@@ -145,6 +201,7 @@ class Generation:
             choice = unfinished.get(item.seq_id)
             if choice is None:
                 continue
+            choice.num_cached_tokens = item.num_cached_tokens
             delta = choice.text.apply(item)
             num_new = len(delta.token_ids)
             if num_new:

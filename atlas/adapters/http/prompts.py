@@ -1,7 +1,8 @@
 """Prompts from requests: chat messages through the template, completion prompts, token ids.
 
-Long texts are tokenized in a worker thread so one big prompt does not stall every other
-stream on the event loop; short ones (the common case) are cheaper to do inline.
+Long texts are tokenized, and long conversations rendered, in a worker thread so one big
+prompt does not stall every other stream on the event loop; short ones (the common case) are
+cheaper to do inline.
 """
 
 from __future__ import annotations
@@ -11,25 +12,22 @@ from typing import Any
 
 import anyio
 
-from atlas.adapters.http.errors import bad_request
-from atlas.adapters.http.schemas import ChatMessage
+from atlas.adapters.http.errors import bad_request, excerpt
+from atlas.adapters.http.schemas import MAX_PROMPTS, ChatMessage
 from atlas.ports.tokenizer import ChatTemplateError, Tokenizer
 
-ROLES = ("system", "user", "assistant", "tool", "developer")
 TEXT_PART_TYPES = ("text", "input_text")
+# Template variables the server sets; chat_template_kwargs may not replace them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "tools", "add_generation_prompt")
 _INLINE_TOKENIZE_CHARS = 16_384
-_MAX_PROMPTS = 256
+_INLINE_RENDER_MESSAGES = 64
 
 
 def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as chat templates expect them: content flattened to text, `developer` as
-    `system`. 400 naming the message for an empty list, an unknown role or non-text content."""
-    if not messages:
-        raise bad_request("messages", "messages must contain at least one message")
+    `system`. 400 naming the message for non-text content (the schema checks roles and sizes)."""
     result = []
     for idx, message in enumerate(messages):
-        if message.role not in ROLES:
-            raise bad_request(f"messages[{idx}].role", f"unknown role {message.role!r}; use one of {', '.join(ROLES)}")
         content = message.content
         if isinstance(content, list):
             texts = []
@@ -37,7 +35,7 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                 if part.type not in TEXT_PART_TYPES or part.text is None:
                     raise bad_request(
                         f"messages[{idx}].content[{part_idx}]",
-                        f"content part type {part.type!r} is not supported; this model takes text only",
+                        f"content part type {excerpt(part.type)} is not supported; this model takes text only",
                     )
                 texts.append(part.text)
             content = "".join(texts)
@@ -51,29 +49,56 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             item["tool_calls"] = message.tool_calls
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
+        reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+        if reasoning:
+            item["reasoning_content"] = reasoning  # reasoning templates (Qwen3) may render it back
         result.append(item)
     return result
 
 
-def render_chat(
+async def render_chat(
     tokenizer: Tokenizer,
     messages: Sequence[ChatMessage],
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
 ) -> str:
-    """The prompt text; 400 naming `messages` when the template rejects the conversation."""
-    try:
-        return tokenizer.apply_chat_template(
-            message_dicts(messages), add_generation_prompt=add_generation_prompt, tools=tools,
-            **(template_kwargs or {}),
-        )
-    except ChatTemplateError as error:
-        raise bad_request("messages", str(error)) from None
-    except TypeError as error:  # a chat_template_kwargs key that collides with a template argument
-        raise bad_request("chat_template_kwargs", f"chat_template_kwargs cannot be applied: {error}") from None
-    except RecursionError:
-        raise bad_request("messages", "the messages or tools are nested too deeply to render") from None
+    """The prompt text of OpenAI chat messages (see `render_messages`)."""
+    return await render_messages(tokenizer, message_dicts(messages), tools, add_generation_prompt, template_kwargs)
+
+
+async def render_messages(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None,
+    messages_field: str = "messages",
+) -> str:
+    """The prompt text of template-ready message dicts; 400 naming `messages_field` when the
+    template rejects the conversation, or `chat_template_kwargs` for a key the server sets itself."""
+    kwargs = template_kwargs or {}
+    for key in RESERVED_TEMPLATE_KWARGS:
+        if key in kwargs:
+            raise bad_request("chat_template_kwargs", f"chat_template_kwargs cannot set '{key}': "
+                                                      f"send it as the request's own field")
+
+    def render() -> str:
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tools=list(tools) if tools else None, **kwargs)
+        except ChatTemplateError as error:
+            raise bad_request(messages_field, str(error)) from None
+        except TypeError:  # a key that is one of the Python method's own parameters
+            raise bad_request("chat_template_kwargs", "chat_template_kwargs has a key the chat template "
+                                                      "cannot take as a variable") from None
+        except RecursionError:
+            raise bad_request(messages_field, "the messages or tools are nested too deeply to render") from None
+
+    num_chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages)
+    if len(messages) <= _INLINE_RENDER_MESSAGES and num_chars <= _INLINE_TOKENIZE_CHARS and not tools:
+        return render()
+    return await anyio.to_thread.run_sync(render)
 
 
 async def tokenize(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -83,9 +108,10 @@ async def tokenize(tokenizer: Tokenizer, text: str, add_special_tokens: bool) ->
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:
-    for token_id in token_ids:
-        if not 0 <= token_id < vocab_size:
-            raise bad_request(param, f"token id {token_id} is outside the vocabulary (ids are 0..{vocab_size - 1})")
+    """400 naming `param` for an id outside the vocabulary (min/max first: one pass in C)."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise bad_request(param, f"token id {excerpt(bad)} is outside the vocabulary (ids are 0..{vocab_size - 1})")
 
 
 async def completion_prompts(
@@ -95,10 +121,6 @@ async def completion_prompts(
     ids or a list of such lists; 400 naming `prompt` for anything else."""
     if isinstance(prompt, str):
         return [(prompt, await tokenize(tokenizer, prompt, add_special_tokens))]
-    if not prompt:
-        raise bad_request("prompt", "prompt must not be empty")
-    if len(prompt) > _MAX_PROMPTS and not all(_is_token_id(item) for item in prompt):
-        raise bad_request("prompt", f"at most {_MAX_PROMPTS} prompts per request (got {len(prompt)})")
     if all(_is_token_id(item) for item in prompt):
         check_token_ids(prompt, vocab_size, "prompt")
         return [(None, list(prompt))]
@@ -112,6 +134,15 @@ async def completion_prompts(
         "prompt", "prompt must be a string, a list of strings, a list of token ids or a list of non-empty "
                   "token id lists",
     )
+
+
+def count_prompts(prompt: str | list[Any]) -> int:
+    """How many prompts `prompt` holds, before anything is tokenized; 400 above MAX_PROMPTS."""
+    if isinstance(prompt, str) or all(_is_token_id(item) for item in prompt):
+        return 1
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts per request (got {len(prompt)})")
+    return len(prompt)
 
 
 def _is_token_id(item: Any) -> bool:

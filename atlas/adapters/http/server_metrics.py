@@ -21,7 +21,8 @@ from atlas.domain.engine import EngineStats
 class ServerMetrics:
     """Counters and histograms the HTTP layer updates, and gauges read from the engine."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats | None], is_healthy: Callable[[], bool]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None], is_healthy: Callable[[], bool],
+                 num_in_flight: Callable[[], int]) -> None:
         self.registry = registry = MetricsRegistry()
         self._engine_stats = engine_stats
         self.requests = registry.counter(
@@ -42,8 +43,7 @@ class ServerMetrics:
         self.request_duration = registry.histogram(
             "atlas_request_duration_seconds", "Arrival to last token of a generation request", DURATION_BUCKETS_S
         )
-        self.in_flight = 0
-        registry.gauge("atlas_requests_in_flight", "Generation requests being answered now", lambda: self.in_flight)
+        registry.gauge("atlas_requests_in_flight", "Generation requests being answered now", num_in_flight)
         registry.gauge("atlas_engine_healthy", "1 when the engine is loaded and making progress",
                        lambda: 1.0 if is_healthy() else 0.0)
         self._stat_gauge("atlas_num_requests_running", "Sequences running (holding KV blocks)",
@@ -62,6 +62,10 @@ class ServerMetrics:
         self._stat_gauge("atlas_engine_steps_total", "Engine steps run", lambda s: s.num_steps, "counter")
         self._stat_gauge("atlas_preemptions_total", "Sequences preempted by recompute", lambda s: s.num_preemptions,
                          "counter")
+        self._stat_gauge("atlas_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache",
+                         lambda s: s.num_prefix_cache_queries, "counter")
+        self._stat_gauge("atlas_prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
+                         lambda s: s.num_prefix_cache_hits, "counter")
 
     def _stat_gauge(self, name: str, help_text: str, read: Callable[[EngineStats], float], kind: str = "gauge") -> None:
         def value() -> float:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import anyio
 import msgspec
 from quart import Response
 
-from atlas.adapters.http.errors import UNAVAILABLE, ApiError, bad_request
+from atlas.adapters.http.errors import UNAVAILABLE, ApiError, bad_request, excerpt
 from atlas.adapters.http.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from atlas.adapters.http.prompts import check_token_ids, render_chat, tokenize
 from atlas.adapters.http.schemas import DetokenizeRequest, TokenizeRequest
@@ -40,6 +41,10 @@ class Detokenized(msgspec.Struct):
     prompt: str
 
 
+class HealthStatus(msgspec.Struct):
+    status: str  # "ok" (/health) or "alive" (/health/live)
+
+
 def _json(payload: object, status: int = 200) -> Response:
     return Response(encode_json(payload), status, content_type=JSON)
 
@@ -52,14 +57,14 @@ def _card(state: ServerState) -> ModelCard:
     return ModelCard(model.name, model.created_s, "atlas", model.max_model_len, root)
 
 
-def list_models(state: ServerState) -> Response:
+async def list_models(state: ServerState) -> Response:
     return _json(ModelList([_card(state)]))
 
 
-def get_model(state: ServerState, model_id: str) -> Response:
+async def get_model(state: ServerState, model_id: str) -> Response:
     card = _card(state)
     if state.model is None or not state.model.accepts(model_id):
-        raise ApiError(404, f"the model '{model_id}' does not exist", "invalid_request_error", "model",
+        raise ApiError(404, f"the model {excerpt(model_id)} does not exist", "invalid_request_error", "model",
                        "model_not_found")
     return _json(card)
 
@@ -71,8 +76,8 @@ async def tokenize_endpoint(state: ServerState, body: bytes) -> Response:
     if (request.prompt is None) == (request.messages is None):
         raise bad_request("prompt", "send exactly one of 'prompt' or 'messages'")
     if request.messages is not None:
-        text = render_chat(model.tokenizer, request.messages, None, request.add_generation_prompt,
-                           request.chat_template_kwargs)
+        text = await render_chat(model.tokenizer, request.messages, None, request.add_generation_prompt,
+                                 request.chat_template_kwargs)
         add_special = bool(request.add_special_tokens)
     else:
         text = request.prompt or ""
@@ -83,20 +88,36 @@ async def tokenize_endpoint(state: ServerState, body: bytes) -> Response:
 
 
 async def detokenize_endpoint(state: ServerState, body: bytes) -> Response:
+    """`{"tokens": ids}` -> text; at most the model's context of ids."""
     request = decode_body(body, DetokenizeRequest)
     model, _ = state.ready(request.model)
+    if len(request.tokens) > model.max_model_len:
+        raise bad_request("tokens", f"at most {model.max_model_len} token ids (the model's context; "
+                                    f"got {len(request.tokens)})")
     check_token_ids(request.tokens, model.vocab_size, "tokens")
-    return _json(Detokenized(model.tokenizer.decode(request.tokens, skip_special_tokens=False)))
+    text = await anyio.to_thread.run_sync(lambda: model.tokenizer.decode(request.tokens, skip_special_tokens=False))
+    return _json(Detokenized(text))
 
 
-def health(state: ServerState) -> Response:
+async def health(state: ServerState) -> Response:
     """200 when the model is loaded and the engine makes progress; 503 saying why otherwise."""
     status = state.health()
     if status.is_healthy:
-        return _json({"status": "ok"})
-    error = ApiError(503, status.detail, UNAVAILABLE, code="loading" if not status.ready else "stalled")
+        return _json(HealthStatus("ok"))
+    code = "shutting_down" if state.shutting_down else "loading" if not status.ready else "stalled"
+    error = ApiError(503, status.detail, UNAVAILABLE, code=code)
     return Response(error.body(), 503, content_type=JSON)
 
 
-def metrics(state: ServerState) -> Response:
+async def live(state: ServerState) -> Response:
+    """200 while the process serves HTTP at all (loading, stalled or shutting down too)."""
+    return _json(HealthStatus("alive"))
+
+
+async def openapi(state: ServerState) -> Response:
+    """The OpenAPI document, with the served model's name and context once it is loaded."""
+    return Response(state.api_document.json(state.model), 200, content_type=JSON)
+
+
+async def metrics(state: ServerState) -> Response:
     return Response(state.metrics.render(), 200, content_type=METRICS_CONTENT_TYPE)

@@ -38,15 +38,19 @@ def causal_attention(
     first_position: int,
     scale: float,
     sliding_window: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: np.ndarray | None = None,
     max_tile_scores: int = MAX_TILE_SCORES,
 ) -> np.ndarray:
     """Softmax attention of one sequence's queries over its keys, causal and optionally windowed.
 
     queries [n, num_kv_heads, group, head_dim] float32, query i at position first_position + i;
     keys, values [context_len, num_kv_heads, head_dim] float32, key j at position j. Query at p
-    sees keys j with p - sliding_window < j <= p (all j <= p without a window). Returns
-    [n, num_kv_heads, group, head_dim] float32. Raises ValueError when the queries' positions
-    run past the keys.
+    sees keys j with p - sliding_window < j <= p (all j <= p without a window). Scores are
+    scale x q.k, soft-capped to cap x tanh(score / cap) with `logit_softcap`; `sinks`
+    [num_kv_heads, group] adds one logit per head to the softmax's denominator (and to nothing
+    else). Returns [n, num_kv_heads, group, head_dim] float32. Raises ValueError when the
+    queries' positions run past the keys.
     """
     num_queries, num_kv_heads, group, head_dim = queries.shape
     if first_position < 0 or first_position + num_queries > keys.shape[0]:
@@ -61,6 +65,7 @@ def causal_attention(
     keys_t = keys.transpose(1, 2, 0)  # [num_kv_heads, head_dim, L]
     values_h = values.transpose(1, 0, 2)  # [num_kv_heads, L, head_dim]
     out = np.empty((num_kv_heads, group, num_queries, head_dim), np.float32)
+    sink_logits = None if sinks is None else np.asarray(sinks, np.float32).reshape(num_kv_heads, group, 1, 1)
     rows_per_tile = _tile_rows(num_kv_heads * group, first_position + num_queries, max_tile_scores)
     for row_start in range(0, num_queries, rows_per_tile):
         row_stop = min(num_queries, row_start + rows_per_tile)
@@ -70,10 +75,20 @@ def causal_attention(
         tile_queries = grouped[:, :, row_start:row_stop].reshape(num_kv_heads, -1, head_dim)
         scores = np.matmul(tile_queries, keys_t[:, :, key_start:key_stop])  # [Hkv, G * rows, keys]
         scores = scores.reshape(num_kv_heads, group, row_stop - row_start, key_stop - key_start)
+        if logit_softcap is not None:
+            cap = np.float32(logit_softcap)
+            scores /= cap
+            np.tanh(scores, out=scores)
+            scores *= cap
         _mask(scores, np.arange(first, last + 1), key_start, sliding_window)
-        scores -= scores.max(axis=-1, keepdims=True)
+        peak = scores.max(axis=-1, keepdims=True)  # [Hkv, G, rows, 1]
+        if sinks is not None:
+            peak = np.maximum(peak, sink_logits)
+        scores -= peak
         np.exp(scores, out=scores)
-        sums = scores.sum(axis=-1, keepdims=True)  # [Hkv, G, rows, 1]
+        sums = scores.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            sums += np.exp(sink_logits - peak)
         tile_out = np.matmul(scores.reshape(num_kv_heads, -1, key_stop - key_start), values_h[:, key_start:key_stop])
         # Normalising after the product divides rows x D numbers instead of rows x keys.
         out[:, :, row_start:row_stop] = tile_out.reshape(num_kv_heads, group, -1, head_dim) / sums

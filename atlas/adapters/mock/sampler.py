@@ -1,4 +1,4 @@
-"""The mock backend's `sample` op: the numpy reference of `SamplingTensors`' rules.
+"""The mock's sampling kind: the numpy reference of `SamplingTensors`' rules.
 
 Rows are processed as `SamplingTensors` documents: penalties, logit bias, temperature, top-k,
 top-p, min-p, then a Gumbel-max race on the counter-based stream of `atlas.domain.sampling`.
@@ -22,10 +22,16 @@ vocabulary; a filtered row races only over the tokens it keeps, found with a par
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from atlas.adapters.mock.tensor import MockTensor
 from atlas.domain.sampling import PackedSampling, neg_gumbel, stream_keys
+from atlas.ports.kernels.sampling import LogprobsOut, SamplingTensors
+
+if TYPE_CHECKING:
+    from atlas.adapters.mock.backend import MockGpuBackend
 
 # First guess of how many tokens a top-p nucleus holds; grown 8x until the mass suffices.
 _NUCLEUS_FIRST_GUESS = 256
@@ -232,3 +238,48 @@ def _top_ids(logits: np.ndarray, k: int) -> np.ndarray:
     order = np.lexsort((ids, -logits[rows, ids], rows))
     row_starts = np.searchsorted(rows, np.arange(num_rows))  # flatnonzero yields rows in order
     return ids[order][row_starts[:, None] + np.arange(k)]
+
+
+class MockSampling:
+    """`SamplingKernels` over `sample_rows`."""
+
+    def __init__(self, backend: MockGpuBackend) -> None:
+        self._backend = backend
+
+    def sample(
+        self,
+        logits: MockTensor,
+        params: SamplingTensors,
+        out_token_ids: MockTensor,
+        logprobs: LogprobsOut | None = None,
+    ) -> None:
+        self._backend.enter("sampling.sample")
+        packed = PackedSampling(
+            temperature=params.temperature.data,
+            top_k=params.top_k.data,
+            top_p=params.top_p.data,
+            min_p=params.min_p.data,
+            seeds=params.seeds.data,
+            counters=params.counters.data,
+            repetition_penalty=params.repetition_penalty.data,
+            presence_penalty=params.presence_penalty.data,
+            frequency_penalty=params.frequency_penalty.data,
+            penalty_offsets=params.penalty_offsets.data,
+            penalty_token_ids=params.penalty_token_ids.data,
+            penalty_output_counts=params.penalty_output_counts.data,
+            bias_offsets=params.bias_offsets.data,
+            bias_token_ids=params.bias_token_ids.data,
+            bias_values=params.bias_values.data,
+            num_rows=params.num_rows,
+            all_greedy=params.all_greedy,
+            any_penalties=params.any_penalties,
+            any_bias=params.any_bias,
+        )
+        num_top = logprobs.num_top if logprobs is not None else None
+        result = sample_rows(logits.as_f32()[: params.num_rows], packed, num_top)
+        out_token_ids.data[: params.num_rows] = result.token_ids
+        if logprobs is not None:
+            logprobs.sampled.data[: params.num_rows] = result.sampled_logprobs
+            if logprobs.num_top:
+                logprobs.top_ids.data[: params.num_rows] = result.top_ids
+                logprobs.top_logprobs.data[: params.num_rows] = result.top_logprobs

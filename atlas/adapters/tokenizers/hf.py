@@ -24,6 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from atlas.ports.tokenizer import ChatTemplateError
 
+_PROBE_TOOL_NAME = "atlas_probe_tool_7f3c"
 SPECIAL_TOKEN_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -53,6 +54,31 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
 
 def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat message as HF templates read it: tool call arguments given as a JSON string (the
+    OpenAI wire form) become the dict they encode; anything else passes unchanged."""
+    result = dict(message)
+    tool_calls = message.get("tool_calls")
+    if isinstance(tool_calls, list):
+        result["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
+    return result
+
+
+def _template_tool_call(call: Any) -> Any:
+    if not isinstance(call, Mapping) or not isinstance(call.get("function"), Mapping):
+        return call
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            decoded = json.loads(arguments)
+        except json.JSONDecodeError:
+            decoded = None
+        if isinstance(decoded, dict):
+            function["arguments"] = decoded
+    return {**call, "function": function}
 
 
 def make_template_environment() -> ImmutableSandboxedEnvironment:
@@ -217,13 +243,16 @@ class HfTokenizer:
         **template_kwargs: Any,
     ) -> str:
         """Render `messages` with the model's template (the "tool_use" one when tools are given
-        and the model has it). Raises ChatTemplateError when there is no template, and with the
-        template's own message when it rejects the conversation."""
+        and the model has it). Assistant `tool_calls` reach the template with their `arguments`
+        as a dict (templates write `arguments | tojson` or iterate its items), as Hugging Face
+        chat templates expect; `role: tool` messages pass as they are. Raises ChatTemplateError
+        when there is no template, and with the template's own message when it rejects the
+        conversation."""
         template = self._template(tool_use=bool(tools))
         variables = {
             **self.special_tokens,
             **template_kwargs,
-            "messages": [dict(message) for message in messages],
+            "messages": [template_message(message) for message in messages],
             "tools": [dict(tool) for tool in tools] if tools else None,
             "add_generation_prompt": add_generation_prompt,
         }
@@ -236,18 +265,44 @@ class HfTokenizer:
                 f"the chat template failed on these messages: {type(exc).__name__}: {exc}"
             ) from None
 
-    def _template(self, tool_use: bool) -> jinja2.Template:
+    @cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template writes the tool definitions into the prompt.
+
+        Found by rendering one user message with a probe tool: a template that ignores `tools`
+        (SmolLM2's) leaves the probe's name out. False when there is no template or it fails.
+        """
+        probe = {"type": "function", "function": {"name": _PROBE_TOOL_NAME, "description": "probe",
+                                                  "parameters": {"type": "object", "properties": {}}}}
+        try:
+            prompt = self.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe])
+        except ChatTemplateError:
+            return False
+        return _PROBE_TOOL_NAME in prompt
+
+    def chat_template_source(self, tool_use: bool = False) -> str | None:
+        """The source of the template `apply_chat_template` renders with (the "tool_use" one
+        when `tool_use` and the model has it), or None when the model has no template; the
+        server reads the tool-call and reasoning markup it writes from it."""
+        name = self._template_name(tool_use)
+        return self.chat_templates[name] if name is not None else None
+
+    def _template_name(self, tool_use: bool) -> str | None:
         if not self.chat_templates:
+            return None
+        if tool_use and "tool_use" in self.chat_templates:
+            return "tool_use"
+        if "default" in self.chat_templates:
+            return "default"
+        return next(iter(self.chat_templates))
+
+    def _template(self, tool_use: bool) -> jinja2.Template:
+        name = self._template_name(tool_use)
+        if name is None:
             raise ChatTemplateError(
                 f"{self.name} has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); "
                 "use the completions endpoint with a plain prompt, or add a template to the model folder"
             )
-        if tool_use and "tool_use" in self.chat_templates:
-            name = "tool_use"
-        elif "default" in self.chat_templates:
-            name = "default"
-        else:
-            name = next(iter(self.chat_templates))
         if name not in self._template_cache:
             try:
                 self._template_cache[name] = make_template_environment().from_string(self.chat_templates[name])

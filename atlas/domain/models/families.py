@@ -1,18 +1,33 @@
-"""Which loader builds which `architectures` entry of config.json."""
+"""Which loader builds which `architectures` entry of config.json, and the kinds it needs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from atlas.domain.models import llama
+from atlas.domain.models import gemma3, gpt_oss, llama, qwen3_moe, qwen3_next
 from atlas.domain.models.config import ModelConfig
-from atlas.domain.models.transformer import Transformer
-from atlas.ports.gpu import GpuBackend
+from atlas.domain.models.model import Model
+from atlas.ports.gpu import GpuBackend, Kind, require_kinds
 from atlas.ports.weights import WeightSource
 
-Loader = Callable[..., Transformer]
 
-_LOADERS: dict[str, Loader] = {name: llama.load_llama_family for name in llama.ARCHITECTURES}
+@dataclass(frozen=True, slots=True)
+class Family:
+    """A loader and the kernel kinds the models it builds call (sampling aside: every model
+    samples)."""
+
+    kinds: Callable[[ModelConfig], frozenset[Kind]]
+    load: Callable[..., Model]
+
+
+_FAMILIES: dict[str, Family] = {
+    **{name: Family(llama.kinds, llama.load_llama_family) for name in llama.ARCHITECTURES},
+    **{name: Family(qwen3_moe.kinds, qwen3_moe.load_qwen3_moe) for name in qwen3_moe.ARCHITECTURES},
+    **{name: Family(gemma3.kinds, gemma3.load_gemma3) for name in gemma3.ARCHITECTURES},
+    **{name: Family(gpt_oss.kinds, gpt_oss.load_gpt_oss) for name in gpt_oss.ARCHITECTURES},
+    **{name: Family(qwen3_next.kinds, qwen3_next.load_qwen3_next) for name in qwen3_next.ARCHITECTURES},
+}
 
 
 class UnsupportedArchitectureError(ValueError):
@@ -20,12 +35,12 @@ class UnsupportedArchitectureError(ValueError):
 
 
 def supported_architectures() -> tuple[str, ...]:
-    return tuple(sorted(_LOADERS))
+    return tuple(sorted(_FAMILIES))
 
 
 def check_supported(config: ModelConfig) -> None:
     """Raise before any weight is read when the architecture has no loader."""
-    if config.architecture not in _LOADERS:
+    if config.architecture not in _FAMILIES:
         raise UnsupportedArchitectureError(
             f"architecture {config.architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
         )
@@ -37,10 +52,14 @@ def load_model(
     backend: GpuBackend,
     max_positions: int,
     progress: Callable[[int, int], None] | None = None,
-) -> Transformer:
-    """Build the model for `config` on `backend`; see `check_supported` for the error."""
+) -> Model:
+    """Build the model for `config` on `backend`. Before any weight is read, raises
+    `UnsupportedArchitectureError` (see `check_supported`) or `MissingKindError` naming the
+    kernel kinds the model needs and the backend lacks."""
     check_supported(config)
-    return _LOADERS[config.architecture](config, weights, backend, max_positions, progress)
+    family = _FAMILIES[config.architecture]
+    require_kinds(backend, family.kinds(config) | {Kind.SAMPLING}, config.architecture)
+    return family.load(config, weights, backend, max_positions, progress)
 
 
 def kv_cache_scales(config: ModelConfig, weights: WeightSource) -> tuple[tuple[float, float], ...]:

@@ -1,27 +1,27 @@
 """The Llama family loader: Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5 and Qwen3.
 
-They share one layer shape (RMSNorm, RoPE, GQA attention, SwiGLU MLP); the differences are
-data: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), a sliding window (Mistral v0.1),
-tied embeddings (small models), RoPE scaling (Llama 3.1). This module maps Hugging Face tensor
-names onto the generic `DecoderLayer`, fusing q/k/v and gate/up into single projections.
+Every layer is an attention mixer times a dense GLU; the differences are data: q/k/v biases
+(Qwen2), per-head q/k RMSNorm (Qwen3), a sliding window (Mistral v0.1), tied embeddings (small
+models), RoPE scaling (Llama 3.1). This module maps Hugging Face tensor names onto those layer
+kinds, fusing q/k/v and gate/up into single projections; the backend prepares each.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import numpy as np
-
-from atlas.domain.models.config import ModelConfig, ModelConfigError
+from atlas.domain.models import decoder
+from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, group_caches, locate
+from atlas.domain.models.checkpoint import CheckpointReader
+from atlas.domain.models.config import ModelConfig
+from atlas.domain.models.feed_forward import DenseFeedForward
+from atlas.domain.models.layers import Layer
+from atlas.domain.models.mixers import AttentionMixer
+from atlas.domain.models.quantization_config import read_quantization
+from atlas.domain.models.model import Model
 from atlas.domain.models.rope import rope_table
-from atlas.domain.models.transformer import (
-    AttentionWeights,
-    DecoderLayer,
-    MlpWeights,
-    Transformer,
-    fold_norm_weights,
-)
-from atlas.ports.gpu import Activation, DType, GpuBackend, Tensor
+from atlas.ports.gpu import DType, GpuBackend, Kind, Tensor
+from atlas.ports.kernels.attention import AttentionLayer, HeadLayout, HostAttention
+from atlas.ports.kernels.dense import HostProjection, HostVocab
+from atlas.ports.kernels.host_weights import Activation, HostLinear
 from atlas.ports.weights import WeightError, WeightSource
 
 ARCHITECTURES = (
@@ -31,37 +31,10 @@ ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
-ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}
 
-ProgressCallback = Callable[[int, int], None]
-
-
-class _Uploader:
-    """Reads tensors by name, checks their shapes, converts to the weight dtype and uploads."""
-
-    def __init__(self, weights: WeightSource, backend: GpuBackend, dtype: DType) -> None:
-        self.weights = weights
-        self.backend = backend
-        self.dtype = dtype
-
-    def host(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in self.weights:
-            raise WeightError(
-                f"the checkpoint has no tensor {name!r}: the model folder is incomplete or does not match config.json"
-            )
-        array = self.weights.get(name)
-        if tuple(array.shape) != shape:
-            raise WeightError(f"tensor {name!r} has shape {tuple(array.shape)}, config.json implies {shape}")
-        return array
-
-    def tensor(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        return self.backend.upload(self.host(name, shape), self.dtype)
-
-    def stacked(self, names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> Tensor:
-        return self.backend.upload(np.concatenate([self.host(n, s) for n, s in names_and_shapes], axis=0), self.dtype)
-
-    def optional(self, name: str, shape: tuple[int, ...]) -> Tensor | None:
-        return self.tensor(name, shape) if name in self.weights else None
+def kinds(config: ModelConfig) -> frozenset[Kind]:
+    """The kernel kinds a model of this family calls."""
+    return frozenset({Kind.DENSE, Kind.ATTENTION})
 
 
 def load_llama_family(
@@ -69,76 +42,87 @@ def load_llama_family(
     weights: WeightSource,
     backend: GpuBackend,
     max_positions: int,
-    progress: ProgressCallback | None = None,
-) -> Transformer:
-    """Build a `Transformer` from a Llama-family checkpoint; raises WeightError naming a bad tensor."""
-    activation = ACTIVATIONS.get(config.hidden_act)
-    if activation is None:
-        raise ModelConfigError(f"hidden_act {config.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    upload = _Uploader(weights, backend, DType.BF16)
-    hidden = config.hidden_size
+    progress: decoder.ProgressCallback | None = None,
+) -> Model:
+    """Build a `Model` from a Llama-family checkpoint (float, or FP8 projections as
+    config.json's quantization_config describes them); raises WeightError naming a bad tensor."""
+    activation = decoder.activation(config)
+    reader = CheckpointReader(weights, read_quantization(config.raw))
+    hidden, eps = config.hidden_size, config.rms_norm_eps
     total_steps = config.num_layers + 2
-
-    embedding = upload.tensor("model.embed_tokens.weight", (config.vocab_size, hidden))
+    groups = group_caches([KvShape(config.num_kv_heads, config.head_dim, config.sliding_window)] * config.num_layers)
+    table = backend.upload(rope_table(config, max_positions), DType.F32)
     layers = []
     for index in range(config.num_layers):
-        layers.append(_layer(config, upload, index, activation))
+        layers.append(_layer(config, reader, backend, index, activation, table, groups))
         if progress:
             progress(index + 1, total_steps)
 
-    final_norm = upload.tensor("model.norm.weight", (hidden,))
-    if config.tie_word_embeddings:
-        lm_head = embedding
-    elif "lm_head.weight" in weights:
-        lm_head = upload.tensor("lm_head.weight", (config.vocab_size, hidden))
-    else:
-        raise WeightError("the checkpoint has no lm_head.weight and config.json does not tie word embeddings")
-    table = backend.upload(rope_table(config, max_positions), DType.F32)
-    layers, folded_final_norm = fold_norm_weights(backend, layers, final_norm, lm_head, embedding)
+    lm_head: HostLinear | None = None
+    if not config.tie_word_embeddings:
+        if "lm_head.weight" not in reader:
+            raise WeightError("the checkpoint has no lm_head.weight and config.json does not tie word embeddings")
+        lm_head = reader.linear("lm_head", config.vocab_size, hidden)
+    vocab = backend.dense.prepare_vocab(
+        HostVocab(
+            embedding=reader.array("model.embed_tokens.weight", (config.vocab_size, hidden)),
+            final_norm=reader.norm("model.norm.weight", hidden, eps),
+            lm_head=lm_head,
+        )
+    )
     if progress:
         progress(total_steps, total_steps)
-    return Transformer(config, backend, embedding, layers, folded_final_norm, lm_head, table)
+    return Model(backend, vocab, layers, groups, hidden, config.vocab_size)
 
 
-def _layer(config: ModelConfig, upload: _Uploader, index: int, activation: Activation) -> DecoderLayer:
+def _layer(
+    config: ModelConfig,
+    reader: CheckpointReader,
+    backend: GpuBackend,
+    index: int,
+    activation: Activation,
+    table: Tensor,
+    groups: tuple[CacheGroupSpec, ...],
+) -> Layer:
     prefix = f"model.layers.{index}"
-    hidden, head_dim = config.hidden_size, config.head_dim
-    q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    hidden, head_dim, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
+    heads = HeadLayout(config.num_heads, config.num_kv_heads, head_dim)
     projections = [
-        (f"{prefix}.self_attn.q_proj", q_size),
-        (f"{prefix}.self_attn.k_proj", kv_size),
-        (f"{prefix}.self_attn.v_proj", kv_size),
+        (f"{prefix}.self_attn.q_proj", heads.q_size),
+        (f"{prefix}.self_attn.k_proj", heads.kv_size),
+        (f"{prefix}.self_attn.v_proj", heads.kv_size),
     ]
-    qkv = upload.stacked([(f"{name}.weight", (rows, hidden)) for name, rows in projections])
-    qkv_bias = None
-    if config.attention_bias:
-        qkv_bias = upload.stacked([(f"{name}.bias", (rows,)) for name, rows in projections])
+    qkv = reader.stacked_linear(projections, hidden, bias=config.attention_bias)
     q_norm = k_norm = None
     if config.qk_norm:
-        q_norm = upload.tensor(f"{prefix}.self_attn.q_norm.weight", (head_dim,))
-        k_norm = upload.tensor(f"{prefix}.self_attn.k_norm.weight", (head_dim,))
-    attention = AttentionWeights(
-        qkv=qkv,
-        qkv_bias=qkv_bias,
-        output=upload.tensor(f"{prefix}.self_attn.o_proj.weight", (hidden, q_size)),
-        q_norm=q_norm,
-        k_norm=k_norm,
+        q_norm = reader.norm(f"{prefix}.self_attn.q_norm.weight", head_dim, eps)
+        k_norm = reader.norm(f"{prefix}.self_attn.k_norm.weight", head_dim, eps)
+    group, cache_layer = locate(groups, index)
+    window = config.sliding_window
+    spec = AttentionLayer(heads, cache_layer, scale=head_dim**-0.5, rope_table=table, sliding_window=window)
+    host = HostAttention(reader.norm(f"{prefix}.input_layernorm.weight", hidden, eps), qkv, q_norm, k_norm)
+    dense = backend.dense
+    mixer = AttentionMixer(
+        spec=spec,
+        group=group,
+        attention=backend.attention.prepare(host, spec),
+        output=dense.prepare(HostProjection(reader.linear(f"{prefix}.self_attn.o_proj", hidden, heads.q_size))),
+        hidden_size=hidden,
     )
     intermediate = config.intermediate_size
-    mlp = MlpWeights(
-        gate_up=upload.stacked(
-            [
-                (f"{prefix}.mlp.gate_proj.weight", (intermediate, hidden)),
-                (f"{prefix}.mlp.up_proj.weight", (intermediate, hidden)),
-            ]
+    gate_up = reader.stacked_linear(
+        [(f"{prefix}.mlp.gate_proj", intermediate), (f"{prefix}.mlp.up_proj", intermediate)], hidden
+    )
+    feed_forward = DenseFeedForward(
+        gate_up=dense.prepare(
+            HostProjection(
+                gate_up,
+                input_norm=reader.norm(f"{prefix}.post_attention_layernorm.weight", hidden, eps),
+                activation=activation,
+            )
         ),
-        down=upload.tensor(f"{prefix}.mlp.down_proj.weight", (hidden, intermediate)),
-        activation=activation,
+        down=dense.prepare(HostProjection(reader.linear(f"{prefix}.mlp.down_proj", hidden, intermediate))),
+        intermediate_size=intermediate,
+        hidden_size=hidden,
     )
-    return DecoderLayer(
-        input_norm=upload.tensor(f"{prefix}.input_layernorm.weight", (hidden,)),
-        attention=attention,
-        post_attention_norm=upload.tensor(f"{prefix}.post_attention_layernorm.weight", (hidden,)),
-        mlp=mlp,
-        sliding_window=config.sliding_window,
-    )
+    return Layer(mixer, feed_forward)

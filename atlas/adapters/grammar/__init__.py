@@ -1,0 +1,1 @@
+"""Grammar adapters: constraint specs compiled for a tokenizer (llguidance)."""

@@ -1,0 +1,201 @@
+"""The grammar port on llguidance: Earley parsing over a token trie, masks computed in Rust.
+
+llguidance reads the tokenizer from its tokenizer.json text (byte-level BPE, SentencePiece
+byte fallback and added tokens handled on its side) and writes a mask as 32 allowed-bits per
+int32 word, the layout `atlas.ports.grammar` fixes. Computing a mask drops the GIL, so a worker
+thread can fill the next step's masks while the device runs the current one, and
+`fill_bitmasks` spreads a batch over llguidance's own thread pool.
+
+JSON comes out in json.dumps' compact style (", " and ": ", no other whitespace): it is what
+models write, and a model cannot loop on whitespace inside a value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import llguidance
+import numpy as np
+
+from atlas.adapters.grammar.tool_call_grammars import JSON_STYLE, tool_call_lark
+from atlas.ports.grammar import (
+    Choice,
+    ConstraintSpec,
+    ForcedToolCalls,
+    Grammar,
+    GrammarError,
+    GrammarMatcher,
+    JsonObject,
+    JsonSchema,
+    Regex,
+)
+
+
+class LlguidanceMatcher:
+    """One sequence's llguidance matcher (the `GrammarMatcher` port)."""
+
+    __slots__ = ("_matcher", "_num_words", "_num_accepted")
+
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int, num_accepted: int = 0) -> None:
+        self._matcher = matcher
+        self._num_words = num_words  # ceil(V / 32)
+        self._num_accepted = num_accepted
+
+    @property
+    def native(self) -> llguidance.LLMatcher:
+        """The llguidance matcher (for the batched fill)."""
+        return self._matcher
+
+    def fill_bitmask(self, bitmask_row: np.ndarray) -> None:
+        """Write the allowed next tokens into an int32 row; ValueError on a wrong row."""
+        if (bitmask_row.dtype != np.int32 or bitmask_row.shape != (self._num_words,)
+                or not bitmask_row.flags.c_contiguous):
+            raise ValueError(f"bitmask_row: expected C-contiguous int32 [{self._num_words}], got "
+                             f"{bitmask_row.dtype} {list(bitmask_row.shape)}")
+        self._matcher.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance past `token_id`; False when the grammar forbids it (the matcher stays broken)."""
+        if not self._matcher.consume_token(token_id):
+            return False
+        self._num_accepted += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` tokens; ValueError past the start."""
+        if not 0 <= num_tokens <= self._num_accepted:
+            raise ValueError(f"rollback: {num_tokens} tokens asked back, {self._num_accepted} accepted")
+        if num_tokens and not self._matcher.rollback(num_tokens):
+            raise ValueError(f"rollback: llguidance refused ({self._matcher.get_error()})")
+        self._num_accepted -= num_tokens
+
+    def fork(self) -> LlguidanceMatcher:
+        return LlguidanceMatcher(self._matcher.deep_copy(), self._num_words, self._num_accepted)
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._matcher.is_accepting()
+
+    @property
+    def is_finished(self) -> bool:
+        return self._matcher.is_stopped()
+
+
+class LlguidanceGrammar:
+    """A validated grammar (the `CompiledGrammar` port)."""
+
+    __slots__ = ("_tokenizer", "_grammar", "_field", "_num_words")
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._grammar = grammar
+        self._field = field
+        self._num_words = (vocab_size + 31) // 32
+
+    def new_matcher(self) -> LlguidanceMatcher:
+        """A matcher at the start; GrammarError if llguidance rejects the (validated) grammar."""
+        matcher = llguidance.LLMatcher(self._tokenizer, self._grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(self._field, matcher.get_error())
+        return LlguidanceMatcher(matcher, self._num_words)
+
+
+class LlguidanceCompiler:
+    """Compiles constraint specs for one tokenizer (the `GrammarCompiler` port).
+
+    `tokenizer_json` is the text of the model's tokenizer.json; `vocab_size` the logit width
+    (a model may have more embedding rows than tokens; those ids are never allowed).
+    `token_id` looks up a special token's id by its text (None when the vocabulary lacks it).
+    Building the token trie takes a fraction of a second: make one compiler per model.
+    """
+
+    def __init__(
+        self,
+        tokenizer_json: str,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        token_id: Callable[[str], int | None],
+        num_threads: int | None = None,
+    ) -> None:
+        if not eos_token_ids:
+            raise ValueError("eos_token_ids: a grammar needs the end-of-sequence ids to end the output")
+        self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+        self._vocab_size = vocab_size
+        self._token_id = token_id
+        self._num_threads = num_threads
+        self._executor: llguidance.LLExecutor | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def compile(self, spec: ConstraintSpec, field: str) -> LlguidanceGrammar:
+        """Validate `spec`; GrammarError naming `field` when it is invalid."""
+        grammar = self._grammar_text(spec, field)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
+        if is_error:
+            raise GrammarError(field, _first_line(messages[0]) if messages else "invalid grammar")
+        if isinstance(spec, JsonSchema) and spec.strict and messages:
+            raise GrammarError(field, f"strict schema uses unsupported features: {'; '.join(messages)}")
+        return LlguidanceGrammar(self._tokenizer, grammar, field, self._vocab_size)
+
+    def fill_bitmasks(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        """Fill the named rows of an int32 [R, W] bitmask on llguidance's thread pool."""
+        num_words = (self._vocab_size + 31) // 32
+        if (bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[1] != num_words
+                or not bitmask.flags.c_contiguous):
+            raise ValueError(f"bitmask: expected C-contiguous int32 [R, {num_words}], got {bitmask.dtype} "
+                             f"{list(bitmask.shape)}")
+        if not rows:
+            return
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor(self._num_threads)
+        native = []
+        for matcher, row in rows:
+            if not isinstance(matcher, LlguidanceMatcher):
+                raise TypeError("fill_bitmasks: matchers must come from this compiler")
+            if not 0 <= row < bitmask.shape[0]:
+                raise ValueError(f"fill_bitmasks: row {row} outside the bitmask's {bitmask.shape[0]} rows")
+            native.append((matcher.native, row))
+        self._executor.unsafe_compute_mask_ptr(native, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
+
+    # -- specs to llguidance grammars ----------------------------------------------------------
+
+    def _grammar_text(self, spec: ConstraintSpec, field: str) -> str:
+        try:
+            if isinstance(spec, JsonSchema):
+                return _json_schema_grammar(spec.schema, lenient=not spec.strict)
+            if isinstance(spec, JsonObject):
+                return _json_schema_grammar({"type": "object"}, lenient=False)
+            if isinstance(spec, Regex):
+                return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
+            if isinstance(spec, Choice):
+                if not spec.choices:
+                    raise GrammarError(field, "choice needs at least one option")
+                return llguidance.grammar_from("choice", list(spec.choices))
+            if isinstance(spec, Grammar):
+                return llguidance.grammar_from("grammar", spec.source)
+            if isinstance(spec, ForcedToolCalls):
+                return llguidance.LLMatcher.grammar_from_lark(
+                    tool_call_lark(spec, self._special_token, self._token_id("[ARGS]") is not None)
+                )
+        except (ValueError, TypeError) as exc:
+            if isinstance(exc, GrammarError):
+                raise
+            raise GrammarError(field, _first_line(str(exc))) from None
+        raise TypeError(f"not a constraint spec: {type(spec).__name__}")
+
+    def _special_token(self, text: str) -> str:
+        token_id = self._token_id(text)
+        return f"<[{token_id}]>" if token_id is not None else f'"{text}"'
+
+
+def _json_schema_grammar(schema: Mapping[str, Any], lenient: bool) -> str:
+    if not isinstance(schema, Mapping):
+        raise ValueError("the schema must be a JSON object")
+    return llguidance.LLMatcher.grammar_from_json_schema(dict(schema), overrides={**JSON_STYLE, "lenient": lenient})
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else message

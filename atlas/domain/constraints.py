@@ -1,0 +1,259 @@
+"""Per-sequence token constraints: a reasoning phase with its budget, then a grammar.
+
+A constrained sequence goes through up to four phases, one token at a time:
+
+    OPENING ──<think>──> REASONING ──budget──> CLOSING ──forced end──> ANSWER (grammar)
+       │                     │                    ^                      ^
+       │                     └──</think>──────────┘ (the padding after   │
+       │                                             the tag, if a       │
+       │                                             grammar follows)    │
+       └──────────────────── any other first token ──────────────────────┘
+    (starts in REASONING when the template opened the block; in ANSWER when thinking is off)
+
+OPENING is the first token only: the model may open a reasoning block (the grammar's mask
+plus the start token) or begin the answer. REASONING is free text, counted against the
+budget. CLOSING forces a fixed token sequence through a one-bit mask. ANSWER follows the
+grammar, or is free without one.
+
+The engine drives it per step, with the mask computation off the device's critical path:
+
+    after step N-1's tokens are accepted:   fill_batch_bitmask(constraints, bitmask [R, W])
+    (on a worker thread, while the device runs step N's forward; llguidance drops the GIL)
+    the sampler of step N applies the uploaded bitmask;  then  constraint.accept(token)
+
+Rows that need no mask are all ones, and `fill_batch_bitmask` says whether any row needed
+one, so a step with no constrained row ships no mask at all.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import Enum
+
+import numpy as np
+
+from atlas.domain.reasoning_budget import ReasoningMarkers
+from atlas.domain.token_mask import ALL_ALLOWED, allow, allow_only
+from atlas.ports.grammar import GrammarCompiler, GrammarMatcher
+
+DEFAULT_MAX_ROLLBACK_TOKENS = 64
+
+
+class ConstraintViolation(ValueError):
+    """A token the constraint did not allow was accepted (a sampler that ignored the mask)."""
+
+
+class _Phase(Enum):
+    OPENING = "opening"
+    REASONING = "reasoning"
+    CLOSING = "closing"
+    ANSWER = "answer"
+
+
+@dataclass(frozen=True, slots=True)
+class _State:
+    phase: _Phase
+    num_reasoning_tokens: int = 0
+    forced_token_ids: tuple[int, ...] = ()
+    num_forced: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedToken:
+    """The next token is fixed."""
+
+    token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarTokens:
+    """The next token is one the grammar allows, or one of `extra_token_ids`."""
+
+    matcher: GrammarMatcher
+    extra_token_ids: tuple[int, ...] = ()
+
+
+NextTokenRule = ForcedToken | GrammarTokens | None  # None: any token
+
+
+class TokenConstraint:
+    """What one sequence may sample next, advanced token by token (see the module doc).
+
+    `thinking_budget` None means no limit; 0 ends a block as soon as it opens. Up to
+    `max_rollback_tokens` accepted tokens can be rolled back (rejected speculative drafts).
+    """
+
+    __slots__ = ("_grammar", "_markers", "_budget", "_state", "_history")
+
+    def __init__(
+        self,
+        grammar: GrammarMatcher | None,
+        markers: ReasoningMarkers | None = None,
+        starts_in_reasoning: bool = False,
+        thinking_budget: int | None = None,
+        max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS,
+    ) -> None:
+        if thinking_budget is not None and thinking_budget < 0:
+            raise ValueError(f"thinking_budget: must be >= 0 (got {thinking_budget})")
+        self._grammar = grammar
+        self._markers = markers
+        self._budget = thinking_budget
+        self._history: deque[tuple[_State, bool]] = deque(maxlen=max_rollback_tokens)
+        if markers is None:
+            self._state = _State(_Phase.ANSWER)
+        elif starts_in_reasoning:
+            self._state = self._checked_budget(_State(_Phase.REASONING))
+        else:
+            self._state = _State(_Phase.OPENING)
+
+    @property
+    def in_reasoning(self) -> bool:
+        """True while the reasoning block is open (its end tag not yet accepted)."""
+        state = self._state
+        if state.phase is _Phase.CLOSING:
+            assert self._markers is not None
+            return self._markers.end_token_id in state.forced_token_ids[state.num_forced :]
+        return state.phase is _Phase.REASONING
+
+    @property
+    def grammar_finished(self) -> bool:
+        """True when a grammar is complete: only end-of-sequence may follow."""
+        return self._state.phase is _Phase.ANSWER and self._grammar is not None and self._grammar.is_finished
+
+    def next_token_rule(self) -> NextTokenRule:
+        """What the next token must satisfy."""
+        state = self._state
+        if state.phase is _Phase.CLOSING:
+            return ForcedToken(state.forced_token_ids[state.num_forced])
+        if self._grammar is None or state.phase is _Phase.REASONING:
+            return None
+        if state.phase is _Phase.OPENING:
+            assert self._markers is not None
+            return GrammarTokens(self._grammar, (self._markers.start_token_id,))
+        return GrammarTokens(self._grammar)
+
+    def mask_for_next(self, bitmask_row: np.ndarray) -> bool:
+        """Write the allowed next tokens into `bitmask_row` (int32 [ceil(V / 32)]).
+
+        Returns False, leaving the row untouched, when any token may follow.
+        """
+        rule = self.next_token_rule()
+        if rule is None:
+            return False
+        if isinstance(rule, ForcedToken):
+            allow_only(bitmask_row, (rule.token_id,))
+        else:
+            rule.matcher.fill_bitmask(bitmask_row)
+            allow(bitmask_row, rule.extra_token_ids)
+        return True
+
+    def accept(self, token_id: int) -> None:
+        """Advance past the sampled `token_id`.
+
+        Raises ConstraintViolation when the token was not allowed (the state is unchanged,
+        except a grammar that rejected the token stays broken).
+        """
+        before = self._state
+        consumed_by_grammar = False
+        if before.phase is _Phase.OPENING:
+            assert self._markers is not None
+            if token_id == self._markers.start_token_id:
+                self._state = self._checked_budget(_State(_Phase.REASONING))
+            else:
+                consumed_by_grammar = self._answer(token_id)
+                self._state = _State(_Phase.ANSWER)
+        elif before.phase is _Phase.REASONING:
+            self._state = self._reasoning(before, token_id)
+        elif before.phase is _Phase.CLOSING:
+            expected = before.forced_token_ids[before.num_forced]
+            if token_id != expected:
+                raise ConstraintViolation(f"token {token_id} sampled where the reasoning end forces {expected}")
+            num_forced = before.num_forced + 1
+            done = num_forced == len(before.forced_token_ids)
+            self._state = _State(_Phase.ANSWER) if done else replace(before, num_forced=num_forced)
+        else:
+            consumed_by_grammar = self._answer(token_id)
+        self._history.append((before, consumed_by_grammar))
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepts; ValueError past what the history keeps."""
+        if not 0 <= num_tokens <= len(self._history):
+            raise ValueError(f"rollback: {num_tokens} tokens asked back, {len(self._history)} can be")
+        num_grammar_tokens = 0
+        for _ in range(num_tokens):
+            state, consumed_by_grammar = self._history.pop()
+            num_grammar_tokens += consumed_by_grammar
+            self._state = state
+        if num_grammar_tokens:
+            assert self._grammar is not None
+            self._grammar.rollback(num_grammar_tokens)
+
+    def fork(self) -> TokenConstraint:
+        """An independent copy at the same point (n > 1 sequences of one request)."""
+        copy = TokenConstraint.__new__(TokenConstraint)
+        copy._grammar = self._grammar.fork() if self._grammar is not None else None
+        copy._markers = self._markers
+        copy._budget = self._budget
+        copy._state = self._state
+        copy._history = deque(self._history, maxlen=self._history.maxlen)
+        return copy
+
+    def _reasoning(self, state: _State, token_id: int) -> _State:
+        assert self._markers is not None
+        if token_id == self._markers.end_token_id:
+            padding = self._markers.after_end_token_ids
+            if self._grammar is not None and padding:  # the answer's grammar starts where the template's does
+                return _State(_Phase.CLOSING, state.num_reasoning_tokens, padding)
+            return _State(_Phase.ANSWER, state.num_reasoning_tokens)
+        return self._checked_budget(replace(state, num_reasoning_tokens=state.num_reasoning_tokens + 1))
+
+    def _checked_budget(self, state: _State) -> _State:
+        """CLOSING with the forced end once the reasoning has used its budget."""
+        if self._budget is None or state.num_reasoning_tokens < self._budget:
+            return state
+        assert self._markers is not None
+        return _State(_Phase.CLOSING, state.num_reasoning_tokens, self._markers.forced_end_token_ids)
+
+    def _answer(self, token_id: int) -> bool:
+        if self._grammar is None:
+            return False
+        if not self._grammar.accept_token(token_id):
+            raise ConstraintViolation(f"token {token_id} is not allowed by the request's grammar")
+        return True
+
+
+def fill_batch_bitmask(
+    constraints: Sequence[TokenConstraint | None], bitmask: np.ndarray, compiler: GrammarCompiler | None
+) -> bool:
+    """Fill row r of `bitmask` (int32 [R, W], R >= len(constraints)) for constraints[r].
+
+    Unconstrained rows (None, or no rule now) become all ones. Grammar rows are filled in one
+    `compiler.fill_bitmasks` call (in parallel); without a compiler, one by one. Returns True
+    when any row is constrained, False when the sampler can skip the mask.
+    """
+    grammar_rows: list[tuple[GrammarMatcher, int]] = []
+    extras: list[tuple[int, tuple[int, ...]]] = []
+    any_constrained = False
+    for row, constraint in enumerate(constraints):
+        rule = constraint.next_token_rule() if constraint is not None else None
+        if rule is None:
+            bitmask[row] = ALL_ALLOWED
+            continue
+        any_constrained = True
+        if isinstance(rule, ForcedToken):
+            allow_only(bitmask[row], (rule.token_id,))
+        else:
+            grammar_rows.append((rule.matcher, row))
+            if rule.extra_token_ids:
+                extras.append((row, rule.extra_token_ids))
+    if grammar_rows:
+        if compiler is not None:
+            compiler.fill_bitmasks(grammar_rows, bitmask)
+        else:
+            for matcher, row in grammar_rows:
+                matcher.fill_bitmask(bitmask[row])
+    for row, token_ids in extras:  # after the fill, which overwrites whole rows
+        allow(bitmask[row], token_ids)
+    return any_constrained

@@ -1,0 +1,300 @@
+"""Structured output on llguidance with the real SmolLM2 tokenizer.
+
+Masks are checked against brute force over the vocabulary; random walks through the masks
+(tokens drawn among the allowed ones, weighted toward tokens that close strings and
+structures) must always yield text that parses and validates against the schema; forced tool
+calls must parse with the tool-call parser of the same markup into valid calls.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+from helpers.checkpoints import smollm2_folder
+from helpers.json_schema_check import schema_errors
+
+from atlas.adapters.grammar.llguidance import LlguidanceCompiler
+from atlas.domain.constraints import TokenConstraint, fill_batch_bitmask
+from atlas.domain.reasoning_budget import ReasoningMarkers
+from atlas.adapters.tokenizers.hf import HfTokenizer
+from atlas.domain.text.tool_calls import parse_tool_calls
+from atlas.ports.grammar import (
+    Choice,
+    ForcedToolCalls,
+    FunctionTool,
+    Grammar,
+    GrammarError,
+    JsonObject,
+    JsonSchema,
+    Regex,
+)
+
+FOLDER = smollm2_folder()
+pytestmark = pytest.mark.skipif(FOLDER is None, reason="SmolLM2 is not pulled (atlas pull smollm2)")
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        "address": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["zip"], "additionalProperties": False},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "age", "role", "address"],
+    "additionalProperties": False,
+}
+WEATHER = FunctionTool("get_weather", {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}, "hourly": {"type": "boolean"}},
+    "required": ["city", "days"],
+})
+SEARCH = FunctionTool("search", {
+    "type": "object",
+    "properties": {"query": {"type": "string", "maxLength": 20}, "filters": {
+        "type": "object", "properties": {"year": {"type": "integer"}}, "additionalProperties": False}},
+    "required": ["query"],
+})
+NO_ARGS = FunctionTool("now")
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> HfTokenizer:
+    return HfTokenizer.from_folder(FOLDER)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer: HfTokenizer) -> LlguidanceCompiler:
+    return LlguidanceCompiler((FOLDER / "tokenizer.json").read_text(), tokenizer.vocab_size, tokenizer.eos_token_ids,
+                              tokenizer.token_id)
+
+
+@pytest.fixture(scope="module")
+def token_texts(tokenizer: HfTokenizer) -> list[str]:
+    return [tokenizer.decode([token_id], skip_special_tokens=False) for token_id in range(tokenizer.vocab_size)]
+
+
+@pytest.fixture(scope="module")
+def walk_weights(token_texts: list[str]) -> np.ndarray:
+    """Tokens that close strings, values or tags are 200x likelier, so walks end in tens of steps."""
+    closers = re.compile(r'["}\]>,\n]|^[0-9]$|^(true|false)$')
+    closing_tags = "</parameter>\n</function>\n</tool_call>"
+    return np.array([200.0 if closers.search(text) or (text and text in closing_tags) else 1.0
+                     for text in token_texts])
+
+
+def allowed_ids(bitmask_row: np.ndarray, vocab_size: int) -> np.ndarray:
+    bits = np.unpackbits(bitmask_row.view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size])
+
+
+def random_walk(compiler, tokenizer, spec, weights, rng: np.random.Generator, max_steps: int = 600) -> str:
+    """Text of one walk: draw allowed tokens (weighted) until end-of-sequence is drawn."""
+    matcher = compiler.compile(spec, "test").new_matcher()
+    row = np.zeros((compiler.vocab_size + 31) // 32, dtype=np.int32)
+    token_ids: list[int] = []
+    for _ in range(max_steps):
+        matcher.fill_bitmask(row)
+        allowed = allowed_ids(row, compiler.vocab_size)
+        assert allowed.size, "a live matcher always allows something"
+        chosen = int(rng.choice(allowed, p=weights[allowed] / weights[allowed].sum()))
+        if chosen in tokenizer.eos_token_ids:
+            assert matcher.is_accepting
+            return tokenizer.decode(token_ids, skip_special_tokens=False)
+        assert matcher.accept_token(chosen)
+        token_ids.append(chosen)
+    raise AssertionError(f"the walk did not end in {max_steps} steps: {tokenizer.decode(token_ids)!r}")
+
+
+def test_the_schema_checker_sees_errors() -> None:
+    assert schema_errors({"name": "a", "age": -1, "role": "root", "address": {"zip": "1"}, "x": 1}, PERSON) == [
+        "$.age: -1 < 0", "$.role: 'root' not in ['admin', 'user']", "$: unexpected key 'x'"]
+
+
+def test_a_choice_mask_allows_exactly_the_prefixes_of_the_choices(compiler, tokenizer, token_texts) -> None:
+    choices = ("yes", "no", "maybe not")
+    matcher = compiler.compile(Choice(choices), "structured_outputs.choice").new_matcher()
+    row = np.zeros((compiler.vocab_size + 31) // 32, dtype=np.int32)
+    matcher.fill_bitmask(row)
+    expected = [v for v, text in enumerate(token_texts) if text and any(c.startswith(text) for c in choices)]
+    assert allowed_ids(row, compiler.vocab_size).tolist() == expected
+    for token_id in tokenizer.encode("maybe not", add_special_tokens=False):
+        assert matcher.accept_token(token_id)
+    matcher.fill_bitmask(row)
+    assert allowed_ids(row, compiler.vocab_size).tolist() == sorted(tokenizer.eos_token_ids)
+    assert matcher.is_accepting and matcher.is_finished
+
+
+def test_a_regex_mask_after_a_prefix(compiler, tokenizer, token_texts) -> None:
+    matcher = compiler.compile(Regex(r"[0-9]{3}-[a-z]{2}"), "structured_outputs.regex").new_matcher()
+    assert matcher.accept_token(tokenizer.encode("1", add_special_tokens=False)[0])
+    row = np.zeros((compiler.vocab_size + 31) // 32, dtype=np.int32)
+    matcher.fill_bitmask(row)
+    pattern = re.compile(r"[0-9]{3}-[a-z]{2}")
+    expected = [v for v, text in enumerate(token_texts)
+                if text and any(pattern.fullmatch("1" + text + tail) for tail in ("", "a", "aa", "-aa", "0-aa"))]
+    assert allowed_ids(row, compiler.vocab_size).tolist() == expected
+    assert not matcher.is_accepting
+
+
+def test_ids_past_the_tokenizer_are_never_allowed(tokenizer) -> None:
+    wide = LlguidanceCompiler((FOLDER / "tokenizer.json").read_text(), tokenizer.vocab_size + 40,
+                              tokenizer.eos_token_ids, tokenizer.token_id)
+    row = np.full((wide.vocab_size + 31) // 32, -1, dtype=np.int32)
+    wide.compile(JsonObject(), "response_format").new_matcher().fill_bitmask(row)
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+    assert bits[:tokenizer.vocab_size].any() and not bits[tokenizer.vocab_size:].any()
+
+
+@pytest.mark.parametrize("spec", [JsonSchema(PERSON, strict=True), JsonObject()], ids=["json_schema", "json_object"])
+def test_random_walks_give_json_that_validates(compiler, tokenizer, walk_weights, spec) -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        text = random_walk(compiler, tokenizer, spec, walk_weights, rng)
+        value = json.loads(text)
+        schema = spec.schema if isinstance(spec, JsonSchema) else {"type": "object"}
+        assert schema_errors(value, schema) == [], text
+
+
+def test_a_lark_grammar_and_a_gbnf_grammar(compiler, tokenizer, walk_weights) -> None:
+    rng = np.random.default_rng(1)
+    lark = Grammar('start: "move " DIRECTION (" then " DIRECTION)*\nDIRECTION: "up" | "down"')
+    gbnf = Grammar('root ::= "n=" [0-9] [0-9]?')
+    for _ in range(4):
+        assert re.fullmatch(r"move (up|down)( then (up|down))*", random_walk(compiler, tokenizer, lark, walk_weights, rng))
+        assert re.fullmatch(r"n=[0-9]{1,2}", random_walk(compiler, tokenizer, gbnf, walk_weights, rng))
+
+
+@pytest.mark.parametrize("markup", ["hermes", "qwen3_coder", "llama3_json", "mistral"])
+@pytest.mark.parametrize("parallel", [False, True], ids=["single", "parallel"])
+def test_forced_tool_calls_parse_into_valid_calls(compiler, tokenizer, walk_weights, markup, parallel) -> None:
+    tools = (WEATHER, SEARCH, NO_ARGS)
+    rng = np.random.default_rng(2)
+    for walk_idx in range(4):
+        text = random_walk(compiler, tokenizer, ForcedToolCalls(markup, tools, parallel), walk_weights, rng)
+        result = parse_tool_calls(markup, text, tools, random.Random(walk_idx))
+        assert result.content == "", text
+        assert len(result.tool_calls) >= 1 and (parallel or len(result.tool_calls) == 1), text
+        by_name = {tool.name: tool for tool in tools}
+        for call in result.tool_calls:
+            schema = dict(by_name[call.name].parameters) or {"type": "object"}
+            assert schema_errors(json.loads(call.arguments), schema) == [], text
+
+
+def test_a_named_choice_calls_that_tool(compiler, tokenizer, walk_weights) -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        text = random_walk(compiler, tokenizer, ForcedToolCalls("hermes", (SEARCH,)), walk_weights, rng)
+        (call,) = parse_tool_calls("hermes", text, (SEARCH,), random.Random(0)).tool_calls
+        assert call.name == "search" and "query" in json.loads(call.arguments)
+
+
+def test_rollback_and_fork_restore_the_same_masks(compiler, tokenizer) -> None:
+    grammar = compiler.compile(JsonSchema(PERSON), "response_format")
+    matcher = grammar.new_matcher()
+    width = (compiler.vocab_size + 31) // 32
+    masks = np.zeros((4, width), dtype=np.int32)
+    token_ids = tokenizer.encode('{"name": "Ann', add_special_tokens=False)
+    matcher.fill_bitmask(masks[0])
+    for token_id in token_ids:
+        assert matcher.accept_token(token_id)
+    matcher.fill_bitmask(masks[1])
+    fork = matcher.fork()
+    matcher.rollback(len(token_ids))
+    matcher.fill_bitmask(masks[2])
+    fork.fill_bitmask(masks[3])
+    assert np.array_equal(masks[0], masks[2]) and np.array_equal(masks[1], masks[3])
+    assert not np.array_equal(masks[0], masks[1])
+    with pytest.raises(ValueError, match="rollback"):
+        matcher.rollback(1)
+
+
+def test_the_batched_fill_equals_one_by_one(compiler, tokenizer) -> None:
+    specs = [JsonSchema(PERSON), Choice(("a", "b")), Regex("[0-9]+"), JsonObject()]
+    matchers = [compiler.compile(spec, "f").new_matcher() for spec in specs]
+    assert matchers[0].accept_token(tokenizer.encode("{", add_special_tokens=False)[0])
+    width = (compiler.vocab_size + 31) // 32
+    batched = np.zeros((6, width), dtype=np.int32)
+    compiler.fill_bitmasks([(matcher, row) for row, matcher in zip((5, 0, 2, 3), matchers)], batched)
+    for row, matcher in zip((5, 0, 2, 3), matchers):
+        single = np.zeros(width, dtype=np.int32)
+        matcher.fill_bitmask(single)
+        assert np.array_equal(batched[row], single)
+    assert not batched[1].any() and not batched[4].any(), "rows not named stay untouched"
+
+
+def test_a_rejected_token_is_reported(compiler, tokenizer) -> None:
+    matcher = compiler.compile(Choice(("yes",)), "f").new_matcher()
+    assert not matcher.accept_token(tokenizer.encode("no", add_special_tokens=False)[0])
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (JsonSchema({"type": "objekt"}), "objekt"),
+        (JsonSchema({"type": "string", "format": "no-such-format"}, strict=True), "format"),
+        (JsonSchema(["not", "a", "schema"]), "schema"),
+        (Regex("a(b"), "regex"),
+        (Choice(()), "at least one"),
+        (Grammar("start: ("), "Expected"),
+        (ForcedToolCalls("xml", (WEATHER,)), "markup"),
+    ],
+)
+def test_invalid_constraints_name_the_field(compiler, spec, message) -> None:
+    with pytest.raises(GrammarError, match=message) as error:
+        compiler.compile(spec, "response_format.json_schema.schema")
+    assert error.value.field == "response_format.json_schema.schema"
+    assert str(error.value).startswith("response_format.json_schema.schema: ")
+
+
+def test_three_samples_think_within_the_budget_then_write_valid_json(compiler, tokenizer, walk_weights) -> None:
+    """n = 3 forks of one constraint, masks filled as one batch: 5 reasoning tokens, the forced
+    end of the block, then JSON that validates."""
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    blank_line = tokenizer.encode("\n\n", add_special_tokens=False)
+    markers = ReasoningMarkers(3, 4, (*newline, 4, *blank_line))  # SmolLM2 has no <think>: stand-in ids
+    first = TokenConstraint(compiler.compile(JsonSchema(PERSON), "response_format").new_matcher(), markers,
+                            starts_in_reasoning=True, thinking_budget=5)
+    constraints: list[TokenConstraint | None] = [first, first.fork(), first.fork()]
+    outputs: list[list[int]] = [[], [], []]
+    bitmask = np.zeros((3, (compiler.vocab_size + 31) // 32), dtype=np.int32)
+    rng = np.random.default_rng(4)
+    for _ in range(600):
+        if not any(constraints):
+            break
+        fill_batch_bitmask(constraints, bitmask, compiler)
+        for row, constraint in enumerate(constraints):
+            if constraint is None:
+                continue
+            if constraint.in_reasoning and constraint.next_token_rule() is None:
+                token_id = int(rng.integers(1000, 2000))  # free thinking: ordinary words
+            else:
+                allowed = allowed_ids(bitmask[row], compiler.vocab_size)
+                token_id = int(rng.choice(allowed, p=walk_weights[allowed] / walk_weights[allowed].sum()))
+            if token_id in tokenizer.eos_token_ids:
+                constraints[row] = None
+                continue
+            constraint.accept(token_id)
+            outputs[row].append(token_id)
+    assert not any(constraints), "every sample ended"
+    forced = list(markers.forced_end_token_ids)
+    for token_ids in outputs:
+        assert token_ids[5 : 5 + len(forced)] == forced
+        answer = json.loads(tokenizer.decode(token_ids[5 + len(forced) :]))
+        assert schema_errors(answer, PERSON) == []
+    assert len({tuple(token_ids) for token_ids in outputs}) == 3
+
+
+def test_a_mask_of_the_wrong_width_is_refused(compiler) -> None:
+    matcher = compiler.compile(JsonObject(), "response_format").new_matcher()
+    with pytest.raises(ValueError, match=r"bitmask_row: expected C-contiguous int32 \[1536\]"):
+        matcher.fill_bitmask(np.zeros(1535, dtype=np.int32))
+    with pytest.raises(ValueError, match="bitmask"):
+        compiler.fill_bitmasks([(matcher, 0)], np.zeros((1, 1535), dtype=np.int32))
