@@ -78,10 +78,12 @@ def test_shared_prefixes_are_counted_as_reusable_after_the_first_of_each_group(s
     assert summary["reusable_tokens"] == sum(r["reusable_tokens"] for r in rows) >= 8 * 60
 
 
-def test_multi_turn_chat_resends_the_history_and_counts_it_reusable(server, tmp_path):
-    plot = ["--plot", str(tmp_path / "run.png")] if _has_matplotlib() else []
+def test_multi_turn_chat_resends_the_history_and_the_prefix_cache_hits_it(server, tmp_path):
+    """Each turn is sent once the previous reply has ended, so every full block of the previous
+    prompt is in the server's prefix cache (16-token blocks, a KV pool far larger than the run)."""
     bench(server.url, "--endpoint", "chat", "--concurrency", "3", "--num-prompts", "12", "--num-turns", "4",
-          "--input-len", "5:15", "--output-len", "3:6", "--json-file", str(tmp_path / "run.json"), *plot)
+          "--input-len", "5:15", "--output-len", "3:6", "--json-file", str(tmp_path / "run.json"),
+          "--plot", str(tmp_path / "run.png"))
     summary, rows = saved(tmp_path / "run.json")
     assert summary["completed"] == 12 and summary["num_turns"] == 4
     resent = 0
@@ -93,18 +95,12 @@ def test_multi_turn_chat_resends_the_history_and_counts_it_reusable(server, tmp_
         # so not necessarily its output_tokens) and the new message follow
         assert later["reusable_tokens"] == earlier["prompt_tokens"]
         assert later["prompt_tokens"] > earlier["prompt_tokens"] + later["input_len"]
+        assert later["cached_tokens"] >= earlier["prompt_tokens"] // 16 * 16
         resent += earlier["output_tokens"]
     assert summary["resent_reply_tokens"] == resent > 0
-    if plot:
-        assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def _has_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    assert summary["prefix_cache_source"] == "atlas"
+    assert summary["prefix_cache_hits"] >= summary["usage_cached_tokens"] == sum(r["cached_tokens"] for r in rows) > 0
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_serve_counts_failures_from_a_rejecting_server(server):
