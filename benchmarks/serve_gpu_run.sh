@@ -24,11 +24,15 @@ CHATS=${CHATS:-32}; TURNS=${TURNS:-10}; CHAT_IN=${CHAT_IN:-16:128}; CHAT_OUT=${C
 SERVE_ARGS=${SERVE_ARGS:-"--max-seq-len 4096 --max-num-seqs $CONC"}
 t0=$SECONDS
 
+device_name=$DEVICE
 if [ "$DEVICE" = cuda ]; then
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+  device_name=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -n 1)
+  echo "$device_name" | tee "$OUT/gpu.txt"
 fi
-if [ "$MODEL" = "$HOME/.cache/atlas/bench/llama-3.1-8b" ]; then  # as `atlas bench --random llama-3.1-8b` writes it
-  python3 -c "from atlas.app.bench.random_model import write_random_model as w; w('llama-3.1-8b', '$MODEL', files=False)"
+# the folder `atlas bench --random llama-3.1-8b` writes, its weights generated as they load
+if [ "$MODEL" = "$HOME/.cache/atlas/bench/llama-3.1-8b" ]; then
+  python3 -c "from atlas.app.bench.random_model import write_random_model as w
+w('llama-3.1-8b', '$MODEL', files=False)"
 fi
 
 server=
@@ -50,27 +54,29 @@ trap stop_server EXIT
 python3 -c "import matplotlib" 2> /dev/null && PLOT=1 || { PLOT=; echo "no matplotlib: no PNGs"; }
 bench() {  # $1: run name (its JSON is $OUT/$1.json); the rest: bench serve flags
   local name=$1 t=$SECONDS; shift
-  timeout 150 $ATLAS bench serve --url "$URL" --json-file "$OUT/$name.json" ${PLOT:+--plot "$OUT/$name.png"} "$@" \
-    > "$OUT/$name.txt" 2> "$OUT/$name.err"
+  timeout 150 $ATLAS bench serve --url "$URL" --json-file "$OUT/$name.json" \
+    ${PLOT:+--plot "$OUT/$name.png"} "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
   echo "=== $name rc=$? $((SECONDS - t))s"; grep -E "^(throughput|TTFT|prefix cache)" "$OUT/$name.txt"
   grep -E "error|Error" "$OUT/$name.err" | tail -n 3
 }
 
+# Each run draws its texts from a seed of its own: the server's prefix cache keeps the earlier runs'
+# blocks, and runs of one seed would open with the same words.
 if start_server serve; then
-  bench mixed --num-prompts "$NUM" --concurrency "$CONC" --input-len "$MIXED_IN" --output-len "$MIXED_OUT" \
-    --temperature 0.8
-  bench fixed --num-prompts "$NUM" --concurrency "$CONC" --input-len "$FIXED_IN" --output-len "$FIXED_OUT" \
-    --temperature 0.8
-  bench prefix-on --num-prompts "$NUM" --concurrency "$CONC" --shared-prefix-len "$PREFIX" --num-prefixes 1 \
-    --input-len "$SUFFIX" --output-len "$PREFIX_OUT"
-  bench chat --endpoint chat --num-turns "$TURNS" --num-prompts $((CHATS * TURNS)) --concurrency "$CHATS" \
-    --input-len "$CHAT_IN" --output-len "$CHAT_OUT"
+  bench mixed --seed 1 --num-prompts "$NUM" --concurrency "$CONC" \
+    --input-len "$MIXED_IN" --output-len "$MIXED_OUT" --temperature 0.8
+  bench fixed --seed 2 --num-prompts "$NUM" --concurrency "$CONC" \
+    --input-len "$FIXED_IN" --output-len "$FIXED_OUT" --temperature 0.8
+  bench prefix-on --seed 3 --num-prompts "$NUM" --concurrency "$CONC" \
+    --shared-prefix-len "$PREFIX" --num-prefixes 1 --input-len "$SUFFIX" --output-len "$PREFIX_OUT"
+  bench chat --seed 4 --endpoint chat --num-turns "$TURNS" --num-prompts $((CHATS * TURNS)) \
+    --concurrency "$CHATS" --input-len "$CHAT_IN" --output-len "$CHAT_OUT"
   stop_server
 fi
 if start_server serve-no-cache --no-prefix-caching; then
-  bench prefix-off --num-prompts "$NUM" --concurrency "$CONC" --shared-prefix-len "$PREFIX" --num-prefixes 1 \
-    --input-len "$SUFFIX" --output-len "$PREFIX_OUT"
+  bench prefix-off --seed 3 --num-prompts "$NUM" --concurrency "$CONC" \
+    --shared-prefix-len "$PREFIX" --num-prefixes 1 --input-len "$SUFFIX" --output-len "$PREFIX_OUT"
   stop_server
 fi
-echo "=== issue 29 serving bars ($(cat "$OUT/gpu.txt" 2> /dev/null || echo "$DEVICE"), $((SECONDS - t0))s in all)"
+echo "=== issue 29 serving bars ($device_name, $((SECONDS - t0))s in all)"
 python3 benchmarks/serve_table.py "$OUT"

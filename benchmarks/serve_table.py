@@ -19,19 +19,13 @@ import json
 import sys
 from pathlib import Path
 
-RUNS = (
-    ("mixed", "mixed 16:900 / 16:256, T 0.8"),
-    ("fixed", "fixed 512 / 128, T 0.8"),
-    ("prefix-on", "prefix 2048 + 32, cache on"),
-    ("prefix-off", "prefix 2048 + 32, cache off"),
-    ("chat", "chat, 10 turns"),
-)
+RUNS = ("mixed", "fixed", "prefix-on", "prefix-off", "chat")
 
 
 def load(folder: Path) -> dict[str, dict]:
     """Each run's summary by name; runs whose file is missing or unreadable are left out."""
     summaries = {}
-    for name, _ in RUNS:
+    for name in RUNS:
         path = folder / f"{name}.json"
         try:
             summaries[name] = json.loads(path.read_text())["summary"]
@@ -72,11 +66,14 @@ def main(argv: list[str]) -> int:
     runs = load(Path(argv[0]))
     print(f"{'run':<30} {'ok':>7} {'out tok/s':>10} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} "
           f"{'hits / reusable':>18}")
-    for name, label in RUNS:
+    for name in RUNS:
         s = runs.get(name)
         if s is None:
-            print(f"{label:<30} {'missing':>7}")
+            print(f"{name:<30} {'missing':>7}")
             continue
+        label = f"{name} {s['input_len']}/{s['output_len']}" + (
+            f" +{s['shared_prefix_len']}" if s["shared_prefix_len"] else "") + (
+            f" x{s['num_turns']}" if s["num_turns"] > 1 else "")
         hits = "n/a" if s.get("prefix_cache_hits") is None else (
             f"{s['prefix_cache_hits']:.0f} / {s['reusable_tokens'] or 0}")
         print(f"{label:<30} {s['completed']:>3}/{s['num_prompts']:<3} {s['output_tokens_per_s']:>10.1f} "

@@ -22,7 +22,8 @@ def table():
 def summary(out_tps: float, ttft_p50: float, hits_of_reusable: float | None = None, completed: int = 256) -> dict:
     return {"num_prompts": 256, "completed": completed, "output_tokens_per_s": out_tps, "ttft_p50_ms": ttft_p50,
             "ttft_p99_ms": 2 * ttft_p50, "tpot_p50_ms": 10.0, "tpot_p99_ms": 12.0, "prefix_cache_hits": 900.0,
-            "reusable_tokens": 1000, "prefix_cache_hits_of_reusable": hits_of_reusable}
+            "reusable_tokens": 1000, "prefix_cache_hits_of_reusable": hits_of_reusable, "input_len": "16:900",
+            "output_len": "16:256", "shared_prefix_len": 0, "num_turns": 1}
 
 
 def write(folder: Path, **runs: dict) -> Path:
@@ -41,7 +42,8 @@ def test_every_bar_is_its_ratio_and_the_exit_status_says_whether_all_hold(table,
     assert bars["prefix output tokens/s on / off"] == (pytest.approx(4000 / 1900), True)
     assert bars["chat prefix hits / reusable"] == (0.95, True)
     assert table.main([str(folder)]) == 0
-    assert "900 / 1000" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "900 / 1000" in out and "mixed 16:900/16:256" in out
 
     write(tmp_path, prefix_off=summary(2100, 400))  # output only 1.9x: that bar fails
     assert table.main([str(folder)]) == 1
