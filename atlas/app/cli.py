@@ -252,6 +252,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    limit_blas_threads()  # the mock's figures at the BLAS threads `atlas serve` gives its engine
     from atlas.app.bench.engine import run_engine_bench
 
     return run_engine_bench(args, engine_settings(args))

@@ -80,8 +80,8 @@ class CudaFeatures:
         warp-specialised ring, K split over clusters that reduce through distributed shared
         memory) instead of cuBLASLt. Off by default: on an H200 the Llama-3.1-8B step is 40 us
         faster with it at batch 16 and 150 us slower at batch 64 (docs/cuda-notes.md run 20); the tests,
-        `bench_kernels.py` and `ablate_model_step.py gemm` turn it on to keep it correct and
-        measured.
+        `benchmarks/cuda/bench_kernels.py` and `benchmarks/cuda/ablate_model_step.py gemm` turn it
+        on to keep it correct and measured.
     bulk_upload: uploads larger than a staging slot (the weights at load) go through
         `BulkUploads`, a ring of page-locked slots filled by several threads, instead of the
         driver's pageable copy.
