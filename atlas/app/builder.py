@@ -33,6 +33,7 @@ from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
 from atlas.domain.worker import Worker, WorkerConfig
 from atlas.ports.gpu import DType, GpuBackend
+from atlas.ports.startup import PhaseTimer
 from atlas.ports.tokenizer import Tokenizer
 from atlas.ports.weights import WeightSource
 
@@ -144,6 +145,7 @@ def build_engine(
 
         return build_parallel_engine(settings, show_progress)
     placement = placement or OneDevice()
+    phases = PhaseTimer()
     model_dir = resolve_model(settings.model)
     config = read_model_config(model_dir)
     check_supported(config)
@@ -156,7 +158,9 @@ def build_engine(
     weights = QuantizedOnLoad(stored) if quantize else stored
     max_model_len = settings.max_seq_len or config.max_position_embeddings
 
+    phases.lap("model files", f"{model_dir.name}: config, tokenizer, weight headers")
     backend = placement.make_backend(settings, config)
+    phases.lap("backend", f"{backend.name}: libraries, device, kernels started")
     free_bytes, total_bytes = backend.memory_info()
     weight_bytes = placement.weight_bytes(checkpoint_bytes(stored, quantize))
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
@@ -170,6 +174,8 @@ def build_engine(
     limits = StepLimits(max(max_num_tokens, max_rows), max_rows)
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
     model = placement.load(config, weights, backend, max_model_len, limits, progress.update)
+    backend.synchronize()  # the copies are in: the phase's rate is the real one
+    phases.lap("weights", lambda seconds: f"{weight_bytes / GIB:.2f} GiB, {weight_bytes / seconds / 1e9:.2f} GB/s")
 
     kv_dtype = _kv_dtype(settings.kv_cache_dtype, backend)
     kv_budget = settings.kv_cache_gb if settings.kv_cache_gb is not None else (
@@ -197,9 +203,14 @@ def build_engine(
         caches,
         WorkerConfig(max_num_tokens, settings.max_num_seqs, max_model_len, graph_sizes),
     )
+    phases.lap("memory plan", f"{sum(plan.num_pages)} pages, step buffers and workspace")
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
         worker.capture_graphs()
+    tuning = backend.setup_summary()
+    sizes = worker.graph_batch_sizes
+    captured = f"{len(sizes)} decode graphs (batch {sizes[0]}-{sizes[-1]})" if sizes else "no graphs (eager)"
+    phases.lap("graphs", f"{captured}; {tuning}" if tuning else captured)
     core = make_core(settings, model.cache_groups, plan.num_pages, worker, max_model_len, config.vocab_size, tokenizer)
     return LoadedEngine(
         core=core,
