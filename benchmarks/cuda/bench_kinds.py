@@ -1,7 +1,7 @@
 """Layer-level timings of the MoE, recurrent and attention-variant kinds on CUDA against their
 byte rooflines and against transformers' own modules (not a test; prints a table last).
 
-    python benchmarks/bench_kinds.py [moe gdn prefill sinks]     (from the repository root)
+    python benchmarks/cuda/bench_kinds.py [moe gdn prefill sinks]     (from the repository root)
 
 moe:     the Qwen3-30B-A3B MoE layer (H 2048, 128 experts of 768, top 8), route + experts at
          batch 1 and 64, weights rotating over 4 layer copies so they stream from HBM; roofline
@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 from cuda.bindings import driver as cu
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))
 
 from cuda_harness import cuda_cache_with, paged_case, upload_metadata  # noqa: E402
 
