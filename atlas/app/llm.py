@@ -34,6 +34,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # the engine ended this choice on an error (finish_reason "abort")
 
 
 @dataclass
@@ -147,6 +148,7 @@ class LLM:
             if delta.finish_reason is not None:
                 choice.finish_reason = delta.finish_reason.value
                 choice.stop_reason = delta.stop_reason
+                choice.error = engine_output.error
         for result in results:
             result.num_cached_tokens = min(
                 (num for seq_id, num in cached.items() if owners[seq_id] is result), default=0

@@ -95,11 +95,16 @@ class ScheduledSequence:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
-    """One step: sequences in order, prefill chunks and decodes mixed."""
+    """One step: sequences in order, prefill chunks and decodes mixed.
+
+    `awaits_masks`: some sampling row follows a token constraint whose mask depends on tokens
+    the host commits after submitting this step; the worker samples once it gets the masks.
+    """
 
     step_id: int
     sequences: tuple[ScheduledSequence, ...]
     block_size: int
+    awaits_masks: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -141,3 +146,6 @@ class SequenceOutput:
     num_output_tokens: int
     logprobs: tuple[TokenLogprobs, ...] = ()
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # Set when the engine ended the sequence on an error of its own (a sampled token its
+    # constraint forbids); the finish reason is then ABORT and the request failed.
+    error: str | None = None

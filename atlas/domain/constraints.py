@@ -17,25 +17,35 @@ grammar, or is free without one.
 
 The engine drives it per step, with the mask computation off the device's critical path:
 
-    after step N-1's tokens are accepted:   fill_batch_bitmask(constraints, bitmask [R, W])
-    (on a worker thread, while the device runs step N's forward; llguidance drops the GIL)
-    the sampler of step N applies the uploaded bitmask;  then  constraint.accept(token)
+    step N+1's forward is enqueued (its sampling waits)
+    step N's tokens are committed:           constraint.accept(token)
+    while the device runs N+1's forward:     fill_step_bitmask(rows, bitmask [R, W])
+    the sampler of step N+1 applies the uploaded bitmask
 
-Rows that need no mask are all ones, and `fill_batch_bitmask` says whether any row needed
-one, so a step with no constrained row ships no mask at all.
+Rows that need no mask are all ones, and the fill says whether any row needed one, so a step
+with no constrained row ships no mask at all. A sequence verifying speculative drafts has one
+row per position: row j holds the mask after drafts[:j], found by accepting the drafts in turn
+and rolling them back; a draft its row forbids can never be accepted, so the rows after it
+are all ones.
+
+Requests get their constraints from a `ConstraintSource` the application wires (one per model);
+`ForkedConstraints` builds one pristine constraint per distinct request constraint and forks it,
+so the n sequences of one request compile their grammar once.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
+from typing import Protocol
 
 import numpy as np
 
 from atlas.domain.reasoning_budget import ReasoningMarkers
-from atlas.domain.token_mask import ALL_ALLOWED, allow, allow_only
+from atlas.domain.requests import Request
+from atlas.domain.token_mask import ALL_ALLOWED, allow, allow_only, is_allowed
 from atlas.ports.grammar import GrammarCompiler, GrammarMatcher
 
 DEFAULT_MAX_ROLLBACK_TOKENS = 64
@@ -225,9 +235,12 @@ class TokenConstraint:
 
 
 def fill_batch_bitmask(
-    constraints: Sequence[TokenConstraint | None], bitmask: np.ndarray, compiler: GrammarCompiler | None
+    constraints: Sequence[TokenConstraint | None],
+    bitmask: np.ndarray,
+    compiler: GrammarCompiler | None,
+    rows: Sequence[int] | None = None,
 ) -> bool:
-    """Fill row r of `bitmask` (int32 [R, W], R >= len(constraints)) for constraints[r].
+    """Fill row rows[i] of `bitmask` (int32 [R, W]) for constraints[i] (rows None: row i).
 
     Unconstrained rows (None, or no rule now) become all ones. Grammar rows are filled in one
     `compiler.fill_bitmasks` call (in parallel); without a compiler, one by one. Returns True
@@ -236,7 +249,8 @@ def fill_batch_bitmask(
     grammar_rows: list[tuple[GrammarMatcher, int]] = []
     extras: list[tuple[int, tuple[int, ...]]] = []
     any_constrained = False
-    for row, constraint in enumerate(constraints):
+    for index, constraint in enumerate(constraints):
+        row = index if rows is None else rows[index]
         rule = constraint.next_token_rule() if constraint is not None else None
         if rule is None:
             bitmask[row] = ALL_ALLOWED
@@ -257,3 +271,108 @@ def fill_batch_bitmask(
     for row, token_ids in extras:  # after the fill, which overwrites whole rows
         allow(bitmask[row], token_ids)
     return any_constrained
+
+
+def fill_step_bitmask(
+    rows: Sequence[tuple[TokenConstraint | None, Sequence[int]]], bitmask: np.ndarray, compiler: GrammarCompiler | None
+) -> bool:
+    """Fill a step's masks: entry i is a sampling sequence's (constraint or None, drafts) and
+    takes 1 + len(drafts) consecutive rows of `bitmask` (int32 [R, W]), in order.
+
+        entry    a (no drafts)   b (drafts x0 x1)              c (None, drafts y0)
+        rows     0               1          2        3          4     5
+        mask     a's next        b's next   after x0 after x1   ones  ones
+
+    Row j of an entry is the mask after its drafts[:j], filled a round per draft position (each
+    round in one parallel fill), accepting draft j when row j allows it; a forbidden draft
+    leaves the entry's later rows all ones (nothing after it can be accepted). Every draft
+    accepted here is rolled back before returning. Returns whether any row is constrained.
+    """
+    starts = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([1 + len(drafts) for _, drafts in rows], out=starts[1:])
+    num_accepted = [0] * len(rows)
+    live = [constraint is not None for constraint, _ in rows]
+    any_constrained = False
+    try:
+        for position in range(1 + max((len(drafts) for _, drafts in rows), default=0)):
+            round_rows, round_constraints, entries = [], [], []
+            for index, (constraint, drafts) in enumerate(rows):
+                if position > len(drafts):
+                    continue
+                row = int(starts[index]) + position
+                if not live[index]:
+                    bitmask[row] = ALL_ALLOWED
+                    continue
+                round_rows.append(row)
+                round_constraints.append(constraint)
+                entries.append(index)
+            if not round_rows:
+                continue
+            any_constrained |= fill_batch_bitmask(round_constraints, bitmask, compiler, round_rows)
+            for index, row in zip(entries, round_rows):
+                constraint, drafts = rows[index]
+                if position == len(drafts):
+                    continue
+                if not is_allowed(bitmask[row], drafts[position]):
+                    live[index] = False
+                    continue
+                constraint.accept(drafts[position])  # type: ignore[union-attr]
+                num_accepted[index] += 1
+    finally:
+        for (constraint, _), count in zip(rows, num_accepted):
+            if count:
+                constraint.rollback(count)  # type: ignore[union-attr]
+    return any_constrained
+
+
+class ConstraintSource(Protocol):
+    """What a request's tokens must follow: the application wires one per model."""
+
+    @property
+    def compiler(self) -> GrammarCompiler | None:
+        """Fills a step's grammar rows in parallel (None: one by one)."""
+        ...
+
+    def constraint_for(self, request: Request) -> TokenConstraint | None:
+        """A new constraint for `request`'s sequence, or None. Raises GrammarError naming the
+        request field for a constraint that cannot be compiled."""
+        ...
+
+
+class ForkedConstraints:
+    """A `ConstraintSource` that builds one pristine constraint per distinct key and hands each
+    request a fork of it, for the most recent `capacity` keys.
+
+    `key_of(request)` is the request's constraint as a hashable value (None: unconstrained);
+    `build(key)` makes the constraint at the start of the output. Equal keys (the n sequences
+    of one request) compile once.
+    """
+
+    def __init__(
+        self,
+        key_of: Callable[[Request], Hashable | None],
+        build: Callable[[Hashable], TokenConstraint],
+        compiler: GrammarCompiler | None = None,
+        capacity: int = 64,
+    ) -> None:
+        self._key_of = key_of
+        self._build = build
+        self._compiler = compiler
+        self._capacity = capacity
+        self._pristine: OrderedDict[Hashable, TokenConstraint] = OrderedDict()
+
+    @property
+    def compiler(self) -> GrammarCompiler | None:
+        return self._compiler
+
+    def constraint_for(self, request: Request) -> TokenConstraint | None:
+        key = self._key_of(request)
+        if key is None:
+            return None
+        pristine = self._pristine.pop(key, None)
+        if pristine is None:
+            pristine = self._build(key)
+        self._pristine[key] = pristine  # most recently used last
+        while len(self._pristine) > self._capacity:
+            self._pristine.popitem(last=False)
+        return pristine.fork()

@@ -119,6 +119,7 @@ class PackedSampling:
     all_greedy: bool
     any_penalties: bool
     any_bias: bool
+    token_mask: np.ndarray | None = None  # [R, ceil(V / 32)] i32 allowed-token bits; None: all allowed
 
 
 def pack_rows(rows: SequenceOf[SamplingRow]) -> PackedSampling:

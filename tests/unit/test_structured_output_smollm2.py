@@ -1,0 +1,101 @@
+"""Structured output end to end on the real SmolLM2 (mock backend) with the llguidance compiler:
+JSON-schema answers sampled at temperature 1 parse and validate, the n choices of a request
+each get their own fork of the grammar, and a thinking budget on a reasoning template forces
+the end of the block before the grammar starts.
+
+Skipped unless SmolLM2 has been pulled (`atlas pull smollm2`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.checkpoints import smollm2_folder
+from helpers.json_schema_check import schema_errors
+
+from atlas.adapters.grammar.llguidance import LlguidanceCompiler
+from atlas.app.llm import LLM
+from atlas.domain.constraints import ForkedConstraints, TokenConstraint
+from atlas.domain.reasoning_budget import ReasoningMarkers
+from atlas.domain.requests import SamplingParams
+from atlas.ports.grammar import JsonSchema
+
+FOLDER = smollm2_folder()
+pytestmark = [pytest.mark.skipif(FOLDER is None, reason="SmolLM2 is not pulled (atlas pull smollm2)"),
+              pytest.mark.e2e, pytest.mark.slow]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a fictional person as JSON with a name, an age and a role."}]
+# Two spare added tokens of SmolLM2's vocabulary stand for <think> and </think> (single tokens,
+# never produced by the model on its own: the end can only come from the budget).
+THINK, END_THINK, NEWLINE, BLANK_LINE = 15, 16, 198, 1116
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(str(FOLDER), device="mock", show_progress=False, max_seq_len=512, max_prefill_tokens=512, seed=11)
+
+
+@pytest.fixture(scope="module")
+def compiler(llm: LLM) -> LlguidanceCompiler:
+    tokenizer = llm.tokenizer
+    return LlguidanceCompiler((FOLDER / "tokenizer.json").read_text(), llm.engine.config.vocab_size,
+                              sorted(tokenizer.eos_token_ids), tokenizer.token_id)
+
+
+def constrain_every_request(llm: LLM, compiler: LlguidanceCompiler, build, builds: list) -> None:
+    def counted(key):
+        builds.append(key)
+        return build()
+
+    llm.engine.core.constraint_source = ForkedConstraints(lambda request: "person", counted, compiler)
+
+
+def test_json_schema_answers_sampled_at_temperature_one_parse_and_validate(llm, compiler):
+    grammar = compiler.compile(JsonSchema(PERSON), "response_format.json_schema.schema")
+    builds: list = []
+    constrain_every_request(llm, compiler, lambda: TokenConstraint(grammar.new_matcher()), builds)
+    try:
+        [result] = llm.chat(ASK, SamplingParams(temperature=1.0, max_tokens=80, n=8, seed=5))
+    finally:
+        llm.engine.core.constraint_source = None
+    assert builds == ["person"]  # compiled once, forked for each of the 8 choices
+    texts = [choice.text for choice in result.outputs]
+    for choice in result.outputs:
+        assert choice.finish_reason == "stop" and choice.error is None, choice
+        assert schema_errors(json.loads(choice.text), PERSON) == [], choice.text
+    assert len(set(texts)) > 1
+    assert llm.engine.core.stats().num_blocks_free == llm.engine.core.stats().num_blocks_total
+
+
+def test_a_thinking_budget_forces_the_end_of_the_block_before_the_grammar(llm, compiler):
+    grammar = compiler.compile(JsonSchema(PERSON), "response_format.json_schema.schema")
+    markers = ReasoningMarkers(THINK, END_THINK, (NEWLINE, END_THINK, BLANK_LINE))
+    budget = 12
+    builds: list = []
+    constrain_every_request(
+        llm, compiler,
+        lambda: TokenConstraint(grammar.new_matcher(), markers, starts_in_reasoning=True, thinking_budget=budget),
+        builds,
+    )
+    prompt = llm.tokenizer.encode(llm.render_chat(ASK), add_special_tokens=False) + [THINK]
+    try:
+        [result] = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=100, n=2, seed=9))
+    finally:
+        llm.engine.core.constraint_source = None
+    for choice in result.outputs:
+        tokens = choice.token_ids
+        assert END_THINK not in tokens[:budget]
+        assert tokens[budget : budget + 3] == [NEWLINE, END_THINK, BLANK_LINE]
+        answer = llm.tokenizer.decode(tokens[budget + 3 :])
+        assert choice.finish_reason == "stop" and schema_errors(json.loads(answer), PERSON) == [], answer
