@@ -99,3 +99,16 @@ def test_a_thinking_budget_forces_the_end_of_the_block_before_the_grammar(llm, c
         assert tokens[budget : budget + 3] == [NEWLINE, END_THINK, BLANK_LINE]
         answer = llm.tokenizer.decode(tokens[budget + 3 :])
         assert choice.finish_reason == "stop" and schema_errors(json.loads(answer), PERSON) == [], answer
+
+
+def test_the_bench_decodes_the_same_batch_under_the_schema_and_free(llm, tmp_path):
+    from atlas.app.bench.structured import run_structured_bench
+
+    schema = tmp_path / "records.schema.json"
+    schema.write_text(json.dumps({"type": "array", "minItems": 50, "items": PERSON}))
+    [row] = run_structured_bench(llm.engine, str(schema), [2], steps=3)["structured"]
+    assert row["batch"] == 2 and row["json_schema_tokens_per_s"] > 0 and row["free_tokens_per_s"] > 0
+    assert row["json_schema_replaced"] == 0  # a 50-item array outlasts the window
+    stats = llm.engine.core.stats()
+    assert llm.engine.core.constraint_source is None and stats.num_running == 0
+    assert stats.num_blocks_free == stats.num_blocks_total

@@ -50,6 +50,13 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     on_mock = engine.backend.name == "mock"
     device = engine.backend.capabilities.device_name
     print(f"atlas bench engine: {engine.config.architecture} from {model} on {device}", file=sys.stderr)
+    if args.json_schema:
+        from atlas.app.bench.structured import run_structured_bench
+
+        report = {"device": device, **run_structured_bench(engine, args.json_schema, batch_sizes, args.decode_tokens)}
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     ceilings = measure_ceilings(engine.backend, copy_bytes=(256 << 20) if on_mock else (2 << 30),
                                 gemm_size=1024 if on_mock else 8192)
     decode = []
