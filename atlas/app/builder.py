@@ -27,6 +27,8 @@ from atlas.domain.models.model import Model
 from atlas.domain.models.quantization import check_quantization
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
+from atlas.domain.speculative.config import SpeculativeConfig
+from atlas.domain.speculative.policy import speculation_policy
 from atlas.domain.worker import Worker, WorkerConfig
 from atlas.ports.gpu import DType, GpuBackend
 from atlas.ports.kernels.attention import KvCacheSpec
@@ -86,8 +88,10 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
 
     kv_dtype = _kv_dtype(settings.kv_cache_dtype, backend)
     max_num_tokens = settings.max_prefill_tokens
-    graph_sizes = () if settings.enforce_eager else _graph_sizes(settings)
-    max_rows = max(settings.max_num_seqs, max(graph_sizes, default=0))
+    speculative = settings.speculative
+    verify_rows = _max_verify_rows(settings, speculative)
+    graph_sizes = () if settings.enforce_eager else _graph_sizes(settings, verify_rows)
+    max_rows = max(settings.max_num_seqs, verify_rows, max(graph_sizes, default=0))
     num_layers = len(model.layers)
     block_bytes = KvCacheSpec(num_layers, 1, settings.block_size, kv_shape.num_kv_heads, kv_shape.head_dim, kv_dtype)
     kv_budget = settings.kv_cache_gb if settings.kv_cache_gb is not None else (
@@ -119,7 +123,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         backend,
         model,
         kv,
-        WorkerConfig(max_num_tokens, settings.max_num_seqs, max_model_len, graph_sizes),
+        WorkerConfig(max_num_tokens, max(settings.max_num_seqs, verify_rows), max_model_len, graph_sizes),
     )
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
@@ -133,6 +137,7 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         ),
         full_attention_cache(BlockPool(plan.num_blocks, settings.block_size), settings.prefix_caching),
         POLICIES[settings.scheduling_policy](),
+        speculation_policy(speculative),
     )
     core = EngineCore(scheduler, worker, max_model_len, config.vocab_size, tokenizer.eos_token_ids)
     return LoadedEngine(
@@ -159,7 +164,18 @@ def _kv_dtype(name: str, backend: GpuBackend) -> DType:
     return dtype
 
 
-def _graph_sizes(settings: EngineSettings) -> tuple[int, ...]:
-    largest = settings.max_batch_size or settings.max_num_seqs
+def _max_verify_rows(settings: EngineSettings, speculative: SpeculativeConfig | None) -> int:
+    """Rows of the largest verify step (a row per token: each speculating sequence's last token
+    and drafts), 0 without speculation: every sequence of a step that may speculate, within the
+    token budget."""
+    if speculative is None:
+        return 0
+    num_seqs = min(settings.max_num_seqs, speculative.disable_by_batch_size or settings.max_num_seqs)
+    return min(num_seqs * (1 + speculative.num_speculative_tokens), settings.max_prefill_tokens)
+
+
+def _graph_sizes(settings: EngineSettings, verify_rows: int) -> tuple[int, ...]:
+    """Decode batch sizes to capture; verify steps run as decode steps of `verify_rows` rows at most."""
+    largest = max(settings.max_batch_size or settings.max_num_seqs, verify_rows)
     sizes = tuple(size for size in GRAPH_BATCH_SIZES if size <= largest)
     return sizes if largest in sizes else (*sizes, largest)

@@ -7,6 +7,7 @@ does (`atlas.app.threads`).
 
 from __future__ import annotations
 
+import json
 import secrets
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,9 +52,12 @@ class RequestOutput:
 
 
 class LLM:
-    """A model loaded for offline generation. Settings are `EngineSettings` fields."""
+    """A model loaded for offline generation. Settings are `EngineSettings` fields;
+    `speculative_config` may also be a dict (`{"method": "ngram", "num_speculative_tokens": 4}`)."""
 
     def __init__(self, model: str, *, show_progress: bool = True, **settings: Any) -> None:
+        if isinstance(settings.get("speculative_config"), Mapping):
+            settings["speculative_config"] = json.dumps(settings["speculative_config"])
         limit_blas_threads()
         self.engine: LoadedEngine = build_engine(EngineSettings(model=model, **settings), show_progress)
         self._seeds = SeedSource(self.engine.settings.seed, _fresh_seed)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atlas.domain.requests import ParameterError
 from atlas.domain.scheduling_policy import POLICIES
+from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeMethod
 
 DEVICES = ("auto", "cuda", "mock")
 DTYPES = ("auto", "bf16", "f32")
@@ -33,6 +35,7 @@ class EngineSettings:
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (--no-prefix-caching)
     enforce_eager: bool = False  # never capture graphs
     seed: int | None = None  # seeds requests that bring none (None: a fresh random seed each)
+    speculative_config: str | None = None  # --speculative-config JSON (SpeculativeConfig); None: off
 
     def __post_init__(self) -> None:
         _choice("--device", self.device, DEVICES)
@@ -55,6 +58,29 @@ class EngineSettings:
             )
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise SettingsError(f"--kv-cache-gb must be positive (got {self.kv_cache_gb})")
+        _parse_speculative(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed `--speculative-config` (None: no speculation)."""
+        return _parse_speculative(self.speculative_config)
+
+
+def _parse_speculative(text: str | None) -> SpeculativeConfig | None:
+    """Raises SettingsError naming the flag and the key for a configuration that is invalid, or
+    that the engine cannot run yet (only ngram)."""
+    if text is None:
+        return None
+    try:
+        config = SpeculativeConfig.from_json(text)
+    except ParameterError as error:
+        raise SettingsError(f"--speculative-config: {error}") from None
+    if config.method is not SpeculativeMethod.NGRAM:
+        raise SettingsError(
+            f"--speculative-config: speculative_config.method: {config.method.value} is not supported by the "
+            "engine yet; use ngram"
+        )
+    return config
 
 
 def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:

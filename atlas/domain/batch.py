@@ -65,6 +65,10 @@ class ScheduledSequence:
     `block_ids`. A model with several groups (sliding-window layers, recurrent layers) gets one
     table per KV group in `kv_block_tables` and one slot per recurrent group in `state_slots`,
     in the order of the model's group specs; `block_ids` is then its first KV group's pages.
+
+    A sequence verifying speculative drafts computes its last token and `num_draft_tokens`
+    drafts (the tail of `token_ids`) and samples a row at each of those positions: `sampling`
+    for the first, `draft_rows` for the others (`sampling_rows` lists them all).
     """
 
     seq_id: str
@@ -77,6 +81,13 @@ class ScheduledSequence:
     placeholder_row: int | None = None
     kv_block_tables: tuple[BlockTable, ...] = ()  # every KV group's; () for a lone full-attention group
     state_slots: tuple[int, ...] = ()  # every recurrent-state group's slot
+    num_draft_tokens: int = 0
+    draft_rows: tuple[SamplingRow, ...] = ()  # one per draft: the rows after `sampling`
+
+    @property
+    def sampling_rows(self) -> tuple[SamplingRow, ...]:
+        """Every row this sequence samples this step, in order (none for a prefill chunk)."""
+        return () if self.sampling is None else (self.sampling, *self.draft_rows)
 
     @property
     def block_tables(self) -> tuple[BlockTable, ...]:
@@ -112,7 +123,8 @@ class ScheduledBatch:
 
     @property
     def num_sampled(self) -> int:
-        return sum(1 for s in self.sequences if s.sampling is not None)
+        """Rows the step samples: one per sampling sequence, plus one per draft."""
+        return sum(1 + s.num_draft_tokens for s in self.sequences if s.sampling is not None)
 
     @property
     def is_empty(self) -> bool:
@@ -128,7 +140,7 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Sampled ids, one per sampling sequence, in the batch's order."""
+    """Sampled ids, one per sampling row (`ScheduledSequence.sampling_rows`), in the batch's order."""
 
     step_id: int
     token_ids: tuple[int, ...]

@@ -7,7 +7,9 @@
 
 Steps overlap by one: the next step is scheduled and enqueued before the previous one's ids
 are read back, so host work hides behind device work. Sequences whose next penalty context
-needs the token still in flight make the core commit first (the steps then do not overlap).
+needs the token still in flight, and speculation (drafts follow final tokens, and a verify
+step's outcome decides what comes next), make the core commit first (the steps then do not
+overlap).
 
 Token constraints (structured output, thinking budgets) keep the overlap: a step with a
 constrained sampling row is submitted with `awaits_masks`, so the device runs its forward
@@ -71,6 +73,10 @@ class EngineStats:
     num_blocks_cached: int = 0  # of the free ones, those holding a cached prefix
     num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     num_prefix_cache_hits: int = 0  # of those, found there
+    num_spec_draft_tokens: int = 0  # speculative drafts verified
+    num_spec_accepted_tokens: int = 0  # of those, accepted
+    num_spec_verify_steps: int = 0  # sequence-steps that verified drafts
+    spec_accepted_by_position: tuple[int, ...] = ()  # [j]: drafts at position j accepted
 
 
 class EngineCore:
@@ -142,7 +148,7 @@ class EngineCore:
         while `has_unfinished`.
         """
         outputs: list[SequenceOutput] = []
-        if self._in_flight and self.scheduler.has_pending_penalties:
+        if self._in_flight and self.scheduler.needs_commit_first:
             outputs += self._commit_oldest()
         batch = self.scheduler.schedule()
         if not batch.is_empty:
@@ -163,7 +169,7 @@ class EngineCore:
         batch, pending = self._in_flight.popleft()
         result = pending.result()
         outputs = self.scheduler.commit(batch, result)
-        self._num_generated_tokens += len(result.token_ids)
+        self._num_generated_tokens += sum(len(output.new_token_ids) for output in outputs)
         if self._constraints:
             outputs = [self._advance_constraint(output) for output in outputs]
         for output in outputs:
@@ -201,10 +207,15 @@ class EngineCore:
     def _fill_masks(self, batch: ScheduledBatch) -> np.ndarray | None:
         """The masks of `batch`'s sampling rows after every committed token, or None when no row
         is constrained (the sequences finished meanwhile, or reason freely)."""
-        rows = [(self._constraints.get(s.seq_id), ()) for s in batch.sequences if s.sampling is not None]
-        if self._bitmask.shape[0] < len(rows):
-            self._bitmask = np.empty((max(len(rows), 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
-        bitmask = self._bitmask[: len(rows)]
+        rows = [
+            (self._constraints.get(s.seq_id), s.token_ids[len(s.token_ids) - s.num_draft_tokens :])
+            for s in batch.sequences
+            if s.sampling is not None
+        ]
+        num_rows = batch.num_sampled
+        if self._bitmask.shape[0] < num_rows:
+            self._bitmask = np.empty((max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
+        bitmask = self._bitmask[:num_rows]
         compiler = self.constraint_source.compiler if self.constraint_source is not None else None
         return bitmask if fill_step_bitmask(rows, bitmask, compiler) else None
 
@@ -216,6 +227,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         cache = self.scheduler.cache.stats()
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -228,4 +240,8 @@ class EngineCore:
             num_blocks_cached=cache.num_blocks_cached,
             num_prefix_cache_queries=cache.num_queried_tokens,
             num_prefix_cache_hits=cache.num_hit_tokens,
+            num_spec_draft_tokens=spec.num_draft_tokens,
+            num_spec_accepted_tokens=spec.num_accepted_tokens,
+            num_spec_verify_steps=spec.num_verify_steps,
+            spec_accepted_by_position=tuple(spec.accepted_by_position),
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -37,35 +37,55 @@ _UNIFORM_SCALE = np.float32(2.0**-23)
 
 def sampling_row(seq: Sequence) -> SamplingRow:
     """The row for the next token of `seq` (called once its whole context is computed)."""
-    params = seq.sampling
-    penalty_ids: tuple[int, ...] = ()
-    penalty_counts: tuple[int, ...] = ()
-    if params.has_penalties:
-        counts = seq.penalty_counts()
-        penalty_ids = tuple(counts)
-        penalty_counts = tuple(counts.values())
+    return sampling_rows(seq)[0]
 
+
+def sampling_rows(seq: Sequence) -> tuple[SamplingRow, ...]:
+    """The rows of `seq`'s next step: one, or 1 + k when the step verifies k drafts. Row j
+    draws output token c + j (c: tokens sampled before the drafts) as if drafts[:j] were
+    already output: its counter is c + j, its penalty counts include them, and eos stays
+    banned while c + j < min_tokens."""
+    params = seq.sampling
+    drafts = seq.draft_token_ids
+    counter = seq.num_output_tokens - len(drafts)
+    counts = dict(seq.penalty_counts()) if params.has_penalties else None
+    rows: list[SamplingRow] = []
+    previous_bias: dict[int, float] | None = None
+    for position in range(1 + len(drafts)):
+        if position and counts is not None:
+            counts[drafts[position - 1]] = counts.get(drafts[position - 1], 0) + 1
+        bias = _bias(seq, counter + position)
+        if rows and counts is None and bias == previous_bias:  # most rows: only the counter moves
+            rows.append(replace(rows[-1], counter=counter + position))
+            continue
+        previous_bias = bias
+        rows.append(SamplingRow(
+            temperature=params.temperature,
+            top_k=max(params.top_k, 0),
+            top_p=params.top_p,
+            min_p=params.min_p,
+            seed=seq.request.seed & _UINT64_MASK,
+            counter=counter + position,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            penalty_token_ids=tuple(counts) if counts is not None else (),
+            penalty_output_counts=tuple(counts.values()) if counts is not None else (),
+            bias_token_ids=tuple(bias),
+            bias_values=tuple(bias.values()),
+            num_logprobs=params.logprobs,
+        ))
+    return tuple(rows)
+
+
+def _bias(seq: Sequence, num_output_tokens: int) -> dict[int, float]:
+    """logit_bias, with eos and stop ids banned while fewer than min_tokens are out."""
+    params = seq.sampling
     bias = dict(params.logit_bias or {})
-    if seq.num_output_tokens < params.min_tokens:
+    if num_output_tokens < params.min_tokens:
         for token_id in seq.eos_token_ids | seq.stop_token_ids:
             bias[token_id] = NEG_INF
-
-    return SamplingRow(
-        temperature=params.temperature,
-        top_k=max(params.top_k, 0),
-        top_p=params.top_p,
-        min_p=params.min_p,
-        seed=seq.request.seed & _UINT64_MASK,
-        counter=seq.num_output_tokens,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        penalty_token_ids=penalty_ids,
-        penalty_output_counts=penalty_counts,
-        bias_token_ids=tuple(bias),
-        bias_values=tuple(bias.values()),
-        num_logprobs=params.logprobs,
-    )
+    return bias
 
 
 def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:

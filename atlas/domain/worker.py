@@ -14,6 +14,10 @@ enqueues the sampling.
 A sampler graph covers temperature, top-k, top-p, min-p, the seeded stream and (one graph per
 bucket with, one without) the masks, read from the persistent mask buffer; a step that also
 wants penalties, logit bias or logprobs samples eagerly instead.
+
+A sequence verifying k speculative drafts runs as k + 1 single-token rows (`decode_rows`): the
+attention kind treats each as a decode over its own context, and a step of such rows replays
+the decode graphs of its row count (a verify step is a decode step of B x (k + 1) rows).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from functools import partial
 
 import numpy as np
 
-from atlas.domain.batch import SamplingRow, ScheduledBatch, StepResult, TokenLogprobs
+from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence, StepResult, TokenLogprobs
 from atlas.domain.models.model import Model, StepTensors
 from atlas.domain.sampling import PackedSampling, pack_rows
 from atlas.domain.step_buffers import StepBuffers
@@ -131,6 +135,7 @@ class Worker:
     def submit(self, batch: ScheduledBatch) -> PendingStep:
         """Enqueue one step (its sampling too, unless `batch.awaits_masks`). Raises ValueError
         if the batch exceeds the configured sizes."""
+        batch = decode_rows(batch)
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
         wanted = [row.num_logprobs for row in rows]
         if batch.is_empty:
@@ -154,6 +159,7 @@ class Worker:
 
     def compute_logits(self, batch: ScheduledBatch) -> np.ndarray:
         """Run one step and return the float32 logits [R, V] of its sampling rows, unsampled."""
+        batch = decode_rows(batch)
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
         bucket = self._graph_bucket(batch)
         logits = self._forward(batch, bucket, _pack(rows, bucket))
@@ -289,6 +295,36 @@ class Worker:
             backend.begin_download(logprobs_out.top_ids) if num_top else None,
             backend.begin_download(logprobs_out.top_logprobs) if num_top else None,
         )
+
+
+def decode_rows(batch: ScheduledBatch) -> ScheduledBatch:
+    """`batch` with each sequence that verifies drafts split into single-token rows.
+
+        verify chunk   tokens  t  d0 d1 d2   at positions P .. P+3, rows r0 .. r3
+        as rows        (t) at P  (d0) at P+1  (d1) at P+2  (d2) at P+3, each sampling its row
+
+    Every row shares the sequence's block tables and attends up to its own position; the layer
+    writes all four positions' K/V before any row attends, so row j sees d0 .. d(j-1) as the
+    chunk's causal attention would. Sequences without drafts stay as they are.
+    """
+    if not any(seq.num_draft_tokens for seq in batch.sequences):
+        return batch
+    sequences: list[ScheduledSequence] = []
+    for seq in batch.sequences:
+        if not seq.num_draft_tokens:
+            sequences.append(seq)
+            continue
+        sampling_rows = seq.sampling_rows
+        first = seq.num_tokens - len(sampling_rows)  # tokens before the last one and the drafts
+        if first:
+            sequences.append(replace(seq, token_ids=seq.token_ids[:first], sampling=None, num_draft_tokens=0,
+                                     draft_rows=()))
+        for offset, row in enumerate(sampling_rows):
+            position = first + offset
+            sequences.append(replace(seq, token_ids=(seq.token_ids[position],),
+                                     start_position=seq.start_position + position, sampling=row,
+                                     num_draft_tokens=0, draft_rows=()))
+    return replace(batch, sequences=tuple(sequences))
 
 
 def _pack(rows: list[SamplingRow], bucket: int | None) -> PackedSampling | None:

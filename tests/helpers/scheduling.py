@@ -22,6 +22,7 @@ from atlas.domain.requests import FinishReason, Request, SamplingParams
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import SchedulingPolicy
 from atlas.domain.sequence import Sequence
+from atlas.domain.speculative.policy import SpeculationPolicy
 
 BLOCK_SIZE = 4
 VOCAB_SIZE = 50
@@ -65,7 +66,13 @@ class PagedFakeWorker:
                 assert state is not None and len(state) == scheduled.start_position, "a state slot lost its sequence"
                 self.states[slot] = state + tuple(token_ids)
                 views.append(self.states[slot])
-            if scheduled.sampling is not None:
+            if scheduled.sampling is not None and scheduled.num_draft_tokens:
+                # a row per position of the verify chunk, each reading the context up to it
+                assert self.windows == (None,) and not scheduled.state_slots, "drafts over one full-attention group"
+                context = views[0]
+                for row in range(1 + scheduled.num_draft_tokens):
+                    sampled.append(greedy_next_token(context[: len(context) - scheduled.num_draft_tokens + row]))
+            elif scheduled.sampling is not None:
                 assert scheduled.sampling.is_greedy
                 sampled.append(greedy_next_token(tuple(itertools.chain.from_iterable(views))))
         self.last_sampled = tuple(sampled)
@@ -126,12 +133,12 @@ def make_scheduler(
 
 def scheduler_over(
     cache: CacheManager, budget: int, max_num_seqs: int = 8, max_model_len: int = 64,
-    policy: SchedulingPolicy | None = None,
+    policy: SchedulingPolicy | None = None, speculation: SpeculationPolicy | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=BLOCK_SIZE
     )
-    return Scheduler(config, cache, policy)
+    return Scheduler(config, cache, policy, speculation)
 
 
 def step(scheduler: Scheduler, worker: PagedFakeWorker) -> tuple[ScheduledBatch, list]:

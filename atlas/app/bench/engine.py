@@ -50,6 +50,13 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     on_mock = engine.backend.name == "mock"
     device = engine.backend.capabilities.device_name
     print(f"atlas bench engine: {engine.config.architecture} from {model} on {device}", file=sys.stderr)
+    if settings.speculative_config:
+        from atlas.app.bench.speculative import run_speculative_bench
+
+        report = {"device": device, **run_speculative_bench(engine, args.prompts, batch_sizes, args.decode_tokens)}
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     if args.json_schema:
         from atlas.app.bench.structured import run_structured_bench
 

@@ -40,10 +40,12 @@ rounding (a * q against p, two near-equal race scores) may go either way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
+
 import numpy as np
 
 from atlas.domain.sampling import neg_gumbel, stream_keys, token_uniforms
-from atlas.domain.speculative.outcome import VerifyResult
+from atlas.domain.speculative.outcome import VerifyOutcome, VerifyResult
 
 ACCEPT_TOKEN_ID = 1 << 32
 DRAFT_SEED_BIT = np.uint64(1 << 63)
@@ -90,6 +92,25 @@ def accept_matching(target_ids: np.ndarray, draft_ids: np.ndarray, num_drafts: n
     num_accepted = _leading_true(valid & (target_ids[:, :-1] == draft_ids))
     next_ids = target_ids[np.arange(target_ids.shape[0]), num_accepted]
     return VerifyResult(num_accepted.astype(np.int32), next_ids.astype(np.int32))
+
+
+def verify_drafts(
+    drafts: SequenceOf[SequenceOf[int]], target_ids: SequenceOf[SequenceOf[int]]
+) -> tuple[VerifyOutcome, ...]:
+    """`accept_matching` over ragged rows: row i has drafts[i] (k_i of them) and the target's
+    k_i + 1 draws at counters c..c+k_i (`target_ids[i]`). Raises ValueError when a row's draw
+    count is not its draft count + 1."""
+    num_rows = len(drafts)
+    width = max((len(row) for row in drafts), default=0)
+    draft_ids = np.zeros((num_rows, width), dtype=np.int64)
+    targets = np.zeros((num_rows, width + 1), dtype=np.int64)
+    num_drafts = np.array([len(row) for row in drafts], dtype=np.int64)
+    for row, (row_drafts, row_targets) in enumerate(zip(drafts, target_ids, strict=True)):
+        if len(row_targets) != len(row_drafts) + 1:
+            raise ValueError(f"row {row}: {len(row_targets)} draws for {len(row_drafts)} drafts (needs drafts + 1)")
+        draft_ids[row, : len(row_drafts)] = row_drafts
+        targets[row, : len(row_targets)] = row_targets
+    return accept_matching(targets, draft_ids, num_drafts).outcomes(draft_ids, num_drafts)
 
 
 def rejection_sample(
