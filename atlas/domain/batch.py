@@ -84,6 +84,19 @@ class ScheduledSequence:
     num_draft_tokens: int = 0
     draft_rows: tuple[SamplingRow, ...] = ()  # one per draft: the rows after `sampling`
 
+    def decode_row(self, offset: int, sampling: SamplingRow) -> ScheduledSequence:
+        """Token `offset` of this chunk alone, at its position, over the same tables, sampled
+        with `sampling` (a verify chunk's rows, see `worker.decode_rows`)."""
+        return ScheduledSequence(
+            seq_id=self.seq_id,
+            token_ids=(self.token_ids[offset],),
+            start_position=self.start_position + offset,
+            block_ids=self.block_ids,
+            sampling=sampling,
+            kv_block_tables=self.kv_block_tables,
+            state_slots=self.state_slots,
+        )
+
     @property
     def sampling_rows(self) -> tuple[SamplingRow, ...]:
         """Every row this sequence samples this step, in order (none for a prefill chunk)."""

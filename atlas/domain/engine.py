@@ -152,7 +152,8 @@ class EngineCore:
             outputs += self._commit_oldest()
         batch = self.scheduler.schedule()
         if not batch.is_empty:
-            batch = replace(batch, awaits_masks=self._is_constrained(batch))
+            if self._is_constrained(batch):
+                batch = replace(batch, awaits_masks=True)
             self._in_flight.append((batch, self.executor.submit(batch)))
             self._num_steps += 1
         if self._in_flight and (len(self._in_flight) > 1 or batch.is_empty):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -43,28 +43,26 @@ def sampling_row(seq: Sequence) -> SamplingRow:
 def sampling_rows(seq: Sequence) -> tuple[SamplingRow, ...]:
     """The rows of `seq`'s next step: one, or 1 + k when the step verifies k drafts. Row j
     draws output token c + j (c: tokens sampled before the drafts) as if drafts[:j] were
-    already output: its counter is c + j, its penalty counts include them, and eos stays
-    banned while c + j < min_tokens."""
+    already output: its counter is c + j, its penalty counts include them, and eos and stop
+    ids stay banned while c + j < min_tokens."""
     params = seq.sampling
     drafts = seq.draft_token_ids
     counter = seq.num_output_tokens - len(drafts)
+    free = dict(params.logit_bias or {})
+    banned = {**free, **dict.fromkeys(seq.eos_token_ids | seq.stop_token_ids, NEG_INF)}
     counts = dict(seq.penalty_counts()) if params.has_penalties else None
-    rows: list[SamplingRow] = []
-    previous_bias: dict[int, float] | None = None
+    seed = seq.request.seed & _UINT64_MASK
+    rows = []
     for position in range(1 + len(drafts)):
         if position and counts is not None:
             counts[drafts[position - 1]] = counts.get(drafts[position - 1], 0) + 1
-        bias = _bias(seq, counter + position)
-        if rows and counts is None and bias == previous_bias:  # most rows: only the counter moves
-            rows.append(replace(rows[-1], counter=counter + position))
-            continue
-        previous_bias = bias
+        bias = banned if counter + position < params.min_tokens else free
         rows.append(SamplingRow(
             temperature=params.temperature,
             top_k=max(params.top_k, 0),
             top_p=params.top_p,
             min_p=params.min_p,
-            seed=seq.request.seed & _UINT64_MASK,
+            seed=seed,
             counter=counter + position,
             repetition_penalty=params.repetition_penalty,
             presence_penalty=params.presence_penalty,
@@ -76,16 +74,6 @@ def sampling_rows(seq: Sequence) -> tuple[SamplingRow, ...]:
             num_logprobs=params.logprobs,
         ))
     return tuple(rows)
-
-
-def _bias(seq: Sequence, num_output_tokens: int) -> dict[int, float]:
-    """logit_bias, with eos and stop ids banned while fewer than min_tokens are out."""
-    params = seq.sampling
-    bias = dict(params.logit_bias or {})
-    if num_output_tokens < params.min_tokens:
-        for token_id in seq.eos_token_ids | seq.stop_token_ids:
-            bias[token_id] = NEG_INF
-    return bias
 
 
 def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:

@@ -319,11 +319,7 @@ def decode_rows(batch: ScheduledBatch) -> ScheduledBatch:
         if first:
             sequences.append(replace(seq, token_ids=seq.token_ids[:first], sampling=None, num_draft_tokens=0,
                                      draft_rows=()))
-        for offset, row in enumerate(sampling_rows):
-            position = first + offset
-            sequences.append(replace(seq, token_ids=(seq.token_ids[position],),
-                                     start_position=seq.start_position + position, sampling=row,
-                                     num_draft_tokens=0, draft_rows=()))
+        sequences.extend(seq.decode_row(first + offset, row) for offset, row in enumerate(sampling_rows))
     return replace(batch, sequences=tuple(sequences))
 
 

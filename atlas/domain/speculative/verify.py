@@ -97,20 +97,19 @@ def accept_matching(target_ids: np.ndarray, draft_ids: np.ndarray, num_drafts: n
 def verify_drafts(
     drafts: SequenceOf[SequenceOf[int]], target_ids: SequenceOf[SequenceOf[int]]
 ) -> tuple[VerifyOutcome, ...]:
-    """`accept_matching` over ragged rows: row i has drafts[i] (k_i of them) and the target's
-    k_i + 1 draws at counters c..c+k_i (`target_ids[i]`). Raises ValueError when a row's draw
-    count is not its draft count + 1."""
-    num_rows = len(drafts)
-    width = max((len(row) for row in drafts), default=0)
-    draft_ids = np.zeros((num_rows, width), dtype=np.int64)
-    targets = np.zeros((num_rows, width + 1), dtype=np.int64)
-    num_drafts = np.array([len(row) for row in drafts], dtype=np.int64)
+    """`accept_matching` over ragged rows, as the engine's commit applies it: row i has drafts[i]
+    (k_i of them) and the target's k_i + 1 draws at counters c..c+k_i (`target_ids[i]`).
+    Plain Python: a step's rows are a few ints each, where numpy's per-call cost would dominate
+    (tests check both agree). Raises ValueError when a row's draw count is not its draft count + 1."""
+    outcomes = []
     for row, (row_drafts, row_targets) in enumerate(zip(drafts, target_ids, strict=True)):
         if len(row_targets) != len(row_drafts) + 1:
             raise ValueError(f"row {row}: {len(row_targets)} draws for {len(row_drafts)} drafts (needs drafts + 1)")
-        draft_ids[row, : len(row_drafts)] = row_drafts
-        targets[row, : len(row_targets)] = row_targets
-    return accept_matching(targets, draft_ids, num_drafts).outcomes(draft_ids, num_drafts)
+        num_accepted = 0
+        while num_accepted < len(row_drafts) and row_drafts[num_accepted] == row_targets[num_accepted]:
+            num_accepted += 1
+        outcomes.append(VerifyOutcome((*row_drafts[:num_accepted], row_targets[num_accepted]), len(row_drafts)))
+    return tuple(outcomes)
 
 
 def rejection_sample(
