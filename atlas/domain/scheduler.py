@@ -48,17 +48,10 @@ from atlas.domain.cache.manager import CacheManager
 from atlas.domain.requests import FinishReason, ParameterError, SequenceStatus
 from atlas.domain.sequence import PendingToken, Sequence
 from atlas.domain.scheduling_policy import FifoPolicy, SchedulingPolicy
-from atlas.domain.speculative.outcome import SpecDecodeStats, VerifyOutcome
+from atlas.domain.speculative.outcome import SpecDecodeStats
 from atlas.domain.speculative.policy import NoSpeculation, SpeculationPolicy
 from atlas.domain.speculative.verify import verify_drafts
-from atlas.domain.step_plan import (
-    InFlightStep,
-    Planned,
-    StepPlan,
-    check_result,
-    scheduled_sequence,
-    sequence_output,
-)
+from atlas.domain.step_plan import InFlightStep, StepPlan, check_result, scheduled_sequence, sequence_output
 from atlas.domain.stopping import ends_by_length, first_stop, stop_reason
 
 
@@ -233,7 +226,6 @@ class Scheduler:
         in_flight = check_result(self._in_flight[0] if self._in_flight else None, batch, result)
         self._in_flight.popleft()
         outputs: list[SequenceOutput] = []
-        committed: list[tuple[Planned, int]] = []  # (planned, its first row) of live sequences
         row_idx = 0
         for planned in in_flight.planned:
             if not planned.samples:
@@ -245,17 +237,10 @@ class Scheduler:
             pending = seq.pending
             if not pending or pending[0].step_id != batch.step_id:
                 continue  # preempted after schedule(): it samples this token again later
-            committed.append((planned, first_row))
-        verifying = [(p, first_row) for p, first_row in committed if p.num_drafts]
-        outcomes = dict(zip((p.seq.seq_id for p, _ in verifying), verify_drafts(
-            [p.seq.draft_token_ids for p, _ in verifying],
-            [result.token_ids[first_row : first_row + p.num_rows] for p, first_row in verifying],
-        )))
-        for planned, first_row in committed:
             if planned.num_drafts:
-                outputs.append(self._append_verified(planned.seq, result, first_row, outcomes[planned.seq.seq_id]))
+                outputs.append(self._append_verified(seq, result, first_row, planned.num_rows))
             else:
-                outputs.append(self._append_sampled(planned.seq, result, first_row))
+                outputs.append(self._append_sampled(seq, result, first_row))
         return outputs
 
     def check_invariants(self) -> None:
@@ -390,10 +375,10 @@ class Scheduler:
         token_logprobs = result.logprobs[row_idx] if result.logprobs is not None else None
         return sequence_output(seq, (token_id,), (token_logprobs,) if token_logprobs is not None else ())
 
-    def _append_verified(self, seq: Sequence, result: StepResult, first_row: int, outcome: VerifyOutcome
-                         ) -> SequenceOutput:
-        """Keep the accepted drafts and the next token (up to a stop among them), roll back the
-        rest and give back the pages past the kept ones."""
+    def _append_verified(self, seq: Sequence, result: StepResult, first_row: int, num_rows: int) -> SequenceOutput:
+        """Verify `seq`'s drafts against its rows' draws: keep the accepted drafts and the next
+        token (up to a stop among them), roll back the rest and give back the pages past them."""
+        [outcome] = verify_drafts([seq.draft_token_ids], [result.token_ids[first_row : first_row + num_rows]])
         self.spec_stats.record(outcome)
         num_kept, reason = first_stop(seq, outcome.token_ids)
         kept = outcome.token_ids[:num_kept]
