@@ -1,6 +1,6 @@
 #!/bin/bash
 # The speed issue's measurements on a GPU machine, one step per argument; logs and JSON in $OUT.
-#   source .devkit/env.sh && bash benchmarks/gpu_bench.sh [quick llama8b llama8b-fp8 smollm2 startup serve]
+#   source .devkit/env.sh && bash benchmarks/gpu_bench.sh [quick llama8b llama8b-fp8 llama8b-fp8w smollm2 startup serve]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export ATLAS_KERNEL_CACHE=${ATLAS_KERNEL_CACHE:-/tmp/atlas-kernel-cache}
@@ -18,6 +18,16 @@ for step in ${*:-quick llama8b}; do case $step in
   # the same run over an FP8 (E4M3) KV cache: half the KV bytes a step reads
   llama8b-fp8) run llama8b-fp8 560 $ATLAS bench --random llama-3.1-8b --device cuda --batch-sizes 1,8,32,64,128 \
            --kv-cache-dtype fp8 --reference hf --json "$OUT/llama8b-fp8.json" --plot "$OUT/llama8b-fp8.png" ;;
+  # FP8 weights (E4M3 per channel, the random checkpoint written as compressed-tensors) beside the
+  # bf16 run, both over a bf16 KV cache (FP8_KV=1 adds the FP8 weights over an FP8 cache)
+  llama8b-fp8w) run llama8b-bf16 400 $ATLAS bench --random llama-3.1-8b --device cuda --batch-sizes 1,64 \
+           --prefill-lens 8192 --json "$OUT/llama8b-bf16.json"
+         run llama8b-fp8w 400 $ATLAS bench --random llama-3.1-8b --quantization fp8 --device cuda \
+           --batch-sizes 1,64 --prefill-lens 8192 --json "$OUT/llama8b-fp8w.json"
+         if [ "${FP8_KV:-0}" = 1 ]; then
+           run llama8b-fp8w-fp8kv 400 $ATLAS bench --random llama-3.1-8b --quantization fp8 --kv-cache-dtype fp8 \
+             --device cuda --batch-sizes 1,64 --prefill-lens 8192 --json "$OUT/llama8b-fp8w-fp8kv.json"
+         fi ;;
   smollm2) run smollm2 200 $ATLAS bench --random smollm2-135m --device cuda --batch-sizes 1,16,64 \
            --output-len 256 --json "$OUT/smollm2.json" ;;
   startup) run startup 400 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "--max-seq-len 8192" ;;

@@ -7,7 +7,15 @@ import difflib
 import os
 from typing import NoReturn
 
-from atlas.app.settings import DEVICES, DTYPES, KV_CACHE_DTYPES, SCHEDULING_POLICIES, EngineSettings, SettingsError
+from atlas.app.settings import (
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    EngineSettings,
+    SettingsError,
+)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -83,6 +91,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="KV cache element type (default: the activation type); fp8 (= fp8_e4m3) halves the "
                        "cache's bytes, with per-layer K/V scales from the checkpoint (self_attn.k_scale, "
                        "v_scale) or 1.0")
+    group.add_argument("--quantization", choices=QUANTIZATIONS, default=_env("quantization", "none"),
+                       help="fp8: quantize a float checkpoint's layer projections to FP8 (E4M3, one scale per "
+                       "output channel) as it loads, halving their bytes; embeddings and the LM head stay as "
+                       "stored. FP8 checkpoints load as published without it")
     group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default=_env("scheduling_policy", "fifo"),
                        help="fifo (default) or priority: requests with a lower priority field run first and are "
                        "preempted last")
@@ -96,6 +108,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--speculative-config", metavar="JSON", default=_env("speculative_config", None),
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                        "(keys: method, num_speculative_tokens, prompt_lookup_min/max, disable_by_batch_size)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=_env("tensor_parallel_size", 1, int),
+                       help="split the model over this many GPUs (one process each; default 1); heads, "
+                       "feed-forward width and vocabulary must divide by it")
+    group.add_argument("--enable-expert-parallel", action="store_true",
+                       default=_env("enable_expert_parallel", False, bool),
+                       help="MoE models: place whole experts on the --tensor-parallel-size ranks instead of "
+                       "splitting every expert over them")
 
 
 def engine_settings(args: argparse.Namespace) -> EngineSettings:
@@ -111,11 +130,14 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_gb=args.kv_cache_gb,
         kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
         scheduling_policy=args.scheduling_policy,
         prefix_caching=args.prefix_caching,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         speculative_config=args.speculative_config,
+        tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
 
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.adapters.weights.safetensors import SafetensorsWeights
@@ -17,22 +19,27 @@ from atlas.app.backends import make_backend
 from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
 from atlas.app.settings import EngineSettings
-from atlas.domain.engine import EngineCore
-from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.manager import full_attention_cache
-from atlas.domain.memory_plan import GIB, check_weights_fit, plan_kv_cache
+from atlas.domain.cache.manager import CacheManager
+from atlas.domain.device_caches import allocate_caches
+from atlas.domain.engine import EngineCore, StepExecutor
+from atlas.domain.memory_plan import GIB, CacheDemand, CachePlan, check_weights_fit, plan_cache
+from atlas.domain.models.cache_groups import CacheGroupKind, CacheGroupSpec
 from atlas.domain.models.config import ModelConfig, ModelConfigError
 from atlas.domain.models.families import check_supported, kv_cache_scales, load_model
 from atlas.domain.models.model import Model
-from atlas.domain.models.quantization import check_quantization
+from atlas.domain.models.quantization_config import Fp8Layout, check_quantization, with_quantization
+from atlas.domain.models.quantization_weights import QuantizedOnLoad, checkpoint_bytes
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
 from atlas.domain.speculative.config import SpeculativeConfig
 from atlas.domain.speculative.policy import speculation_policy
 from atlas.domain.worker import Worker, WorkerConfig
 from atlas.ports.gpu import DType, GpuBackend
-from atlas.ports.kernels.attention import KvCacheSpec
 from atlas.ports.tokenizer import Tokenizer
+from atlas.ports.weights import WeightSource
+
+if TYPE_CHECKING:
+    from atlas.app.parallel_engine import RankExecutor
 
 log = logging.getLogger("atlas")
 
@@ -43,17 +50,70 @@ _KV_DTYPES = {"bf16": DType.BF16, "f16": DType.F16, "f32": DType.F32, "fp8": DTy
 
 @dataclass
 class LoadedEngine:
-    """Everything a front end needs: the engine core, the tokenizer and the model's identity."""
+    """Everything a front end needs: the engine core, the tokenizer and the model's identity.
+
+    A model on rank processes (`parallel_engine.py`) has no backend or model in this process;
+    `close` stops its ranks, and `watch` reports their failure (a rank that died while idle)."""
 
     core: EngineCore
     tokenizer: Tokenizer
     config: ModelConfig
     model_dir: Path
     model_name: str
-    backend: GpuBackend
-    model: Model
+    backend: GpuBackend | None
+    model: Model | None
     max_model_len: int
     settings: EngineSettings
+    on_close: Callable[[], None] = lambda: None
+    on_watch: Callable[[Callable[[str], None]], None] = field(default=lambda callback: None)
+    ranks: RankExecutor | None = None  # the executor over the rank processes, if any
+    num_pages: tuple[int, ...] = ()  # each cache group's pages (KV blocks or state slots)
+    weight_bytes: int = 0  # the weights as the device holds them (FP8 projections: a byte an element)
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (rank processes)."""
+        self.on_close()
+
+    def watch(self, on_failure: Callable[[str], None]) -> None:
+        """Call `on_failure(message)` if the engine's other processes fail outside a step."""
+        self.on_watch(on_failure)
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """The largest step a worker runs: tokens, and rows sampled (also its graphs' batch)."""
+
+    max_tokens: int
+    max_rows: int
+
+
+class ModelPlacement(Protocol):
+    """Where the weights go: the whole model on one device, or one tensor-parallel rank's part
+    (`rank_engine.RankPart`)."""
+
+    def make_backend(self, settings: EngineSettings, config: ModelConfig) -> GpuBackend: ...
+
+    def weight_bytes(self, checkpoint_bytes: int) -> int:
+        """This placement's share of the weights' device bytes (`checkpoint_bytes`: the whole
+        model's), for the check before loading."""
+        ...
+
+    def load(self, config: ModelConfig, weights: WeightSource, backend: GpuBackend, max_positions: int,
+             limits: StepLimits, progress: Callable[[int, int], None]) -> Model: ...
+
+
+class OneDevice:
+    """The whole model on one device."""
+
+    def make_backend(self, settings: EngineSettings, config: ModelConfig) -> GpuBackend:
+        return make_backend(settings.device, config.model_type, settings.dtype)
+
+    def weight_bytes(self, checkpoint_bytes: int) -> int:
+        return checkpoint_bytes
+
+    def load(self, config: ModelConfig, weights: WeightSource, backend: GpuBackend, max_positions: int,
+             limits: StepLimits, progress: Callable[[int, int], None]) -> Model:
+        return load_model(config, weights, backend, max_positions=max_positions, progress=progress)
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
@@ -67,79 +127,84 @@ def read_model_config(model_dir: Path) -> ModelConfig:
     return ModelConfig.from_dict(raw)
 
 
-def build_engine(settings: EngineSettings, show_progress: bool = True) -> LoadedEngine:
-    """Load a model and wire an engine; every user mistake raises a ValueError naming the fix."""
+def open_weights(model_dir: Path, config: ModelConfig) -> WeightSource:
+    """The folder's safetensors, or the generated weights of a benchmark folder that has none
+    (`atlas bench --random` of a model too large to write; see `bench/random_model.py`)."""
+    from atlas.app.bench.random_model import open_generated
+
+    return open_generated(model_dir, config.raw) or SafetensorsWeights(model_dir)
+
+
+def build_engine(
+    settings: EngineSettings, show_progress: bool = True, placement: ModelPlacement | None = None
+) -> LoadedEngine:
+    """Load a model and wire an engine; every user mistake raises a ValueError naming the fix.
+    With --tensor-parallel-size > 1 the model runs on rank processes
+    (`parallel_engine.py`); each rank builds its part through here with its `placement`."""
+    if placement is None and settings.is_parallel:
+        from atlas.app.parallel_engine import build_parallel_engine
+
+        return build_parallel_engine(settings, show_progress)
+    placement = placement or OneDevice()
     model_dir = resolve_model(settings.model)
     config = read_model_config(model_dir)
     check_supported(config)
-    check_quantization(config.raw, loadable=())  # FP8 weights load once the dense kind takes them
+    quantize = settings.quantization != "none"
+    if quantize:
+        config = ModelConfig.from_dict(with_quantization(config.raw, settings.quantization))
+    quantization = check_quantization(config.raw, loadable=tuple(Fp8Layout))
     tokenizer = HfTokenizer.from_folder(model_dir)
-    weights = SafetensorsWeights(model_dir)
+    stored = open_weights(model_dir, config)
+    weights = QuantizedOnLoad(stored) if quantize else stored
     max_model_len = settings.max_seq_len or config.max_position_embeddings
 
-    backend = make_backend(settings.device, config.model_type, settings.dtype)
+    backend = placement.make_backend(settings, config)
     free_bytes, total_bytes = backend.memory_info()
-    weight_bytes = 2 * config.num_parameters()
+    weight_bytes = placement.weight_bytes(checkpoint_bytes(stored, quantize))
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
-    log.info("loading %s (%s, %.2f GiB in bf16) on %s", model_dir, config.architecture, weight_bytes / GIB, backend.name)
-    progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
-    model = load_model(config, weights, backend, max_positions=max_model_len, progress=progress.update)
-    kv_shape = model.single_kv_group()
-
-    kv_dtype = _kv_dtype(settings.kv_cache_dtype, backend)
+    log.info(
+        "loading %s (%s, %.2f GiB%s) on %s", model_dir, config.architecture, weight_bytes / GIB,
+        "" if quantization is None else f", {quantization.describe()}", backend.name,
+    )
     max_num_tokens = settings.max_prefill_tokens
     speculative = settings.speculative
     verify_rows = _max_verify_rows(settings, speculative)
     graph_sizes = () if settings.enforce_eager else _graph_sizes(settings, verify_rows)
     max_rows = max(settings.max_num_seqs, verify_rows, max(graph_sizes, default=0))
-    num_layers = len(model.layers)
-    block_bytes = KvCacheSpec(num_layers, 1, settings.block_size, kv_shape.num_kv_heads, kv_shape.head_dim, kv_dtype)
+    limits = StepLimits(max(max_num_tokens, max_rows), max_rows)
+    progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
+    model = placement.load(config, weights, backend, max_model_len, limits, progress.update)
+
+    kv_dtype = _kv_dtype(settings.kv_cache_dtype, backend)
     kv_budget = settings.kv_cache_gb if settings.kv_cache_gb is not None else (
         MOCK_KV_CACHE_GB if backend.name == "mock" else None
     )
     free_bytes, total_bytes = backend.memory_info()
-    plan = plan_kv_cache(
+    plan = plan_cache(
         free_bytes=free_bytes,
         total_bytes=total_bytes,
         utilization=settings.gpu_memory_utilization,
-        reserved_bytes=model.workspace_bytes(max(max_num_tokens, max_rows), max_rows),
-        bytes_per_block=block_bytes.bytes_per_block,
+        reserved_bytes=model.workspace_bytes(limits.max_tokens, limits.max_rows),
+        groups=model.cache_groups,
+        kv_dtype=kv_dtype,
         block_size=settings.block_size,
-        max_model_len=max_model_len,
+        demand=CacheDemand(settings.max_num_seqs, max_num_tokens, max_model_len),
         kv_budget_bytes=int(kv_budget * GIB) if kv_budget is not None else None,
     )
     scales = kv_cache_scales(config, weights) if kv_dtype.is_quantized else ()
-    spec = KvCacheSpec(
-        num_layers, plan.num_blocks + 1, settings.block_size, kv_shape.num_kv_heads, kv_shape.head_dim, kv_dtype,
-        scales,
-    )
-    kv = backend.attention.allocate_cache(spec)
-    log.info(
-        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)",
-        plan.num_blocks, settings.block_size, plan.num_tokens, spec.total_bytes / GIB, kv_dtype.value,
-    )
+    caches = allocate_caches(backend, model.cache_groups, plan.num_pages, settings.block_size, kv_dtype, scales)
+    _log_caches(model, plan, kv_dtype)
 
     worker = Worker(
         backend,
         model,
-        kv,
+        caches,
         WorkerConfig(max_num_tokens, max(settings.max_num_seqs, verify_rows), max_model_len, graph_sizes),
     )
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
         worker.capture_graphs()
-    scheduler = Scheduler(
-        SchedulerConfig(
-            max_model_len=max_model_len,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=max_num_tokens,
-            block_size=settings.block_size,
-        ),
-        full_attention_cache(BlockPool(plan.num_blocks, settings.block_size), settings.prefix_caching),
-        POLICIES[settings.scheduling_policy](),
-        speculation_policy(speculative),
-    )
-    core = EngineCore(scheduler, worker, max_model_len, config.vocab_size, tokenizer.eos_token_ids)
+    core = make_core(settings, model.cache_groups, plan.num_pages, worker, max_model_len, config.vocab_size, tokenizer)
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,
@@ -150,7 +215,43 @@ def build_engine(settings: EngineSettings, show_progress: bool = True) -> Loaded
         model=model,
         max_model_len=max_model_len,
         settings=settings,
+        num_pages=tuple(plan.num_pages),
+        weight_bytes=weight_bytes,
     )
+
+
+def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pages: Sequence[int],
+              executor: StepExecutor, max_model_len: int, vocab_size: int, tokenizer: Tokenizer) -> EngineCore:
+    """The engine core over the model's cache groups, group i with `num_pages[i]` pages,
+    driving `executor`."""
+    cache = CacheManager.for_groups(groups, num_pages, settings.block_size, settings.prefix_caching)
+    if settings.prefix_caching and not cache.caches_prefixes:
+        log.info("prefix caching is off: the recurrent layers keep no state at block boundaries to start a hit from")
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_prefill_tokens,
+            block_size=settings.block_size,
+        ),
+        cache,
+        POLICIES[settings.scheduling_policy](),
+        speculation_policy(settings.speculative),
+    )
+    return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids)
+
+
+def _log_caches(model: Model, plan: CachePlan, kv_dtype: DType) -> None:
+    for group, pages, size in zip(model.cache_groups, plan.num_pages, plan.bytes_per_page, strict=True):
+        layers = f"{len(group.layers)} of {len(model.layers)} layers"
+        if group.kind is CacheGroupKind.RECURRENT_STATE:
+            log.info("recurrent state: %d slots (%s, %.1f KiB a slot)", pages, layers, size / 2**10)
+            continue
+        window = f", window {group.window}" if group.window is not None else ""
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %s%s, %.2f GiB, %s)",
+            pages, plan.block_size, pages * plan.block_size, layers, window, pages * size / GIB, kv_dtype.value,
+        )
 
 
 def _kv_dtype(name: str, backend: GpuBackend) -> DType:

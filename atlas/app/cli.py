@@ -1,4 +1,4 @@
-"""The `atlas` command: generate, chat, serve, pull, import-gguf, bench, kernels.
+"""The `atlas` command: generate, chat, serve, pull, import-gguf, bench, kernels, doctor.
 
 User mistakes (a missing model, a bad flag value, a corrupt checkpoint, too little memory) end
 with one line naming the fix and a non-zero exit, never a traceback.
@@ -21,6 +21,7 @@ from atlas.app.bench.engine_arguments import add_engine_bench_arguments
 from atlas.app.bench.serve import add_bench_serve_arguments
 from atlas.app.bench.startup import add_startup_bench_arguments
 from atlas.app.server import add_serve_arguments
+from atlas.app.settings import DEVICES, DTYPES
 from atlas.app.threads import limit_blas_threads
 from atlas.domain.requests import SamplingParams
 
@@ -93,6 +94,18 @@ def build_parser() -> ArgumentParser:
     kernels.add_argument("--quant", default="bf16")
     kernels.add_argument("--device-ordinal", type=int, default=0)
     kernels.set_defaults(handler=_kernels)
+
+    doctor = commands.add_parser(
+        "doctor", help="compare a model's hidden state after every layer with transformers' and name the first "
+        "layer that leaves bf16 noise (exits 1 then)",
+    )
+    doctor.add_argument("model", help="a model folder, a pulled name or an HF repo id in the HF cache")
+    doctor.add_argument("--device", choices=DEVICES, default="auto", help="cuda, mock or auto (as for serve)")
+    doctor.add_argument("--dtype", choices=DTYPES, default="auto", help="Atlas's activation type (f32: mock only)")
+    doctor.add_argument("--prompt", help="the text to run (default: two sentences of English)")
+    doctor.add_argument("--reference", help="compare against this checkpoint instead of MODEL itself "
+                        "(the original of a GGUF import, say)")
+    doctor.set_defaults(handler=_doctor)
 
     bench = commands.add_parser("bench", help="benchmarks that print figures (engine decode by default)")
     bench_commands = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK", parser_class=ArgumentParser)
@@ -225,6 +238,15 @@ def _kernels(args: argparse.Namespace) -> int:
         cached = "?" if choice.cached is None else ("yes" if choice.cached else "no")
         print(f"{choice.name:<20} {cached:<7} {choice.source_path:<58} {choice.reason}")
     return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    limit_blas_threads()  # before numpy loads with atlas.app.doctor
+    from atlas.app.doctor import DEFAULT_PROMPT, run_doctor
+
+    prompt = DEFAULT_PROMPT if args.prompt is None else args.prompt
+    report = run_doctor(args.model, args.device, args.dtype, prompt, args.reference)
+    return 0 if report.passed else 1
 
 
 def _bench(args: argparse.Namespace) -> int:

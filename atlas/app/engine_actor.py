@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 import msgspec
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
@@ -167,6 +169,7 @@ class EngineActor:
         self._failed: str | None = None
         self._busy_since_s: float | None = None  # when the current step started
         self._stats = core.stats()
+        self._token: anyio.lowlevel.EventLoopToken | None = None  # of the loop `run` runs on
 
     # -- front-end side -------------------------------------------------------------------
     def submit(self, requests: Sequence[Request]) -> ObjectReceiveStream[StreamItem]:
@@ -193,6 +196,17 @@ class EngineActor:
     def shutdown(self) -> None:
         self._inbox_send.send_nowait(Shutdown())
 
+    def fail_from_thread(self, message: str) -> None:
+        """Stop the actor from another thread: what runs the engine's steps failed outside a
+        step (a rank process died). Health reports `message` at once; every request fails and
+        `run` raises. Does nothing once the loop has gone."""
+        self._failed = message
+        if self._token is not None:
+            try:
+                anyio.from_thread.run_sync(self._inbox_send.send_nowait, Shutdown(), token=self._token)
+            except (RuntimeError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the loop or the inbox is gone: nothing left to stop
+
     def stats(self) -> EngineStats:
         return self._stats
 
@@ -213,20 +227,26 @@ class EngineActor:
         Returns after `shutdown`; re-raises a step's exception after failing every request.
         """
         self._running = True
+        self._token = anyio.lowlevel.current_token()
         try:
             while True:
                 if not self._core.has_unfinished:
                     command = await self._inbox.receive()
                     if not self._apply(command):
-                        return
+                        return self._raise_failure()
                 if not self._drain_inbox():
-                    return
+                    return self._raise_failure()
                 if self._core.has_unfinished:
                     await self._step()
                 else:
                     self._stats = self._core.stats()  # aborts freed blocks without a step
         finally:
             self._running = False
+            self._token = None
+
+    def _raise_failure(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(self._failed)
 
     def _drain_inbox(self) -> bool:
         while True:
@@ -239,7 +259,7 @@ class EngineActor:
 
     def _apply(self, command: Command) -> bool:
         if isinstance(command, Shutdown):
-            self._router.fail_all("the server is shutting down")
+            self._router.fail_all(self._failed or "the server is shutting down")
             return False
         if isinstance(command, AbortRequest):
             self._core.abort(command.request_id)

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
@@ -70,9 +71,21 @@ class EngineLoop:
         self._frames = frames  # may hold bytes that arrived with Start
         self._encode = msgspec.msgpack.Encoder().encode
         self._decoder = msgspec.msgpack.Decoder(ToEngine)
+        self._send_lock = threading.Lock()  # `fail` may come from a rank watcher's thread
 
     def send(self, message: FromEngine) -> None:
-        self._sock.sendall(frame(self._encode(message)))
+        data = frame(self._encode(message))
+        with self._send_lock:
+            self._sock.sendall(data)
+
+    def fail(self, message: str) -> None:
+        """Report that the engine cannot go on (its ranks failed while it waited for commands)
+        and end `run`: the API process then fails every request and stops."""
+        try:
+            self.send(Crashed(message))
+            self._sock.shutdown(socket.SHUT_RD)  # wakes `run` from its wait for commands
+        except OSError:
+            pass  # the API process is gone already
 
     def run(self) -> None:
         """Until Shutdown or EOF; a step's exception is reported as Crashed and re-raised."""
@@ -327,12 +340,16 @@ def child_main(fd: int) -> int:
         traceback.print_exc()
         sock.sendall(frame(encode(LoadFailed(f"{type(error).__name__}: {error}", False))))
         return 1
-    sock.sendall(frame(encode(Ready(str(engine.model_dir), engine.max_model_len, engine.config.vocab_size,
-                                    engine.core.stats()))))
     try:
-        EngineLoop(engine.core, sock, frames).run()
+        sock.sendall(frame(encode(Ready(str(engine.model_dir), engine.max_model_len, engine.config.vocab_size,
+                                        engine.core.stats()))))
+        loop = EngineLoop(engine.core, sock, frames)
+        engine.watch(loop.fail)
+        loop.run()
     except (BrokenPipeError, ConnectionResetError):
         return 0  # the API process went away
+    finally:
+        engine.close()
     return 0
 
 

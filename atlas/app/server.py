@@ -87,7 +87,28 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="run the engine core in the API process (a thread) instead of its own process")
     group.add_argument("--access-log", action="store_true", default=env_default("access_log", False, bool),
                        help="log every HTTP request")
+    _add_chat_arguments(parser)
     add_engine_arguments(parser)
+
+
+def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    from atlas.app.chat_features import REASONING_PARSER_CHOICES, TOOL_CALL_PARSER_CHOICES
+
+    group = parser.add_argument_group("tools, reasoning and stored responses")
+    group.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSER_CHOICES,
+                       default=env_default("tool_call_parser", "auto"),
+                       help="the markup tool calls are read from (default auto: detected from the chat template; "
+                            "none: tool calls come back as text)")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES,
+                       default=env_default("reasoning_parser", "auto"),
+                       help="split <think>...</think> into reasoning_content (default auto: detected from the chat "
+                            "template; none: the block stays in the content)")
+    group.add_argument("--max-stored-responses", type=int, default=env_default("max_stored_responses", 1000, int),
+                       help="responses /v1/responses keeps for previous_response_id and GET, least recently used "
+                            "dropped first (default 1000; 0 stores none)")
+    group.add_argument("--max-stored-responses-bytes", type=int,
+                       default=env_default("max_stored_responses_bytes", 64 << 20, int),
+                       help="their total size (default 64 MiB)")
 
 
 def _env_list(name: str) -> list[str] | None:
@@ -115,6 +136,8 @@ def http_config(args: argparse.Namespace):
         raise ValueError(f"--shutdown-timeout must be 0 or more seconds (got {args.shutdown_timeout})")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be between 1 and 65535 (got {args.port})")
+    if args.max_stored_responses < 0 or args.max_stored_responses_bytes < 0:
+        raise ValueError("--max-stored-responses and --max-stored-responses-bytes must be 0 or more")
     dump_path = None
     if args.dump is not None:
         dump_path = Path(args.dump or f"atlas-dump-{datetime.now():%Y%m%d-%H%M%S}.jsonl")
@@ -126,6 +149,8 @@ def http_config(args: argparse.Namespace):
         require_auth=args.require_auth,
         auth_tokens=frozenset(tokens),
         dump_path=dump_path,
+        max_stored_responses=args.max_stored_responses,
+        max_stored_responses_bytes=args.max_stored_responses_bytes,
         **limits,
     )
 
@@ -175,17 +200,19 @@ def sampling_defaults(model_dir: Path, override_json: str | None):
 
 
 def _served_model(settings: EngineSettings, served_name: str | None, model_dir: Path, tokenizer,
-                  max_model_len: int, vocab_size: int, override_json: str | None):
+                  max_model_len: int, vocab_size: int, override_json: str | None, parsers: tuple[str, str]):
     from atlas.adapters.http.engine_client import ServedModel
+    from atlas.app.chat_features import chat_features
 
     name = served_name or settings.model
     aliases = frozenset({settings.model, str(model_dir)} - {name})
     return ServedModel(name, aliases, tokenizer, max_model_len, vocab_size, settings.seed, int(time.time()),
-                       sampling_defaults(model_dir, override_json))
+                       sampling_defaults(model_dir, override_json),
+                       chat_features(tokenizer, model_dir, vocab_size, *parsers))
 
 
 def engine_launcher(settings: EngineSettings, served_name: str | None, single_process: bool,
-                    override_json: str | None = None):
+                    override_json: str | None = None, parsers: tuple[str, str] = ("auto", "auto")):
     """The lifespan's launcher: load the model, run the engine while the context is open."""
 
     @asynccontextmanager
@@ -194,13 +221,18 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
         from atlas.app.engine_actor import EngineActor
 
         engine = await anyio.to_thread.run_sync(build_engine, settings)
-        actor = EngineActor(engine.core)
-        model = _served_model(settings, served_name, engine.model_dir, engine.tokenizer, engine.max_model_len,
-                              engine.config.vocab_size, override_json)
-        async with anyio.create_task_group() as group:
-            group.start_soon(actor.run)
-            yield model, actor
-            actor.shutdown()
+        try:
+            actor = EngineActor(engine.core)
+            engine.watch(actor.fail_from_thread)  # rank processes that die while the engine idles
+            model = await anyio.to_thread.run_sync(
+                _served_model, settings, served_name, engine.model_dir, engine.tokenizer, engine.max_model_len,
+                engine.config.vocab_size, override_json, parsers)
+            async with anyio.create_task_group() as group:
+                group.start_soon(actor.run)
+                yield model, actor
+                actor.shutdown()
+        finally:
+            await anyio.to_thread.run_sync(engine.close)
 
     @asynccontextmanager
     async def in_own_process() -> AsyncIterator:
@@ -217,8 +249,8 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
             with anyio.CancelScope(shield=True):
                 await process.close()
             raise
-        model = _served_model(settings, served_name, model_dir, tokenizer, ready.max_model_len, ready.vocab_size,
-                              override_json)
+        model = await anyio.to_thread.run_sync(_served_model, settings, served_name, model_dir, tokenizer,
+                                               ready.max_model_len, ready.vocab_size, override_json, parsers)
         async with anyio.create_task_group() as group:
             group.start_soon(process.run)
             yield model, process
@@ -233,7 +265,8 @@ def build_app(args: argparse.Namespace, on_fatal=None):
 
     settings = engine_settings(args)
     config = http_config(args)
-    launcher = engine_launcher(settings, args.model_name, args.single_process, args.override_generation_config)
+    launcher = engine_launcher(settings, args.model_name, args.single_process, args.override_generation_config,
+                               (args.tool_call_parser, args.reasoning_parser))
     return create_app(config, launcher, on_fatal)
 
 

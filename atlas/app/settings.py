@@ -11,7 +11,9 @@ from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeMethod
 DEVICES = ("auto", "cuda", "mock")
 DTYPES = ("auto", "bf16", "f32")
 KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3
+QUANTIZATIONS = ("none", "fp8")
 SCHEDULING_POLICIES = tuple(POLICIES)
+MAX_RANKS = 8  # the GPUs of one host
 
 
 class SettingsError(ValueError):
@@ -31,16 +33,30 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.90
     kv_cache_gb: float | None = None  # fixed KV size instead of the utilisation rule (mock default: 2)
     kv_cache_dtype: str = "auto"
+    quantization: str = "none"  # fp8: quantize a float checkpoint's projections per output channel at load
     scheduling_policy: str = "fifo"  # or "priority": lower Request.priority first
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (--no-prefix-caching)
     enforce_eager: bool = False  # never capture graphs
     seed: int | None = None  # seeds requests that bring none (None: a fresh random seed each)
+    tensor_parallel_size: int = 1  # ranks (devices) the model splits over, one process each
+    enable_expert_parallel: bool = False  # MoE: place whole experts on ranks instead of splitting each
     speculative_config: str | None = None  # --speculative-config JSON (SpeculativeConfig); None: off
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks the experts are placed over: every rank with --enable-expert-parallel."""
+        return self.tensor_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def is_parallel(self) -> bool:
+        """Whether the model runs on rank processes, one per device."""
+        return self.tensor_parallel_size > 1
 
     def __post_init__(self) -> None:
         _choice("--device", self.device, DEVICES)
         _choice("--dtype", self.dtype, DTYPES)
         _choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _choice("--quantization", self.quantization, QUANTIZATIONS)
         _choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise SettingsError(f"--max-seq-len must be at least 2 (got {self.max_seq_len})")
@@ -58,6 +74,15 @@ class EngineSettings:
             )
         if self.kv_cache_gb is not None and self.kv_cache_gb <= 0:
             raise SettingsError(f"--kv-cache-gb must be positive (got {self.kv_cache_gb})")
+        if not 1 <= self.tensor_parallel_size <= MAX_RANKS:
+            raise SettingsError(
+                f"--tensor-parallel-size must be between 1 and {MAX_RANKS} (got {self.tensor_parallel_size})"
+            )
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise SettingsError(
+                "--enable-expert-parallel places the experts over the --tensor-parallel-size ranks; "
+                "give --tensor-parallel-size 2 or more"
+            )
         _parse_speculative(self.speculative_config)
 
     @property

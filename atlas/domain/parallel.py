@@ -11,9 +11,11 @@ over the t/e ranks that share them:
     feed-forward width   intermediate_size % t == 0
     vocabulary           vocab_size % t == 0
     experts              t % e == 0, num_experts % e == 0, expert width % (t / e) == 0
+    linear attention     key heads % t == 0 and value heads % t == 0 (Gated DeltaNet)
 
 (e = 1 puts every expert on all t ranks; e = t gives each rank whole experts.) A size that
-breaks one of these is refused at start with the sizes that would work.
+breaks one of these is refused at start with the sizes that would work. `RankPlacement` says
+which part of each of these one rank holds.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from atlas.domain.models.config import ModelConfig
 # DeepSeek). A Mixtral expert is `intermediate_size` wide.
 _EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 _EXPERT_WIDTH_KEY = "moe_intermediate_size"
+_LINEAR_HEAD_KEYS = ("linear_num_key_heads", "linear_num_value_heads")  # Qwen3-Next
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,8 @@ class ShardedSizes:
     vocab_size: int
     num_experts: int = 0  # 0: a dense model
     expert_intermediate_size: int = 0
+    linear_key_heads: int = 0  # Gated DeltaNet layers' heads (0: none)
+    linear_value_heads: int = 0
 
     @classmethod
     def of(cls, config: ModelConfig) -> ShardedSizes:
@@ -50,6 +55,8 @@ class ShardedSizes:
             vocab_size=config.vocab_size,
             num_experts=num_experts,
             expert_intermediate_size=expert_width,
+            linear_key_heads=int(config.raw.get(_LINEAR_HEAD_KEYS[0]) or 0),
+            linear_value_heads=int(config.raw.get(_LINEAR_HEAD_KEYS[1]) or 0),
         )
 
 
@@ -113,6 +120,10 @@ def _tensor_problems(sizes: ShardedSizes, ranks: int) -> list[str]:
         problems.append(f"feed-forward width {sizes.intermediate_size} does not split into {ranks}")
     if sizes.vocab_size % ranks:
         problems.append(f"vocabulary of {sizes.vocab_size} does not split into {ranks}")
+    for name, heads in (("linear-attention key", sizes.linear_key_heads),
+                        ("linear-attention value", sizes.linear_value_heads)):
+        if heads % ranks:
+            problems.append(f"{heads} {name} heads do not split into {ranks}")
     return problems
 
 
@@ -131,3 +142,60 @@ def _expert_problems(sizes: ShardedSizes, tensor_parallel: int, expert_parallel:
             f"that share each expert"
         )
     return problems
+
+
+@dataclass(frozen=True, slots=True)
+class RankPlacement:
+    """What rank `rank` of `tensor_parallel` ranks holds, `expert_parallel` of them splitting
+    the experts (sizes already checked by `parallel_refusal`).
+
+    Every split is contiguous and in rank order. Experts go to groups of t / e consecutive
+    ranks; within a group each rank holds 1/(t / e) of each of its experts' width:
+
+        t = 4, e = 2, 8 experts:   rank      0      1      2      3
+                                   experts   0..3   0..3   4..7   4..7
+                                   width     1st    2nd    1st    2nd half
+    """
+
+    rank: int
+    tensor_parallel: int
+    expert_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.tensor_parallel or self.tensor_parallel % self.expert_parallel:
+            raise ValueError(f"rank {self.rank} of {self.tensor_parallel} with expert-parallel {self.expert_parallel}")
+
+    @property
+    def carries_residual(self) -> bool:
+        """Whether this rank's partial sums include the residual stream (rank 0's do; the
+        others' start from zero, so one all-reduce adds every part to it once)."""
+        return self.rank == 0
+
+    def split(self, total: int) -> tuple[int, int]:
+        """[start, stop) of this rank's 1/t of `total` items (heads, columns, vocabulary rows)."""
+        return _part(total, self.rank, self.tensor_parallel)
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """The KV heads this rank holds: its 1/t, or, with fewer KV heads than ranks, the one
+        head its query heads read (each KV head then replicated on t / num_kv_heads ranks)."""
+        if num_kv_heads % self.tensor_parallel == 0:
+            return self.split(num_kv_heads)
+        head = self.rank * num_kv_heads // self.tensor_parallel
+        return head, head + 1
+
+    def experts(self, num_experts: int) -> tuple[int, int]:
+        """[first, stop) of the experts this rank holds (all of them without expert parallelism)."""
+        ranks_per_group = self.tensor_parallel // self.expert_parallel
+        return _part(num_experts, self.rank // ranks_per_group, self.expert_parallel)
+
+    def expert_width(self, width: int) -> tuple[int, int]:
+        """[start, stop) of each held expert's intermediate width that this rank computes."""
+        ranks_per_group = self.tensor_parallel // self.expert_parallel
+        return _part(width, self.rank % ranks_per_group, ranks_per_group)
+
+
+def _part(total: int, index: int, count: int) -> tuple[int, int]:
+    if total % count:
+        raise ValueError(f"{total} does not split into {count} equal parts")
+    size = total // count
+    return index * size, (index + 1) * size

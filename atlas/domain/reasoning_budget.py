@@ -15,33 +15,10 @@ the one below); "none" skips thinking altogether. No field: no budget (the model
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from atlas.domain.requests import ParameterError
+from atlas.domain.requests import ParameterError, ReasoningMarkers
 from atlas.ports.tokenizer import Tokenizer
 
 REASONING_EFFORT_BUDGETS = {"none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384}
-
-
-@dataclass(frozen=True, slots=True)
-class ReasoningMarkers:
-    """The reasoning block in token ids. Reasoning models have one token per tag (Qwen3's
-    151667/151668); `forced_end_token_ids` is the end the engine writes at the budget and
-    contains `end_token_id`."""
-
-    start_token_id: int
-    end_token_id: int
-    forced_end_token_ids: tuple[int, ...]
-
-    def __post_init__(self) -> None:
-        if self.end_token_id not in self.forced_end_token_ids:
-            raise ValueError("forced_end_token_ids must contain end_token_id")
-
-    @property
-    def after_end_token_ids(self) -> tuple[int, ...]:
-        """The part of the forced end after the end tag (the padding before the answer)."""
-        idx = self.forced_end_token_ids.index(self.end_token_id)
-        return self.forced_end_token_ids[idx + 1 :]
 
 
 def reasoning_markers(

@@ -2,7 +2,9 @@
 
 A `Request` is what a client asked for; the engine runs it as one `Sequence`
 (`atlas.domain.sequence`; a request with `n > 1` is fanned out by the front end into `n`
-sequences with derived seeds).
+sequences with derived seeds). A request may carry an `OutputConstraint`: what its tokens must
+follow beyond sampling (a grammar, a thinking budget), as plain data the engine turns into a
+`TokenConstraint` (`atlas.domain.request_constraints`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import enum
 import math
 
 import msgspec
+
+from atlas.ports.grammar import ConstraintSpec
 
 
 class ParameterError(ValueError):
@@ -162,8 +166,59 @@ class SequenceStatus(enum.Enum):
         return self is SequenceStatus.FINISHED
 
 
+class ReasoningMarkers(msgspec.Struct, frozen=True):
+    """The reasoning block in token ids. Reasoning models have one token per tag (Qwen3's
+    151667/151668); `forced_end_token_ids` is the end the engine writes at the budget and
+    contains `end_token_id`. Raises ValueError when it does not."""
+
+    start_token_id: int
+    end_token_id: int
+    forced_end_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.end_token_id not in self.forced_end_token_ids:
+            raise ValueError("forced_end_token_ids must contain end_token_id")
+
+    @property
+    def after_end_token_ids(self) -> tuple[int, ...]:
+        """The part of the forced end after the end tag (the padding before the answer)."""
+        idx = self.forced_end_token_ids.index(self.end_token_id)
+        return self.forced_end_token_ids[idx + 1 :]
+
+
+class OutputConstraint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a sequence's tokens must follow beyond its sampling parameters, as plain data.
+
+    `grammar` constrains the answer (the front end has compiled it once already, so it is
+    valid; `grammar_field` names the request field it came from). `reasoning` is the model's
+    reasoning block in token ids, present when the answer's grammar must start after the block
+    or a thinking budget must be kept; `starts_in_reasoning` says the prompt opened the block.
+    `thinking_budget` caps the tokens inside the block (None: no cap). Raises ValueError for a
+    budget without markers or a negative one, and for a constraint that constrains nothing.
+    """
+
+    grammar: ConstraintSpec | None = None
+    grammar_field: str = ""
+    reasoning: ReasoningMarkers | None = None
+    starts_in_reasoning: bool = False
+    thinking_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.thinking_budget is not None:
+            if self.thinking_budget < 0:
+                raise ValueError(f"thinking_budget must be >= 0 (got {self.thinking_budget})")
+            if self.reasoning is None:
+                raise ValueError("a thinking budget needs the reasoning markers")
+        if self.grammar is None and self.thinking_budget is None:
+            raise ValueError("an OutputConstraint needs a grammar or a thinking budget")
+
+
 class Request(msgspec.Struct, frozen=True):
-    """One sequence to run: what the front end submits to the engine."""
+    """One sequence to run: what the front end submits to the engine.
+
+    `constraint` None: sampling alone decides. Sequences of one client request (n > 1) carry
+    equal constraints, so the engine may compile the grammar once and fork its matcher.
+    """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -171,3 +226,4 @@ class Request(msgspec.Struct, frozen=True):
     seed: int  # resolved: the client's seed, or one drawn by the front end
     arrival_s: float = 0.0
     priority: int = 0  # lower runs first under --scheduling-policy priority (fifo accepts only 0)
+    constraint: OutputConstraint | None = None

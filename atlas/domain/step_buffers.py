@@ -5,14 +5,26 @@ replays over the same addresses with new contents. Every per-step value lives in
 arena, laid out so that one copy of a prefix refreshes all of it:
 
     int32 arena: | sampled ids [S] | host tokens [T] | token gather [T] | positions [T] |
-                 | slot mapping [T] | query start [S+1] | seq lens [S] | sample rows [S] |
-                 | top-k [S] | penalty offsets [S+1] | bias offsets [S+1] | f32 params [6, S] |
-                 | (pad) | i64 params [2, S] (two words each) | block tables [S, W] |
+                 | slot mapping [G, T] | query start [S+1] | seq lens [S] | sample rows [S] |
+                 | state slots [R, S] | top-k [S] | penalty offsets [S+1] | bias offsets [S+1] |
+                 | f32 params [6, S] | (pad) | i64 params [2, S] (two words each) |
+                 | block tables [S, G, W] + (G - 1) W |
                  ^ written by `sample` on the device; the host copy starts after it
 
 A constrained step's allowed-token masks go to their own buffer [S, W] (W = ceil(V / 32)
 words a row) by one more copy, made when the host has filled them (`stage_mask`); steps
 without masks never touch it.
+
+A model with G KV cache groups (R recurrent ones) has a slot mapping and a block table per KV
+group (a state slot per recurrent group). The block tables interleave by sequence, so the copy
+still ends at the last sequence's row: KV group g's table is the [S, G * W] view that starts g *
+W words in, whose row s begins with sequence s's W entries of group g (the rest of a row is
+other groups' entries, which attention never reads; the (G - 1) W words of padding keep the last
+group's view inside the arena):
+
+    G = 2:  | s0 g0 | s0 g1 | s1 g0 | s1 g1 | ... | pad |
+            '--- row 0 of g0 ----'
+                    '--- row 0 of g1 ----'
 
 Token ids are gathered on the device, `token_ids[i] = arena[token_gather[i]]`: a placeholder
 token reads the previous step's sample (rows [0, S)), every other token its host copy. The
@@ -30,10 +42,11 @@ import numpy as np
 
 from atlas.domain.requests import MAX_LOGPROBS
 from atlas.domain.sampling import PackedSampling
-from atlas.domain.step_inputs import HostStepInputs
+from atlas.domain.step_inputs import CacheLayout, HostStepInputs
 from atlas.domain.token_mask import ALL_ALLOWED
 from atlas.ports.gpu import Device, DType, Tensor, leading_block
 from atlas.ports.kernels.attention import AttentionMetadata
+from atlas.ports.kernels.recurrent import RecurrentMetadata
 from atlas.ports.kernels.sampling import SamplingTensors
 
 _INITIAL_CSR_CAPACITY = 1024
@@ -44,22 +57,24 @@ _NUM_I64_FIELDS = 2  # seeds, counters
 class _Layout:
     """Offsets of the int32 arena's regions, in words (see the module docstring)."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, table_width: int) -> None:
+    def __init__(self, max_tokens: int, max_seqs: int, layout: CacheLayout) -> None:
+        num_kv, table_width = layout.num_kv_groups, layout.table_width
         sizes = [
             ("sampled_ids", max_seqs),
             ("host_tokens", max_tokens),
             ("token_gather", max_tokens),
             ("positions", max_tokens),
-            ("slot_mapping", max_tokens),
+            ("slot_mapping", num_kv * max_tokens),
             ("query_start_loc", max_seqs + 1),
             ("seq_lens", max_seqs),
             ("sample_indices", max_seqs),
+            ("state_slots", layout.num_state_groups * max_seqs),
             ("top_k", max_seqs),
             ("penalty_offsets", max_seqs + 1),
             ("bias_offsets", max_seqs + 1),
             ("sampling_f32", _NUM_F32_FIELDS * max_seqs),
             ("sampling_i64", 2 * _NUM_I64_FIELDS * max_seqs),
-            ("block_tables", max_seqs * table_width),
+            ("block_tables", (max_seqs * num_kv + num_kv - 1) * table_width),
         ]
         self.offsets: dict[str, int] = {}
         offset = 0
@@ -69,7 +84,7 @@ class _Layout:
             self.offsets[name] = offset
             offset += size
         self.total = offset
-        self.table_width = table_width
+        self.row_width = num_kv * table_width  # words of one sequence's tables
         # build_step_inputs addresses host tokens as rows max_seqs.. of the arena
         assert self.offsets["sampled_ids"] == 0 and self.offsets["host_tokens"] == max_seqs
 
@@ -82,11 +97,13 @@ class StepBuffers:
     """Device buffers for steps of up to `max_tokens` tokens and `max_seqs` sequences (and
     sampling rows), with allowed-token masks of `mask_words` words a row (0: no mask buffer)."""
 
-    def __init__(self, backend: Device, max_tokens: int, max_seqs: int, table_width: int, mask_words: int = 0) -> None:
+    def __init__(self, backend: Device, max_tokens: int, max_seqs: int, caches: CacheLayout,
+                 mask_words: int = 0) -> None:
+        """Buffers for steps of a model whose caches the worker addresses as `caches` says."""
         self._backend = backend
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
-        layout = _Layout(max_tokens, max_seqs, table_width)
+        layout = _Layout(max_tokens, max_seqs, caches)
         self._layout = layout
         self._arena = backend.empty((layout.total,), DType.I32)
         self._host_arena = np.zeros(layout.total, np.int32)
@@ -105,11 +122,16 @@ class StepBuffers:
         self.sampled_ids = self._region("sampled_ids", max_seqs)
         self.token_gather = self._region("token_gather", max_tokens)
         self.positions = self._region("positions", max_tokens)
-        self.slot_mapping = self._region("slot_mapping", max_tokens)
         self.query_start_loc = self._region("query_start_loc", max_seqs + 1)
         self.seq_lens = self._region("seq_lens", max_seqs)
         self.sample_indices = self._region("sample_indices", max_seqs)
-        self.block_tables = self._region("block_tables", max_seqs * table_width).view(max_seqs, table_width)
+        row = layout.row_width
+        self.slot_mappings = [self._part("slot_mapping", g * max_tokens, max_tokens) for g in range(caches.num_kv_groups)]
+        self.state_slots = [self._part("state_slots", g * max_seqs, max_seqs) for g in range(caches.num_state_groups)]
+        self.block_tables = [  # [S, G * W]: group g's W entries first in each row
+            self._part("block_tables", g * caches.table_width, max_seqs * row).view(max_seqs, row)
+            for g in range(caches.num_kv_groups)
+        ]
         self.token_ids = backend.empty((max_tokens,), DType.I32)
         self.sampled_logprobs = backend.empty((max_seqs,), DType.F32)
         self.top_ids = backend.empty((max_seqs, MAX_LOGPROBS), DType.I32)
@@ -123,7 +145,11 @@ class StepBuffers:
         self.token_mask = backend.upload(self._all_allowed) if mask_words else None
 
     def _region(self, name: str, length: int) -> Tensor:
-        start = self._layout.offsets[name]
+        return self._part(name, 0, length)
+
+    def _part(self, name: str, offset: int, length: int) -> Tensor:
+        """`length` words of region `name` from `offset` words into it."""
+        start = self._layout.offsets[name] + offset
         return self._arena.rows(start, start + length)
 
     # -- step inputs ----------------------------------------------------------------------
@@ -134,11 +160,16 @@ class StepBuffers:
         host[layout.region("host_tokens", num_tokens)] = inputs.token_ids
         host[layout.region("token_gather", num_tokens)] = inputs.token_gather  # rows of this arena
         host[layout.region("positions", num_tokens)] = inputs.positions
-        host[layout.region("slot_mapping", num_tokens)] = inputs.slot_mapping
+        slots_at, tokens = layout.offsets["slot_mapping"], self.max_tokens
+        for group, slots in enumerate(inputs.slot_mapping):
+            host[slots_at + group * tokens : slots_at + group * tokens + num_tokens] = slots
         host[layout.region("query_start_loc", num_seqs + 1)] = inputs.query_start_loc
         host[layout.region("seq_lens", num_seqs)] = inputs.seq_lens
         host[layout.region("sample_indices", num_rows)] = inputs.sample_indices
-        host[layout.region("block_tables", num_seqs * layout.table_width)] = inputs.block_tables.reshape(-1)
+        states_at = layout.offsets["state_slots"]
+        for group, slots in enumerate(inputs.state_slots):
+            host[states_at + group * self.max_seqs : states_at + group * self.max_seqs + num_seqs] = slots
+        host[layout.region("block_tables", num_seqs * layout.row_width)] = inputs.block_tables.reshape(-1)
         self._num_table_rows = num_seqs
 
     def send(self) -> None:
@@ -147,7 +178,7 @@ class StepBuffers:
         with the ops on the stream."""
         layout = self._layout
         start = layout.offsets["host_tokens"]
-        stop = layout.offsets["block_tables"] + self._num_table_rows * layout.table_width
+        stop = layout.offsets["block_tables"] + self._num_table_rows * layout.row_width
         self._backend.copy_from_host(self._arena.rows(start, stop), self._host_arena[start:stop])
 
     def gather_tokens(self, num_tokens: int) -> None:
@@ -158,17 +189,33 @@ class StepBuffers:
             self.token_ids.rows(0, num_tokens).view(num_tokens, 1),
         )
 
-    def metadata(self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int) -> AttentionMetadata:
+    def metadata(
+        self, kv_group: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
+    ) -> AttentionMetadata:
+        """The step's view for KV group `kv_group` (its index among the KV groups)."""
         return AttentionMetadata(
             positions=self.positions.rows(0, num_tokens),
-            slot_mapping=self.slot_mapping.rows(0, num_tokens),
+            slot_mapping=self.slot_mappings[kv_group].rows(0, num_tokens),
             query_start_loc=self.query_start_loc.rows(0, num_seqs + 1),
             seq_lens=self.seq_lens.rows(0, num_seqs),
-            block_tables=self.block_tables.rows(0, num_seqs),
+            block_tables=self.block_tables[kv_group].rows(0, num_seqs),
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+        )
+
+    def recurrent_metadata(
+        self, state_group: int, num_tokens: int, num_seqs: int, max_query_len: int
+    ) -> RecurrentMetadata:
+        """The step's view for recurrent group `state_group` (its index among the state groups)."""
+        return RecurrentMetadata(
+            query_start_loc=self.query_start_loc.rows(0, num_seqs + 1),
+            seq_lens=self.seq_lens.rows(0, num_seqs),
+            state_slots=self.state_slots[state_group].rows(0, num_seqs),
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            max_query_len=max_query_len,
         )
 
     # -- sampling -------------------------------------------------------------------------

@@ -1,27 +1,55 @@
 """Host-side arrays describing one step, built from a `ScheduledBatch`.
 
 These are what the worker copies into its persistent device buffers. Building them is pure
-numpy so it is tested without a device; see `AttentionMetadata` for the layout.
+numpy so it is tested without a device; see `AttentionMetadata` for the layout of each KV
+group's slots and table, and `RecurrentMetadata` for the state slots.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from atlas.domain.batch import ScheduledBatch
+from atlas.domain.batch import ScheduledBatch, ScheduledSequence
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """How the worker addresses a model's caches in a step: one block table per KV group,
+    `table_width` blocks of `block_size` tokens (block i holds positions i * block_size ..),
+    and one state slot per recurrent group; each group's scratch page (`device_caches`) is what
+    padding rows and table entries without a block use."""
+
+    block_size: int
+    table_width: int
+    kv_scratch_blocks: tuple[int, ...]  # per KV group, in the model's order of groups
+    state_scratch_slots: tuple[int, ...] = ()  # per recurrent-state group
+
+    @property
+    def num_kv_groups(self) -> int:
+        return len(self.kv_scratch_blocks)
+
+    @property
+    def num_state_groups(self) -> int:
+        return len(self.state_scratch_slots)
 
 
 @dataclass(frozen=True, slots=True)
 class HostStepInputs:
+    """A step's arrays. Per KV group g: `slot_mapping[g]` and `block_tables[:, g]` (rows padded
+    with the group's scratch block, as are the entries of blocks that left a sliding window);
+    per recurrent group r: `state_slots[r]`."""
+
     token_ids: np.ndarray  # [N] i32
     positions: np.ndarray  # [N] i32
-    slot_mapping: np.ndarray  # [N] i32
+    slot_mapping: np.ndarray  # [G, N] i32
     query_start_loc: np.ndarray  # [S + 1] i32
     seq_lens: np.ndarray  # [S] i32
-    block_tables: np.ndarray  # [S, W] i32, rows padded with the scratch block
+    block_tables: np.ndarray  # [S, G, W] i32
+    state_slots: np.ndarray  # [R, S] i32
     sample_indices: np.ndarray  # [R] i32: the last token row of each sampling sequence
     token_gather: np.ndarray  # [N] i32: where each token id comes from (see StepBuffers)
     has_placeholders: bool  # some token ids are the previous step's samples, on the device
@@ -29,12 +57,14 @@ class HostStepInputs:
     max_seq_len: int
 
     @classmethod
-    def empty(cls, table_width: int) -> HostStepInputs:
+    def empty(cls, layout: CacheLayout) -> HostStepInputs:
         """A step with no sequences (padded into a graph's warm-up inputs)."""
         none = np.zeros(0, np.int32)
         return cls(
-            token_ids=none, positions=none, slot_mapping=none, query_start_loc=np.zeros(1, np.int32),
-            seq_lens=none, block_tables=np.zeros((0, table_width), np.int32), sample_indices=none,
+            token_ids=none, positions=none, slot_mapping=np.zeros((layout.num_kv_groups, 0), np.int32),
+            query_start_loc=np.zeros(1, np.int32), seq_lens=none,
+            block_tables=np.zeros((0, layout.num_kv_groups, layout.table_width), np.int32),
+            state_slots=np.zeros((layout.num_state_groups, 0), np.int32), sample_indices=none,
             token_gather=none, has_placeholders=False, max_query_len=1, max_seq_len=1,
         )
 
@@ -51,42 +81,36 @@ class HostStepInputs:
         return int(self.sample_indices.shape[0])
 
 
-def build_step_inputs(
-    batch: ScheduledBatch, table_width: int, scratch_block: int, num_sample_slots: int
-) -> HostStepInputs:
+def build_step_inputs(batch: ScheduledBatch, layout: CacheLayout, num_sample_slots: int) -> HostStepInputs:
     """Flatten a batch into varlen arrays.
 
     Token i's id is read from row `token_gather[i]` of the token source: the previous step's
     sampled ids occupy rows [0, num_sample_slots), this step's host tokens follow.
 
-    Raises ValueError when a sequence's block table is wider than `table_width` or does not
-    cover the positions it computes (a scheduler bug that must never reach a kernel).
+    Raises ValueError when a sequence carries another number of block tables or state slots
+    than the layout's groups, or a block table is wider than `table_width` or does not cover
+    the positions it computes (a scheduler bug that must never reach a kernel).
     """
-    block_size = batch.block_size
+    block_size = layout.block_size
     sequences = batch.sequences
     num_seqs = len(sequences)
     # One pass of Python over the sequences per field, then numpy: at 64 or more sequences a
     # step this builds every few milliseconds, the host's per-sequence work is what shows.
     query_lens = np.fromiter((len(seq.token_ids) for seq in sequences), np.int32, num_seqs)
     starts = np.fromiter((seq.start_position for seq in sequences), np.int32, num_seqs)
-    num_blocks = np.fromiter((len(seq.block_ids) for seq in sequences), np.int32, num_seqs)
     seq_lens = starts + query_lens
-    for index in np.flatnonzero((num_blocks > table_width) | (num_blocks * block_size < seq_lens)):
-        seq = sequences[index]
-        if len(seq.block_ids) > table_width:
-            raise ValueError(f"sequence {seq.seq_id!r} has {len(seq.block_ids)} blocks, more than {table_width}")
-        raise ValueError(f"sequence {seq.seq_id!r}: {len(seq.block_ids)} blocks cannot hold {seq.context_len} tokens")
     query_start = np.zeros(num_seqs + 1, np.int32)
     np.cumsum(query_lens, out=query_start[1:])
     num_tokens = int(query_start[-1])
-    block_tables = np.full((num_seqs, table_width), scratch_block, np.int32)
-    # a row-major boolean mask takes the concatenated tables in order
-    block_tables[np.arange(table_width) < num_blocks[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(seq.block_ids for seq in sequences), np.int32, int(num_blocks.sum())
-    )
     token_seq = np.repeat(np.arange(num_seqs), query_lens)  # the sequence of each token row
     positions = (np.arange(num_tokens) + np.repeat(starts - query_start[:-1], query_lens)).astype(np.int32)
-    slot_mapping = block_tables[token_seq, positions // block_size] * block_size + positions % block_size
+    lone = _check_groups(sequences, layout)
+    block_tables = np.empty((num_seqs, layout.num_kv_groups, layout.table_width), np.int32)
+    slot_mapping = np.empty((layout.num_kv_groups, num_tokens), np.int32)
+    for group in range(layout.num_kv_groups):
+        table = block_tables[:, group]
+        _fill_table(table, sequences, group, layout, seq_lens, lone)
+        slot_mapping[group] = table[token_seq, positions // block_size] * block_size + positions % block_size
     samples = np.fromiter((seq.sampling is not None for seq in sequences), bool, num_seqs)
     token_gather = np.arange(num_sample_slots, num_sample_slots + num_tokens, dtype=np.int32)
     placeholder_rows = np.fromiter(
@@ -97,10 +121,11 @@ def build_step_inputs(
     return HostStepInputs(
         token_ids=np.fromiter(itertools.chain.from_iterable(seq.token_ids for seq in sequences), np.int32, num_tokens),
         positions=positions,
-        slot_mapping=slot_mapping.astype(np.int32),
+        slot_mapping=slot_mapping,
         query_start_loc=query_start,
         seq_lens=seq_lens,
         block_tables=block_tables,
+        state_slots=_state_slots(sequences, layout),
         sample_indices=query_start[1:][samples] - 1,
         token_gather=token_gather,
         has_placeholders=bool(placeholders.any()),
@@ -109,29 +134,99 @@ def build_step_inputs(
     )
 
 
+def _check_groups(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -> bool:
+    """Whether the batch's tables are `block_ids` alone (a lone full-attention group, with no
+    `kv_block_tables`). Raises ValueError unless every sequence carries a table per KV group
+    and a slot per recurrent group."""
+    shapes = {(len(seq.kv_block_tables), len(seq.state_slots)) for seq in sequences}
+    expected = {(layout.num_kv_groups, layout.num_state_groups)}
+    if layout.num_kv_groups == 1:
+        expected.add((0, layout.num_state_groups))
+    if shapes - expected:
+        seq = next(s for s in sequences if (len(s.kv_block_tables), len(s.state_slots)) not in expected)
+        raise ValueError(
+            f"sequence {seq.seq_id!r} carries {len(seq.block_tables)} block tables and {len(seq.state_slots)} "
+            f"state slots for {layout.num_kv_groups} KV and {layout.num_state_groups} recurrent groups"
+        )
+    return all(num_tables == 0 for num_tables, _ in shapes)
+
+
+def _fill_table(
+    table: np.ndarray,
+    sequences: Sequence[ScheduledSequence],
+    group: int,
+    layout: CacheLayout,
+    seq_lens: np.ndarray,
+    lone: bool,
+) -> None:
+    """Write KV group `group`'s block table of each sequence into `table` [S, W]: entry i is
+    block i's page, the group's scratch block where the sequence holds none (released from a
+    sliding window, or past its last block).
+
+        first_block_idx 2, block_ids (7, 3), scratch 99:   [99 99 7 3 99 99 ...]
+    """
+    num_seqs, width = len(sequences), layout.table_width
+    if lone:
+        held: Sequence[tuple[int, ...]] = [seq.block_ids for seq in sequences]
+        firsts = np.zeros(num_seqs, np.int32)
+    else:
+        tables = [seq.block_tables[group] for seq in sequences]
+        held = [t.block_ids for t in tables]
+        firsts = np.fromiter((t.first_block_idx for t in tables), np.int32, num_seqs)
+    counts = np.fromiter((len(ids) for ids in held), np.int32, num_seqs)
+    covered = firsts + counts
+    for index in np.flatnonzero((covered > width) | (covered * layout.block_size < seq_lens)):
+        seq = sequences[index]
+        if covered[index] > width:
+            raise ValueError(f"sequence {seq.seq_id!r} has {covered[index]} blocks, more than {width}")
+        raise ValueError(f"sequence {seq.seq_id!r}: {covered[index]} blocks cannot hold {seq.context_len} tokens")
+    table[...] = layout.kv_scratch_blocks[group]
+    columns = np.arange(width, dtype=np.int32)  # (int32 against int32: no promotion per element)
+    held_entries = columns < covered[:, None]
+    if not lone:
+        held_entries &= columns >= firsts[:, None]
+    # a row-major boolean mask takes the concatenated tables in order
+    table[held_entries] = np.fromiter(itertools.chain.from_iterable(held), np.int32, int(counts.sum()))
+
+
+def _state_slots(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -> np.ndarray:
+    """[R, S]: each sequence's slot in every recurrent-state group."""
+    num_groups, num_seqs = layout.num_state_groups, len(sequences)
+    if num_groups == 0:
+        return np.zeros((0, num_seqs), np.int32)
+    slots = np.fromiter(itertools.chain.from_iterable(seq.state_slots for seq in sequences), np.int32)
+    return np.ascontiguousarray(slots.reshape(num_seqs, num_groups).T)
+
+
 def pad_decode_inputs(
-    inputs: HostStepInputs, num_seqs: int, scratch_block: int, block_size: int, num_sample_slots: int
+    inputs: HostStepInputs, num_seqs: int, layout: CacheLayout, num_sample_slots: int
 ) -> HostStepInputs:
     """Pad a decode-only step (one token per sequence) to `num_seqs` rows for a captured graph.
 
-    Padding rows compute one token at position 0 of the scratch block and are sampled into
-    rows nobody reads; real rows keep their indices.
+    Padding rows compute one token at position 0 of each group's scratch page (a fresh
+    sequence, so a recurrent layer reads no state) and are sampled into rows nobody reads;
+    real rows keep their indices.
     """
     extra = num_seqs - inputs.num_seqs
     if extra < 0 or inputs.num_tokens != inputs.num_seqs:
         raise ValueError("only decode steps (one token per sequence) can be padded")
-    width = inputs.block_tables.shape[1]
-    scratch_slot = scratch_block * block_size
+    scratch_blocks = np.asarray(layout.kv_scratch_blocks, np.int32)
     padded_gather = np.concatenate(
         [inputs.token_gather, num_sample_slots + np.arange(inputs.num_tokens, num_seqs, dtype=np.int32)]
+    )
+    padding_tables = np.broadcast_to(scratch_blocks[None, :, None], (extra, layout.num_kv_groups, layout.table_width))
+    padding_slots = np.broadcast_to(scratch_blocks[:, None] * layout.block_size, (layout.num_kv_groups, extra))
+    padding_states = np.broadcast_to(
+        np.asarray(layout.state_scratch_slots, np.int32)[:, None], (layout.num_state_groups, extra)
     )
     return HostStepInputs(
         token_ids=np.concatenate([inputs.token_ids, np.zeros(extra, np.int32)]),
         positions=np.concatenate([inputs.positions, np.zeros(extra, np.int32)]),
-        slot_mapping=np.concatenate([inputs.slot_mapping, np.full(extra, scratch_slot, np.int32)]),
+        slot_mapping=np.concatenate([inputs.slot_mapping, padding_slots], axis=1),
         query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
         seq_lens=np.concatenate([inputs.seq_lens, np.ones(extra, np.int32)]),
-        block_tables=np.concatenate([inputs.block_tables, np.full((extra, width), scratch_block, np.int32)]),
+        block_tables=np.concatenate([inputs.block_tables, padding_tables]),
+        state_slots=np.concatenate([inputs.state_slots, padding_states], axis=1),
         sample_indices=np.arange(num_seqs, dtype=np.int32),
         token_gather=padded_gather,
         has_placeholders=inputs.has_placeholders,

@@ -30,13 +30,15 @@ from functools import partial
 import numpy as np
 
 from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence, StepResult, TokenLogprobs
-from atlas.domain.models.model import Model, StepTensors
+from atlas.domain.device_caches import DeviceCache, scratch_page
+from atlas.domain.models.cache_groups import kv_group_indices, state_group_indices
+from atlas.domain.models.layers import GroupMetadata
+from atlas.domain.models.model import LayerObserver, Model, StepTensors
 from atlas.domain.sampling import PackedSampling, pack_rows
 from atlas.domain.step_buffers import StepBuffers
-from atlas.domain.step_inputs import HostStepInputs, build_step_inputs, pad_decode_inputs
+from atlas.domain.step_inputs import CacheLayout, HostStepInputs, build_step_inputs, pad_decode_inputs
 from atlas.domain.token_mask import bitmask_width
 from atlas.ports.gpu import DType, GpuBackend, Graph, PendingDownload, Tensor
-from atlas.ports.kernels.attention import KvCache
 from atlas.ports.kernels.sampling import LogprobsOut
 
 # What a graph's padding rows sample with: greedy, no filters (their ids are never read).
@@ -113,20 +115,40 @@ class PendingStep:
 class Worker:
     """Executes steps of one model on one backend."""
 
-    def __init__(self, backend: GpuBackend, model: Model, kv: KvCache, config: WorkerConfig) -> None:
-        """`kv`: the cache of the model's one KV cache group (`Model.single_kv_group`)."""
+    def __init__(
+        self, backend: GpuBackend, model: Model, caches: tuple[DeviceCache, ...], config: WorkerConfig
+    ) -> None:
+        """`caches`: one per cache group of the model, in order, as `allocate_caches` makes
+        them (each with its scratch page, where padded graph rows write). Raises ValueError for
+        another count, or KV caches of different block sizes."""
+        groups = model.cache_groups
+        if len(caches) != len(groups):
+            raise ValueError(f"{len(caches)} caches for the model's {len(groups)} cache groups")
+        kv_groups, state_groups = kv_group_indices(groups), state_group_indices(groups)
+        block_sizes = {caches[index].spec.block_size for index in kv_groups}
+        if len(block_sizes) != 1:
+            raise ValueError(f"the KV caches must share one block size (got {sorted(block_sizes)})")
         self.backend = backend
         self.model = model
-        self.kv = kv
+        self.caches = tuple(caches)
         self.config = config
-        self.block_size = kv.spec.block_size
-        self.table_width = -(-config.max_model_len // self.block_size)
-        # The last physical block is scratch: padded graph rows write there, the pool never hands it out.
-        self.scratch_block = kv.spec.num_blocks - 1
+        self.block_size = block_sizes.pop()
+        self.kv_dtype = caches[kv_groups[0]].spec.dtype  # every KV group's (the model's --kv-cache-dtype)
+        self.cache_layout = CacheLayout(
+            block_size=self.block_size,
+            table_width=-(-config.max_model_len // self.block_size),
+            kv_scratch_blocks=tuple(scratch_page(caches[index]) for index in kv_groups),
+            state_scratch_slots=tuple(scratch_page(caches[index]) for index in state_groups),
+        )
+        # each cache group's index among the KV groups, or among the recurrent ones
+        self._group_index = tuple(
+            (True, kv_groups.index(index)) if index in kv_groups else (False, state_groups.index(index))
+            for index in range(len(groups))
+        )
         max_graph = max(config.graph_batch_sizes, default=0)
         max_tokens = max(config.max_num_tokens, max_graph)
         max_seqs = max(config.max_num_seqs, max_graph)
-        self.buffers = StepBuffers(backend, max_tokens, max_seqs, self.table_width, bitmask_width(model.vocab_size))
+        self.buffers = StepBuffers(backend, max_tokens, max_seqs, self.cache_layout, bitmask_width(model.vocab_size))
         self.workspace = model.allocate_workspace(max_tokens, max_seqs)
         self.graph_batch_sizes = tuple(sorted(config.graph_batch_sizes)) if backend.capabilities.supports_graphs else ()
         self._graphs: dict[int, tuple[Graph, Tensor]] = {}  # bucket -> (forward graph, its logits)
@@ -157,12 +179,14 @@ class Worker:
             pending.sample(None)
         return pending.result()
 
-    def compute_logits(self, batch: ScheduledBatch) -> np.ndarray:
-        """Run one step and return the float32 logits [R, V] of its sampling rows, unsampled."""
+    def compute_logits(self, batch: ScheduledBatch, observer: LayerObserver | None = None) -> np.ndarray:
+        """Run one step and return the float32 logits [R, V] of its sampling rows, unsampled.
+        With an `observer` the step runs eagerly and the observer sees each layer's residual
+        stream (`Model.forward`)."""
         batch = decode_rows(batch)
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
-        bucket = self._graph_bucket(batch)
-        logits = self._forward(batch, bucket, _pack(rows, bucket))
+        bucket = None if observer is not None else self._graph_bucket(batch)
+        logits = self._forward(batch, bucket, _pack(rows, bucket), observer)
         return self.backend.begin_download(logits.rows(0, batch.num_sampled)).wait()
 
     def capture_graphs(self) -> None:
@@ -174,17 +198,23 @@ class Worker:
             if (bucket, False) not in self._sampler_graphs:
                 self._capture_sampler(bucket, masked=False)
 
-    def _forward(self, batch: ScheduledBatch, bucket: int | None, packed: PackedSampling | None) -> Tensor:
+    def _forward(
+        self,
+        batch: ScheduledBatch,
+        bucket: int | None,
+        packed: PackedSampling | None,
+        observer: LayerObserver | None = None,
+    ) -> Tensor:
         if batch.num_tokens > self.config.max_num_tokens or len(batch.sequences) > self.config.max_num_seqs:
             raise ValueError(
                 f"step of {batch.num_tokens} tokens / {len(batch.sequences)} sequences exceeds the worker's "
                 f"{self.config.max_num_tokens} / {self.config.max_num_seqs}"
             )
         buffers = self.buffers
-        inputs = build_step_inputs(batch, self.table_width, self.scratch_block, buffers.max_seqs)
+        inputs = build_step_inputs(batch, self.cache_layout, buffers.max_seqs)
         if bucket is not None:
             graph, logits = self._graphs.get(bucket) or self._capture(bucket)  # capturing uses the buffers
-            inputs = pad_decode_inputs(inputs, bucket, self.scratch_block, self.block_size, buffers.max_seqs)
+            inputs = pad_decode_inputs(inputs, bucket, self.cache_layout, buffers.max_seqs)
         buffers.stage_inputs(inputs)
         if packed is not None:
             buffers.stage_sampling(packed)
@@ -193,17 +223,30 @@ class Worker:
             graph.replay()
             return logits
         buffers.gather_tokens(inputs.num_tokens)
-        return self.model.forward(self._step_tensors(inputs), (self.kv,), self.workspace, inputs.num_sample_rows)
+        step = self._step_tensors(inputs)
+        return self.model.forward(step, self.caches, self.workspace, inputs.num_sample_rows, observer)
 
     def _step_tensors(self, inputs: HostStepInputs) -> StepTensors:
         buffers = self.buffers
         return StepTensors(
             token_ids=buffers.token_ids.rows(0, inputs.num_tokens),
-            meta=buffers.metadata(inputs.num_tokens, inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len),
+            metadata=self._metadata(inputs.num_tokens, inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len),
             # sample rows are distinct and ascending, so as many as the tokens means all of them
             sample_indices=None
             if inputs.num_sample_rows == inputs.num_tokens
             else buffers.sample_indices.rows(0, inputs.num_sample_rows),
+        )
+
+    def _metadata(
+        self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
+    ) -> tuple[GroupMetadata, ...]:
+        """Each cache group's view of the step's buffers."""
+        buffers = self.buffers
+        return tuple(
+            buffers.metadata(index, num_tokens, num_seqs, max_query_len, max_seq_len)
+            if is_kv
+            else buffers.recurrent_metadata(index, num_tokens, num_seqs, max_query_len)
+            for is_kv, index in self._group_index
         )
 
     def _graph_bucket(self, batch: ScheduledBatch) -> int | None:
@@ -224,13 +267,11 @@ class Worker:
         buffers = self.buffers
         step = StepTensors(
             token_ids=buffers.token_ids.rows(0, bucket),
-            meta=buffers.metadata(bucket, bucket, 1, self.config.max_model_len),
+            metadata=self._metadata(bucket, bucket, 1, self.config.max_model_len),
             sample_indices=None,  # every row of a decode bucket is sampled, in order
         )
-        # valid inputs for the warm-up run: every row a padding row in the scratch block
-        padding = pad_decode_inputs(
-            HostStepInputs.empty(self.table_width), bucket, self.scratch_block, self.block_size, buffers.max_seqs
-        )
+        # valid inputs for the warm-up run: every row a padding row in the scratch pages
+        padding = pad_decode_inputs(HostStepInputs.empty(self.cache_layout), bucket, self.cache_layout, buffers.max_seqs)
         buffers.stage_inputs(padding)
         buffers.stage_sampling(_pack([], bucket))
         buffers.send()
@@ -238,7 +279,7 @@ class Worker:
 
         def run_forward() -> None:
             buffers.gather_tokens(bucket)
-            outputs[:] = [self.model.forward(step, (self.kv,), self.workspace, bucket)]
+            outputs[:] = [self.model.forward(step, self.caches, self.workspace, bucket)]
 
         run_forward()  # warm up outside capture: lazy compilation and workspaces settle first
         graph = self.backend.capture(run_forward)

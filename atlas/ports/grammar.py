@@ -10,14 +10,18 @@ Each step, the engine asks every constrained sequence for its allowed-token bitm
 into one row of an int32 array of shape [R, ceil(V / 32)] (bit `v % 32` of word `v // 32` set
 means token v is allowed; the layout llguidance and the device sampler share), then feeds the
 sampled token back with `accept_token`.
+
+The specs are plain msgspec Structs (tagged by class name), so a request's constraint crosses
+from the API process to the engine process as msgpack (`atlas.domain.requests.OutputConstraint`)
+and is compiled again there; a compiled grammar never crosses a process boundary.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 
 
@@ -29,55 +33,48 @@ class GrammarError(ValueError):
         self.field = field
 
 
-@dataclass(frozen=True, slots=True)
-class FunctionTool:
+class FunctionTool(msgspec.Struct, frozen=True):
     """A function the model may call: its name and the JSON schema of its arguments object."""
 
     name: str
-    parameters: Mapping[str, Any] = field(default_factory=dict)  # {} accepts any object
+    parameters: dict[str, Any] = {}  # {} accepts any object
     description: str = ""
 
 
 # -- constraint specs ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class JsonSchema:
+class JsonSchema(msgspec.Struct, frozen=True, tag=True):
     """Output is one JSON value valid against `schema`. `strict` (OpenAI's flag) makes schema
     keywords the compiler does not implement an error instead of being ignored."""
 
-    schema: Mapping[str, Any]
+    schema: dict[str, Any]
     strict: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class JsonObject:
+class JsonObject(msgspec.Struct, frozen=True, tag=True):
     """Output is one JSON object (OpenAI's `json_object`)."""
 
 
-@dataclass(frozen=True, slots=True)
-class Regex:
+class Regex(msgspec.Struct, frozen=True, tag=True):
     """Output matches `pattern` in full (Rust regex syntax)."""
 
     pattern: str
 
 
-@dataclass(frozen=True, slots=True)
-class Choice:
+class Choice(msgspec.Struct, frozen=True, tag=True):
     """Output is exactly one of `choices`."""
 
     choices: tuple[str, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Grammar:
+class Grammar(msgspec.Struct, frozen=True, tag=True):
     """Output derives from a context-free grammar: Lark syntax, or GBNF/EBNF as llama.cpp writes it."""
 
     source: str
 
 
-@dataclass(frozen=True, slots=True)
-class ForcedToolCalls:
+class ForcedToolCalls(msgspec.Struct, frozen=True, tag=True):
     """Output is tool calls in a tool-call parser's markup (`markup` is the parser's name:
     hermes, qwen3_coder, llama3_json, mistral), each calling one of `tools` with arguments valid
     against its schema. One call unless `parallel`, then one or more. `tool_choice` "required"

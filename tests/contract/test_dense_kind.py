@@ -121,6 +121,36 @@ def test_quantized_weights_stand_for_weight_times_scales(harness, rng, block_sha
     assert rel(harness.host(out), expected) < harness.tolerance
 
 
+def _fp8_linear(rng, rows, inner, block):
+    import ml_dtypes
+
+    data = np.clip(rng.standard_normal((rows, inner)) * 100, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    shape = (-(-rows // 128), -(-inner // 128)) if block else (rows,)
+    scales = rng.uniform(0.5, 2.0, shape).astype(np.float32) / (100 * np.sqrt(inner))
+    return HostLinear(data, scales=scales, block_shape=(128, 128) if block else None)
+
+
+@pytest.mark.parametrize("num_tokens, rows, inner", [(1, 1024, 4096), (4, 300, 1024), (40, 256, 2560)])
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+def test_quantized_projections_in_every_form(harness, rng, num_tokens, rows, inner, block):
+    """FP8 weights (per channel, or the 128 x 128 blocks of Qwen3-FP8 / DeepSeek-V3) behind the
+    input norm, in the plain, gated and residual-add forms, as their dequantized values."""
+    backend = harness.backend
+    x = bf16(rng.standard_normal((num_tokens, inner)) * 3)
+    norm = _norm(rng, inner)
+    plain = HostProjection(_fp8_linear(rng, rows, inner, block), norm)
+    gated = HostProjection(_fp8_linear(rng, 2 * rows, inner, block), norm, Activation.SILU)
+    for host in (plain, gated):
+        out = harness.poisoned((num_tokens, host.out_features))
+        backend.dense.project(backend.upload(x, harness.act), prepared_or_skip(backend.dense.prepare, host), out)
+        assert rel(harness.host(out), _reference(x, host)) < harness.fp8_tolerance
+    residual = bf16(rng.standard_normal((num_tokens, rows)))
+    stream = backend.upload(residual, harness.act)
+    added = HostProjection(_fp8_linear(rng, rows, inner, block))
+    backend.dense.project_add(backend.upload(x, harness.act), prepared_or_skip(backend.dense.prepare, added), stream)
+    assert rel(harness.host(stream) - residual, _reference(x, added)) < harness.fp8_tolerance
+
+
 @pytest.mark.parametrize("scale", [1.0, 24.0])
 def test_embed(harness, rng, scale):
     backend = harness.backend

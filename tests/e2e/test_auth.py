@@ -1,7 +1,9 @@
-"""--require-auth: API routes need a configured bearer token; health and metrics stay open."""
+"""--require-auth: API routes need a configured token (a bearer token, or Anthropic's x-api-key);
+health and metrics stay open."""
 
 from __future__ import annotations
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -15,6 +17,7 @@ PROTECTED = [
     ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2}),
     ("POST", "/tokenize", {"prompt": "x"}),
     ("POST", "/detokenize", {"tokens": [5]}),
+    ("POST", "/v1/responses", {"input": "x", "max_output_tokens": 2}),
 ]
 WRONG = [None, "Bearer wrong", "Bearer flag-token-x", "Basic flag-token", "Bearer", "flag-token"]
 
@@ -59,3 +62,13 @@ def test_the_openai_sdk_authenticates_with_its_api_key(auth_server):
     bad = openai.OpenAI(base_url=auth_server.v1, api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+
+
+def test_the_anthropic_sdk_authenticates_with_x_api_key(auth_server):
+    good = anthropic.Anthropic(base_url=auth_server.url, api_key="flag-token", max_retries=0)
+    answer = good.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert answer.content[0].type == "text"
+    bad = anthropic.Anthropic(base_url=auth_server.url, api_key="nope", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as raised:
+        bad.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi"}])
+    assert raised.value.body["error"]["type"] == "authentication_error"

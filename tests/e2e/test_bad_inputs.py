@@ -1,5 +1,5 @@
-"""Hostile and malformed requests: each gets a 4xx with an OpenAI error object, none a 500,
-and the server keeps serving."""
+"""Hostile and malformed requests: each gets a 4xx with an error object (OpenAI's, or Anthropic's
+on /v1/messages), none a 500, and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -26,6 +26,15 @@ def chat_raw(raw: bytes):
 
 def completion(**fields):
     return ("POST", "/v1/completions", json.dumps({"model": "tiny", **fields}).encode())
+
+
+def message(**fields):
+    body = {"model": "tiny", "max_tokens": 5, "messages": USER, **fields}
+    return ("POST", "/v1/messages", json.dumps(body).encode())
+
+
+def response(**fields):
+    return ("POST", "/v1/responses", json.dumps({"model": "tiny", "input": "hi", **fields}).encode())
 
 
 CASES = {
@@ -126,6 +135,39 @@ CASES = {
     "wrong method": ("GET", "/v1/chat/completions", b""),
     "unknown route": ("POST", "/v1/nothing-here", b"{}"),
     "delete models": ("DELETE", "/v1/models", b""),
+    "tools not a list": chat(tools={"name": "f"}),
+    "tool without a name": chat(tools=[{"type": "function", "function": {}}]),
+    "tool of another type": chat(tools=[{"type": "web_search"}]),
+    "named tool not among the tools": chat(tools=[{"type": "function", "function": {"name": "f"}}],
+                                           tool_choice={"type": "function", "function": {"name": "g"}}),
+    "tool_choice required without tools": chat(tool_choice="required"),
+    "json_schema format without a schema object": chat(response_format={"type": "json_schema"}),
+    "response_format of unknown type": chat(response_format={"type": "yaml"}),
+    "json_schema that is no schema": chat(response_format={"type": "json_schema",
+                                                           "json_schema": {"name": "x", "schema": {"type": 5}}}),
+    "structured_outputs empty": chat(structured_outputs={}),
+    "structured_outputs regex that does not parse": chat(structured_outputs={"regex": "(("}),
+    "structured_outputs grammar that does not parse": chat(structured_outputs={"grammar": "start: ((("}),
+    "thinking_token_budget negative": chat(thinking_token_budget=-1),
+    "reasoning_effort unknown": chat(reasoning_effort="extreme"),
+    "messages: max_tokens missing": message(max_tokens=None),
+    "messages: temperature above one": message(temperature=1.5),
+    "messages: an image": message(messages=[{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]),
+    "messages: unknown block": message(messages=[{"role": "user", "content": [{"type": "hologram"}]}]),
+    "messages: role system": message(messages=[{"role": "system", "content": "x"}]),
+    "messages: tools that the template ignores": message(tools=[{"name": "f", "input_schema": {"type": "object"}}]),
+    "messages: thinking budget negative": message(thinking={"type": "enabled", "budget_tokens": -1}),
+    "messages: unknown field": message(temprature=0.5),
+    "count_tokens: messages missing": ("POST", "/v1/messages/count_tokens", b'{"model":"tiny"}'),
+    "responses: input missing": ("POST", "/v1/responses", b'{"model":"tiny"}'),
+    "responses: input empty list": response(input=[]),
+    "responses: an image": response(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+    "responses: unknown previous response": response(previous_response_id="resp_nothing"),
+    "responses: background": response(background=True),
+    "responses: hosted tool": response(tools=[{"type": "file_search"}]),
+    "responses: get unknown": ("GET", "/v1/responses/resp_nothing", b""),
+    "responses: delete unknown": ("DELETE", "/v1/responses/resp_nothing", b""),
 }
 
 
@@ -135,9 +177,11 @@ def test_hostile_request_gets_a_4xx_error_object(server, name):
     response = httpx.request(method, server.url + path, content=body, timeout=60,
                              headers={"Content-Type": "application/json"})
     assert 400 <= response.status_code < 500, (name, response.status_code, response.text[:300])
-    error = response.json()["error"]
+    body = response.json()
+    error = body["error"]
     assert isinstance(error["message"], str) and error["message"]
     assert error["type"] in ("invalid_request_error", "not_found_error")
+    assert (body.get("type") == "error") == path.startswith("/v1/messages")  # Anthropic's shape there
 
 
 def test_there_are_at_least_forty_cases():

@@ -155,7 +155,7 @@ def step_inputs(backend, model: Model, context_lens: list[int], query_lens: list
     )
     token_ids = backend.upload(np.arange(num_tokens, dtype=np.int32) % model.vocab_size)
     last_rows = (np.cumsum(query_lens) - 1).astype(np.int32)
-    return StepTensors(token_ids, meta, backend.upload(last_rows)), next_block
+    return StepTensors(token_ids, (meta,), backend.upload(last_rows)), next_block
 
 
 def greedy_params(backend, num_rows: int) -> SamplingTensors:

@@ -70,13 +70,8 @@ def main(name: str, memory_utilization: float, max_seq_len: int) -> None:
     from atlas.domain.step_inputs import build_step_inputs, pad_decode_inputs
 
     packed = pack_rows([seq.sampling for seq in batch.sequences])
-    inputs = pad_decode_inputs(
-        build_step_inputs(batch, worker.table_width, worker.scratch_block, buffers.max_seqs),
-        1,
-        worker.scratch_block,
-        worker.block_size,
-        buffers.max_seqs,
-    )
+    layout = worker.cache_layout
+    inputs = pad_decode_inputs(build_step_inputs(batch, layout, buffers.max_seqs), 1, layout, buffers.max_seqs)
 
     def with_inputs() -> None:
         buffers.stage_inputs(inputs)
@@ -108,7 +103,7 @@ def main(name: str, memory_utilization: float, max_seq_len: int) -> None:
         host.append((time.perf_counter() - started) * 1e6)
         step.result()
     results["host"] = statistics.median(host)
-    blocks = worker.kv.spec.num_blocks
+    blocks = worker.caches[0].spec.num_blocks
     print(
         f"{name} on {backend.capabilities.device_name}, batch 1, 512-token context, {blocks} KV blocks, max_seq_len {max_seq_len} ({REPEATS} steps each)"
     )

@@ -59,7 +59,7 @@ def _graphs(name: str):
     # its 8 steps) and capture length (2048: the graph's split count covers it)
     for context, captured_for in ((512, 512), (520, 520), (512, 2048), (520, 2048)):
         step, _ = step_inputs(backend, model, [context], [1])
-        step = dataclasses.replace(step, meta=dataclasses.replace(step.meta, max_seq_len=captured_for))
+        step = dataclasses.replace(step, metadata=(dataclasses.replace(step.metadata[0], max_seq_len=captured_for),))
 
         def forward(step=step) -> None:
             backend.sampling.sample(model.forward(step, (kv,), workspace, 1), params, out_ids)

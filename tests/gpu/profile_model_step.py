@@ -55,7 +55,7 @@ def main(specs: list[str]) -> None:
             params, out_ids = bench.greedy_params(backend, batch), backend.empty((batch,), DType.I32)
 
             def forward(step=step, workspace=workspace, params=params, out_ids=out_ids, model=model, kv=kv) -> None:
-                backend.sampling.sample(model.forward(step, (kv,), workspace, step.meta.num_seqs), params, out_ids)
+                backend.sampling.sample(model.forward(step, (kv,), workspace, step.metadata[0].num_seqs), params, out_ids)
 
             forward()
             backend.synchronize()

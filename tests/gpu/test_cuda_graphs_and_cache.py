@@ -245,7 +245,7 @@ def _decode_worker(backend, graph_sizes: tuple[int, ...]) -> Worker:
     config = ModelConfig.from_dict(DECODE_LLAMA)
     model = load_model(config, DictWeights(random_llama_weights(DECODE_LLAMA, seed=3, scale=0.1)), backend, 128)
     spec = KvCacheSpec(config.num_layers, 17, DECODE_BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
-    return Worker(backend, model, backend.attention.allocate_cache(spec), WorkerConfig(128, 8, 128, graph_sizes))
+    return Worker(backend, model, (backend.attention.allocate_cache(spec),), WorkerConfig(128, 8, 128, graph_sizes))
 
 
 def _eager_ids(backend, logits, rows: list[SamplingRow]) -> tuple[int, ...]:

@@ -19,21 +19,19 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the unit tests' fakes
 
 from fakes import DictWeights, random_llama_weights  # noqa: E402
+from helpers.engines import make_cache, make_worker  # noqa: E402
 from helpers.json_schema_check import schema_errors  # noqa: E402
 from test_engine_constraints import ResidueGrammar, follows_residues  # noqa: E402
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence, SamplingRow  # noqa: E402
-from atlas.domain.cache.block_pool import BlockPool  # noqa: E402
-from atlas.domain.cache.manager import full_attention_cache  # noqa: E402
 from atlas.domain.constraints import ForkedConstraints, TokenConstraint  # noqa: E402
 from atlas.domain.engine import EngineCore  # noqa: E402
 from atlas.domain.models.config import ModelConfig  # noqa: E402
 from atlas.domain.models.families import load_model  # noqa: E402
 from atlas.domain.requests import Request, SamplingParams  # noqa: E402
 from atlas.domain.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from atlas.domain.worker import Worker, WorkerConfig, decode_rows  # noqa: E402
+from atlas.domain.worker import WorkerConfig, decode_rows  # noqa: E402
 from atlas.ports.gpu import DType  # noqa: E402
-from atlas.ports.kernels.attention import KvCacheSpec  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -64,10 +62,9 @@ def _smollm2_dir() -> Path:
 def _constrained_engine(backend, graph_sizes):
     config = ModelConfig.from_dict(SMALL_LLAMA)
     model = load_model(config, DictWeights(random_llama_weights(SMALL_LLAMA, seed=5, scale=0.1)), backend, 512)
-    spec = KvCacheSpec(config.num_layers, 201, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
-    worker = Worker(backend, model, backend.attention.allocate_cache(spec), WorkerConfig(256, 16, 512, graph_sizes))
+    worker = make_worker(model, 200, BLOCK_SIZE, WorkerConfig(256, 16, 512, graph_sizes), kv_dtype=DType.BF16)
     worker.capture_graphs()
-    scheduler = Scheduler(SchedulerConfig(512, 16, 256, BLOCK_SIZE), full_attention_cache(BlockPool(200, BLOCK_SIZE)))
+    scheduler = Scheduler(SchedulerConfig(512, 16, 256, BLOCK_SIZE), make_cache(model, 200, BLOCK_SIZE, 16))
     source = ForkedConstraints(lambda request: "residues", lambda key: TokenConstraint(ResidueGrammar(12)))
     return EngineCore(scheduler, worker, 512, 512, frozenset({96}), source)
 

@@ -21,7 +21,10 @@ from atlas.adapters.cuda.registry import (
     select_modules,
 )
 
-EXPECTED_MODULES = {"attention_decode", "attention_prefill", "elementwise", "gemv", "norm", "rope_cache", "sampling"}
+EXPECTED_MODULES = {
+    "attention_decode", "attention_prefill", "elementwise", "fp8_quantize", "gemv", "gemv_fp8", "norm", "rope_cache",
+    "sampling",
+}
 
 
 def _tree(root: Path, files: dict[str, str]) -> Path:
@@ -50,6 +53,8 @@ _WAIT_INSIDE = {
     "attention_decode.cu": ("attention_decode_impl<", "attention_decode_mma_impl<"),
     "rope_cache.cu": ("rope_and_cache_impl<",),
     "elementwise.cu": ("act_mul_rms_vec8<",),
+    "gemv_fp8.cu": ("gemv_fp8_impl<", "gemv_fp8_mma_impl<"),
+    "fp8_quantize.cu": ("quantize_token_impl<", "quantize_group_impl<"),
 }
 
 

@@ -95,7 +95,7 @@ def test_random_real_configs_match_transformers_within_its_own_bf16_error(config
     model = load_model(model_config, DictWeights(tensors), cuda_backend, max_positions=2048)
     spec = KvCacheSpec(model_config.num_layers, 129, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
                        DType.BF16)
-    worker = Worker(cuda_backend, model, cuda_backend.attention.allocate_cache(spec), WorkerConfig(1024, 8, 2048))
+    worker = Worker(cuda_backend, model, (cuda_backend.attention.allocate_cache(spec),), WorkerConfig(1024, 8, 2048))
     prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (1, 17, 500)]
     free_blocks = list(rng.permutation(128))
     tables = []
@@ -145,8 +145,8 @@ def test_batched_decode_matches_transformers_within_its_own_bf16_error(config, n
     spec = KvCacheSpec(model_config.num_layers, num_seqs * blocks_per_seq + 1, BLOCK_SIZE, model_config.num_kv_heads,
                        model_config.head_dim, kv_dtype)
     kv = cuda_backend.attention.allocate_cache(spec)
-    eager_worker = Worker(cuda_backend, model, kv, WorkerConfig(2048, num_seqs, 2048))
-    graph_worker = Worker(cuda_backend, model, kv, WorkerConfig(2048, num_seqs, 2048, graph_batch_sizes=(num_seqs,)))
+    eager_worker = Worker(cuda_backend, model, (kv,), WorkerConfig(2048, num_seqs, 2048))
+    graph_worker = Worker(cuda_backend, model, (kv,), WorkerConfig(2048, num_seqs, 2048, graph_batch_sizes=(num_seqs,)))
     prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=int(n))]
                for n in rng.integers(5, 2 * BLOCK_SIZE - 2, size=num_seqs)]
     tables = [tuple(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
@@ -172,6 +172,89 @@ def test_batched_decode_matches_transformers_within_its_own_bf16_error(config, n
         assert ours_error <= KV_ERROR_FACTOR[kv_dtype] * hf_error, (row, len(tokens), ours_error, hf_error)
     print(f"{config['model_type']} {num_seqs} sequences, {kv_dtype.value} cache: "
           f"atlas error / transformers-bf16 error at most {worst:.2f}")
+
+
+# The families loaded by qwen3_moe.py, gemma3.py and gpt_oss.py: real configs cut to a few layers
+# (expert counts and sizes, head dims, GQA ratios, vocabularies, windows and RoPE are the real
+# ones). Gemma 3 keeps six layers so its sixth is a full one; the references run transformers'
+# eager attention (GPT-OSS's sinks have no SDPA path).
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=4,
+    head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+    initializer_range=0.02, attn_implementation="eager",
+)
+GEMMA_3_1B = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
+    intermediate_size=6912, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768, query_pre_attn_scalar=256,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window=512,
+    sliding_window_pattern=6, tie_word_embeddings=True, initializer_range=0.02, attn_implementation="eager",
+)
+GPT_OSS_20B = dict(
+    architectures=["GptOssForCausalLM"], model_type="gpt_oss", vocab_size=201088, hidden_size=2880,
+    intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=2, num_attention_heads=64,
+    num_key_value_heads=8, head_dim=64, layer_types=["sliding_attention", "full_attention"], sliding_window=128,
+    attention_bias=True, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0,
+    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                      original_max_position_embeddings=4096),
+    swiglu_limit=7.0, tie_word_embeddings=False, initializer_range=0.02, attn_implementation="eager",
+)  # fmt: skip
+
+
+def _load_or_skip(config: dict, tensors: dict, backend) -> object:
+    """The model on CUDA, or a skip naming what the CUDA kinds cannot run yet."""
+    from atlas.ports.gpu import MissingKindError, UnsupportedError
+
+    model_config = ModelConfig.from_dict(config)
+    try:
+        return load_model(model_config, DictWeights(tensors), backend, max_positions=2048)
+    except (UnsupportedError, MissingKindError) as exc:
+        pytest.skip(f"{model_config.architecture} does not run on the CUDA backend yet: {exc}")
+
+
+@pytest.mark.parametrize(
+    "config", [QWEN3_30B_A3B, GEMMA_3_1B, GPT_OSS_20B], ids=["qwen3-30b-a3b-2l", "gemma3-1b-6l", "gpt-oss-20b-2l"]
+)
+def test_families_prefill_decode_and_chunk_within_transformers_bf16_error(config, cuda_backend, rng):
+    """Prefills of 1, 17 and 600 tokens in one batch (past the 128- and 512-token windows), a
+    batched decode of each, then a 300-token prompt in two chunks beside decodes: every sampled
+    row within 1.5x transformers' own bf16 error of its float32 logits."""
+    reference, tensors = build_reference(config, seed=11)
+    model = _load_or_skip(config, tensors, cuda_backend)
+    model_config = ModelConfig.from_dict(config)
+    spec = KvCacheSpec(model_config.num_layers, 161, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
+                       DType.BF16)
+    worker = Worker(cuda_backend, model, cuda_backend.attention.allocate_cache(spec), WorkerConfig(1024, 8, 2048))
+    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (1, 17, 600, 300)]
+    free_blocks = [int(b) for b in rng.permutation(160)]
+    tables = []
+    for prompt in prompts:
+        count = -(-(len(prompt) + 2) // BLOCK_SIZE)
+        tables.append(tuple(free_blocks[:count]))
+        free_blocks = free_blocks[count:]
+    decoded = [prompt + [7] for prompt in prompts[:3]]
+    steps = [  # (tokens, start, stop, table) per sequence; every row samples
+        [(prompt, 0, len(prompt), table) for prompt, table in zip(prompts[:3], tables)],
+        [(tokens, len(tokens) - 1, len(tokens), table) for tokens, table in zip(decoded, tables)],
+        [(decoded[0] + [9], len(decoded[0]), len(decoded[0]) + 1, tables[0]), (prompts[3], 0, 150, tables[3])],
+        [(decoded[2] + [9], len(decoded[2]), len(decoded[2]) + 1, tables[2]), (prompts[3], 150, 300, tables[3])],
+    ]
+    exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
+    for step_id, step in enumerate(steps):
+        batch = ScheduledBatch(step_id, tuple(
+            ScheduledSequence(f"s{i}", tuple(tokens[start:stop]), start, table, GREEDY)
+            for i, (tokens, start, stop, table) in enumerate(step)
+        ), BLOCK_SIZE)
+        ours = worker.compute_logits(batch)
+        for row, (tokens, _, stop, _) in enumerate(step):
+            exact = _hf_logits(exact_model, tokens[:stop])[-1]
+            hf_bf16 = _hf_logits(bf16_model, tokens[:stop])[-1]
+            ours_error, hf_error = _relative(ours[row], exact), _relative(hf_bf16, exact)
+            print(f"{config['model_type']} step {step_id} len {stop}: "
+                  f"atlas {ours_error:.2e} transformers-bf16 {hf_error:.2e}")
+            assert ours_error <= 1.5 * hf_error, (step_id, stop, ours_error, hf_error)
 
 
 def _smollm2_dir() -> Path:
@@ -224,16 +307,15 @@ def _engine(backend, graph_sizes):
     from fakes import random_llama_weights
 
     from atlas.domain.engine import EngineCore
-    from atlas.domain.cache.block_pool import BlockPool
-    from atlas.domain.cache.manager import full_attention_cache
+    from atlas.domain.cache.manager import CacheManager
     from atlas.domain.scheduler import Scheduler, SchedulerConfig
 
     config = ModelConfig.from_dict(SMALL_LLAMA)
     model = load_model(config, DictWeights(random_llama_weights(SMALL_LLAMA, seed=5, scale=0.1)), backend, 512)
     spec = KvCacheSpec(config.num_layers, 201, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
-    worker = Worker(backend, model, backend.attention.allocate_cache(spec), WorkerConfig(256, 16, 512, graph_sizes))
+    worker = Worker(backend, model, (backend.attention.allocate_cache(spec),), WorkerConfig(256, 16, 512, graph_sizes))
     worker.capture_graphs()
-    scheduler = Scheduler(SchedulerConfig(512, 16, 256, BLOCK_SIZE), full_attention_cache(BlockPool(200, BLOCK_SIZE)))
+    scheduler = Scheduler(SchedulerConfig(512, 16, 256, BLOCK_SIZE), CacheManager.for_groups(model.cache_groups, (200,), BLOCK_SIZE, True))
     return EngineCore(scheduler, worker, 512, 512, frozenset())
 
 
@@ -250,7 +332,7 @@ def test_graph_replay_with_device_side_tokens_matches_eager_logits(cuda_backend,
         model = load_model(config, DictWeights(random_llama_weights(SMALL_LLAMA, seed=5, scale=0.1)), cuda_backend, 512)
         spec = KvCacheSpec(config.num_layers, 101, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
         kv = cuda_backend.attention.allocate_cache(spec)
-        return Worker(cuda_backend, model, kv, WorkerConfig(256, 16, 512, graph_sizes))
+        return Worker(cuda_backend, model, (kv,), WorkerConfig(256, 16, 512, graph_sizes))
 
     graphed, eager = worker((4, 8, 16)), worker(())
     prompts = [tuple(int(t) for t in rng.integers(0, 512, size=int(n))) for n in rng.integers(2, 40, size=11)]
@@ -319,3 +401,138 @@ def _near_tie_where_paths_part(cuda, mock, conversation, got, expected) -> float
         if name == "mock":
             gap = float((logits[best[0]] - logits[got[index]]) / abs(logits[best[0]]))
     return gap
+
+
+# FP8 checkpoints: how far past transformers' own bf16 error (both against float32 transformers on
+# the dequantized weights) Atlas's logits may be. Steps of at most 8 tokens run the decode GEMVs,
+# which read the weights exactly and keep x in bf16: bf16's bound. Longer steps round each
+# projection's input to E4M3 for the FP8 tensor cores (3 mantissa bits, ~2.5% of each product:
+# ops_fp8.py). On the CPU (torch, the 8B cut with a 32000-token vocabulary, every projection's
+# input rounded to E4M3 per token / per 128 columns) the last position's logits of a 17-token
+# prompt were 6.6 / 6.4 times transformers-bf16's error from float32 (11.7% / 10.9% against
+# 1.8%), and 0.9 / 0.8 times at 300 tokens, where bf16's own error is 15%.
+FP8_DECODE_FACTOR = 1.5
+FP8_PREFILL_FACTOR = 12.0
+
+
+@pytest.mark.parametrize(
+    "config, layout",
+    [(LLAMA_3_1_8B, "channel"), (LLAMA_3_1_8B, "block"), (LLAMA_3_2_1B, "channel")],
+    ids=["llama3.1-8b-2l-channel", "llama3.1-8b-2l-block", "llama3.2-1b-4l-channel"],
+)
+def test_fp8_checkpoints_match_transformers_on_their_dequantized_weights(config, layout, cuda_backend, rng):
+    """An FP8 checkpoint (llm-compressor's per-channel layout, or 128 x 128 blocks as Qwen3-FP8 and
+    DeepSeek-V3 store them) against transformers given its dequantized weights: decode-sized
+    steps (a prefill of 1 + 3 + 4 tokens, three decodes, one) within bf16's bound, prefills of
+    17 and 500 tokens within E4M3 activations' bound."""
+    from fp8_checkpoints import load_dequantized, quantize_checkpoint
+
+    reference, tensors = build_reference(config, seed=3)
+    stored, quantization_config, dequantized = quantize_checkpoint(tensors, layout)
+    load_dequantized(reference, dequantized)
+    model_config = ModelConfig.from_dict({**config, "quantization_config": quantization_config})
+    model = load_model(model_config, DictWeights(stored), cuda_backend, max_positions=2048)
+    spec = KvCacheSpec(model_config.num_layers, 129, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
+                       DType.BF16)
+    worker = Worker(cuda_backend, model, cuda_backend.attention.allocate_cache(spec), WorkerConfig(1024, 8, 2048))
+    exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
+    free_blocks = [int(b) for b in rng.permutation(128)]
+
+    def run(step_id: int, rows: list[tuple[list[int], int, int, tuple[int, ...]]], factor: float) -> float:
+        batch = ScheduledBatch(step_id, tuple(
+            ScheduledSequence(f"s{i}", tuple(tokens[start:stop]), start, table, GREEDY)
+            for i, (tokens, start, stop, table) in enumerate(rows)
+        ), BLOCK_SIZE)
+        ours = worker.compute_logits(batch)
+        worst = 0.0
+        for row, (tokens, _, stop, _) in enumerate(rows):
+            exact = _hf_logits(exact_model, tokens[:stop])[-1]
+            ours_error = _relative(ours[row], exact)
+            hf_error = _relative(_hf_logits(bf16_model, tokens[:stop])[-1], exact)
+            worst = max(worst, ours_error / hf_error)
+            assert ours_error <= factor * hf_error, (layout, step_id, stop, ours_error, hf_error)
+        return worst
+
+    def tables(prompts):
+        nonlocal free_blocks
+        result = []
+        for prompt in prompts:
+            count = -(-(len(prompt) + 2) // BLOCK_SIZE)
+            result.append(tuple(free_blocks[:count]))
+            free_blocks = free_blocks[count:]
+        return result
+
+    short = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (1, 3, 4)]
+    short_tables = tables(short)
+    decode = run(0, [(p, 0, len(p), t) for p, t in zip(short, short_tables)], FP8_DECODE_FACTOR)
+    decode = max(decode, run(1, [(p + [7], len(p), len(p) + 1, t) for p, t in zip(short, short_tables)],
+                             FP8_DECODE_FACTOR))
+    decode = max(decode, run(2, [(short[0] + [7, 9], len(short[0]) + 1, len(short[0]) + 2, short_tables[0])],
+                             FP8_DECODE_FACTOR))
+    long = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (17, 500)]
+    prefill = run(3, [(p, 0, len(p), t) for p, t in zip(long, tables(long))], FP8_PREFILL_FACTOR)
+    print(f"{config['model_type']} {layout}: atlas error / transformers-bf16 error at most {decode:.2f} in decode-"
+          f"sized steps, {prefill:.2f} in prefills")
+
+
+@pytest.mark.parametrize("layout", ["block"])
+def test_an_fp8_batch_decodes_the_same_from_its_graph(layout, cuda_backend, rng):
+    """16 sequences decoding one step of an FP8 8B cut (the FP8 GEMM with E4M3 activations,
+    cuBLASLt's scale pointers inside the graph): eager and replayed logits bit for bit, and
+    within E4M3 activations' bound of transformers."""
+    from fp8_checkpoints import load_dequantized, quantize_checkpoint
+
+    config, num_seqs = LLAMA_3_1_8B, 16
+    reference, tensors = build_reference(config, seed=5)
+    stored, quantization_config, dequantized = quantize_checkpoint(tensors, layout)
+    load_dequantized(reference, dequantized)
+    model_config = ModelConfig.from_dict({**config, "quantization_config": quantization_config})
+    model = load_model(model_config, DictWeights(stored), cuda_backend, max_positions=2048)
+    spec = KvCacheSpec(model_config.num_layers, 2 * num_seqs + 1, BLOCK_SIZE, model_config.num_kv_heads,
+                       model_config.head_dim, DType.BF16)
+    kv = cuda_backend.attention.allocate_cache(spec)
+    eager_worker = Worker(cuda_backend, model, kv, WorkerConfig(2048, num_seqs, 2048))
+    graph_worker = Worker(cuda_backend, model, kv, WorkerConfig(2048, num_seqs, 2048, graph_batch_sizes=(num_seqs,)))
+    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=int(n))]
+               for n in rng.integers(5, 2 * BLOCK_SIZE - 2, size=num_seqs)]
+    tables = [(2 * i, 2 * i + 1) for i in range(num_seqs)]
+
+    def step(worker: Worker, step_id: int, rows: list[tuple[list[int], int, int]]) -> np.ndarray:
+        return worker.compute_logits(ScheduledBatch(step_id, tuple(
+            ScheduledSequence(f"s{i}", tuple(tokens[start:stop]), start, tables[i], GREEDY)
+            for i, (tokens, start, stop) in enumerate(rows)
+        ), BLOCK_SIZE))
+
+    step(eager_worker, 0, [(prompt, 0, len(prompt)) for prompt in prompts])
+    decoded = [prompt + [7] for prompt in prompts]
+    rows = [(tokens, len(tokens) - 1, len(tokens)) for tokens in decoded]
+    eager = step(eager_worker, 1, rows)
+    for step_id in (2, 3):
+        np.testing.assert_array_equal(step(graph_worker, step_id, rows), eager)
+    exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
+    for row, tokens in enumerate(decoded[:4]):
+        exact = _hf_logits(exact_model, tokens)[-1]
+        ours_error, hf_error = _relative(eager[row], exact), _relative(_hf_logits(bf16_model, tokens)[-1], exact)
+        assert ours_error <= FP8_PREFILL_FACTOR * hf_error, (row, ours_error, hf_error)
+
+
+def test_smollm2_quantized_at_load_computes_what_the_mock_does(kernel_cache_dir):
+    """`--quantization fp8` on the real SmolLM2-135M (its projections quantized per channel as
+    they load): CUDA and the mock (rounding activations to bf16 like a GPU) read the same E4M3
+    bytes, and over a 6-token step (the decode GEMVs: x stays bf16) their logits differ no more
+    than twice as much as the bf16 model's do, plus 1e-3."""
+    from atlas.app.llm import LLM
+
+    folder = str(_smollm2_dir())
+    context = (1, 504, 3125, 314, 253, 2)
+    batch = ScheduledBatch(0, (ScheduledSequence("probe", context, 0, (0,), GREEDY),), BLOCK_SIZE)
+    gaps = {}
+    for quantization in ("none", "fp8"):
+        logits = []
+        for device, dtype in (("cuda", "auto"), ("mock", "bf16")):
+            llm = LLM(folder, device=device, dtype=dtype, show_progress=False, max_seq_len=256,
+                      quantization=quantization, enforce_eager=True)
+            logits.append(llm.engine.core.executor.compute_logits(batch)[0])
+        gaps[quantization] = _relative(logits[0], logits[1])
+    print(f"SmolLM2 CUDA against the mock: bf16 {gaps['none']:.2e}, FP8 quantized at load {gaps['fp8']:.2e}")
+    assert gaps["fp8"] <= 2 * gaps["none"] + 1e-3

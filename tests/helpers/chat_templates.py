@@ -158,5 +158,14 @@ MISTRAL_V3 = """\
 {%- endfor %}
 """
 
+# A thinking model's template (Qwen3-Thinking-2507, DeepSeek-R1): the generation prompt opens the
+# <think> block, so the output starts inside it.
+QWEN3_THINKING = QWEN3.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is not defined or enable_thinking is not false %}{{- '<think>\\n' }}{%- endif %}",
+)
+assert QWEN3_THINKING != QWEN3
+
 TOOL_TEMPLATES = {"hermes": QWEN25, "qwen3": QWEN3, "qwen3_coder": QWEN3_CODER, "llama3_json": LLAMA31,
                   "mistral": MISTRAL_V3}

@@ -379,3 +379,53 @@ def smollm2_folder() -> Path | None:
         return import_gguf(gguf_path, scratch / "smollm2", progress=False)
     pulled = models_dir() / "smollm2"
     return pulled if is_model_folder(pulled) else None
+
+
+# ----------------------------------------------------------------------------- transformers-written folders
+
+
+def word_level_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A tokenizer.json of `vocab_size` whole-word tokens "t0", "t1", ... (prompts are given as
+    ids; the tokenizer only has to load and decode)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def save_transformers_folder(model: Any, folder: Path) -> Path:
+    """`model` as transformers publishes it: config.json and bf16 safetensors (its own names,
+    e.g. Qwen3-MoE's per-expert tensors), plus a word-level tokenizer. `model` itself is left
+    as it is (a float32 reference whose values are bf16 already)."""
+    import copy
+
+    import torch
+
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(folder)
+    word_level_tokenizer(folder, model.config.vocab_size)
+    return folder
+
+
+def quantize_mxfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """MXFP4 (blocks, scales) of `values` [..., K], K a multiple of 32: per block of 32 the
+    smallest power-of-two scale that brings the largest magnitude within E2M1's 6, each element
+    the nearest E2M1 value (a tie to the smaller magnitude); two elements a byte, low nibble
+    first. Written from the OCP MX spec, apart from `atlas.domain.models.mxfp4`."""
+    magnitudes = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], np.float32)
+    grouped = np.asarray(values, np.float32).reshape(*np.shape(values)[:-1], -1, 32)
+    largest = np.maximum(np.abs(grouped).max(axis=-1), np.float32(2.0**-100))
+    exponents = np.ceil(np.log2(largest / 6)).astype(np.int32)
+    scaled = np.ldexp(grouped, -exponents[..., None])
+    codes = np.abs(np.abs(scaled)[..., None] - magnitudes).argmin(axis=-1).astype(np.uint8)
+    codes |= np.where(scaled < 0, 8, 0).astype(np.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.astype(np.uint8), (exponents + 127).astype(np.uint8)
+
+
+def mxfp4_values(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The float32 values [..., K] MXFP4 blocks [..., K/32, 16] and scales [..., K/32] stand for."""
+    table = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    elements = np.stack([table[blocks & 0x0F], table[blocks >> 4]], axis=-1).reshape(*blocks.shape[:-1], 32)
+    values = np.ldexp(elements, scales.astype(np.int32)[..., None] - 127)
+    return values.reshape(*scales.shape[:-1], -1)

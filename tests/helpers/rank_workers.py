@@ -49,6 +49,9 @@ class TensorParallelMlp:
         self.crash_rank, self.stall_rank, self.at_step = crash_rank, stall_rank, at_step
         self.steps = 0
 
+    def loaded(self) -> bytes:
+        return str(self.rank).encode()
+
     def step(self, body: bytes) -> bytes:
         if self.steps == self.at_step and self.rank == self.crash_rank:
             raise RuntimeError(f"rank {self.rank} broke at step {self.steps}")
@@ -73,6 +76,9 @@ class Sleeper:
 
     def __init__(self, context: RankContext) -> None:
         self.child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    def loaded(self) -> bytes:
+        return b""
 
     def step(self, body: bytes) -> bytes:
         if body == b"hang":

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 from atlas.domain.batch import BlockTable, ScheduledBatch, ScheduledSequence, StepResult
 from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.manager import CacheManager, full_attention_cache
+from atlas.domain.cache.groups import KvGroup
+from atlas.domain.cache.manager import CacheManager
+from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape
 from atlas.domain.requests import FinishReason, Request, SamplingParams
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import SchedulingPolicy
@@ -28,6 +30,12 @@ BLOCK_SIZE = 4
 VOCAB_SIZE = 50
 EOS_ID = 3
 NO_EOS: frozenset[int] = frozenset()
+FULL_ATTENTION = CacheGroupSpec(KvShape(num_kv_heads=1, head_dim=8))  # the scheduler reads only the kind
+
+
+def full_attention_cache(pool: BlockPool, prefix_caching: bool = True) -> CacheManager:
+    """One full-attention KV group over `pool` (a model of one group of every layer)."""
+    return CacheManager.build([KvGroup(FULL_ATTENTION, pool)], prefix_caching)
 
 
 def greedy_next_token(context: tuple[int, ...]) -> int:

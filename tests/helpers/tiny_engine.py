@@ -5,19 +5,16 @@ speculation)."""
 from __future__ import annotations
 
 from fakes import TINY_LLAMA, DictWeights, random_llama_weights
+from helpers.engines import make_cache, make_worker
 
 from atlas.adapters.mock.backend import MockGpuBackend
-from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.manager import full_attention_cache
 from atlas.domain.engine import EngineCore
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.families import load_model
 from atlas.domain.requests import SamplingParams
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.speculative.policy import speculation_policy
-from atlas.domain.worker import Worker, WorkerConfig
-from atlas.ports.gpu import DType
-from atlas.ports.kernels.attention import KvCacheSpec
+from atlas.domain.worker import WorkerConfig
 
 BLOCK_SIZE = 4
 MAX_LEN = 128
@@ -31,11 +28,10 @@ def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=
     config = ModelConfig.from_dict(TINY_LLAMA)
     backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed)), backend, MAX_LEN)
-    spec = KvCacheSpec(config.num_layers, num_blocks + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
     rows = max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0))  # a verify row per draft
     worker_config = WorkerConfig(budget, min(rows, budget), MAX_LEN, graph_sizes)
-    worker = Worker(backend, model, backend.attention.allocate_cache(spec), worker_config)
-    cache = full_attention_cache(BlockPool(num_blocks, BLOCK_SIZE), prefix_caching)
+    worker = make_worker(model, num_blocks, BLOCK_SIZE, worker_config)
+    cache = make_cache(model, num_blocks, BLOCK_SIZE, max_num_seqs, prefix_caching)
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, policy,
                           speculation_policy(speculative))
     return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS, constraints)

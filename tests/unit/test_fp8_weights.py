@@ -12,17 +12,19 @@ import numpy as np
 import pytest
 
 from atlas.adapters.weights.safetensors import SafetensorsWeights, read_header, write_safetensors
-from atlas.domain.models.quantization import (
-    E4M3,
+from atlas.domain.models.quantization_config import (
     ActivationScheme,
     CheckpointFormat,
     Fp8Layout,
     QuantizationError,
-    QuantizedWeight,
     check_quantization,
+    read_quantization,
+)
+from atlas.domain.models.quantization_weights import (
+    E4M3,
+    QuantizedWeight,
     quantize_per_channel,
     read_fp8_weight,
-    read_quantization,
     stack_rows,
 )
 from atlas.ports.weights import WeightError
@@ -389,12 +391,13 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("quantization_config", "named"),
-    [({"quant_method": "awq", "bits": 4, "group_size": 128}, "quant_method 'awq' is not supported"),
-     (FP8_BLOCK, "is recognised, but this build cannot load FP8 weights")],
+    ("quantization_config", "flags", "named"),
+    [({"quant_method": "awq", "bits": 4, "group_size": 128}, [], "quant_method 'awq' is not supported"),
+     (FP8_BLOCK, ["--quantization", "fp8"], "quantized already (fp8); drop --quantization fp8")],
 )  # fmt: skip
 def test_the_cli_refuses_a_quantized_checkpoint_before_reading_weights(
-    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], quantization_config: dict, named: str
+    tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], quantization_config: dict, flags: list[str],
+    named: str,
 ) -> None:
     from atlas.app.cli import main
 
@@ -405,8 +408,29 @@ def test_the_cli_refuses_a_quantized_checkpoint_before_reading_weights(
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(dict(config, quantization_config=quantization_config)))
     (model / "model.safetensors").write_bytes(b"\x00" * 16)  # would fail as corrupt if it were read first
-    code = main(["generate", str(model), "--prompt", "x", "--device", "mock"])
+    code = main(["generate", str(model), "--prompt", "x", "--device", "mock", *flags])
     err = capsys.readouterr().err
     assert code != 0 and "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("atlas: error:")]
     assert len(lines) == 1 and named in lines[0], err
+
+
+def test_moe_experts_reach_their_kind_as_one_stacked_linear_with_scales() -> None:
+    """An MoE loader reads each expert like any projection and stacks them: [E, out, in] E4M3
+    with [E, out] (or [E, row tiles, column tiles]) scales, the values each expert stands for."""
+    from atlas.domain.models.quantization_weights import host_linear, stack_experts
+
+    rng = np.random.default_rng(12)
+    channel = [quantize_per_channel(rng.normal(size=(6, 8)).astype(np.float32)) for _ in range(3)]
+    stacked = stack_experts([host_linear(w) for w in channel])
+    assert stacked.weight.shape == (3, 6, 8) and stacked.scales.shape == (3, 6) and stacked.block_shape is None
+    assert np.array_equal(stacked.values(), np.stack([w.dequantize() for w in channel]))
+    blocks = [QuantizedWeight(random_fp8(rng, (130, 260)), rng.uniform(0.1, 1, (2, 3)).astype(np.float32),
+                              Fp8Layout.BLOCK, (128, 128)) for _ in range(2)]  # fmt: skip
+    stacked_blocks = stack_experts([host_linear(w) for w in blocks])
+    assert stacked_blocks.scales.shape == (2, 2, 3) and stacked_blocks.block_shape == (128, 128)
+    assert np.array_equal(stacked_blocks.values(), np.stack([w.dequantize() for w in blocks]))
+    per_tensor = host_linear(QuantizedWeight(random_fp8(rng, (6, 8)), np.float32(0.5), Fp8Layout.PER_TENSOR))
+    assert per_tensor.scales.shape == (6,) and np.all(per_tensor.scales == 0.5)
+    with pytest.raises(ValueError, match="differ"):
+        stack_experts([host_linear(channel[0]), host_linear(blocks[0])])

@@ -6,24 +6,18 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections import deque
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
 import pytest
+from helpers.scripted_engine import NUM_BLOCKS, ScriptedEngine, make_app, sse_payloads, wait_healthy
 
-from atlas.adapters.http import HttpConfig, ServedModel, create_app
+from atlas.adapters.http import HttpConfig
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.app.bench.tiny_model import write_tiny_model
-from atlas.app.engine_actor import OutputRouter
-from atlas.domain.engine_events import EngineFailure, EngineHealth
-from atlas.domain.batch import SequenceOutput
-from atlas.domain.engine import EngineStats
-from atlas.domain.requests import FinishReason, Request
+from atlas.domain.engine_events import EngineFailure
 
 SCRIPT_TEXT = " the sea is blue and the sky is grey over the hills today"
-NUM_BLOCKS = 100
 
 
 @pytest.fixture
@@ -39,98 +33,6 @@ def model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer(model_dir) -> HfTokenizer:
     return HfTokenizer.from_folder(model_dir)
-
-
-class ScriptedEngine:
-    """An EngineClient that plays every sequence the same token ids, one per tick.
-
-    `stall_after` stops producing after that many tokens; `failure` answers every request
-    with that EngineFailure instead.
-    """
-
-    def __init__(self, token_ids: list[int], stall_after: int | None = None,
-                 failure: EngineFailure | None = None, cached_tokens=lambda request_id: 0) -> None:
-        self.token_ids = token_ids
-        self.cached_tokens = cached_tokens  # request id -> prompt tokens it reports as cached
-        self.stall_after = stall_after
-        self.failure = failure
-        self.router = OutputRouter()
-        self.active: dict[str, tuple[Request, deque[int], int]] = {}
-        self.aborted: list[str] = []
-        self.submitted: list[Request] = []
-
-    def submit(self, requests):
-        stream = self.router.open([r.request_id for r in requests])
-        for request in requests:
-            self.submitted.append(request)
-            if self.failure is not None:
-                self.router.fail(request.request_id, self.failure)
-                return stream
-            script = self.token_ids[: request.sampling.max_tokens or len(self.token_ids)]
-            self.active[request.request_id] = (request, deque(script), len(script))
-        return stream
-
-    def abort(self, request_ids):
-        for request_id in self.router.close(request_ids):
-            self.aborted.append(request_id)
-            self.active.pop(request_id, None)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(len(self.active), 0, NUM_BLOCKS, NUM_BLOCKS - len(self.active), 0, 0, 0, 0,
-                           num_prefix_cache_queries=sum(len(r.prompt_token_ids) for r in self.submitted),
-                           num_prefix_cache_hits=sum(self.cached_tokens(r.request_id) for r in self.submitted))
-
-    def health(self) -> EngineHealth:
-        return EngineHealth(True, True, "ok")
-
-    async def run(self) -> None:
-        while True:
-            await anyio.sleep(0.001)
-            outputs = []
-            for request_id, (request, queue, num_scripted) in list(self.active.items()):
-                done = num_scripted - len(queue)
-                if not queue or (self.stall_after is not None and done >= self.stall_after):
-                    continue
-                token = queue.popleft()
-                finish = FinishReason.LENGTH if not queue else None
-                outputs.append(SequenceOutput(request_id, (token,), finish, len(request.prompt_token_ids), done + 1,
-                                              num_cached_tokens=self.cached_tokens(request_id)))
-                if finish is not None:
-                    del self.active[request_id]
-            self.router.deliver(outputs)
-
-
-DEFAULT_CONFIG = HttpConfig()
-
-
-def make_app(engine, tokenizer, config=DEFAULT_CONFIG, gate: anyio.Event | None = None,
-             failure: Exception | None = None, fatal: list | None = None):
-    @asynccontextmanager
-    async def launch():
-        if gate is not None:
-            await gate.wait()
-        if failure is not None:
-            raise failure
-        model = ServedModel("tiny", frozenset({"/models/tiny"}), tokenizer, 256, tokenizer.vocab_size, 7, 0)
-        async with anyio.create_task_group() as group:
-            group.start_soon(engine.run)
-            yield model, engine
-            group.cancel_scope.cancel()
-
-    return create_app(config, launch, fatal.append if fatal is not None else None)
-
-
-async def wait_healthy(client) -> None:
-    with anyio.fail_after(10):
-        while (await client.get("/health")).status_code != 200:
-            await anyio.sleep(0.01)
-
-
-def sse_payloads(body: bytes) -> list:
-    events = [e for e in body.decode().split("\n\n") if e]
-    assert all(e.startswith("data: ") for e in events)
-    assert events[-1] == "data: [DONE]"
-    return [json.loads(e[6:]) for e in events[:-1]]
 
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
@@ -435,8 +337,14 @@ async def test_openapi_describes_every_registered_route_with_the_request_schemas
     assert chat_properties["temperature"]["anyOf"][0]["maximum"] == 2.0
     assert chat_properties["model"]["anyOf"][0] == {"enum": ["tiny"]}
     assert chat_properties["max_tokens"]["anyOf"][0]["maximum"] == 255  # the context is 256 tokens
-    assert chat["security"] == [{"bearer": []}] and "security" not in document["paths"]["/health"]["get"]
+    assert chat["security"] == [{"bearer": []}, {"apiKey": []}] and "security" not in document["paths"]["/health"]["get"]
     assert set(chat["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    messages = document["paths"]["/v1/messages"]["post"]["responses"]
+    assert messages["default"]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicErrorBody")
+    assert served["MessagesRequest"]["properties"]["max_tokens"] == {"type": "integer", "minimum": 1, "maximum": 255}
+    assert {"/v1/responses", "/v1/responses/{response_id}", "/v1/messages/count_tokens"} <= set(document["paths"])
+    links = document["paths"]["/v1/responses"]["post"]["responses"]["200"]["links"]
+    assert links["getResponse"]["parameters"] == {"response_id": "$response.body#/id"}
 
 
 @pytest.mark.anyio

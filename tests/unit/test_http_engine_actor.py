@@ -7,21 +7,18 @@ import threading
 import anyio
 import pytest
 from fakes import TINY_LLAMA, DictWeights, random_llama_weights
+from helpers.engines import make_cache, make_worker
 
 from atlas.adapters.mock.backend import MockGpuBackend
 from atlas.app.engine_actor import EngineActor, OutputRouter
 from atlas.domain.engine_events import EngineFailure
 from atlas.domain.batch import SequenceOutput
 from atlas.domain.engine import EngineCore
-from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.manager import full_attention_cache
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.families import load_model
 from atlas.domain.requests import FinishReason, Request, SamplingParams
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
-from atlas.domain.worker import Worker, WorkerConfig
-from atlas.ports.gpu import DType
-from atlas.ports.kernels.attention import KvCacheSpec
+from atlas.domain.worker import WorkerConfig
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4
@@ -37,9 +34,8 @@ def build_core() -> EngineCore:
     config = ModelConfig.from_dict(TINY_LLAMA)
     backend = MockGpuBackend()
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, 0)), backend, MAX_LEN)
-    spec = KvCacheSpec(config.num_layers, NUM_BLOCKS + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
-    worker = Worker(backend, model, backend.attention.allocate_cache(spec), WorkerConfig(128, 16, MAX_LEN))
-    scheduler = Scheduler(SchedulerConfig(MAX_LEN, 16, 128, BLOCK_SIZE), full_attention_cache(BlockPool(NUM_BLOCKS, BLOCK_SIZE)))
+    worker = make_worker(model, NUM_BLOCKS, BLOCK_SIZE, WorkerConfig(128, 16, MAX_LEN))
+    scheduler = Scheduler(SchedulerConfig(MAX_LEN, 16, 128, BLOCK_SIZE), make_cache(model, NUM_BLOCKS, BLOCK_SIZE, 16))
     return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, frozenset({96}))
 
 

@@ -73,7 +73,7 @@ def test_completions_bounds_name_the_field():
     ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
     ({"messages": [USER] * 8193}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 1025}]}, "messages[0].content"),
-    ({"tools": [{"type": "function"}] * 513}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 513}, "tools"),
 ])
 def test_oversized_lists_and_strings_name_the_field(body, param):
     assert rejected(ChatCompletionRequest, {"messages": [USER], **body}).param == param

@@ -96,10 +96,9 @@ def test_stop_may_be_a_string_or_a_list():
 
 
 def test_unsupported_features_are_named():
-    assert unsupported_features(chat(response_format={"type": "json_object"}))[0] == "response_format"
-    assert unsupported_features(chat(response_format={"type": "text"})) is None
-    assert unsupported_features(chat(tool_choice={"type": "function", "function": {"name": "f"}}))[0] == "tool_choice"
-    assert unsupported_features(chat(tool_choice="auto")) is None
+    assert unsupported_features(chat(modalities=["text", "audio"]))[0] == "modalities"
+    assert unsupported_features(chat(response_format={"type": "json_object"})) is None
+    assert unsupported_features(chat(tool_choice={"type": "function", "function": {"name": "f"}})) is None
     assert unsupported_features(completion(suffix="x"))[0] == "suffix"
     assert unsupported_features(completion(best_of=2, n=2)) is None
 

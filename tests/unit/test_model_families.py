@@ -9,15 +9,16 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from fakes import DictWeights  # noqa: E402
+from helpers.engines import make_worker as worker_over  # noqa: E402
 from tiny_models import build_reference, reference_logits, tiny_config  # noqa: E402
 
 from atlas.adapters.mock.backend import MockGpuBackend  # noqa: E402
-from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
+from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
+from atlas.domain.models.cache_groups import kv_group_indices  # noqa: E402
 from atlas.domain.models.config import ModelConfig  # noqa: E402
 from atlas.domain.models.families import kv_cache_scales, load_model  # noqa: E402
-from atlas.domain.worker import Worker, WorkerConfig  # noqa: E402
+from atlas.domain.worker import WorkerConfig  # noqa: E402
 from atlas.ports.gpu import DType  # noqa: E402
-from atlas.ports.kernels.attention import KvCacheSpec  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -30,9 +31,7 @@ def make_worker(config_dict, tensors):
     config = ModelConfig.from_dict(config_dict)
     backend = MockGpuBackend()
     model = load_model(config, DictWeights(tensors), backend, max_positions=config.max_position_embeddings)
-    spec = KvCacheSpec(config.num_layers, NUM_BLOCKS + 1, BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.F32)
-    kv = backend.attention.allocate_cache(spec)
-    return Worker(backend, model, kv, WorkerConfig(512, 16, config.max_position_embeddings))
+    return worker_over(model, NUM_BLOCKS, BLOCK_SIZE, WorkerConfig(512, 16, config.max_position_embeddings))
 
 
 class BlockAllocator:
@@ -46,11 +45,21 @@ class BlockAllocator:
         return [int(b) for b in taken]
 
 
+def scheduled(worker, seq_id, token_ids, start, block_ids, sampling):
+    """A sequence's share of a step holding the same page ids in every KV group of the model
+    (each group has its own cache of NUM_BLOCKS pages; no page leaves a window here)."""
+    tables = tuple(BlockTable(tuple(block_ids)) for _ in kv_group_indices(worker.model.cache_groups))
+    return ScheduledSequence(seq_id, tuple(token_ids), start, tuple(block_ids), sampling,
+                             kv_block_tables=tables if len(tables) > 1 else ())
+
+
 def relative_error(ours, reference):
     return float(np.linalg.norm(ours - reference) / np.linalg.norm(reference))
 
 
-@pytest.mark.parametrize("family", ["llama3", "smollm2", "mistral", "qwen2", "qwen3", "yarn", "linear"])
+@pytest.mark.parametrize(
+    "family", ["llama3", "smollm2", "mistral", "qwen2", "qwen3", "yarn", "linear", "qwen3_moe", "gemma3", "gpt_oss"]
+)
 def test_mixed_batch_matches_transformers(family, rng):
     config = tiny_config(family)
     reference, tensors = build_reference(config)
@@ -60,14 +69,14 @@ def test_mixed_batch_matches_transformers(family, rng):
     sequences = []
     for index, prompt in enumerate(prompts):
         block_ids = blocks.take(-(-len(prompt) // BLOCK_SIZE))
-        sequences.append(ScheduledSequence(f"s{index}", tuple(int(t) for t in prompt), 0, tuple(block_ids), GREEDY))
+        sequences.append(scheduled(worker, f"s{index}", [int(t) for t in prompt], 0, block_ids, GREEDY))
     logits = worker.compute_logits(ScheduledBatch(0, tuple(sequences), BLOCK_SIZE))
     for row, prompt in enumerate(prompts):
         expected = reference_logits(reference, [int(t) for t in prompt])[-1]
         assert relative_error(logits[row], expected) < 1e-4, (family, len(prompt))
 
 
-@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"])
 def test_chunked_prefill_then_decode_matches_transformers(family, rng):
     """A prompt computed in three chunks, then decodes, each step in a batch with a stranger."""
     config = tiny_config(family)
@@ -84,8 +93,8 @@ def test_chunked_prefill_then_decode_matches_transformers(family, rng):
         needed = -(-stop // BLOCK_SIZE)
         table += blocks.take(needed - len(table))
         samples = stop == 100 or stop > 100
-        target = ScheduledSequence("target", tuple(tokens[start:stop]), start, tuple(table), GREEDY if samples else None)
-        other = ScheduledSequence("other", tuple(stranger), 0, tuple(stranger_blocks), GREEDY)
+        target = scheduled(worker, "target", tokens[start:stop], start, table, GREEDY if samples else None)
+        other = scheduled(worker, "other", stranger, 0, stranger_blocks, GREEDY)
         batch = ScheduledBatch(step, (other, target), BLOCK_SIZE)
         logits = worker.compute_logits(batch)
         if samples:
@@ -109,13 +118,11 @@ def test_fp8_kv_cache_stays_within_e4m3_precision_of_transformers(family, rng):
     assert kv_scales[1] == (pytest.approx(0.04), pytest.approx(0.01))
     backend = MockGpuBackend()
     model = load_model(model_config, weights, backend, max_positions=model_config.max_position_embeddings)
-    spec = KvCacheSpec(num_layers, NUM_BLOCKS + 1, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
-                       DType.FP8_E4M3, kv_scales)
-    worker = Worker(backend, model, backend.attention.allocate_cache(spec), WorkerConfig(512, 16, 512))
+    worker = worker_over(model, NUM_BLOCKS, BLOCK_SIZE, WorkerConfig(512, 16, 512), DType.FP8_E4M3, kv_scales)
     blocks = BlockAllocator(rng)
     prompts = [list(rng.integers(0, config["vocab_size"], size=n)) for n in (1, 7, 60)]
     sequences = [
-        ScheduledSequence(f"s{i}", tuple(int(t) for t in p), 0, tuple(blocks.take(-(-len(p) // BLOCK_SIZE))), GREEDY)
+        scheduled(worker, f"s{i}", [int(t) for t in p], 0, blocks.take(-(-len(p) // BLOCK_SIZE)), GREEDY)
         for i, p in enumerate(prompts)
     ]
     logits = worker.compute_logits(ScheduledBatch(0, tuple(sequences), BLOCK_SIZE))
@@ -134,3 +141,52 @@ def test_kv_cache_scales_default_to_one_and_reject_bad_tensors():
     bad = DictWeights({"model.layers.1.self_attn.v_scale": np.array([0.0], np.float32)})
     with pytest.raises(ValueError, match="self_attn.v_scale"):
         kv_cache_scales(config, bad)
+
+
+def test_a_sliding_window_model_serves_from_released_blocks_and_graphs_as_transformers_does(rng):
+    """Mistral's window of 24 is a sliding-window cache group: each sequence holds only the
+    blocks its window reads (released ones are scratch entries of its table), decodes replay a
+    padded graph, and the logprobs of 40 greedy tokens stay within 1e-3 of transformers'."""
+    from helpers.engines import make_cache
+
+    from atlas.domain.engine import EngineCore
+    from atlas.domain.requests import Request, SamplingParams
+    from atlas.domain.scheduler import Scheduler, SchedulerConfig
+    from tiny_models import teacher_forced_gap
+
+    config = tiny_config("mistral")
+    reference, tensors = build_reference(config, seed=2)
+    model = load_model(ModelConfig.from_dict(config), DictWeights(tensors), MockGpuBackend(emulate_graphs=True), 256)
+    worker = worker_over(model, NUM_BLOCKS, BLOCK_SIZE, WorkerConfig(64, 4, 256, graph_batch_sizes=(4,)))
+    cache = make_cache(model, NUM_BLOCKS, BLOCK_SIZE, 4, prefix_caching=False)
+    core = EngineCore(Scheduler(SchedulerConfig(256, 4, 64, BLOCK_SIZE), cache), worker, 256, config["vocab_size"], frozenset())
+    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (50, 30, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=0)
+    for index, prompt in enumerate(prompts):
+        core.add_request(Request(f"r{index}", tuple(prompt), params, seed=index))
+    tokens, logprobs, peak = {}, {}, 0
+    while core.has_unfinished:
+        for output in core.step():
+            tokens.setdefault(output.seq_id, []).extend(output.new_token_ids)
+            logprobs.setdefault(output.seq_id, []).extend(output.logprobs)
+        core.scheduler.check_invariants()
+        peak = max(peak, cache.groups[0].pool.num_used_blocks)
+    # full attention would hold (90 + 70 + 110) / 4 = 68 blocks at the end; the windows hold at
+    # most what the memory plan gives a window: 7 blocks of 4 a sequence (ceil(23 / 4) + 1) and
+    # one step's 64 new tokens
+    assert peak <= 3 * 7 + 64 // 4, peak
+    for index, prompt in enumerate(prompts):
+        assert teacher_forced_gap(reference, prompt, tokens[f"r{index}"], logprobs[f"r{index}"]) < 1e-3
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_atlas_doctor_finds_every_layer_within_the_noise(family, tmp_path):
+    """The family's checkpoint as transformers writes it, through `atlas doctor` on the mock:
+    every layer's hidden state within float32 summation error of transformers'."""
+    from atlas.app.doctor import run_doctor
+    from tiny_models import write_model_folder
+
+    write_model_folder(tmp_path, family, num_hidden_layers=2)
+    report = run_doctor(str(tmp_path), device="mock", write=lambda line: None)
+    assert report.passed and report.reference is not None and len(report.layers) == 2
+    assert max(check.error for check in report.layers) < 1e-5 and report.logits_error < 1e-5

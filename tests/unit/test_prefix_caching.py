@@ -14,6 +14,7 @@ from collections.abc import Callable
 import pytest
 from helpers.scheduling import (
     BLOCK_SIZE,
+    FULL_ATTENTION,
     NO_EOS,
     VOCAB_SIZE,
     PagedFakeWorker,
@@ -28,7 +29,8 @@ from helpers.scheduling import (
 
 from atlas.domain.batch import BlockTable, ScheduledBatch, StepResult
 from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.groups import FULL_ATTENTION, CacheGroupKind, CacheGroupSpec, KvGroup, StateSlotGroup
+from atlas.domain.cache.groups import KvGroup, StateSlotGroup
+from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, StateShape
 from atlas.domain.cache.manager import CacheManager
 from atlas.domain.requests import FinishReason
 from atlas.domain.scheduler import Scheduler
@@ -287,7 +289,7 @@ def test_random_shared_prefix_workloads_match_the_reference_and_return_every_blo
     assert pool.num_free_blocks == num_blocks
 
 
-SLIDING = CacheGroupSpec(CacheGroupKind.SLIDING_WINDOW, window=6)
+SLIDING = CacheGroupSpec(KvShape(1, 8, sliding_window=6))
 
 
 def windowed_scheduler(full_blocks: int, window_blocks: int, prefix_caching: bool, budget: int = 8, **kwargs):
@@ -362,13 +364,14 @@ def test_random_workloads_over_full_and_sliding_window_groups_match_the_referenc
     assert full.num_free_blocks == full.num_blocks and window.num_free_blocks == window.num_blocks
 
 
-STATE = CacheGroupSpec(CacheGroupKind.RECURRENT_STATE)
+STATE = CacheGroupSpec(StateShape(conv_dim=8, conv_kernel=4, num_heads=1, key_dim=4, value_dim=4))
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_a_recurrent_state_group_gives_each_running_sequence_its_own_slot(seed: int) -> None:
     """A hybrid model (full attention + recurrent layers): one slot per running sequence bounds
-    how many run at once; without state snapshots nothing is served from the prefix cache."""
+    how many run at once; without state snapshots no hit could be served, so the prefix cache
+    is off and keeps nothing."""
     rng = random.Random(200 + seed)
     full, slots = BlockPool(16, BLOCK_SIZE), BlockPool(3, 1)
     cache = CacheManager.build([KvGroup(FULL_ATTENTION, full), StateSlotGroup(STATE, slots)], prefix_caching=True)
@@ -383,8 +386,9 @@ def test_a_recurrent_state_group_gives_each_running_sequence_its_own_slot(seed: 
 
     run_random_workload(rng, scheduler, worker, sequences, pipelined=bool(seed % 2), observe=observe)
     assert_reference_tokens(sequences, num_states=1)
-    assert max(running) == 3 and scheduler.cache.stats().num_hit_tokens == 0
-    assert slots.num_free_blocks == 3
+    stats = scheduler.cache.stats()
+    assert max(running) == 3 and stats.num_hit_tokens == 0 and stats.num_blocks_cached == 0
+    assert slots.num_free_blocks == 3 and full.num_free_blocks == 16
 
 
 def test_cache_groups_that_cannot_serve_a_step_are_refused_at_construction() -> None:
@@ -397,5 +401,5 @@ def test_cache_groups_that_cannot_serve_a_step_are_refused_at_construction() -> 
         CacheManager.build([StateSlotGroup(STATE, BlockPool(2, 1))], prefix_caching=True)
     with pytest.raises(ValueError, match="share one block size"):
         CacheManager.build([KvGroup(FULL_ATTENTION, BlockPool(8, 4)), KvGroup(SLIDING, BlockPool(8, 8))], True)
-    with pytest.raises(ValueError, match="needs window"):
-        CacheGroupSpec(CacheGroupKind.SLIDING_WINDOW)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        KvShape(1, 8, sliding_window=1)

@@ -21,6 +21,7 @@ from helpers.scheduling import (
     Finished,
     PagedFakeWorker,
     batch_shape,
+    full_attention_cache,
     greedy_next_token,
     greedy_reference,
     make_scheduler,
@@ -31,7 +32,6 @@ from helpers.scheduling import (
 
 from atlas.domain.batch import ScheduledBatch, StepResult, TokenLogprobs
 from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.manager import full_attention_cache
 from atlas.domain.requests import FinishReason, ParameterError, SequenceStatus
 from atlas.domain.sampling import sampling_row
 from atlas.domain.scheduler import Scheduler, SchedulerConfig

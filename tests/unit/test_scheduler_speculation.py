@@ -12,6 +12,7 @@ from helpers.scheduling import (
     BLOCK_SIZE,
     VOCAB_SIZE,
     PagedFakeWorker,
+    full_attention_cache,
     greedy_reference,
     make_seq,
     run_to_completion,
@@ -20,7 +21,6 @@ from helpers.scheduling import (
 )
 
 from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.manager import full_attention_cache
 
 
 class ScriptedProposer:

@@ -11,10 +11,12 @@ from atlas.adapters.mock.sampler import sample_rows
 from atlas.domain.batch import SamplingRow
 from atlas.domain.sampling import pack_rows
 from atlas.domain.step_buffers import StepBuffers
-from atlas.domain.step_inputs import HostStepInputs, pad_decode_inputs
+from atlas.domain.batch import BlockTable, ScheduledBatch, ScheduledSequence
+from atlas.domain.step_inputs import CacheLayout, HostStepInputs, build_step_inputs, pad_decode_inputs
 from atlas.ports.gpu import NUMPY_DTYPES, DType
 
 SCRATCH_BLOCK, BLOCK_SIZE, TABLE_WIDTH = 7, 4, 3
+LAYOUT = CacheLayout(BLOCK_SIZE, TABLE_WIDTH, (SCRATCH_BLOCK,))
 SEED_ABOVE_INT64 = 2**64 - 12345  # stored as a negative int64 bit pattern
 
 ROWS = [
@@ -46,12 +48,12 @@ ROWS = [
 
 
 def decode_inputs(num_seqs: int, max_seqs: int) -> HostStepInputs:
-    return pad_decode_inputs(HostStepInputs.empty(TABLE_WIDTH), num_seqs, SCRATCH_BLOCK, BLOCK_SIZE, max_seqs)
+    return pad_decode_inputs(HostStepInputs.empty(LAYOUT), num_seqs, LAYOUT, max_seqs)
 
 
 def buffers_with(backend: MockGpuBackend, max_seqs: int = 5, max_tokens: int = 9) -> StepBuffers:
     """Buffers with a decode step of min(3, max_seqs) padding rows staged."""
-    buffers = StepBuffers(backend, max_tokens, max_seqs, TABLE_WIDTH)
+    buffers = StepBuffers(backend, max_tokens, max_seqs, LAYOUT)
     buffers.stage_inputs(decode_inputs(min(len(ROWS), max_seqs), max_seqs))
     return buffers
 
@@ -96,7 +98,7 @@ def test_send_is_one_copy_that_leaves_the_sampled_ids_alone():
     buffers.send()
     assert len(copies) == 1
     np.testing.assert_array_equal(backend.download(buffers.sampled_ids), previous_samples)
-    meta = buffers.metadata(len(ROWS), len(ROWS), 1, 1)
+    meta = buffers.metadata(0, len(ROWS), len(ROWS), 1, 1)
     assert backend.download(meta.slot_mapping).tolist() == [SCRATCH_BLOCK * BLOCK_SIZE] * len(ROWS)
     assert backend.download(meta.block_tables).tolist() == [[SCRATCH_BLOCK] * TABLE_WIDTH] * len(ROWS)
 
@@ -140,7 +142,7 @@ def test_graph_sampling_views_cover_the_rows_without_penalties_or_bias(rng):
 
 def test_masks_go_to_their_own_buffer_and_padding_rows_allow_every_token():
     backend = MockGpuBackend()
-    buffers = StepBuffers(backend, max_tokens=9, max_seqs=5, table_width=TABLE_WIDTH, mask_words=2)
+    buffers = StepBuffers(backend, max_tokens=9, max_seqs=5, caches=LAYOUT, mask_words=2)
     assert (buffers.token_mask.data == -1).all()  # every row starts all allowed
     masks = np.array([[1, 0], [0, 1 << 3]], dtype=np.int32)
     buffers.stage_mask(masks, 4)  # two real rows padded to a graph's four
@@ -151,3 +153,28 @@ def test_masks_go_to_their_own_buffer_and_padding_rows_allow_every_token():
         buffers.stage_mask(np.zeros((2, 3), np.int32), 2)
     with pytest.raises(ValueError, match="padded to 6, at most 5"):
         buffers.stage_mask(masks, 6)
+def test_each_groups_table_slots_and_state_slots_read_back_through_its_views():
+    """Two KV groups (the second a sliding window that released block 0) and a recurrent group:
+    one copy, and each group's views give exactly its own rows."""
+    layout = CacheLayout(BLOCK_SIZE, TABLE_WIDTH, (SCRATCH_BLOCK, 9), state_scratch_slots=(5,))
+    backend = MockGpuBackend()
+    buffers = StepBuffers(backend, 8, 4, layout)
+    sequences = (
+        ScheduledSequence("a", (1, 2, 3), 6, (4, 2, 6), None, kv_block_tables=(BlockTable((4, 2, 6)), BlockTable((3, 1), 1)),
+                          state_slots=(2,)),
+        ScheduledSequence("b", (7,), 2, (0,), ROWS[0], kv_block_tables=(BlockTable((0,)), BlockTable((8,))),
+                          state_slots=(0,)),
+    )
+    inputs = build_step_inputs(ScheduledBatch(3, sequences, BLOCK_SIZE), layout, buffers.max_seqs)
+    buffers.stage_inputs(inputs)
+    buffers.send()
+    full, window = (buffers.metadata(group, 4, 2, 3, 9) for group in (0, 1))
+    assert backend.download(full.block_tables)[:, :TABLE_WIDTH].tolist() == [[4, 2, 6], [0, SCRATCH_BLOCK, SCRATCH_BLOCK]]
+    assert backend.download(window.block_tables)[:, :TABLE_WIDTH].tolist() == [[9, 3, 1], [8, 9, 9]]
+    # positions 6 7 8 | 2: blocks 1 1 2 | 0 of each group's table
+    assert backend.download(full.slot_mapping).tolist() == [2 * 4 + 2, 2 * 4 + 3, 6 * 4 + 0, 0 * 4 + 2]
+    assert backend.download(window.slot_mapping).tolist() == [3 * 4 + 2, 3 * 4 + 3, 1 * 4 + 0, 8 * 4 + 2]
+    state = buffers.recurrent_metadata(0, 4, 2, 3)
+    assert backend.download(state.state_slots).tolist() == [2, 0]
+    assert backend.download(state.seq_lens).tolist() == [9, 3]
+    assert backend.download(state.query_start_loc).tolist() == [0, 3, 4]

@@ -5,32 +5,42 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence
+from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence
 from atlas.domain.sequence import PLACEHOLDER_TOKEN
-from atlas.domain.step_inputs import build_step_inputs
+from atlas.domain.step_inputs import CacheLayout, HostStepInputs, build_step_inputs, pad_decode_inputs
 
 BLOCK_SIZE = 16
 TABLE_WIDTH = 16
 SCRATCH_BLOCK = 999
 SAMPLE_SLOTS = 8
 ROW = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+ONE_GROUP = CacheLayout(BLOCK_SIZE, TABLE_WIDTH, (SCRATCH_BLOCK,))
+WINDOW = 20  # the second KV group of HYBRID is a sliding window of this many tokens
+HYBRID = CacheLayout(BLOCK_SIZE, TABLE_WIDTH, (SCRATCH_BLOCK, 777), state_scratch_slots=(128, 129))
 
 
-def expected_inputs(batch: ScheduledBatch) -> dict[str, np.ndarray]:
-    """Sequence by sequence: token i of sequence s sits at position start + i, in the slot its
-    block table gives that position; sampling sequences sample their last token row."""
-    token_ids, positions, slots, seq_lens, samples, tables = [], [], [], [], [], []
+def expected_inputs(batch: ScheduledBatch, layout: CacheLayout) -> dict[str, np.ndarray]:
+    """Sequence by sequence: token i of sequence s sits at position start + i, in the slot each
+    group's block table gives that position (block b at index b, the group's scratch block
+    where none is held); sampling sequences sample their last token row."""
+    token_ids, positions, seq_lens, samples, tables = [], [], [], [], []
+    slots: list[list[int]] = [[] for _ in layout.kv_scratch_blocks]
     gather = []
     row = 0
     query_start = [0]
     for seq in batch.sequences:
-        table = list(seq.block_ids) + [SCRATCH_BLOCK] * (TABLE_WIDTH - len(seq.block_ids))
-        tables.append(table)
+        rows = []
+        for group, table in enumerate(seq.block_tables):
+            entries = [layout.kv_scratch_blocks[group]] * TABLE_WIDTH
+            entries[table.first_block_idx : table.first_block_idx + len(table.block_ids)] = table.block_ids
+            rows.append(entries)
+        tables.append(rows)
         for i, token in enumerate(seq.token_ids):
             position = seq.start_position + i
             token_ids.append(token)
             positions.append(position)
-            slots.append(table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
+            for group, entries in enumerate(rows):
+                slots[group].append(entries[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE)
             last = i == len(seq.token_ids) - 1
             gather.append(seq.placeholder_row if last and seq.placeholder_row is not None else SAMPLE_SLOTS + row)
             row += 1
@@ -38,21 +48,27 @@ def expected_inputs(batch: ScheduledBatch) -> dict[str, np.ndarray]:
         seq_lens.append(seq.start_position + len(seq.token_ids))
         if seq.sampling is not None:
             samples.append(row - 1)
+    num_seqs = len(batch.sequences)
     return {
         "token_ids": np.array(token_ids, np.int32),
         "positions": np.array(positions, np.int32),
-        "slot_mapping": np.array(slots, np.int32),
+        "slot_mapping": np.array(slots, np.int32).reshape(layout.num_kv_groups, len(token_ids)),
         "query_start_loc": np.array(query_start, np.int32),
         "seq_lens": np.array(seq_lens, np.int32),
-        "block_tables": np.array(tables, np.int32).reshape(len(tables), TABLE_WIDTH),
+        "block_tables": np.array(tables, np.int32).reshape(num_seqs, layout.num_kv_groups, TABLE_WIDTH),
+        "state_slots": np.array([s.state_slots for s in batch.sequences], np.int32).reshape(
+            num_seqs, layout.num_state_groups).T,
         "sample_indices": np.array(samples, np.int32),
         "token_gather": np.array(gather, np.int32),
     }
 
 
-def random_batch(rng: np.random.Generator, num_seqs: int) -> ScheduledBatch:
-    """Prefill chunks, whole prompts and decode rows (some a placeholder), in shuffled blocks."""
-    free_blocks = list(rng.permutation(500))
+def random_batch(rng: np.random.Generator, num_seqs: int, layout: CacheLayout = ONE_GROUP) -> ScheduledBatch:
+    """Prefill chunks, whole prompts and decode rows (some a placeholder), in shuffled blocks;
+    for HYBRID also a sliding-window table that released the blocks before its window, and
+    state slots."""
+    free_blocks = list(rng.permutation(2000))
+    free_slots = list(rng.permutation(128))
     sequences = []
     for index in range(num_seqs):
         start = int(rng.integers(0, 150))
@@ -62,26 +78,36 @@ def random_batch(rng: np.random.Generator, num_seqs: int) -> ScheduledBatch:
         tokens = tuple(int(t) for t in rng.integers(0, 1000, num_tokens))
         if placeholder:
             tokens = (*tokens[:-1], PLACEHOLDER_TOKEN)
+        block_ids = tuple(int(free_blocks.pop()) for _ in range(blocks))
+        tables: tuple[BlockTable, ...] = ()
+        state_slots: tuple[int, ...] = ()
+        if layout is HYBRID:
+            first = max(0, start - WINDOW + 1) // BLOCK_SIZE
+            tables = (BlockTable(block_ids), BlockTable(tuple(int(free_blocks.pop()) for _ in range(blocks - first)), first))
+            state_slots = (int(free_slots.pop()), int(free_slots.pop()))
         sequences.append(
             ScheduledSequence(
                 seq_id=f"s{index}",
                 token_ids=tokens,
                 start_position=start,
-                block_ids=tuple(int(free_blocks.pop()) for _ in range(blocks)),
+                block_ids=block_ids,
                 sampling=ROW if num_tokens == 1 or rng.random() < 0.5 else None,
                 placeholder_row=int(rng.integers(0, SAMPLE_SLOTS)) if placeholder else None,
+                kv_block_tables=tables,
+                state_slots=state_slots,
             )
         )
     return ScheduledBatch(step_id=1, sequences=tuple(sequences), block_size=BLOCK_SIZE)
 
 
+@pytest.mark.parametrize("layout", [ONE_GROUP, HYBRID], ids=["one-group", "hybrid"])
 @pytest.mark.parametrize("num_seqs", [0, 1, 7, 64])
-def test_the_arrays_are_the_per_sequence_definition(num_seqs):
+def test_the_arrays_are_the_per_sequence_definition(num_seqs, layout):
     rng = np.random.default_rng(num_seqs)
     for _ in range(5):
-        batch = random_batch(rng, num_seqs)
-        inputs = build_step_inputs(batch, TABLE_WIDTH, SCRATCH_BLOCK, SAMPLE_SLOTS)
-        for name, expected in expected_inputs(batch).items():
+        batch = random_batch(rng, num_seqs, layout)
+        inputs = build_step_inputs(batch, layout, SAMPLE_SLOTS)
+        for name, expected in expected_inputs(batch, layout).items():
             actual = getattr(inputs, name)
             assert actual.dtype == np.int32, name
             np.testing.assert_array_equal(actual, expected, err_msg=name)
@@ -95,6 +121,24 @@ def test_a_table_too_wide_or_too_short_is_named():
     wide = ScheduledSequence("wide", (5,), 20, tuple(range(TABLE_WIDTH + 1)), ROW)
     short = ScheduledSequence("short", (5, 6), 31, (3, 4), ROW)  # positions 31 and 32 need 3 blocks
     with pytest.raises(ValueError, match="'wide' has 17 blocks, more than 16"):
-        build_step_inputs(ScheduledBatch(1, (fine, wide, short), BLOCK_SIZE), TABLE_WIDTH, SCRATCH_BLOCK, 1)
+        build_step_inputs(ScheduledBatch(1, (fine, wide, short), BLOCK_SIZE), ONE_GROUP, 1)
     with pytest.raises(ValueError, match="'short': 2 blocks cannot hold 33 tokens"):
-        build_step_inputs(ScheduledBatch(1, (fine, short), BLOCK_SIZE), TABLE_WIDTH, SCRATCH_BLOCK, 1)
+        build_step_inputs(ScheduledBatch(1, (fine, short), BLOCK_SIZE), ONE_GROUP, 1)
+    with pytest.raises(ValueError, match="'fine' carries 1 block tables and 0 state slots for 2 KV and 2 recurrent"):
+        build_step_inputs(ScheduledBatch(1, (fine,), BLOCK_SIZE), HYBRID, 1)
+
+
+def test_padding_rows_write_and_read_only_each_groups_scratch_page():
+    rng = np.random.default_rng(5)
+    decodes = [s for s in random_batch(rng, 12, HYBRID).sequences if s.num_tokens == 1][:3]
+    inputs = build_step_inputs(ScheduledBatch(1, tuple(decodes), BLOCK_SIZE), HYBRID, SAMPLE_SLOTS)
+    padded = pad_decode_inputs(inputs, 5, HYBRID, SAMPLE_SLOTS)
+    real = len(decodes)
+    np.testing.assert_array_equal(padded.slot_mapping[:, :real], inputs.slot_mapping)
+    assert padded.slot_mapping[:, real:].tolist() == [[SCRATCH_BLOCK * BLOCK_SIZE] * 2, [777 * BLOCK_SIZE] * 2]
+    assert (padded.block_tables[real:, 0] == SCRATCH_BLOCK).all() and (padded.block_tables[real:, 1] == 777).all()
+    assert padded.state_slots[:, real:].tolist() == [[128, 128], [129, 129]]
+    # a padding row is one token of a fresh sequence: a recurrent layer starts it from zero state
+    assert padded.seq_lens[real:].tolist() == [1, 1] and padded.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5]
+    empty = pad_decode_inputs(HostStepInputs.empty(HYBRID), 2, HYBRID, SAMPLE_SLOTS)
+    assert empty.block_tables.shape == (2, 2, TABLE_WIDTH) and empty.state_slots.shape == (2, 2)

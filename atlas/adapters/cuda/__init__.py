@@ -15,7 +15,7 @@ from atlas.adapters.cuda.registry import KernelChoice
 if TYPE_CHECKING:
     from atlas.adapters.cuda.backend import CudaGpuBackend
 
-__all__ = ["CudaGpuBackend", "KernelChoice", "available", "describe_kernels"]
+__all__ = ["CudaGpuBackend", "KernelChoice", "available", "describe_kernels", "device_count"]
 
 _REQUIRED_MODULES = ("cuda.core", "cuda.bindings", "nvmath")
 
@@ -43,6 +43,16 @@ def available() -> bool:
         return count_result == cu.CUresult.CUDA_SUCCESS and count > 0
     except Exception:  # a broken driver install must not break backend selection
         return False
+
+
+def device_count() -> int:
+    """GPUs the driver reports (0 without a driver or the `cuda` extra); never raises."""
+    if not available():
+        return 0
+    from cuda.bindings import driver as cu
+
+    result, count = cu.cuDeviceGetCount()
+    return int(count) if result == cu.CUresult.CUDA_SUCCESS else 0
 
 
 def describe_kernels(

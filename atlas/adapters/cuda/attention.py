@@ -16,6 +16,7 @@ from atlas.adapters.cuda import ops_attention
 from atlas.adapters.cuda.dense import NORMED, PRODUCT, CudaDense
 from atlas.adapters.cuda.kv_cache import CudaKvCache
 from atlas.adapters.cuda.ops_dense import LinearOp
+from atlas.adapters.cuda.ops_fp8 import Fp8Matrix
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.ports.gpu import DType, UnsupportedError
@@ -25,7 +26,8 @@ from atlas.ports.kernels.attention import AttentionLayer, AttentionMetadata, Hos
 @dataclass(frozen=True, slots=True)
 class CudaAttentionLayer:
     spec: AttentionLayer
-    qkv: CudaTensor  # [(Hq + 2 Hkv) D, H] bf16 (times the input norm's weight where `norm` is None)
+    qkv: CudaTensor | Fp8Matrix  # [(Hq + 2 Hkv) D, H] bf16 (times the input norm's weight where `norm` is
+    # None), or FP8 (never folded)
     bias: CudaTensor | None
     norm: CudaTensor | None  # [H] bf16; None: folded into qkv
     eps: float  # of the input norm, and of the q/k norms
@@ -82,7 +84,7 @@ class CudaAttention:
         width = heads.q_size + 2 * heads.kv_size
         if host.qkv.out_features != width:
             raise ValueError(f"qkv: {host.qkv.out_features} rows, the heads need {width}")
-        qkv, bias = self._dense.matrix(host.qkv, "qkv")
+        qkv, bias = self._dense.weights(host.qkv, "qkv")
         upload = self._dense.upload_norm
         norms = (None if norm is None else upload(norm) for norm in (host.q_norm, host.k_norm))
         return self.layer(layer, qkv, bias, upload(host.input_norm), eps, *norms)
@@ -90,7 +92,7 @@ class CudaAttention:
     def layer(
         self,
         spec: AttentionLayer,
-        qkv: CudaTensor,
+        qkv: CudaTensor | Fp8Matrix,
         bias: CudaTensor | None,
         norm: CudaTensor,
         eps: float,
@@ -100,7 +102,7 @@ class CudaAttention:
     ) -> CudaAttentionLayer:
         """A layer over bf16 weights already on the device (`prepare`'s second half), the input
         norm folded into qkv where `fold_rmsnorm` takes it unless `fold` is False."""
-        folded = fold and self._linear.fold_rmsnorm(norm, qkv)
+        folded = fold and isinstance(qkv, CudaTensor) and self._linear.fold_rmsnorm(norm, qkv)
         return CudaAttentionLayer(spec, qkv, bias, None if folded else norm, eps, q_norm, k_norm, spec.rope_table)
 
     def project(
@@ -108,6 +110,13 @@ class CudaAttention:
     ) -> None:
         rt, linear, spec = self._rt, self._linear, layer.spec
         heads, index = spec.heads, spec.cache_layer
+        if isinstance(layer.qkv, Fp8Matrix):  # the norm is taken by the norm or quantizing kernel
+            qkv = rt.scratch_tensor(PRODUCT, (x.shape[0], layer.qkv.shape[0]), x.dtype)
+            self._dense.fp8.project(x, layer.qkv, qkv, layer.bias, layer.norm, layer.eps)
+            ops_attention.rope_and_cache(
+                rt, qkv, meta, layer.rope_table, cache, index, heads, q_out, layer.q_norm, layer.k_norm, layer.eps
+            )
+            return
         if layer.q_norm is None and layer.k_norm is None:
             targets = ops_attention.rope_targets(meta, layer.rope_table, cache, index, heads, q_out)
             if targets is not None and linear.rmsnorm_linear_rope(

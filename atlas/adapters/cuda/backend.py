@@ -3,7 +3,8 @@ through cuda-python.
 
 Every kernel is one of ours (kernels/, compiled by NVRTC through the registry) or a cuBLASLt
 call, enqueued on one stream; `download` and `synchronize` are the only waits. Activations and
-the KV cache are bf16 (or an FP8 cache); weights bf16 [out, in]; accumulation fp32. The kinds
+the KV cache are bf16 (or an FP8 cache); weights bf16 [out, in], or FP8 (E4M3 with per-channel or
+128 x 128 block scales, Hopper); accumulation fp32. The kinds
 live beside this module (dense.py, attention.py, ops_sampling.py); MoE and recurrent kernels are
 not written yet, so `capabilities.kinds` leaves them out and a model that needs them is refused
 at load.
@@ -24,6 +25,7 @@ from atlas.adapters.cuda.dense import CudaDense
 from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.kv_cache import CudaKvCache
 from atlas.adapters.cuda.memory import CompletedCopy, PendingCopy, PoolStats
+from atlas.adapters.cuda.ops_fp8 import Fp8LinearOp
 from atlas.adapters.cuda.ops_sampling import CudaSampling
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
@@ -47,6 +49,7 @@ class CudaGpuBackend:
         cache_dir = Path(kernel_cache_dir) if kernel_cache_dir is not None else None
         self._rt = CudaRuntime(device_ordinal, cache_dir, model_hint, quant)
         self._linear = ops_dense.LinearOp(self._rt)
+        self._fp8 = Fp8LinearOp(self._rt)
         self._init_kinds(DType.BF16)
 
     def _init_kinds(self, activation_dtype: DType) -> None:
@@ -58,7 +61,7 @@ class CudaGpuBackend:
             supports_graphs=True,
             device_name=self._rt.device_name,
         )
-        self._dense = CudaDense(self._rt, self._linear, self.upload)
+        self._dense = CudaDense(self._rt, self._linear, self._fp8, self.upload)
         self._attention = CudaAttention(self._rt, self._linear, self._dense, kv_dtypes)
         self._sampling = CudaSampling(self._rt)
 
@@ -106,6 +109,7 @@ class CudaGpuBackend:
     def close(self) -> None:
         """Release the cached memory, staging buffers and cuBLASLt handle."""
         self._linear.close()
+        self._fp8.close()
         self._rt.close()
 
     # -- memory -------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""bf16 GEMMs through cuBLASLt (`nvmath.bindings.cublasLt`) for the prefill-sized `linear`.
+"""bf16 and FP8 GEMMs through cuBLASLt (`nvmath.bindings.cublasLt`) for the prefill-sized `linear`.
 
 out[N, M] = x[N, K] @ w[M, K]^T (+ bias[M]) in row-major terms is, in cuBLAS's column-major
 terms, D[M, N] = op(A)[M, K] @ B[K, N] with A = w seen as a K x M matrix (ld K, transposed) and
@@ -10,6 +10,13 @@ B = x seen as K x N (ld K):
 
 A plan (descriptors, layouts, candidate algorithms) is built once per shape and reused; the
 workspace is persistent so the call can be captured in a graph. fp32 accumulation.
+
+FP8 (E4M3 x E4M3, Hopper): D = (scale_A op(A)) (scale_B op(B)) with the scales as `Fp8Scales`
+gives them (cuBLASLt 12.9+ on sm_90): outer vectors (a scale per weight row, i.e. per output
+feature, and one per token), or 128 x 128 blocks for the weight with 1 x 128 groups for x. The
+block modes take M and N multiples of 4; their scale tensors are
+    weight [ceil(M / 128)][L4] (K-major, rows padded to L4 = ceil(K / 128) rounded up to 4),
+    x      [ceil(K / 128)][N]  (token-major).
 
 Algorithm choice: at a shape's first call the plan takes the stored winner of its token bucket
 when the heuristic's candidates hold it (gemm_tuning.py); otherwise, when the call may
@@ -39,7 +46,8 @@ from atlas.ports.gpu import DType
 
 log = logging.getLogger("atlas.cuda")
 
-_DATA_TYPES = {DType.BF16: 14, DType.F16: 2, DType.F32: 0}  # cudaDataType: CUDA_R_16BF, _16F, _32F
+# cudaDataType: CUDA_R_16BF, _16F, _32F, _8F_E4M3
+_DATA_TYPES = {DType.BF16: 14, DType.F16: 2, DType.F32: 0, DType.FP8_E4M3: 28}
 _OP_N, _OP_T = 0, 1
 WORKSPACE_BYTES = 32 << 20
 _HEURISTIC_CANDIDATES = 8
@@ -53,6 +61,24 @@ _MIN_GAIN = 0.97  # another candidate must be 3% faster than the heuristic's pic
 _HEURISTIC_DTYPE = np.dtype(lt.matmul_heuristic_result_dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class Fp8Scales:
+    """The scales of an FP8 product: `block` False, per weight row [M] and per token [N] (outer
+    vectors); True, 128 x 128 weight blocks and 1 x 128 x groups (layouts: the module docstring).
+    Addresses of f32 device arrays, 16-byte aligned."""
+
+    block: bool
+    weight_address: int
+    x_address: int
+
+    @property
+    def modes(self) -> tuple[int, int]:
+        """(A's, B's) `MatmulMatrixScale`: A is the weight, B is x."""
+        if self.block:
+            return int(lt.MatmulMatrixScale.BLK128x128_32F), int(lt.MatmulMatrixScale.VEC128_32F)
+        return int(lt.MatmulMatrixScale.OUTER_VEC_32F), int(lt.MatmulMatrixScale.OUTER_VEC_32F)
+
+
 @dataclass(slots=True)
 class _Plan:
     descriptor: int
@@ -62,6 +88,7 @@ class _Plan:
     tuning_key: str
     bias_attribute: np.ndarray | None
     accumulate: bool  # beta = 1: out += x w^T (C is D, in place)
+    fp8: bool = False  # E4M3 operands: the scale pointers are set per call
 
     @property
     def algorithm_address(self) -> int:
@@ -111,20 +138,32 @@ class CublasLtGemm:
         bias_address: int | None = None,
         may_synchronize: bool = False,
         accumulate_timing_out: int | None = None,
+        fp8_scales: Fp8Scales | None = None,
     ) -> None:
         """Enqueue out = x @ w^T (+ bias) on the stream. With `may_synchronize` (never while a
         graph is captured) a shape's first call may time the candidates, running the product
         several times on these buffers and waiting for the stream. `accumulate_timing_out`: out
         += x @ w^T instead (the epilogue's beta = 1, one rounding of the sum), the candidates then
-        timed on that buffer of out's shape, not on out. Raises `RuntimeError` when cuBLASLt has
-        no algorithm for the shape (the message names it)."""
+        timed on that buffer of out's shape, not on out. `fp8_scales`: E4M3 x and w (in_dtype
+        FP8_E4M3) and their scales (no bias, no accumulation). Raises `RuntimeError` when
+        cuBLASLt has no algorithm for the shape (the message names it)."""
         accumulate = accumulate_timing_out is not None
-        key = (num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate)
+        if (in_dtype is DType.FP8_E4M3) != (fp8_scales is not None):
+            raise ValueError("matmul: FP8 operands need their scales, and only they take scales")
+        if fp8_scales is not None and (bias_address is not None or accumulate):
+            raise ValueError("matmul: an FP8 product takes no bias and does not accumulate")
+        modes = fp8_scales.modes if fp8_scales is not None else None
+        key = (num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate, modes)
         plan = self._plans.get(key)
         new_plan = plan is None
         if plan is None:
-            plan = self._build(num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate)
+            plan = self._build(
+                num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate, modes
+            )
             self._plans[key] = plan
+        if fp8_scales is not None:
+            _set(plan.descriptor, lt.MatmulDescAttribute.A_SCALE_POINTER, fp8_scales.weight_address)
+            _set(plan.descriptor, lt.MatmulDescAttribute.B_SCALE_POINTER, fp8_scales.x_address)
         if plan.bias_attribute is not None:
             plan.bias_attribute[0] = bias_address
             lt.matmul_desc_set_attribute(
@@ -202,10 +241,14 @@ class CublasLtGemm:
         out_dtype: DType,
         with_bias: bool,
         accumulate: bool,
+        scale_modes: tuple[int, int] | None = None,
     ) -> _Plan:
         descriptor = lt.matmul_desc_create(int(cublas.ComputeType.COMPUTE_32F), _DATA_TYPES[DType.F32])
         _set(descriptor, lt.MatmulDescAttribute.TRANSA, _OP_T)
         _set(descriptor, lt.MatmulDescAttribute.TRANSB, _OP_N)
+        if scale_modes is not None:
+            _set(descriptor, lt.MatmulDescAttribute.A_SCALE_MODE, scale_modes[0])
+            _set(descriptor, lt.MatmulDescAttribute.B_SCALE_MODE, scale_modes[1])
         bias_attribute = None
         if with_bias:
             _set(descriptor, lt.MatmulDescAttribute.EPILOGUE, int(lt.Epilogue.BIAS))
@@ -231,7 +274,9 @@ class CublasLtGemm:
         key = f"{token_bucket(num_tokens)},{num_rows},{inner},{in_dtype.value},{out_dtype.value},{int(with_bias)}"
         if accumulate:
             key += ",accumulate"
-        return _Plan(descriptor, layouts, candidates, 0, key, bias_attribute, accumulate)
+        if scale_modes is not None:
+            key += ",scales{},{}".format(*scale_modes)
+        return _Plan(descriptor, layouts, candidates, 0, key, bias_attribute, accumulate, scale_modes is not None)
 
     def _heuristic(self, descriptor: int, layouts: tuple[int, int, int], wanted: int) -> np.ndarray:
         a_layout, b_layout, d_layout = layouts

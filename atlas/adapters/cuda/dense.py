@@ -6,6 +6,9 @@ wider than the GEMV normalises itself), folds the input norm's weight into the m
 (`LinearOp.fold_rmsnorm`); a folded projection carries no norm weight and its products scale by
 each row's inverse RMS. Intermediates the fused kernels skip (the norm's output, a product before
 its activation or add) live in the runtime's workspaces.
+
+FP8 weights (`HostLinear.scales`) stay E4M3 with their scales (`ops_fp8.Fp8Matrix`) and run
+through `Fp8LinearOp`; their norm weight is never folded (it would rescale E4M3 columns).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 
 from atlas.adapters.cuda import checks, ops_dense
 from atlas.adapters.cuda.ops_dense import LinearOp
+from atlas.adapters.cuda.ops_fp8 import Fp8LinearOp, Fp8Matrix, upload_fp8
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.ports.gpu import DType, UnsupportedError
@@ -28,7 +32,7 @@ PRODUCT = "product"  # workspace: a product before its activation or its add
 
 @dataclass(frozen=True, slots=True)
 class CudaProjection:
-    weight: CudaTensor  # [out, in] bf16 (times the norm weight where `folded`)
+    weight: CudaTensor | Fp8Matrix  # [out, in] bf16 (times the norm weight where folded), or FP8
     bias: CudaTensor | None  # [out] bf16
     norm: CudaTensor | None  # [in] bf16: the input norm's weight, unless folded or absent
     eps: float
@@ -47,19 +51,27 @@ class CudaVocab:
 class CudaDense:
     """`DenseKernels` on one GPU."""
 
-    def __init__(self, rt: CudaRuntime, linear: LinearOp, upload) -> None:
+    def __init__(self, rt: CudaRuntime, linear: LinearOp, fp8: Fp8LinearOp, upload) -> None:
         self._rt = rt
         self._linear = linear
+        self.fp8 = fp8  # the FP8 projections' op (the attention kind's qkv uses it too)
         self._upload = upload  # CudaGpuBackend.upload
 
     # -- preparing ------------------------------------------------------------------------
     def matrix(self, host: HostLinear, what: str) -> tuple[CudaTensor, CudaTensor | None]:
-        """(weight, bias) in bf16; `UnsupportedError` for a quantized weight."""
+        """(weight, bias) in bf16; `UnsupportedError` for a quantized weight (see `weights`)."""
         if host.scales is not None:
-            raise UnsupportedError(f"{what}: quantized weights (scales) are not supported by the CUDA backend yet")
+            raise UnsupportedError(f"{what}: an FP8 weight is not supported by the CUDA backend here")
+        return self.weights(host, what)  # type: ignore[return-value]
+
+    def weights(self, host: HostLinear, what: str) -> tuple[CudaTensor | Fp8Matrix, CudaTensor | None]:
+        """(weight, bias): bf16, or FP8 bytes with their scales (`upload_fp8`'s errors)."""
         if np.ndim(host.weight) != 2:
             raise ValueError(f"{what}: weight shape {list(np.shape(host.weight))} is not [out, in]")
-        weight = self._upload(host.weight, DType.BF16)
+        if host.scales is not None:
+            weight: CudaTensor | Fp8Matrix = upload_fp8(self._rt, self._upload, host, what)
+        else:
+            weight = self._upload(host.weight, DType.BF16)
         bias = None if host.bias is None else self._upload(host.bias, DType.BF16)
         return weight, bias
 
@@ -77,7 +89,7 @@ class CudaDense:
             raise UnsupportedError("output_norm: a norm after the product is not supported by the CUDA backend yet")
         if host.activation is not None and not isinstance(host.activation, Activation):
             raise UnsupportedError(f"activation: {host.activation} is not supported by the CUDA backend yet")
-        weight, bias = self.matrix(host.linear, "linear")
+        weight, bias = self.weights(host.linear, "linear")
         if host.activation is not None and bias is not None:
             raise UnsupportedError("linear: a bias on a gated projection is not supported by the CUDA backend yet")
         norm = None if host.input_norm is None else self.upload_norm(host.input_norm)
@@ -86,17 +98,19 @@ class CudaDense:
 
     def projection(
         self,
-        weight: CudaTensor,
+        weight: CudaTensor | Fp8Matrix,
         bias: CudaTensor | None,
         norm: CudaTensor | None,
         eps: float,
         activation: Activation | None,
         fold: bool = True,
     ) -> CudaProjection:
-        """A projection over bf16 weights already on the device (`prepare`'s second half;
-        benchmarks fill their weights on the device), the norm weight folded into `weight`
+        """A projection over weights already on the device (`prepare`'s second half;
+        benchmarks fill their weights on the device), the norm weight folded into a bf16 `weight`
         where `fold_rmsnorm` takes it unless `fold` is False."""
-        folded = norm is not None and fold and self._linear.fold_rmsnorm(norm, weight)
+        folded = (
+            norm is not None and fold and isinstance(weight, CudaTensor) and self._linear.fold_rmsnorm(norm, weight)
+        )
         return CudaProjection(weight, bias, None if folded else norm, eps, norm is not None, activation)
 
     def prepare_vocab(self, host: HostVocab) -> CudaVocab:
@@ -130,6 +144,12 @@ class CudaDense:
         checks.rank(x, "x", 2)
         linear, rt = self._linear, self._rt
         weight, activation = projection.weight, projection.activation
+        if isinstance(weight, Fp8Matrix):
+            if activation is None:
+                self.fp8.project(x, weight, out, projection.bias, projection.norm, projection.eps)
+            else:
+                self.fp8.project_gated(x, weight, out, activation, projection.norm, projection.eps)
+            return
         if projection.normalized:
             normed = rt.scratch_tensor(NORMED, x.shape, x.dtype)
             if activation is None:
@@ -148,6 +168,9 @@ class CudaDense:
         if projection.activation is not None:
             raise ValueError("projection: a gated activation has no residual form (use project)")
         checks.rank(residual, "residual", 2)
+        if isinstance(projection.weight, Fp8Matrix):
+            self.fp8.project_add(x, projection.weight, residual, projection.bias, projection.norm, projection.eps)
+            return
         rt = self._rt
         delta = rt.scratch_tensor(PRODUCT, residual.shape, residual.dtype)
         if not projection.normalized and projection.bias is None:

@@ -25,28 +25,37 @@ import msgspec
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from atlas.adapters.http import service
+from atlas.adapters.http import anthropic, responses_api, service
+from atlas.adapters.http.anthropic_schemas import CountTokensBody, MessageOut, MessagesBody, StreamEvent, TokenCountOut
 from atlas.adapters.http.auth import BearerAuth
 from atlas.adapters.http.chat import chat_completions
 from atlas.adapters.http.completions import completions
 from atlas.adapters.http.engine_client import EngineLauncher
-from atlas.adapters.http.errors import ApiError, excerpt, status_error
+from atlas.adapters.http.errors import AnthropicErrorBody, ApiError, excerpt, status_error
 from atlas.adapters.http.openapi import ApiDocument, Route
 from atlas.adapters.http import page
 from atlas.adapters.http.responses import ChatChunk, ChatCompletion, Completion
+from atlas.adapters.http.responses_api_schemas import (
+    ResponseDeleted,
+    ResponseObject,
+    ResponsesBody,
+    ResponsesStreamEvent,
+)
 from atlas.adapters.http.schemas import ChatCompletionBody, CompletionBody, DetokenizeRequest, TokenizeBody
 from atlas.adapters.http.service import Detokenized, HealthStatus, ModelCard, ModelList, Tokenized
 from atlas.adapters.http.state import HttpConfig, ServerState
 
 log = logging.getLogger("atlas.http")
 JSON = "application/json"
-DUMPED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+DUMPED_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/messages": "messages",
+                "/v1/responses": "responses"}
 BODY_TIMEOUT_S = 60  # a body still arriving then gets 408
 ENGINE_STOP_TIMEOUT_S = 1.0  # after the drain the engine has no work; its process exits on EOF regardless
 
 
 def _error_response(error: ApiError, headers: dict[str, str] | None = None) -> Response:
-    return Response(error.body(), error.status, headers or {}, content_type=JSON)
+    """The error object in the shape of the route asked for (Anthropic's on /v1/messages)."""
+    return Response(error.body_for(request.path), error.status, headers or {}, content_type=JSON)
 
 
 def create_app(
@@ -91,7 +100,7 @@ def _add_hooks(app: Quart, state: ServerState) -> None:
     async def check_auth() -> None:
         g.started_s = time.monotonic()
         if auth is not None and auth.protects(request.path):
-            auth.check(request.headers.get("Authorization"))
+            auth.check(request.headers.get("Authorization"), request.headers.get("x-api-key"))
 
     @app.after_request
     async def count(response: Response) -> Response:
@@ -105,6 +114,17 @@ ROUTES = (
           ChatCompletionBody, ChatCompletion, ChatChunk),
     Route("POST", "/v1/completions", "createCompletion", "Text completion (OpenAI, legacy)", completions,
           CompletionBody, Completion, Completion),
+    Route("POST", "/v1/messages", "createMessage", "Messages (Anthropic)", anthropic.messages, MessagesBody,
+          MessageOut, StreamEvent, error=AnthropicErrorBody),
+    Route("POST", "/v1/messages/count_tokens", "countMessageTokens", "A Messages request's prompt tokens (Anthropic)",
+          anthropic.count_tokens, CountTokensBody, TokenCountOut, error=AnthropicErrorBody),
+    Route("POST", "/v1/responses", "createResponse", "Responses (OpenAI)", responses_api.create_response,
+          ResponsesBody, ResponseObject, ResponsesStreamEvent,
+          links=(("getResponse", "response_id", "id"), ("deleteResponse", "response_id", "id"))),
+    Route("GET", "/v1/responses/<response_id>", "getResponse", "A stored response", responses_api.get_response,
+          response=ResponseObject),
+    Route("DELETE", "/v1/responses/<response_id>", "deleteResponse", "Forget a stored response",
+          responses_api.delete_response, response=ResponseDeleted),
     Route("GET", "/v1/models", "listModels", "The served model", service.list_models, response=ModelList),
     Route("GET", "/v1/models/<path:model_id>", "retrieveModel", "One model by id", service.get_model,
           response=ModelCard),

@@ -1,5 +1,8 @@
 """Bearer-token auth for the API routes; health and metrics stay open for probes and scrapers.
 
+A token is accepted as `Authorization: Bearer <token>` (OpenAI's clients) or as `x-api-key:
+<token>` (Anthropic's).
+
 Tokens come from `--auth-token` (repeatable) and `--auth-tokens-file` (one per line, `#`
 comments). A presented token is compared with every configured one in constant time, and the
 comparison does not stop at the first match, so timing reveals neither a token nor its index.
@@ -45,15 +48,25 @@ class BearerAuth:
     def protects(path: str) -> bool:
         return path.startswith(PROTECTED_PREFIXES)
 
-    def check(self, authorization: str | None) -> None:
-        """Raises ApiError(401) unless the header carries a configured token."""
-        if not authorization:
-            raise ApiError(401, "missing bearer token: send 'Authorization: Bearer <token>'",
+    def check(self, authorization: str | None, api_key: str | None = None) -> None:
+        """Raises ApiError(401) unless the Authorization header (a bearer token) or the
+        x-api-key header carries a configured token."""
+        if not authorization and not api_key:
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <token>' or 'x-api-key: <token>'",
                            "invalid_request_error", code="invalid_api_key")
-        scheme, _, presented = authorization.partition(" ")
-        presented_bytes = presented.strip().encode("utf-8", "replace")
+        matched = False
+        if authorization:
+            scheme, _, presented = authorization.partition(" ")
+            matched |= self._matches(presented.strip()) and scheme.lower() == "bearer"
+        if api_key:
+            matched |= self._matches(api_key.strip())
+        if not matched:
+            raise ApiError(401, "invalid API key" if api_key else "invalid bearer token", "invalid_request_error",
+                           code="invalid_api_key")
+
+    def _matches(self, presented: str) -> bool:
+        presented_bytes = presented.encode("utf-8", "replace")
         matched = False
         for token in self._tokens:
             matched |= hmac.compare_digest(presented_bytes, token)
-        if scheme.lower() != "bearer" or not matched:
-            raise ApiError(401, "invalid bearer token", "invalid_request_error", code="invalid_api_key")
+        return matched

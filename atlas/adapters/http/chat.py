@@ -1,13 +1,21 @@
 """POST /v1/chat/completions: render the chat template, generate, answer in one body or as SSE.
 
-A stream is: one role chunk per choice, content chunks (several tokens merged when the client
-reads slower than the engine produces), exactly one chunk with `finish_reason` per choice, the
-usage chunk with `choices: []` when `stream_options.include_usage`, then `data: [DONE]`. Every
-chunk carries the same `id`, `created` and `model`.
+The body becomes a `ChatTurn` (`chat_request`), prepared once (`chat_turn.prepare_turn`:
+tools, structured output, reasoning, prompt); each choice's text is read back into
+reasoning, content and tool calls (`chat_choices`).
+
+A stream is: one role chunk per choice, delta chunks (several tokens merged when the client
+reads slower than the engine produces) carrying `reasoning_content` and `reasoning`, `content`,
+or `tool_calls` pieces (a call's id, type and name in its first piece, then its arguments in
+pieces), exactly one chunk with `finish_reason` per choice (`tool_calls` when it called tools),
+the usage chunk with `choices: []` when `stream_options.include_usage`, then `data: [DONE]`.
+Every chunk carries the same `id`, `created` and `model`.
 """
 
 from __future__ import annotations
 
+import random
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -17,11 +25,13 @@ from dataclasses import dataclass
 from quart import Response
 
 from atlas.adapters.http import sse
+from atlas.adapters.http.chat_choices import ChatChoices, ChoiceParts
+from atlas.adapters.http.chat_request import chat_turn
+from atlas.adapters.http.chat_turn import prepare_turn
 from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
-from atlas.adapters.http.params import check_choices, check_prompt_fits, sampling_params
-from atlas.adapters.http.prompts import render_chat, tokenize
+from atlas.adapters.http.params import check_choices, sampling_params
 from atlas.adapters.http.responses import (
     ChatChoice,
     ChatChunk,
@@ -30,8 +40,12 @@ from atlas.adapters.http.responses import (
     ChatDelta,
     ChatLogprobs,
     ChatMessageOut,
+    FunctionCall,
+    FunctionDelta,
     TokenTexts,
     PromptTokensDetails,
+    ToolCallChunk,
+    ToolCallOut,
     Usage,
 )
 from atlas.adapters.http.schemas import ChatCompletionRequest, unsupported_features
@@ -57,26 +71,23 @@ async def chat_completions(state: ServerState, body: bytes) -> Response:
     if unsupported is not None:
         raise bad_request(*unsupported)
     check_choices(1, request.n, state.config.max_choices_per_request)
-    prompt = await render_chat(model.tokenizer, request.messages, request.tools, request.add_generation_prompt,
-                         request.chat_template_kwargs)
-    prompt_ids = await tokenize(model.tokenizer, prompt, add_special_tokens=False)
-    if not prompt_ids:
-        raise bad_request("messages", "the rendered prompt is empty")
-    check_prompt_fits(len(prompt_ids), model.max_model_len, "messages")
-    params = sampling_params(request, len(prompt_ids), model.max_model_len, model.vocab_size,
-                             model.sampling_defaults)
+    turn = await prepare_turn(model, chat_turn(request))
+    params = turn.sampling(sampling_params(request, len(turn.prompt_ids), model.max_model_len, model.vocab_size,
+                                           model.sampling_defaults))
     reply = _Reply(f"chatcmpl-{uuid.uuid4().hex}", now_s(), model.name)
-    generation = Generation(engine, model.tokenizer, reply.id, [prompt_ids], params, state.seeds, state.metrics,
-                            state.in_flight, state.config.request_timeout_s, priority=request.priority or 0)
+    generation = Generation(engine, model.tokenizer, reply.id, [turn.prompt_ids], params, state.seeds, state.metrics,
+                            state.in_flight, state.config.request_timeout_s, priority=request.priority or 0,
+                            constraint=turn.constraint)
     results = ChoiceResults(generation.num_choices, params.logprobs is not None)
+    parsed = ChatChoices(generation.num_choices, turn.reading, random.Random(secrets.randbits(64)))
     if request.stream:
         options = request.stream_options
-        frames = _stream(state, generation, reply, results, token_texts, body, started_s,
+        frames = _stream(state, generation, reply, results, parsed, token_texts, body, started_s,
                          include_usage=bool(options and options.include_usage),
                          continuous_usage=bool(options and options.continuous_usage_stats))
         return Response(sse.with_errors(frames), 200, sse.HEADERS)
-    await collect(generation, results)
-    answer = _completion(reply, generation, results, token_texts)
+    await collect(generation, results, parsed.apply)
+    answer = _completion(reply, generation, results, parsed, token_texts)
     if state.dump is not None:
         state.dump.write("chat", 200, False, started_s, body, answer)
     return Response(sse.encode_json(answer), 200, content_type=JSON)
@@ -87,17 +98,38 @@ def _usage(generation: Generation) -> Usage:
     return Usage(prompt, completion, prompt + completion, PromptTokensDetails(generation.num_cached_tokens))
 
 
+def _message(parsed: ChatChoices, index: int) -> ChatMessageOut:
+    calls = [ToolCallOut(call.id, FunctionCall(call.name, call.arguments)) for call in parsed.tool_calls(index)]
+    content = parsed.content(index)
+    message = ChatMessageOut("assistant", None if calls and not content else content)
+    if calls:
+        message.tool_calls = calls
+    reasoning = parsed.reasoning(index)
+    if reasoning is not None:
+        message.reasoning_content = message.reasoning = reasoning
+    return message
+
+
 def _completion(
-    reply: _Reply, generation: Generation, results: ChoiceResults, token_texts: TokenTexts
+    reply: _Reply, generation: Generation, results: ChoiceResults, parsed: ChatChoices, token_texts: TokenTexts
 ) -> ChatCompletion:
     choices = []
     for index in range(results.num_choices):
         logprobs = None
         if results.logprobs is not None:
             logprobs = ChatLogprobs(token_texts.chat(tuple(results.logprobs[index])))
-        choices.append(ChatChoice(index, ChatMessageOut("assistant", results.text(index)), logprobs,
-                                  results.finish_reasons[index], results.stop_reasons[index]))
+        choices.append(ChatChoice(index, _message(parsed, index), logprobs, parsed.openai_finish_reason(index),
+                                  results.stop_reasons[index]))
     return ChatCompletion(reply.id, reply.created, reply.model, choices, _usage(generation))
+
+
+def _delta(parts: ChoiceParts) -> ChatDelta:
+    """The chunk's delta; `content: ""` when a chunk carries nothing else (logprobs, a finish)."""
+    calls = [ToolCallChunk(call.index, FunctionDelta(call.name, call.arguments), call.id,
+                           "function" if call.id is not None else None) for call in parts.tool_calls]
+    reasoning = parts.reasoning or None
+    content = parts.content if parts.content or (not reasoning and not calls) else None
+    return ChatDelta(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls or None)
 
 
 async def _stream(
@@ -105,6 +137,7 @@ async def _stream(
     generation: Generation,
     reply: _Reply,
     results: ChoiceResults,
+    parsed: ChatChoices,
     token_texts: TokenTexts,
     body: bytes,
     started_s: float,
@@ -124,9 +157,12 @@ async def _stream(
                 usage = _usage(generation) if continuous_usage else None
                 for update in merge_batch(batch):
                     results.add(update)
+                    parts = parsed.apply(update)
+                    if parts.is_empty and update.finish_reason is None and not (with_logprobs and update.logprobs):
+                        continue  # text held back (a tag not yet complete)
                     logprobs = ChatLogprobs(token_texts.chat(update.logprobs)) if with_logprobs else None
-                    choice = ChatChunkChoice(update.index, ChatDelta(content=update.text), logprobs,
-                                             update.finish_reason, update.stop_reason)
+                    finish = parsed.openai_finish_reason(update.index) if update.finish_reason is not None else None
+                    choice = ChatChunkChoice(update.index, _delta(parts), logprobs, finish, update.stop_reason)
                     frames.append(sse.event(ChatChunk(reply.id, reply.created, reply.model, [choice], usage=usage)))
                 if frames:
                     yield b"".join(frames)
@@ -135,4 +171,5 @@ async def _stream(
         yield sse.DONE
     finally:
         if state.dump is not None:
-            state.dump.write("chat", 200, True, started_s, body, _completion(reply, generation, results, token_texts))
+            state.dump.write("chat", 200, True, started_s, body,
+                             _completion(reply, generation, results, parsed, token_texts))

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -79,9 +80,14 @@ class ChoiceResults:
         return len(self._parts)
 
 
-async def collect(generation: Generation, results: ChoiceResults) -> None:
-    """Run a non-streamed request to its end, folding every delta into `results`."""
+async def collect(
+    generation: Generation, results: ChoiceResults, on_update: Callable[[ChoiceUpdate], object] | None = None
+) -> None:
+    """Run a non-streamed request to its end, folding every delta into `results` (and handing
+    each update to `on_update`, which parses chat choices)."""
     async with aclosing(generation.batches()) as batches:
         async for batch in batches:
             for update in merge_batch(batch):
                 results.add(update)
+                if on_update is not None:
+                    on_update(update)

@@ -17,7 +17,9 @@ from anyio.abc import ObjectReceiveStream
 
 from atlas.domain.engine_events import EngineHealth, StreamItem
 from atlas.domain.engine import EngineStats
-from atlas.domain.requests import Request
+from atlas.domain.requests import ReasoningMarkers, Request
+from atlas.domain.text.reasoning import ReasoningTags
+from atlas.ports.grammar import GrammarCompiler
 from atlas.ports.tokenizer import Tokenizer
 
 
@@ -50,6 +52,33 @@ class SamplingDefaults:
 
 
 @dataclass(frozen=True, slots=True)
+class ChatFeatures:
+    """What the served model's template and tokenizer allow beyond plain text, fixed at load
+    (`--tool-call-parser`, `--reasoning-parser`, or detected from the chat template).
+
+    `tool_call_parser` reads calls in `tool_choice` auto; None when the template shows no known
+    markup or `tool_calls_off` (`--tool-call-parser none`: tools are rendered, the output is
+    content). `forced_tool_markup` is the markup a grammar forces a call into: the parser's, else
+    hermes' (a template that ignores tools has none of its own). `grammar` validates constraints
+    in the API process; `engine_applies_constraints` says the engine applies token masks (without
+    it a request that needs them is a 400).
+    """
+
+    tool_call_parser: str | None = None
+    tool_calls_off: bool = False
+    reasoning: ReasoningTags | None = None
+    reasoning_markers: ReasoningMarkers | None = None  # single-token tags: a thinking budget can be kept
+    grammar: GrammarCompiler | None = None
+    engine_applies_constraints: bool = False
+
+    @property
+    def forced_tool_markup(self) -> str | None:
+        if self.tool_calls_off:
+            return None
+        return self.tool_call_parser or "hermes"
+
+
+@dataclass(frozen=True, slots=True)
 class ServedModel:
     """The model as clients see it."""
 
@@ -61,6 +90,7 @@ class ServedModel:
     seed: int | None  # --seed: the base of seeds for requests that bring none
     created_s: int  # when it was loaded, for /v1/models
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    chat: ChatFeatures = ChatFeatures()
 
     def accepts(self, requested: str | None) -> bool:
         return requested is None or requested == self.name or requested in self.aliases

@@ -1,10 +1,16 @@
-"""OpenAI error objects: every failure a client can cause becomes a 4xx with one of these.
+"""Error objects: every failure a client can cause becomes a 4xx with one of these.
+
+OpenAI's shape (every route but Anthropic's):
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
-Handlers raise `ApiError`; the app turns it (and Quart's own 404/405/413) into this body. A
-`msgspec.ValidationError` names the offending field in its path (`$.messages[0].role`); the
-field becomes `param` so clients can point at it.
+Anthropic's, on /v1/messages routes (the type follows the status; the field is named in the message):
+
+    {"type": "error", "error": {"type": "invalid_request_error", "message": "max_tokens: ..."}}
+
+Handlers raise `ApiError`; the app turns it (and Quart's own 404/405/413) into the route's
+shape. A `msgspec.ValidationError` names the offending field in its path
+(`$.messages[0].role`); the field becomes `param` so clients can point at it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,23 @@ class ErrorBody(msgspec.Struct):
     error: ErrorDetail
 
 
+class AnthropicErrorDetail(msgspec.Struct):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(msgspec.Struct):
+    error: AnthropicErrorDetail
+    type: str = "error"
+
+
+# Anthropic's error types by status (its API documents these); 503 is its "overloaded".
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
+ANTHROPIC_PATH_PREFIX = "/v1/messages"
+
+
 class ApiError(Exception):
     """An HTTP error with an OpenAI error body; raise it anywhere in a handler."""
 
@@ -52,6 +75,21 @@ class ApiError(Exception):
 
     def body(self) -> bytes:
         return msgspec.json.encode(ErrorBody(self.detail))
+
+    def anthropic(self) -> AnthropicErrorBody:
+        """The error in Anthropic's shape: the type follows the status, the field leads the message."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        message = self.detail.message
+        param = self.detail.param
+        if param and not message.startswith(param):
+            message = f"{param}: {message}"
+        return AnthropicErrorBody(AnthropicErrorDetail(kind, message))
+
+    def body_for(self, path: str) -> bytes:
+        """The body in the shape of the route at `path`."""
+        if path.startswith(ANTHROPIC_PATH_PREFIX):
+            return msgspec.json.encode(self.anthropic())
+        return self.body()
 
 
 def excerpt(value: object) -> str:

@@ -16,11 +16,13 @@ step. While `batches()` runs, the generation is in the server's `InFlight` set.
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import anyio
+import msgspec
 
 from atlas.adapters.http.engine_client import EngineClient
 from atlas.adapters.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError
@@ -29,8 +31,17 @@ from atlas.adapters.http.server_metrics import ServerMetrics
 from atlas.domain.engine_events import EngineFailure
 from atlas.domain.fan_out import SeedSource, fan_out
 from atlas.domain.text.sequence_text import SequenceText, TextDelta
-from atlas.domain.requests import FinishReason, SamplingParams
+from atlas.domain.requests import FinishReason, OutputConstraint, SamplingParams
 from atlas.ports.tokenizer import Tokenizer
+
+
+class _Quiet(enum.Enum):
+    """No output within the heartbeat."""
+
+    QUIET = "quiet"
+
+
+_QUIET = _Quiet.QUIET
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +64,8 @@ class _Choice:
 
 
 class Generation:
-    """Drives the sequences of one request; iterate `batches()` once."""
+    """Drives the sequences of one request; iterate `batches()` once. Every sequence carries
+    `constraint` (structured output, a forced tool call, a thinking budget) to the engine."""
 
     def __init__(
         self,
@@ -68,6 +80,8 @@ class Generation:
         timeout_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         priority: int = 0,
+        constraint: OutputConstraint | None = None,
+        heartbeat_s: float | None = None,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
@@ -77,6 +91,7 @@ class Generation:
         self._clock = clock
         self.arrival_s = clock()
         self._deadline_s = None if timeout_s is None else self.arrival_s + timeout_s
+        self._heartbeat_s = heartbeat_s
         self.num_prompt_tokens = sum(len(p) for p in prompts)
         self._num_choices_per_prompt = params.n
         self.requests = []
@@ -84,6 +99,8 @@ class Generation:
         for prompt_idx, prompt in enumerate(prompts):
             base_id = request_id if len(prompts) == 1 else f"{request_id}-p{prompt_idx}"
             for choice_idx, request in enumerate(fan_out(base_id, prompt, params, seeds, priority=priority)):
+                if constraint is not None:
+                    request = msgspec.structs.replace(request, constraint=constraint)
                 index = prompt_idx * params.n + choice_idx
                 text = SequenceText(tokenizer, request.prompt_token_ids, request.sampling)
                 self._choices[request.request_id] = _Choice(index, request.request_id, text)
@@ -117,7 +134,8 @@ class Generation:
 
     async def batches(self) -> AsyncIterator[list[ChoiceDelta]]:
         """Deltas in arrival order, several per batch when they queue up; ends when every
-        choice has finished. Raises ApiError for a request the engine rejects or cannot run."""
+        choice has finished. With `heartbeat_s`, an empty batch after that long without output
+        (a stream's keep-alive). Raises ApiError for a request the engine rejects or cannot run."""
         stream = self._engine.submit(self.requests)
         unfinished = dict(self._choices)
         cause = "client_disconnected"  # why sequences were left unfinished, if they were
@@ -125,6 +143,9 @@ class Generation:
         try:
             while unfinished:
                 items = None if self._interrupted else await self._next_items(stream)
+                if items is _QUIET:
+                    yield []
+                    continue
                 if items is None:  # interrupted, or the deadline passed
                     reason = FinishReason.ABORT if self._interrupted else FinishReason.LENGTH
                     self.timed_out = not self._interrupted
@@ -145,15 +166,18 @@ class Generation:
                 self._metrics.aborted.inc((cause,))
             stream.close()
 
-    async def _next_items(self, stream) -> list | None:
+    async def _next_items(self, stream) -> list | _Quiet | None:
         """The next output and everything queued behind it; [] at end of stream, None at the
-        deadline or when interrupted."""
+        deadline or when interrupted, _QUIET when the heartbeat passed first."""
         delay_s = None if self._deadline_s is None else self._deadline_s - self._clock()
+        heartbeat = self._heartbeat_s is not None and (delay_s is None or self._heartbeat_s < delay_s)
+        if heartbeat:
+            delay_s = self._heartbeat_s
         try:
             with anyio.move_on_after(delay_s) as self._waiting:
                 first = await stream.receive()
                 return self._drain(stream, first)
-            return None
+            return _QUIET if heartbeat and not self._interrupted else None
         except anyio.EndOfStream:
             return []
         finally:

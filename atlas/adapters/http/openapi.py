@@ -41,6 +41,9 @@ class Route:
     response: type | None = None  # the 200 JSON body's Struct
     stream: type | None = None  # the Struct of each SSE event when the body asks `stream: true`
     media_type: str = "application/json"  # of the 200 body when it is not a Struct
+    error: type = ErrorBody  # the error object's shape on this route (Anthropic's on /v1/messages)
+    # OpenAPI links: routes whose path parameter a field of this route's 200 body supplies
+    links: tuple[tuple[str, str, str], ...] = ()  # (operationId, path parameter, field of the 200 body)
 
     @property
     def openapi_path(self) -> str:
@@ -70,8 +73,8 @@ def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_a
     """The OpenAPI 3.1 document of `routes`; with `bearer_auth`, protected routes require it.
     Once a `model` is loaded, request bodies' `model` is its name (or absent) and the token
     counts are bounded by its context."""
-    types = list(dict.fromkeys(t for route in routes for t in (route.request, route.response, route.stream) if t))
-    types.append(ErrorBody)
+    types = list(dict.fromkeys(t for route in routes for t in (route.request, route.response, route.stream, route.error)
+                               if t))
     schemas, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     schema_of = dict(zip(types, schemas, strict=True))
     if model is not None:
@@ -83,7 +86,7 @@ def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_a
     for route in routes:
         operation = _operation(route, schema_of)
         if bearer_auth and BearerAuth.protects(route.path):
-            operation["security"] = [{"bearer": []}]
+            operation["security"] = [{"bearer": []}, {"apiKey": []}]  # either header
         paths.setdefault(route.openapi_path, {})[route.method.lower()] = operation
     document: dict[str, Any] = {
         "openapi": OPENAPI_VERSION,
@@ -92,30 +95,39 @@ def openapi_document(routes: Sequence[Route], title: str, version: str, bearer_a
         "components": {"schemas": components},
     }
     if bearer_auth:
-        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                      "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     return document
 
 
 def _describe_served_model(properties: dict[str, Any], model: ServedModel) -> None:
     if "model" in properties:
         properties["model"] = {"anyOf": [{"enum": [model.name]}, {"type": "null"}], "default": None}
-    for name in ("max_tokens", "max_completion_tokens"):  # at most the context minus the prompt
-        if name in properties:
-            properties[name] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": model.max_model_len - 1},
-                                          {"type": "null"}], "default": None}
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):  # at most the context minus the prompt
+        if name not in properties:
+            continue
+        bounded = {"type": "integer", "minimum": 1, "maximum": model.max_model_len - 1}
+        if "default" in properties[name]:  # optional (null allowed); Anthropic's max_tokens is required
+            bounded = {"anyOf": [bounded, {"type": "null"}], "default": None}
+        properties[name] = bounded
 
 
 def _event_schema(chunk: dict[str, Any], error: dict[str, Any]) -> dict[str, Any]:
     """One server-sent event of a stream (OpenAPI 3.1 describes an event stream per event):
-    `data:` holds a chunk, an error object (an error after the 200 went out), or `[DONE]`."""
+    `data:` holds a chunk, an error object (an error after the 200 went out), or `[DONE]`;
+    Anthropic's and the Responses API's events also name their type in `event:`."""
     return {
-        "description": "with `stream: true`: a `data:` event per chunk, then `data: [DONE]`",
+        "description": "with `stream: true`: an event per chunk (OpenAI's chat and completions end with "
+                       "`data: [DONE]`)",
         "type": "object",
         "required": ["data"],
-        "properties": {"data": {"anyOf": [
-            {"const": "[DONE]"},
-            {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, error]}},
-        ]}},
+        "properties": {
+            "event": {"type": "string"},
+            "data": {"anyOf": [
+                {"const": "[DONE]"},
+                {"type": "string", "contentMediaType": "application/json", "contentSchema": {"anyOf": [chunk, error]}},
+            ]},
+        },
     }
 
 
@@ -126,14 +138,20 @@ def _operation(route: Route, schema_of: dict[type, dict[str, Any]]) -> dict[str,
         success = {route.media_type: {"schema": {"type": "string"} if route.media_type != "application/json"
                                       else {"type": "object"}}}
     if route.stream is not None:
-        success["text/event-stream"] = {"schema": _event_schema(schema_of[route.stream], schema_of[ErrorBody])}
+        success["text/event-stream"] = {"schema": _event_schema(schema_of[route.stream], schema_of[route.error])}
+    ok: dict[str, Any] = {"description": "OK", "content": success}
+    if route.links:
+        ok["links"] = {
+            operation_id: {"operationId": operation_id, "parameters": {parameter: f"$response.body#/{field}"}}
+            for operation_id, parameter, field in route.links
+        }
     operation: dict[str, Any] = {
         "operationId": route.name,
         "summary": route.summary,
         "responses": {
-            "200": {"description": "OK", "content": success},
+            "200": ok,
             "default": {"description": "an error object (4xx for the client's mistakes, 503 while not ready)",
-                        "content": {"application/json": {"schema": schema_of[ErrorBody]}}},
+                        "content": {"application/json": {"schema": schema_of[route.error]}}},
         },
     }
     if route.path_parameters:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from atlas.adapters.http.engine_client import SamplingDefaults
 from atlas.adapters.http.errors import bad_request, excerpt
 from atlas.adapters.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -64,18 +66,59 @@ def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
 GREEDY = SamplingDefaults()
 
 
-def _client_fields(request: ChatCompletionRequest | CompletionRequest) -> tuple[str, int, str, int | None]:
-    """(max-tokens field name, requested max tokens, logprobs field name, engine logprobs) as the
-    endpoint defines them; 400 for top_logprobs without logprobs."""
+@dataclass(frozen=True, slots=True)
+class RequestedSampling:
+    """Sampling fields as one API's request gave them (None: absent), with that API's names
+    for the fields a 400 may name (Anthropic's `stop_sequences`, the Responses API's
+    `max_output_tokens`)."""
+
+    max_tokens: int | None
+    max_tokens_field: str = "max_tokens"
+    n: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_field: str = "stop"
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    logprobs_field: str = "logprobs"
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+def _requested(request: ChatCompletionRequest | CompletionRequest) -> RequestedSampling:
+    """An OpenAI request's fields; 400 for top_logprobs without logprobs."""
     if isinstance(request, CompletionRequest):
+        max_field = "max_tokens"
         requested = request.max_tokens if request.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
-        return "max_tokens", requested, "logprobs", request.logprobs
-    if request.top_logprobs and not request.logprobs:
-        raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
-    logprobs = (request.top_logprobs or 0) if request.logprobs else None
-    if request.max_completion_tokens is not None:
-        return "max_completion_tokens", request.max_completion_tokens, "top_logprobs", logprobs
-    return "max_tokens", request.max_tokens, "top_logprobs", logprobs
+        logprobs_field, logprobs = "logprobs", request.logprobs
+    else:
+        if request.top_logprobs and not request.logprobs:
+            raise bad_request("top_logprobs", "top_logprobs needs logprobs: true")
+        logprobs_field, logprobs = "top_logprobs", (request.top_logprobs or 0) if request.logprobs else None
+        max_field, requested = "max_tokens", request.max_tokens
+        if request.max_completion_tokens is not None:
+            max_field, requested = "max_completion_tokens", request.max_completion_tokens
+    return RequestedSampling(
+        max_tokens=requested, max_tokens_field=max_field, n=request.n, temperature=request.temperature,
+        top_p=request.top_p, top_k=request.top_k, min_p=request.min_p, seed=request.seed,
+        repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty, logit_bias=request.logit_bias, min_tokens=request.min_tokens,
+        stop=(request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ()),
+        stop_token_ids=tuple(request.stop_token_ids or ()), ignore_eos=bool(request.ignore_eos),
+        logprobs=logprobs, logprobs_field=logprobs_field,
+        include_stop_str_in_output=bool(request.include_stop_str_in_output),
+        skip_special_tokens=request.skip_special_tokens if request.skip_special_tokens is not None else True,
+    )
 
 
 def sampling_params(
@@ -85,39 +128,54 @@ def sampling_params(
     vocab_size: int,
     defaults: SamplingDefaults = GREEDY,
 ) -> SamplingParams:
-    """The engine's parameters for `request`; raises ApiError(400) naming the bad field.
+    """The engine's parameters for an OpenAI `request` (see `build_sampling_params`). An absent
+    max_tokens means "until the context is full" for chat and 16 for completions, as OpenAI does."""
+    return build_sampling_params(_requested(request), num_prompt_tokens, max_model_len, vocab_size, defaults)
 
-    Call after `check_prompt_fits`. An absent max_tokens means "until the context is full"
-    for chat and 16 for completions, as OpenAI does; absent sampling fields take `defaults`.
+
+def build_sampling_params(
+    requested: RequestedSampling,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    vocab_size: int,
+    defaults: SamplingDefaults = GREEDY,
+) -> SamplingParams:
+    """The engine's parameters; raises ApiError(400) naming the client's field.
+
+    Call after `check_prompt_fits`. An absent max_tokens means "until the context is full";
+    absent sampling fields take `defaults`.
     """
-    max_param, requested, logprobs_param, logprobs = _client_fields(request)
-    max_tokens = _max_tokens(requested, max_param, num_prompt_tokens, max_model_len)
-    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
+    max_param = requested.max_tokens_field
+    max_tokens = _max_tokens(requested.max_tokens, max_param, num_prompt_tokens, max_model_len)
+
+    def pick(value, default):
+        return value if value is not None else default
+
     try:
         params = SamplingParams(
-            n=request.n if request.n is not None else 1,
-            temperature=request.temperature if request.temperature is not None else defaults.temperature,
-            top_p=request.top_p if request.top_p is not None else defaults.top_p,
-            top_k=request.top_k if request.top_k is not None else defaults.top_k,
-            min_p=request.min_p if request.min_p is not None else defaults.min_p,
-            seed=request.seed,
-            repetition_penalty=(request.repetition_penalty if request.repetition_penalty is not None
-                                else defaults.repetition_penalty),
-            presence_penalty=request.presence_penalty or 0.0,
-            frequency_penalty=request.frequency_penalty or 0.0,
-            logit_bias=_logit_bias(request.logit_bias),
-            min_tokens=request.min_tokens or 0,
+            n=pick(requested.n, 1),
+            temperature=pick(requested.temperature, defaults.temperature),
+            top_p=pick(requested.top_p, defaults.top_p),
+            top_k=pick(requested.top_k, defaults.top_k),
+            min_p=pick(requested.min_p, defaults.min_p),
+            seed=requested.seed,
+            repetition_penalty=pick(requested.repetition_penalty, defaults.repetition_penalty),
+            presence_penalty=requested.presence_penalty or 0.0,
+            frequency_penalty=requested.frequency_penalty or 0.0,
+            logit_bias=_logit_bias(requested.logit_bias),
+            min_tokens=requested.min_tokens or 0,
             max_tokens=max_tokens,
-            stop=stop,
-            stop_token_ids=tuple(request.stop_token_ids or ()),
-            ignore_eos=bool(request.ignore_eos),
-            logprobs=logprobs,
-            include_stop_str_in_output=bool(request.include_stop_str_in_output),
-            skip_special_tokens=request.skip_special_tokens if request.skip_special_tokens is not None else True,
+            stop=requested.stop,
+            stop_token_ids=requested.stop_token_ids,
+            ignore_eos=requested.ignore_eos,
+            logprobs=requested.logprobs,
+            include_stop_str_in_output=requested.include_stop_str_in_output,
+            skip_special_tokens=requested.skip_special_tokens,
         )
         validate_token_ids(params, vocab_size)
     except ParameterError as error:
-        param = {"logprobs": logprobs_param, "max_tokens": max_param}.get(error.field, error.field)
+        param = {"logprobs": requested.logprobs_field, "max_tokens": max_param,
+                 "stop": requested.stop_field}.get(error.field, error.field)
         message = str(error).split(": ", 1)[-1]
         raise bad_request(param, f"{param}: {message}") from None
     return params

@@ -49,6 +49,9 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
             item["tool_calls"] = message.tool_calls
         if message.tool_call_id is not None:
             item["tool_call_id"] = message.tool_call_id
+        reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+        if reasoning:
+            item["reasoning_content"] = reasoning  # reasoning templates (Qwen3) may render it back
         result.append(item)
     return result
 
@@ -60,28 +63,40 @@ async def render_chat(
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
 ) -> str:
-    """The prompt text; 400 naming `messages` when the template rejects the conversation, or
-    `chat_template_kwargs` for a key the server sets itself."""
+    """The prompt text of OpenAI chat messages (see `render_messages`)."""
+    return await render_messages(tokenizer, message_dicts(messages), tools, add_generation_prompt, template_kwargs)
+
+
+async def render_messages(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    tools: Sequence[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None,
+    messages_field: str = "messages",
+) -> str:
+    """The prompt text of template-ready message dicts; 400 naming `messages_field` when the
+    template rejects the conversation, or `chat_template_kwargs` for a key the server sets itself."""
     kwargs = template_kwargs or {}
     for key in RESERVED_TEMPLATE_KWARGS:
         if key in kwargs:
             raise bad_request("chat_template_kwargs", f"chat_template_kwargs cannot set '{key}': "
                                                       f"send it as the request's own field")
-    dicts = message_dicts(messages)
 
     def render() -> str:
         try:
-            return tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
-                                                 **kwargs)
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tools=list(tools) if tools else None, **kwargs)
         except ChatTemplateError as error:
-            raise bad_request("messages", str(error)) from None
+            raise bad_request(messages_field, str(error)) from None
         except TypeError:  # a key that is one of the Python method's own parameters
             raise bad_request("chat_template_kwargs", "chat_template_kwargs has a key the chat template "
                                                       "cannot take as a variable") from None
         except RecursionError:
-            raise bad_request("messages", "the messages or tools are nested too deeply to render") from None
+            raise bad_request(messages_field, "the messages or tools are nested too deeply to render") from None
 
-    if len(dicts) <= _INLINE_RENDER_MESSAGES and sum(len(m["content"]) for m in dicts) <= _INLINE_TOKENIZE_CHARS:
+    num_chars = sum(len(m["content"]) if isinstance(m.get("content"), str) else 0 for m in messages)
+    if len(messages) <= _INLINE_RENDER_MESSAGES and num_chars <= _INLINE_TOKENIZE_CHARS and not tools:
         return render()
     return await anyio.to_thread.run_sync(render)
 

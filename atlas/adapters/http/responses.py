@@ -2,8 +2,9 @@
 
 Fields OpenAI always sends are always present (`finish_reason: null`, `logprobs: null`); a
 streamed `delta` omits what it does not carry, as OpenAI's does, and a message without tool
-calls has no `tool_calls` field (an empty list trips clients that test for the key). `stop_reason` is vLLM's
-extension: the stop string or stop token id that ended a choice.
+calls has no `tool_calls` field (an empty list trips clients that test for the key).
+`stop_reason` is vLLM's extension: the stop string or stop token id that ended a choice;
+`reasoning_content` (and `reasoning`, its newer name) is vLLM's for a reasoning model's block.
 """
 
 from __future__ import annotations
@@ -43,11 +44,25 @@ class ChatLogprobs(msgspec.Struct):
     refusal: None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # the JSON text of the arguments object
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessageOut(msgspec.Struct):
     role: str
-    content: str
+    content: str | None  # null when the message is only tool calls
     refusal: None = None
-    tool_calls: list | msgspec.UnsetType = msgspec.UNSET  # absent from a reply without tool calls
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET  # absent from a reply without tool calls
+    # The reasoning block of a reasoning model (vLLM's two names); absent when there is none.
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -68,9 +83,26 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(msgspec.Struct, omit_defaults=True):
+    """A piece of call `index`: `id`, `type` and the function's name in its first piece only."""
+
+    index: int
+    function: FunctionDelta
+    id: str | None = None
+    type: str | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -23,7 +23,6 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from atlas.adapters.http.errors import excerpt
 from atlas.domain.requests import (
     LOGIT_BIAS_RANGE,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -42,6 +41,10 @@ MAX_MESSAGES = 8192
 MAX_CONTENT_PARTS = 1024  # per message
 MAX_TOOLS = 512
 MAX_PROMPTS = 256  # prompts in one completions request
+MAX_NAME_CHARS = 256  # a tool's or a schema's name
+MAX_PATTERN_CHARS = 65_536  # a regex, or one structured-output choice
+MAX_CHOICES = 1024  # structured-output choices
+MAX_GRAMMAR_CHARS = 1 << 20
 
 Count = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 TokenCount = Annotated[int, Meta(ge=1, le=INT32_MAX)]
@@ -50,6 +53,7 @@ Priority = Annotated[int, Meta(ge=-INT32_MAX, le=INT32_MAX)]  # vLLM's: any int,
 Penalty = Annotated[float, Meta(ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Role = Literal["system", "user", "assistant", "tool", "developer"]
+ToolName = Annotated[str, Meta(min_length=1, max_length=MAX_NAME_CHARS)]
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -69,7 +73,8 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
-    reasoning_content: str | None = None
+    reasoning_content: str | None = None  # what this server answered (vLLM's name)
+    reasoning: str | None = None  # vLLM's newer name for it
 
 
 # Rules across fields that msgspec does not check (the handlers do), stated in /openapi.json so
@@ -93,8 +98,61 @@ Messages = Annotated[
 ]
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
-    type: str
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object; absent: no arguments
+    strict: bool | None = None  # the arguments always follow the schema when a grammar forces the call
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: ToolName
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class TextFormat(msgspec.Struct, tag_field="type", tag="text"):
+    pass
+
+
+class JsonObjectFormat(msgspec.Struct, tag_field="type", tag="json_object"):
+    pass
+
+
+class JsonSchemaDefinition(msgspec.Struct, kw_only=True):
+    name: ToolName
+    description: str | None = None
+    schema: dict[str, Any] | None = None  # absent: any JSON value
+    strict: bool | None = None  # schema keywords the grammar cannot enforce are a 400 instead of ignored
+
+
+class JsonSchemaFormat(msgspec.Struct, tag_field="type", tag="json_schema", kw_only=True):
+    json_schema: JsonSchemaDefinition
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
+class StructuredOutputs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """vLLM's `structured_outputs`: exactly one of these constrains the answer."""
+
+    json: dict[str, Any] | str | None = None  # a JSON Schema, as an object or as its JSON text
+    regex: Annotated[str, Meta(min_length=1, max_length=MAX_PATTERN_CHARS)] | None = None
+    choice: Annotated[list[Annotated[str, Meta(max_length=MAX_PATTERN_CHARS)]],
+                      Meta(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: Annotated[str, Meta(min_length=1, max_length=MAX_GRAMMAR_CHARS)] | None = None  # Lark or GBNF
+    json_object: bool | None = None
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high"]
 
 
 class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -134,15 +192,15 @@ class ChatCompletionRequest(_SamplingFields, forbid_unknown_fields=True, kw_only
     max_completion_tokens: TokenCount | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: Annotated[list[dict[str, Any]], Meta(max_length=MAX_TOOLS)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: Annotated[list[ChatTool], Meta(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
     prediction: dict[str, Any] | None = None  # a latency hint; the answer is the same without it
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort | None = None
     modalities: list[str] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -150,6 +208,8 @@ class ChatCompletionRequest(_SamplingFields, forbid_unknown_fields=True, kw_only
     # extensions
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    thinking_token_budget: Count | None = None
 
 
 # A prompt is str | list[str] | list[int] | list[list[int]]; msgspec unions allow one array type,
@@ -209,12 +269,8 @@ TokenizeBody = Annotated[TokenizeRequest, Meta(
 def unsupported_features(request: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
     """(field, why) for a feature that would change the answer and Atlas does not implement."""
     if isinstance(request, ChatCompletionRequest):
-        if request.response_format is not None and request.response_format.type != "text":
-            return "response_format", f"response_format type {excerpt(request.response_format.type)} is not supported"
         if request.modalities and any(m != "text" for m in request.modalities):
             return "modalities", "only text output is supported"
-        if isinstance(request.tool_choice, dict) or request.tool_choice == "required":
-            return "tool_choice", "forcing a tool call is not supported; use 'auto' or 'none'"
         return None
     if request.suffix:
         return "suffix", "suffix (insertion) is not supported"

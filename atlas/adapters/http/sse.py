@@ -1,4 +1,5 @@
-"""Server-sent events as OpenAI streams them: `data: <json>\\n\\n` frames, then `data: [DONE]`.
+"""Server-sent events: OpenAI's chat streams (`data: <json>\\n\\n` frames, then `data: [DONE]`)
+and the named events of Anthropic's and the Responses API's (`event: <type>\\ndata: <json>`).
 
 JSON never contains a raw newline (msgspec escapes them in strings), so one event is always
 one `data:` line.
@@ -7,7 +8,7 @@ one `data:` line.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 
 import msgspec
@@ -26,13 +27,26 @@ def event(payload: object) -> bytes:
     return b"data: " + encode_json(payload) + b"\n\n"
 
 
+def named_event(name: str, payload: object) -> bytes:
+    """`event: name` with the payload as its data (Anthropic's and the Responses API's streams)."""
+    return b"event: " + name.encode() + b"\ndata: " + encode_json(payload) + b"\n\n"
+
+
 def error_event(error: ApiError) -> bytes:
     """An error after the 200 headers went out: the OpenAI SDK raises it as an APIError."""
-    return b"data: " + error.body() + b"\n\n"
+    return b"data: " + error.body() + b"\n\n" + DONE
 
 
-async def with_errors(frames: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
-    """Pass frames through; an ApiError mid-stream becomes an error event, then the stream ends.
+def anthropic_error_event(error: ApiError) -> bytes:
+    """Anthropic's `event: error`; its SDK raises it as an APIError."""
+    return named_event("error", error.anthropic())
+
+
+async def with_errors(
+    frames: AsyncGenerator[bytes, None], on_error: Callable[[ApiError], bytes] = error_event
+) -> AsyncIterator[bytes]:
+    """Pass frames through; an ApiError mid-stream becomes `on_error(error)` (the API's error
+    event), then the stream ends.
 
     Closing this generator (the client went away) closes `frames` at once, so its cleanup
     (aborting the engine requests) runs now rather than whenever it is garbage collected.
@@ -42,9 +56,7 @@ async def with_errors(frames: AsyncGenerator[bytes, None]) -> AsyncIterator[byte
             async for frame in frames:
                 yield frame
     except ApiError as error:
-        yield error_event(error)
-        yield DONE
+        yield on_error(error)
     except Exception as error:  # a bug: say so in the stream rather than cutting it off
         log.exception("stream failed")
-        yield error_event(ApiError(500, f"internal error: {type(error).__name__}", SERVER_ERROR))
-        yield DONE
+        yield on_error(ApiError(500, f"internal error: {type(error).__name__}", SERVER_ERROR))

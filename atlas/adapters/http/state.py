@@ -22,6 +22,7 @@ from atlas.adapters.http.errors import (
 )
 from atlas.adapters.http.in_flight import InFlight
 from atlas.adapters.http.openapi import ApiDocument
+from atlas.adapters.http.response_store import ResponseStore
 from atlas.adapters.http.responses import TokenTexts
 from atlas.adapters.http.server_metrics import ServerMetrics
 from atlas.domain.engine import EngineStats
@@ -30,6 +31,8 @@ from atlas.domain.fan_out import SeedSource
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_CHOICES = 256  # prompts x n in one request
+DEFAULT_MAX_STORED_RESPONSES = 1000
+DEFAULT_MAX_STORED_RESPONSES_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +46,8 @@ class HttpConfig:
     require_auth: bool = False
     auth_tokens: frozenset[str] = frozenset()
     dump_path: Path | None = None
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES  # /v1/responses store; 0 stores none
+    max_stored_responses_bytes: int = DEFAULT_MAX_STORED_RESPONSES_BYTES
 
 
 class ServerState:
@@ -60,6 +65,7 @@ class ServerState:
         self.shutting_down = False
         self.metrics = ServerMetrics(self.engine_stats, lambda: self.health().is_healthy, lambda: len(self.in_flight))
         self.dump = DumpWriter(config.dump_path) if config.dump_path is not None else None
+        self.responses = ResponseStore(config.max_stored_responses, config.max_stored_responses_bytes)
 
     def attach(self, model: ServedModel, engine: EngineClient) -> None:
         self.token_texts = TokenTexts(model.tokenizer)

@@ -35,6 +35,7 @@ class MockMoeLayer:
     routing: Routing
     selection_bias: np.ndarray | None  # [E] f32
     shared: MockSharedExpert | None
+    first_expert: int  # gate_up and down hold experts first_expert.. (an expert-parallel rank's)
 
 
 class MockMoe:
@@ -47,10 +48,13 @@ class MockMoe:
         self._backend.enter("moe.prepare")
         routing, dense = host.routing, self._backend.dense
         num_experts, hidden = routing.num_experts, host.router.in_features
+        held = host.gate_up.weight.shape[0]
+        if not (0 <= host.first_expert and host.first_expert + held <= num_experts):
+            raise ValueError(f"first_expert: {held} experts from {host.first_expert} exceed the {num_experts} routed")
         expected = {
             "router": (host.router.weight.shape, (num_experts, hidden)),
-            "gate_up": (host.gate_up.weight.shape[:1] + host.gate_up.weight.shape[2:], (num_experts, hidden)),
-            "down": (host.down.weight.shape[:2], (num_experts, hidden)),
+            "gate_up": (host.gate_up.weight.shape[:1] + host.gate_up.weight.shape[2:], (held, hidden)),
+            "down": (host.down.weight.shape[:2], (held, hidden)),
         }
         for name, (got, want) in expected.items():
             if tuple(got) != want:
@@ -65,7 +69,7 @@ class MockMoe:
             shared = MockSharedExpert(dense.linear(host.shared.gate_up), dense.linear(host.shared.down), gate)
         bias = None if host.selection_bias is None else np.asarray(host.selection_bias, np.float32).copy()
         return MockMoeLayer(dense.norm(host.input_norm), dense.linear(host.router), dense.linear(host.gate_up),
-                            dense.linear(host.down), host.activation, routing, bias, shared)
+                            dense.linear(host.down), host.activation, routing, bias, shared, host.first_expert)
 
     def route(
         self, x: MockTensor, moe: MockMoeLayer, normed: MockTensor, expert_ids: MockTensor, expert_weights: MockTensor
@@ -109,15 +113,19 @@ class MockMoe:
         total = np.zeros((x.shape[0], residual.shape[1]), np.float32)
         gate_up, gate_up_bias = moe.gate_up.weight.weight_f32(), moe.gate_up.bias
         down, down_bias = moe.down.weight.weight_f32(), moe.down.bias
+        held = range(moe.first_expert, moe.first_expert + gate_up.shape[0])
         for expert in np.unique(ids):
+            if expert not in held:
+                continue
+            local = expert - moe.first_expert
             tokens, picks = np.nonzero(ids == expert)
-            hidden = x[tokens] @ gate_up[expert].T
+            hidden = x[tokens] @ gate_up[local].T
             if gate_up_bias is not None:
-                hidden += gate_up_bias.weight_f32()[expert]
+                hidden += gate_up_bias.weight_f32()[local]
             hidden = dense.rounded(gated_activation(dense.rounded(hidden), moe.activation))
-            out = hidden @ down[expert].T
+            out = hidden @ down[local].T
             if down_bias is not None:
-                out += down_bias.weight_f32()[expert]
+                out += down_bias.weight_f32()[local]
             np.add.at(total, tokens, out * weights[tokens, picks, None])
         if moe.shared is not None:
             shared = moe.shared.down.apply(

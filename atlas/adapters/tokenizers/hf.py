@@ -280,18 +280,29 @@ class HfTokenizer:
             return False
         return _PROBE_TOOL_NAME in prompt
 
-    def _template(self, tool_use: bool) -> jinja2.Template:
+    def chat_template_source(self, tool_use: bool = False) -> str | None:
+        """The source of the template `apply_chat_template` renders with (the "tool_use" one
+        when `tool_use` and the model has it), or None when the model has no template; the
+        server reads the tool-call and reasoning markup it writes from it."""
+        name = self._template_name(tool_use)
+        return self.chat_templates[name] if name is not None else None
+
+    def _template_name(self, tool_use: bool) -> str | None:
         if not self.chat_templates:
+            return None
+        if tool_use and "tool_use" in self.chat_templates:
+            return "tool_use"
+        if "default" in self.chat_templates:
+            return "default"
+        return next(iter(self.chat_templates))
+
+    def _template(self, tool_use: bool) -> jinja2.Template:
+        name = self._template_name(tool_use)
+        if name is None:
             raise ChatTemplateError(
                 f"{self.name} has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); "
                 "use the completions endpoint with a plain prompt, or add a template to the model folder"
             )
-        if tool_use and "tool_use" in self.chat_templates:
-            name = "tool_use"
-        elif "default" in self.chat_templates:
-            name = "default"
-        else:
-            name = next(iter(self.chat_templates))
         if name not in self._template_cache:
             try:
                 self._template_cache[name] = make_template_environment().from_string(self.chat_templates[name])

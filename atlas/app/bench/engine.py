@@ -19,13 +19,14 @@ from pathlib import Path
 
 from atlas.app.bench.measure import (
     GB,
+    BytesRead,
     Ceilings,
     DecodeResult,
     PrefillResult,
+    engine_bytes_read,
     measure_ceilings,
     measure_decode,
     measure_prefill,
-    weight_bytes_per_step,
 )
 from atlas.app.builder import build_engine
 from atlas.app.settings import EngineSettings
@@ -34,7 +35,9 @@ REFERENCE_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "hf_refe
 
 
 def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
-    model = _model_folder(args)
+    model = _model_folder(args, fp8=settings.quantization == "fp8")
+    if args.random:  # an FP8 random checkpoint is written as FP8 (the per-channel layout), not quantized at load
+        settings = dataclasses.replace(settings, quantization="none")
     batch_sizes = _sizes(args.batch_sizes, "--batch-sizes")
     reference = _run_reference(model, args) if args.reference == "hf" else None
     prefill_lens = _sizes(args.prefill_lens, "--prefill-lens") if args.prefill_lens else _default_prefill(settings)
@@ -47,10 +50,31 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         max_seq_len=settings.max_seq_len or max(max(prefill_lens, default=0), args.context + 5 * args.decode_tokens + 64) + 16,
     )
     engine = build_engine(settings)
-    on_mock = engine.backend.name == "mock"
-    device = engine.backend.capabilities.device_name
+    try:
+        return _bench(engine, args, model, batch_sizes, prefill_lens, reference)
+    finally:
+        engine.close()
+
+
+def _bench(engine, args: argparse.Namespace, model, batch_sizes: list[int], prefill_lens: list[int],
+           reference: dict | None) -> int:
+    ranks = engine.settings.tensor_parallel_size if engine.ranks is not None else 1
+    if engine.ranks is not None:  # a model on rank processes: each rank measures its device and part
+        print(f"measuring the {ranks} ranks' devices and collectives ...", file=sys.stderr)
+        measures = engine.ranks.measure(batch_sizes)
+        device = f"{ranks} ranks of {measures[0].device_name}"
+        ceilings = Ceilings(min(m.copy_bytes_per_s for m in measures), min(m.gemm_flops_per_s for m in measures))
+        bytes_read = BytesRead(max(m.weight_bytes_per_step for m in measures),
+                               max(m.kv_bytes_per_token for m in measures))
+        collective_s = [max(m.collective_s[index] for m in measures) for index in range(len(batch_sizes))]
+    else:
+        on_mock = engine.backend.name == "mock"
+        device = engine.backend.capabilities.device_name
+        ceilings = measure_ceilings(engine.backend, copy_bytes=(256 << 20) if on_mock else (2 << 30),
+                                    gemm_size=1024 if on_mock else 8192)
+        bytes_read, collective_s = engine_bytes_read(engine), [0.0] * len(batch_sizes)
     print(f"atlas bench engine: {engine.config.architecture} from {model} on {device}", file=sys.stderr)
-    if settings.speculative_config:
+    if engine.settings.speculative_config:
         from atlas.app.bench.speculative import run_speculative_bench
 
         report = {"device": device, **run_speculative_bench(engine, args.prompts, batch_sizes, args.decode_tokens)}
@@ -64,17 +88,16 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
         return 0
-    ceilings = measure_ceilings(engine.backend, copy_bytes=(256 << 20) if on_mock else (2 << 30),
-                                gemm_size=1024 if on_mock else 8192)
     decode = []
     for batch in batch_sizes:
         print(f"decode at batch {batch} ...", file=sys.stderr)
-        decode.append(measure_decode(engine, batch, args.context, args.decode_tokens, ceilings.copy_bytes_per_s))
+        decode.append(measure_decode(engine, batch, args.context, args.decode_tokens, ceilings.copy_bytes_per_s,
+                                     bytes_read=bytes_read))
     prefill = []
     for num_tokens in prefill_lens:
         print(f"prefill of {num_tokens} tokens ...", file=sys.stderr)
         prefill.append(measure_prefill(engine, num_tokens))
-    report = _report(engine, device, ceilings, decode, prefill, reference)
+    report = _report(engine, device, ceilings, decode, prefill, reference, bytes_read, ranks, collective_s)
     _print(report)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
@@ -91,14 +114,19 @@ def _default_prefill(settings: EngineSettings) -> list[int]:
     return [512, 2048, 8192] if on_gpu else []
 
 
-def _model_folder(args: argparse.Namespace) -> Path | str:
+def _model_folder(args: argparse.Namespace, fp8: bool) -> Path | str:
+    """The model to bench; `--random` with `fp8` (`--quantization fp8`) writes the random
+    checkpoint's projections as FP8 tensors (compressed-tensors, per channel), in a folder of
+    its own."""
     if args.random:
         from atlas.app.bench.random_model import CONFIGS, write_random_model
         from atlas.app.model_store import atlas_home
 
         if args.random not in CONFIGS:
             raise ValueError(f"--random {args.random!r} is not a known config; known: {', '.join(CONFIGS)}")
-        return write_random_model(args.random, atlas_home() / "bench" / args.random)
+        # transformers reads files; Atlas alone generates bf16 weights as it loads them (FP8 ones are written)
+        folder = atlas_home() / "bench" / (args.random + ("-fp8" if fp8 else ""))
+        return write_random_model(args.random, folder, files=args.reference == "hf" or fp8, fp8=fp8)
     if not args.model:
         raise ValueError("atlas bench engine needs a MODEL or --random CONFIG (e.g. --random llama-3.1-8b)")
     from atlas.app.model_store import resolve_model
@@ -131,17 +159,20 @@ def _run_reference(model: Path | str, args: argparse.Namespace) -> dict:
 
 
 def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], prefill: list[PrefillResult],
-            reference: dict | None) -> dict:
+            reference: dict | None, bytes_read: BytesRead, ranks: int, collective_s: list[float]) -> dict:
+    """On several ranks the roofline is a rank's (its weight and KV bytes over its bandwidth),
+    `collective_ms` the time a decode step's collectives take on their own, and the GEMM
+    fraction of a prefill counts every rank's GEMM rate."""
     reference_decode = {row["batch"]: row for row in (reference or {}).get("decode", [])}
     reference_prefill = {row["num_tokens"]: row for row in (reference or {}).get("prefill", [])}
     decode_rows = []
-    for row in decode:
+    for row, collectives in zip(decode, collective_s):
         entry = {
             "batch": row.batch, "context": row.context_len, "mean_context": row.mean_context,
             "tokens_per_s": row.tokens_per_s,
             "step_ms": 1e3 * row.step_s, "device_step_ms": 1e3 * row.device_step_s,
             "host_gap_fraction": row.host_gap_fraction, "roofline_step_ms": 1e3 * row.roofline_step_s,
-            "roofline_fraction": row.roofline_fraction,
+            "roofline_fraction": row.roofline_fraction, "collective_ms": 1e3 * collectives,
         }
         if row.batch in reference_decode:
             entry["reference_tokens_per_s"] = reference_decode[row.batch]["tokens_per_s"]
@@ -151,7 +182,8 @@ def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], pref
     for row in prefill:
         entry = {
             "tokens": row.num_tokens, "seconds": row.seconds, "tokens_per_s": row.tokens_per_s,
-            "tflops": row.flops / row.seconds / 1e12, "gemm_rate_fraction": row.flops / row.seconds / ceilings.gemm_flops_per_s,
+            "tflops": row.flops / row.seconds / 1e12,
+            "gemm_rate_fraction": row.flops / row.seconds / (ranks * ceilings.gemm_flops_per_s),
         }
         if row.num_tokens in reference_prefill:
             entry["reference_seconds"] = reference_prefill[row.num_tokens]["seconds"]
@@ -162,8 +194,10 @@ def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], pref
         "device": device,
         "model": engine.config.architecture,
         "model_dir": str(engine.model_dir),
-        "kv_cache_dtype": engine.core.executor.kv.spec.dtype.value,
-        "weight_gb_per_step": weight_bytes_per_step(engine) / GB,
+        "kv_cache_dtype": engine.settings.kv_cache_dtype if ranks > 1 else engine.core.executor.kv_dtype.value,
+        "ranks": ranks,
+        "weights": _weights_format(engine),
+        "weight_gb_per_step": bytes_read.weight_bytes / GB,
         "copy_tb_per_s": ceilings.copy_bytes_per_s / 1e12,
         "gemm_tflops": ceilings.gemm_flops_per_s / 1e12,
         "decode": decode_rows,
@@ -174,18 +208,32 @@ def _report(engine, device, ceilings: Ceilings, decode: list[DecodeResult], pref
     }
 
 
+def _weights_format(engine) -> str:
+    from atlas.domain.models.quantization_config import read_quantization
+
+    quantization = read_quantization(engine.config.raw)
+    return "bf16" if quantization is None else quantization.describe()
+
+
 def _print(report: dict) -> None:
-    print(f"device {report['device']}; {report['model']}, {report['kv_cache_dtype']} KV cache; "
-          f"weights read per decode step {report['weight_gb_per_step']:.2f} GB; "
+    per_rank = " per rank" if report["ranks"] > 1 else ""
+    print(f"device {report['device']}; {report['model']}, {report['weights']} weights, "
+          f"{report['kv_cache_dtype']} KV cache; "
+          f"weights read per decode step{per_rank} {report['weight_gb_per_step']:.2f} GB; "
           f"copy {report['copy_tb_per_s']:.2f} TB/s; "
-          f"bf16 GEMM {report['gemm_tflops']:.1f} TFLOP/s")
+          f"bf16 GEMM {report['gemm_tflops']:.1f} TFLOP/s{per_rank}")
+    collectives = f" {'coll ms':>8}" if report["ranks"] > 1 else ""
     print(f"{'batch':>5} {'context':>7} {'tok/s':>10} {'step ms':>8} {'device ms':>9} {'host gap':>8} {'roofline':>8} "
-          f"{'vs ref':>7}")
+          f"{'vs ref':>7}{collectives}")
     for row in report["decode"]:
         vs = f"{row['speedup_vs_reference']:.2f}x" if "speedup_vs_reference" in row else "-"
+        coll = f" {row['collective_ms']:>8.3f}" if report["ranks"] > 1 else ""
         print(f"{row['batch']:>5} {row['mean_context']:>7.1f} {row['tokens_per_s']:>10.1f} {row['step_ms']:>8.3f} "
               f"{row['device_step_ms']:>9.3f} {100 * row['host_gap_fraction']:>7.1f}% {100 * row['roofline_fraction']:>7.1f}% "
-              f"{vs:>7}")
+              f"{vs:>7}{coll}")
+    if report["ranks"] > 1:
+        print(f"roofline: one rank's weight and KV bytes over its copy bandwidth; coll ms: the step's "
+              f"{report['ranks']}-rank all-reduces and logits all-gather on their own")
     if report["step_ratio_64_vs_1"] is not None:
         print(f"batch-64 step / batch-1 step: {report['step_ratio_64_vs_1']:.2f}")
     if report["prefill"]:

@@ -7,8 +7,9 @@ import argparse
 
 def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", help="a model folder or name (or use --random)")
-    parser.add_argument("--random", metavar="CONFIG", help="build a random-weight checkpoint of a real config: "
-                        "llama-3.1-8b, qwen3-8b or smollm2-135m (written once under ~/.cache/atlas/bench)")
+    parser.add_argument("--random", metavar="CONFIG", help="a random-weight model of a real config: "
+                        "llama-3.1-8b, llama-3.1-70b, qwen3-8b, qwen3-30b-a3b or smollm2-135m (a folder under "
+                        "~/.cache/atlas/bench; weights generated as they load, written as files for --reference hf)")
     parser.add_argument("--batch-sizes", default="1,16", help="decode batch sizes (default 1,16)")
     parser.add_argument("--input-len", "--context", dest="context", type=int, default=512,
                         help="context of each decoding sequence (default 512)")

@@ -29,6 +29,15 @@ class Ceilings:
 
 
 @dataclass(frozen=True, slots=True)
+class BytesRead:
+    """What a decode step reads on the device that bounds it (on several ranks: the busiest
+    rank's part): every weight once, and the KV of each token of context."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeResult:
     batch: int
     context_len: int
@@ -99,29 +108,42 @@ def _time(backend: GpuBackend, fn, repeats: int) -> float:
 
 
 def weight_bytes_per_step(engine: LoadedEngine) -> int:
-    """Bytes of weights a decode step reads: every matrix once (the embedding only if tied,
-    where it doubles as the lm head); norms included, embedding-row lookups neglected."""
+    """Bytes of weights a decode step reads: every matrix once as the device holds it (FP8
+    projections a byte an element with their scales, the bf16 LM head two), the embedding only if
+    tied, where it doubles as the LM head; norms included, embedding-row lookups neglected."""
     config = engine.config
     embedding_bytes = 2 * config.vocab_size * config.hidden_size
-    total = 2 * config.num_parameters()
+    total = engine.weight_bytes
     return total if config.tie_word_embeddings else total - embedding_bytes
 
 
 def kv_bytes_per_token(engine: LoadedEngine) -> int:
-    config = engine.config
-    itemsize = engine.core.executor.kv.spec.dtype.itemsize
-    return config.kv_bytes_per_token_per_dtype_byte * itemsize
+    """K and V bytes a token of context costs a decode step: those of every attention layer (one
+    of a sliding window reads at most its window; counted in full here)."""
+    caches = engine.core.executor.caches
+    return sum(
+        cache.spec.bytes_per_block // cache.spec.block_size
+        for group, cache in zip(engine.model.cache_groups, caches, strict=True)
+        if group.kind.is_kv
+    )
+
+
+def engine_bytes_read(engine: LoadedEngine) -> BytesRead:
+    """The bytes a decode step of a one-device engine reads."""
+    return BytesRead(weight_bytes_per_step(engine), kv_bytes_per_token(engine))
 
 
 def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_tokens: int,
-                   bandwidth: float, seed: int = 0) -> DecodeResult:
+                   bandwidth: float, seed: int = 0, bytes_read: BytesRead | None = None) -> DecodeResult:
     """`batch` sequences decoding `decode_tokens` timed steps (none finishes inside the window;
     all are aborted after it) at a context of `context_len`: the prompts are shorter by half the
     window (and the first token and a warm-up step), so the timed steps' contexts centre on
     `context_len` instead of all lying past it.
 
-    The roofline counts the KV bytes each timed step really reads (the contexts it scheduled).
+    The roofline counts the KV bytes each timed step really reads (the contexts it scheduled);
+    `bytes_read` defaults to the one-device engine's (`engine_bytes_read`).
     """
+    bytes_read = bytes_read or engine_bytes_read(engine)
     core, worker = engine.core, engine.core.executor
     rng = np.random.default_rng(seed)
     vocab = engine.config.vocab_size
@@ -163,7 +185,7 @@ def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_to
         raise RuntimeError(f"batch {batch}: {len(recorded) - len(decoding)} timed steps were not full decode steps")
     device_step_s = replay_device_time(engine, decoding[len(decoding) // 2])
     mean_context = np.mean([sum(s.context_len for s in b.sequences) for b in decoding])
-    read_bytes = weight_bytes_per_step(engine) + mean_context * kv_bytes_per_token(engine)
+    read_bytes = bytes_read.weight_bytes + mean_context * bytes_read.kv_bytes_per_token
     return DecodeResult(batch, context_len, float(mean_context) / batch, decode_tokens, step_s, device_step_s,
                         read_bytes / bandwidth)
 

@@ -5,12 +5,23 @@ bf16 safetensors, a tokenizer) that Atlas and transformers load alike. The value
 pool of normal samples read at random offsets, so 8 billion parameters take seconds, not the
 minutes i.i.d. sampling would; no two tensors share content and none is zero. The tokenizer is
 a placeholder (one word-level token per id): benchmarks feed token ids, not text.
+
+With `files=False` the folder holds no weights, only `random_weights.json`: Atlas then reads
+`GeneratedWeights`, whose every matrix is a strided view of the same kind of pool (rows at
+staggered offsets), so a 70B model needs no 140 GB of files and a tensor-parallel rank copies
+only its part (transformers cannot load such a folder).
+
+With `fp8=True` the layer projections are written as llm-compressor writes FP8_DYNAMIC models
+(compressed-tensors "float-quantized", one scale per output channel): E4M3 bytes from a pool of
+normal samples quantized once, `<module>.weight_scale` [out, 1] in bf16 around the bf16 model's
+spread; the embedding, norms and LM head stay bf16, as in the published checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +36,7 @@ from atlas.adapters.weights.safetensors import (
     write_index,
 )
 from atlas.app.bench.folders import staged_folder
+from atlas.domain.models.quantization_weights import E4M3, E4M3_MAX, quantized_at_load
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(
@@ -43,6 +55,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645, hidden_act="silu",
         attention_bias=False, torch_dtype="bfloat16",
     ),
+    "llama-3.1-70b": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=8192,
+        intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, hidden_act="silu",
+        attention_bias=False, mlp_bias=False, torch_dtype="bfloat16",
+    ),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+        intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643,
+        eos_token_id=151645, hidden_act="silu", attention_bias=False, torch_dtype="bfloat16",
+    ),
     "smollm2-135m": dict(
         architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -53,10 +82,21 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 _POOL_SIZE = 1 << 26  # 64M bf16 values (128 MB)
 _WEIGHT_STD = 0.02
+GENERATED_MARKER = "random_weights.json"
+_FP8_SPREAD = 4.5  # the pool's E4M3 bytes hold normal samples scaled so 4.5 sigma is 448
+FP8_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"},
+    }},
+    "ignore": ["lm_head"],
+}  # fmt: skip
 
 
 def tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """HF names and shapes of a Llama-family checkpoint for `config`."""
+    """HF names and shapes of a Llama-family (or Qwen3-MoE) checkpoint for `config`."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -70,11 +110,9 @@ def tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
             (f"{prefix}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
             (f"{prefix}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
             (f"{prefix}.post_attention_layernorm.weight", (hidden,)),
-            (f"{prefix}.mlp.gate_proj.weight", (inter, hidden)),
-            (f"{prefix}.mlp.up_proj.weight", (inter, hidden)),
-            (f"{prefix}.mlp.down_proj.weight", (hidden, inter)),
         ]
-        if config["model_type"] == "qwen3":
+        shapes += _feed_forward_shapes(config, prefix)
+        if config["model_type"] in ("qwen3", "qwen3_moe"):
             shapes += [(f"{prefix}.self_attn.q_norm.weight", (head_dim,)), (f"{prefix}.self_attn.k_norm.weight", (head_dim,))]
     shapes.append(("model.norm.weight", (hidden,)))
     if not config.get("tie_word_embeddings"):
@@ -82,26 +120,58 @@ def tensor_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     return shapes
 
 
+def _feed_forward_shapes(config: dict[str, Any], prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+    hidden = config["hidden_size"]
+    if config["model_type"] != "qwen3_moe":
+        inter = config["intermediate_size"]
+        return [(f"{prefix}.mlp.gate_proj.weight", (inter, hidden)), (f"{prefix}.mlp.up_proj.weight", (inter, hidden)),
+                (f"{prefix}.mlp.down_proj.weight", (hidden, inter))]
+    width, experts = config["moe_intermediate_size"], config["num_experts"]
+    shapes = [(f"{prefix}.mlp.gate.weight", (experts, hidden))]
+    for expert in range(experts):
+        name = f"{prefix}.mlp.experts.{expert}"
+        shapes += [(f"{name}.gate_proj.weight", (width, hidden)), (f"{name}.up_proj.weight", (width, hidden)),
+                   (f"{name}.down_proj.weight", (hidden, width))]
+    return shapes
+
+
 def write_random_model(name_or_config: str | dict[str, Any], out_dir: Path | str, seed: int = 0,
-                       progress: bool = True) -> Path:
-    """Write the folder atomically; an existing complete folder with the same config is reused."""
+                       progress: bool = True, files: bool = True, fp8: bool = False) -> Path:
+    """Write the folder atomically; an existing complete folder with the same config is reused.
+    `files=False`: no safetensors, weights generated when read (see the module docstring).
+    `fp8`: the layer projections as a per-channel FP8 checkpoint (see the module's docstring)."""
     config = CONFIGS[name_or_config] if isinstance(name_or_config, str) else dict(name_or_config)
+    if fp8:
+        config = {**config, "quantization_config": FP8_QUANTIZATION_CONFIG}
     out_dir = Path(out_dir).expanduser().resolve()
     config_path = out_dir / "config.json"
     if config_path.exists() and json.loads(config_path.read_text()) == config:
-        return out_dir
+        if not files or any(out_dir.glob("*.safetensors")):
+            return out_dir
     with staged_folder(out_dir) as staging:
-        _write_weights(config, staging, np.random.default_rng(seed), progress)
+        if files:
+            _write_weights(config, staging, np.random.default_rng(seed), progress, fp8)
+        else:
+            (staging / GENERATED_MARKER).write_text(json.dumps({"seed": seed}))
         _write_tokenizer(config, staging)
         (staging / "generation_config.json").write_text(json.dumps({"eos_token_id": config["eos_token_id"]}))
         (staging / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
 
 
-def _write_weights(config: dict[str, Any], folder: Path, rng: np.random.Generator, progress: bool) -> None:
-    pool = (rng.standard_normal(_POOL_SIZE, dtype=np.float32) * _WEIGHT_STD).astype(ml_dtypes.bfloat16)
+def _write_weights(config: dict[str, Any], folder: Path, rng: np.random.Generator, progress: bool,
+                   fp8: bool = False) -> None:
+    normal = rng.standard_normal(_POOL_SIZE, dtype=np.float32)
+    pool = (normal * _WEIGHT_STD).astype(ml_dtypes.bfloat16)
+    fp8_pool = np.clip(normal * (E4M3_MAX / _FP8_SPREAD), -E4M3_MAX, E4M3_MAX).astype(E4M3) if fp8 else None
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    specs = [TensorSpec(name, bf16, shape) for name, shape in tensor_shapes(config)]
+    specs = []
+    for name, shape in tensor_shapes(config):
+        if fp8 and quantized_at_load(name, shape):
+            specs.append(TensorSpec(name, E4M3, shape))
+            specs.append(TensorSpec(name.removesuffix(".weight") + ".weight_scale", bf16, (shape[0], 1)))
+        else:
+            specs.append(TensorSpec(name, bf16, shape))
     shards = plan_shards(specs, 5 << 30)
     filenames = shard_filenames(len(shards))
     total = sum(spec.num_bytes for spec in specs)
@@ -109,7 +179,7 @@ def _write_weights(config: dict[str, Any], folder: Path, rng: np.random.Generato
     for shard, filename in zip(shards, filenames):
         with SafetensorsWriter(folder / filename, shard) as writer:
             for spec in shard:
-                writer.write(spec.name, _tensor(spec, pool, rng))
+                writer.write(spec.name, _tensor(spec, fp8_pool if spec.dtype == E4M3 else pool, rng))
                 written += spec.num_bytes
                 if progress:
                     print(f"\rwriting random weights: {written / 2**30:.1f}/{total / 2**30:.1f} GiB", end="",
@@ -124,6 +194,9 @@ def _tensor(spec: TensorSpec, pool: np.ndarray, rng: np.random.Generator) -> np.
     count = int(np.prod(spec.shape))
     if spec.name.endswith("norm.weight"):
         return (1.0 + 0.05 * rng.standard_normal(count)).astype(ml_dtypes.bfloat16).reshape(spec.shape)
+    if spec.name.endswith(".weight_scale"):  # per row, around the bf16 model's spread
+        spread = _WEIGHT_STD * _FP8_SPREAD / E4M3_MAX
+        return (spread * rng.uniform(0.8, 1.25, size=count)).astype(ml_dtypes.bfloat16).reshape(spec.shape)
     start = int(rng.integers(0, _POOL_SIZE))
     if count <= _POOL_SIZE - start:
         return pool[start : start + count].reshape(spec.shape)
@@ -132,6 +205,49 @@ def _tensor(spec: TensorSpec, pool: np.ndarray, rng: np.random.Generator) -> np.
         pieces.append(pool[: min(remaining, _POOL_SIZE)])
         remaining -= pieces[-1].shape[0]
     return np.concatenate(pieces).reshape(spec.shape)
+
+
+class GeneratedWeights:
+    """The `WeightSource` of a folder written with `files=False`: each tensor a read-only view
+    of a pool of bf16 normal samples, its rows at staggered offsets (rows overlap in part; none
+    is zero), so reading a part copies only that part. Norm weights are 1 + small noise."""
+
+    def __init__(self, config: dict[str, Any], seed: int) -> None:
+        self._shapes = dict(tensor_shapes(config))
+        rng = np.random.default_rng(seed)
+        self._pool = (rng.standard_normal(_POOL_SIZE, dtype=np.float32) * _WEIGHT_STD).astype(ml_dtypes.bfloat16)
+        self._seed = seed
+
+    @classmethod
+    def from_folder(cls, folder: Path, config: dict[str, Any]) -> GeneratedWeights:
+        return cls(config, int(json.loads((folder / GENERATED_MARKER).read_text())["seed"]))
+
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._shapes
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def get(self, name: str) -> np.ndarray:
+        shape = self._shapes[name]
+        rng = np.random.default_rng([self._seed, zlib.crc32(name.encode())])
+        if len(shape) == 1:
+            return (1.0 + 0.05 * rng.standard_normal(shape)).astype(ml_dtypes.bfloat16)
+        rows, columns = shape
+        start = int(rng.integers(0, _POOL_SIZE // 2))
+        step = min(columns, (_POOL_SIZE - start - columns) // max(rows - 1, 1))
+        if step < 1:
+            raise ValueError(f"tensor {name!r} {shape} is too large for the pool of generated weights")
+        itemsize = self._pool.itemsize
+        return np.lib.stride_tricks.as_strided(self._pool[start:], shape, (step * itemsize, itemsize), writeable=False)
+
+
+def open_generated(folder: Path, config: dict[str, Any]) -> GeneratedWeights | None:
+    """The generated weights of a folder written with `files=False`; None for any other folder."""
+    return GeneratedWeights.from_folder(folder, config) if (folder / GENERATED_MARKER).is_file() else None
 
 
 def _write_tokenizer(config: dict[str, Any], folder: Path) -> None:

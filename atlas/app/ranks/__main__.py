@@ -98,7 +98,7 @@ def child_main(fd: int) -> int:
         link.fail_and_wait(f"{type(error).__name__}: {error}", False, _culprit(error))
         return 1
     try:
-        link.send(RankReady())
+        link.send(RankReady(worker.loaded()))
         while True:
             message = link.receive()
             if message is None or isinstance(message, Stop):
@@ -110,7 +110,8 @@ def child_main(fd: int) -> int:
                     traceback.print_exc()
                     link.fail_and_wait(f"{type(error).__name__}: {error}", False, _culprit(error))
                     return 1
-                link.send(StepDone(reply))
+                if message.reply:
+                    link.send(StepDone(reply))
     except OSError:
         return 0  # the driver went away
     finally:

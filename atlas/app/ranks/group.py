@@ -40,10 +40,11 @@ class RankFailure(RuntimeError):
 class RankGroup:
     """The driver's side: `world_size` rank processes running `factory`'s workers.
 
-    `start()` spawns them and waits until each has loaded (raising RankFailure; with
-    is_user_error for a ValueError/MemoryError of the factory); `step(body)` sends one message
-    to every rank and returns each rank's reply in rank order (`submit` + `collect` for a step
-    left in flight); `close()` stops them all and leaves no process behind.
+    `start()` spawns them, waits until each has loaded (raising RankFailure; with
+    is_user_error for a ValueError/MemoryError of the factory) and returns each rank's
+    `loaded()` bytes; `step(body)` sends one message to every rank and returns each rank's reply
+    in rank order (`submit` + `collect` for a step left in flight; `send` for a message whose
+    reply is not wanted); `close()` stops them all and leaves no process behind.
     `step_timeout_s` (None: no limit) bounds a step, for ranks that hang without dying.
     """
 
@@ -92,7 +93,7 @@ class RankGroup:
         return self._failure
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self) -> list[bytes]:
         environment = _rank_environment(self._environment)
         for rank in range(self._world_size):
             try:
@@ -103,7 +104,7 @@ class RankGroup:
             except OSError as error:  # an earlier rank died (its group is gone), or fork failed
                 self.check()
                 self._fail(rank, f"rank {rank} could not be started: {error}")
-        self._await_replies(RankReady, "load", None)
+        return [ready.body for ready in self._await_replies(RankReady, "load", None)]
 
     def _spawn(self, rank: int, environment: dict[str, str]) -> None:
         parent, child = socket.socketpair()
@@ -155,17 +156,35 @@ class RankGroup:
         return self.collect()
 
     def submit(self, body: bytes) -> None:
-        """Send `body` to every rank (one encoding, the same bytes to each)."""
-        self.check()
+        """Send `body` to every rank (one encoding, the same bytes to each); `collect` waits
+        for their replies."""
         if self._in_flight:
             raise RuntimeError("submit: the previous step has not been collected")
-        message = frame(self._encode(Step(body)))
+        self._broadcast(Step(body))
+        self._in_flight = True
+
+    def send(self, body: bytes) -> None:
+        """Send `body` to every rank without waiting for a reply (a rank that fails on it is
+        reported by the next `collect` or `check`)."""
+        self._broadcast(Step(body, reply=False))
+
+    def watch(self, on_failure: Callable[[RankFailure], None]) -> None:
+        """Call `on_failure` (from the thread that notices: a rank's watcher, or a waiting
+        caller) once the group fails; at once if it already has."""
+        with self._lock:
+            self._on_failure = on_failure
+            failure = self._failure
+        if failure is not None:
+            on_failure(failure)
+
+    def _broadcast(self, step: Step) -> None:
+        self.check()
+        message = frame(self._encode(step))
         for rank, sock in enumerate(self._sockets):
             try:
                 sock.sendall(message)
             except OSError:
                 self._fail(rank, f"rank {rank} is gone (its socket closed)")
-        self._in_flight = True
 
     def collect(self) -> list[bytes]:
         """Every rank's reply to the step in flight, in rank order; RankFailure otherwise."""
@@ -242,8 +261,10 @@ class RankGroup:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-            if self._on_failure is not None:
-                self._on_failure(self._failure)
+            with self._lock:
+                on_failure = self._on_failure
+            if on_failure is not None:
+                on_failure(self._failure)
         raise self._failure
 
     def _kill_group(self) -> None:

@@ -21,8 +21,14 @@ class RankContext:
 
 
 class RankWorker(Protocol):
+    def loaded(self) -> bytes:
+        """What the rank tells the driver once the factory returned (how many KV blocks fit,
+        say); `RankGroup.start` returns every rank's."""
+        ...
+
     def step(self, body: bytes) -> bytes:
-        """Run one step given the driver's message; the reply goes back to the driver."""
+        """Run one step given the driver's message; the reply goes back to the driver when it
+        asked for one (`RankGroup.submit`), and is dropped otherwise (`RankGroup.send`)."""
         ...
 
     def close(self) -> None:
@@ -44,6 +50,7 @@ class StartRank(msgspec.Struct, tag=True):
 
 class Step(msgspec.Struct, tag=True):
     body: bytes
+    reply: bool = True  # False: the driver does not wait for this step's StepDone
 
 
 class Stop(msgspec.Struct, tag=True):
@@ -51,7 +58,7 @@ class Stop(msgspec.Struct, tag=True):
 
 
 class RankReady(msgspec.Struct, tag=True):
-    pass
+    body: bytes = b""  # RankWorker.loaded()
 
 
 class StepDone(msgspec.Struct, tag=True):

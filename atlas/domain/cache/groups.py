@@ -1,21 +1,20 @@
 """Cache groups: one kind of per-sequence state each, with the rules of how much a sequence needs.
 
-A model declares its groups as data (`CacheGroupSpec`): the layers of one full-attention
-(heads, head dim) shape share one group; sliding-window layers of one window another; recurrent
-layers (conv + SSM state) a state group. Each group has its own pool of pages (KV blocks, or
-state slots) and answers, for the `CacheManager`, four questions: how many pages a sequence of
+A model declares its groups as data (`atlas.domain.models.cache_groups.CacheGroupSpec`): the
+layers of one full-attention (heads, head dim) shape share one group; sliding-window layers of
+one window another; recurrent layers (conv + SSM state) a state group. Each group here holds
+its declaration and its own pool of pages (KV blocks, or state slots) and answers, for the `CacheManager`, four questions: how many pages a sequence of
 n tokens holds, which of its blocks a computation from position p still reads, which cached
 blocks a prefix hit needs, and how long a sequence can ever get.
 
     full attention   blocks 0 .. ceil(n / B) - 1, all kept
     sliding window   blocks that hold the last `window` positions; earlier ones are released
                        window 8, B 4, next position 13: reads 6 .. 13 -> blocks 1 .. 3; block 0 goes
-    recurrent state  one slot, whatever n (no prefix hits: state snapshots are not kept yet)
+    recurrent state  one slot, whatever n (no prefix hits: see `StateSlotGroup`)
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,37 +22,14 @@ from typing import Protocol
 from atlas.domain.cache.block_pool import BlockPool
 from atlas.domain.cache.holdings import GroupHolding
 from atlas.domain.cache.radix_tree import RadixNode
+from atlas.domain.models.cache_groups import CacheGroupKind, CacheGroupSpec
 
 
-class CacheGroupKind(enum.Enum):
-    FULL_ATTENTION = "full_attention"
-    SLIDING_WINDOW = "sliding_window"
-    RECURRENT_STATE = "recurrent_state"
-
-    @property
-    def is_kv(self) -> bool:
-        """Paged KV (block tables), as opposed to one state slot per sequence."""
-        return self is not CacheGroupKind.RECURRENT_STATE
-
-
-@dataclass(frozen=True, slots=True)
-class CacheGroupSpec:
-    """One cache group as a model declares it. Raises ValueError for an inconsistent spec."""
-
-    kind: CacheGroupKind
-    layer_ids: tuple[int, ...] = ()  # the model's layers whose state lives in this group
-    num_kv_heads: int = 0  # KV groups: the page shape the worker allocates
-    head_dim: int = 0
-    window: int | None = None  # SLIDING_WINDOW: a token attends to itself and the window - 1 before it
-
-    def __post_init__(self) -> None:
-        if (self.kind is CacheGroupKind.SLIDING_WINDOW) != (self.window is not None):
-            raise ValueError(f"a {self.kind.value} group {'needs' if self.window is None else 'has no'} window")
-        if self.window is not None and self.window < 2:
-            raise ValueError(f"a sliding window must cover at least 2 tokens (got {self.window})")
-
-
-FULL_ATTENTION = CacheGroupSpec(CacheGroupKind.FULL_ATTENTION)
+def window_pages(window: int, num_tokens: int, block_size: int) -> int:
+    """The most blocks a sequence holds in a sliding-window group while computing `num_tokens`
+    tokens in one step: the window - 1 positions before the step and the step's own, and a run
+    of L positions touches at most ceil((L - 1) / block_size) + 1 blocks."""
+    return -(-(window + num_tokens - 2) // block_size) + 1
 
 
 class CacheGroup(Protocol):
@@ -65,6 +41,11 @@ class CacheGroup(Protocol):
     @property
     def is_prefix_closed(self) -> bool:
         """Whether a cached page is useful only below its parent's (the radix tree's rule)."""
+        ...
+
+    @property
+    def serves_prefix_hits(self) -> bool:
+        """Whether a sequence can ever start from this group's cached pages."""
         ...
 
     def num_pages(self, num_tokens: int) -> int:
@@ -117,6 +98,10 @@ class KvGroup:
     def is_prefix_closed(self) -> bool:
         return self.spec.window is None
 
+    @property
+    def serves_prefix_hits(self) -> bool:
+        return True
+
     def num_pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -152,17 +137,22 @@ class KvGroup:
     def max_step_pages(self, num_tokens: int) -> int | None:
         if self.spec.window is None:
             return None
-        # the window - 1 positions before the step and the step's own: a run of L positions
-        # touches at most ceil((L - 1) / block_size) + 1 blocks
-        return -(-(self.spec.window + num_tokens - 2) // self.block_size) + 1
+        return window_pages(self.spec.window, num_tokens, self.block_size)
 
 
 class StateSlotGroup:
     """Recurrent-state slots (conv + SSM state), one per running sequence.
 
-    Its pool's pages are slots (`block_size` 1). Prefix hits would need snapshots of the
-    state at block boundaries, which are not kept yet, so this group serves no hit: a model with
-    recurrent layers computes every prompt in full.
+    Its pool's pages are slots (`block_size` 1). A slot's state is reset by the kernels, not
+    here: a sequence computing from its first token starts from zero (`RecurrentMetadata`), so
+    a new or preempted sequence never reads what a slot held before.
+
+    Prefix hits would need the state at the hit's last block boundary, which is not kept, so
+    this group serves no hit and a model with recurrent layers computes every prompt in full.
+    Keeping it needs the recurrent kinds to write the state at block boundaries inside a step
+    (their chunked form has it only at chunk ends) into snapshot pages, and a copy from a
+    snapshot into a slot at admission; a snapshot is a whole state (some 75 MiB for
+    Qwen3-Next-80B), so only a few per prompt are affordable (docs/architecture.md).
     """
 
     __slots__ = ("spec", "pool")
@@ -179,6 +169,10 @@ class StateSlotGroup:
     @property
     def is_prefix_closed(self) -> bool:
         return False
+
+    @property
+    def serves_prefix_hits(self) -> bool:
+        return False  # no state snapshots (see the class docstring)
 
     def num_pages(self, num_tokens: int) -> int:
         return 1 if num_tokens > 0 else 0

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from atlas.domain.batch import BlockTable
 from atlas.domain.cache.block_key import BlockKey
 from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.groups import FULL_ATTENTION, CacheGroup, KvGroup
+from atlas.domain.cache.groups import CacheGroup, KvGroup, StateSlotGroup
 from atlas.domain.cache.holdings import CacheHoldings
 from atlas.domain.cache.radix_tree import NoPrefixCache, RadixNode, RadixTree
+from atlas.domain.models.cache_groups import CacheGroupSpec
 from atlas.domain.requests import ParameterError
 from atlas.domain.sequence import Sequence
 
@@ -101,9 +102,32 @@ class CacheManager:
 
     @classmethod
     def build(cls, groups: SequenceList[CacheGroup], prefix_caching: bool) -> CacheManager:
-        """A manager with a radix prefix cache, or with `NoPrefixCache` when caching is off."""
-        tree = RadixTree([group.is_prefix_closed for group in groups]) if prefix_caching else NoPrefixCache(len(groups))
+        """A manager with a radix prefix cache, or with `NoPrefixCache` when caching is off or
+        some group serves no prefix hit (recurrent state): a hit needs every group, so nothing
+        cached could be reused."""
+        caching = prefix_caching and all(group.serves_prefix_hits for group in groups)
+        tree = RadixTree([group.is_prefix_closed for group in groups]) if caching else NoPrefixCache(len(groups))
         return cls(groups, tree)
+
+    @classmethod
+    def for_groups(
+        cls, specs: SequenceList[CacheGroupSpec], num_pages: SequenceList[int], block_size: int, prefix_caching: bool
+    ) -> CacheManager:
+        """A manager over a model's declared cache groups: group i gets a pool of `num_pages[i]`
+        pages (KV blocks of `block_size` tokens, or state slots). Raises ValueError like the
+        constructor, or when the counts do not match the groups."""
+        if len(num_pages) != len(specs):
+            raise ValueError(f"{len(num_pages)} page counts for {len(specs)} cache groups")
+        groups: list[CacheGroup] = [
+            KvGroup(spec, BlockPool(count, block_size)) if spec.kind.is_kv else StateSlotGroup(spec, BlockPool(count, 1))
+            for spec, count in zip(specs, num_pages, strict=True)
+        ]
+        return cls.build(groups, prefix_caching)
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Whether blocks are kept for later prompts (caching on, and every group can serve a hit)."""
+        return isinstance(self.tree, RadixTree)
 
     def begin_step(self) -> None:
         """A new step is being built: blocks computed by earlier steps are readable now."""
@@ -417,8 +441,3 @@ class CacheManager:
         for block_idx in range(len(keys), num_blocks):
             keys.append(BlockKey(seq.tokens_slice(block_idx * size, (block_idx + 1) * size)))
         return keys
-
-
-def full_attention_cache(pool: BlockPool, prefix_caching: bool = True) -> CacheManager:
-    """Today's models: one full-attention KV group over `pool`."""
-    return CacheManager.build([KvGroup(FULL_ATTENTION, pool)], prefix_caching)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from atlas.domain.models import llama
+from atlas.domain.models import gemma3, gpt_oss, llama, qwen3_moe, qwen3_next
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.model import Model
 from atlas.ports.gpu import GpuBackend, Kind, require_kinds
@@ -21,7 +21,13 @@ class Family:
     load: Callable[..., Model]
 
 
-_FAMILIES: dict[str, Family] = {name: Family(llama.kinds, llama.load_llama_family) for name in llama.ARCHITECTURES}
+_FAMILIES: dict[str, Family] = {
+    **{name: Family(llama.kinds, llama.load_llama_family) for name in llama.ARCHITECTURES},
+    **{name: Family(qwen3_moe.kinds, qwen3_moe.load_qwen3_moe) for name in qwen3_moe.ARCHITECTURES},
+    **{name: Family(gemma3.kinds, gemma3.load_gemma3) for name in gemma3.ARCHITECTURES},
+    **{name: Family(gpt_oss.kinds, gpt_oss.load_gpt_oss) for name in gpt_oss.ARCHITECTURES},
+    **{name: Family(qwen3_next.kinds, qwen3_next.load_qwen3_next) for name in qwen3_next.ARCHITECTURES},
+}
 
 
 class UnsupportedArchitectureError(ValueError):

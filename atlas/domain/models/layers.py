@@ -16,8 +16,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from atlas.ports.gpu import GpuBackend, Kind, Tensor, leading_block
-from atlas.ports.kernels.attention import AttentionMetadata
-from atlas.ports.kernels.recurrent import RecurrentMetadata
+from atlas.ports.kernels.attention import AttentionMetadata, KvCache
+from atlas.ports.kernels.recurrent import RecurrentMetadata, RecurrentState
+
+# What a step tells each cache group's layers: where the tokens' K/V go and what they attend to
+# (a KV group), or which state slot each sequence carries (a recurrent group).
+GroupMetadata = AttentionMetadata | RecurrentMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +57,28 @@ class Workspace:
 
 @dataclass(frozen=True, slots=True)
 class LayerStep:
-    """What a layer reads in one step: the backend, where the tokens sit, the caches of every
-    cache group (in `Model.cache_groups` order) and the workspace."""
+    """What a layer reads in one step: the backend, the step's metadata and the cache of every
+    cache group (both in `Model.cache_groups` order) and the workspace."""
 
     backend: GpuBackend
     num_tokens: int
-    meta: AttentionMetadata
-    recurrent: RecurrentMetadata | None
+    metadata: Sequence[GroupMetadata]
     caches: Sequence[object]
     workspace: Workspace
+
+    def attention(self, group: int) -> tuple[AttentionMetadata, KvCache]:
+        """KV group `group`'s metadata and cache; ValueError if it is a recurrent group."""
+        meta = self.metadata[group]
+        if not isinstance(meta, AttentionMetadata):
+            raise ValueError(f"cache group {group} is a recurrent-state group, not a KV group an attention layer reads")
+        return meta, self.caches[group]  # type: ignore[return-value]
+
+    def recurrent(self, group: int) -> tuple[RecurrentMetadata, RecurrentState]:
+        """Recurrent group `group`'s metadata and state slots; ValueError if it is a KV group."""
+        meta = self.metadata[group]
+        if not isinstance(meta, RecurrentMetadata):
+            raise ValueError(f"cache group {group} is a KV group, not the recurrent-state group a recurrent layer reads")
+        return meta, self.caches[group]  # type: ignore[return-value]
 
     def scratch(self, index: int, width: int) -> Tensor:
         """Scratch buffer `index` as [num_tokens, width]."""
@@ -73,11 +90,6 @@ class LayerStep:
         if ids is None or weights is None:
             raise ValueError("the workspace has no routing buffers (no MoE layer was declared)")
         return leading_block(ids, self.num_tokens, top_k), leading_block(weights, self.num_tokens, top_k)
-
-    def recurrent_metadata(self) -> RecurrentMetadata:
-        if self.recurrent is None:
-            raise ValueError("this step carries no recurrent state slots (RecurrentMetadata) for a recurrent layer")
-        return self.recurrent
 
 
 class Mixer(Protocol):

@@ -8,14 +8,14 @@ kinds, fusing q/k/v and gate/up into single projections; the backend prepares ea
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from atlas.domain.models.cache_groups import CacheGroup, KvShape, group_caches, locate
+from atlas.domain.models import decoder
+from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, group_caches, locate
 from atlas.domain.models.checkpoint import CheckpointReader
-from atlas.domain.models.config import ModelConfig, ModelConfigError
+from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.feed_forward import DenseFeedForward
 from atlas.domain.models.layers import Layer
 from atlas.domain.models.mixers import AttentionMixer
+from atlas.domain.models.quantization_config import read_quantization
 from atlas.domain.models.model import Model
 from atlas.domain.models.rope import rope_table
 from atlas.ports.gpu import DType, GpuBackend, Kind, Tensor
@@ -31,10 +31,6 @@ ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 
-ACTIVATIONS = {"silu": Activation.SILU, "swish": Activation.SILU, "gelu_pytorch_tanh": Activation.GELU_TANH}
-
-ProgressCallback = Callable[[int, int], None]
-
 
 def kinds(config: ModelConfig) -> frozenset[Kind]:
     """The kernel kinds a model of this family calls."""
@@ -46,13 +42,12 @@ def load_llama_family(
     weights: WeightSource,
     backend: GpuBackend,
     max_positions: int,
-    progress: ProgressCallback | None = None,
+    progress: decoder.ProgressCallback | None = None,
 ) -> Model:
-    """Build a `Model` from a Llama-family checkpoint; raises WeightError naming a bad tensor."""
-    activation = ACTIVATIONS.get(config.hidden_act)
-    if activation is None:
-        raise ModelConfigError(f"hidden_act {config.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-    reader = CheckpointReader(weights)
+    """Build a `Model` from a Llama-family checkpoint (float, or FP8 projections as
+    config.json's quantization_config describes them); raises WeightError naming a bad tensor."""
+    activation = decoder.activation(config)
+    reader = CheckpointReader(weights, read_quantization(config.raw))
     hidden, eps = config.hidden_size, config.rms_norm_eps
     total_steps = config.num_layers + 2
     groups = group_caches([KvShape(config.num_kv_heads, config.head_dim, config.sliding_window)] * config.num_layers)
@@ -87,7 +82,7 @@ def _layer(
     index: int,
     activation: Activation,
     table: Tensor,
-    groups: tuple[CacheGroup, ...],
+    groups: tuple[CacheGroupSpec, ...],
 ) -> Layer:
     prefix = f"model.layers.{index}"
     hidden, head_dim, eps = config.hidden_size, config.head_dim, config.rms_norm_eps
@@ -97,10 +92,7 @@ def _layer(
         (f"{prefix}.self_attn.k_proj", heads.kv_size),
         (f"{prefix}.self_attn.v_proj", heads.kv_size),
     ]
-    qkv = HostLinear(
-        reader.stacked([(f"{name}.weight", (rows, hidden)) for name, rows in projections]),
-        reader.stacked([(f"{name}.bias", (rows,)) for name, rows in projections]) if config.attention_bias else None,
-    )
+    qkv = reader.stacked_linear(projections, hidden, bias=config.attention_bias)
     q_norm = k_norm = None
     if config.qk_norm:
         q_norm = reader.norm(f"{prefix}.self_attn.q_norm.weight", head_dim, eps)
@@ -118,16 +110,13 @@ def _layer(
         hidden_size=hidden,
     )
     intermediate = config.intermediate_size
-    gate_up = reader.stacked(
-        [
-            (f"{prefix}.mlp.gate_proj.weight", (intermediate, hidden)),
-            (f"{prefix}.mlp.up_proj.weight", (intermediate, hidden)),
-        ]
+    gate_up = reader.stacked_linear(
+        [(f"{prefix}.mlp.gate_proj", intermediate), (f"{prefix}.mlp.up_proj", intermediate)], hidden
     )
     feed_forward = DenseFeedForward(
         gate_up=dense.prepare(
             HostProjection(
-                HostLinear(gate_up),
+                gate_up,
                 input_norm=reader.norm(f"{prefix}.post_attention_layernorm.weight", hidden, eps),
                 activation=activation,
             )

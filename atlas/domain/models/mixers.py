@@ -35,11 +35,11 @@ class AttentionMixer:
 
     def forward(self, step: LayerStep, residual: Tensor) -> None:
         attention, dense = step.backend.attention, step.backend.dense
+        meta, cache = step.attention(self.group)
         queries = step.scratch(0, self.spec.q_width)
         attended = step.scratch(1, self.spec.heads.q_size)
-        cache = step.caches[self.group]
-        attention.project(residual, self.attention, step.meta, cache, queries)
-        attention.attend(queries, self.attention, step.meta, cache, attended)
+        attention.project(residual, self.attention, meta, cache, queries)
+        attention.attend(queries, self.attention, meta, cache, attended)
         dense.project_add(attended, self.output, residual)
 
 
@@ -68,7 +68,7 @@ class DeltaNetMixer:
 
     def forward(self, step: LayerStep, residual: Tensor) -> None:
         recurrent, dense = step.backend.recurrent, step.backend.dense
-        meta, state = step.recurrent_metadata(), step.caches[self.group]
+        meta, state = step.recurrent(self.group)
         projected = step.scratch(0, self.spec.projected_width)
         mixed = step.scratch(1, self.spec.conv_dim)
         out = step.scratch(2, self.spec.value_dim)

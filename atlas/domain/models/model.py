@@ -18,15 +18,18 @@ gate_up GEMV, down adding into the residual) is its business, behind the kinds o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from atlas.domain.models.cache_groups import CacheGroup, KvShape
-from atlas.domain.models.layers import Layer, LayerStep, Workspace
+from atlas.domain.models.cache_groups import CacheGroupSpec
+from atlas.domain.models.layers import GroupMetadata, Layer, LayerStep, Workspace
 from atlas.ports.gpu import DType, GpuBackend, Kind, Tensor
-from atlas.ports.kernels.attention import AttentionMetadata
 from atlas.ports.kernels.dense import Vocab
-from atlas.ports.kernels.recurrent import RecurrentMetadata
+
+# Called after layer i with the residual stream [N, H] it left (a view the next layer
+# overwrites: copy what you keep). `atlas doctor` reads every layer's hidden state through it.
+LayerObserver = Callable[[int, Tensor], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,25 +37,56 @@ class StepTensors:
     """The device inputs of one step (views of the runner's persistent buffers)."""
 
     token_ids: Tensor  # [N] i32
-    meta: AttentionMetadata
+    metadata: tuple[GroupMetadata, ...]  # one per cache group, in `Model.cache_groups` order
     sample_indices: Tensor | None  # [R] i32: rows of the step whose next token is sampled; None: all, in order
-    recurrent: RecurrentMetadata | None = None  # the state slots, for models with recurrent layers
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+
+class VocabEnds(Protocol):
+    """The loop's two ends: token ids into the residual stream, and the logits of sampled rows."""
+
+    def embed(self, backend: GpuBackend, token_ids: Tensor, out: Tensor) -> None:
+        """out [N, H] = the embedding rows of token_ids [N] i32."""
+        ...
+
+    def logits(self, backend: GpuBackend, hidden: Tensor, out: Tensor) -> None:
+        """out [R, V] f32 = the logits of hidden [R, H] (only read)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceVocab:
+    """The vocabulary on one device: the dense kind's `embed` and `logits`."""
+
+    vocab: Vocab
+
+    def embed(self, backend: GpuBackend, token_ids: Tensor, out: Tensor) -> None:
+        backend.dense.embed(token_ids, self.vocab, out)
+
+    def logits(self, backend: GpuBackend, hidden: Tensor, out: Tensor) -> None:
+        backend.dense.logits(hidden, self.vocab, out)
 
 
 class Model:
-    """A loaded model: its prepared weights on a backend and the forward loop over them."""
+    """A loaded model: its prepared weights on a backend and the forward loop over them.
+    `ends` replaces the dense kind's vocabulary ends (a tensor-parallel rank's split vocabulary)."""
 
     def __init__(
         self,
         backend: GpuBackend,
         vocab: Vocab,
         layers: Sequence[Layer],
-        cache_groups: Sequence[CacheGroup],
+        cache_groups: Sequence[CacheGroupSpec],
         hidden_size: int,
         vocab_size: int,
+        ends: VocabEnds | None = None,
     ) -> None:
         self.backend = backend
         self.vocab = vocab
+        self.ends = ends if ends is not None else DeviceVocab(vocab)
         self.layers = tuple(layers)
         self.cache_groups = tuple(cache_groups)
         self.hidden_size = hidden_size
@@ -65,18 +99,6 @@ class Model:
         for layer in self.layers:
             kinds |= layer.mixer.kinds | layer.feed_forward.kinds
         return frozenset(kinds)
-
-    def single_kv_group(self) -> KvShape:
-        """The shape of the model's KV cache where it is one group of every layer, the one the
-        engine serves today; `ValueError` naming the groups otherwise."""
-        groups = self.cache_groups
-        if len(groups) == 1 and isinstance(groups[0].shape, KvShape) and len(groups[0].layers) == len(self.layers):
-            return groups[0].shape
-        described = ", ".join(f"{type(g.shape).__name__} of {len(g.layers)} layers" for g in groups)
-        raise ValueError(
-            f"this model keeps its per-sequence state in several cache groups ({described}); the engine serves "
-            "a single KV cache group of every layer today"
-        )
 
     def allocate_workspace(self, max_tokens: int, max_sample_rows: int) -> Workspace:
         backend = self.backend
@@ -104,25 +126,37 @@ class Model:
         return max_tokens * per_token + max_sample_rows * per_row
 
     def forward(
-        self, step: StepTensors, caches: Sequence[object], workspace: Workspace, num_sample_rows: int
+        self,
+        step: StepTensors,
+        caches: Sequence[object],
+        workspace: Workspace,
+        num_sample_rows: int,
+        observer: LayerObserver | None = None,
     ) -> Tensor:
         """Run every layer over the step's tokens; return logits [num_sample_rows, V] (a view).
-        `caches`: one per cache group, in `cache_groups` order."""
+        `caches`: one per cache group, in `cache_groups` order (as `step.metadata`); ValueError
+        for another count. `observer` sees the residual stream after each layer."""
+        if len(caches) != len(self.cache_groups) or len(step.metadata) != len(self.cache_groups):
+            raise ValueError(
+                f"{len(caches)} caches and {len(step.metadata)} metadata for {len(self.cache_groups)} cache groups"
+            )
         backend = self.backend
-        num_tokens = step.meta.num_tokens
+        num_tokens = step.num_tokens
         residual = workspace.residual.rows(0, num_tokens)
-        backend.dense.embed(step.token_ids, self.vocab, residual)
-        layer_step = LayerStep(backend, num_tokens, step.meta, step.recurrent, caches, workspace)
-        for layer in self.layers:
+        self.ends.embed(backend, step.token_ids, residual)
+        layer_step = LayerStep(backend, num_tokens, step.metadata, caches, workspace)
+        for index, layer in enumerate(self.layers):
             layer.mixer.forward(layer_step, residual)
             layer.feed_forward.forward(layer_step, residual)
+            if observer is not None:
+                observer(index, residual)
         logits = workspace.logits.rows(0, num_sample_rows)
         if step.sample_indices is None:  # a decode step samples every row: no gather
             sample_hidden = residual.rows(0, num_sample_rows)
         else:
             sample_hidden = workspace.sample_hidden.rows(0, num_sample_rows)
             backend.gather_rows(residual, step.sample_indices, sample_hidden)
-        backend.dense.logits(sample_hidden, self.vocab, logits)
+        self.ends.logits(backend, sample_hidden, logits)
         return logits
 
     def _needs(self) -> tuple[list[int], int, int]:

@@ -12,28 +12,28 @@ import math
 
 import numpy as np
 
-from atlas.domain.models.config import ModelConfig, RopeScaling
+from atlas.domain.models.config import ModelConfig, Rope, RopeScaling
 
 
-def rope_table(config: ModelConfig, max_positions: int) -> np.ndarray:
-    """[max_positions, rotary_dim] float32: cos | sin, scaled by the attention factor (yarn)."""
-    inverse_frequencies, attention_factor = _inverse_frequencies(
-        config.rope_theta, config.rotary_dim, config.rope_scaling, config.max_position_embeddings
-    )
-    angles = np.arange(max_positions, dtype=np.float64)[:, None] * inverse_frequencies.astype(np.float64)[None, :]
+def rope_table(config: ModelConfig, max_positions: int, rope: Rope | None = None) -> np.ndarray:
+    """[max_positions, rotary_dim] float32: cos | sin, scaled by the attention factor (yarn).
+    `rope`: the RoPE of a layer type (`ModelConfig.layer_rope`); None: the config's main one."""
+    rope = rope or Rope(config.rope_theta, config.rope_scaling)
+    frequencies, attention_factor = inverse_frequencies(rope, config.rotary_dim, config.max_position_embeddings)
+    angles = np.arange(max_positions, dtype=np.float64)[:, None] * frequencies.astype(np.float64)[None, :]
     table = np.concatenate([np.cos(angles), np.sin(angles)], axis=1) * attention_factor
     return table.astype(np.float32)
 
 
-def _inverse_frequencies(
-    theta: float, rotary_dim: int, scaling: RopeScaling, max_position_embeddings: int
-) -> tuple[np.ndarray, float]:
+def inverse_frequencies(rope: Rope, rotary_dim: int, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    """([rotary_dim / 2] float32 inverse frequencies, the factor cos and sin are scaled by)."""
+    theta, scaling = rope.theta, rope.scaling
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / np.float32(rotary_dim)
     base_frequencies = np.float32(1.0) / (np.float32(theta) ** exponents)
     if scaling.kind == "default":
         return base_frequencies, 1.0
     if scaling.kind == "linear":
-        return base_frequencies / np.float32(scaling.factor), 1.0
+        return base_frequencies / np.float32(scaling.factor or 1.0), 1.0
     if scaling.kind == "llama3":
         return _llama3(base_frequencies, scaling, max_position_embeddings), 1.0
     if scaling.kind == "yarn":
@@ -43,15 +43,16 @@ def _inverse_frequencies(
 
 def _llama3(frequencies: np.ndarray, scaling: RopeScaling, max_position_embeddings: int) -> np.ndarray:
     """Llama 3.1: long wavelengths are divided by `factor`, short ones kept, a smooth ramp between."""
+    factor = scaling.factor or 1.0
     original_context = scaling.original_max_position_embeddings or max_position_embeddings
     low_frequency_wavelength = original_context / scaling.low_freq_factor
     high_frequency_wavelength = original_context / scaling.high_freq_factor
     wavelengths = 2 * math.pi / frequencies
-    scaled = np.where(wavelengths > low_frequency_wavelength, frequencies / scaling.factor, frequencies)
+    scaled = np.where(wavelengths > low_frequency_wavelength, frequencies / factor, frequencies)
     smooth = (original_context / wavelengths - scaling.low_freq_factor) / (
         scaling.high_freq_factor - scaling.low_freq_factor
     )
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelengths >= high_frequency_wavelength) & (wavelengths <= low_frequency_wavelength)
     return np.where(is_medium, smoothed, scaled).astype(np.float32)
 
@@ -59,9 +60,11 @@ def _llama3(frequencies: np.ndarray, scaling: RopeScaling, max_position_embeddin
 def _yarn(
     theta: float, rotary_dim: int, exponents: np.ndarray, scaling: RopeScaling, max_position_embeddings: int
 ) -> tuple[np.ndarray, float]:
-    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale attention."""
+    """YaRN: interpolate low frequencies, extrapolate high ones, ramp between; scale attention
+    (cos and sin) by the attention factor, 0.1 ln(factor) + 1 unless the config gives it."""
     original_context = scaling.original_max_position_embeddings or max_position_embeddings
-    factor = scaling.factor
+    # DeepSeek-style configs leave out the factor: the context they were stretched to says it.
+    factor = scaling.factor if scaling.factor is not None else max_position_embeddings / original_context
 
     def mscale(scale: float, multiplier: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * multiplier * math.log(scale) + 1.0
@@ -76,8 +79,10 @@ def _yarn(
     def correction_dim(num_rotations: float) -> float:
         return (rotary_dim * math.log(original_context / (num_rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(scaling.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(scaling.beta_slow)), rotary_dim - 1)
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:  # whole dimensions (GPT-OSS ramps between the exact ones instead)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001
     ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)

@@ -54,9 +54,12 @@ class SequenceText:
         """Turn an engine output into a text delta (empty once finished)."""
         if self._finished:
             return TextDelta("", (), None, None, (), output.num_prompt_tokens, output.num_output_tokens)
-        if output.new_token_ids:
-            self._last_token_id = output.new_token_ids[-1]
-        text = self._detokenizer.push(output.new_token_ids)
+        token_ids = output.new_token_ids
+        if token_ids:
+            self._last_token_id = token_ids[-1]
+            if output.finish_reason is FinishReason.STOP and token_ids[-1] in self._eos_ids:
+                token_ids = token_ids[:-1]  # the end of sequence is never text (kept special tokens or not)
+        text = self._detokenizer.push(token_ids)
         finish_reason = output.finish_reason
         if finish_reason is not None:
             text += self._detokenizer.flush()

@@ -97,6 +97,10 @@ class AttentionMetadata:
         positions       = [0 1 2 3 4 | 39 | 16 17 18]
         slot_mapping[t] = block_tables[s][pos // block_size] * block_size + pos % block_size
 
+    Each KV cache group of a model has its own slot mapping and block table (a sliding-window
+    group's table may point entries its window no longer reads at any page, and a row may be
+    wider than the blocks it names: only entries of positions in the context are read).
+
     The tensors are device buffers the runner updates in place, so a captured graph replays
     with new contents. The integers are host-side bounds the backend may use to pick kernels;
     a graph captured with given bounds is only replayed for steps within them.

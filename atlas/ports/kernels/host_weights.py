@@ -30,12 +30,15 @@ class HostLinear:
     """A projection: y = x @ weight.T + bias, or a stack of them (the experts of an MoE layer).
 
     weight [..., out, in]: float values (a backend stores them in its weight dtype, bf16 on both
-        backends today), or, with `scales`, quantized values (FP8 E4M3) that stand for
-        weight * scale.
+        backends today), or, with `scales`, quantized values (FP8 E4M3, ml_dtypes'
+        float8_e4m3fn) that stand for weight * scale: `values()` is their exact meaning.
     bias [..., out] or None.
-    scales: None for float weights. Per output channel [..., out], or per block
-        [..., ceil(out / block_shape[0]), ceil(in / block_shape[1])].
-    block_shape: (rows, columns) of a scale's block; None for per-channel scales.
+    scales: None for float weights. float32 multipliers per output channel [..., out] (a
+        per-tensor scale arrives as one per channel), or per block
+        [..., ceil(out / block_shape[0]), ceil(in / block_shape[1])], the last row and column of
+        blocks possibly partial. Leading dims stack an MoE layer's experts, each with its own.
+    block_shape: (rows, columns) of a scale's block, (128, 128) in published checkpoints; None
+        for per-channel scales.
 
     A tensor-parallel shard is the HostLinear of the rows (column-parallel) or the columns
     (row-parallel) its rank holds, with the bias on one rank only; nothing else changes.

@@ -70,6 +70,10 @@ class HostMoe:
     down: [E, H, I], biases [E, H] optional.
     selection_bias: [E] f32 added to the scores to choose experts, not to weigh them
         (DeepSeek-V3's correction bias); None: 0.
+    first_expert: an expert-parallel rank's share. gate_up and down (and their biases) then
+        hold experts first_expert .. first_expert + H - 1 of the E the router scores (H their
+        leading dimension); `experts` adds those experts' contributions only (the ranks' parts
+        are summed by an all-reduce). 0 with all E held: the whole layer.
     """
 
     input_norm: RmsNorm
@@ -80,6 +84,7 @@ class HostMoe:
     routing: Routing
     selection_bias: np.ndarray | None = None
     shared: HostSharedExpert | None = None
+    first_expert: int = 0
 
 
 class PreparedMoe(Protocol):
@@ -107,5 +112,6 @@ class MoeKernels(Protocol):
     ) -> None:
         """residual[t] += sum over k of expert_weights[t, k] * E_{expert_ids[t, k]}(normed[t])
         + the shared expert of normed[t], where E_e(x) = (act(x @ gate_up[e].T + b) @ down[e].T + b).
-        normed [N, H], residual [N, H]; ids and weights as `route` wrote them."""
+        normed [N, H], residual [N, H]; ids and weights as `route` wrote them. Only the experts
+        held (`HostMoe.first_expert`) contribute; ids of others are skipped."""
         ...

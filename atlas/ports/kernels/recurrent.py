@@ -60,6 +60,11 @@ class RecurrentMetadata:
     seq_lens[s] tokens; its state lives in slot state_slots[s]. A sequence whose tokens are its
     whole context (seq_lens[s] equals its token count) starts from zero state; any other
     continues from the slot's. Afterwards the slot holds the state after its last token.
+
+    That one rule is what the scheduler relies on: a new sequence, and a preempted one that
+    recomputes from its first token, start from zero whatever a slot held before; the chunks of
+    a long prompt carry the state from one step to the next. A captured graph's padding rows are
+    one-token fresh sequences in a scratch slot, so they read no state either.
     """
 
     query_start_loc: Tensor  # [S + 1] i32

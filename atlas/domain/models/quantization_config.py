@@ -1,4 +1,4 @@
-"""FP8 checkpoints: which `quantization_config` Atlas loads, and the exact host math of their weights.
+"""FP8 checkpoints: which `quantization_config` Atlas loads, and which modules it quantizes how.
 
 Accepted (anything else is refused by `read_quantization` with a one-line `QuantizationError`):
 
@@ -16,6 +16,8 @@ Accepted (anything else is refused by `read_quantization` with a one-line `Quant
     activation_scheme dynamic, or static with per-tensor weights (`input_scale`)
     modules            every Linear but `modules_to_not_convert` / `ignored_layers` (transformers'
                        rule: a regex ending at a module boundary, or a suffix)
+  quant_method "mxfp4" for GPT-OSS only, whose loader dequantizes the MXFP4 experts to bf16 at
+    load (`mxfp4.py`); `read_quantization` returns None for it, the weights being float after.
 
 MoE experts are Linear modules like any other (`...mlp.experts.7.gate_proj`), and stacked
 expert tensors [E, out, in] carry scales with the same leading dim. Every scale multiplies,
@@ -27,7 +29,8 @@ whatever its name says: weight = float(e4m3 byte) * scale, each block scale cove
     ..127                  |                |
     128 ..  scale[1, 0]    | scale[1, 1]    | scale[1, 2]
 
-The activation scheme is advisory: kernels may keep activations in bf16 (more accurate).
+The activation scheme is advisory: kernels may keep activations in bf16 (more accurate). The
+weights' host math (dequantizing, quantizing at load, fusing) is quantization_weights.py's.
 """
 
 from __future__ import annotations
@@ -38,19 +41,14 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import ml_dtypes
-import numpy as np
-
 from atlas.domain.models.config import ModelConfigError
-from atlas.ports.weights import WeightError, WeightSource
 
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
-E4M3_MAX = 448.0  # largest finite E4M3 value; larger magnitudes would cast to NaN
 BLOCK_SIZE = (128, 128)
 SUPPORTED = (
     "compressed-tensors float-quantized (8-bit float weights per tensor, per channel or in 128x128 blocks) "
-    "and quant_method fp8 (e4m3, per tensor or weight_block_size [128, 128])"
+    "and quant_method fp8 (e4m3, per tensor or weight_block_size [128, 128]); mxfp4 for GPT-OSS"
 )
+MXFP4_ARCHITECTURES = ("GptOssForCausalLM",)  # their loaders dequantize MXFP4 experts at load
 
 
 class QuantizationError(ModelConfigError):
@@ -140,8 +138,9 @@ class Fp8Checkpoint:
 
 def read_quantization(raw_config: Mapping[str, Any]) -> Fp8Checkpoint | None:
     """Classify config.json's `quantization_config`: None when there is none (bf16/f16/f32
-    weights), an `Fp8Checkpoint` when Atlas can load it; raises `QuantizationError` naming
-    what it cannot load (method, format, bits, strategy, activation scheme, block size)."""
+    weights) or when the loader dequantizes it (MXFP4 experts of `MXFP4_ARCHITECTURES`), an
+    `Fp8Checkpoint` when Atlas can load it; raises `QuantizationError` naming what it cannot
+    load (method, format, bits, strategy, activation scheme, block size, architecture)."""
     config = raw_config.get("quantization_config")
     if config is None:
         return None
@@ -152,6 +151,12 @@ def read_quantization(raw_config: Mapping[str, Any]) -> Fp8Checkpoint | None:
         return _compressed_tensors(config)
     if method == "fp8":
         return _fine_grained_fp8(config)
+    if method == "mxfp4":
+        architecture = (raw_config.get("architectures") or [None])[0]
+        if architecture not in MXFP4_ARCHITECTURES:
+            raise QuantizationError(f"quant_method 'mxfp4' is loaded for {', '.join(MXFP4_ARCHITECTURES)} only, "
+                                    f"not {architecture}")
+        return None
     raise QuantizationError(f"quant_method {method!r} is not supported")
 
 
@@ -313,149 +318,41 @@ def _fine_grained_fp8(config: Mapping[str, Any]) -> Fp8Checkpoint:
     return Fp8Checkpoint(CheckpointFormat.FP8, ((scheme, ModuleMatcher(every_linear=True)),), ignore)
 
 
-# -- weights ----------------------------------------------------------------------------------------
+# -- --quantization fp8 ---------------------------------------------------------------------------
+
+QUANTIZE_AT_LOAD = "fp8"
+PER_CHANNEL_AT_LOAD: dict[str, Any] = {
+    "quant_method": "compressed-tensors",
+    "format": "float-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "channel"},
+            "input_activations": None,
+        }
+    },
+    "ignore": ["lm_head"],
+}
+"""What `--quantization fp8` makes of a bf16 checkpoint: llm-compressor's per-channel layout, so
+the loaders read it as they read a published one (quantization_weights.QuantizedOnLoad)."""
 
 
-def scale_shape(data_shape: tuple[int, ...], layout: Fp8Layout, block_size: tuple[int, int] | None) -> tuple[int, ...]:
-    """The canonical scale shape of an FP8 weight of `data_shape` [..., out, in] (see `QuantizedWeight`)."""
-    *lead, rows, columns = data_shape
-    if layout is Fp8Layout.PER_TENSOR:
-        return tuple(lead)
-    if layout is Fp8Layout.PER_CHANNEL:
-        return (*lead, rows)
-    if block_size is None:
-        raise ValueError("block_size: a BLOCK weight needs one")
-    return (*lead, -(-rows // block_size[0]), -(-columns // block_size[1]))
+def with_quantization(raw_config: Mapping[str, Any], quantization: str | None) -> dict[str, Any]:
+    """config.json as the loaders should see it under `--quantization` (None: as it is).
 
-
-@dataclass(frozen=True, slots=True, eq=False)  # arrays: compare with dequantize(), not ==
-class QuantizedWeight:
-    """An FP8 weight on the host, as a device port takes it; checked on construction (ValueError).
-
-    `data` [..., out, in] E4M3; `scales` float32, multipliers: PER_TENSOR [...], PER_CHANNEL
-    [..., out], BLOCK [..., ceil(out / rows), ceil(in / columns)] with `block_size` (rows, columns).
-    Leading dims stack experts. `input_scale` is the static activation scale, or None.
-    """
-
-    data: np.ndarray
-    scales: np.ndarray
-    layout: Fp8Layout
-    block_size: tuple[int, int] | None = None
-    input_scale: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.data.dtype != E4M3 or self.data.ndim < 2:
-            raise ValueError(f"data: expected float8_e4m3fn [..., out, in], got {self.data.dtype} {self.data.shape}")
-        if self.scales.dtype != np.float32 or self.scales.shape != self.scale_shape:
-            raise ValueError(
-                f"scales: expected float32 {self.scale_shape}, got {self.scales.dtype} {self.scales.shape}"
-            )
-        if not (np.isfinite(self.scales).all() and (self.scales >= 0).all()):
-            raise ValueError("scales: must be finite and >= 0")
-        if self.input_scale is not None and not (np.isfinite(self.input_scale) and self.input_scale > 0):
-            raise ValueError(f"input_scale: must be a positive number, got {self.input_scale}")
-
-    @property
-    def scale_shape(self) -> tuple[int, ...]:
-        return scale_shape(self.data.shape, self.layout, self.block_size)
-
-    def dequantize(self) -> np.ndarray:
-        """float32 data * scale: the E4M3 value is exact in float32, so one rounding (the product)."""
-        values = self.data.astype(np.float32)
-        if self.layout is Fp8Layout.PER_TENSOR:
-            return values * self.scales[..., None, None]
-        if self.layout is Fp8Layout.PER_CHANNEL:
-            return values * self.scales[..., :, None]
-        rows, columns = self.data.shape[-2:]
-        expanded = np.repeat(np.repeat(self.scales, self.block_size[0], axis=-2), self.block_size[1], axis=-1)
-        return values * expanded[..., :rows, :columns]
-
-
-def read_fp8_weight(weights: WeightSource, module: str, checkpoint: Fp8Checkpoint) -> QuantizedWeight | None:
-    """`<module>.weight` with its scales when stored as E4M3; None when stored unquantized (the
-    caller reads it as usual). Raises KeyError when `<module>.weight` is absent, and WeightError
-    naming the tensor when an FP8 weight has no scheme (the config leaves it unquantized), or its
-    scale (or static input scale) is missing, mis-shaped or not finite."""
-    name = f"{module}.weight"
-    data = weights.get(name)
-    if data.dtype != E4M3:
-        return None
-    scheme = checkpoint.scheme_for(module)
-    if scheme is None:
-        raise WeightError(
-            f"tensor {name!r} is FP8, but quantization_config ({checkpoint.format.value}) leaves {module} unquantized"
+    Raises `QuantizationError` for a method other than "fp8", or for a checkpoint that already
+    carries a `quantization_config` (its weights are quantized already)."""
+    if quantization is None:
+        return dict(raw_config)
+    if quantization != QUANTIZE_AT_LOAD:
+        raise QuantizationError(f"--quantization {quantization!r}: only {QUANTIZE_AT_LOAD!r} is supported",
+                                name_supported=False)
+    if raw_config.get("quantization_config") is not None:
+        method = raw_config["quantization_config"].get("quant_method") if isinstance(
+            raw_config["quantization_config"], Mapping) else None
+        raise QuantizationError(
+            f"the checkpoint is quantized already ({method}); drop --quantization {quantization}",
+            name_supported=False,
         )
-    scale_name = next((f"{module}.{s}" for s in scheme.scale_names if f"{module}.{s}" in weights), None)
-    if scale_name is None:
-        raise WeightError(f"tensor {module}.{scheme.scale_names[0]} is missing: {name} is FP8 {scheme.layout.value}")
-    scales = weights.get(scale_name).astype(np.float32)
-    # Per-tensor scales come as [] or [1], per-channel ones as [out, 1]: squeeze to the canonical shape.
-    expected = scale_shape(data.shape, scheme.layout, scheme.block_size)
-    if scales.size != int(np.prod(expected)) or (scheme.layout is Fp8Layout.BLOCK and scales.shape != expected):
-        raise WeightError(f"tensor {scale_name!r} has shape {scales.shape}; {name} {data.shape} needs {expected}")
-    input_scale = None
-    if scheme.activations is ActivationScheme.STATIC_PER_TENSOR:
-        input_name = f"{module}.input_scale"
-        if input_name not in weights:
-            raise WeightError(f"tensor {input_name!r} is missing: static activation scales need it")
-        input_scale = float(weights.get(input_name).astype(np.float32).reshape(-1).max())
-    try:
-        return QuantizedWeight(data, scales.reshape(expected), scheme.layout, scheme.block_size, input_scale)
-    except ValueError as error:
-        raise WeightError(f"{module}: {error}") from None
-
-
-def quantize_per_channel(weight: np.ndarray) -> QuantizedWeight:
-    """`--quantization fp8`: E4M3 with one float32 scale per output channel (row), from any float
-    weight [..., out, in] (bf16 is exact in float32).
-
-    scale = max |row| / 448 (1 for an all-zero row); byte = E4M3(w / scale) rounded to nearest,
-    ties to even, after clamping to +-448 (float32 rounding of the division may overshoot 448 by
-    an ulp, and E4M3 has no infinity: it would become NaN). Error per element: at most
-    max(|w| / 16, scale / 1024): half a step of E4M3's 3-bit mantissa, or of its subnormal
-    spacing 2**-9. Raises ValueError for non-finite weights.
-    """
-    values = np.asarray(weight, dtype=np.float32)
-    if values.ndim < 2 or not np.isfinite(values).all():
-        raise ValueError(f"weight: expected finite [..., out, in], got shape {values.shape}")
-    row_max = np.abs(values).max(axis=-1)
-    scales = np.where(row_max > 0, row_max / np.float32(E4M3_MAX), np.float32(1)).astype(np.float32)
-    scaled = np.clip(values / scales[..., None], -E4M3_MAX, E4M3_MAX)
-    return QuantizedWeight(scaled.astype(E4M3), scales, Fp8Layout.PER_CHANNEL)
-
-
-def stack_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
-    """Concatenate weights along the output dim (fusing q/k/v or gate/up into one projection).
-
-    Per-tensor parts become per-channel (each row keeps its part's scale: exact). Block parts
-    must share the block size and, all but the last, fill whole tiles of rows. Static input
-    scales become their max, since the fused input is quantized once and must not saturate for
-    any part. Raises ValueError for mixed block / non-block parts, a part that ends mid-tile,
-    differing input dims, or mixed static / dynamic activations.
-    """
-    if not parts:
-        raise ValueError("parts: nothing to stack")
-    if len({part.data.shape[:-2] + part.data.shape[-1:] for part in parts}) != 1:
-        raise ValueError("parts: every part needs the same leading and input dims")
-    input_scales = [part.input_scale for part in parts]
-    if len({scale is None for scale in input_scales}) != 1:
-        raise ValueError("parts: mixes static and dynamic activation scales")
-    input_scale = None if input_scales[0] is None else max(input_scales)  # type: ignore[type-var]
-    data = np.concatenate([part.data for part in parts], axis=-2)
-    blocks = {part.block_size for part in parts}
-    if blocks == {None}:
-        scales = np.concatenate([_per_channel_scales(part) for part in parts], axis=-1)
-        return QuantizedWeight(data, scales, Fp8Layout.PER_CHANNEL, None, input_scale)
-    if len(blocks) != 1 or None in blocks:
-        raise ValueError("parts: mixes block sizes or block and non-block layouts")
-    block_rows = parts[0].block_size[0]  # type: ignore[index]
-    if any(part.data.shape[-2] % block_rows for part in parts[:-1]):
-        raise ValueError(f"parts: all but the last must have a multiple of {block_rows} rows to stack whole tiles")
-    scales = np.concatenate([part.scales for part in parts], axis=-2)
-    return QuantizedWeight(data, scales, Fp8Layout.BLOCK, parts[0].block_size, input_scale)
-
-
-def _per_channel_scales(part: QuantizedWeight) -> np.ndarray:
-    if part.layout is Fp8Layout.PER_CHANNEL:
-        return part.scales
-    return np.broadcast_to(part.scales[..., None], part.data.shape[:-1]).astype(np.float32)
+    return {**raw_config, "quantization_config": PER_CHANNEL_AT_LOAD}

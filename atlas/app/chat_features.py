@@ -1,0 +1,72 @@
+"""The served model's chat features: tool-call and reasoning parsers, reasoning markers, grammar.
+
+`--tool-call-parser` and `--reasoning-parser` take a parser's name, `none` (off) or `auto`
+(the default: read from the chat template, `atlas.domain.text`'s detectors). The grammar
+compiler validates structured-output and forced-tool-call constraints in the API process.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from atlas.domain.reasoning_budget import reasoning_markers
+from atlas.domain.text.reasoning import REASONING_PARSERS, detect_reasoning_parser, reasoning_tags
+from atlas.domain.text.tool_calls import TOOL_CALL_PARSERS, detect_tool_call_parser
+
+if TYPE_CHECKING:  # the flags' choices are read before anything heavy is imported
+    from atlas.adapters.http.engine_client import ChatFeatures
+    from atlas.adapters.tokenizers.hf import HfTokenizer
+
+log = logging.getLogger("atlas.server")
+
+AUTO, OFF = "auto", "none"
+TOOL_CALL_PARSER_CHOICES = (AUTO, OFF, *TOOL_CALL_PARSERS)
+REASONING_PARSER_CHOICES = (AUTO, OFF, *REASONING_PARSERS)
+# The engine applies `Request.constraint` as token masks once its side is wired; until then a
+# request that needs masks (structured output, a forced tool call, a thinking budget) is a 400.
+ENGINE_APPLIES_CONSTRAINTS = False
+
+
+def chat_features(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int, tool_call_parser: str = AUTO,
+                  reasoning_parser: str = AUTO,
+                  engine_applies_constraints: bool = ENGINE_APPLIES_CONSTRAINTS) -> ChatFeatures:
+    """The features of a loaded model. Raises ValueError naming the flag for an unknown parser."""
+    from atlas.adapters.http.engine_client import ChatFeatures
+
+    if tool_call_parser not in TOOL_CALL_PARSER_CHOICES:
+        raise ValueError(f"--tool-call-parser: unknown parser {tool_call_parser!r}; "
+                         f"choose one of {', '.join(TOOL_CALL_PARSER_CHOICES)}")
+    if reasoning_parser not in REASONING_PARSER_CHOICES:
+        raise ValueError(f"--reasoning-parser: unknown parser {reasoning_parser!r}; "
+                         f"choose one of {', '.join(REASONING_PARSER_CHOICES)}")
+    tool_template = tokenizer.chat_template_source(tool_use=True) or ""
+    parser = detect_tool_call_parser(tool_template) if tool_call_parser == AUTO else tool_call_parser
+    reasoning_name = reasoning_parser
+    if reasoning_parser == AUTO:
+        reasoning_name = detect_reasoning_parser(tokenizer.chat_template_source() or "") or OFF
+    tags = reasoning_tags(reasoning_name) if reasoning_name != OFF else None
+    markers = reasoning_markers(tokenizer, tags.start, tags.end) if tags is not None else None
+    log.info("chat features: tool-call parser %s, reasoning parser %s",
+             parser if parser not in (None, OFF) else "none", tags.name if tags else "none")
+    return ChatFeatures(
+        tool_call_parser=parser if parser != OFF else None,
+        tool_calls_off=parser == OFF,
+        reasoning=tags,
+        reasoning_markers=markers,
+        grammar=_grammar_compiler(tokenizer, model_dir, vocab_size),
+        engine_applies_constraints=engine_applies_constraints,
+    )
+
+
+def _grammar_compiler(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int):
+    """llguidance on the model's tokenizer.json, or None (logged) when it cannot be built."""
+    from atlas.adapters.grammar.llguidance import LlguidanceCompiler
+
+    try:
+        tokenizer_json = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+        return LlguidanceCompiler(tokenizer_json, vocab_size, sorted(tokenizer.eos_token_ids), tokenizer.token_id)
+    except (OSError, ValueError, RuntimeError) as error:  # llguidance raises either for a tokenizer it cannot read
+        log.warning("structured output is unavailable for this model: %s", error)
+        return None

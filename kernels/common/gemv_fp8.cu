@@ -1,0 +1,419 @@
+// Decode products over FP8 (E4M3) weights: out[n, m] = sum_k x[n, k] * W[m, k] (+ bias[m]) for
+// 1..8 token rows, W[m, k] = e4m3 byte * its scale, and the same product with the op after it
+// fused in (the gated activation, the residual add), as gemv.cu computes them over bf16 weights.
+//
+//   x [N, K] bf16; w [M, K] E4M3 bytes, row-major (the checkpoint's [out, in]); bias [M] bf16 or
+//   null; out [N, M] bf16 or f32. K % 16 == 0 (one 16-byte load holds 16 weights; the host checks).
+//   scales f32, multipliers (never inverses):
+//     per channel (*_t1 / mma without _blk): scales[m], applied to the row's sum at the end
+//       (a per-tensor scale reaches the device as one per row);
+//     per block (_blk): scales[(m / 128) * scale_stride + k / 128], a 128 x 128 tile each, applied
+//       to each 16-wide (SIMT) or 64-wide (mma) partial sum, which never crosses a tile.
+//
+// Bytes: M K (the weight, once) + M 4 (channel scales) + N K 2 + N M sizeof(out); FLOPs 2 N M K.
+// At N <= 8 that is <= 16 FLOP per weight byte, far under the ridge: the kernels must stream the
+// weights at HBM bandwidth, now with twice bf16's elements per byte. Each E4M3 pair becomes an
+// exact f16 pair in one cvt.rn.f16x2.e4m3x2, then exact f32 (SIMT) or bf16 (mma) values, so the
+// products are those of the dequantized weight (x stays bf16: no activation rounding here).
+//
+// SIMT (one token row, gemv_fp8_<what>_r{1,2,4}): as gemv_impl, a block owns ROWS output rows,
+// its warps split K, each lane loading 16 bytes of every row per step, BATCH steps of loads in
+// flight (the first before griddepcontrol.wait: the weights do not depend on the previous kernel);
+// x chunks are converted once per step and reused by the ROWS rows; partial sums meet in shared
+// memory. Per 16 weights a lane spends 8 conversions to f16 pairs, 16 to f32 and 16 FMAs: about
+// three times bf16's instructions per byte, which is why the rows share each x chunk. Two warps
+// a block, not gemv_impl's four: a 16-byte load covers twice bf16's elements, so at K = 4096 four
+// warps would leave each lane two loads a row (128 bytes in flight, ~48 KB an SM at 3 blocks);
+// two warps keep BATCH = 4 loads a row in flight and fit 7 blocks an SM (~110 KB).
+//
+//     block b: rows b * ROWS .. (gated: features b * ROWS / 2 .., gate then up rows)
+//     warp w, lane l: k = (w * 32 + l) * 16, then + 2 * 32 * 16, ...
+//
+// mma (2..8 token rows, gemv_fp8_mma_<what>): as gemv_mma_impl, a warp owns 16 weight rows and
+// feeds mma.sync m16n8k16 (bf16, f32 accumulators) with the tokens as n = 8 columns. Lane
+// (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 and 32 bytes of token g's x at
+// k0 + 16 t of each 64-wide chunk k0, and feeds four mma steps; the k order inside a chunk is
+// permuted alike for weights and x, which makes the fragments plain loads:
+//
+//     mma step s (0..3), logical k 2t + i    <-  physical k0 + 16t + 4s + i        (i = 0, 1)
+//                        logical k 2t + 8 + i <-  physical k0 + 16t + 4s + 2 + i
+//
+// Gated, the 16 rows are the gate rows of 8 features (g) and their up rows (g + 8). The block's
+// 8 warps split K and meet in shared memory.
+#include "atlas_common.cuh"
+
+#define FP8_GEMV_WARPS 2
+#define FP8_MMA_WARPS 8
+#define FP8_LOAD 16  // weights per 16-byte load
+
+__device__ __forceinline__ uint4 fp8_load_streaming(const fp8_e4m3* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// The same load, issued where it stands: before the wait for the previous grid.
+__device__ __forceinline__ uint4 fp8_load_streaming_early(const fp8_e4m3* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Four E4M3 bytes of a word (the lowest-addressed first) as floats, exactly.
+__device__ __forceinline__ void e4m3x4_to_floats(u32 word, float* out) {
+    const float2 lo = f16x2_to_floats(fp8x2_to_f16x2(word & 0xffffu));
+    const float2 hi = f16x2_to_floats(fp8x2_to_f16x2(word >> 16));
+    out[0] = lo.x;
+    out[1] = lo.y;
+    out[2] = hi.x;
+    out[3] = hi.y;
+}
+
+// Two E4M3 bytes (the low byte first) as a bf16 pair, exactly (E4M3's 3 mantissa bits and
+// exponents 2^-9 .. 2^8 are all bf16 values).
+__device__ __forceinline__ u32 e4m3x2_to_bf16x2(u32 two_bytes) {
+    const float2 f = f16x2_to_floats(fp8x2_to_f16x2(two_bytes));
+    return pack_bf16x2(f.x, f.y);
+}
+
+__device__ __forceinline__ void bf16x8_to_floats(uint4 raw, float* out) {
+    const bf16x2* pairs = reinterpret_cast<const bf16x2*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(pairs[i]);
+        out[2 * i] = f.x;
+        out[2 * i + 1] = f.y;
+    }
+}
+
+// What a block's row sums become: Plain out = sum (+ bias); Gated<Act> act(gate) * up, both
+// rounded to bf16 first as the unfused product would be; AddTo out += sum rounded to bf16.
+struct Fp8Plain {
+    static constexpr bool gated = false, add = false;
+};
+template <typename Act>
+struct Fp8Gated {
+    static constexpr bool gated = true, add = false;
+    typedef Act Op;
+};
+struct Fp8AddTo {
+    static constexpr bool gated = false, add = true;
+};
+
+template <typename EPI>
+struct Fp8ActOf {
+    typedef SiluOp type;  // unused but by the gated forms
+};
+template <typename Act>
+struct Fp8ActOf<Fp8Gated<Act>> {
+    typedef Act type;
+};
+
+template <typename EPI, typename OUT>
+__device__ __forceinline__ void fp8_store(OUT* slot, float total, float up) {
+    if constexpr (EPI::gated) {
+        const typename Fp8ActOf<EPI>::type act;
+        *slot = from_float<OUT>(act(to_float(from_float<bf16>(total))) * to_float(from_float<bf16>(up)));
+    } else if constexpr (EPI::add) {
+        *slot = from_float<OUT>(to_float(*slot) + to_float(from_float<bf16>(total)));
+    } else {
+        *slot = from_float<OUT>(total);
+    }
+}
+
+// Weight row of the block's r-th row: features first .. first + FEATURES - 1, then (gated) their
+// up rows at num_features + f. Rows past the end re-read the last valid one (never stored).
+template <typename EPI, int FEATURES>
+__device__ __forceinline__ long long fp8_weight_row(int first, int r, int num_features) {
+    const int feature = min(first + r % FEATURES, num_features - 1);
+    return EPI::gated && r >= FEATURES ? (long long)num_features + feature : (long long)feature;
+}
+
+// The scale of weight row `row` over the 128-wide column tile holding k (_blk forms).
+__device__ __forceinline__ float fp8_block_scale(const float* scales, int scale_stride, long long row, int k) {
+    return __ldg(scales + (row >> 7) * scale_stride + (k >> 7));
+}
+
+// num_rows counts output features: the weight's rows, or half of them when gated.
+template <typename OUT, int ROWS, typename EPI, bool BLOCK>
+__device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const fp8_e4m3* __restrict__ w,
+                                              const float* __restrict__ scales, int scale_stride,
+                                              const bf16* __restrict__ bias, OUT* __restrict__ out, int num_rows,
+                                              int inner) {
+#if ATLAS_HAS_FP8
+    constexpr int FEATURES = EPI::gated ? ROWS / 2 : ROWS;
+    constexpr int STEP = FP8_GEMV_WARPS * 32 * FP8_LOAD;
+    constexpr int BATCH = 4;
+    __shared__ float partial[FP8_GEMV_WARPS][ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int first = blockIdx.x * FEATURES;
+    long long rows[ROWS];
+    const fp8_e4m3* w_rows[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        rows[r] = fp8_weight_row<EPI, FEATURES>(first, r, num_rows);
+        w_rows[r] = w + rows[r] * inner;
+    }
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+
+    auto accumulate = [&](const uint4* raw, int k) {
+        float xs[FP8_LOAD];
+        bf16x8_to_floats(*reinterpret_cast<const uint4*>(x + k), xs);
+        bf16x8_to_floats(*reinterpret_cast<const uint4*>(x + k + 8), xs + 8);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const u32 words[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                float ws[4];
+                e4m3x4_to_floats(words[i], ws);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if constexpr (BLOCK) {
+                        sum = fmaf(ws[j], xs[4 * i + j], sum);
+                    } else {
+                        acc[r] = fmaf(ws[j], xs[4 * i + j], acc[r]);
+                    }
+                }
+            }
+            if constexpr (BLOCK) acc[r] = fmaf(fp8_block_scale(scales, scale_stride, rows[r], k), sum, acc[r]);
+        }
+    };
+
+    int k = threadIdx.x * FP8_LOAD;
+    {
+        // The first BATCH steps' weights are requested before the previous kernel is waited for.
+        const bool full = k + (BATCH - 1) * STEP < inner;
+        uint4 raw[BATCH][ROWS];
+        if (full) {
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u)
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) raw[u][r] = fp8_load_streaming_early(w_rows[r] + k + u * STEP);
+        } else {
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                if (k + u * STEP < inner) {
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) raw[u][r] = fp8_load_streaming_early(w_rows[r] + k + u * STEP);
+                }
+            }
+        }
+        dependent_launch_entry();
+        if (full) {
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) accumulate(raw[u], k + u * STEP);
+        } else {
+#pragma unroll
+            for (int u = 0; u < BATCH; ++u) {
+                if (k + u * STEP < inner) accumulate(raw[u], k + u * STEP);
+            }
+        }
+        k += BATCH * STEP;
+    }
+    for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
+        uint4 raw[BATCH][ROWS];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u)
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) raw[u][r] = fp8_load_streaming(w_rows[r] + k + u * STEP);
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) accumulate(raw[u], k + u * STEP);
+    }
+    for (; k < inner; k += STEP) {
+        uint4 raw[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) raw[r] = fp8_load_streaming(w_rows[r] + k);
+        accumulate(raw, k);
+    }
+
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float total = warp_sum(acc[r]);
+        if (lane == 0) partial[warp][r] = total;
+    }
+    __syncthreads();
+    if (threadIdx.x < FEATURES) {
+        const int f = threadIdx.x, feature = first + f;
+        if (feature < num_rows) {
+            float total = 0.0f, up = 0.0f;
+#pragma unroll
+            for (int j = 0; j < FP8_GEMV_WARPS; ++j) total += partial[j][f];
+            if constexpr (EPI::gated) {
+#pragma unroll
+                for (int j = 0; j < FP8_GEMV_WARPS; ++j) up += partial[j][f + FEATURES];
+            }
+            if constexpr (!BLOCK) {
+                total *= __ldg(scales + feature);
+                if constexpr (EPI::gated) up *= __ldg(scales + num_rows + feature);
+            }
+            if (!EPI::gated && bias != nullptr) total += to_float(bias[feature]);
+            fp8_store<EPI>(out + feature, total, up);
+        }
+    }
+#else
+    __trap();  // the host offers FP8 weights from sm_89 on
+#endif
+}
+
+template <typename OUT, typename EPI, bool BLOCK>
+__device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, const fp8_e4m3* __restrict__ w,
+                                                  const float* __restrict__ scales, int scale_stride,
+                                                  const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
+                                                  int num_rows, int inner) {
+#if ATLAS_HAS_FP8
+    constexpr int FEATURES = EPI::gated ? 8 : 16;
+    constexpr int CHUNK = 64;
+    constexpr int STEP = FP8_MMA_WARPS * CHUNK;
+    constexpr int BATCH = 4;
+    __shared__ float partial[FP8_MMA_WARPS][16][8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int first = blockIdx.x * FEATURES;
+    const long long row_a = fp8_weight_row<EPI, FEATURES>(first, g, num_rows);
+    const long long row_b = fp8_weight_row<EPI, FEATURES>(first, g + 8, num_rows);
+    const fp8_e4m3* w_a = w + row_a * inner;
+    const fp8_e4m3* w_b = w + row_b * inner;
+    const bool has_token = g < num_tokens;
+    const bf16* x_row = x + (long long)(has_token ? g : 0) * inner;
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // acc (+)= this lane's 16 bytes of rows g and g + 8 at k times token g's x there (4 mma steps).
+    auto multiply = [&](uint4 wa, uint4 wb, int k) {
+        uint4 x_lo = make_uint4(0, 0, 0, 0), x_hi = make_uint4(0, 0, 0, 0);
+        if (has_token) {
+            x_lo = *reinterpret_cast<const uint4*>(x_row + k);
+            x_hi = *reinterpret_cast<const uint4*>(x_row + k + 8);
+        }
+        const u32 xs[8] = {x_lo.x, x_lo.y, x_lo.z, x_lo.w, x_hi.x, x_hi.y, x_hi.z, x_hi.w};
+        const u32 a_words[4] = {wa.x, wa.y, wa.z, wa.w};
+        const u32 b_words[4] = {wb.x, wb.y, wb.z, wb.w};
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            const u32 a[4] = {e4m3x2_to_bf16x2(a_words[s] & 0xffffu), e4m3x2_to_bf16x2(b_words[s] & 0xffffu),
+                              e4m3x2_to_bf16x2(a_words[s] >> 16), e4m3x2_to_bf16x2(b_words[s] >> 16)};
+            const u32 b[2] = {xs[2 * s], xs[2 * s + 1]};
+            if constexpr (BLOCK) {
+                mma_bf16_16816(part, a, b);
+            } else {
+                mma_bf16_16816(acc, a, b);
+            }
+        }
+        if constexpr (BLOCK) {
+            const float scale_a = fp8_block_scale(scales, scale_stride, row_a, k);
+            const float scale_b = fp8_block_scale(scales, scale_stride, row_b, k);
+            acc[0] = fmaf(scale_a, part[0], acc[0]);
+            acc[1] = fmaf(scale_a, part[1], acc[1]);
+            acc[2] = fmaf(scale_b, part[2], acc[2]);
+            acc[3] = fmaf(scale_b, part[3], acc[3]);
+        }
+    };
+    int k = warp * CHUNK + FP8_LOAD * t;
+    {
+        // The first BATCH chunks' weights are requested before the previous kernel is waited for.
+        uint4 wa[BATCH], wb[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            if (k + u * STEP < inner) {
+                wa[u] = fp8_load_streaming_early(w_a + k + u * STEP);
+                wb[u] = fp8_load_streaming_early(w_b + k + u * STEP);
+            }
+        }
+        dependent_launch_entry();
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            if (k + u * STEP < inner) multiply(wa[u], wb[u], k + u * STEP);
+        }
+        k += BATCH * STEP;
+    }
+    for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
+        uint4 wa[BATCH], wb[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            wa[u] = fp8_load_streaming(w_a + k + u * STEP);
+            wb[u] = fp8_load_streaming(w_b + k + u * STEP);
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], k + u * STEP);
+    }
+    for (; k < inner; k += STEP) multiply(fp8_load_streaming(w_a + k), fp8_load_streaming(w_b + k), k);
+    // acc: (row g, tokens 2t, 2t + 1) and (row g + 8, tokens 2t, 2t + 1)
+    partial[warp][g][2 * t] = acc[0];
+    partial[warp][g][2 * t + 1] = acc[1];
+    partial[warp][g + 8][2 * t] = acc[2];
+    partial[warp][g + 8][2 * t + 1] = acc[3];
+    __syncthreads();
+    if (threadIdx.x < FEATURES * 8) {
+        const int f = threadIdx.x / 8, n = threadIdx.x % 8;
+        const int feature = first + f;
+        if (feature < num_rows && n < num_tokens) {
+            float total = 0.0f, up = 0.0f;
+#pragma unroll
+            for (int j = 0; j < FP8_MMA_WARPS; ++j) total += partial[j][f][n];
+            if constexpr (EPI::gated) {
+#pragma unroll
+                for (int j = 0; j < FP8_MMA_WARPS; ++j) up += partial[j][f + 8][n];
+            }
+            if constexpr (!BLOCK) {
+                total *= __ldg(scales + feature);
+                if constexpr (EPI::gated) up *= __ldg(scales + num_rows + feature);
+            }
+            if (!EPI::gated && bias != nullptr) total += to_float(bias[feature]);
+            fp8_store<EPI>(out + (long long)n * num_rows + feature, total, up);
+        }
+    }
+#else
+    __trap();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry points: gemv_fp8_<what>[_blk]_r<ROWS> (one token row, FP8_GEMV_WARPS * 32 threads) and
+// gemv_fp8_mma_<what>[_blk] (2..8 rows, FP8_MMA_WARPS * 32 threads). <what>: bf16, f32 (out = x
+// W^T + bias), gated_<act> (W = [gate; up], out = act(x gate^T) * (x up^T), no bias), add (out +=
+// x W^T, no bias). num_rows: W's rows, or (gated) half of them. scale_stride: the block scales'
+// row stride (unused per channel).
+#define DEFINE_FP8_GEMV(NAME, OUT, EPI, BLOCK, SUFFIX, ROWS)                                                    \
+    extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32) gemv_fp8_##NAME##SUFFIX##_r##ROWS(        \
+        const bf16* x, const fp8_e4m3* w, const float* scales, int scale_stride, const bf16* bias, OUT* out,   \
+        int num_rows, int inner) {                                                                           \
+        gemv_fp8_impl<OUT, ROWS, EPI, BLOCK>(x, w, scales, scale_stride, bias, out, num_rows, inner);         \
+    }
+
+#define DEFINE_FP8_MMA(NAME, OUT, EPI, BLOCK, SUFFIX)                                                            \
+    extern "C" __global__ void __launch_bounds__(FP8_MMA_WARPS * 32) gemv_fp8_mma_##NAME##SUFFIX(                \
+        const bf16* x, const fp8_e4m3* w, const float* scales, int scale_stride, const bf16* bias, OUT* out,    \
+        int num_tokens, int num_rows, int inner) {                                                            \
+        gemv_fp8_mma_impl<OUT, EPI, BLOCK>(x, w, scales, scale_stride, bias, out, num_tokens, num_rows, inner); \
+    }
+
+#define DEFINE_FP8_FORMS(SUFFIX, BLOCK)                                          \
+    DEFINE_FP8_GEMV(bf16, bf16, Fp8Plain, BLOCK, SUFFIX, 1)                      \
+    DEFINE_FP8_GEMV(bf16, bf16, Fp8Plain, BLOCK, SUFFIX, 2)                      \
+    DEFINE_FP8_GEMV(bf16, bf16, Fp8Plain, BLOCK, SUFFIX, 4)                      \
+    DEFINE_FP8_GEMV(f32, float, Fp8Plain, BLOCK, SUFFIX, 1)                      \
+    DEFINE_FP8_GEMV(f32, float, Fp8Plain, BLOCK, SUFFIX, 2)                      \
+    DEFINE_FP8_GEMV(f32, float, Fp8Plain, BLOCK, SUFFIX, 4)                      \
+    DEFINE_FP8_GEMV(add, bf16, Fp8AddTo, BLOCK, SUFFIX, 1)                       \
+    DEFINE_FP8_GEMV(add, bf16, Fp8AddTo, BLOCK, SUFFIX, 2)                       \
+    DEFINE_FP8_GEMV(add, bf16, Fp8AddTo, BLOCK, SUFFIX, 4)                       \
+    DEFINE_FP8_GEMV(gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX, 2)        \
+    DEFINE_FP8_GEMV(gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX, 4)        \
+    DEFINE_FP8_GEMV(gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 2) \
+    DEFINE_FP8_GEMV(gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 4) \
+    DEFINE_FP8_MMA(bf16, bf16, Fp8Plain, BLOCK, SUFFIX)                          \
+    DEFINE_FP8_MMA(f32, float, Fp8Plain, BLOCK, SUFFIX)                          \
+    DEFINE_FP8_MMA(add, bf16, Fp8AddTo, BLOCK, SUFFIX)                           \
+    DEFINE_FP8_MMA(gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX)            \
+    DEFINE_FP8_MMA(gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX)
+
+DEFINE_FP8_FORMS(, false)
+DEFINE_FP8_FORMS(_blk, true)

@@ -1,0 +1,78 @@
+"""`atlas serve --tensor-parallel-size 2`: the openai SDK gets what one device gives; stopping
+leaves no process behind; a rank killed mid-service makes the server exit, naming it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import openai
+import pytest
+from conftest import DEVICE, LiveServer, tiny_server_args
+
+from helpers.processes import all_gone, descendants, rank_pids
+
+pytestmark = pytest.mark.e2e
+
+MESSAGES = [{"role": "user", "content": "Tell me about the weather on the hills."}]
+
+
+def _client(live: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.v1, api_key="unused", max_retries=0)
+
+
+def _gpu_memory_used_mib() -> list[int]:
+    """Per GPU on a CUDA run (nvidia-smi sees the whole device, inside containers too); [] on the mock."""
+    if DEVICE != "cuda":
+        return []
+    listing = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, check=True).stdout
+    return [int(line) for line in listing.split()][:2]
+
+
+def test_two_ranks_answer_the_sdk_like_one_device_and_stopping_leaves_nothing(server, tiny_model, tmp_path):
+    memory_before = _gpu_memory_used_mib()
+    two_ranks = LiveServer(tiny_server_args(tiny_model, "--tensor-parallel-size", "2"), tmp_path / "server.log")
+    try:
+        two_ranks.wait_ready()
+        processes = descendants(two_ranks.process.pid)
+        assert len(rank_pids(two_ranks.process.pid)) == 2
+        for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 5}):
+            answers = [
+                _client(live).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, **sampling)
+                .choices[0].message.content
+                for live in (server, two_ranks)
+            ]
+            assert answers[0] and answers[1] == answers[0]
+        stream = _client(two_ranks).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, n=2,
+                                                            temperature=1.0, seed=3, stream=True)
+        finished = [choice.finish_reason for chunk in stream for choice in chunk.choices if choice.finish_reason]
+        assert sorted(finished) == ["length", "length"]
+        assert two_ranks.stop() == 0
+    finally:
+        two_ranks.stop()
+    assert all_gone(processes)
+    assert "Traceback" not in two_ranks.log_path.read_text()
+    for before, after in zip(memory_before, _gpu_memory_used_mib()):
+        assert after <= before + 64, (memory_before, after)  # the ranks' memory is free again
+
+
+@pytest.mark.parametrize("mode", [[], ["--single-process"]], ids=["engine-process", "single-process"])
+def test_killing_a_rank_makes_the_server_exit_naming_it_without_hanging(tiny_model, tmp_path, mode):
+    live = LiveServer(tiny_server_args(tiny_model, "--tensor-parallel-size", "2", *mode), tmp_path / "server.log")
+    live.wait_ready()
+    processes = descendants(live.process.pid)
+    victim = rank_pids(live.process.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    started = time.monotonic()
+    try:
+        assert live.process.wait(30) == 2  # EXIT_FATAL
+    finally:
+        live.stop()
+    print(f"exited {time.monotonic() - started:.2f} s after the kill")
+    assert all_gone(processes)
+    log = live.log_path.read_text()
+    assert "engine stopped: rank 1 was killed by SIGKILL" in log
+    assert "atlas: error: rank 1 was killed by SIGKILL" in log

@@ -1,0 +1,100 @@
+"""FP8 checkpoints made from float tensors, in each published layout, for model-level tests.
+
+`quantize_checkpoint(tensors, layout)` returns the tensors as such a checkpoint stores them, the
+`quantization_config` that describes them, and the dequantized float32 value of every quantized
+weight (what a reference model is given, so it computes on exactly the values Atlas reads).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from atlas.domain.models.quantization_weights import E4M3, E4M3_MAX, quantize_per_channel
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LAYOUTS = ("channel", "tensor", "block", "auto_fp8")
+
+_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+CONFIGS = {
+    # llm-compressor FP8_DYNAMIC: per-channel weights, dynamic per-token activations
+    "channel": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"], "weights": dict(_WEIGHTS, strategy="channel"),
+            "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                  "strategy": "token"},
+        }},
+        "ignore": ["lm_head"],
+    },
+    # compressed-tensors per-tensor weights, weight-only
+    "tensor": {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["re:.*_proj$"], "weights": dict(_WEIGHTS, strategy="tensor")}},
+        "ignore": ["lm_head"],
+    },
+    # Qwen3-FP8 / DeepSeek-V3
+    "block": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+              "modules_to_not_convert": ["lm_head"]},
+    # AutoFP8: per tensor, static activation scales
+    "auto_fp8": {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]},
+}  # fmt: skip
+
+
+def _per_tensor(weight: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    amax = float(np.abs(weight).max())
+    scale = np.float32(amax / E4M3_MAX if amax > 0 else 1.0)
+    return np.clip(weight / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
+
+
+def _per_block(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    rows, columns = weight.shape
+    tiles = np.zeros((-(-rows // 128), -(-columns // 128)), np.float32)
+    data = np.zeros(weight.shape, E4M3)
+    for i in range(tiles.shape[0]):
+        for j in range(tiles.shape[1]):
+            tile = weight[128 * i : 128 * (i + 1), 128 * j : 128 * (j + 1)]
+            amax = float(np.abs(tile).max())
+            tiles[i, j] = amax / E4M3_MAX if amax > 0 else 1.0
+            data[128 * i : 128 * (i + 1), 128 * j : 128 * (j + 1)] = np.clip(
+                tile / tiles[i, j], -E4M3_MAX, E4M3_MAX
+            ).astype(E4M3)
+    return data, tiles
+
+
+def quantize_checkpoint(tensors: dict[str, np.ndarray], layout: str) -> tuple[dict, dict, dict]:
+    """(stored tensors, quantization_config, {weight name: dequantized float32}) for `layout`."""
+    stored, dequantized = {}, {}
+    for name, value in tensors.items():
+        module = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS):
+            stored[name] = value
+            continue
+        weight = np.asarray(value, np.float32)
+        if layout == "channel":
+            quantized = quantize_per_channel(weight)
+            data, scale = quantized.data, quantized.scales[:, None]
+            values = data.astype(np.float32) * scale
+            stored[f"{module}.weight_scale"] = scale
+        elif layout in ("tensor", "auto_fp8"):
+            data, scale = _per_tensor(weight)
+            values = data.astype(np.float32) * scale
+            stored[f"{module}.weight_scale"] = np.array([scale], np.float32)
+            if layout == "auto_fp8":
+                stored[f"{module}.input_scale"] = np.array(0.05, np.float32)
+        else:
+            data, tiles = _per_block(weight)
+            values = data.astype(np.float32) * np.repeat(np.repeat(tiles, 128, 0), 128, 1)[: weight.shape[0], : weight.shape[1]]
+            stored[f"{module}.weight_scale_inv"] = tiles
+        stored[name] = data
+        dequantized[name] = values.astype(np.float32)
+    return stored, CONFIGS[layout], dequantized
+
+
+def load_dequantized(model, dequantized: dict[str, np.ndarray]) -> None:
+    """Put the dequantized weights into a transformers model (float32 parameters)."""
+    import torch
+
+    parameters = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, values in dequantized.items():
+            parameters[name].copy_(torch.from_numpy(values))

@@ -1,0 +1,160 @@
+"""FP8 (E4M3) weights on CUDA, path by path, against the exact dequantization (`HostLinear.values()`,
+what the mock computes with), through the dense kind's members; outputs poisoned with NaN first.
+
+- Up to 8 token rows the GEMVs read the E4M3 bytes and their scales (per channel, or 128 x 128
+  blocks) and keep x in bf16: within bf16 rounding of the product (BF16_TOLERANCE), the bf16
+  GEMVs' own bound. One row runs the SIMT kernel, 2..8 the tensor-core one (K % 64 == 0).
+- Past 8 rows x is rounded to E4M3 (per token; per 1 x 128 group for block weights) for
+  cuBLASLt's FP8 tensor cores: within bf16 rounding of the same product with x rounded so in
+  numpy, and within FP8_ACTIVATION_TOLERANCE of the unrounded one. That bound is E4M3's: 3
+  mantissa bits round each value of x by at most 2^-4 of itself, 2^-4 / sqrt(3) ~ 3.6% in the
+  mean square at worst, and a product's relative error is about its terms' (these cases'
+  rounded references: 1.6-2.7% from the exact ones, 3.6-4.0% for the gated form, where the
+  gate's and the up row's errors compound through act(gate) * up).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from cuda_harness import BF16_TOLERANCE, bf16, host, poisoned, rel_l2
+
+from atlas.ports.gpu import DType
+from atlas.ports.kernels.dense import HostProjection
+from atlas.ports.kernels.host_weights import Activation, HostLinear, RmsNorm
+
+pytestmark = pytest.mark.gpu
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+FP8_ACTIVATION_TOLERANCE = 0.06
+EPS = 1e-5
+
+
+def fp8_linear(rng, rows: int, inner: int, block: bool, bias: bool = False) -> HostLinear:
+    """Random E4M3 bytes (normal samples, 4.5 sigma at 448) with per-row or per-tile scales that
+    differ by up to 4x, so a scale applied to the wrong row or tile shows."""
+    data = np.clip(rng.standard_normal((rows, inner)) * 448 / 4.5, -448, 448).astype(E4M3)
+    spread = 0.02 * 4.5 / 448 / np.sqrt(inner / 1024)
+    shape = (-(-rows // 128), -(-inner // 128)) if block else (rows,)
+    scales = (spread * rng.uniform(0.5, 2.0, shape)).astype(np.float32)
+    return HostLinear(data, bf16(rng.standard_normal(rows)) if bias else None, scales, (128, 128) if block else None)
+
+
+def rmsnorm(x: np.ndarray, norm: RmsNorm | None) -> np.ndarray:
+    if norm is None:
+        return x
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + norm.eps) * norm.weight.astype(np.float64)
+
+
+def round_e4m3(values: np.ndarray, group: int | None) -> np.ndarray:
+    """x as the quantizing kernel rounds it: per row (`group` None) or per `group` columns,
+    scale = amax / 448, value = e4m3(x / scale) * scale."""
+    rows, width = values.shape
+    size = width if group is None else group
+    out = np.empty_like(values)
+    for start in range(0, width, size):
+        part = values[:, start : start + size]
+        amax = np.abs(part).max(axis=1, keepdims=True)
+        scale = np.where(amax > 0, amax / 448, 1.0)
+        quantized = np.clip(part / scale, -448, 448).astype(np.float32).astype(E4M3).astype(np.float64)
+        out[:, start : start + size] = quantized * scale
+    return out
+
+
+def reference(x: np.ndarray, host: HostProjection, quantize_x: bool = False) -> np.ndarray:
+    values = rmsnorm(x.astype(np.float64), host.input_norm)
+    if quantize_x:
+        values = round_e4m3(values, 128 if host.linear.block_shape else None)
+    product = values @ host.linear.values().astype(np.float64).T
+    if host.linear.bias is not None:
+        product = product + host.linear.bias.astype(np.float64)
+    if host.activation is None:
+        return product
+    half = product.shape[1] // 2
+    gate = bf16(product[:, :half]).astype(np.float64)  # the kernels round gate and up to bf16 first
+    return gate / (1 + np.exp(-gate)) * bf16(product[:, half:]).astype(np.float64)
+
+
+FORMS = ["plain", "f32_bias", "gated", "add"]
+
+
+def run_form(cuda_backend, rng, form: str, num_tokens: int, rows: int, inner: int, block: bool, norm: bool):
+    """(CUDA output, the float64 reference without and with x rounded to E4M3) of one form."""
+    dense = cuda_backend.dense
+    norm_weight = RmsNorm(bf16(1 + 0.3 * rng.standard_normal(inner)), EPS) if norm else None
+    gated = form == "gated"
+    linear = fp8_linear(rng, 2 * rows if gated else rows, inner, block, bias=form == "f32_bias")
+    host_projection = HostProjection(linear, norm_weight, Activation.SILU if gated else None)
+    prepared = dense.prepare(host_projection)
+    x = bf16(rng.standard_normal((num_tokens, inner)) * 2)
+    x[0] *= 8  # rows of very different size: the per-token scales must follow them
+    x_tensor = cuda_backend.upload(x, DType.BF16)
+    if form == "add":
+        residual = bf16(rng.standard_normal((num_tokens, rows)))
+        stream = cuda_backend.upload(residual, DType.BF16)
+        dense.project_add(x_tensor, prepared, stream)
+        got = host(cuda_backend, stream) - residual
+    else:
+        out = poisoned(cuda_backend, (num_tokens, rows), DType.F32 if form == "f32_bias" else DType.BF16)
+        dense.project(x_tensor, prepared, out)
+        got = host(cuda_backend, out)
+    return got, reference(x, host_projection), reference(x, host_projection, quantize_x=True)
+
+
+# (tokens, output rows, inner): one row (SIMT: 4, 2 and 1 rows a block; a partial 128-row tile and
+# a partial 128-column tile), 2..8 rows (tensor cores), and K % 64 != 0 at 3 rows (the GEMM).
+DECODE_SHAPES = [(1, 4096, 4096), (1, 1000, 4096), (1, 200, 320), (2, 1536, 4096), (5, 1000, 4096), (8, 1024, 14336)]
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("num_tokens, rows, inner", DECODE_SHAPES)
+def test_the_decode_gemvs_read_e4m3_weights_exactly(cuda_backend, rng, num_tokens, rows, inner, form, block):
+    got, exact, _ = run_form(cuda_backend, rng, form, num_tokens, rows, inner, block, norm=form != "add")
+    assert rel_l2(got, exact) < BF16_TOLERANCE, (form, num_tokens, rows, inner)
+
+
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("num_tokens, rows, inner", [(9, 1000, 4096), (64, 4096, 4096), (301, 512, 1024), (3, 256, 336)])
+def test_the_fp8_gemm_rounds_x_to_e4m3_and_nothing_else(cuda_backend, rng, num_tokens, rows, inner, form, block):
+    """Past the GEMVs (and for K % 64 != 0 at 2..8 rows): x rounded to E4M3 per token or per
+    1 x 128 group, then the exact product; 9, 301 and 3 rows take the padding to 4 rows, and
+    K = 336 a partial last group."""
+    got, exact, rounded = run_form(cuda_backend, rng, form, num_tokens, rows, inner, block, norm=form != "add")
+    assert rel_l2(got, rounded) < BF16_TOLERANCE, (form, num_tokens, rows, inner)
+    assert rel_l2(got, exact) < FP8_ACTIVATION_TOLERANCE, (form, num_tokens, rows, inner)
+
+
+def test_an_fp8_projection_captured_in_a_graph_replays_the_eager_bits(cuda_backend, rng):
+    """Decode GEMV and FP8 GEMM (with its quantizing kernel and cuBLASLt's scale pointers), in one
+    graph: replays equal the eager calls bit for bit."""
+    dense = cuda_backend.dense
+    projection = dense.prepare(HostProjection(fp8_linear(rng, 2048, 1024, block=True),
+                                              RmsNorm(bf16(1 + 0.3 * rng.standard_normal(1024)), EPS)))
+    inputs = [cuda_backend.upload(bf16(rng.standard_normal((n, 1024))), DType.BF16) for n in (1, 16)]
+    outs = [cuda_backend.empty((n, 2048), DType.BF16) for n in (1, 16)]
+
+    def step() -> None:
+        for x, out in zip(inputs, outs):
+            dense.project(x, projection, out)
+
+    step()
+    eager = [host(cuda_backend, out) for out in outs]
+    graph = cuda_backend.capture(step)
+    for out in outs:
+        cuda_backend.fill(out, float("nan"))
+    graph.replay()
+    for out, expected in zip(outs, eager):
+        np.testing.assert_array_equal(host(cuda_backend, out), expected)
+
+
+def test_fp8_weights_the_kernels_cannot_take_are_refused_by_name(cuda_backend, rng):
+    from atlas.ports.gpu import UnsupportedError
+
+    with pytest.raises(UnsupportedError, match="multiple of 16"):
+        cuda_backend.dense.prepare(HostProjection(fp8_linear(rng, 64, 40, block=False)))
+    odd_blocks = HostLinear(np.zeros((64, 64), E4M3), scales=np.ones((16, 8), np.float32), block_shape=(4, 8))
+    with pytest.raises(UnsupportedError, match="128 x 128"):
+        cuda_backend.dense.prepare(HostProjection(odd_blocks))
