@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.adapters.weights.safetensors import SafetensorsWeights
 from atlas.app.backends import make_backend
+from atlas.app.chat_features import LazyGrammarCompiler
 from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
 from atlas.app.settings import EngineSettings
@@ -29,6 +30,7 @@ from atlas.domain.models.families import check_supported, kv_cache_scales, load_
 from atlas.domain.models.model import Model
 from atlas.domain.models.quantization_config import Fp8Layout, check_quantization, with_quantization
 from atlas.domain.models.quantization_weights import QuantizedOnLoad, checkpoint_bytes
+from atlas.domain.request_constraints import GrammarCache
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
 from atlas.domain.speculative.config import SpeculativeConfig
@@ -145,6 +147,7 @@ def build_engine(
         from atlas.app.parallel_engine import build_parallel_engine
 
         return build_parallel_engine(settings, show_progress)
+    is_rank = placement is not None  # a rank only executes: the driver's core applies constraints
     placement = placement or OneDevice()
     model_dir = resolve_model(settings.model)
     config = read_model_config(model_dir)
@@ -204,7 +207,9 @@ def build_engine(
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
         worker.capture_graphs()
-    core = make_core(settings, model.cache_groups, plan.num_pages, worker, max_model_len, config.vocab_size, tokenizer)
+    grammars = None if is_rank else engine_grammars(tokenizer, model_dir, config.vocab_size)
+    core = make_core(settings, model.cache_groups, plan.num_pages, worker, max_model_len, config.vocab_size, tokenizer,
+                     grammars)
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,
@@ -220,10 +225,16 @@ def build_engine(
     )
 
 
+def engine_grammars(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int) -> GrammarCache:
+    """The engine's grammar cache for requests' constraints (its compiler is built on first use)."""
+    return GrammarCache(LazyGrammarCompiler(tokenizer, model_dir, vocab_size))
+
+
 def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pages: Sequence[int],
-              executor: StepExecutor, max_model_len: int, vocab_size: int, tokenizer: Tokenizer) -> EngineCore:
+              executor: StepExecutor, max_model_len: int, vocab_size: int, tokenizer: Tokenizer,
+              grammars: GrammarCache | None = None) -> EngineCore:
     """The engine core over the model's cache groups, group i with `num_pages[i]` pages,
-    driving `executor`."""
+    driving `executor`, compiling requests' grammars with `grammars` (None: refusing them)."""
     cache = CacheManager.for_groups(groups, num_pages, settings.block_size, settings.prefix_caching)
     if settings.prefix_caching and not cache.caches_prefixes:
         log.info("prefix caching is off: the recurrent layers keep no state at block boundaries to start a hit from")
@@ -238,7 +249,7 @@ def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pa
         POLICIES[settings.scheduling_policy](),
         speculation_policy(settings.speculative),
     )
-    return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids)
+    return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids, grammars)
 
 
 def _log_caches(model: Model, plan: CachePlan, kv_dtype: DType) -> None:

@@ -25,7 +25,7 @@ from collections import deque
 import msgspec
 
 from atlas.adapters.tokenizers.hf import HfTokenizer
-from atlas.app.builder import LoadedEngine, make_core, read_model_config
+from atlas.app.builder import LoadedEngine, engine_grammars, make_core, read_model_config
 from atlas.app.model_store import resolve_model
 from atlas.app.rank_engine import (
     CollectStep,
@@ -150,7 +150,8 @@ def build_parallel_engine(settings: EngineSettings, show_progress: bool = True) 
     log.info("%d ranks loaded (%.2f GiB of weights each on %s); cache pages per group and rank: %s (blocks of %d tokens)",
              world, loaded[0].weight_bytes / GIB, loaded[0].device_name, num_pages, settings.block_size)
     executor = RankExecutor(group)
-    core = make_core(settings, groups, num_pages, executor, max_model_len, config.vocab_size, tokenizer)
+    core = make_core(settings, groups, num_pages, executor, max_model_len, config.vocab_size, tokenizer,
+                     engine_grammars(tokenizer, model_dir, config.vocab_size))
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,

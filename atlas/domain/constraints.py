@@ -28,23 +28,20 @@ row per position: row j holds the mask after drafts[:j], found by accepting the 
 and rolling them back; a draft its row forbids can never be accepted, so the rows after it
 are all ones.
 
-Requests get their constraints from a `ConstraintSource` the application wires (one per model);
-`ForkedConstraints` builds one pristine constraint per distinct request constraint and forks it,
-so the n sequences of one request compile their grammar once.
+A request carries its constraint as plain data (`Request.constraint`); the engine turns it into
+a `TokenConstraint` per sequence through a `GrammarCache` (`atlas.domain.request_constraints`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Sequence
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Protocol
 
 import numpy as np
 
-from atlas.domain.reasoning_budget import ReasoningMarkers
-from atlas.domain.requests import Request
+from atlas.domain.requests import ReasoningMarkers
 from atlas.domain.token_mask import ALL_ALLOWED, allow, allow_only, is_allowed
 from atlas.ports.grammar import GrammarCompiler, GrammarMatcher
 
@@ -323,56 +320,3 @@ def fill_step_bitmask(
             if count:
                 constraint.rollback(count)  # type: ignore[union-attr]
     return any_constrained
-
-
-class ConstraintSource(Protocol):
-    """What a request's tokens must follow: the application wires one per model."""
-
-    @property
-    def compiler(self) -> GrammarCompiler | None:
-        """Fills a step's grammar rows in parallel (None: one by one)."""
-        ...
-
-    def constraint_for(self, request: Request) -> TokenConstraint | None:
-        """A new constraint for `request`'s sequence, or None. Raises GrammarError naming the
-        request field for a constraint that cannot be compiled."""
-        ...
-
-
-class ForkedConstraints:
-    """A `ConstraintSource` that builds one pristine constraint per distinct key and hands each
-    request a fork of it, for the most recent `capacity` keys.
-
-    `key_of(request)` is the request's constraint as a hashable value (None: unconstrained);
-    `build(key)` makes the constraint at the start of the output. Equal keys (the n sequences
-    of one request) compile once.
-    """
-
-    def __init__(
-        self,
-        key_of: Callable[[Request], Hashable | None],
-        build: Callable[[Hashable], TokenConstraint],
-        compiler: GrammarCompiler | None = None,
-        capacity: int = 64,
-    ) -> None:
-        self._key_of = key_of
-        self._build = build
-        self._compiler = compiler
-        self._capacity = capacity
-        self._pristine: OrderedDict[Hashable, TokenConstraint] = OrderedDict()
-
-    @property
-    def compiler(self) -> GrammarCompiler | None:
-        return self._compiler
-
-    def constraint_for(self, request: Request) -> TokenConstraint | None:
-        key = self._key_of(request)
-        if key is None:
-            return None
-        pristine = self._pristine.pop(key, None)
-        if pristine is None:
-            pristine = self._build(key)
-        self._pristine[key] = pristine  # most recently used last
-        while len(self._pristine) > self._capacity:
-            self._pristine.popitem(last=False)
-        return pristine.fork()

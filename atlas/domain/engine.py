@@ -30,7 +30,8 @@ from typing import Protocol
 import numpy as np
 
 from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
-from atlas.domain.constraints import ConstraintSource, ConstraintViolation, TokenConstraint, fill_step_bitmask
+from atlas.domain.constraints import ConstraintViolation, TokenConstraint, fill_step_bitmask
+from atlas.domain.request_constraints import GrammarCache, token_constraint
 from atlas.domain.requests import FinishReason, ParameterError, Request
 from atlas.domain.sequence import Sequence
 from atlas.domain.sampling import validate_token_ids
@@ -89,15 +90,16 @@ class EngineCore:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: frozenset[int],
-        constraints: ConstraintSource | None = None,
+        grammars: GrammarCache | None = None,
     ) -> None:
-        """`constraints`: where requests get their token constraints (None: no request has any)."""
+        """`grammars` compiles the grammars of requests' constraints (None: a request with a
+        grammar is refused)."""
         self.scheduler = scheduler
         self.executor = executor
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
-        self.constraint_source = constraints
+        self.grammars = grammars
         self._constraints: dict[str, TokenConstraint] = {}  # of the live constrained sequences
         self._bitmask = np.empty((0, bitmask_width(vocab_size)), dtype=np.int32)  # grown on demand
         self._sequences: dict[str, Sequence] = {}
@@ -179,10 +181,14 @@ class EngineCore:
         return outputs
 
     def _constraint_for(self, request: Request) -> TokenConstraint | None:
-        if self.constraint_source is None:
+        constraint = request.constraint
+        if constraint is None:
             return None
+        if constraint.grammar is not None and self.grammars is None:
+            raise ParameterError(constraint.grammar_field, "structured output is unavailable: this engine has no "
+                                                           "grammar compiler for its model's tokenizer")
         try:
-            return self.constraint_source.constraint_for(request)
+            return token_constraint(constraint, self.grammars)
         except GrammarError as error:
             raise ParameterError(error.field, str(error).removeprefix(f"{error.field}: ")) from None
 
@@ -217,7 +223,7 @@ class EngineCore:
         if self._bitmask.shape[0] < num_rows:
             self._bitmask = np.empty((max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
         bitmask = self._bitmask[:num_rows]
-        compiler = self.constraint_source.compiler if self.constraint_source is not None else None
+        compiler = self.grammars.compiler if self.grammars is not None else None
         return bitmask if fill_step_bitmask(rows, bitmask, compiler) else None
 
     def _forget(self, request_id: str) -> None:

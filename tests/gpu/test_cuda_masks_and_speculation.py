@@ -21,14 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the uni
 from fakes import DictWeights, random_llama_weights  # noqa: E402
 from helpers.engines import make_cache, make_worker  # noqa: E402
 from helpers.json_schema_check import schema_errors  # noqa: E402
-from test_engine_constraints import ResidueGrammar, follows_residues  # noqa: E402
+from helpers.residue_grammar import follows_residues, residue_grammars, residues  # noqa: E402
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence, SamplingRow  # noqa: E402
-from atlas.domain.constraints import ForkedConstraints, TokenConstraint  # noqa: E402
 from atlas.domain.engine import EngineCore  # noqa: E402
 from atlas.domain.models.config import ModelConfig  # noqa: E402
 from atlas.domain.models.families import load_model  # noqa: E402
-from atlas.domain.requests import Request, SamplingParams  # noqa: E402
+from atlas.domain.requests import OutputConstraint, Request, SamplingParams  # noqa: E402
 from atlas.domain.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from atlas.domain.worker import WorkerConfig, decode_rows  # noqa: E402
 from atlas.ports.gpu import DType  # noqa: E402
@@ -65,15 +64,14 @@ def _constrained_engine(backend, graph_sizes):
     worker = make_worker(model, 200, BLOCK_SIZE, WorkerConfig(256, 16, 512, graph_sizes), kv_dtype=DType.BF16)
     worker.capture_graphs()
     scheduler = Scheduler(SchedulerConfig(512, 16, 256, BLOCK_SIZE), make_cache(model, 200, BLOCK_SIZE, 16))
-    source = ForkedConstraints(lambda request: "residues", lambda key: TokenConstraint(ResidueGrammar(12)))
-    return EngineCore(scheduler, worker, 512, 512, frozenset({96}), source)
+    return EngineCore(scheduler, worker, 512, 512, frozenset({96}), residue_grammars(512))
 
 
 def test_masked_sampler_graphs_keep_every_draw_inside_the_grammar(cuda_backend, rng):
     """Overlapped, graphed steps whose masks arrive after the forward: every token follows the
     grammar, eos follows its end, a masked sampler graph ran, and a second engine reproduces."""
     requests = [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, 96, size=int(rng.integers(2, 40)))),
-                        SamplingParams(temperature=t, max_tokens=20), 7 + i)
+                        SamplingParams(temperature=t, max_tokens=20), 7 + i, constraint=residues(12))
                 for i, t in enumerate([0.0, 1.0, 0.7] * 4)]
 
     def run(core):
@@ -94,20 +92,13 @@ def test_masked_sampler_graphs_keep_every_draw_inside_the_grammar(cuda_backend, 
 
 
 def test_smollm2_json_schema_answers_at_temperature_one_parse_and_validate(kernel_cache_dir):
-    from atlas.adapters.grammar.llguidance import LlguidanceCompiler
     from atlas.app.llm import LLM
     from atlas.ports.grammar import JsonSchema
 
-    folder = _smollm2_dir()
-    llm = LLM(str(folder), device="cuda", show_progress=False, max_seq_len=1024)
-    tokenizer = llm.tokenizer
-    compiler = LlguidanceCompiler((folder / "tokenizer.json").read_text(), llm.engine.config.vocab_size,
-                                  sorted(tokenizer.eos_token_ids), tokenizer.token_id)
-    grammar = compiler.compile(JsonSchema(PERSON), "response_format")
-    llm.engine.core.constraint_source = ForkedConstraints(
-        lambda request: "person", lambda key: TokenConstraint(grammar.new_matcher()), compiler)
+    llm = LLM(str(_smollm2_dir()), device="cuda", show_progress=False, max_seq_len=1024)
     ask = [{"role": "user", "content": "Describe a fictional person as JSON with a name, an age and a role."}]
-    [result] = llm.chat(ask, SamplingParams(temperature=1.0, max_tokens=80, n=8, seed=5))
+    [result] = llm.chat(ask, SamplingParams(temperature=1.0, max_tokens=80, n=8, seed=5),
+                        constraint=OutputConstraint(JsonSchema(PERSON), "response_format"))
     for choice in result.outputs:
         assert choice.finish_reason == "stop" and schema_errors(json.loads(choice.text), PERSON) == [], choice.text
 

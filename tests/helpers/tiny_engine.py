@@ -23,8 +23,9 @@ VOCAB_SIZE = TINY_LLAMA["vocab_size"]
 
 
 def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=(), prefix_caching=True, policy=None,
-               constraints=None, speculative=None):
-    """`speculative`: a SpeculativeConfig (n-gram) or None."""
+               grammars=None, speculative=None):
+    """`grammars`: a GrammarCache for requests' constraints (None: none may have a grammar);
+    `speculative`: a SpeculativeConfig (n-gram) or None."""
     config = ModelConfig.from_dict(TINY_LLAMA)
     backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed)), backend, MAX_LEN)
@@ -34,7 +35,7 @@ def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=
     cache = make_cache(model, num_blocks, BLOCK_SIZE, max_num_seqs, prefix_caching)
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, policy,
                           speculation_policy(speculative))
-    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS, constraints)
+    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS, grammars)
 
 
 def run(core, requests, check=True):

@@ -1,83 +1,31 @@
 """Token constraints in the engine on a small random model: masks bind every draw, steps still
-overlap, graphs read the mask buffer, n > 1 forks one constraint, a forbidden token fails the
+overlap, graphs read the mask buffer, n > 1 compile one grammar, a forbidden token fails the
 request, and a thinking budget forces the end of the block.
 
-The fake grammar allows, at output position i, the ids below 90 congruent to i modulo 3, and
-after `length` tokens only end-of-sequence: a random model follows it only through the mask.
+Requests carry their constraints as `OutputConstraint`s; the fake grammar (`helpers.residue_grammar`)
+allows, at output position i, the ids below 90 congruent to i modulo 3, and after `length`
+tokens only end-of-sequence: a random model follows it only through the mask.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import msgspec
 import pytest
-from helpers.tiny_engine import EOS, build_core, prompts, run
+from helpers.residue_grammar import EOS_ID, follows_residues, residue_grammars, residues
+from helpers.tiny_engine import VOCAB_SIZE, build_core, prompts, run
 
-from atlas.domain.constraints import ForkedConstraints, TokenConstraint
-from atlas.domain.reasoning_budget import ReasoningMarkers
-from atlas.domain.requests import FinishReason, Request, SamplingParams
+from atlas.domain.requests import FinishReason, OutputConstraint, ParameterError, ReasoningMarkers, Request, SamplingParams
+from atlas.ports.grammar import Regex
 
-EOS_ID = next(iter(EOS))
 THINK, END_THINK, NEWLINE, BLANK_LINE = 60, 61, 10, 11
 
 
-class ResidueGrammar:
-    """A GrammarMatcher: position i allows the ids below 90 that are i mod 3; then only eos."""
-
-    def __init__(self, length: int, position: int = 0, lying_token: int | None = None) -> None:
-        self.length = length
-        self.position = position
-        self.lying_token = lying_token  # allowed by the mask, refused by accept (a broken grammar)
-        self.broken = False
-
-    def allowed(self) -> list[int]:
-        if self.position >= self.length:
-            return [EOS_ID]
-        ids = [t for t in range(90) if t % 3 == self.position % 3]
-        return ids + [self.lying_token] if self.lying_token is not None else ids
-
-    def fill_bitmask(self, bitmask_row: np.ndarray) -> None:
-        bitmask_row[:] = 0
-        words = bitmask_row.view(np.uint32)
-        for token_id in self.allowed():
-            words[token_id >> 5] |= np.uint32(1 << (token_id & 31))
-
-    def accept_token(self, token_id: int) -> bool:
-        if token_id == self.lying_token or token_id not in self.allowed():
-            self.broken = True
-            return False
-        self.position += 1
-        return True
-
-    def rollback(self, num_tokens: int) -> None:
-        self.position -= num_tokens
-
-    def fork(self) -> ResidueGrammar:
-        return ResidueGrammar(self.length, self.position, self.lying_token)
-
-    @property
-    def is_accepting(self) -> bool:
-        return self.position >= self.length
-
-    @property
-    def is_finished(self) -> bool:
-        return self.position > self.length or self.broken
+def constrained(request: Request, constraint) -> Request:
+    return msgspec.structs.replace(request, constraint=constraint)
 
 
-def residue_source(length: int, constrained_ids=None, builds=None, **grammar) -> ForkedConstraints:
-    def key_of(request):
-        return "residues" if constrained_ids is None or request.request_id in constrained_ids else None
-
-    def build(key):
-        if builds is not None:
-            builds.append(key)
-        return TokenConstraint(ResidueGrammar(length, **grammar))
-
-    return ForkedConstraints(key_of, build)
-
-
-def follows_residues(tokens: list[int], length: int) -> bool:
-    body, rest = tokens[:length], tokens[length:]
-    return all(t < 90 and t % 3 == i % 3 for i, t in enumerate(body)) and rest in ([], [EOS_ID])
+def grammar_core(**options):
+    return build_core(grammars=residue_grammars(VOCAB_SIZE), **options)
 
 
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=20)
@@ -89,8 +37,8 @@ def test_masks_bind_every_draw_and_keep_the_steps_overlapping(rng):
     end is followed by eos, and the steps still overlap (placeholders gathered on the device)."""
     length = 9
     requests = [Request(f"r{i}", p, SAMPLED, seed=40 + i) for i, p in enumerate(prompts(8, rng))]
-    constrained = {f"r{i}" for i in range(0, 8, 2)}
-    core = build_core(constraints=residue_source(length, constrained))
+    requests = [constrained(r, residues(length)) if i % 2 == 0 else r for i, r in enumerate(requests)]
+    core = grammar_core()
     awaiting_with_placeholders = []
     original_submit = core.executor.submit
 
@@ -104,9 +52,9 @@ def test_masks_bind_every_draw_and_keep_the_steps_overlapping(rng):
     assert any(awaiting_with_placeholders)
     for request in requests:
         tokens = together[request.request_id]
-        if request.request_id in constrained:
+        if request.constraint is not None:
             assert follows_residues(tokens, length) and tokens[-1] == EOS_ID, tokens
-            alone = build_core(constraints=residue_source(length))
+            alone = grammar_core()
             assert run(alone, [request])[request.request_id] == tokens
         else:
             assert not follows_residues(tokens, length)  # the random model does not obey by itself
@@ -117,33 +65,42 @@ def test_masks_bind_every_draw_and_keep_the_steps_overlapping(rng):
                          ids=["sampled", "greedy-logprobs"])
 def test_decode_graphs_sample_through_the_mask_buffer(rng, params):
     length = 7
-    requests = [Request(f"r{i}", p, params, seed=i) for i, p in enumerate(prompts(6, rng))]
-    eager = run(build_core(constraints=residue_source(length)), requests)
-    graphed = build_core(graph_sizes=(1, 2, 4, 8), constraints=residue_source(length))
+    requests = [Request(f"r{i}", p, params, seed=i, constraint=residues(length)) for i, p in enumerate(prompts(6, rng))]
+    eager = run(grammar_core(), requests)
+    graphed = grammar_core(graph_sizes=(1, 2, 4, 8))
     assert run(graphed, requests) == eager
     assert all(follows_residues(tokens, length) for tokens in eager.values())
     masked_samplers = [key for key in graphed.executor._sampler_graphs if key[1]]
     assert bool(masked_samplers) == (params.logprobs is None)  # logprobs sample eagerly
 
 
-def test_the_n_sequences_of_a_request_fork_one_constraint(rng):
-    builds = []
-    source = residue_source(6, builds=builds)
+def test_the_n_sequences_of_a_request_compile_one_grammar(rng):
     prompt = prompts(1, rng)[0]
-    requests = [Request(f"req-{i}", prompt, SAMPLED, seed=100 + i) for i in range(4)]
-    tokens = run(build_core(constraints=source), requests)
-    assert builds == ["residues"]
+    requests = [Request(f"req-{i}", prompt, SAMPLED, seed=100 + i, constraint=residues(6)) for i in range(4)]
+    core = grammar_core()
+    tokens = run(core, requests)
+    assert core.grammars.compiler.compiled == ["residues 6"]
     assert all(follows_residues(t, 6) for t in tokens.values())
-    assert len({tuple(t) for t in tokens.values()}) > 1  # each fork goes its own way
+    assert len({tuple(t) for t in tokens.values()}) > 1  # each sequence goes its own way
+
+
+def test_a_grammar_the_engine_cannot_compile_is_refused_naming_the_field(rng):
+    request = Request("bad", prompts(1, rng)[0], SAMPLED, seed=1)
+    unknown = OutputConstraint(Regex("[a-z]+"), "structured_outputs.regex")
+    with pytest.raises(ParameterError, match="structured_outputs.regex"):
+        grammar_core().add_request(constrained(request, unknown))
+    with pytest.raises(ParameterError, match="no grammar compiler"):
+        build_core().add_request(constrained(request, residues(4)))
 
 
 def test_a_token_the_constraint_forbids_fails_the_request_and_frees_its_blocks(rng):
     """A grammar whose mask allows a token it then refuses (as a sampler ignoring the mask would
     make happen): the request ends with an error; its neighbour runs on."""
     bias = {17: 100.0}  # the lying token wins every draw
-    liar = Request("liar", prompts(1, rng)[0], SamplingParams(temperature=0.0, max_tokens=10, logit_bias=bias), seed=1)
+    liar = Request("liar", prompts(1, rng)[0], SamplingParams(temperature=0.0, max_tokens=10, logit_bias=bias), seed=1,
+                   constraint=residues(20, lying_token=17))
     honest = Request("honest", prompts(1, rng)[0], SamplingParams(temperature=0.0, max_tokens=10), seed=2)
-    core = build_core(constraints=residue_source(20, {"liar"}, lying_token=17))
+    core = grammar_core()
     for request in (liar, honest):
         core.add_request(request)
     outputs = []
@@ -160,14 +117,11 @@ def test_a_token_the_constraint_forbids_fails_the_request_and_frees_its_blocks(r
 def test_a_thinking_budget_forces_the_end_of_the_block_then_the_grammar(rng):
     markers = ReasoningMarkers(THINK, END_THINK, (NEWLINE, END_THINK, BLANK_LINE))
     budget, length = 5, 4
-
-    def build(key):
-        return TokenConstraint(ResidueGrammar(length), markers, starts_in_reasoning=True, thinking_budget=budget)
-
-    source = ForkedConstraints(lambda request: "think", build)
+    constraint = residues(length, reasoning=markers, thinking_budget=budget)
     params = SamplingParams(temperature=1.0, max_tokens=30, logit_bias={END_THINK: -100.0})  # never ends by itself
-    requests = [Request(f"t{i}", p, params, seed=i) for i, p in enumerate(prompts(3, rng))]
-    for tokens in run(build_core(constraints=source), requests).values():
+    requests = [Request(f"t{i}", p, params, seed=i, constraint=constraint) for i, p in enumerate(prompts(3, rng))]
+    for tokens in run(grammar_core(), requests).values():
         assert END_THINK not in tokens[:budget]
         assert tokens[budget : budget + 3] == [NEWLINE, END_THINK, BLANK_LINE]
         assert follows_residues(tokens[budget + 3 :], length)
+

@@ -11,10 +11,9 @@ reject them; both paths run.
 from __future__ import annotations
 
 import pytest
-from helpers.tiny_engine import build_core, prompts, run
-from test_engine_constraints import ResidueGrammar, follows_residues
+from helpers.residue_grammar import follows_residues, residue_grammars, residues
+from helpers.tiny_engine import VOCAB_SIZE, build_core, prompts, run
 
-from atlas.domain.constraints import ForkedConstraints, TokenConstraint
 from atlas.domain.requests import Request, SamplingParams
 from atlas.domain.speculative.config import SpeculativeConfig
 
@@ -107,16 +106,13 @@ def test_speculation_switches_off_above_disable_by_batch_size(rng):
 def test_drafts_are_checked_against_each_sequence_grammar(rng):
     """Constrained sequences verify drafts under per-position masks (row j after drafts[:j]):
     the tokens follow the grammar and equal plain constrained decoding."""
-
-    def source():
-        return ForkedConstraints(lambda request: "residues", lambda key: TokenConstraint(ResidueGrammar(24)))
-
     bias = {6: 4.0, 9: 4.0, 12: 4.0}  # ids 0 mod 3: drafts that match position 0 mod 3 only
-    requests = [Request(f"r{i}", p, SamplingParams(temperature=t, max_tokens=30, logit_bias=bias), seed=i)
+    requests = [Request(f"r{i}", p, SamplingParams(temperature=t, max_tokens=30, logit_bias=bias), seed=i,
+                        constraint=residues(24))
                 for i, (p, t) in enumerate(zip(prompts(6, rng), (0.0, 0.8) * 3))]
-    core = build_core(speculative=NGRAM, constraints=source())
+    core = build_core(speculative=NGRAM, grammars=residue_grammars(VOCAB_SIZE))
     tokens = run(core, requests)
-    assert tokens == run(build_core(constraints=source()), requests)
+    assert tokens == run(build_core(grammars=residue_grammars(VOCAB_SIZE)), requests)
     assert all(follows_residues(t, 24) for t in tokens.values())
     assert core.stats().num_spec_draft_tokens > 0
 

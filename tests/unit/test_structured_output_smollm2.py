@@ -1,7 +1,8 @@
 """Structured output end to end on the real SmolLM2 (mock backend) with the llguidance compiler:
 JSON-schema answers sampled at temperature 1 parse and validate, the n choices of a request
-each get their own fork of the grammar, and a thinking budget on a reasoning template forces
-the end of the block before the grammar starts.
+compile the grammar once (the engine's own compiler, built on first use) and each get their own
+matcher, and a thinking budget on a reasoning template forces the end of the block before the
+grammar starts.
 
 Skipped unless SmolLM2 has been pulled (`atlas pull smollm2`).
 """
@@ -14,11 +15,8 @@ import pytest
 from helpers.checkpoints import smollm2_folder
 from helpers.json_schema_check import schema_errors
 
-from atlas.adapters.grammar.llguidance import LlguidanceCompiler
 from atlas.app.llm import LLM
-from atlas.domain.constraints import ForkedConstraints, TokenConstraint
-from atlas.domain.reasoning_budget import ReasoningMarkers
-from atlas.domain.requests import SamplingParams
+from atlas.domain.requests import OutputConstraint, ReasoningMarkers, SamplingParams
 from atlas.ports.grammar import JsonSchema
 
 FOLDER = smollm2_folder()
@@ -46,30 +44,17 @@ def llm() -> LLM:
     return LLM(str(FOLDER), device="mock", show_progress=False, max_seq_len=512, max_prefill_tokens=512, seed=11)
 
 
-@pytest.fixture(scope="module")
-def compiler(llm: LLM) -> LlguidanceCompiler:
-    tokenizer = llm.tokenizer
-    return LlguidanceCompiler((FOLDER / "tokenizer.json").read_text(), llm.engine.config.vocab_size,
-                              sorted(tokenizer.eos_token_ids), tokenizer.token_id)
-
-
-def constrain_every_request(llm: LLM, compiler: LlguidanceCompiler, build, builds: list) -> None:
-    def counted(key):
-        builds.append(key)
-        return build()
-
-    llm.engine.core.constraint_source = ForkedConstraints(lambda request: "person", counted, compiler)
-
-
-def test_json_schema_answers_sampled_at_temperature_one_parse_and_validate(llm, compiler):
-    grammar = compiler.compile(JsonSchema(PERSON), "response_format.json_schema.schema")
-    builds: list = []
-    constrain_every_request(llm, compiler, lambda: TokenConstraint(grammar.new_matcher()), builds)
+def test_json_schema_answers_sampled_at_temperature_one_parse_and_validate(llm):
+    grammars = llm.engine.core.grammars
+    compiled = []
+    compile_once = grammars.compiler.compile
+    grammars.compiler.compile = lambda spec, field: compiled.append(field) or compile_once(spec, field)
     try:
-        [result] = llm.chat(ASK, SamplingParams(temperature=1.0, max_tokens=80, n=8, seed=5))
+        [result] = llm.chat(ASK, SamplingParams(temperature=1.0, max_tokens=80, n=8, seed=5),
+                            constraint=OutputConstraint(JsonSchema(PERSON), "response_format"))
     finally:
-        llm.engine.core.constraint_source = None
-    assert builds == ["person"]  # compiled once, forked for each of the 8 choices
+        del grammars.compiler.compile
+    assert compiled == ["response_format"]  # compiled once for the 8 choices
     texts = [choice.text for choice in result.outputs]
     for choice in result.outputs:
         assert choice.finish_reason == "stop" and choice.error is None, choice
@@ -78,21 +63,14 @@ def test_json_schema_answers_sampled_at_temperature_one_parse_and_validate(llm, 
     assert llm.engine.core.stats().num_blocks_free == llm.engine.core.stats().num_blocks_total
 
 
-def test_a_thinking_budget_forces_the_end_of_the_block_before_the_grammar(llm, compiler):
-    grammar = compiler.compile(JsonSchema(PERSON), "response_format.json_schema.schema")
+def test_a_thinking_budget_forces_the_end_of_the_block_before_the_grammar(llm):
     markers = ReasoningMarkers(THINK, END_THINK, (NEWLINE, END_THINK, BLANK_LINE))
     budget = 12
-    builds: list = []
-    constrain_every_request(
-        llm, compiler,
-        lambda: TokenConstraint(grammar.new_matcher(), markers, starts_in_reasoning=True, thinking_budget=budget),
-        builds,
-    )
+    constraint = OutputConstraint(JsonSchema(PERSON), "response_format", markers, starts_in_reasoning=True,
+                                  thinking_budget=budget)
     prompt = llm.tokenizer.encode(llm.render_chat(ASK), add_special_tokens=False) + [THINK]
-    try:
-        [result] = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=100, n=2, seed=9))
-    finally:
-        llm.engine.core.constraint_source = None
+    [result] = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=100, n=2, seed=9),
+                            constraint=constraint)
     for choice in result.outputs:
         tokens = choice.token_ids
         assert END_THINK not in tokens[:budget]
@@ -110,5 +88,5 @@ def test_the_bench_decodes_the_same_batch_under_the_schema_and_free(llm, tmp_pat
     assert row["batch"] == 2 and row["json_schema_tokens_per_s"] > 0 and row["free_tokens_per_s"] > 0
     assert row["json_schema_replaced"] == 0  # a 50-item array outlasts the window
     stats = llm.engine.core.stats()
-    assert llm.engine.core.constraint_source is None and stats.num_running == 0
+    assert stats.num_running == 0
     assert stats.num_blocks_free == stats.num_blocks_total

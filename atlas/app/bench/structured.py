@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from atlas.adapters.grammar.llguidance import LlguidanceCompiler
 from atlas.app.builder import LoadedEngine
-from atlas.domain.constraints import ConstraintSource, ForkedConstraints, TokenConstraint
-from atlas.domain.requests import Request, SamplingParams
+from atlas.app.chat_features import GrammarUnavailable
+from atlas.domain.requests import OutputConstraint, Request, SamplingParams
 from atlas.domain.token_mask import bitmask_width
 from atlas.ports.grammar import GrammarError, JsonSchema
 from atlas.ports.tokenizer import ChatTemplateError
@@ -42,30 +41,31 @@ class LoopResult:
         return self.num_tokens / self.seconds
 
 
-def json_schema_source(engine: LoadedEngine, path: str) -> ConstraintSource:
-    """Every request under the schema in `path`; ValueError naming --json-schema when the file
-    is unreadable or the schema cannot be compiled."""
+def json_schema_constraint(engine: LoadedEngine, path: str) -> OutputConstraint:
+    """Requests' constraint under the schema in `path`, compiled once through the engine's
+    grammar cache; ValueError naming --json-schema when the file is unreadable, the schema
+    cannot be compiled, or the model's tokenizer cannot spell JSON."""
     try:
         schema = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"--json-schema {path}: {error}") from None
-    tokenizer = engine.tokenizer
     unusable = (f"--json-schema: llguidance cannot use {engine.model_dir}'s tokenizer to spell JSON (a --random "
                 "checkpoint's is a placeholder); use a model with its real tokenizer")
+    constraint = OutputConstraint(JsonSchema(schema), "schema")
+    grammars = engine.core.grammars
+    if grammars is None:
+        raise ValueError(unusable)
     try:
-        compiler = LlguidanceCompiler((engine.model_dir / "tokenizer.json").read_text(), engine.config.vocab_size,
-                                      sorted(tokenizer.eos_token_ids), tokenizer.token_id)
-    except (ValueError, RuntimeError):  # llguidance raises either for a tokenizer it cannot read
+        grammar = grammars.compiled(constraint.grammar, constraint.grammar_field)
+    except GrammarUnavailable:
         raise ValueError(unusable) from None
-    try:
-        grammar = compiler.compile(JsonSchema(schema), "schema")
     except GrammarError as error:
         raise ValueError(f"--json-schema {path}: {error}") from None
     first = np.zeros(bitmask_width(engine.config.vocab_size), dtype=np.int32)
     grammar.new_matcher().fill_bitmask(first)
     if not first.any():
         raise ValueError(unusable)
-    return ForkedConstraints(lambda request: "schema", lambda key: TokenConstraint(grammar.new_matcher()), compiler)
+    return constraint
 
 
 def schema_prompt(engine: LoadedEngine, path: str) -> tuple[int, ...]:
@@ -80,11 +80,10 @@ def schema_prompt(engine: LoadedEngine, path: str) -> tuple[int, ...]:
 
 
 def measure_closed_loop(engine: LoadedEngine, prompt: tuple[int, ...], batch: int, steps: int,
-                        source: ConstraintSource | None, tag: str) -> LoopResult:
-    """`batch` sequences (under `source`'s constraints, None: free), replaced as they finish,
-    over `steps` timed engine steps after every one has its first token."""
+                        constraint: OutputConstraint | None, tag: str) -> LoopResult:
+    """`batch` sequences (under `constraint`, None: free), replaced as they finish, over
+    `steps` timed engine steps after every one has its first token."""
     core = engine.core
-    core.constraint_source = source
     params = SamplingParams(temperature=1.0, max_tokens=4 * steps + 64)
     live: set[str] = set()
     counter = iter(range(1 << 62))
@@ -92,7 +91,7 @@ def measure_closed_loop(engine: LoadedEngine, prompt: tuple[int, ...], batch: in
     def start() -> None:
         index = next(counter)
         request_id = f"{tag}-{batch}-{index}"
-        core.add_request(Request(request_id, prompt, params, seed=index))
+        core.add_request(Request(request_id, prompt, params, seed=index, constraint=constraint))
         live.add(request_id)
 
     def step() -> tuple[int, int]:
@@ -123,18 +122,17 @@ def measure_closed_loop(engine: LoadedEngine, prompt: tuple[int, ...], batch: in
             core.abort(request_id)
         while core.has_unfinished:
             core.step()
-        core.constraint_source = None
     return LoopResult(batch, steps, num_tokens, seconds, num_replaced)
 
 
 def run_structured_bench(engine: LoadedEngine, schema_path: str, batch_sizes: list[int], steps: int) -> dict:
     """Both loops at each batch size; prints a table and returns the figures."""
-    source = json_schema_source(engine, schema_path)
+    constraint = json_schema_constraint(engine, schema_path)
     prompt = schema_prompt(engine, schema_path)
     rows = []
     for batch in batch_sizes:
         print(f"json_schema against free decode at batch {batch} ...", file=sys.stderr)
-        constrained = measure_closed_loop(engine, prompt, batch, steps, source, "json")
+        constrained = measure_closed_loop(engine, prompt, batch, steps, constraint, "json")
         free = measure_closed_loop(engine, prompt, batch, steps, None, "free")
         rows.append({
             "batch": batch, "steps": steps,
