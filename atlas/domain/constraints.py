@@ -11,9 +11,10 @@ A constrained sequence goes through up to four phases, one token at a time:
     (starts in REASONING when the template opened the block; in ANSWER when thinking is off)
 
 OPENING is the first token only: the model may open a reasoning block (the grammar's mask
-plus the start token) or begin the answer. REASONING is free text, counted against the
-budget. CLOSING forces a fixed token sequence through a one-bit mask. ANSWER follows the
-grammar, or is free without one.
+plus the start token) or begin the answer. REASONING is free text counted against the budget,
+except that it may not end the output (`end_token_ids`): the block is closed by the model or
+by the budget, so the answer (and its grammar) always follows. CLOSING forces a fixed token
+sequence through a one-bit mask. ANSWER follows the grammar, or is free without one.
 
 The engine drives it per step, with the mask computation off the device's critical path:
 
@@ -42,7 +43,7 @@ from enum import Enum
 import numpy as np
 
 from atlas.domain.requests import ReasoningMarkers
-from atlas.domain.token_mask import ALL_ALLOWED, allow, allow_only, is_allowed
+from atlas.domain.token_mask import ALL_ALLOWED, allow, allow_only, forbid, is_allowed
 from atlas.ports.grammar import GrammarCompiler, GrammarMatcher
 
 DEFAULT_MAX_ROLLBACK_TOKENS = 64
@@ -82,17 +83,25 @@ class GrammarTokens:
     extra_token_ids: tuple[int, ...] = ()
 
 
-NextTokenRule = ForcedToken | GrammarTokens | None  # None: any token
+@dataclass(frozen=True, slots=True)
+class AnyTokenBut:
+    """The next token is any but `token_ids` (end-of-sequence inside a reasoning block)."""
+
+    token_ids: frozenset[int]
+
+
+NextTokenRule = ForcedToken | GrammarTokens | AnyTokenBut | None  # None: any token
 
 
 class TokenConstraint:
     """What one sequence may sample next, advanced token by token (see the module doc).
 
-    `thinking_budget` None means no limit; 0 ends a block as soon as it opens. Up to
+    `thinking_budget` None means no limit; 0 ends a block as soon as it opens.
+    `end_token_ids` (end-of-sequence) may not be sampled inside the block. Up to
     `max_rollback_tokens` accepted tokens can be rolled back (rejected speculative drafts).
     """
 
-    __slots__ = ("_grammar", "_markers", "_budget", "_state", "_history")
+    __slots__ = ("_grammar", "_markers", "_budget", "_end_ids", "_state", "_history")
 
     def __init__(
         self,
@@ -100,6 +109,7 @@ class TokenConstraint:
         markers: ReasoningMarkers | None = None,
         starts_in_reasoning: bool = False,
         thinking_budget: int | None = None,
+        end_token_ids: frozenset[int] = frozenset(),
         max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS,
     ) -> None:
         if thinking_budget is not None and thinking_budget < 0:
@@ -107,6 +117,7 @@ class TokenConstraint:
         self._grammar = grammar
         self._markers = markers
         self._budget = thinking_budget
+        self._end_ids = frozenset(end_token_ids)
         self._history: deque[tuple[_State, bool]] = deque(maxlen=max_rollback_tokens)
         if markers is None:
             self._state = _State(_Phase.ANSWER)
@@ -134,7 +145,9 @@ class TokenConstraint:
         state = self._state
         if state.phase is _Phase.CLOSING:
             return ForcedToken(state.forced_token_ids[state.num_forced])
-        if self._grammar is None or state.phase is _Phase.REASONING:
+        if state.phase is _Phase.REASONING:
+            return AnyTokenBut(self._end_ids) if self._end_ids else None
+        if self._grammar is None:
             return None
         if state.phase is _Phase.OPENING:
             assert self._markers is not None
@@ -151,6 +164,9 @@ class TokenConstraint:
             return False
         if isinstance(rule, ForcedToken):
             allow_only(bitmask_row, (rule.token_id,))
+        elif isinstance(rule, AnyTokenBut):
+            bitmask_row[:] = ALL_ALLOWED
+            forbid(bitmask_row, rule.token_ids)
         else:
             rule.matcher.fill_bitmask(bitmask_row)
             allow(bitmask_row, rule.extra_token_ids)
@@ -203,12 +219,15 @@ class TokenConstraint:
         copy._grammar = self._grammar.fork() if self._grammar is not None else None
         copy._markers = self._markers
         copy._budget = self._budget
+        copy._end_ids = self._end_ids
         copy._state = self._state
         copy._history = deque(self._history, maxlen=self._history.maxlen)
         return copy
 
     def _reasoning(self, state: _State, token_id: int) -> _State:
         assert self._markers is not None
+        if token_id in self._end_ids:
+            raise ConstraintViolation(f"token {token_id} ends the output inside the reasoning block")
         if token_id == self._markers.end_token_id:
             padding = self._markers.after_end_token_ids
             if self._grammar is not None and padding:  # the answer's grammar starts where the template's does
@@ -255,6 +274,9 @@ def fill_batch_bitmask(
         any_constrained = True
         if isinstance(rule, ForcedToken):
             allow_only(bitmask[row], (rule.token_id,))
+        elif isinstance(rule, AnyTokenBut):
+            bitmask[row] = ALL_ALLOWED
+            forbid(bitmask[row], rule.token_ids)
         else:
             grammar_rows.append((rule.matcher, row))
             if rule.extra_token_ids:

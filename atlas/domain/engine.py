@@ -188,7 +188,7 @@ class EngineCore:
             raise ParameterError(constraint.grammar_field, "structured output is unavailable: this engine has no "
                                                            "grammar compiler for its model's tokenizer")
         try:
-            return token_constraint(constraint, self.grammars)
+            return token_constraint(constraint, self.grammars, self.eos_token_ids)
         except GrammarError as error:
             raise ParameterError(error.field, str(error).removeprefix(f"{error.field}: ")) from None
 

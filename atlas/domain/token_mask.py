@@ -51,6 +51,13 @@ def allow(bitmask_row: np.ndarray, token_ids: Iterable[int]) -> None:
         words[token_id >> 5] |= np.uint32(1 << (token_id & 31))
 
 
+def forbid(bitmask_row: np.ndarray, token_ids: Iterable[int]) -> None:
+    """Disallow `token_ids` in `bitmask_row` (int32 [W])."""
+    words = bitmask_row.view(np.uint32)
+    for token_id in token_ids:
+        words[token_id >> 5] &= ~np.uint32(1 << (token_id & 31))
+
+
 def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:
     """float32 [R, V]: `logits` with every token the mask disallows set to -inf (a new array).
 

@@ -125,3 +125,14 @@ def test_a_thinking_budget_forces_the_end_of_the_block_then_the_grammar(rng):
         assert tokens[budget : budget + 3] == [NEWLINE, END_THINK, BLANK_LINE]
         assert follows_residues(tokens[budget + 3 :], length)
 
+
+def test_the_output_cannot_end_inside_the_reasoning_block(rng):
+    """A model that would end at once (eos biased up) reasons up to its budget instead, then the
+    forced end, the grammar and only then eos."""
+    markers = ReasoningMarkers(THINK, END_THINK, (NEWLINE, END_THINK, BLANK_LINE))
+    constraint = residues(4, reasoning=markers, thinking_budget=5)
+    params = SamplingParams(temperature=1.0, max_tokens=30, logit_bias={EOS_ID: 100.0, END_THINK: -100.0})
+    requests = [Request(f"e{i}", p, params, seed=i, constraint=constraint) for i, p in enumerate(prompts(2, rng))]
+    for tokens in run(grammar_core(), requests).values():
+        assert EOS_ID not in tokens[:5] and tokens[5:8] == [NEWLINE, END_THINK, BLANK_LINE]
+        assert follows_residues(tokens[8:], 4) and tokens[-1] == EOS_ID
