@@ -188,6 +188,20 @@ def test_forced_tool_calls_parse_into_valid_calls(compiler, tokenizer, walk_weig
             assert schema_errors(json.loads(call.arguments), schema) == [], text
 
 
+@pytest.mark.parametrize("markup", ["hermes", "qwen3_coder"])
+def test_the_newline_after_a_parallel_call_may_end_the_output(compiler, tokenizer, markup) -> None:
+    """A model that writes the newline it learnt after a call is not locked into another call."""
+    matcher = compiler.compile(ForcedToolCalls(markup, (NO_ARGS,), parallel=True), "tool_choice").new_matcher()
+    call = {"hermes": '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n',
+            "qwen3_coder": "<tool_call>\n<function=now>\n</function>\n</tool_call>\n"}[markup]
+    for token_id in tokenizer.encode(call, add_special_tokens=False):
+        assert matcher.accept_token(token_id), call
+    row = np.zeros((compiler.vocab_size + 31) // 32, dtype=np.int32)
+    matcher.fill_bitmask(row)
+    allowed = {tokenizer.decode([t], skip_special_tokens=False) for t in allowed_ids(row, compiler.vocab_size)}
+    assert matcher.is_accepting and "<|im_end|>" in allowed and "<" in allowed
+
+
 def test_a_named_choice_calls_that_tool(compiler, tokenizer, walk_weights) -> None:
     rng = np.random.default_rng(3)
     for _ in range(3):
