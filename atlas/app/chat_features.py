@@ -30,14 +30,10 @@ log = logging.getLogger("atlas.server")
 AUTO, OFF = "auto", "none"
 TOOL_CALL_PARSER_CHOICES = (AUTO, OFF, *TOOL_CALL_PARSERS)
 REASONING_PARSER_CHOICES = (AUTO, OFF, *REASONING_PARSERS)
-# The engine applies `Request.constraint` as token masks once its side is wired; until then a
-# request that needs masks (structured output, a forced tool call, a thinking budget) is a 400.
-ENGINE_APPLIES_CONSTRAINTS = False
 
 
 def chat_features(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int, tool_call_parser: str = AUTO,
-                  reasoning_parser: str = AUTO,
-                  engine_applies_constraints: bool = ENGINE_APPLIES_CONSTRAINTS) -> ChatFeatures:
+                  reasoning_parser: str = AUTO) -> ChatFeatures:
     """The features of a loaded model. Raises ValueError naming the flag for an unknown parser."""
     from atlas.adapters.http.engine_client import ChatFeatures
 
@@ -62,7 +58,6 @@ def chat_features(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int, tool
         reasoning=tags,
         reasoning_markers=markers,
         grammar=grammar_compiler(tokenizer, model_dir, vocab_size),
-        engine_applies_constraints=engine_applies_constraints,
     )
 
 
