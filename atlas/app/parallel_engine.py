@@ -23,6 +23,7 @@ import threading
 from collections import deque
 
 import msgspec
+import numpy as np
 
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.app.builder import LoadedEngine, engine_grammars, make_core, read_model_config
@@ -33,6 +34,7 @@ from atlas.app.rank_engine import (
     RankLoaded,
     RankMeasures,
     RunStep,
+    SampleStep,
     cache_groups_of,
     decode_result,
     model_rank,
@@ -66,6 +68,10 @@ class RankExecutor:
         self._in_flight.append(pending)
         return pending
 
+    def sample(self, step_id: int, bitmask: np.ndarray | None) -> None:
+        """Hand every rank the masks of step `step_id`, the last submitted (`awaits_masks`)."""
+        self._group.send(self._encode(SampleStep.of(step_id, bitmask)))
+
     def collect_until(self, pending: PendingRankStep) -> None:
         """Collect every step in flight up to `pending`. RankFailure when a rank failed or the
         ranks' results differ."""
@@ -97,6 +103,9 @@ class PendingRankStep:
     @property
     def is_pending(self) -> bool:
         return self._result is None
+
+    def sample(self, bitmask: np.ndarray | None) -> None:
+        self._executor.sample(self.step_id, bitmask)
 
     def resolve(self, result: StepResult) -> None:
         self._result = result
