@@ -19,7 +19,7 @@ from atlas.app.backends import make_backend
 from atlas.app.chat_features import LazyGrammarCompiler
 from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
-from atlas.app.settings import EngineSettings
+from atlas.app.settings import EngineSettings, SettingsError
 from atlas.domain.cache.manager import CacheManager
 from atlas.domain.device_caches import allocate_caches
 from atlas.domain.engine import EngineCore, StepExecutor
@@ -172,7 +172,8 @@ def build_engine(
     max_num_tokens = settings.max_prefill_tokens
     speculative = settings.speculative
     verify_rows = _max_verify_rows(settings, speculative)
-    graph_sizes = () if settings.enforce_eager else _graph_sizes(settings, verify_rows)
+    num_drafts = speculative.num_speculative_tokens if speculative is not None else 0
+    graph_sizes = () if settings.enforce_eager else _graph_sizes(settings, verify_rows, num_drafts)
     max_rows = max(settings.max_num_seqs, verify_rows, max(graph_sizes, default=0))
     limits = StepLimits(max(max_num_tokens, max_rows), max_rows)
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
@@ -234,7 +235,14 @@ def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pa
               executor: StepExecutor, max_model_len: int, vocab_size: int, tokenizer: Tokenizer,
               grammars: GrammarCache | None = None) -> EngineCore:
     """The engine core over the model's cache groups, group i with `num_pages[i]` pages,
-    driving `executor`, compiling requests' grammars with `grammars` (None: refusing them)."""
+    driving `executor`, compiling requests' grammars with `grammars` (None: refusing them).
+    Raises SettingsError for a speculative configuration the model cannot run."""
+    speculation = speculation_policy(settings.speculative)
+    if settings.speculative is not None and any(group.kind is CacheGroupKind.RECURRENT_STATE for group in groups):
+        raise SettingsError(
+            "--speculative-config: this model has recurrent layers, whose state the engine cannot roll back "
+            "past rejected drafts yet; drop --speculative-config"
+        )
     cache = CacheManager.for_groups(groups, num_pages, settings.block_size, settings.prefix_caching)
     if settings.prefix_caching and not cache.caches_prefixes:
         log.info("prefix caching is off: the recurrent layers keep no state at block boundaries to start a hit from")
@@ -247,7 +255,7 @@ def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pa
         ),
         cache,
         POLICIES[settings.scheduling_policy](),
-        speculation_policy(settings.speculative),
+        speculation,
     )
     return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids, grammars)
 
@@ -286,8 +294,11 @@ def _max_verify_rows(settings: EngineSettings, speculative: SpeculativeConfig | 
     return min(num_seqs * (1 + speculative.num_speculative_tokens), settings.max_prefill_tokens)
 
 
-def _graph_sizes(settings: EngineSettings, verify_rows: int) -> tuple[int, ...]:
-    """Decode batch sizes to capture; verify steps run as decode steps of `verify_rows` rows at most."""
+def _graph_sizes(settings: EngineSettings, verify_rows: int, num_drafts: int = 0) -> tuple[int, ...]:
+    """Decode batch sizes to capture; verify steps run as decode steps of `verify_rows` rows at
+    most. With `num_drafts` drafts a sequence, the full verify steps of 1, 2 and 4 sequences
+    get graphs of their own size, so a batch-1 verify step of k = 4 replays 5 rows, not 8."""
     largest = max(settings.max_batch_size or settings.max_num_seqs, verify_rows)
-    sizes = tuple(size for size in GRAPH_BATCH_SIZES if size <= largest)
-    return sizes if largest in sizes else (*sizes, largest)
+    verify_sizes = {(1 + num_drafts) * batch for batch in (1, 2, 4)} if num_drafts else set()
+    sizes = sorted({size for size in (*GRAPH_BATCH_SIZES, *verify_sizes) if size <= largest} | {largest})
+    return tuple(sizes)

@@ -75,11 +75,12 @@ class PagedFakeWorker:
                 self.states[slot] = state + tuple(token_ids)
                 views.append(self.states[slot])
             if scheduled.sampling is not None and scheduled.num_draft_tokens:
-                # a row per position of the verify chunk, each reading the context up to it
-                assert self.windows == (None,) and not scheduled.state_slots, "drafts over one full-attention group"
-                context = views[0]
+                # a row per position of the verify chunk, each reading every group's view up to it
+                assert not scheduled.state_slots, "recurrent state cannot verify drafts"
                 for row in range(1 + scheduled.num_draft_tokens):
-                    sampled.append(greedy_next_token(context[: len(context) - scheduled.num_draft_tokens + row]))
+                    end = scheduled.context_len - scheduled.num_draft_tokens + row
+                    row_views = [self._read(group, table, end) for group, table in enumerate(tables)]
+                    sampled.append(greedy_next_token(tuple(itertools.chain.from_iterable(row_views))))
             elif scheduled.sampling is not None:
                 assert scheduled.sampling.is_greedy
                 sampled.append(greedy_next_token(tuple(itertools.chain.from_iterable(views))))
@@ -95,7 +96,12 @@ class PagedFakeWorker:
         assert table.first_block_idx <= first_read // BLOCK_SIZE, "a block the step reads was released"
         for offset, token_id in enumerate(token_ids):
             slots[self._slot(table, scheduled.start_position + offset)] = token_id
-        visible = range(0 if window is None else max(0, context_len - window), context_len)
+        return self._read(group, table, context_len)
+
+    def _read(self, group: int, table: BlockTable, end: int) -> tuple[int, ...]:
+        """What group `group` shows a row whose context is positions [0, end)."""
+        window, slots = self.windows[group], self.slots[group]
+        visible = range(0 if window is None else max(0, end - window), end)
         return tuple(slots[self._slot(table, p)] for p in visible)  # type: ignore[misc]
 
     @staticmethod

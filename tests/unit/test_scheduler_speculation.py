@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from helpers.scheduling import (
     BLOCK_SIZE,
+    FULL_ATTENTION,
+    NO_EOS,
     VOCAB_SIZE,
     PagedFakeWorker,
     full_attention_cache,
@@ -21,15 +23,20 @@ from helpers.scheduling import (
 )
 
 from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.cache.groups import KvGroup
+from atlas.domain.cache.manager import CacheManager
+from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape
 
 
 class ScriptedProposer:
     """Drafts up to `num_drafts` tokens: each sequence's reference next tokens, from the
     `wrong_from`-th draft on shifted to a wrong id."""
 
-    def __init__(self, prompts: dict[str, list[int]], num_tokens: int, num_drafts: int, wrong_from: int | None = None):
+    def __init__(self, prompts: dict[str, list[int]], num_tokens: int, num_drafts: int, wrong_from: int | None = None,
+                 windows=(None,)):
         self.prompt_lens = {seq_id: len(prompt) for seq_id, prompt in prompts.items()}
-        self.references = {seq_id: greedy_reference(p, num_tokens + num_drafts + 1) for seq_id, p in prompts.items()}
+        self.references = {seq_id: greedy_reference(p, num_tokens + num_drafts + 1, windows)
+                           for seq_id, p in prompts.items()}
         self.num_drafts = num_drafts
         self.wrong_from = wrong_from
         self.forgotten: list[str] = []
@@ -147,3 +154,23 @@ def test_only_final_tokens_reach_the_prefix_cache() -> None:
     scheduler.add(again)
     step(scheduler, worker)
     assert again.num_cached_tokens == 16
+
+
+def test_a_sliding_window_group_keeps_what_rejected_drafts_leave_it_to_read() -> None:
+    """Window 6 beside a full-attention group: the window's blocks are released only up to what
+    a step from the first draft on reads, so after every rejection the next step still finds
+    its window, and the tokens are the windowed reference's."""
+    window = CacheGroupSpec(KvShape(1, 8, sliding_window=6))
+    prompts = {"a": list(range(10, 21)), "b": [30, 31, 32]}
+    proposer = scripted(prompts, 16, num_drafts=3, wrong_from=1, windows=(None, 6))
+    full_pool, window_pool = BlockPool(16, BLOCK_SIZE), BlockPool(8, BLOCK_SIZE)
+    cache = CacheManager.build([KvGroup(FULL_ATTENTION, full_pool), KvGroup(window, window_pool)], False)
+    scheduler = scheduler_over(cache, 16, speculation=proposer)
+    for seq_id, prompt in prompts.items():
+        scheduler.add(make_seq(seq_id, prompt, max_tokens=16, eos_token_ids=NO_EOS))
+    finished = run_to_completion(scheduler, PagedFakeWorker(16, windows=(None, 6)))
+    for seq_id, prompt in prompts.items():
+        assert finished[seq_id].token_ids == greedy_reference(prompt, 16, windows=(None, 6))
+    stats = scheduler.spec_stats
+    assert stats.num_verify_steps > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert full_pool.num_free_blocks == 16 and window_pool.num_free_blocks == 8

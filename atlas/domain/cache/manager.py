@@ -344,7 +344,8 @@ class CacheManager:
             holding = seq.cache.groups[idx]
             if holding.num_covered != group.num_pages(seq.num_computed_tokens):
                 raise AssertionError(f"{seq!r}: group {idx} covers {holding.num_covered} pages")
-            if holding.first_block_idx != group.first_needed_block(seq.num_computed_tokens):
+            # drafts in flight may be rolled back: the window of their first one is kept
+            if holding.first_block_idx != group.first_needed_block(seq.num_computed_tokens - seq.num_draft_tokens):
                 raise AssertionError(f"{seq!r}: group {idx} released a block it still reads, or keeps one it does not")
             holders.update(holding.block_ids)
             for block_idx in range(holding.first_block_idx, holding.num_covered):
