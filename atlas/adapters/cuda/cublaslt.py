@@ -157,8 +157,10 @@ class CublasLtGemm:
         plan = self._plans.get(key)
         new_plan = plan is None
         if plan is None:
+            scale_addresses = (fp8_scales.weight_address, fp8_scales.x_address) if fp8_scales is not None else None
             plan = self._build(
-                num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate, modes
+                num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate, modes,
+                scale_addresses,
             )
             self._plans[key] = plan
         if fp8_scales is not None:
@@ -242,6 +244,7 @@ class CublasLtGemm:
         with_bias: bool,
         accumulate: bool,
         scale_modes: tuple[int, int] | None = None,
+        scale_addresses: tuple[int, int] | None = None,
     ) -> _Plan:
         descriptor = lt.matmul_desc_create(int(cublas.ComputeType.COMPUTE_32F), _DATA_TYPES[DType.F32])
         _set(descriptor, lt.MatmulDescAttribute.TRANSA, _OP_T)
@@ -249,6 +252,11 @@ class CublasLtGemm:
         if scale_modes is not None:
             _set(descriptor, lt.MatmulDescAttribute.A_SCALE_MODE, scale_modes[0])
             _set(descriptor, lt.MatmulDescAttribute.B_SCALE_MODE, scale_modes[1])
+            # cuBLASLt 13 refuses the heuristic query of a vector or block scale mode without
+            # its scale pointers set ("requires a custom pointer"); each call sets them again.
+            assert scale_addresses is not None
+            _set(descriptor, lt.MatmulDescAttribute.A_SCALE_POINTER, scale_addresses[0])
+            _set(descriptor, lt.MatmulDescAttribute.B_SCALE_POINTER, scale_addresses[1])
         bias_attribute = None
         if with_bias:
             _set(descriptor, lt.MatmulDescAttribute.EPILOGUE, int(lt.Epilogue.BIAS))

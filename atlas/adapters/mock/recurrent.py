@@ -10,6 +10,14 @@ Within a chunk, with G_t = exp(cumulative g up to t) and S_0 the state before it
 u = (I + A)^-1 (beta v - beta G K S_0) where A[t, s] = beta_t (G_t / G_s) k_t.k_s for s < t,
 o = G Q S_0 + ((G_t / G_s) q_t.k_s for s <= t) u, and the state after it
 G_C S_0 + sum_s (G_C / G_s) k_s u_s^T.
+
+In bf16 activations the kind rounds where transformers' bf16 path for Qwen3-Next does (the one
+`atlas doctor` measures the noise by): the conv's sum before silu, then its output; beta; the
+delta rule's output o before the gated norm. g, the l2 norms, the recurrence and the state stay
+float32, as there (a fused conv kernel that rounds once, after silu, is as exact). Why it
+matters: a head whose o nearly cancels is scaled up by the gated norm and the MoE after it may
+pick another expert at a near tie, so a bf16 error of the same size but another pattern can land
+several times past transformers' noise.
 """
 
 from __future__ import annotations
@@ -115,6 +123,7 @@ class MockRecurrent:
             raise ValueError(f"projected {list(projected.shape)} / out {list(out.shape)}: not "
                              f"[N, {shape.projected_width}] / [N, {shape.conv_dim}]")
         x = projected.as_f32()[:, : shape.conv_dim]
+        rounded = self._backend.dense.rounded
         kernel = layer.conv_weight.shape[1]
         result = np.empty_like(x)
         for rows, fresh, slot in _sequences(meta):
@@ -123,10 +132,10 @@ class MockRecurrent:
                 history = np.zeros_like(history)
             inputs = np.concatenate([history, x[rows]], axis=0)  # [K - 1 + L, C]
             length = rows.stop - rows.start
-            mixed = sum(inputs[j : j + length] * layer.conv_weight[:, j] for j in range(kernel))
+            mixed = rounded(sum(inputs[j : j + length] * layer.conv_weight[:, j] for j in range(kernel)))
             result[rows] = mixed / (1.0 + np.exp(-mixed))
             state.conv[shape.state_layer, slot] = inputs[length:]
-        out.data[...] = self._backend.dense.rounded(result)
+        out.data[...] = rounded(result)
 
     def gated_delta_rule(
         self,
@@ -148,7 +157,8 @@ class MockRecurrent:
         k = _heads(values[:, key_dim : 2 * key_dim], shape.key_head_dim, group)
         v = values[:, 2 * key_dim :].reshape(-1, heads, shape.value_head_dim)
         z = extra[:, :value_dim].reshape(-1, heads, shape.value_head_dim)
-        beta = 1.0 / (1.0 + np.exp(-extra[:, value_dim : value_dim + heads]))
+        rounded = self._backend.dense.rounded
+        beta = rounded(1.0 / (1.0 + np.exp(-extra[:, value_dim : value_dim + heads])))
         a = extra[:, value_dim + heads :]
         decay = -layer.decay_rate * np.logaddexp(0.0, a + layer.dt_bias)  # -exp(a_log) * softplus
         q = _l2_normalize(q) * np.float32(shape.key_head_dim**-0.5)
@@ -162,7 +172,7 @@ class MockRecurrent:
             core[rows], state.recurrent[shape.state_layer, slot] = step(
                 q[rows], k[rows], v[rows], beta[rows], decay[rows], start
             )
-        gated = rmsnorm(core, layer.norm.weight, layer.norm.eps) * (z / (1.0 + np.exp(-z)))
+        gated = rmsnorm(rounded(core), layer.norm.weight, layer.norm.eps) * (z / (1.0 + np.exp(-z)))
         out.data[...] = gated.reshape(meta.num_tokens, value_dim)
 
 
