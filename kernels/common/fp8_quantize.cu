@@ -11,8 +11,11 @@
 //                                           (token-major: cuBLASLt's VEC128 layout for B)
 //
 // so that v = q * s to E4M3's rounding (3 mantissa bits: a relative error of at most 2^-4 per
-// value). x [N, K] bf16; q [rows, K] E4M3; rows >= N, and rows past N (cuBLASLt's block-scaled
-// products want a multiple of 4) get zeros and scale 0. A zero row gets scale 0 and zeros.
+// value). In f32: q = e4m3_rn(v * (448 / amax)), s = amax / 448, both divisions IEEE. An input
+// exactly halfway between two E4M3 values (frequent for bf16 x without a norm: 19.125 under amax
+// 51 is 168, between 160 and 176) rounds by the f32 reciprocal's error, not to even.
+// x [N, K] bf16; q [rows, K] E4M3; rows >= N, and rows past N (cuBLASLt's block-scaled products
+// want a multiple of 4) get zeros and scale 0. A zero row gets scale 0 and zeros.
 // K % 8 == 0 (token) or K % 4 == 0 (group), 16-byte aligned rows (the host checks).
 //
 // One block of 256 threads per row. Bytes: 2 N K read (twice more from L1/L2 with the norm) and

@@ -227,11 +227,21 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const 
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) accumulate(raw[u], k + u * STEP);
     }
-    for (; k < inner; k += STEP) {
-        uint4 raw[ROWS];
+    if (k < inner) {
+        // Fewer than BATCH steps remain (K = 14336: 2 of 14): their loads go out together, not
+        // one round trip after another.
+        uint4 raw[BATCH - 1][ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) raw[r] = fp8_load_streaming(w_rows[r] + k);
-        accumulate(raw, k);
+        for (int u = 0; u < BATCH - 1; ++u) {
+            if (k + u * STEP < inner) {
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) raw[u][r] = fp8_load_streaming(w_rows[r] + k + u * STEP);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH - 1; ++u) {
+            if (k + u * STEP < inner) accumulate(raw[u], k + u * STEP);
+        }
     }
 
 #pragma unroll
@@ -344,7 +354,20 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], k + u * STEP);
     }
-    for (; k < inner; k += STEP) multiply(fp8_load_streaming(w_a + k), fp8_load_streaming(w_b + k), k);
+    if (k < inner) {  // fewer than BATCH chunks remain: their loads go out together
+        uint4 wa[BATCH - 1], wb[BATCH - 1];
+#pragma unroll
+        for (int u = 0; u < BATCH - 1; ++u) {
+            if (k + u * STEP < inner) {
+                wa[u] = fp8_load_streaming(w_a + k + u * STEP);
+                wb[u] = fp8_load_streaming(w_b + k + u * STEP);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH - 1; ++u) {
+            if (k + u * STEP < inner) multiply(wa[u], wb[u], k + u * STEP);
+        }
+    }
     // acc: (row g, tokens 2t, 2t + 1) and (row g + 8, tokens 2t, 2t + 1)
     partial[warp][g][2 * t] = acc[0];
     partial[warp][g][2 * t + 1] = acc[1];

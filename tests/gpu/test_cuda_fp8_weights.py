@@ -48,17 +48,24 @@ def rmsnorm(x: np.ndarray, norm: RmsNorm | None) -> np.ndarray:
 
 
 def round_e4m3(values: np.ndarray, group: int | None) -> np.ndarray:
-    """x as the quantizing kernel rounds it: per row (`group` None) or per `group` columns,
-    scale = amax / 448, value = e4m3(x / scale) * scale."""
+    """x as the quantizing kernel rounds it, per row (`group` None) or per `group` columns, in its
+    f32 arithmetic: q = e4m3(v * f32(448 / amax)), s = f32(amax / 448), value = q * s.
+
+    The f32 reciprocal matters at exact ties: bf16 inputs (8 significant bits) often land exactly
+    halfway between two E4M3 values, e.g. x = 19.125 under amax = 51 gives 168, the midpoint of
+    160 and 176. The exact quotient rounds to even (160); the kernel's x * f32(448 / 51) is 168
+    plus an f32 ulp and rounds up (176). Both are roundings of x to E4M3 within 2^-4; the reference
+    takes the kernel's, so that it stays within bf16 rounding of the kernel's product."""
+    values = values.astype(np.float32)
     rows, width = values.shape
     size = width if group is None else group
-    out = np.empty_like(values)
+    out = np.empty(values.shape, np.float64)
     for start in range(0, width, size):
         part = values[:, start : start + size]
         amax = np.abs(part).max(axis=1, keepdims=True)
-        scale = np.where(amax > 0, amax / 448, 1.0)
-        quantized = np.clip(part / scale, -448, 448).astype(np.float32).astype(E4M3).astype(np.float64)
-        out[:, start : start + size] = quantized * scale
+        inverse = np.float32(448) / np.where(amax > 0, amax, np.float32(1))
+        quantized = np.clip(part * inverse, -448, 448).astype(E4M3).astype(np.float64)
+        out[:, start : start + size] = quantized * (amax / np.float32(448)).astype(np.float64)
     return out
 
 

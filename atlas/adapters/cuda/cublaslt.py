@@ -11,7 +11,7 @@ B = x seen as K x N (ld K):
 A plan (descriptors, layouts, candidate algorithms) is built once per shape and reused; the
 workspace is persistent so the call can be captured in a graph. fp32 accumulation.
 
-FP8 (E4M3 x E4M3, Hopper): D = (scale_A op(A)) (scale_B op(B)) with the scales as `Fp8Scales`
+FP8 (E4M3 x E4M3, Hopper): D = (scale_A op(A)) (scale_B op(B)) [+ C] with the scales as `Fp8Scales`
 gives them (cuBLASLt 12.9+ on sm_90): outer vectors (a scale per weight row, i.e. per output
 feature, and one per token), or 128 x 128 blocks for the weight with 1 x 128 groups for x. The
 block modes take M and N multiples of 4; their scale tensors are
@@ -145,13 +145,14 @@ class CublasLtGemm:
         several times on these buffers and waiting for the stream. `accumulate_timing_out`: out
         += x @ w^T instead (the epilogue's beta = 1, one rounding of the sum), the candidates then
         timed on that buffer of out's shape, not on out. `fp8_scales`: E4M3 x and w (in_dtype
-        FP8_E4M3) and their scales (no bias, no accumulation). Raises `RuntimeError` when
-        cuBLASLt has no algorithm for the shape (the message names it)."""
+        FP8_E4M3) and their scales (no bias; accumulating, C is out in out_dtype, unscaled).
+        Raises `RuntimeError` when cuBLASLt has no algorithm for the shape (the message names
+        it); the plan is then not kept, so a caller may fall back."""
         accumulate = accumulate_timing_out is not None
         if (in_dtype is DType.FP8_E4M3) != (fp8_scales is not None):
             raise ValueError("matmul: FP8 operands need their scales, and only they take scales")
-        if fp8_scales is not None and (bias_address is not None or accumulate):
-            raise ValueError("matmul: an FP8 product takes no bias and does not accumulate")
+        if fp8_scales is not None and bias_address is not None:
+            raise ValueError("matmul: an FP8 product takes no bias")
         modes = fp8_scales.modes if fp8_scales is not None else None
         key = (num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate, modes)
         plan = self._plans.get(key)
@@ -270,6 +271,9 @@ class CublasLtGemm:
         wanted = _HEURISTIC_CANDIDATES if self._tuning is not None else 1
         candidates = self._heuristic(descriptor, layouts, wanted)
         if len(candidates) == 0:
+            for layout in layouts:
+                lt.matrix_layout_destroy(layout)
+            lt.matmul_desc_destroy(descriptor)
             raise RuntimeError(
                 f"cuBLASLt has no algorithm for x [{num_tokens}, {inner}] @ w [{num_rows}, {inner}]^T "
                 f"({in_dtype.value} -> {out_dtype.value})"

@@ -109,6 +109,7 @@ class Fp8LinearOp:
             tuning = GemmTuningStore(GemmTuningStore.file_for(folder, name, CublasLtGemm.library_version()))
         workspace = rt.workspace("cublaslt_fp8", WORKSPACE_BYTES)
         self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, workspace, tuning, rt.l2_bytes)
+        self._no_accumulate: set[tuple[int, int, bool]] = set()  # weight shapes cuBLASLt cannot add into
 
     # -- the three forms ------------------------------------------------------------------
     def project(
@@ -150,8 +151,11 @@ class Fp8LinearOp:
         self, x: CudaTensor, matrix: Fp8Matrix, residual: CudaTensor, bias: CudaTensor | None,
         norm: CudaTensor | None, eps: float,
     ) -> None:
-        """residual += [rmsnorm(x, norm)] W^T (+ bias), the product rounded to bf16 first.
-        residual [N, M] bf16."""
+        """residual += [rmsnorm(x, norm)] W^T (+ bias), residual [N, M] bf16. The product is
+        rounded to bf16 before the add, except past the GEMVs without bias for N a multiple of 4,
+        where cuBLASLt adds into the residual in its epilogue (beta = 1) and rounds the sum once,
+        as the bf16 `linear_add` does; where cuBLASLt has no such algorithm, the product and an
+        add."""
         num_tokens = self._check(x, matrix, residual, matrix.shape[0])
         checks.dtype(residual, "residual", (DType.BF16,))
         if num_tokens == 0:
@@ -164,6 +168,8 @@ class Fp8LinearOp:
             if self._gemv(source, matrix, delta, bias, "bf16"):
                 add_into(self._rt, delta, residual)
                 return
+        if bias is None and self._gemm_accumulate(x, matrix, norm, eps, residual):
+            return
         product = self._gemm_product(x, matrix, norm, eps, None)
         if bias is not None:
             self._add_bias(product, bias)
@@ -240,11 +246,55 @@ class Fp8LinearOp:
         and N is a multiple of 4, else into a workspace; returns the [N, M] product. The product
         runs on N rounded up to 4 token rows (the block modes' rule, kept for both so one shape
         rule holds): x's padding rows are zeros, their outputs are never read."""
-        rt = self._rt
-        if self._gemm is None:
-            raise RuntimeError("linear: the backend was closed")
+        gemm = self._open_gemm()
+        quantized, fp8_scales, rows = self._quantize(x, matrix, norm, eps)
         num_tokens, inner = x.shape
         features = matrix.shape[0]
+        direct = out is not None and rows == num_tokens
+        out_dtype = out.dtype if out is not None else DType.BF16
+        product = out if direct else self._rt.scratch_tensor(_PRODUCT, (rows, features), out_dtype)
+        assert product is not None
+        gemm.matmul(quantized.address, matrix.data.address, product.address, rows, features, inner, DType.FP8_E4M3,
+                    out_dtype, may_synchronize=not self._rt.capturing, fp8_scales=fp8_scales)
+        return product.rows(0, num_tokens)
+
+    def _gemm_accumulate(
+        self, x: CudaTensor, matrix: Fp8Matrix, norm: CudaTensor | None, eps: float, residual: CudaTensor
+    ) -> bool:
+        """residual (bf16) += [rmsnorm](x) W^T in cuBLASLt's epilogue (beta = 1: one rounding of
+        the sum, no product in memory and no add kernel). False, the residual untouched, where
+        that cannot run: N not a multiple of 4 (the GEMM's padding rows would land past the
+        residual), or no cuBLASLt algorithm for beta = 1 with these scale modes (remembered per
+        weight shape, so only the first such call quantizes x for nothing)."""
+        gemm = self._open_gemm()
+        num_tokens, inner = x.shape
+        features = matrix.shape[0]
+        key = (features, inner, matrix.block)
+        if num_tokens % 4 or key in self._no_accumulate:
+            return False
+        quantized, fp8_scales, rows = self._quantize(x, matrix, norm, eps)
+        timing = self._rt.scratch_tensor(_PRODUCT, residual.shape, DType.BF16)  # a first call times candidates here
+        try:
+            gemm.matmul(quantized.address, matrix.data.address, residual.address, rows, features, inner,
+                        DType.FP8_E4M3, DType.BF16, may_synchronize=not self._rt.capturing,
+                        accumulate_timing_out=timing.address, fp8_scales=fp8_scales)
+        except RuntimeError:  # no algorithm: the quantized x is left unused, the caller quantizes again
+            self._no_accumulate.add(key)
+            return False
+        return True
+
+    def _open_gemm(self) -> CublasLtGemm:
+        if self._gemm is None:
+            raise RuntimeError("linear: the backend was closed")
+        return self._gemm
+
+    def _quantize(
+        self, x: CudaTensor, matrix: Fp8Matrix, norm: CudaTensor | None, eps: float
+    ) -> tuple[CudaTensor, Fp8Scales, int]:
+        """[rmsnorm](x) to E4M3 in a workspace, N rounded up to 4 rows (zeros past N): (the
+        quantized rows, the product's scales, that row count)."""
+        rt = self._rt
+        num_tokens, inner = x.shape
         rows = -(-num_tokens // 4) * 4
         quantized = rt.scratch_tensor(_X, (rows, inner), DType.FP8_E4M3)
         groups = -(-inner // BLOCK)
@@ -260,23 +310,7 @@ class Fp8LinearOp:
         else:
             rt.launch("fp8_quantize", f"quantize_e4m3_token{norm_suffix}", (rows,), _QUANT_THREADS, *common,
                       np.int32(inner))
-        direct = out is not None and rows == num_tokens
-        out_dtype = out.dtype if out is not None else DType.BF16
-        product = out if direct else rt.scratch_tensor(_PRODUCT, (rows, features), out_dtype)
-        assert product is not None
-        self._gemm.matmul(
-            quantized.address,
-            matrix.data.address,
-            product.address,
-            rows,
-            features,
-            inner,
-            DType.FP8_E4M3,
-            out_dtype,
-            may_synchronize=not rt.capturing,
-            fp8_scales=Fp8Scales(matrix.block, matrix.scales.address, scales.address),
-        )
-        return product.rows(0, num_tokens)
+        return quantized, Fp8Scales(matrix.block, matrix.scales.address, scales.address), rows
 
     def _add_bias(self, out: CudaTensor, bias: CudaTensor) -> None:
         num_tokens, num_rows = out.shape
