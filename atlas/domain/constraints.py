@@ -213,17 +213,6 @@ class TokenConstraint:
             assert self._grammar is not None
             self._grammar.rollback(num_grammar_tokens)
 
-    def fork(self) -> TokenConstraint:
-        """An independent copy at the same point (n > 1 sequences of one request)."""
-        copy = TokenConstraint.__new__(TokenConstraint)
-        copy._grammar = self._grammar.fork() if self._grammar is not None else None
-        copy._markers = self._markers
-        copy._budget = self._budget
-        copy._end_ids = self._end_ids
-        copy._state = self._state
-        copy._history = deque(self._history, maxlen=self._history.maxlen)
-        return copy
-
     def _reasoning(self, state: _State, token_id: int) -> _State:
         assert self._markers is not None
         if token_id in self._end_ids:

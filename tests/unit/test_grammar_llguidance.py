@@ -269,14 +269,15 @@ def test_invalid_constraints_name_the_field(compiler, spec, message) -> None:
 
 
 def test_three_samples_think_within_the_budget_then_write_valid_json(compiler, tokenizer, walk_weights) -> None:
-    """n = 3 forks of one constraint, masks filled as one batch: 5 reasoning tokens, the forced
-    end of the block, then JSON that validates."""
+    """n = 3 sequences of one compiled grammar, masks filled as one batch: 5 reasoning tokens,
+    the forced end of the block, then JSON that validates."""
     newline = tokenizer.encode("\n", add_special_tokens=False)
     blank_line = tokenizer.encode("\n\n", add_special_tokens=False)
     markers = ReasoningMarkers(3, 4, (*newline, 4, *blank_line))  # SmolLM2 has no <think>: stand-in ids
-    first = TokenConstraint(compiler.compile(JsonSchema(PERSON), "response_format").new_matcher(), markers,
-                            starts_in_reasoning=True, thinking_budget=5)
-    constraints: list[TokenConstraint | None] = [first, first.fork(), first.fork()]
+    grammar = compiler.compile(JsonSchema(PERSON), "response_format")
+    constraints: list[TokenConstraint | None] = [
+        TokenConstraint(grammar.new_matcher(), markers, starts_in_reasoning=True, thinking_budget=5) for _ in range(3)
+    ]
     outputs: list[list[int]] = [[], [], []]
     bitmask = np.zeros((3, (compiler.vocab_size + 31) // 32), dtype=np.int32)
     rng = np.random.default_rng(4)
