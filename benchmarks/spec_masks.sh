@@ -50,7 +50,8 @@ if ngram:
     row = ngram["speculative"][0]
     rows.append(("SmolLM2 batch 1, n-gram k=4 / plain tokens/s (>= 2x)", f"{row['speedup']:.2f}x",
                  f"{row['plain_tokens_per_s']:.0f} -> {row['speculative_tokens_per_s']:.0f} tok/s, acceptance length "
-                 f"{row['mean_acceptance_length']:.2f}, {row['prompts']} prompts, identical: {row['identical_outputs']}"))
+                 f"{row['mean_acceptance_length']:.2f}, {row['prompts']} prompts, "
+                 f"identical: {row['identical_outputs']}"))
 verify = load("verify8b")
 if verify and verify.get("verify_over_decode"):
     rows.append(("8B batch 1, k=4 verify step / decode step (<= 1.15x)", f"{verify['verify_over_decode']:.3f}x",
@@ -58,7 +59,8 @@ if verify and verify.get("verify_over_decode"):
 structured = load("json")
 if structured:
     for row in structured["structured"]:
-        rows.append((f"SmolLM2 batch {row['batch']}, json_schema / free tokens/s" + (" (>= 90%)" if row["batch"] == 16 else ""),
+        target = " (>= 90%)" if row["batch"] == 16 else ""
+        rows.append((f"SmolLM2 batch {row['batch']}, json_schema / free tokens/s{target}",
                      f"{100 * row['ratio']:.1f}%",
                      f"{row['free_tokens_per_s']:.0f} free, {row['json_schema_tokens_per_s']:.0f} json tok/s"))
 for name, value, note in rows:

@@ -98,8 +98,8 @@ class LazyGrammarCompiler:
     def compile(self, spec: ConstraintSpec, field: str) -> CompiledGrammar:
         compiler = self._get()
         if compiler is None:
-            raise GrammarUnavailable(field, "structured output is unavailable for this model: its tokenizer could not be "
-                                      "loaded into the grammar engine")
+            raise GrammarUnavailable(field, "structured output is unavailable for this model: its tokenizer could "
+                                            "not be loaded into the grammar engine")
         return compiler.compile(spec, field)
 
     def fill_bitmasks(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:

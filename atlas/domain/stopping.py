@@ -42,7 +42,9 @@ def first_stop(seq: Sequence, token_ids: tuple[int, ...]) -> tuple[int, FinishRe
     for index, token_id in enumerate(token_ids, start=1):
         if num_output + index > seq.sampling.min_tokens and _is_stop_token(seq, token_id):
             return index, FinishReason.STOP
-        if (max_tokens is not None and num_output + index >= max_tokens) or num_resolved + index >= seq.max_total_tokens:
+        if (max_tokens is not None and num_output + index >= max_tokens) or (
+            num_resolved + index >= seq.max_total_tokens
+        ):
             return index, FinishReason.LENGTH
     return len(token_ids), None
 

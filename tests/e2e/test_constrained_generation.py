@@ -2,8 +2,9 @@
 output, thinking budgets, reasoning, and the Responses API.
 
 The engine applies each request's token masks (`Request.constraint`). SmolLM2's template
-ignores tools, so every call here is forced by the grammar (the hermes markup); a Qwen3-style copy of the folder (`<think>` and `</think>` as
-single tokens, the block opened by the prompt) is the reasoning model.
+ignores tools, so every call here is forced by the grammar (the hermes markup); a Qwen3-style
+copy of the folder (`<think>` and `</think>` as single tokens, the block opened by the prompt) is
+the reasoning model.
 
 Skipped unless SmolLM2 has been pulled (`atlas pull smollm2`).
 """

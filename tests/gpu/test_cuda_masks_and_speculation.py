@@ -42,7 +42,8 @@ SMALL_LLAMA = dict(
 )
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "properties": {"name": {"type": "string", "maxLength": 16},
+                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
                    "role": {"enum": ["admin", "user", "guest"]}},
     "required": ["name", "age", "role"],
     "additionalProperties": False,
@@ -129,7 +130,8 @@ def test_smollm2_verify_steps_replay_decode_graphs_and_greedy_matches_plain_deco
     del worker.submit
     assert verify_buckets and all(bucket is not None for bucket in verify_buckets)
     stats = speculative.engine.core.stats()
-    print(f"acceptance length {(stats.num_spec_accepted_tokens + stats.num_spec_verify_steps) / stats.num_spec_verify_steps:.2f}")
+    length = (stats.num_spec_accepted_tokens + stats.num_spec_verify_steps) / stats.num_spec_verify_steps
+    print(f"acceptance length {length:.2f}")
     plain = LLM(str(folder), device="cuda", show_progress=False, max_seq_len=1024)
     without = [r.outputs[0].token_ids for r in plain.chat(conversations, params)]
     parted = []

@@ -14,7 +14,14 @@ import pytest
 from helpers.residue_grammar import EOS_ID, follows_residues, residue_grammars, residues
 from helpers.tiny_engine import VOCAB_SIZE, build_core, prompts, run
 
-from atlas.domain.requests import FinishReason, OutputConstraint, ParameterError, ReasoningMarkers, Request, SamplingParams
+from atlas.domain.requests import (
+    FinishReason,
+    OutputConstraint,
+    ParameterError,
+    ReasoningMarkers,
+    Request,
+    SamplingParams,
+)
 from atlas.ports.grammar import Regex
 
 THINK, END_THINK, NEWLINE, BLANK_LINE = 60, 61, 10, 11

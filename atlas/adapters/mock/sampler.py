@@ -1,7 +1,8 @@
 """The mock's sampling kind: the numpy reference of `SamplingTensors`' rules.
 
 Rows are processed as `SamplingTensors` documents: penalties, logit bias, the allowed-token
-mask (`apply_token_bitmask`), temperature, top-k, top-p, min-p, then a Gumbel-max race on the counter-based stream of `atlas.domain.sampling`.
+mask (`apply_token_bitmask`), temperature, top-k, top-p, min-p, then a Gumbel-max race on the
+counter-based stream of `atlas.domain.sampling`.
 The CUDA kernel must pick the same ids, so every float step below is the one the contract
 names, in float32:
 

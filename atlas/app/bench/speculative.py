@@ -173,7 +173,8 @@ def _verify_step_cost(engine: LoadedEngine, decode_steps: list[ScheduledBatch], 
         return {"verify_step_ms": None, "decode_step_ms": None, "verify_over_decode": None}
     decode = replace(decode, sequences=(replace(decode.sequences[0], token_ids=(0,), placeholder_row=None),))
     decode_s, verify_s = replay_device_time(engine, decode), replay_device_time(engine, verify_over(decode, num_drafts))
-    return {"verify_step_ms": 1e3 * verify_s, "decode_step_ms": 1e3 * decode_s, "verify_over_decode": verify_s / decode_s}
+    return {"verify_step_ms": 1e3 * verify_s, "decode_step_ms": 1e3 * decode_s,
+            "verify_over_decode": verify_s / decode_s}
 
 
 def verify_over(decode: ScheduledBatch, num_drafts: int) -> ScheduledBatch:
