@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "cuda")]
 
 from bench_kernels import Timer, bf16_random  # noqa: E402
 

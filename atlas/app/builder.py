@@ -37,6 +37,7 @@ from atlas.domain.speculative.config import SpeculativeConfig
 from atlas.domain.speculative.policy import speculation_policy
 from atlas.domain.worker import Worker, WorkerConfig
 from atlas.ports.gpu import DType, GpuBackend
+from atlas.ports.startup import PhaseTimer
 from atlas.ports.tokenizer import Tokenizer
 from atlas.ports.weights import WeightSource
 
@@ -149,6 +150,7 @@ def build_engine(
         return build_parallel_engine(settings, show_progress)
     is_rank = placement is not None  # a rank only executes: the driver's core applies constraints
     placement = placement or OneDevice()
+    phases = PhaseTimer()
     model_dir = resolve_model(settings.model)
     config = read_model_config(model_dir)
     check_supported(config)
@@ -161,7 +163,9 @@ def build_engine(
     weights = QuantizedOnLoad(stored) if quantize else stored
     max_model_len = settings.max_seq_len or config.max_position_embeddings
 
+    phases.lap("model files", f"{model_dir.name}: config, tokenizer, weight headers")
     backend = placement.make_backend(settings, config)
+    phases.lap("backend", f"{backend.name}: libraries, device, kernels started")
     free_bytes, total_bytes = backend.memory_info()
     weight_bytes = placement.weight_bytes(checkpoint_bytes(stored, quantize))
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
@@ -178,6 +182,8 @@ def build_engine(
     limits = StepLimits(max(max_num_tokens, max_rows), max_rows)
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
     model = placement.load(config, weights, backend, max_model_len, limits, progress.update)
+    backend.synchronize()  # the copies are in: the phase's rate is the real one
+    phases.lap("weights", lambda seconds: f"{weight_bytes / GIB:.2f} GiB, {weight_bytes / seconds / 1e9:.2f} GB/s")
 
     kv_dtype = _kv_dtype(settings.kv_cache_dtype, backend)
     kv_budget = settings.kv_cache_gb if settings.kv_cache_gb is not None else (
@@ -205,9 +211,14 @@ def build_engine(
         caches,
         WorkerConfig(max_num_tokens, max(settings.max_num_seqs, verify_rows), max_model_len, graph_sizes),
     )
+    phases.lap("memory plan", f"{sum(plan.num_pages)} pages, step buffers and workspace")
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
         worker.capture_graphs()
+    tuning = backend.setup_summary()
+    sizes = worker.graph_batch_sizes
+    captured = f"{len(sizes)} decode graphs (batch {sizes[0]}-{sizes[-1]})" if sizes else "no graphs (eager)"
+    phases.lap("graphs", f"{captured}; {tuning}" if tuning else captured)
     grammars = None if is_rank else engine_grammars(tokenizer, model_dir, config.vocab_size)
     core = make_core(settings, model.cache_groups, plan.num_pages, worker, max_model_len, config.vocab_size, tokenizer,
                      grammars)

@@ -12,6 +12,10 @@ and the API fails every open request when the engine's frames stop.
 
 from __future__ import annotations
 
+import time
+
+_STARTED_S = time.perf_counter()  # before the imports: the engine process's start phase counts them
+
 import logging
 import math
 import os
@@ -20,7 +24,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 
@@ -55,6 +58,7 @@ from atlas.app.settings import EngineSettings
 from atlas.app.threads import blas_thread_variables
 from atlas.domain.engine import EngineCore, EngineStats
 from atlas.domain.requests import ParameterError, Request
+from atlas.ports.startup import report_phase
 
 log = logging.getLogger("atlas.engine")
 
@@ -331,6 +335,8 @@ def child_main(fd: int) -> int:
                 start = message
     from atlas.app.builder import build_engine
 
+    report_phase("engine process", time.perf_counter() - _STARTED_S, "interpreter, imports, settings")
+    started = time.perf_counter()
     try:
         engine = build_engine(start.settings, show_progress=True)
     except (ValueError, MemoryError) as error:
@@ -340,6 +346,7 @@ def child_main(fd: int) -> int:
         traceback.print_exc()
         sock.sendall(frame(encode(LoadFailed(f"{type(error).__name__}: {error}", False))))
         return 1
+    report_phase("engine ready", time.perf_counter() - started, "the model built")
     try:
         sock.sendall(frame(encode(Ready(str(engine.model_dir), engine.max_model_len, engine.config.vocab_size,
                                         engine.core.stats()))))

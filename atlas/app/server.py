@@ -16,6 +16,7 @@ import errno
 import ipaddress
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -31,6 +32,7 @@ import anyio
 from atlas.app.arguments import ArgumentParser, add_engine_arguments, engine_settings
 from atlas.app.arguments import _env as env_default
 from atlas.app.settings import EngineSettings
+from atlas.ports.startup import EPOCH_ENVIRONMENT, report_phase, since_start_s, startup_epoch
 
 if TYPE_CHECKING:
     from hypercorn.config import Config
@@ -200,15 +202,31 @@ def sampling_defaults(model_dir: Path, override_json: str | None):
 
 
 def _served_model(settings: EngineSettings, served_name: str | None, model_dir: Path, tokenizer,
-                  max_model_len: int, vocab_size: int, override_json: str | None, parsers: tuple[str, str]):
+                  max_model_len: int, vocab_size: int, override_json: str | None, parsers: tuple[str, str],
+                  features=None):
+    """The model as the HTTP layer serves it; `features`: its chat features computed earlier
+    for the same vocabulary (else computed now)."""
     from atlas.adapters.http.engine_client import ServedModel
     from atlas.app.chat_features import chat_features
 
     name = served_name or settings.model
     aliases = frozenset({settings.model, str(model_dir)} - {name})
+    features = features or chat_features(tokenizer, model_dir, vocab_size, *parsers)
     return ServedModel(name, aliases, tokenizer, max_model_len, vocab_size, settings.seed, int(time.time()),
-                       sampling_defaults(model_dir, override_json),
-                       chat_features(tokenizer, model_dir, vocab_size, *parsers))
+                       sampling_defaults(model_dir, override_json), features)
+
+
+def _tokenizer_and_features(model_dir: Path, parsers: tuple[str, str]):
+    """The tokenizer and chat features (llguidance's grammar compiler takes a while), built in
+    the API process while the engine process loads the model; the vocabulary size is
+    config.json's, which the engine confirms when it is ready."""
+    from atlas.adapters.tokenizers.hf import HfTokenizer
+    from atlas.app.chat_features import chat_features
+    from atlas.domain.models.config import ModelConfig
+
+    tokenizer = HfTokenizer.from_folder(model_dir)
+    vocab_size = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text())).vocab_size
+    return tokenizer, vocab_size, chat_features(tokenizer, model_dir, vocab_size, *parsers)
 
 
 def engine_launcher(settings: EngineSettings, served_name: str | None, single_process: bool,
@@ -220,6 +238,7 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
         from atlas.app.builder import build_engine
         from atlas.app.engine_actor import EngineActor
 
+        started = time.perf_counter()
         engine = await anyio.to_thread.run_sync(build_engine, settings)
         try:
             actor = EngineActor(engine.core)
@@ -227,6 +246,7 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
             model = await anyio.to_thread.run_sync(
                 _served_model, settings, served_name, engine.model_dir, engine.tokenizer, engine.max_model_len,
                 engine.config.vocab_size, override_json, parsers)
+            report_phase("http ready", time.perf_counter() - started, "engine built in this process")
             async with anyio.create_task_group() as group:
                 group.start_soon(actor.run)
                 yield model, actor
@@ -236,21 +256,33 @@ def engine_launcher(settings: EngineSettings, served_name: str | None, single_pr
 
     @asynccontextmanager
     async def in_own_process() -> AsyncIterator:
-        from atlas.adapters.tokenizers.hf import HfTokenizer
         from atlas.app.engine_process import EngineProcess
         from atlas.app.model_store import resolve_model
 
+        started = time.perf_counter()
         model_dir = resolve_model(settings.model)
-        tokenizer = await anyio.to_thread.run_sync(HfTokenizer.from_folder, model_dir)
         process = EngineProcess(settings)
+        prepared: list = []
+
+        async def prepare() -> None:  # beside the engine's load, not after it
+            prepared.extend(await anyio.to_thread.run_sync(_tokenizer_and_features, model_dir, parsers))
+
         try:
-            ready = await process.start()
+            try:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(prepare)
+                    ready = await process.start()
+            except BaseExceptionGroup as failures:  # the load's own error, as without the group
+                raise failures.exceptions[0] from None
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await process.close()
             raise
-        model = await anyio.to_thread.run_sync(_served_model, settings, served_name, model_dir, tokenizer,
-                                               ready.max_model_len, ready.vocab_size, override_json, parsers)
+        tokenizer, vocab_size, features = prepared
+        model = await anyio.to_thread.run_sync(
+            _served_model, settings, served_name, model_dir, tokenizer, ready.max_model_len, ready.vocab_size,
+            override_json, parsers, features if vocab_size == ready.vocab_size else None)
+        report_phase("http ready", time.perf_counter() - started, "engine process ready, chat features built")
         async with anyio.create_task_group() as group:
             group.start_soon(process.run)
             yield model, process
@@ -339,6 +371,7 @@ def run_server(args: argparse.Namespace) -> int:
     from atlas.adapters.http import protocol_errors
     from atlas.app.model_store import resolve_model
 
+    os.environ.setdefault(EPOCH_ENVIRONMENT, repr(startup_epoch()))  # the engine process counts from here too
     limit_blas_threads(args.single_process)
     model_dir = resolve_model(args.model)  # a missing model is a one-line error now, not after startup
     sampling_defaults(model_dir, args.override_generation_config)
@@ -363,6 +396,7 @@ def run_server(args: argparse.Namespace) -> int:
         log.warning("%s", warning)
     log.info("Atlas listening on http://%s:%d (model %s loads in the background; /health is 503 until ready)",
              args.host, args.port, args.model_name or args.model)
+    report_phase("api process", since_start_s(), "interpreter, imports, flags, socket")
     asyncio.run(_serve(app, config, failed, args.shutdown_timeout))
     if fatal:
         print(f"atlas: error: {fatal[0]}", file=sys.stderr)

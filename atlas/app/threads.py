@@ -5,8 +5,9 @@ OpenBLAS starts a thread per core, and its idle threads spin. Next to Atlas's ow
 same cores: a 64x64 matmul measured 18 ms instead of 15 us on a loaded 2-core machine, and
 `atlas generate` ran 8x slower. So every entry point that steps the engine in its process
 leaves one core free: `atlas serve` (the engine process, or the API process with
---single-process), `atlas generate`, `atlas chat` and `atlas.LLM`. A user's own
-OPENBLAS_NUM_THREADS or OMP_NUM_THREADS always wins.
+--single-process), `atlas generate`, `atlas chat`, `atlas doctor`, `atlas bench` (so the mock's
+figures are what those give) and `atlas.LLM`. A user's own OPENBLAS_NUM_THREADS or
+OMP_NUM_THREADS always wins.
 """
 
 from __future__ import annotations

@@ -237,6 +237,12 @@ class Device(Protocol):
         """Wait until all enqueued work has finished."""
         ...
 
+    def setup_summary(self) -> str:
+        """The one-time work the steps run so far did besides their own, for the startup log
+        (CUDA: how many GEMM shapes had their algorithms timed, in how many seconds); "" when
+        there was none."""
+        ...
+
 
 class GpuBackend(Device, Protocol):
     """A device with its kernel kinds. Each property returns that kind's kernels; reaching one

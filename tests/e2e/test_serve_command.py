@@ -91,3 +91,23 @@ def test_single_process_mode_and_dump(tiny_model, tmp_path):
     assert records[0]["response"]["choices"][0]["message"]["content"] == whole.choices[0].message.content
     assert records[1]["response"]["choices"][0]["text"] == streamed
     assert records[1]["response"]["usage"]["completion_tokens"] == 5
+
+
+def test_bench_startup_tables_where_each_start_spent_its_seconds(tiny_model):
+    """Both processes' phases arrive in one table per start, in the order they ended."""
+    result = atlas("bench", "startup", str(tiny_model), "--device", "mock", "--starts", "cold,warm",
+                   "--serve-args", "--kv-cache-gb 0.25 --max-seq-len 64 --max-num-seqs 4")
+    assert result.returncode == 0, result.stderr[-2000:]
+    tables = result.stdout.split("start: first token after")[1:]
+    assert len(tables) == 2
+    for table in tables:
+        names = [line.split()[0] for line in table.splitlines()[2:] if line.startswith("  ")]
+        for phase in ("api", "engine", "model", "backend", "weights", "memory", "graphs", "http", "first"):
+            assert phase in names, (phase, table)
+        assert names.index("weights") < names.index("graphs") < names.index("first")
+    assert "no graphs (eager)" in result.stdout  # the mock captures none
+
+
+def test_bench_startup_refuses_a_warm_start_with_nothing_to_warm_it(tiny_model):
+    result = atlas("bench", "startup", str(tiny_model), "--device", "mock", "--starts", "warm")
+    assert result.returncode == 2 and "--starts" in result.stderr and "Traceback" not in result.stderr

@@ -241,7 +241,10 @@ def _compiler(arch: str, cache_dir: Path):
     from atlas.adapters.cuda.compiler import KernelCompileError, KernelCompiler
 
     try:
-        return KernelCompiler(arch, cache_dir)
+        compiler = KernelCompiler(arch, cache_dir)
+        compiler._nvrtc_version()  # NVRTC loads lazily: check it is usable here, now
+        compiler._include_dir()
+        return compiler
     except (KernelCompileError, RuntimeError, OSError) as error:
         pytest.skip(f"NVRTC is not usable here: {error}")
     except Exception as error:  # cuda.pathfinder raises its own not-found errors

@@ -273,7 +273,7 @@ def test_smollm2_greedy_on_cuda_equals_the_mock(kernel_cache_dir):
     Both round every activation to bf16 at the same points; they differ only in the order of
     float32 sums and in exp/rsqrt approximations. The fourth prompt passes a near-tie at its
     tenth token (four variants of the two backends chose four different tokens there, see
-    smollm2_tokens.py; the tensor-core decode attention parts there too, at a 0.29% gap): one
+    scripts/smollm2_tokens.py; the tensor-core decode attention parts there too, at a 0.29% gap): one
     prompt may part, only at a near-tie (the mock's best logit within `_NEAR_TIE` of CUDA's
     choice); both backends' best logits where the paths part are printed.
     """

@@ -64,8 +64,9 @@ def describe_kernels(
     """Which kernel source serves each module for `model_type` on a device, and why.
 
     The device's compute capability is read from `device_ordinal` unless given (then no GPU is
-    needed). `cached` says whether the disk cache already holds the cubin (None when NVRTC is
-    not installed to compute the key). Raises `KernelRegistryError` for a malformed KERNELS.toml.
+    needed). `cached` says whether the module needs no compiling (a packaged cubin matches its
+    source, or the disk cache holds it; None when NVRTC is not installed to compute the key).
+    Raises `KernelRegistryError` for a malformed KERNELS.toml.
     """
     from atlas.adapters.cuda.registry import KernelTarget, arch_family, describe, nvrtc_arch, select_modules
 
@@ -73,22 +74,38 @@ def describe_kernels(
         compute_capability = _compute_capability(device_ordinal)
     target = KernelTarget(arch_family(compute_capability), model_type, quant)
     modules = select_modules(target)
-    compiler = None
-    try:
-        from atlas.adapters.cuda.compiler import KernelCompiler
+    arch = nvrtc_arch(compute_capability)
+    from atlas.adapters.cuda.compiler import KernelCompiler, packaged_cubins
 
-        compiler = KernelCompiler(nvrtc_arch(compute_capability))
-    except Exception:  # no NVRTC: still list the selection
-        compiler = None
+    compiler = KernelCompiler(arch, packaged=packaged_cubins(arch, _driver_cuda_version()))
     return [
         KernelChoice(
             name=module.name,
             source_path=str(module.source_path),
             reason=describe(module),
-            cached=compiler.is_cached(module) if compiler is not None else None,
+            cached=_is_cached(compiler, module),
         )
         for module in modules.values()
     ]
+
+
+def _is_cached(compiler, module) -> bool | None:
+    """Packaged or in the disk cache; None when that is unknown (no NVRTC to key the cache)."""
+    try:
+        return compiler.is_cached(module)
+    except Exception:  # no NVRTC (or a broken one): the cache key cannot be computed
+        return None
+
+
+def _driver_cuda_version() -> int | None:
+    """The CUDA version the driver supports (13000 for 13.0); None without a driver."""
+    try:
+        from cuda.bindings import driver as cu
+
+        result, version = cu.cuDriverGetVersion()
+        return int(version) if result == cu.CUresult.CUDA_SUCCESS else None
+    except Exception:  # no cuda extra or no driver: whether packaged cubins load is unknown
+        return None
 
 
 def _compute_capability(device_ordinal: int) -> tuple[int, int]:

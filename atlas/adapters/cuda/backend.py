@@ -23,6 +23,7 @@ from atlas.adapters.cuda import checks, graphs, ops_dense
 from atlas.adapters.cuda.attention import CudaAttention
 from atlas.adapters.cuda.dense import CudaDense
 from atlas.adapters.cuda.driver import check
+from atlas.adapters.cuda.gemm_tuning import TuningStats
 from atlas.adapters.cuda.kv_cache import CudaKvCache
 from atlas.adapters.cuda.memory import CompletedCopy, PendingCopy, PoolStats
 from atlas.adapters.cuda.ops_fp8 import Fp8LinearOp
@@ -215,3 +216,6 @@ class CudaGpuBackend:
 
     def synchronize(self) -> None:
         self._rt.synchronize()
+
+    def setup_summary(self) -> str:
+        return TuningStats.describe([self._linear.tuning_stats, self._fp8.tuning_stats])

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,7 +42,7 @@ from nvmath.bindings import cublas
 from nvmath.bindings import cublasLt as lt
 
 from atlas.adapters.cuda.driver import CudaError
-from atlas.adapters.cuda.gemm_tuning import CandidateTimer, GemmTuningStore, token_bucket
+from atlas.adapters.cuda.gemm_tuning import CandidateTimer, GemmTuningStore, TuningStats, token_bucket
 from atlas.ports.gpu import DType
 
 log = logging.getLogger("atlas.cuda")
@@ -120,6 +121,7 @@ class CublasLtGemm:
         self._beta = np.zeros(1, dtype=np.float32)  # a plan that accumulates passes _alpha (1) as beta
         self._tuning = tuning
         self._timer = CandidateTimer(stream_handle) if tuning is not None else None
+        self.stats = TuningStats()
 
     @staticmethod
     def library_version() -> int:
@@ -164,6 +166,7 @@ class CublasLtGemm:
                 scale_addresses,
             )
             self._plans[key] = plan
+            self.stats.num_plans += 1
         if fp8_scales is not None:
             _set(plan.descriptor, lt.MatmulDescAttribute.A_SCALE_POINTER, fp8_scales.weight_address)
             _set(plan.descriptor, lt.MatmulDescAttribute.B_SCALE_POINTER, fp8_scales.x_address)
@@ -214,10 +217,14 @@ class CublasLtGemm:
             for index in range(len(plan.candidates)):
                 if plan.algorithm_bytes(index) == winner:
                     plan.choice = index
+                    self.stats.num_stored += 1
                     return
         if not may_synchronize:
             return
+        started = time.perf_counter()
         times = [self._time(plan, index, operands) for index in range(len(plan.candidates))]
+        self.stats.num_timed += 1
+        self.stats.timing_s += time.perf_counter() - started
         best = int(np.argmin(times))
         if not math.isfinite(times[best]):
             return  # every candidate failed to run: keep the heuristic's pick

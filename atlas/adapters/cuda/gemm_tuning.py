@@ -20,7 +20,8 @@ import os
 import re
 import statistics
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from cuda.bindings import driver as cu
@@ -40,6 +41,31 @@ def token_bucket(num_tokens: int) -> int:
     while bucket < num_tokens:
         bucket *= 2
     return bucket
+
+
+@dataclass(slots=True)
+class TuningStats:
+    """What choosing algorithms cost so far: shapes planned, shapes that took a stored winner,
+    shapes whose candidates were timed and the seconds that took (the startup log's)."""
+
+    num_plans: int = 0
+    num_stored: int = 0
+    num_timed: int = 0
+    timing_s: float = 0.0
+
+    @staticmethod
+    def describe(stats: Iterable[TuningStats]) -> str:
+        """One line over several GEMM wrappers' stats ("" when none planned a shape)."""
+        total = TuningStats()
+        for part in stats:
+            total.num_plans += part.num_plans
+            total.num_stored += part.num_stored
+            total.num_timed += part.num_timed
+            total.timing_s += part.timing_s
+        if not total.num_plans:
+            return ""
+        return (f"cuBLASLt {total.num_plans} shapes: {total.num_timed} timed in {total.timing_s:.2f} s, "
+                f"{total.num_stored} from stored winners")
 
 
 class GemmTuningStore:

@@ -138,17 +138,79 @@ class DeviceMemoryPool:
         raise AssertionError("unreachable")
 
 
+class BulkUploads:
+    """Large host-to-device copies (weights at load) through a ring of big page-locked slots.
+
+    Each slot-sized chunk of the source is copied into the next free slot by `num_threads`
+    threads at once (numpy releases the GIL for the copy; one core's memcpy from a memory-mapped
+    checkpoint is what bounds a load), then sent by DMA while the next chunk is copied. A slot is
+    reused once the event after its last DMA has fired, so `upload` returns as soon as the
+    source has been read, like the driver's own pageable copy, which stages on one thread.
+    """
+
+    def __init__(self, stream_handle: int, num_slots: int = 4, slot_bytes: int = 32 << 20, num_threads: int = 4) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.slot_bytes = slot_bytes
+        self._stream = stream_handle
+        self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))
+        buffer = (ctypes.c_uint8 * (num_slots * slot_bytes)).from_address(self._base)
+        self._host = np.ctypeslib.as_array(buffer)
+        flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self._events = [check("cuEventCreate", cu.cuEventCreate(flags)) for _ in range(num_slots)]
+        self._used = [False] * num_slots
+        self._next = 0
+        self._num_threads = num_threads
+        self._threads = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="atlas-upload")
+
+    def upload(self, device_address: int, source: np.ndarray) -> None:
+        """Enqueue the copy of the contiguous bytes `source` (uint8) to `device_address`."""
+        for start in range(0, source.nbytes, self.slot_bytes):
+            chunk = source[start : start + self.slot_bytes]
+            slot = self._take_slot()
+            offset = slot * self.slot_bytes
+            target = self._host[offset : offset + chunk.nbytes]
+            step = -(-chunk.nbytes // self._num_threads)
+            pieces = [(target[i : i + step], chunk[i : i + step]) for i in range(0, chunk.nbytes, step)]
+            list(self._threads.map(lambda piece: np.copyto(*piece), pieces))
+            check(
+                "cuMemcpyHtoDAsync",
+                cu.cuMemcpyHtoDAsync(device_address + start, self._base + offset, chunk.nbytes, self._stream),
+            )
+            check("cuEventRecord", cu.cuEventRecord(self._events[slot], self._stream))
+            self._used[slot] = True
+
+    def _take_slot(self) -> int:
+        slot = self._next
+        self._next = (slot + 1) % len(self._events)
+        if self._used[slot]:
+            check("cuEventSynchronize", cu.cuEventSynchronize(self._events[slot]))
+            self._used[slot] = False
+        return slot
+
+    def close(self) -> None:
+        self._threads.shutdown()
+        for event in self._events:
+            check("cuEventSynchronize", cu.cuEventSynchronize(event))
+            cu.cuEventDestroy(event)
+        cu.cuMemFreeHost(self._base)
+
+
 class PinnedStaging:
     """Page-locked host slots for small copies that stay asynchronous.
 
     A copy of up to `slot_bytes` goes through the next slot in turn; before a slot is written
     again, the event recorded after its last copy is waited on, so the caller's array may be
-    reused as soon as `copy_from_host` returns while the GPU runs ahead. Larger copies use the
-    driver's pageable path (which stages and returns once the source has been read).
+    reused as soon as `copy_from_host` returns while the GPU runs ahead. Larger uploads go
+    through `bulk` (`BulkUploads`), or without it the driver's pageable path (which stages and
+    returns once the source has been read); larger downloads take the pageable path.
     """
 
-    def __init__(self, stream_handle: int, num_slots: int = 8, slot_bytes: int = 2 << 20) -> None:
+    def __init__(
+        self, stream_handle: int, num_slots: int = 8, slot_bytes: int = 2 << 20, bulk: BulkUploads | None = None
+    ) -> None:
         self.slot_bytes = slot_bytes
+        self._bulk = bulk
         self._stream = stream_handle
         self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))
         buffer = (ctypes.c_uint8 * (num_slots * slot_bytes)).from_address(self._base)
@@ -162,6 +224,9 @@ class PinnedStaging:
         """Enqueue a copy of the contiguous `data` to `device_address` on the stream."""
         num_bytes = data.nbytes
         if num_bytes == 0:
+            return
+        if num_bytes > self.slot_bytes and self._bulk is not None:
+            self._bulk.upload(device_address, data.reshape(-1).view(np.uint8))
             return
         if num_bytes > self.slot_bytes:
             check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(device_address, data.ctypes.data, num_bytes, self._stream))
@@ -192,10 +257,11 @@ class PinnedStaging:
         out.reshape(-1).view(np.uint8)[...] = self._host[start : start + num_bytes]
 
     def close(self) -> None:
+        if self._bulk is not None:
+            self._bulk.close()
         for event in self._events:
             cu.cuEventDestroy(event)
         cu.cuMemFreeHost(self._base)
-
 
     def _take_slot(self) -> int:
         slot = self._next

@@ -11,7 +11,7 @@ from cuda.bindings import driver as cu
 from atlas.adapters.cuda import checks
 from atlas.adapters.cuda.cublaslt import WORKSPACE_BYTES, CublasLtGemm
 from atlas.adapters.cuda.driver import check
-from atlas.adapters.cuda.gemm_tuning import GemmTuningStore
+from atlas.adapters.cuda.gemm_tuning import GemmTuningStore, TuningStats
 from atlas.adapters.cuda.ops_attention import RopeTargets
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
@@ -681,6 +681,11 @@ class LinearOp:
                 np.int32(num_tokens),
                 np.int32(num_rows),
             )
+
+    @property
+    def tuning_stats(self) -> TuningStats:
+        """Its cuBLASLt wrapper's shapes and tuning time so far (empty once closed)."""
+        return self._gemm.stats if self._gemm is not None else TuningStats()
 
     def close(self) -> None:
         if self._gemm is not None:

@@ -25,7 +25,7 @@ from cuda.bindings import driver as cu
 from atlas.adapters.cuda import checks
 from atlas.adapters.cuda.cublaslt import WORKSPACE_BYTES, CublasLtGemm, Fp8Scales
 from atlas.adapters.cuda.driver import check
-from atlas.adapters.cuda.gemm_tuning import GemmTuningStore
+from atlas.adapters.cuda.gemm_tuning import GemmTuningStore, TuningStats
 from atlas.adapters.cuda.ops_dense import GEMV_MAX_TOKENS, act_mul, add_into, rmsnorm
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
@@ -174,6 +174,11 @@ class Fp8LinearOp:
         if bias is not None:
             self._add_bias(product, bias)
         add_into(self._rt, product, residual)
+
+    @property
+    def tuning_stats(self) -> TuningStats:
+        """Its cuBLASLt wrapper's shapes and tuning time so far (empty once closed)."""
+        return self._gemm.stats if self._gemm is not None else TuningStats()
 
     def close(self) -> None:
         if self._gemm is not None:

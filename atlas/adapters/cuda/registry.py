@@ -112,6 +112,25 @@ def select_modules(target: KernelTarget, root: Path | None = None) -> dict[str, 
     return dict(sorted(chosen.items()))
 
 
+def selectable_modules(arch: str, root: Path | None = None) -> list[KernelModule]:
+    """Every module that some target on arch family `arch` (`sm90`) selects: the generic ones
+    no tuned folder of this arch replaces for every model and quant, and the tuned folders'
+    (what `python -m atlas.adapters.cuda.prebuild` compiles)."""
+    root = root or kernels_root()
+    models, quants = {WILDCARD}, {"bf16"}
+    for _, parts in _tuned_folders(root):
+        if len(parts) > 1 and parts[1] != WILDCARD:
+            models.add(parts[1])
+        if len(parts) > 2 and parts[2] != WILDCARD:
+            quants.add(parts[2])
+    chosen: dict[tuple[str, Path], KernelModule] = {}
+    for model in sorted(models):
+        for quant in sorted(quants):
+            for module in select_modules(KernelTarget(arch, model, quant), root).values():
+                chosen[(module.name, module.source_path)] = module
+    return sorted(chosen.values(), key=lambda module: (module.name, module.folder))
+
+
 def describe(module: KernelModule) -> str:
     """Why a module was chosen, for logs and `atlas kernels`."""
     if module.folder == "common":
@@ -124,6 +143,14 @@ def arch_family(compute_capability: tuple[int, int]) -> str:
     """`sm90` for (9, 0): the name tuned folders use."""
     major, minor = compute_capability
     return f"sm{major}{minor}"
+
+
+def family_of_arch(arch: str) -> str:
+    """`sm90` for the compile arch `sm_90a` (or `sm_90`); ValueError for anything else."""
+    digits = arch.removeprefix("sm_").removesuffix("a")
+    if not arch.startswith("sm_") or not digits.isdigit() or len(digits) < 2:
+        raise ValueError(f"{arch!r} is not a compile arch like sm_90a")
+    return f"sm{digits}"
 
 
 def nvrtc_arch(compute_capability: tuple[int, int]) -> str:

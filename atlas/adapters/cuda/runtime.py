@@ -22,13 +22,20 @@ from pathlib import Path
 from cuda.bindings import driver as cu
 from cuda.core import Device, Kernel, LaunchConfig, ObjectCode, launch
 
-from atlas.adapters.cuda.compiler import KernelCompiler
+from atlas.adapters.cuda.compiler import KernelCompiler, packaged_cubins
 from atlas.adapters.cuda.driver import check
-from atlas.adapters.cuda.memory import DeviceAllocation, DeviceMemoryPool, PinnedDownloads, PinnedStaging
+from atlas.adapters.cuda.memory import (
+    BulkUploads,
+    DeviceAllocation,
+    DeviceMemoryPool,
+    PinnedDownloads,
+    PinnedStaging,
+)
 from atlas.adapters.cuda.registry import KernelModule, KernelTarget, arch_family, nvrtc_arch, select_modules
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.adapters.cuda.tma import TensorMap, parameter_array
 from atlas.ports.gpu import DType
+from atlas.ports.startup import report_phase
 
 log = logging.getLogger("atlas.cuda")
 
@@ -44,7 +51,7 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
-    `launch_order`) turns some off, for debugging and A/B timings.
+    `launch_order`, `bulk_upload`) turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -73,8 +80,11 @@ class CudaFeatures:
         warp-specialised ring, K split over clusters that reduce through distributed shared
         memory) instead of cuBLASLt. Off by default: on an H200 the Llama-3.1-8B step is 40 us
         faster with it at batch 16 and 150 us slower at batch 64 (docs/cuda-notes.md run 20); the tests,
-        `bench_kernels.py` and `ablate_model_step.py gemm` turn it on to keep it correct and
-        measured.
+        `benchmarks/cuda/bench_kernels.py` and `benchmarks/cuda/ablate_model_step.py gemm` turn it
+        on to keep it correct and measured.
+    bulk_upload: uploads larger than a staging slot (the weights at load) go through
+        `BulkUploads`, a ring of page-locked slots filled by several threads, instead of the
+        driver's pageable copy.
     """
 
     programmatic_launch: bool = True
@@ -86,6 +96,7 @@ class CudaFeatures:
     rms_after_product: bool = True
     launch_order_edges: bool = True
     skinny_gemm: bool = False
+    bulk_upload: bool = True
 
     @classmethod
     def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
@@ -101,6 +112,7 @@ class CudaFeatures:
             "mma_decode",
             "rms_after_product",
             "launch_order",
+            "bulk_upload",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -116,6 +128,7 @@ class CudaFeatures:
             mma_decode="mma_decode" not in disabled,
             rms_after_product="rms_after_product" not in disabled,
             launch_order_edges=programmatic and "launch_order" not in disabled,
+            bulk_upload="bulk_upload" not in disabled,
         )
 
 
@@ -128,26 +141,52 @@ def _launch_config_has_pdl() -> bool:
 
 
 class KernelLibrary:
-    """The selected modules of one target, compiled (or loaded from the cache) and loaded."""
+    """The selected modules of one target: their cubins fetched in the background (packaged,
+    cached, or compiled by NVRTC on a pool of threads) and loaded on first use.
+
+    Construction returns at once, so weights load while NVRTC compiles; `get` waits for its
+    module only. When every module is in, one `kernels` startup phase is logged; each module
+    NVRTC compiles is logged as it finishes (a cold start's progress). A module that failed to
+    compile raises its `KernelCompileError` from `get` (and from `wait`).
+    """
 
     def __init__(self, modules: dict[str, KernelModule], compiler: KernelCompiler) -> None:
         self.modules = modules
         self.compiler = compiler
-        started = time.perf_counter()
-        workers = max(1, min(len(modules), os.cpu_count() or 1, 8))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            cubins = dict(zip(modules, pool.map(compiler.cubin, modules.values())))
-        self._objects = {name: ObjectCode.from_cubin(data, name=name) for name, data in cubins.items()}
+        self._started = time.perf_counter()
+        self._objects: dict[str, ObjectCode] = {}
         self._kernels: dict[tuple[str, str], Kernel] = {}
-        stats = compiler.stats
-        log.info(
-            "kernels for %s: %d compiled, %d loaded from cache (%s) in %.2f s",
-            compiler.arch,
-            len(stats.compiled),
-            len(stats.loaded_from_cache),
-            compiler.cache_dir,
-            time.perf_counter() - started,
-        )
+        self._lock = threading.Lock()
+        self._num_done = 0
+        workers = max(1, min(len(modules), os.cpu_count() or 1, 8))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="atlas-kernels")
+        self._cubins = {name: self._pool.submit(self._fetch, module) for name, module in modules.items()}
+        self._pool.shutdown(wait=False)  # the threads exit once the last module is in
+
+    def _fetch(self, module: KernelModule) -> bytes:
+        started = time.perf_counter()
+        num_compiled = len(self.compiler.stats.compiled)
+        data = self.compiler.cubin(module)
+        with self._lock:
+            self._num_done += 1
+            done = self._num_done
+        if len(self.compiler.stats.compiled) > num_compiled:
+            log.info("NVRTC compiled %s for %s in %.1f s (%d of %d modules ready)",
+                     module.name, self.compiler.arch, time.perf_counter() - started, done, len(self.modules))
+        if done == len(self.modules):
+            report_phase("kernels", time.perf_counter() - self._started,
+                         f"{self.compiler.arch}, {len(self.modules)} modules: {self.compiler.stats.describe()}")
+        return data
+
+    def wait(self) -> None:
+        """Block until every module's cubin is in; raises the first compile error."""
+        for future in self._cubins.values():
+            future.result()
+
+    def cancel(self) -> None:
+        """Drop the modules not started yet (a backend closed during a cold start)."""
+        for future in self._cubins.values():
+            future.cancel()
 
     def provides(self, module: str, symbol: str) -> bool:
         """Whether the loaded `module` defines `symbol` (a tuned module may add kernels)."""
@@ -165,8 +204,11 @@ class KernelLibrary:
             source = self.modules.get(module)
             if source is None:
                 raise KeyError(f"no kernel module {module!r} (have {sorted(self.modules)})")
+            code = self._objects.get(module)
+            if code is None:
+                code = self._objects[module] = ObjectCode.from_cubin(self._cubins[module].result(), name=module)
             try:
-                kernel = self._objects[module].get_kernel(symbol)
+                kernel = code.get_kernel(symbol)
             except Exception as error:
                 raise KeyError(f"kernel {symbol!r} is not defined by {source.source_path}") from error
             self._kernels[key] = kernel
@@ -183,6 +225,7 @@ class CudaRuntime:
         model_hint: str | None,
         quant: str,
     ) -> None:
+        started = time.perf_counter()
         self.device = Device(device_ordinal)
         self.device.set_current()
         self._thread = threading.get_ident()
@@ -198,12 +241,18 @@ class CudaRuntime:
         self.stream = self.device.create_stream()
         self.stream_handle = int(self.stream.handle)
         self.pool = DeviceMemoryPool(f"device {device_ordinal} ({self.device_name})")
-        self.staging = PinnedStaging(self.stream_handle)
+        self.features = CudaFeatures.for_device(self.compute_capability)
+        threads = min(4, os.cpu_count() or 1)
+        bulk = BulkUploads(self.stream_handle, num_threads=threads) if self.features.bulk_upload else None
+        self.staging = PinnedStaging(self.stream_handle, bulk=bulk)
         self.downloads = PinnedDownloads(self.stream_handle)
+        driver_cuda = int(check("cuDriverGetVersion", cu.cuDriverGetVersion()))
+        report_phase("cuda context", time.perf_counter() - started,
+                     f"{self.device_name}, driver CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}")
         target = KernelTarget(arch_family(self.compute_capability), model_hint or "any", quant)
         self.target = target
-        self.kernels = KernelLibrary(select_modules(target), KernelCompiler(self.arch, kernel_cache_dir))
-        self.features = CudaFeatures.for_device(self.compute_capability)
+        compiler = KernelCompiler(self.arch, kernel_cache_dir, packaged_cubins(self.arch, driver_cuda))
+        self.kernels = KernelLibrary(select_modules(target), compiler)
         self.capturing = False
         self._workspaces: dict[str, DeviceAllocation] = {}
         self._retired_workspaces: list[DeviceAllocation] = []
@@ -369,6 +418,7 @@ class CudaRuntime:
         return int(free) + self.pool.stats().cached_bytes, int(total)
 
     def close(self) -> None:
+        self.kernels.cancel()
         self._workspaces.clear()
         self._retired_workspaces.clear()
         self.synchronize()

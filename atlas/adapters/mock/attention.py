@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 import ml_dtypes
 import numpy as np
 
-from atlas.adapters.mock.dense import MockLinear, MockNorm, apply_norm, softcap
+from atlas.adapters.mock.dense import MockLinear, MockNorm, apply_norm
+from atlas.adapters.mock.numerics import causal_attention, gather_f32
 from atlas.adapters.mock.tensor import MockTensor
 from atlas.ports.gpu import NUMPY_DTYPES, DType
 from atlas.ports.kernels.attention import AttentionLayer, AttentionMetadata, HostAttention, KvCacheSpec
@@ -17,9 +18,6 @@ from atlas.ports.kernels.attention import AttentionLayer, AttentionMetadata, Hos
 if TYPE_CHECKING:
     from atlas.adapters.mock.backend import MockGpuBackend
 
-# Queries attend in tiles of this many rows so a 4k-token prompt never builds a 4k x 4k x heads
-# score tensor at once.
-_QUERY_TILE = 256
 _FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
 
 
@@ -141,13 +139,10 @@ class MockAttention:
             num_blocks = -(-context_len // block_size)
             slots = (block_tables[seq, :num_blocks, None] * block_size + np.arange(block_size)).reshape(-1)
             slots = slots[:context_len]
-            keys = cache.keys[spec.cache_layer, slots].astype(np.float32) * np.float32(k_scale)  # [L, Hkv, D]
-            vals = cache.values[spec.cache_layer, slots].astype(np.float32) * np.float32(v_scale)
-            first_position = context_len - (stop - start)
-            for tile in range(start, stop, _QUERY_TILE):
-                tile_stop = min(stop, tile + _QUERY_TILE)
-                positions = first_position + np.arange(tile - start, tile_stop - start)
-                result[tile:tile_stop] = _attend(queries[tile:tile_stop], keys, vals, positions, spec, sinks)
+            keys = gather_f32(cache.keys[spec.cache_layer], slots, k_scale)  # [L, Hkv, D]
+            vals = gather_f32(cache.values[spec.cache_layer], slots, v_scale)
+            result[start:stop] = causal_attention(queries[start:stop], keys, vals, context_len - (stop - start),
+                                                  spec.scale, spec.sliding_window, spec.logit_softcap, sinks)
         attended = result.reshape(meta.num_tokens, heads.q_size)
         if spec.gated_output:
             attended = attended / (1.0 + np.exp(-values[:, heads.q_size :]))
@@ -173,29 +168,3 @@ def _rotate(x: np.ndarray, table: np.ndarray) -> np.ndarray:
     rotated[..., :half] = first * cos - second * sin
     rotated[..., half:rotary_dim] = second * cos + first * sin
     return rotated
-
-
-def _attend(
-    queries: np.ndarray,
-    keys: np.ndarray,
-    values: np.ndarray,
-    positions: np.ndarray,
-    layer: AttentionLayer,
-    sinks: np.ndarray | None,
-) -> np.ndarray:
-    """Causal softmax attention. queries [n, Hkv, G, D]; keys/values [L, Hkv, D]; sinks [Hkv, G]."""
-    scores = np.einsum("nhgd,lhd->hgnl", queries, keys) * np.float32(layer.scale)
-    scores = softcap(scores, layer.logit_softcap)
-    key_positions = np.arange(keys.shape[0])
-    allowed = key_positions[None, :] <= positions[:, None]
-    if layer.sliding_window is not None:
-        allowed &= key_positions[None, :] > positions[:, None] - layer.sliding_window
-    scores = np.where(allowed, scores, -np.inf)
-    peak = scores.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        peak = np.maximum(peak, sinks[:, :, None, None])
-    weights = np.exp(scores - peak)
-    denominator = weights.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        denominator += np.exp(sinks[:, :, None, None] - peak)
-    return np.einsum("hgnl,lhd->nhgd", weights / denominator, values)

@@ -195,6 +195,9 @@ class MockGpuBackend:
     def synchronize(self) -> None:
         self.enter("synchronize")
 
+    def setup_summary(self) -> str:
+        return ""  # numpy needs no tuning
+
 
 def _default_memory_bytes() -> int:
     try:

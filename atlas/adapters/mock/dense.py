@@ -77,7 +77,7 @@ def gated_activation(x: np.ndarray, activation: GatedActivation) -> np.ndarray:
         up = np.clip(up, -activation.limit, activation.limit)
         return gate * _sigmoid(activation.alpha * gate) * (up + 1.0)
     if activation is Activation.SILU:
-        return gate * _sigmoid(gate) * up
+        return _silu_mul(gate, up)
     inner = math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3)
     return 0.5 * gate * (1.0 + np.tanh(inner)) * up
 
@@ -88,6 +88,18 @@ def softcap(x: np.ndarray, cap: float | None) -> np.ndarray:
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-x))
+
+
+def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """gate * _sigmoid(gate) * up, the same float32 operations in the same order, in one new
+    array instead of six (a prompt's MLP rows are the mock's largest elementwise work)."""
+    out = np.negative(gate)
+    np.exp(out, out=out)
+    out += np.float32(1.0)
+    np.reciprocal(out, out=out)
+    out *= gate
+    out *= up
+    return out
 
 
 class MockDense:

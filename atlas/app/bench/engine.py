@@ -253,7 +253,7 @@ def _plot(report: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("--plot needs matplotlib (pip install matplotlib); skipped", file=sys.stderr)
+        print("--plot needs matplotlib (pip install 'atlas[bench]'); skipped", file=sys.stderr)
         return
     batches = [row["batch"] for row in report["decode"]]
     figure, axes = plt.subplots(figsize=(7, 4.5))

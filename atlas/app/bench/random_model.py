@@ -4,7 +4,10 @@
 bf16 safetensors, a tokenizer) that Atlas and transformers load alike. The values come from a
 pool of normal samples read at random offsets, so 8 billion parameters take seconds, not the
 minutes i.i.d. sampling would; no two tensors share content and none is zero. The tokenizer is
-a placeholder (one word-level token per id): benchmarks feed token ids, not text.
+a placeholder of one word-level token per id: ids 1.. are the common English words `atlas bench
+serve` writes its prompts with (`workload.WORDS`), so served text becomes varied ids as in a real
+model and prompts share prefixes only where the benchmark means them to; every other id is
+"t<id>", and any other word reads as id 0.
 
 With `files=False` the folder holds no weights, only `random_weights.json`: Atlas then reads
 `GeneratedWeights`, whose every matrix is a strided view of the same kind of pool (rows at
@@ -20,6 +23,7 @@ spread; the embedding, norms and LM head stay bf16, as in the published checkpoi
 from __future__ import annotations
 
 import json
+import os
 import sys
 import zlib
 from pathlib import Path
@@ -147,6 +151,7 @@ def write_random_model(name_or_config: str | dict[str, Any], out_dir: Path | str
     config_path = out_dir / "config.json"
     if config_path.exists() and json.loads(config_path.read_text()) == config:
         if not files or any(out_dir.glob("*.safetensors")):
+            _update_tokenizer(config, out_dir)  # a folder written before the word vocabulary
             return out_dir
     with staged_folder(out_dir) as staging:
         if files:
@@ -251,14 +256,36 @@ def open_generated(folder: Path, config: dict[str, Any]) -> GeneratedWeights | N
 
 
 def _write_tokenizer(config: dict[str, Any], folder: Path) -> None:
+    for name, text in _tokenizer_files(config).items():
+        (folder / name).write_text(text)
+
+
+def _update_tokenizer(config: dict[str, Any], folder: Path) -> None:
+    """Rewrite the tokenizer files that differ from `_tokenizer_files`, each atomically."""
+    for name, text in _tokenizer_files(config).items():
+        path = folder / name
+        if not path.is_file() or path.read_text() != text:
+            staged = path.with_name(f".{name}.tmp")
+            staged.write_text(text)
+            os.replace(staged, path)
+
+
+def _tokenizer_files(config: dict[str, Any]) -> dict[str, str]:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from atlas.app.bench.workload import WORDS
+
     vocab = {f"t{i}": i for i in range(config["vocab_size"])}
+    specials = {config["bos_token_id"], config["eos_token_id"]}
+    word_ids = [i for i in range(1, config["vocab_size"]) if i not in specials][: len(WORDS)]
+    for word, token_id in zip(WORDS, word_ids):
+        del vocab[f"t{token_id}"]
+        vocab[word] = token_id
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(folder / "tokenizer.json"))
-    eos = f"t{config['eos_token_id']}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": eos, "bos_token": f"t{config['bos_token_id']}", "model_max_length": config["max_position_embeddings"],
+    tokenizer_config = {
+        "eos_token": f"t{config['eos_token_id']}", "bos_token": f"t{config['bos_token_id']}",
+        "model_max_length": config["max_position_embeddings"],
         "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
-    }))
+    }
+    return {"tokenizer.json": tokenizer.to_str(pretty=True), "tokenizer_config.json": json.dumps(tokenizer_config)}

@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m atlas.app.bench.tiny_model", description=__doc__.split("\n")[0])
     parser.add_argument("out_dir")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-layers", type=int, default=TinyModelShape.num_layers)
-    parser.add_argument("--hidden-size", type=int, default=TinyModelShape.hidden_size,
+    parser.add_argument("--num-layers", type=int, default=TinyModelShape().num_layers)
+    parser.add_argument("--hidden-size", type=int, default=TinyModelShape().hidden_size,
                         help="a multiple of 8 (4 heads of at least 2 dims); the MLP is twice as wide")
     args = parser.parse_args(argv)
     if args.num_layers < 1 or args.hidden_size < 8 or args.hidden_size % 8:

@@ -1,6 +1,6 @@
 """Whole-model step timings on the GPU with random weights (not a test; prints a table).
 
-Run: python tests/gpu/bench_model_step.py [smollm2] [llama8b]
+Run: python benchmarks/cuda/bench_model_step.py [smollm2] [llama8b]
 
 The real model loop (atlas.domain.models.model) over random bf16 weights of two shapes:
 

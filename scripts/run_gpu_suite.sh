@@ -3,7 +3,7 @@
 # check, compute-sanitizer memcheck over both, kernel timings and whole-model step timings
 # (random weights). Full logs under
 # $OUT; a short table is printed last.
-#   source .devkit/env.sh && bash tests/gpu/run_gpu_suite.sh [tests|cache|sanitizer|probe|bench|model ...]
+#   source .devkit/env.sh && bash scripts/run_gpu_suite.sh [tests|cache|sanitizer|probe|bench|model ...]
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${*:-tests cache sanitizer probe bench model}
@@ -22,16 +22,16 @@ from atlas.adapters.cuda import CudaGpuBackend
 for start in ('cold', 'warm'):
     import tempfile, os
     backend = CudaGpuBackend(kernel_cache_dir='/tmp/atlas-cache-check')
-    s = backend.runtime.kernels.compiler.stats
-    print(start, 'start:', len(s.compiled), 'compiled,', len(s.loaded_from_cache), 'loaded from cache')
+    backend.runtime.kernels.wait()
+    print(start, 'start:', backend.runtime.kernels.compiler.stats.describe())
     backend.close()
 print('passed')" ;;
   sanitizer) step sanitizer 360 compute-sanitizer --tool memcheck --print-limit 30 \
       python3 -m pytest tests/contract tests/gpu -m gpu -q -p no:cacheprovider --tb=line -x \
       -k "not warm_start and not too_large and not oom" ;;
-  probe) step probe 60 compute-sanitizer --tool memcheck --print-limit 3 python3 tests/gpu/sanitizer_probe.py ;;
-  bench) step bench 150 python3 tests/gpu/bench_kernels.py ;;
-  model) step model 240 python3 tests/gpu/bench_model_step.py ;;
+  probe) step probe 60 compute-sanitizer --tool memcheck --print-limit 3 python3 scripts/sanitizer_probe.py ;;
+  bench) step bench 150 python3 benchmarks/cuda/bench_kernels.py ;;
+  model) step model 240 python3 benchmarks/cuda/bench_model_step.py ;;
 esac; done
 echo "--- tail of failures"; grep -E "^(FAILED|ERROR)" "$OUT/tests.log" 2>/dev/null | cut -c1-220 | head -40
 echo "--- largest relative L2 error per test (bf16 bound 1e-2)"

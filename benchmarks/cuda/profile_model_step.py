@@ -5,8 +5,8 @@ node of one replay of each graph is timed:
 
   ncu --profile-from-start off --graph-profiling node --clock-control none \
       --metrics gpu__time_duration.sum --csv \
-      python3 tests/gpu/profile_model_step.py llama8b:1:512 llama8b:64:512 > kernels.csv
-  python3 tests/gpu/profile_model_step.py --report kernels.csv
+      python3 benchmarks/cuda/profile_model_step.py llama8b:1:512 llama8b:64:512 > kernels.csv
+  python3 benchmarks/cuda/profile_model_step.py --report kernels.csv
 
 Kernels run one at a time under ncu (no overlap of one's tail with the next one's launch), so the
 per-kernel sums exceed the graph's event time; the graph times printed first (outside the

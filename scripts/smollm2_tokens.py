@@ -1,7 +1,7 @@
 """Greedy token ids of SmolLM2 on the 5 chat prompts of tests/chat_prompts.py, as JSON (a diagnostic).
 
-  python3 tests/gpu/smollm2_tokens.py cuda [mock]   # one JSON line per device
-  ATLAS_CUDA_DISABLE=gemv_fused python3 tests/gpu/smollm2_tokens.py cuda
+  python3 scripts/smollm2_tokens.py cuda [mock]   # one JSON line per device
+  ATLAS_CUDA_DISABLE=gemv_fused python3 scripts/smollm2_tokens.py cuda
 
 The fourth prompt meets a near-tie at its tenth token (the mock's top two log-probabilities
 -2.274 and -2.314). With the fourth session's kernels CUDA chose token 4461 there, CUDA without
@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for chat_prompts
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # for chat_prompts
 
 from chat_prompts import CHAT_PROMPTS
 

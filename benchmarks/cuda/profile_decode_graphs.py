@@ -3,8 +3,8 @@
 Run under Nsight Compute, which then times every kernel node of one replay of each graph:
 
   ncu --profile-from-start off --graph-profiling node --metrics gpu__time_duration.sum --csv \
-      python3 tests/gpu/profile_decode_graphs.py [smollm2-135m] > kernels.csv
-  python3 tests/gpu/profile_decode_graphs.py --report kernels.csv
+      python3 benchmarks/cuda/profile_decode_graphs.py [smollm2-135m] > kernels.csv
+  python3 benchmarks/cuda/profile_decode_graphs.py --report kernels.csv
 
 Without ncu it prints both graphs' device time by events, in the same process (the worker's
 graph came out ~30 us slower than the bench's forward + sampling; this finds which kernels).

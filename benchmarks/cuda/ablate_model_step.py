@@ -1,6 +1,6 @@
 """What each kind of kernel costs inside a captured decode step (not a test; prints a table).
 
-Run: python tests/gpu/ablate_model_step.py [batch ...] [attention | gemm]   (default: 1 64;
+Run: python benchmarks/cuda/ablate_model_step.py [batch ...] [attention | gemm]   (default: 1 64;
 `attention`: only the decode attention variants; `gemm`: only the linear variants past 8 rows)
 
 ncu times kernels one by one, without the overlap programmatic dependent launch gives a graph

@@ -1,6 +1,6 @@
 """Where one decode step's time goes, kernel by kernel, with the overlap left in (not a test).
 
-Run: python tests/gpu/timeline_model_step.py [batch ...] [skinny]   (default: 1 64; `skinny`:
+Run: python benchmarks/cuda/timeline_model_step.py [batch ...] [skinny]   (default: 1 64; `skinny`:
 the batch sizes above 8 again with the `skinny_gemm` feature on)
 
 ncu (profile_model_step.py) runs kernels one at a time, and ablate_model_step.py learns a kind's

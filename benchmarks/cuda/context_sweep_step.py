@@ -1,6 +1,6 @@
 """Device time of the captured decode step by context length (not a test; prints a table).
 
-Run: python tests/gpu/context_sweep_step.py [context ...]   (default: 512 513 514 520 528 529)
+Run: python benchmarks/cuda/context_sweep_step.py [context ...]   (default: 512 513 514 520 528 529)
 
 The Llama-3.1-8B step of bench_model_step.py (random weights) at batch 1 and 64, every sequence
 at the same context, two rounds. Decode attention takes its keys in tiles of 16, so a context

@@ -1,6 +1,6 @@
 """Where a batch-1 decode step's time goes between the captured graph and the worker's step.
 
-Run: python tests/gpu/bench_worker_step.py [smollm2-135m | llama-3.1-8b] [gpu memory utilization, 0.9] [max_seq_len, 2048]
+Run: python benchmarks/cuda/bench_worker_step.py [smollm2-135m | llama-3.1-8b] [gpu memory utilization, 0.9] [max_seq_len, 2048]
 
 Builds the engine as `atlas bench` does (a random-weight checkpoint of the real config), runs one
 sequence to a 512-token context, records a decode step, then times (device time: each variant

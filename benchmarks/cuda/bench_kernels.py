@@ -1,4 +1,4 @@
-"""Kernel timings on the GPU (not a test; prints a table). Run: python tests/gpu/bench_kernels.py
+"""Kernel timings on the GPU (not a test; prints a table). Run: python benchmarks/cuda/bench_kernels.py
 
 Each op is captured 20 times into one CUDA graph and the replays are timed with events, so the
 figures are device time without Python launch overhead. Weights rotate over several copies so
@@ -12,12 +12,14 @@ import dataclasses
 import math
 import statistics
 import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 from cuda.bindings import driver as cu
 
-from cuda_harness import cuda_test_backend
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "gpu"))  # the kernel-path test backends
+from cuda_harness import cuda_test_backend  # noqa: E402
 
 from atlas.adapters.cuda import CudaGpuBackend, ops_attention
 from atlas.adapters.cuda.cublaslt import WORKSPACE_BYTES, CublasLtGemm

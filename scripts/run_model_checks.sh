@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU-machine call for the model-level checks: random real configs against transformers,
 # the engine on CUDA (graphs and overlapped steps against eager), and the CUDA op suite.
-#   source .devkit/env.sh && bash tests/gpu/run_model_checks.sh [models ops smolprep smollm2 e2e]
+#   source .devkit/env.sh && bash scripts/run_model_checks.sh [models ops smolprep smollm2 e2e]
 # smolprep joins the SmolLM2 GGUF carried in pieces (.smol1/part .smol2/part .smol3/part, as
 # `split -n 3` cut it) and imports it into Atlas's cache, where `smollm2` then resolves.
 set -uo pipefail
