@@ -2,7 +2,7 @@
 # Issue 29 section 5, cold and warm start of the Llama-3.1-8B-shape checkpoint, on one GPU (~4-6 min):
 #   source .devkit/env.sh && bash benchmarks/startup_gpu_run.sh
 # Prints a phase table per start (atlas bench startup); logs in $OUT.
-#   main:        cold (empty kernel cache, packaged cubins), nvrtc (empty cache, cubins off), warm
+#   main:        cold (empty kernel cache, packaged cubins asked for), nvrtc (empty cache, cubins off), warm
 #   bulk-off:    cold and warm with the driver's pageable weight copies (ATLAS_CUDA_DISABLE=bulk_upload)
 #   few-graphs:  cold and warm capturing decode graphs up to batch 8 only (--max-batch-size 8)
 set -uo pipefail

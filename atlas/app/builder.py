@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Protocol
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.adapters.weights.safetensors import SafetensorsWeights
 from atlas.app.backends import make_backend
+from atlas.app.chat_features import LazyGrammarCompiler
 from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
-from atlas.app.settings import EngineSettings
+from atlas.app.settings import EngineSettings, SettingsError
 from atlas.domain.cache.manager import CacheManager
 from atlas.domain.device_caches import allocate_caches
 from atlas.domain.engine import EngineCore, StepExecutor
@@ -29,8 +30,11 @@ from atlas.domain.models.families import check_supported, kv_cache_scales, load_
 from atlas.domain.models.model import Model
 from atlas.domain.models.quantization_config import Fp8Layout, check_quantization, with_quantization
 from atlas.domain.models.quantization_weights import QuantizedOnLoad, checkpoint_bytes
+from atlas.domain.request_constraints import GrammarCache
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
+from atlas.domain.speculative.config import SpeculativeConfig
+from atlas.domain.speculative.policy import speculation_policy
 from atlas.domain.worker import Worker, WorkerConfig
 from atlas.ports.gpu import DType, GpuBackend
 from atlas.ports.startup import PhaseTimer
@@ -144,6 +148,7 @@ def build_engine(
         from atlas.app.parallel_engine import build_parallel_engine
 
         return build_parallel_engine(settings, show_progress)
+    is_rank = placement is not None  # a rank only executes: the driver's core applies constraints
     placement = placement or OneDevice()
     phases = PhaseTimer()
     model_dir = resolve_model(settings.model)
@@ -169,8 +174,11 @@ def build_engine(
         "" if quantization is None else f", {quantization.describe()}", backend.name,
     )
     max_num_tokens = settings.max_prefill_tokens
-    graph_sizes = () if settings.enforce_eager else _graph_sizes(settings)
-    max_rows = max(settings.max_num_seqs, max(graph_sizes, default=0))
+    speculative = settings.speculative
+    verify_rows = _max_verify_rows(settings, speculative)
+    num_drafts = speculative.num_speculative_tokens if speculative is not None else 0
+    graph_sizes = () if settings.enforce_eager else _graph_sizes(settings, verify_rows, num_drafts)
+    max_rows = max(settings.max_num_seqs, verify_rows, max(graph_sizes, default=0))
     limits = StepLimits(max(max_num_tokens, max_rows), max_rows)
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
     model = placement.load(config, weights, backend, max_model_len, limits, progress.update)
@@ -201,7 +209,7 @@ def build_engine(
         backend,
         model,
         caches,
-        WorkerConfig(max_num_tokens, settings.max_num_seqs, max_model_len, graph_sizes),
+        WorkerConfig(max_num_tokens, max(settings.max_num_seqs, verify_rows), max_model_len, graph_sizes),
     )
     phases.lap("memory plan", f"{sum(plan.num_pages)} pages, step buffers and workspace")
     if worker.graph_batch_sizes:
@@ -211,7 +219,9 @@ def build_engine(
     sizes = worker.graph_batch_sizes
     captured = f"{len(sizes)} decode graphs (batch {sizes[0]}-{sizes[-1]})" if sizes else "no graphs (eager)"
     phases.lap("graphs", f"{captured}; {tuning}" if tuning else captured)
-    core = make_core(settings, model.cache_groups, plan.num_pages, worker, max_model_len, config.vocab_size, tokenizer)
+    grammars = None if is_rank else engine_grammars(tokenizer, model_dir, config.vocab_size)
+    core = make_core(settings, model.cache_groups, plan.num_pages, worker, max_model_len, config.vocab_size, tokenizer,
+                     grammars)
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,
@@ -227,10 +237,23 @@ def build_engine(
     )
 
 
+def engine_grammars(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int) -> GrammarCache:
+    """The engine's grammar cache for requests' constraints (its compiler is built on first use)."""
+    return GrammarCache(LazyGrammarCompiler(tokenizer, model_dir, vocab_size))
+
+
 def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pages: Sequence[int],
-              executor: StepExecutor, max_model_len: int, vocab_size: int, tokenizer: Tokenizer) -> EngineCore:
+              executor: StepExecutor, max_model_len: int, vocab_size: int, tokenizer: Tokenizer,
+              grammars: GrammarCache | None = None) -> EngineCore:
     """The engine core over the model's cache groups, group i with `num_pages[i]` pages,
-    driving `executor`."""
+    driving `executor`, compiling requests' grammars with `grammars` (None: refusing them).
+    Raises SettingsError for a speculative configuration the model cannot run."""
+    speculation = speculation_policy(settings.speculative)
+    if settings.speculative is not None and any(group.kind is CacheGroupKind.RECURRENT_STATE for group in groups):
+        raise SettingsError(
+            "--speculative-config: this model has recurrent layers, whose state the engine cannot roll back "
+            "past rejected drafts yet; drop --speculative-config"
+        )
     cache = CacheManager.for_groups(groups, num_pages, settings.block_size, settings.prefix_caching)
     if settings.prefix_caching and not cache.caches_prefixes:
         log.info("prefix caching is off: the recurrent layers keep no state at block boundaries to start a hit from")
@@ -243,8 +266,9 @@ def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pa
         ),
         cache,
         POLICIES[settings.scheduling_policy](),
+        speculation,
     )
-    return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids)
+    return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids, grammars)
 
 
 def _log_caches(model: Model, plan: CachePlan, kv_dtype: DType) -> None:
@@ -271,7 +295,21 @@ def _kv_dtype(name: str, backend: GpuBackend) -> DType:
     return dtype
 
 
-def _graph_sizes(settings: EngineSettings) -> tuple[int, ...]:
-    largest = settings.max_batch_size or settings.max_num_seqs
-    sizes = tuple(size for size in GRAPH_BATCH_SIZES if size <= largest)
-    return sizes if largest in sizes else (*sizes, largest)
+def _max_verify_rows(settings: EngineSettings, speculative: SpeculativeConfig | None) -> int:
+    """Rows of the largest verify step (a row per token: each speculating sequence's last token
+    and drafts), 0 without speculation: every sequence of a step that may speculate, within the
+    token budget."""
+    if speculative is None:
+        return 0
+    num_seqs = min(settings.max_num_seqs, speculative.disable_by_batch_size or settings.max_num_seqs)
+    return min(num_seqs * (1 + speculative.num_speculative_tokens), settings.max_prefill_tokens)
+
+
+def _graph_sizes(settings: EngineSettings, verify_rows: int, num_drafts: int = 0) -> tuple[int, ...]:
+    """Decode batch sizes to capture; verify steps run as decode steps of `verify_rows` rows at
+    most. With `num_drafts` drafts a sequence, the full verify steps of 1, 2 and 4 sequences
+    get graphs of their own size, so a batch-1 verify step of k = 4 replays 5 rows, not 8."""
+    largest = max(settings.max_batch_size or settings.max_num_seqs, verify_rows)
+    verify_sizes = {(1 + num_drafts) * batch for batch in (1, 2, 4)} if num_drafts else set()
+    sizes = sorted({size for size in (*GRAPH_BATCH_SIZES, *verify_sizes) if size <= largest} | {largest})
+    return tuple(sizes)

@@ -2,18 +2,24 @@
 
 `--tool-call-parser` and `--reasoning-parser` take a parser's name, `none` (off) or `auto`
 (the default: read from the chat template, `atlas.domain.text`'s detectors). The grammar
-compiler validates structured-output and forced-tool-call constraints in the API process.
+compiler validates structured-output and forced-tool-call constraints in the API process; the
+engine builds its own (`LazyGrammarCompiler`) to compile them again and fill their token masks.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from atlas.domain.reasoning_budget import reasoning_markers
 from atlas.domain.text.reasoning import REASONING_PARSERS, detect_reasoning_parser, reasoning_tags
 from atlas.domain.text.tool_calls import TOOL_CALL_PARSERS, detect_tool_call_parser
+from atlas.ports.grammar import CompiledGrammar, ConstraintSpec, GrammarCompiler, GrammarError, GrammarMatcher
 
 if TYPE_CHECKING:  # the flags' choices are read before anything heavy is imported
     from atlas.adapters.http.engine_client import ChatFeatures
@@ -24,14 +30,10 @@ log = logging.getLogger("atlas.server")
 AUTO, OFF = "auto", "none"
 TOOL_CALL_PARSER_CHOICES = (AUTO, OFF, *TOOL_CALL_PARSERS)
 REASONING_PARSER_CHOICES = (AUTO, OFF, *REASONING_PARSERS)
-# The engine applies `Request.constraint` as token masks once its side is wired; until then a
-# request that needs masks (structured output, a forced tool call, a thinking budget) is a 400.
-ENGINE_APPLIES_CONSTRAINTS = False
 
 
 def chat_features(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int, tool_call_parser: str = AUTO,
-                  reasoning_parser: str = AUTO,
-                  engine_applies_constraints: bool = ENGINE_APPLIES_CONSTRAINTS) -> ChatFeatures:
+                  reasoning_parser: str = AUTO) -> ChatFeatures:
     """The features of a loaded model. Raises ValueError naming the flag for an unknown parser."""
     from atlas.adapters.http.engine_client import ChatFeatures
 
@@ -55,12 +57,11 @@ def chat_features(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int, tool
         tool_calls_off=parser == OFF,
         reasoning=tags,
         reasoning_markers=markers,
-        grammar=_grammar_compiler(tokenizer, model_dir, vocab_size),
-        engine_applies_constraints=engine_applies_constraints,
+        grammar=grammar_compiler(tokenizer, model_dir, vocab_size),
     )
 
 
-def _grammar_compiler(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int):
+def grammar_compiler(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int) -> GrammarCompiler | None:
     """llguidance on the model's tokenizer.json, or None (logged) when it cannot be built."""
     from atlas.adapters.grammar.llguidance import LlguidanceCompiler
 
@@ -70,3 +71,46 @@ def _grammar_compiler(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int):
     except (OSError, ValueError, RuntimeError) as error:  # llguidance raises either for a tokenizer it cannot read
         log.warning("structured output is unavailable for this model: %s", error)
         return None
+
+
+class GrammarUnavailable(GrammarError):
+    """The model's tokenizer could not be loaded into the grammar engine: no grammar compiles."""
+
+
+class LazyGrammarCompiler:
+    """The engine's `GrammarCompiler` for its model, built on the first compile: llguidance
+    reads a tokenizer in a second or more, which an engine that never sees a grammar skips.
+    When the tokenizer cannot be read every spec is refused with GrammarUnavailable naming its
+    field (the API process refuses them first, with the same reason)."""
+
+    def __init__(self, tokenizer: HfTokenizer, model_dir: Path, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._model_dir = model_dir
+        self._vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._compiler: GrammarCompiler | None = None
+        self._built = False
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def compile(self, spec: ConstraintSpec, field: str) -> CompiledGrammar:
+        compiler = self._get()
+        if compiler is None:
+            raise GrammarUnavailable(field, "structured output is unavailable for this model: its tokenizer could "
+                                            "not be loaded into the grammar engine")
+        return compiler.compile(spec, field)
+
+    def fill_bitmasks(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
+        compiler = self._get()
+        if compiler is None:
+            raise RuntimeError("fill_bitmasks without a grammar compiler: no matcher can exist")
+        compiler.fill_bitmasks(rows, bitmask)
+
+    def _get(self) -> GrammarCompiler | None:
+        with self._lock:
+            if not self._built:
+                self._compiler = grammar_compiler(self._tokenizer, self._model_dir, self._vocab_size)
+                self._built = True
+            return self._compiler

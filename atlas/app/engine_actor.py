@@ -88,16 +88,21 @@ class OutputRouter:
         return receive
 
     def deliver(self, outputs: Iterable[SequenceOutput]) -> list[str]:
-        """Send each output to its stream; an output for an unknown id is dropped (aborted).
+        """Send each output to its stream; an output for an unknown id is dropped (aborted). An
+        output with an `error` ends its request with an EngineFailure instead.
 
-        Returns the ids whose consumer closed its stream without aborting them: they are no
-        longer routed, and the caller must abort them in the engine.
+        Returns the ids whose consumer closed its stream without aborting them, and the siblings
+        of a failed sequence: they are no longer routed, and the caller must abort them in the
+        engine.
         """
         routes = self._routes
         orphans = []
         for output in outputs:
             route = routes.get(output.seq_id)
             if route is None:
+                continue
+            if output.error is not None:
+                orphans.extend(self.fail(output.seq_id, EngineFailure(output.error)))
                 continue
             try:
                 route.send.send_nowait(output)

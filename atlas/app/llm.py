@@ -7,11 +7,14 @@ does (`atlas.app.threads`).
 
 from __future__ import annotations
 
+import json
 import secrets
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from atlas.app.builder import LoadedEngine, build_engine
 from atlas.domain.fan_out import SeedSource, fan_out
@@ -19,7 +22,7 @@ from atlas.domain.text.sequence_text import SequenceText, TextDelta
 from atlas.app.settings import EngineSettings
 from atlas.app.threads import limit_blas_threads
 from atlas.domain.batch import SequenceOutput, TokenLogprobs
-from atlas.domain.requests import Request, SamplingParams
+from atlas.domain.requests import OutputConstraint, Request, SamplingParams
 from atlas.ports.tokenizer import Tokenizer
 
 Message = Mapping[str, Any]
@@ -34,6 +37,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None  # the engine ended this choice on an error (finish_reason "abort")
 
 
 @dataclass
@@ -50,9 +54,12 @@ class RequestOutput:
 
 
 class LLM:
-    """A model loaded for offline generation. Settings are `EngineSettings` fields."""
+    """A model loaded for offline generation. Settings are `EngineSettings` fields;
+    `speculative_config` may also be a dict (`{"method": "ngram", "num_speculative_tokens": 4}`)."""
 
     def __init__(self, model: str, *, show_progress: bool = True, **settings: Any) -> None:
+        if isinstance(settings.get("speculative_config"), Mapping):
+            settings["speculative_config"] = json.dumps(settings["speculative_config"])
         limit_blas_threads()
         self.engine: LoadedEngine = build_engine(EngineSettings(model=model, **settings), show_progress)
         self._seeds = SeedSource(self.engine.settings.seed, _fresh_seed)
@@ -86,9 +93,12 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         priority: int = 0,
+        constraint: OutputConstraint | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (text, or a list of token ids); outputs in prompt order.
-        `priority` (lower first) needs `scheduling_policy="priority"`."""
+        `priority` (lower first) needs `scheduling_policy="priority"`. `constraint` binds every
+        choice's tokens (`OutputConstraint(JsonSchema(schema))`: structured output; a
+        thinking budget); an invalid grammar raises ParameterError."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params = sampling_params or SamplingParams()
@@ -98,7 +108,7 @@ class LLM:
                 items.append((prompt, self.tokenizer.encode(prompt)))
             else:
                 items.append((None, [int(t) for t in prompt]))
-        return self._run(items, params, priority)
+        return self._run(items, params, priority, constraint)
 
     def chat(
         self,
@@ -108,14 +118,16 @@ class LLM:
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         priority: int = 0,
+        constraint: OutputConstraint | None = None,
     ) -> list[RequestOutput]:
-        """Answer one conversation (a list of messages) or several, with the chat template."""
+        """Answer one conversation (a list of messages) or several, with the chat template;
+        `constraint` as for `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         items = []
         for conversation in conversations:
             prompt = self.render_chat(conversation, tools=tools, **(chat_template_kwargs or {}))  # type: ignore[arg-type]
             items.append((prompt, self.tokenizer.encode(prompt, add_special_tokens=False)))
-        return self._run(items, sampling_params or SamplingParams(), priority)
+        return self._run(items, sampling_params or SamplingParams(), priority, constraint)
 
     def render_chat(self, messages: Sequence[Message], tools=None, **template_kwargs: Any) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **template_kwargs)
@@ -130,7 +142,8 @@ class LLM:
                 yield delta.text
 
     def _run(
-        self, items: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int
+        self, items: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int,
+        constraint: OutputConstraint | None = None,
     ) -> list[RequestOutput]:
         results: list[RequestOutput] = []
         choices: dict[str, CompletionOutput] = {}
@@ -140,6 +153,8 @@ class LLM:
         for prompt, token_ids in items:
             request_id = _new_id()
             fanned = fan_out(request_id, token_ids, params, self._seeds, priority=priority)
+            if constraint is not None:
+                fanned = [msgspec.structs.replace(request, constraint=constraint) for request in fanned]
             outputs = [CompletionOutput(index, logprobs=[] if params.logprobs is not None else None)
                        for index in range(len(fanned))]
             results.append(RequestOutput(request_id, prompt, list(token_ids), outputs))
@@ -158,6 +173,7 @@ class LLM:
             if delta.finish_reason is not None:
                 choice.finish_reason = delta.finish_reason.value
                 choice.stop_reason = delta.stop_reason
+                choice.error = engine_output.error
         for result in results:
             result.num_cached_tokens = min(
                 (num for seq_id, num in cached.items() if owners[seq_id] is result), default=0

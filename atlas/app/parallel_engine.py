@@ -23,9 +23,10 @@ import threading
 from collections import deque
 
 import msgspec
+import numpy as np
 
 from atlas.adapters.tokenizers.hf import HfTokenizer
-from atlas.app.builder import LoadedEngine, make_core, read_model_config
+from atlas.app.builder import LoadedEngine, engine_grammars, make_core, read_model_config
 from atlas.app.model_store import resolve_model
 from atlas.app.rank_engine import (
     CollectStep,
@@ -33,6 +34,7 @@ from atlas.app.rank_engine import (
     RankLoaded,
     RankMeasures,
     RunStep,
+    SampleStep,
     cache_groups_of,
     decode_result,
     model_rank,
@@ -66,6 +68,10 @@ class RankExecutor:
         self._in_flight.append(pending)
         return pending
 
+    def sample(self, step_id: int, bitmask: np.ndarray | None) -> None:
+        """Hand every rank the masks of step `step_id`, the last submitted (`awaits_masks`)."""
+        self._group.send(self._encode(SampleStep.of(step_id, bitmask)))
+
     def collect_until(self, pending: PendingRankStep) -> None:
         """Collect every step in flight up to `pending`. RankFailure when a rank failed or the
         ranks' results differ."""
@@ -97,6 +103,9 @@ class PendingRankStep:
     @property
     def is_pending(self) -> bool:
         return self._result is None
+
+    def sample(self, bitmask: np.ndarray | None) -> None:
+        self._executor.sample(self.step_id, bitmask)
 
     def resolve(self, result: StepResult) -> None:
         self._result = result
@@ -150,7 +159,8 @@ def build_parallel_engine(settings: EngineSettings, show_progress: bool = True) 
     log.info("%d ranks loaded (%.2f GiB of weights each on %s); cache pages per group and rank: %s (blocks of %d tokens)",
              world, loaded[0].weight_bytes / GIB, loaded[0].device_name, num_pages, settings.block_size)
     executor = RankExecutor(group)
-    core = make_core(settings, groups, num_pages, executor, max_model_len, config.vocab_size, tokenizer)
+    core = make_core(settings, groups, num_pages, executor, max_model_len, config.vocab_size, tokenizer,
+                     engine_grammars(tokenizer, model_dir, config.vocab_size))
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,

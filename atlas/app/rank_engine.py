@@ -6,6 +6,7 @@ device, its communicator, its shard of the weights, its own memory check and KV 
 rank's startup is one device's startup; then it runs the driver's steps on that engine's worker:
 
     driver -> ranks:  RunStep(batch)       (no reply: the rank enqueues the step and goes on)
+                      SampleStep(step_id, masks)  (no reply: a step that awaits its masks samples)
                       CollectStep(step_id) (reply: the step's StepResult, once its ids are in)
 
 The driver sends step N+1 before it collects step N, so a rank enqueues N+1 before it waits for
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from atlas.app.backends import cuda_available, make_backend
 from atlas.app.builder import StepLimits, build_engine
@@ -65,6 +67,26 @@ class RunStep(msgspec.Struct, tag=True):
     batch: ScheduledBatch
 
 
+class SampleStep(msgspec.Struct, tag=True):
+    """The masks of a step submitted with `awaits_masks` (`PendingResult.sample`): int32
+    [num_rows, W] as bytes, or None when no row is constrained."""
+
+    step_id: int
+    num_rows: int = 0
+    bitmask: bytes | None = None
+
+    @classmethod
+    def of(cls, step_id: int, bitmask: np.ndarray | None) -> SampleStep:
+        if bitmask is None:
+            return cls(step_id)
+        return cls(step_id, bitmask.shape[0], np.ascontiguousarray(bitmask, dtype=np.int32).tobytes())
+
+    def masks(self) -> np.ndarray | None:
+        if self.bitmask is None:
+            return None
+        return np.frombuffer(self.bitmask, dtype=np.int32).reshape(self.num_rows, -1)
+
+
 class CollectStep(msgspec.Struct, tag=True):
     step_id: int
 
@@ -84,7 +106,7 @@ class RankMeasures(msgspec.Struct):
     collective_s: list[float]  # per decode step of each batch size asked
 
 
-RankMessage = RunStep | CollectStep | MeasureRank
+RankMessage = RunStep | SampleStep | CollectStep | MeasureRank
 
 
 class RankPart:
@@ -159,6 +181,12 @@ class ModelRank:
         message = self._decode(body)
         if isinstance(message, RunStep):
             self._pending.append((message.batch.step_id, self._executor.submit(message.batch)))
+            return b""
+        if isinstance(message, SampleStep):
+            step_id, pending = self._pending[-1]
+            if step_id != message.step_id:
+                raise RuntimeError(f"masks of step {message.step_id}, but step {step_id} is the last submitted")
+            pending.sample(message.masks())
             return b""
         if isinstance(message, MeasureRank):
             return self._encode(self._measure(message.batch_sizes))

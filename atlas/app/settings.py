@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from atlas.domain.requests import ParameterError
 from atlas.domain.scheduling_policy import POLICIES
+from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeMethod
 
 DEVICES = ("auto", "cuda", "mock")
 DTYPES = ("auto", "bf16", "f32")
@@ -38,6 +40,7 @@ class EngineSettings:
     seed: int | None = None  # seeds requests that bring none (None: a fresh random seed each)
     tensor_parallel_size: int = 1  # ranks (devices) the model splits over, one process each
     enable_expert_parallel: bool = False  # MoE: place whole experts on ranks instead of splitting each
+    speculative_config: str | None = None  # --speculative-config JSON (SpeculativeConfig); None: off
 
     @property
     def expert_parallel_size(self) -> int:
@@ -80,6 +83,29 @@ class EngineSettings:
                 "--enable-expert-parallel places the experts over the --tensor-parallel-size ranks; "
                 "give --tensor-parallel-size 2 or more"
             )
+        _parse_speculative(self.speculative_config)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed `--speculative-config` (None: no speculation)."""
+        return _parse_speculative(self.speculative_config)
+
+
+def _parse_speculative(text: str | None) -> SpeculativeConfig | None:
+    """Raises SettingsError naming the flag and the key for a configuration that is invalid, or
+    that the engine cannot run yet (only ngram)."""
+    if text is None:
+        return None
+    try:
+        config = SpeculativeConfig.from_json(text)
+    except ParameterError as error:
+        raise SettingsError(f"--speculative-config: {error}") from None
+    if config.method is not SpeculativeMethod.NGRAM:
+        raise SettingsError(
+            f"--speculative-config: speculative_config.method: {config.method.value} is not supported by the "
+            "engine yet; use ngram"
+        )
+    return config
 
 
 def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:

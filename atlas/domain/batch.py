@@ -65,6 +65,10 @@ class ScheduledSequence:
     `block_ids`. A model with several groups (sliding-window layers, recurrent layers) gets one
     table per KV group in `kv_block_tables` and one slot per recurrent group in `state_slots`,
     in the order of the model's group specs; `block_ids` is then its first KV group's pages.
+
+    A sequence verifying speculative drafts computes its last token and `num_draft_tokens`
+    drafts (the tail of `token_ids`) and samples a row at each of those positions: `sampling`
+    for the first, `draft_rows` for the others (`sampling_rows` lists them all).
     """
 
     seq_id: str
@@ -77,6 +81,26 @@ class ScheduledSequence:
     placeholder_row: int | None = None
     kv_block_tables: tuple[BlockTable, ...] = ()  # every KV group's; () for a lone full-attention group
     state_slots: tuple[int, ...] = ()  # every recurrent-state group's slot
+    num_draft_tokens: int = 0
+    draft_rows: tuple[SamplingRow, ...] = ()  # one per draft: the rows after `sampling`
+
+    def decode_row(self, offset: int, sampling: SamplingRow) -> ScheduledSequence:
+        """Token `offset` of this chunk alone, at its position, over the same tables, sampled
+        with `sampling` (a verify chunk's rows, see `worker.decode_rows`)."""
+        return ScheduledSequence(
+            seq_id=self.seq_id,
+            token_ids=(self.token_ids[offset],),
+            start_position=self.start_position + offset,
+            block_ids=self.block_ids,
+            sampling=sampling,
+            kv_block_tables=self.kv_block_tables,
+            state_slots=self.state_slots,
+        )
+
+    @property
+    def sampling_rows(self) -> tuple[SamplingRow, ...]:
+        """Every row this sequence samples this step, in order (none for a prefill chunk)."""
+        return () if self.sampling is None else (self.sampling, *self.draft_rows)
 
     @property
     def block_tables(self) -> tuple[BlockTable, ...]:
@@ -95,11 +119,16 @@ class ScheduledSequence:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledBatch:
-    """One step: sequences in order, prefill chunks and decodes mixed."""
+    """One step: sequences in order, prefill chunks and decodes mixed.
+
+    `awaits_masks`: some sampling row follows a token constraint whose mask depends on tokens
+    the host commits after submitting this step; the worker samples once it gets the masks.
+    """
 
     step_id: int
     sequences: tuple[ScheduledSequence, ...]
     block_size: int
+    awaits_masks: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +136,8 @@ class ScheduledBatch:
 
     @property
     def num_sampled(self) -> int:
-        return sum(1 for s in self.sequences if s.sampling is not None)
+        """Rows the step samples: one per sampling sequence, plus one per draft."""
+        return sum(1 + s.num_draft_tokens for s in self.sequences if s.sampling is not None)
 
     @property
     def is_empty(self) -> bool:
@@ -123,7 +153,7 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Sampled ids, one per sampling sequence, in the batch's order."""
+    """Sampled ids, one per sampling row (`ScheduledSequence.sampling_rows`), in the batch's order."""
 
     step_id: int
     token_ids: tuple[int, ...]
@@ -141,3 +171,6 @@ class SequenceOutput:
     num_output_tokens: int
     logprobs: tuple[TokenLogprobs, ...] = ()
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    # Set when the engine ended the sequence on an error of its own (a sampled token its
+    # constraint forbids); the finish reason is then ABORT and the request failed.
+    error: str | None = None

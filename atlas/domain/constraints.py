@@ -11,18 +11,26 @@ A constrained sequence goes through up to four phases, one token at a time:
     (starts in REASONING when the template opened the block; in ANSWER when thinking is off)
 
 OPENING is the first token only: the model may open a reasoning block (the grammar's mask
-plus the start token) or begin the answer. REASONING is free text, counted against the
-budget. CLOSING forces a fixed token sequence through a one-bit mask. ANSWER follows the
-grammar, or is free without one.
+plus the start token) or begin the answer. REASONING is free text counted against the budget,
+except that it may not end the output (`end_token_ids`): the block is closed by the model or
+by the budget, so the answer (and its grammar) always follows. CLOSING forces a fixed token
+sequence through a one-bit mask. ANSWER follows the grammar, or is free without one.
 
 The engine drives it per step, with the mask computation off the device's critical path:
 
-    after step N-1's tokens are accepted:   fill_batch_bitmask(constraints, bitmask [R, W])
-    (on a worker thread, while the device runs step N's forward; llguidance drops the GIL)
-    the sampler of step N applies the uploaded bitmask;  then  constraint.accept(token)
+    step N+1's forward is enqueued (its sampling waits)
+    step N's tokens are committed:           constraint.accept(token)
+    while the device runs N+1's forward:     fill_step_bitmask(rows, bitmask [R, W])
+    the sampler of step N+1 applies the uploaded bitmask
 
-Rows that need no mask are all ones, and `fill_batch_bitmask` says whether any row needed
-one, so a step with no constrained row ships no mask at all.
+Rows that need no mask are all ones, and the fill says whether any row needed one, so a step
+with no constrained row ships no mask at all. A sequence verifying speculative drafts has one
+row per position: row j holds the mask after drafts[:j], found by accepting the drafts in turn
+and rolling them back; a draft its row forbids can never be accepted, so the rows after it
+are all ones.
+
+A request carries its constraint as plain data (`Request.constraint`); the engine turns it into
+a `TokenConstraint` per sequence through a `GrammarCache` (`atlas.domain.request_constraints`).
 """
 
 from __future__ import annotations
@@ -34,8 +42,8 @@ from enum import Enum
 
 import numpy as np
 
-from atlas.domain.reasoning_budget import ReasoningMarkers
-from atlas.domain.token_mask import ALL_ALLOWED, allow, allow_only
+from atlas.domain.requests import ReasoningMarkers
+from atlas.domain.token_mask import ALL_ALLOWED, allow, allow_only, forbid, is_allowed
 from atlas.ports.grammar import GrammarCompiler, GrammarMatcher
 
 DEFAULT_MAX_ROLLBACK_TOKENS = 64
@@ -75,17 +83,25 @@ class GrammarTokens:
     extra_token_ids: tuple[int, ...] = ()
 
 
-NextTokenRule = ForcedToken | GrammarTokens | None  # None: any token
+@dataclass(frozen=True, slots=True)
+class AnyTokenBut:
+    """The next token is any but `token_ids` (end-of-sequence inside a reasoning block)."""
+
+    token_ids: frozenset[int]
+
+
+NextTokenRule = ForcedToken | GrammarTokens | AnyTokenBut | None  # None: any token
 
 
 class TokenConstraint:
     """What one sequence may sample next, advanced token by token (see the module doc).
 
-    `thinking_budget` None means no limit; 0 ends a block as soon as it opens. Up to
+    `thinking_budget` None means no limit; 0 ends a block as soon as it opens.
+    `end_token_ids` (end-of-sequence) may not be sampled inside the block. Up to
     `max_rollback_tokens` accepted tokens can be rolled back (rejected speculative drafts).
     """
 
-    __slots__ = ("_grammar", "_markers", "_budget", "_state", "_history")
+    __slots__ = ("_grammar", "_markers", "_budget", "_end_ids", "_state", "_history")
 
     def __init__(
         self,
@@ -93,6 +109,7 @@ class TokenConstraint:
         markers: ReasoningMarkers | None = None,
         starts_in_reasoning: bool = False,
         thinking_budget: int | None = None,
+        end_token_ids: frozenset[int] = frozenset(),
         max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS,
     ) -> None:
         if thinking_budget is not None and thinking_budget < 0:
@@ -100,6 +117,7 @@ class TokenConstraint:
         self._grammar = grammar
         self._markers = markers
         self._budget = thinking_budget
+        self._end_ids = frozenset(end_token_ids)
         self._history: deque[tuple[_State, bool]] = deque(maxlen=max_rollback_tokens)
         if markers is None:
             self._state = _State(_Phase.ANSWER)
@@ -127,7 +145,9 @@ class TokenConstraint:
         state = self._state
         if state.phase is _Phase.CLOSING:
             return ForcedToken(state.forced_token_ids[state.num_forced])
-        if self._grammar is None or state.phase is _Phase.REASONING:
+        if state.phase is _Phase.REASONING:
+            return AnyTokenBut(self._end_ids) if self._end_ids else None
+        if self._grammar is None:
             return None
         if state.phase is _Phase.OPENING:
             assert self._markers is not None
@@ -144,6 +164,9 @@ class TokenConstraint:
             return False
         if isinstance(rule, ForcedToken):
             allow_only(bitmask_row, (rule.token_id,))
+        elif isinstance(rule, AnyTokenBut):
+            bitmask_row[:] = ALL_ALLOWED
+            forbid(bitmask_row, rule.token_ids)
         else:
             rule.matcher.fill_bitmask(bitmask_row)
             allow(bitmask_row, rule.extra_token_ids)
@@ -190,18 +213,10 @@ class TokenConstraint:
             assert self._grammar is not None
             self._grammar.rollback(num_grammar_tokens)
 
-    def fork(self) -> TokenConstraint:
-        """An independent copy at the same point (n > 1 sequences of one request)."""
-        copy = TokenConstraint.__new__(TokenConstraint)
-        copy._grammar = self._grammar.fork() if self._grammar is not None else None
-        copy._markers = self._markers
-        copy._budget = self._budget
-        copy._state = self._state
-        copy._history = deque(self._history, maxlen=self._history.maxlen)
-        return copy
-
     def _reasoning(self, state: _State, token_id: int) -> _State:
         assert self._markers is not None
+        if token_id in self._end_ids:
+            raise ConstraintViolation(f"token {token_id} ends the output inside the reasoning block")
         if token_id == self._markers.end_token_id:
             padding = self._markers.after_end_token_ids
             if self._grammar is not None and padding:  # the answer's grammar starts where the template's does
@@ -225,9 +240,12 @@ class TokenConstraint:
 
 
 def fill_batch_bitmask(
-    constraints: Sequence[TokenConstraint | None], bitmask: np.ndarray, compiler: GrammarCompiler | None
+    constraints: Sequence[TokenConstraint | None],
+    bitmask: np.ndarray,
+    compiler: GrammarCompiler | None,
+    rows: Sequence[int] | None = None,
 ) -> bool:
-    """Fill row r of `bitmask` (int32 [R, W], R >= len(constraints)) for constraints[r].
+    """Fill row rows[i] of `bitmask` (int32 [R, W]) for constraints[i] (rows None: row i).
 
     Unconstrained rows (None, or no rule now) become all ones. Grammar rows are filled in one
     `compiler.fill_bitmasks` call (in parallel); without a compiler, one by one. Returns True
@@ -236,7 +254,8 @@ def fill_batch_bitmask(
     grammar_rows: list[tuple[GrammarMatcher, int]] = []
     extras: list[tuple[int, tuple[int, ...]]] = []
     any_constrained = False
-    for row, constraint in enumerate(constraints):
+    for index, constraint in enumerate(constraints):
+        row = index if rows is None else rows[index]
         rule = constraint.next_token_rule() if constraint is not None else None
         if rule is None:
             bitmask[row] = ALL_ALLOWED
@@ -244,6 +263,9 @@ def fill_batch_bitmask(
         any_constrained = True
         if isinstance(rule, ForcedToken):
             allow_only(bitmask[row], (rule.token_id,))
+        elif isinstance(rule, AnyTokenBut):
+            bitmask[row] = ALL_ALLOWED
+            forbid(bitmask[row], rule.token_ids)
         else:
             grammar_rows.append((rule.matcher, row))
             if rule.extra_token_ids:
@@ -256,4 +278,56 @@ def fill_batch_bitmask(
                 matcher.fill_bitmask(bitmask[row])
     for row, token_ids in extras:  # after the fill, which overwrites whole rows
         allow(bitmask[row], token_ids)
+    return any_constrained
+
+
+def fill_step_bitmask(
+    rows: Sequence[tuple[TokenConstraint | None, Sequence[int]]], bitmask: np.ndarray, compiler: GrammarCompiler | None
+) -> bool:
+    """Fill a step's masks: entry i is a sampling sequence's (constraint or None, drafts) and
+    takes 1 + len(drafts) consecutive rows of `bitmask` (int32 [R, W]), in order.
+
+        entry    a (no drafts)   b (drafts x0 x1)              c (None, drafts y0)
+        rows     0               1          2        3          4     5
+        mask     a's next        b's next   after x0 after x1   ones  ones
+
+    Row j of an entry is the mask after its drafts[:j], filled a round per draft position (each
+    round in one parallel fill), accepting draft j when row j allows it; a forbidden draft
+    leaves the entry's later rows all ones (nothing after it can be accepted). Every draft
+    accepted here is rolled back before returning. Returns whether any row is constrained.
+    """
+    starts = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum([1 + len(drafts) for _, drafts in rows], out=starts[1:])
+    num_accepted = [0] * len(rows)
+    live = [constraint is not None for constraint, _ in rows]
+    any_constrained = False
+    try:
+        for position in range(1 + max((len(drafts) for _, drafts in rows), default=0)):
+            round_rows, round_constraints, entries = [], [], []
+            for index, (constraint, drafts) in enumerate(rows):
+                if position > len(drafts):
+                    continue
+                row = int(starts[index]) + position
+                if not live[index]:
+                    bitmask[row] = ALL_ALLOWED
+                    continue
+                round_rows.append(row)
+                round_constraints.append(constraint)
+                entries.append(index)
+            if not round_rows:
+                continue
+            any_constrained |= fill_batch_bitmask(round_constraints, bitmask, compiler, round_rows)
+            for index, row in zip(entries, round_rows):
+                constraint, drafts = rows[index]
+                if position == len(drafts):
+                    continue
+                if not is_allowed(bitmask[row], drafts[position]):
+                    live[index] = False
+                    continue
+                constraint.accept(drafts[position])  # type: ignore[union-attr]
+                num_accepted[index] += 1
+    finally:
+        for (constraint, _), count in zip(rows, num_accepted):
+            if count:
+                constraint.rollback(count)  # type: ignore[union-attr]
     return any_constrained

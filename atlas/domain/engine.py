@@ -3,10 +3,19 @@
     batch = scheduler.schedule()            # step N+1, while step N runs on the device
     pending = worker.submit(batch)
     outputs = scheduler.commit(batch_N, pending_N.result())
+    pending.sample(masks)                   # constrained steps: masks after step N's tokens
 
 Steps overlap by one: the next step is scheduled and enqueued before the previous one's ids
 are read back, so host work hides behind device work. Sequences whose next penalty context
-needs the token still in flight make the core commit first (the steps then do not overlap).
+needs the token still in flight, and speculation (drafts follow final tokens, and a verify
+step's outcome decides what comes next), make the core commit first (the steps then do not
+overlap).
+
+Token constraints (structured output, thinking budgets) keep the overlap: a step with a
+constrained sampling row is submitted with `awaits_masks`, so the device runs its forward
+while the core commits the previous step, advances each constraint past its new tokens and
+fills the masks; then the step samples. A token its constraint forbids (only a sampler that
+ignored the mask could draw one) ends that request with an error.
 
 Transports (the Python API, the engine actor behind HTTP, a separate engine process) wrap
 this object; they decide when to call `step` and where outputs go.
@@ -15,17 +24,28 @@ this object; they decide when to call `step` and where outputs go.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
+
 from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
-from atlas.domain.requests import ParameterError, Request
+from atlas.domain.constraints import ConstraintViolation, TokenConstraint, fill_step_bitmask
+from atlas.domain.request_constraints import GrammarCache, token_constraint
+from atlas.domain.requests import FinishReason, ParameterError, Request
 from atlas.domain.sequence import Sequence
 from atlas.domain.sampling import validate_token_ids
 from atlas.domain.scheduler import Scheduler
+from atlas.domain.token_mask import bitmask_width
+from atlas.ports.grammar import GrammarError
 
 
 class PendingResult(Protocol):
+    def sample(self, bitmask: np.ndarray | None) -> None:
+        """Enqueue the sampling of a step submitted with `awaits_masks`, with its rows' masks
+        (int32 [R, ceil(V / 32)]; None: no row is constrained)."""
+        ...
+
     def result(self) -> StepResult:
         """Block until the step's sampled ids are on the host."""
         ...
@@ -35,7 +55,9 @@ class StepExecutor(Protocol):
     """Runs scheduled batches (the worker, in this process or behind a transport)."""
 
     def submit(self, batch: ScheduledBatch) -> PendingResult:
-        """Enqueue the step and return at once; steps run in submission order."""
+        """Enqueue the step and return at once; steps run in submission order. A batch that
+        `awaits_masks` samples when its `PendingResult.sample` is called, before any later
+        step is submitted."""
         ...
 
 
@@ -52,6 +74,10 @@ class EngineStats:
     num_blocks_cached: int = 0  # of the free ones, those holding a cached prefix
     num_prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
     num_prefix_cache_hits: int = 0  # of those, found there
+    num_spec_draft_tokens: int = 0  # speculative drafts verified
+    num_spec_accepted_tokens: int = 0  # of those, accepted
+    num_spec_verify_steps: int = 0  # sequence-steps that verified drafts
+    spec_accepted_by_position: tuple[int, ...] = ()  # [j]: drafts at position j accepted
 
 
 class EngineCore:
@@ -64,12 +90,18 @@ class EngineCore:
         max_model_len: int,
         vocab_size: int,
         eos_token_ids: frozenset[int],
+        grammars: GrammarCache | None = None,
     ) -> None:
+        """`grammars` compiles the grammars of requests' constraints (None: a request with a
+        grammar is refused)."""
         self.scheduler = scheduler
         self.executor = executor
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
+        self._constraints: dict[str, TokenConstraint] = {}  # of the live constrained sequences
+        self._bitmask = np.empty((0, bitmask_width(vocab_size)), dtype=np.int32)  # grown on demand
         self._sequences: dict[str, Sequence] = {}
         self._num_steps = 0
         self._num_prompt_tokens = 0
@@ -95,8 +127,11 @@ class EngineCore:
         max_tokens = request.sampling.max_tokens
         max_total = self.max_model_len if max_tokens is None else min(self.max_model_len, num_prompt + max_tokens)
         sequence = Sequence(request, max_total, self.eos_token_ids)
+        constraint = self._constraint_for(request)
         self.scheduler.add(sequence)
         self._sequences[request.request_id] = sequence
+        if constraint is not None:
+            self._constraints[request.request_id] = constraint
         self._num_prompt_tokens += num_prompt
 
     def abort(self, request_id: str) -> SequenceOutput | None:
@@ -115,14 +150,18 @@ class EngineCore:
         while `has_unfinished`.
         """
         outputs: list[SequenceOutput] = []
-        if self._in_flight and self.scheduler.has_pending_penalties:
+        if self._in_flight and self.scheduler.needs_commit_first:
             outputs += self._commit_oldest()
         batch = self.scheduler.schedule()
         if not batch.is_empty:
+            if self._is_constrained(batch):
+                batch = replace(batch, awaits_masks=True)
             self._in_flight.append((batch, self.executor.submit(batch)))
             self._num_steps += 1
         if self._in_flight and (len(self._in_flight) > 1 or batch.is_empty):
             outputs += self._commit_oldest()
+        if batch.awaits_masks:  # the device runs its forward meanwhile
+            self._in_flight[-1][1].sample(self._fill_masks(batch))
         return outputs
 
     def reset_prefix_cache(self) -> int:
@@ -133,19 +172,69 @@ class EngineCore:
         batch, pending = self._in_flight.popleft()
         result = pending.result()
         outputs = self.scheduler.commit(batch, result)
-        self._num_generated_tokens += len(result.token_ids)
+        self._num_generated_tokens += sum(len(output.new_token_ids) for output in outputs)
+        if self._constraints:
+            outputs = [self._advance_constraint(output) for output in outputs]
         for output in outputs:
             if output.finish_reason is not None:
                 self._forget(output.seq_id)
         return outputs
 
+    def _constraint_for(self, request: Request) -> TokenConstraint | None:
+        constraint = request.constraint
+        if constraint is None:
+            return None
+        if constraint.grammar is not None and self.grammars is None:
+            raise ParameterError(constraint.grammar_field, "structured output is unavailable: this engine has no "
+                                                           "grammar compiler for its model's tokenizer")
+        try:
+            return token_constraint(constraint, self.grammars, self.eos_token_ids)
+        except GrammarError as error:
+            raise ParameterError(error.field, str(error).removeprefix(f"{error.field}: ")) from None
+
+    def _is_constrained(self, batch: ScheduledBatch) -> bool:
+        constraints = self._constraints
+        return bool(constraints) and any(s.sampling is not None and s.seq_id in constraints for s in batch.sequences)
+
+    def _advance_constraint(self, output: SequenceOutput) -> SequenceOutput:
+        """Accept `output`'s new tokens into its sequence's constraint; a forbidden one ends the
+        request with an error instead."""
+        constraint = self._constraints.get(output.seq_id)
+        if constraint is None:
+            return output
+        try:
+            for token_id in output.new_token_ids:
+                constraint.accept(token_id)
+        except ConstraintViolation as violation:
+            self.scheduler.abort(output.seq_id)
+            return replace(output, new_token_ids=(), logprobs=(), finish_reason=FinishReason.ABORT,
+                           error=f"the engine sampled a token the request's constraint forbids: {violation}")
+        return output
+
+    def _fill_masks(self, batch: ScheduledBatch) -> np.ndarray | None:
+        """The masks of `batch`'s sampling rows after every committed token, or None when no row
+        is constrained (the sequences finished meanwhile, or reason freely)."""
+        rows = [
+            (self._constraints.get(s.seq_id), s.token_ids[len(s.token_ids) - s.num_draft_tokens :])
+            for s in batch.sequences
+            if s.sampling is not None
+        ]
+        num_rows = batch.num_sampled
+        if self._bitmask.shape[0] < num_rows:
+            self._bitmask = np.empty((max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
+        bitmask = self._bitmask[:num_rows]
+        compiler = self.grammars.compiler if self.grammars is not None else None
+        return bitmask if fill_step_bitmask(rows, bitmask, compiler) else None
+
     def _forget(self, request_id: str) -> None:
+        self._constraints.pop(request_id, None)
         sequence = self._sequences.pop(request_id, None)
         if sequence is not None:
             self._num_finished_preemptions += sequence.num_preemptions
 
     def stats(self) -> EngineStats:
         cache = self.scheduler.cache.stats()
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -158,4 +247,8 @@ class EngineCore:
             num_blocks_cached=cache.num_blocks_cached,
             num_prefix_cache_queries=cache.num_queried_tokens,
             num_prefix_cache_hits=cache.num_hit_tokens,
+            num_spec_draft_tokens=spec.num_draft_tokens,
+            num_spec_accepted_tokens=spec.num_accepted_tokens,
+            num_spec_verify_steps=spec.num_verify_steps,
+            spec_accepted_by_position=tuple(spec.accepted_by_position),
         )

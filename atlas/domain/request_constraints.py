@@ -44,8 +44,10 @@ class GrammarCache:
         return grammar
 
 
-def token_constraint(constraint: OutputConstraint | None, grammars: GrammarCache | None) -> TokenConstraint | None:
-    """The per-sequence constraint of a request, or None when it has none.
+def token_constraint(constraint: OutputConstraint | None, grammars: GrammarCache | None,
+                     end_token_ids: frozenset[int] = frozenset()) -> TokenConstraint | None:
+    """The per-sequence constraint of a request, or None when it has none; `end_token_ids`
+    (end-of-sequence) may not end the output inside its reasoning block.
 
     Raises ValueError when the request has a grammar but the engine has no compiler.
     """
@@ -56,7 +58,8 @@ def token_constraint(constraint: OutputConstraint | None, grammars: GrammarCache
         if grammars is None:
             raise ValueError(f"{constraint.grammar_field}: this engine has no grammar compiler")
         matcher = grammars.compiled(constraint.grammar, constraint.grammar_field).new_matcher()
-    return TokenConstraint(matcher, constraint.reasoning, constraint.starts_in_reasoning, constraint.thinking_budget)
+    return TokenConstraint(matcher, constraint.reasoning, constraint.starts_in_reasoning, constraint.thinking_budget,
+                           end_token_ids)
 
 
 def _spec_key(spec: ConstraintSpec, field: str) -> bytes:

@@ -37,35 +37,43 @@ _UNIFORM_SCALE = np.float32(2.0**-23)
 
 def sampling_row(seq: Sequence) -> SamplingRow:
     """The row for the next token of `seq` (called once its whole context is computed)."""
+    return sampling_rows(seq)[0]
+
+
+def sampling_rows(seq: Sequence) -> tuple[SamplingRow, ...]:
+    """The rows of `seq`'s next step: one, or 1 + k when the step verifies k drafts. Row j
+    draws output token c + j (c: tokens sampled before the drafts) as if drafts[:j] were
+    already output: its counter is c + j, its penalty counts include them, and eos and stop
+    ids stay banned while c + j < min_tokens."""
     params = seq.sampling
-    penalty_ids: tuple[int, ...] = ()
-    penalty_counts: tuple[int, ...] = ()
-    if params.has_penalties:
-        counts = seq.penalty_counts()
-        penalty_ids = tuple(counts)
-        penalty_counts = tuple(counts.values())
-
-    bias = dict(params.logit_bias or {})
-    if seq.num_output_tokens < params.min_tokens:
-        for token_id in seq.eos_token_ids | seq.stop_token_ids:
-            bias[token_id] = NEG_INF
-
-    return SamplingRow(
-        temperature=params.temperature,
-        top_k=max(params.top_k, 0),
-        top_p=params.top_p,
-        min_p=params.min_p,
-        seed=seq.request.seed & _UINT64_MASK,
-        counter=seq.num_output_tokens,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        penalty_token_ids=penalty_ids,
-        penalty_output_counts=penalty_counts,
-        bias_token_ids=tuple(bias),
-        bias_values=tuple(bias.values()),
-        num_logprobs=params.logprobs,
-    )
+    drafts = seq.draft_token_ids
+    counter = seq.num_output_tokens - len(drafts)
+    free = dict(params.logit_bias or {})
+    banned = {**free, **dict.fromkeys(seq.eos_token_ids | seq.stop_token_ids, NEG_INF)}
+    counts = dict(seq.penalty_counts()) if params.has_penalties else None
+    seed = seq.request.seed & _UINT64_MASK
+    rows = []
+    for position in range(1 + len(drafts)):
+        if position and counts is not None:
+            counts[drafts[position - 1]] = counts.get(drafts[position - 1], 0) + 1
+        bias = banned if counter + position < params.min_tokens else free
+        rows.append(SamplingRow(
+            temperature=params.temperature,
+            top_k=max(params.top_k, 0),
+            top_p=params.top_p,
+            min_p=params.min_p,
+            seed=seed,
+            counter=counter + position,
+            repetition_penalty=params.repetition_penalty,
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            penalty_token_ids=tuple(counts) if counts is not None else (),
+            penalty_output_counts=tuple(counts.values()) if counts is not None else (),
+            bias_token_ids=tuple(bias),
+            bias_values=tuple(bias.values()),
+            num_logprobs=params.logprobs,
+        ))
+    return tuple(rows)
 
 
 def validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
@@ -119,6 +127,7 @@ class PackedSampling:
     all_greedy: bool
     any_penalties: bool
     any_bias: bool
+    token_mask: np.ndarray | None = None  # [R, ceil(V / 32)] i32 allowed-token bits; None: all allowed
 
 
 def pack_rows(rows: SequenceOf[SamplingRow]) -> PackedSampling:

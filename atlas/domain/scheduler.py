@@ -12,6 +12,12 @@ There are no prefill or decode phases. A sequence's `num_computed_tokens` catche
    tokens and blocks; one whose hit would reach blocks this very step computes (the other forks
    of its prompt, say) stops admission too, and hits them in full next step.
 
+With a speculation policy active, a caught-up sequence may also get the drafts the policy
+proposes, if their pages are free (nobody is preempted for a draft); the step samples each of
+their positions, and `commit` keeps the drafts the target's draws confirm (`accept_matching`)
+and the target's next token, rolls the rest back and returns their pages. Drafts are never
+resolved, so they never reach the prefix cache.
+
 A sequence samples a token exactly when its chunk reaches its last token. Blocks are reserved
 before tokens are handed out (check, then commit), through the cache manager
 (`atlas.domain.cache`), which also evicts cached blocks nobody uses when free ones run short. A
@@ -24,11 +30,12 @@ pool, and a sequence whose next token would need more positions than the whole p
 finishes with LENGTH.
 
 Steps overlap: `schedule()` may build step N+1 while step N is in flight (at most one
-uncommitted batch). Scheduling a step advances `num_computed_tokens` at once and gives each
-sampling sequence a pending placeholder token (`atlas.domain.sequence`), so step N+1 can
-already decode it: its id is read on the device from step N's samples. `commit(N)` resolves the
-placeholders and applies the stop rules; sequences aborted or preempted in between are skipped,
-and a step computed for a sequence that finished meanwhile is simply discarded.
+uncommitted batch) unless `needs_commit_first`. Scheduling a step advances
+`num_computed_tokens` at once and gives each sampling sequence a pending placeholder token
+(`atlas.domain.sequence`), so step N+1 can already decode it: its id is read on the device from
+step N's samples. `commit(N)` resolves the placeholders and applies the stop rules; sequences
+aborted or preempted in between are skipped, and a step computed for a sequence that finished
+meanwhile is simply discarded.
 """
 
 from __future__ import annotations
@@ -36,13 +43,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from atlas.domain.batch import ScheduledBatch, ScheduledSequence, SequenceOutput, StepResult, TokenLogprobs
+from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
 from atlas.domain.cache.manager import CacheManager
 from atlas.domain.requests import FinishReason, ParameterError, SequenceStatus
-from atlas.domain.sequence import PLACEHOLDER_TOKEN, PendingToken, Sequence
-from atlas.domain.sampling import sampling_row
+from atlas.domain.sequence import PendingToken, Sequence
 from atlas.domain.scheduling_policy import FifoPolicy, SchedulingPolicy
-from atlas.domain.stopping import ends_by_length, stop_reason
+from atlas.domain.speculative.outcome import SpecDecodeStats
+from atlas.domain.speculative.policy import NoSpeculation, SpeculationPolicy
+from atlas.domain.speculative.verify import verify_drafts
+from atlas.domain.step_plan import InFlightStep, StepPlan, check_result, scheduled_sequence, sequence_output
+from atlas.domain.stopping import ends_by_length, first_stop, stop_reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,43 +71,21 @@ class SchedulerConfig:
                 raise ValueError(f"SchedulerConfig.{name} must be at least 1 (got {value})")
 
 
-@dataclass(frozen=True, slots=True)
-class _Planned:
-    """One sequence's share of a step: `num_tokens` from `num_computed_tokens` on."""
-
-    seq: Sequence
-    num_tokens: int
-    samples: bool
-
-
-@dataclass(frozen=True, slots=True)
-class _InFlight:
-    step_id: int
-    planned: tuple[_Planned, ...]
-
-
-class _StepPlan:
-    """The step being built: what is scheduled so far and the budget left."""
-
-    __slots__ = ("budget_left", "planned", "num_preempted")
-
-    def __init__(self, budget: int) -> None:
-        self.budget_left = budget
-        self.planned: list[_Planned] = []
-        self.num_preempted = 0
-
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        samples = seq.num_computed_tokens + num_tokens == seq.num_tokens
-        self.planned.append(_Planned(seq, num_tokens, samples))
-        self.budget_left -= num_tokens
-
-
 class Scheduler:
     """Owns the waiting queue, the running set and their pages in `cache`."""
 
-    __slots__ = ("config", "cache", "policy", "_waiting", "_running", "_live", "_in_flight", "_next_step_id")
+    __slots__ = (
+        "config", "cache", "policy", "speculation", "spec_stats", "_waiting", "_running", "_live", "_in_flight",
+        "_next_step_id",
+    )
 
-    def __init__(self, config: SchedulerConfig, cache: CacheManager, policy: SchedulingPolicy | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache: CacheManager,
+        policy: SchedulingPolicy | None = None,
+        speculation: SpeculationPolicy | None = None,
+    ) -> None:
         """Raises ValueError when the cache's block size differs from the config's, or a cache
         group cannot hold one sequence's step of `max_num_batched_tokens`."""
         if cache.block_size != config.block_size:
@@ -108,10 +96,12 @@ class Scheduler:
         self.config = config
         self.cache = cache
         self.policy: SchedulingPolicy = policy if policy is not None else FifoPolicy()
+        self.speculation: SpeculationPolicy = speculation if speculation is not None else NoSpeculation()
+        self.spec_stats = SpecDecodeStats()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []  # in admission order
         self._live: dict[str, Sequence] = {}  # every waiting or running sequence by id
-        self._in_flight: deque[_InFlight] = deque()
+        self._in_flight: deque[InFlightStep] = deque()
         self._next_step_id = 0
 
     @property
@@ -174,8 +164,9 @@ class Scheduler:
         else:
             self._waiting.remove(seq)
             del self._live[seq_id]
+            self.speculation.forget(seq_id)
             seq.finish(FinishReason.ABORT)
-        return _output(seq, (), ())
+        return sequence_output(seq, (), ())
 
     def schedule(self) -> ScheduledBatch:
         """Build the next step; an empty batch when there is nothing to run.
@@ -188,22 +179,22 @@ class Scheduler:
                 f"steps {[f.step_id for f in self._in_flight]} are in flight; commit one before scheduling again"
             )
         self.cache.begin_step()
-        plan = _StepPlan(self.config.max_num_batched_tokens)
+        plan = StepPlan(self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         if plan.num_preempted == 0:
             self._admit_waiting(plan)
         step_id = self._next_step_id
         self._next_step_id += 1
-        scheduled = tuple(self._scheduled_sequence(p) for p in plan.planned)
+        scheduled = tuple(scheduled_sequence(p, self.cache.step_tables(p.seq)) for p in plan.planned)
         sample_row = 0
         for planned in plan.planned:  # the step is as good as run: advance, and await its samples
             planned.seq.mark_computed(planned.num_tokens)
             self.cache.release_unread(planned.seq)
             if planned.samples:
                 planned.seq.append_pending(PendingToken(step_id, sample_row))
-                sample_row += 1
+                sample_row += planned.num_rows
         if plan.planned:
-            self._in_flight.append(_InFlight(step_id, tuple(plan.planned)))
+            self._in_flight.append(InFlightStep(step_id, tuple(plan.planned)))
         return ScheduledBatch(step_id=step_id, sequences=scheduled, block_size=self.cache.block_size)
 
     @property
@@ -212,35 +203,44 @@ class Scheduler:
         return len(self._in_flight)
 
     @property
-    def has_pending_penalties(self) -> bool:
-        """A sequence awaits a token its next penalty context needs: commit before scheduling."""
-        return any(
-            p.samples and p.seq.sampling.has_penalties for flight in self._in_flight for p in flight.planned
+    def needs_commit_first(self) -> bool:
+        """The next step needs the host to know tokens still in flight: commit before scheduling.
+
+        So it does when a sequence in flight has penalties (its next penalty context) or
+        verifies drafts (how many it keeps), and whenever speculation is active (drafts follow
+        final tokens only)."""
+        if not self._in_flight:
+            return False
+        return self.speculation.is_active(len(self._running)) or any(
+            planned.needs_host_token for flight in self._in_flight for planned in flight.planned
         )
 
     def commit(self, batch: ScheduledBatch, result: StepResult) -> list[SequenceOutput]:
-        """Apply a step's result: advance computed counts, append sampled tokens, finish and free.
+        """Apply a step's result: append sampled tokens (verifying drafts), finish and free.
 
-        `result.token_ids[i]` belongs to the i-th sequence of `batch` that samples. Returns one
-        output per live sequence that got a token (finished or not), in batch order. Raises
-        ValueError, changing nothing, if `batch` is not the one in flight or `result` does not
-        match it.
+        `result.token_ids` holds the step's sampling rows in batch order: one per sampling
+        sequence, 1 + k for one verifying k drafts. Returns one output per live sequence that
+        got tokens (finished or not), in batch order. Raises ValueError, changing nothing, if
+        `batch` is not the one in flight or `result` does not match it.
         """
-        in_flight = self._check_commit(batch, result)
+        in_flight = check_result(self._in_flight[0] if self._in_flight else None, batch, result)
         self._in_flight.popleft()
         outputs: list[SequenceOutput] = []
         row_idx = 0
         for planned in in_flight.planned:
             if not planned.samples:
                 continue
-            seq, sample_idx = planned.seq, row_idx
-            row_idx += 1
+            seq, first_row = planned.seq, row_idx
+            row_idx += planned.num_rows
             if self._live.get(seq.seq_id) is not seq:
                 continue  # aborted after schedule(): its blocks are already back in the pool
             pending = seq.pending
             if not pending or pending[0].step_id != batch.step_id:
                 continue  # preempted after schedule(): it samples this token again later
-            outputs.append(self._append_sampled(seq, result, sample_idx))
+            if planned.num_drafts:
+                outputs.append(self._append_verified(seq, result, first_row, planned.num_rows))
+            else:
+                outputs.append(self._append_sampled(seq, result, first_row))
         return outputs
 
     def check_invariants(self) -> None:
@@ -266,8 +266,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens < 1:
                 raise AssertionError(f"a running sequence is not running or has nothing to compute: {seq!r}")
 
-    def _schedule_running(self, plan: _StepPlan) -> None:
-        """Give each running sequence, oldest first, its next tokens, preempting when blocks run out."""
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Give each running sequence, oldest first, its next tokens (and drafts), preempting
+        when blocks run out."""
+        speculating = self.speculation.is_active(len(self._running))
         idx = 0
         while idx < len(self._running) and plan.budget_left > 0:
             seq = self._running[idx]
@@ -275,17 +277,34 @@ class Scheduler:
                 idx += 1  # its pending token is its last: nothing more to compute
                 continue
             num_tokens = min(seq.num_uncomputed_tokens, plan.budget_left)
+            if speculating and seq.num_uncomputed_tokens == 1 and not seq.pending:
+                num_tokens += self._add_drafts(seq, plan.budget_left - 1)
             if self._grow(seq, num_tokens, idx, plan):
                 self._plan(plan, seq, num_tokens)
                 idx += 1
             # else `seq` itself was preempted: the next sequence moved into slot `idx`
 
-    def _plan(self, plan: _StepPlan, seq: Sequence, num_tokens: int) -> None:
+    def _add_drafts(self, seq: Sequence, max_drafts: int) -> int:
+        """Drafts for a caught-up `seq`: what the policy proposes within the budget and the
+        sequence's length limit, if their pages can be had without preempting anyone (check,
+        then commit). Returns how many were added."""
+        room = seq.max_total_tokens - seq.num_tokens - 1  # the verify step may add drafts + 1 tokens
+        drafts = self.speculation.propose(seq.seq_id, seq, min(max_drafts, room))
+        if not drafts:
+            return 0
+        reservation = self.cache.reserve(seq, 1 + len(drafts))
+        if reservation is None:
+            return 0
+        self.cache.commit(seq, reservation)
+        seq.add_drafts(drafts)
+        return len(drafts)
+
+    def _plan(self, plan: StepPlan, seq: Sequence, num_tokens: int) -> None:
         start = seq.num_computed_tokens
         plan.add(seq, num_tokens)
         self.cache.on_scheduled(seq, start, start + num_tokens)
 
-    def _grow(self, seq: Sequence, num_tokens: int, idx: int, plan: _StepPlan) -> bool:
+    def _grow(self, seq: Sequence, num_tokens: int, idx: int, plan: StepPlan) -> bool:
         """Attach the blocks `seq` needs to compute `num_tokens` more; False if it was preempted.
 
             block_size 4, 6 computed, 4 more this step
@@ -308,7 +327,7 @@ class Scheduler:
         self.cache.commit(seq, reservation)
         return True
 
-    def _admit_waiting(self, plan: _StepPlan) -> None:
+    def _admit_waiting(self, plan: StepPlan) -> None:
         """Start waiting sequences in policy order while budget, seats and blocks last."""
         admitted: list[Sequence] = []
         for seq in self.policy.admission_order(self._waiting):
@@ -341,6 +360,7 @@ class Scheduler:
         self._running.remove(seq)
         self.cache.release(seq)
         del self._live[seq.seq_id]
+        self.speculation.forget(seq.seq_id)
         seq.finish(reason)
 
     def _append_sampled(self, seq: Sequence, result: StepResult, row_idx: int) -> SequenceOutput:
@@ -353,57 +373,22 @@ class Scheduler:
         if reason is not None:
             self._finish(seq, reason)
         token_logprobs = result.logprobs[row_idx] if result.logprobs is not None else None
-        return _output(seq, (token_id,), (token_logprobs,) if token_logprobs is not None else ())
+        return sequence_output(seq, (token_id,), (token_logprobs,) if token_logprobs is not None else ())
 
-    def _check_commit(self, batch: ScheduledBatch, result: StepResult) -> _InFlight:
-        in_flight = self._in_flight[0] if self._in_flight else None
-        if in_flight is None or batch.step_id != in_flight.step_id or len(batch.sequences) != len(in_flight.planned):
-            pending = "none" if in_flight is None else f"step {in_flight.step_id}"
-            raise ValueError(f"batch of step {batch.step_id} is not the oldest in flight ({pending})")
-        if result.step_id != batch.step_id:
-            raise ValueError(f"result of step {result.step_id} committed against batch of step {batch.step_id}")
-        if len(result.token_ids) != batch.num_sampled:
-            raise ValueError(
-                f"step {batch.step_id} samples {batch.num_sampled} tokens but the result has {len(result.token_ids)}"
-            )
-        if result.logprobs is not None and len(result.logprobs) != len(result.token_ids):
-            raise ValueError(
-                f"step {batch.step_id}: {len(result.logprobs)} logprobs for {len(result.token_ids)} tokens"
-            )
-        return in_flight
-
-
-    def _scheduled_sequence(self, planned: _Planned) -> ScheduledSequence:
-        """The step's view of `planned`, taken before the step advances the sequence."""
-        seq = planned.seq
-        start = seq.num_computed_tokens
-        token_ids = tuple(seq.tokens_slice(start, start + planned.num_tokens))
-        pending = seq.pending
-        placeholder_row = None
-        if token_ids[-1] == PLACEHOLDER_TOKEN:
-            # only the newest placeholder can be computed: the previous step samples it
-            assert len(pending) == 1 and start + planned.num_tokens == seq.num_tokens
-            placeholder_row = pending[-1].sample_row
-        block_ids, kv_block_tables, state_slots = self.cache.step_tables(seq)
-        return ScheduledSequence(
-            seq_id=seq.seq_id,
-            token_ids=token_ids,
-            start_position=start,
-            block_ids=block_ids,
-            sampling=sampling_row(seq) if planned.samples else None,
-            placeholder_row=placeholder_row,
-            kv_block_tables=kv_block_tables,
-            state_slots=state_slots,
-        )
-
-
-def _output(seq: Sequence, new_token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...]) -> SequenceOutput:
-    return SequenceOutput(
-        seq_id=seq.seq_id,
-        new_token_ids=new_token_ids,
-        finish_reason=seq.finish_reason,
-        num_prompt_tokens=seq.num_prompt_tokens,
-        num_output_tokens=seq.num_resolved_tokens - seq.num_prompt_tokens,
-        logprobs=logprobs,
-        num_cached_tokens=seq.num_cached_tokens,
-    )
+    def _append_verified(self, seq: Sequence, result: StepResult, first_row: int, num_rows: int) -> SequenceOutput:
+        """Verify `seq`'s drafts against its rows' draws: keep the accepted drafts and the next
+        token (up to a stop among them), roll back the rest and give back the pages past them."""
+        [outcome] = verify_drafts([seq.draft_token_ids], [result.token_ids[first_row : first_row + num_rows]])
+        self.spec_stats.record(outcome)
+        num_kept, reason = first_stop(seq, outcome.token_ids)
+        kept = outcome.token_ids[:num_kept]
+        seq.resolve_verified(kept)
+        self.cache.trim(seq)
+        if reason is None and not self.cache.fits(seq.num_tokens):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(seq, reason)
+        logprobs = result.logprobs
+        wanted = logprobs is not None and logprobs[first_row] is not None
+        kept_logprobs = tuple(logprobs[first_row : first_row + num_kept]) if wanted else ()  # type: ignore[index]
+        return sequence_output(seq, kept, kept_logprobs)  # type: ignore[arg-type]

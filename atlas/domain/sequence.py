@@ -6,6 +6,15 @@ holdings. With the
 engine preparing step N+1 while step N runs, a sequence sampled in step N carries a *pending*
 token: a placeholder whose id only the device knows until step N is committed. Step N+1 can
 already compute it (the worker reads the id from step N's sampled ids on the device).
+
+Speculative drafts are tentative tokens after the final ones, computed like any token:
+
+    tokens     p0 .. p4 | o0 o1 | d0 d1 d2 | P        (prompt, output, drafts, pending)
+    resolved   ----------------              (the host knows them for good: the prefix cache,
+                                              the n-gram index and the stop rules read these)
+
+Verification keeps the accepted drafts and the target's next token (`resolve_verified`) and
+rolls back the computed count past the rejected ones.
 """
 
 from __future__ import annotations
@@ -48,6 +57,7 @@ class Sequence:
         "num_preemptions",
         "_penalty_counts",
         "_pending",
+        "_num_drafts",
     )
 
     def __init__(self, request: Request, max_total_tokens: int, eos_token_ids: frozenset[int]) -> None:
@@ -65,6 +75,7 @@ class Sequence:
         self.stop_token_ids = frozenset(request.sampling.stop_token_ids)
         self.num_preemptions = 0
         self._pending: list[PendingToken] = []  # oldest first; the last len(_pending) tokens
+        self._num_drafts = 0  # tentative tokens before the pending ones
         # token id -> occurrences in the output, kept only when penalties need it; prompt tokens
         # enter with 0 when the repetition penalty also covers the prompt
         self._penalty_counts: dict[int, int] | None = None
@@ -121,10 +132,57 @@ class Sequence:
         return self._token_ids[start:stop]
 
     def append_token(self, token_id: int) -> None:
-        if self._pending:
-            raise AssertionError(f"{self.seq_id}: a token is appended while one is pending")
+        if self._pending or self._num_drafts:
+            raise AssertionError(f"{self.seq_id}: a token is appended while one is pending or drafted")
         self._token_ids.append(token_id)
         self._count_for_penalties(token_id)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Speculative drafts awaiting verification (0 outside a verify step)."""
+        return self._num_drafts
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        start = self.num_resolved_tokens
+        return tuple(self._token_ids[start : start + self._num_drafts])
+
+    @property
+    def num_final_tokens(self) -> int:
+        """What a proposer may read (`TokenHistory`): the resolved tokens."""
+        return self.num_resolved_tokens
+
+    def add_drafts(self, token_ids: tuple[int, ...]) -> None:
+        """Append speculative drafts after the last (resolved) token; the step that computes them
+        verifies them. Raises AssertionError with a token pending or drafts already there."""
+        if self._pending or self._num_drafts:
+            raise AssertionError(f"{self.seq_id}: drafts added while a token is pending or drafted")
+        self._token_ids.extend(token_ids)
+        self._num_drafts = len(token_ids)
+
+    def resolve_verified(self, token_ids: tuple[int, ...]) -> int:
+        """The oldest step in flight verified this sequence's drafts: `token_ids` (the accepted
+        drafts, then the target's next token, possibly cut short by a stop) replace the drafts
+        and the placeholder. The computed count falls back to cover the kept drafts only;
+        returns how many computed positions were rolled back."""
+        if not self._pending or not self._num_drafts:
+            raise AssertionError(f"{self.seq_id}: no verify step to resolve")
+        start = self.num_resolved_tokens
+        drafts = self._token_ids[start : start + self._num_drafts]
+        num_kept_drafts = 0
+        while num_kept_drafts < len(token_ids) and num_kept_drafts < len(drafts) and (
+            token_ids[num_kept_drafts] == drafts[num_kept_drafts]
+        ):
+            num_kept_drafts += 1
+        del self._token_ids[start:]
+        self._token_ids.extend(token_ids)
+        self._pending.pop(0)
+        self._num_drafts = 0
+        for token_id in token_ids:
+            self._count_for_penalties(token_id)
+        computed = min(self.num_computed_tokens, start + num_kept_drafts)
+        rolled_back, self.num_computed_tokens = self.num_computed_tokens - computed, computed
+        return rolled_back
 
     @property
     def pending(self) -> tuple[PendingToken, ...]:
@@ -133,8 +191,8 @@ class Sequence:
 
     @property
     def num_resolved_tokens(self) -> int:
-        """Tokens whose ids the host knows (all but the pending ones)."""
-        return len(self._token_ids) - len(self._pending)
+        """Tokens whose ids the host knows for good (all but drafts and pending ones)."""
+        return len(self._token_ids) - len(self._pending) - self._num_drafts
 
     @property
     def last_resolved_token_id(self) -> int:
@@ -147,16 +205,20 @@ class Sequence:
 
     def resolve_pending(self, token_id: int) -> None:
         """The oldest step in flight sampled `token_id`: it replaces that placeholder."""
-        if not self._pending:
-            raise AssertionError(f"{self.seq_id}: no pending token to resolve")
+        if not self._pending or self._num_drafts:
+            raise AssertionError(f"{self.seq_id}: no pending token to resolve, or drafts to verify first")
         self._token_ids[self.num_resolved_tokens] = token_id
         self._pending.pop(0)
         self._count_for_penalties(token_id)
 
-    def _drop_pending(self) -> None:
-        if self._pending:
-            del self._token_ids[-len(self._pending) :]
+    def _drop_tentative(self) -> None:
+        """Forget pending tokens and drafts (a finished or preempted sequence's)."""
+        num_tentative = len(self._pending) + self._num_drafts
+        if num_tentative:
+            del self._token_ids[-num_tentative:]
             self._pending.clear()
+            self._num_drafts = 0
+            self.num_computed_tokens = min(self.num_computed_tokens, len(self._token_ids))
 
     def _count_for_penalties(self, token_id: int) -> None:
         if self._penalty_counts is not None:
@@ -186,13 +248,13 @@ class Sequence:
         refilled later, from the prefix cache as far as it still holds them."""
         if not self._cache.is_empty:
             raise AssertionError(f"{self.seq_id}: preempted while still holding cache pages")
-        self._drop_pending()
+        self._drop_tentative()
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
         self.num_preemptions += 1
 
     def finish(self, reason: FinishReason) -> None:
-        self._drop_pending()  # finished while steps sample for it: those tokens are void
+        self._drop_tentative()  # finished while steps sample for it: those tokens are void
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
 

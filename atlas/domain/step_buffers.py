@@ -11,6 +11,10 @@ arena, laid out so that one copy of a prefix refreshes all of it:
                  | block tables [S, G, W] + (G - 1) W |
                  ^ written by `sample` on the device; the host copy starts after it
 
+A constrained step's allowed-token masks go to their own buffer [S, W] (W = ceil(V / 32)
+words a row) by one more copy, made when the host has filled them (`stage_mask`); steps
+without masks never touch it.
+
 A model with G KV cache groups (R recurrent ones) has a slot mapping and a block table per KV
 group (a state slot per recurrent group). The block tables interleave by sequence, so the copy
 still ends at the last sequence's row: KV group g's table is the [S, G * W] view that starts g *
@@ -39,6 +43,7 @@ import numpy as np
 from atlas.domain.requests import MAX_LOGPROBS
 from atlas.domain.sampling import PackedSampling
 from atlas.domain.step_inputs import CacheLayout, HostStepInputs
+from atlas.domain.token_mask import ALL_ALLOWED
 from atlas.ports.gpu import Device, DType, Tensor, leading_block
 from atlas.ports.kernels.attention import AttentionMetadata
 from atlas.ports.kernels.recurrent import RecurrentMetadata
@@ -89,9 +94,11 @@ class _Layout:
 
 
 class StepBuffers:
-    """Device buffers for steps of up to `max_tokens` tokens and `max_seqs` sequences."""
+    """Device buffers for steps of up to `max_tokens` tokens and `max_seqs` sequences (and
+    sampling rows), with allowed-token masks of `mask_words` words a row (0: no mask buffer)."""
 
-    def __init__(self, backend: Device, max_tokens: int, max_seqs: int, caches: CacheLayout) -> None:
+    def __init__(self, backend: Device, max_tokens: int, max_seqs: int, caches: CacheLayout,
+                 mask_words: int = 0) -> None:
         """Buffers for steps of a model whose caches the worker addresses as `caches` says."""
         self._backend = backend
         self.max_seqs = max_seqs
@@ -133,6 +140,9 @@ class StepBuffers:
         self.penalty_output_counts = backend.empty((_INITIAL_CSR_CAPACITY,), DType.I32)
         self.bias_token_ids = backend.empty((_INITIAL_CSR_CAPACITY,), DType.I32)
         self.bias_values = backend.empty((_INITIAL_CSR_CAPACITY,), DType.F32)
+        # Every row starts all allowed, so a graph's padding rows read a valid mask.
+        self._all_allowed = np.full((max_seqs, mask_words), ALL_ALLOWED, np.int32)
+        self.token_mask = backend.upload(self._all_allowed) if mask_words else None
 
     def _region(self, name: str, length: int) -> Tensor:
         return self._part(name, 0, length)
@@ -229,11 +239,27 @@ class StepBuffers:
         self._host_i64[0, :num_rows] = packed.seeds[:num_rows]
         self._host_i64[1, :num_rows] = packed.counters[:num_rows]
 
-    def graph_sampling_tensors(self, num_rows: int) -> SamplingTensors:
+    def stage_mask(self, bitmask: np.ndarray, num_rows: int) -> None:
+        """Copy a step's masks (int32 [R, W], one row per sampling row) into the mask buffer,
+        and all-allowed rows for R..num_rows (a graph's padding rows). Ordered on the stream:
+        the sampler enqueued next reads them. Raises ValueError without a mask buffer or for a
+        mask of the wrong width or too many rows."""
+        buffer = self.token_mask
+        num_real = bitmask.shape[0]
+        if buffer is None or bitmask.ndim != 2 or bitmask.shape[1] != buffer.shape[1]:
+            width = "no mask buffer" if buffer is None else f"[R, {buffer.shape[1]}]"
+            raise ValueError(f"bitmask: expected int32 {width}, got {list(bitmask.shape)}")
+        if not num_real <= num_rows <= self.max_seqs:
+            raise ValueError(f"bitmask: {num_real} rows padded to {num_rows}, at most {self.max_seqs}")
+        self._backend.copy_from_host(buffer.rows(0, num_real), bitmask)
+        if num_rows > num_real:
+            self._backend.copy_from_host(buffer.rows(num_real, num_rows), self._all_allowed[num_real:num_rows])
+
+    def graph_sampling_tensors(self, num_rows: int, masked: bool = False) -> SamplingTensors:
         """Views of the first `num_rows` sampling rows for a sampler that a graph bakes in:
-        temperature (0 keeps a row greedy), top-k, top-p, min-p and the random stream. Penalties
-        and bias are off, so the empty penalty and bias arrays are never read; steps that need
-        them sample again with `sampling_tensors`."""
+        temperature (0 keeps a row greedy), top-k, top-p, min-p, the random stream and, when
+        `masked`, the mask buffer's rows. Penalties and bias are off, so the empty penalty and
+        bias arrays are never read; steps that need them sample with `sampling_tensors`."""
         temperature, top_p, min_p, repetition, presence, frequency = (
             field.rows(0, num_rows) for field in self._f32_fields
         )
@@ -258,15 +284,16 @@ class StepBuffers:
             all_greedy=False,
             any_penalties=False,
             any_bias=False,
+            token_mask=self.token_mask.rows(0, num_rows) if masked and self.token_mask is not None else None,
         )
 
-    def sampling_tensors(self, packed: PackedSampling) -> SamplingTensors:
+    def sampling_tensors(self, packed: PackedSampling, masked: bool = False) -> SamplingTensors:
         """Views of the sent sampling rows, with the variable-length penalty and bias arrays
-        copied in (only steps that have them pay for those copies)."""
+        copied in (only steps that have them pay for those copies); `masked`: the staged masks."""
         num_penalties, num_biases = packed.penalty_token_ids.shape[0], packed.bias_token_ids.shape[0]
         self._ensure_csr_capacity(num_penalties, num_biases)
         return replace(
-            self.graph_sampling_tensors(packed.num_rows),
+            self.graph_sampling_tensors(packed.num_rows, masked),
             penalty_token_ids=self._put(self.penalty_token_ids, packed.penalty_token_ids, num_penalties),
             penalty_output_counts=self._put(self.penalty_output_counts, packed.penalty_output_counts, num_penalties),
             bias_token_ids=self._put(self.bias_token_ids, packed.bias_token_ids, num_biases),

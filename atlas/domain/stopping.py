@@ -32,6 +32,23 @@ def stop_reason(seq: Sequence) -> FinishReason | None:
     return None
 
 
+def first_stop(seq: Sequence, token_ids: tuple[int, ...]) -> tuple[int, FinishReason | None]:
+    """Where `seq` would stop if `token_ids` followed its resolved tokens (a verify step's
+    accepted drafts and next token): (how many of them to keep, the reason), or
+    (len(token_ids), None) when none of them ends it. The rules of `stop_reason`, token by token."""
+    num_resolved = seq.num_resolved_tokens
+    num_output = num_resolved - seq.num_prompt_tokens
+    max_tokens = seq.sampling.max_tokens
+    for index, token_id in enumerate(token_ids, start=1):
+        if num_output + index > seq.sampling.min_tokens and _is_stop_token(seq, token_id):
+            return index, FinishReason.STOP
+        if (max_tokens is not None and num_output + index >= max_tokens) or (
+            num_resolved + index >= seq.max_total_tokens
+        ):
+            return index, FinishReason.LENGTH
+    return len(token_ids), None
+
+
 def ends_by_length(seq: Sequence) -> bool:
     """True when the last token (real or pending) is the last `max_tokens` or the length limit allow."""
     max_tokens = seq.sampling.max_tokens

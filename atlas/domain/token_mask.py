@@ -39,11 +39,23 @@ def allow_only(bitmask_row: np.ndarray, token_ids: Iterable[int]) -> None:
     allow(bitmask_row, token_ids)
 
 
+def is_allowed(bitmask_row: np.ndarray, token_id: int) -> bool:
+    """Whether `bitmask_row` (int32 [W]) allows `token_id`."""
+    return bool((int(bitmask_row[token_id >> 5]) >> (token_id & 31)) & 1)
+
+
 def allow(bitmask_row: np.ndarray, token_ids: Iterable[int]) -> None:
     """Also allow `token_ids` in `bitmask_row` (int32 [W])."""
     words = bitmask_row.view(np.uint32)
     for token_id in token_ids:
         words[token_id >> 5] |= np.uint32(1 << (token_id & 31))
+
+
+def forbid(bitmask_row: np.ndarray, token_ids: Iterable[int]) -> None:
+    """Disallow `token_ids` in `bitmask_row` (int32 [W])."""
+    words = bitmask_row.view(np.uint32)
+    for token_id in token_ids:
+        words[token_id >> 5] &= ~np.uint32(1 << (token_id & 31))
 
 
 def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray) -> np.ndarray:

@@ -1,23 +1,35 @@
 """The worker: runs a `ScheduledBatch` on a device and returns only the sampled ids.
 
-`submit` enqueues a whole step — one copy into persistent buffers, the model and sampling
-(eagerly, or by replaying the graph captured for the decode batch size, which samples too), and
-the start of the ids' download — and returns at once, so the engine can schedule the next step
-while the device runs this one. `PendingStep.result()` waits for the ids. The worker never calls
-back into the scheduler.
+`submit` enqueues a whole step — one copy into persistent buffers, the model (eagerly, or by
+replaying the forward graph captured for the decode batch size), sampling (a sampler graph of
+that size, or eagerly) and the start of the ids' download — and returns at once, so the engine
+can schedule the next step while the device runs this one. `PendingStep.result()` waits for
+the ids. The worker never calls back into the scheduler.
 
-A graph's sampler covers temperature, top-k, top-p, min-p and the seeded stream; a step that
-also wants penalties, logit bias or logprobs samples again eagerly after the replay.
+A step whose batch `awaits_masks` stops after the forward: its rows' allowed-token masks depend
+on tokens the host is still committing, so the engine fills them while the device runs the
+forward and hands them over with `PendingStep.sample(bitmask)`, which uploads them and
+enqueues the sampling.
+
+A sampler graph covers temperature, top-k, top-p, min-p, the seeded stream and (one graph per
+bucket with, one without) the masks, read from the persistent mask buffer; a step that also
+wants penalties, logit bias or logprobs samples eagerly instead.
+
+A sequence verifying k speculative drafts runs as k + 1 single-token rows (`decode_rows`): the
+attention kind treats each as a decode over its own context, and a step of such rows replays
+the decode graphs of its row count (a verify step is a decode step of B x (k + 1) rows).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import numpy as np
 
-from atlas.domain.batch import SamplingRow, ScheduledBatch, StepResult, TokenLogprobs
+from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence, StepResult, TokenLogprobs
 from atlas.domain.device_caches import DeviceCache, scratch_page
 from atlas.domain.models.cache_groups import kv_group_indices, state_group_indices
 from atlas.domain.models.layers import GroupMetadata
@@ -25,6 +37,7 @@ from atlas.domain.models.model import LayerObserver, Model, StepTensors
 from atlas.domain.sampling import PackedSampling, pack_rows
 from atlas.domain.step_buffers import StepBuffers
 from atlas.domain.step_inputs import CacheLayout, HostStepInputs, build_step_inputs, pad_decode_inputs
+from atlas.domain.token_mask import bitmask_width
 from atlas.ports.gpu import DType, GpuBackend, Graph, PendingDownload, Tensor
 from atlas.ports.kernels.sampling import LogprobsOut
 
@@ -40,23 +53,42 @@ class WorkerConfig:
     graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes to capture; empty: always eager
 
 
-class PendingStep:
-    """A submitted step; `result()` blocks until its sampled ids reach the host."""
+_LogprobsDownloads = tuple[PendingDownload, PendingDownload | None, PendingDownload | None]
+# Enqueues a step's sampling with the given masks (None: no row is constrained).
+_Sampler = Callable[[np.ndarray | None], tuple[PendingDownload, _LogprobsDownloads | None]]
 
-    def __init__(
-        self,
-        step_id: int,
-        token_ids: PendingDownload | None,
-        logprobs: tuple[PendingDownload, PendingDownload | None, PendingDownload | None] | None,
-        wanted_logprobs: list[int | None],
-    ) -> None:
+
+class PendingStep:
+    """A submitted step; `result()` blocks until its sampled ids reach the host.
+
+    A step submitted with `awaits_masks` samples only once `sample` is called.
+    """
+
+    def __init__(self, step_id: int, wanted_logprobs: list[int | None], sampler: _Sampler | None = None) -> None:
         self._step_id = step_id
-        self._token_ids = token_ids
-        self._logprobs = logprobs
         self._wanted = wanted_logprobs
+        self._sampler = sampler  # None once sampled (or for a step without sampling rows)
+        self._token_ids: PendingDownload | None = None
+        self._logprobs: _LogprobsDownloads | None = None
         self._result: StepResult | None = None
 
+    @property
+    def awaits_masks(self) -> bool:
+        """Whether the step still waits for `sample`."""
+        return self._sampler is not None
+
+    def sample(self, bitmask: np.ndarray | None) -> None:
+        """Upload the step's masks (int32 [R, ceil(V / 32)], a row per sampling row; None when
+        no row is constrained) and enqueue its sampling. Raises RuntimeError when the step was
+        sampled already."""
+        if self._sampler is None:
+            raise RuntimeError(f"step {self._step_id} has sampled already")
+        sampler, self._sampler = self._sampler, None
+        self._token_ids, self._logprobs = sampler(bitmask)
+
     def result(self) -> StepResult:
+        if self._sampler is not None:
+            raise RuntimeError(f"step {self._step_id} waits for its masks: call sample(bitmask) first")
         if self._result is None:
             token_ids = self._token_ids.wait() if self._token_ids is not None else np.zeros(0, np.int32)
             logprobs = self._collect_logprobs(token_ids) if self._logprobs is not None else None
@@ -116,48 +148,55 @@ class Worker:
         max_graph = max(config.graph_batch_sizes, default=0)
         max_tokens = max(config.max_num_tokens, max_graph)
         max_seqs = max(config.max_num_seqs, max_graph)
-        self.buffers = StepBuffers(backend, max_tokens, max_seqs, self.cache_layout)
+        self.buffers = StepBuffers(backend, max_tokens, max_seqs, self.cache_layout, bitmask_width(model.vocab_size))
         self.workspace = model.allocate_workspace(max_tokens, max_seqs)
         self.graph_batch_sizes = tuple(sorted(config.graph_batch_sizes)) if backend.capabilities.supports_graphs else ()
-        self._graphs: dict[int, tuple[Graph, Tensor]] = {}
+        self._graphs: dict[int, tuple[Graph, Tensor]] = {}  # bucket -> (forward graph, its logits)
+        self._sampler_graphs: dict[tuple[int, bool], Graph] = {}  # (bucket, masked) -> sampler graph
 
     def submit(self, batch: ScheduledBatch) -> PendingStep:
-        """Enqueue one step. Raises ValueError if the batch exceeds the configured sizes."""
-        if batch.is_empty:
-            return PendingStep(batch.step_id, None, None, [])
+        """Enqueue one step (its sampling too, unless `batch.awaits_masks`). Raises ValueError
+        if the batch exceeds the configured sizes."""
+        batch = decode_rows(batch)
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
+        wanted = [row.num_logprobs for row in rows]
+        if batch.is_empty:
+            return PendingStep(batch.step_id, wanted)
         bucket = self._graph_bucket(batch)
         staged = _pack(rows, bucket)
         logits = self._forward(batch, bucket, staged)
         if staged is None:
-            return PendingStep(batch.step_id, None, None, [])
-        wanted = [row.num_logprobs for row in rows]
-        if bucket is not None and not _needs_eager_sampling(staged, wanted):
-            ids_download = self.backend.begin_download(self.buffers.sampled_ids.rows(0, len(rows)))
-            return PendingStep(batch.step_id, ids_download, None, wanted)
-        # After a replay this overwrites the graph's ids: draws are counter-based and stateless,
-        # so sampling twice is as deterministic as once.
-        packed = replace(staged, num_rows=len(rows))  # without a graph's padding rows
-        return self._sample(batch.step_id, logits.rows(0, len(rows)), wanted, packed)
+            return PendingStep(batch.step_id, wanted)
+        pending = PendingStep(batch.step_id, wanted, partial(self._sample, logits, staged, bucket, wanted))
+        if not batch.awaits_masks:
+            pending.sample(None)
+        return pending
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
-        """Run one step to completion."""
-        return self.submit(batch).result()
+        """Run one step to completion (a step that awaits masks samples without any)."""
+        pending = self.submit(batch)
+        if pending.awaits_masks:
+            pending.sample(None)
+        return pending.result()
 
     def compute_logits(self, batch: ScheduledBatch, observer: LayerObserver | None = None) -> np.ndarray:
-        """Run one step and return the float32 logits [R, V] of its sampling rows, unsampled
-        (a replayed graph still samples; its ids are ignored). With an `observer` the step runs
-        eagerly and the observer sees each layer's residual stream (`Model.forward`)."""
+        """Run one step and return the float32 logits [R, V] of its sampling rows, unsampled.
+        With an `observer` the step runs eagerly and the observer sees each layer's residual
+        stream (`Model.forward`)."""
+        batch = decode_rows(batch)
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
         bucket = None if observer is not None else self._graph_bucket(batch)
         logits = self._forward(batch, bucket, _pack(rows, bucket), observer)
         return self.backend.begin_download(logits.rows(0, batch.num_sampled)).wait()
 
     def capture_graphs(self) -> None:
-        """Capture every decode graph now (startup), instead of on first use."""
+        """Capture every decode graph now (startup), instead of on first use: the forward and
+        the unmasked sampler of each bucket (masked samplers are captured when first needed)."""
         for bucket in self.graph_batch_sizes:
             if bucket not in self._graphs:
                 self._capture(bucket)
+            if (bucket, False) not in self._sampler_graphs:
+                self._capture_sampler(bucket, masked=False)
 
     def _forward(
         self,
@@ -219,19 +258,18 @@ class Worker:
         return self.graph_batch_sizes[index] if index < len(self.graph_batch_sizes) else None
 
     def _capture(self, bucket: int) -> tuple[Graph, Tensor]:
-        """Capture the decode step for `bucket` sequences: token gather, model and sampling of
-        every row (see `StepBuffers.graph_sampling_tensors`), on the buffers.
+        """Capture the decode forward for `bucket` sequences: token gather and model, on the
+        buffers, into logits [bucket, V] (sampled by `_capture_sampler`'s graphs).
 
         Captured with the longest context so the kernels it bakes in cover every step; the
         buffers' current contents only need to be valid (padding rows are).
         """
-        buffers, backend = self.buffers, self.backend
+        buffers = self.buffers
         step = StepTensors(
             token_ids=buffers.token_ids.rows(0, bucket),
             metadata=self._metadata(bucket, bucket, 1, self.config.max_model_len),
             sample_indices=None,  # every row of a decode bucket is sampled, in order
         )
-        sampling = buffers.graph_sampling_tensors(bucket)
         # valid inputs for the warm-up run: every row a padding row in the scratch pages
         padding = pad_decode_inputs(HostStepInputs.empty(self.cache_layout), bucket, self.cache_layout, buffers.max_seqs)
         buffers.stage_inputs(padding)
@@ -239,39 +277,91 @@ class Worker:
         buffers.send()
         outputs: list[Tensor] = []
 
-        def run_step(out_ids: Tensor) -> None:
+        def run_forward() -> None:
             buffers.gather_tokens(bucket)
-            logits = self.model.forward(step, self.caches, self.workspace, bucket)
-            backend.sampling.sample(logits, sampling, out_ids)
-            outputs[:] = [logits]
+            outputs[:] = [self.model.forward(step, self.caches, self.workspace, bucket)]
 
-        # Warm up outside capture: lazy compilation and workspaces settle first. Its ids go to a
-        # throwaway tensor: a step in flight may have sampled ids the next step still gathers.
-        run_step(backend.empty((bucket,), DType.I32))
-        graph = backend.capture(lambda: run_step(buffers.sampled_ids.rows(0, bucket)))
+        run_forward()  # warm up outside capture: lazy compilation and workspaces settle first
+        graph = self.backend.capture(run_forward)
         self._graphs[bucket] = (graph, outputs[0])
         return self._graphs[bucket]
 
-    def _sample(self, step_id: int, logits: Tensor, wanted: list[int | None], packed: PackedSampling) -> PendingStep:
+    def _capture_sampler(self, bucket: int, masked: bool) -> Graph:
+        """Capture the sampling of `bucket` rows of the bucket's logits (see
+        `StepBuffers.graph_sampling_tensors`) into the sampled ids; `masked`: through the mask
+        buffer's rows. Captured after the bucket's forward graph, whose logits it reads."""
+        backend, buffers = self.backend, self.buffers
+        _, logits = self._graphs.get(bucket) or self._capture(bucket)
+        tensors = buffers.graph_sampling_tensors(bucket, masked)
+        # Warm up into a throwaway tensor: a step in flight may have sampled ids the next step
+        # still gathers.
+        backend.sampling.sample(logits, tensors, backend.empty((bucket,), DType.I32))
+        graph = backend.capture(lambda: backend.sampling.sample(logits, tensors, buffers.sampled_ids.rows(0, bucket)))
+        self._sampler_graphs[(bucket, masked)] = graph
+        return graph
+
+    def _sample(
+        self,
+        logits: Tensor,
+        staged: PackedSampling,
+        bucket: int | None,
+        wanted: list[int | None],
+        bitmask: np.ndarray | None,
+    ) -> tuple[PendingDownload, _LogprobsDownloads | None]:
+        """Enqueue the sampling of a forwarded step (`staged`: its rows, padded to `bucket`
+        for a graph) and start the downloads."""
         buffers, backend = self.buffers, self.backend
-        tensors = buffers.sampling_tensors(packed)
+        num_rows = len(wanted)
+        masked = bitmask is not None
+        if masked:
+            buffers.stage_mask(bitmask, staged.num_rows)
+        if bucket is not None and not _needs_eager_sampling(staged, wanted):
+            graph = self._sampler_graphs.get((bucket, masked)) or self._capture_sampler(bucket, masked)
+            graph.replay()
+            return backend.begin_download(buffers.sampled_ids.rows(0, num_rows)), None
+        packed = replace(staged, num_rows=num_rows)  # without a graph's padding rows
+        tensors = buffers.sampling_tensors(packed, masked)
         num_top = max((n for n in wanted if n is not None), default=None)
-        num_rows = packed.num_rows
         logprobs_out = None
         if num_top is not None:
             top_ids, top_logprobs = buffers.top_logprob_views(num_rows, num_top)
             logprobs_out = LogprobsOut(buffers.sampled_logprobs.rows(0, num_rows), top_ids, top_logprobs, num_top)
         out_ids = buffers.sampled_ids.rows(0, num_rows)
-        backend.sampling.sample(logits, tensors, out_ids, logprobs_out)
+        backend.sampling.sample(logits.rows(0, num_rows), tensors, out_ids, logprobs_out)
         ids_download = backend.begin_download(out_ids)
-        logprobs_downloads = None
-        if logprobs_out is not None:
-            logprobs_downloads = (
-                backend.begin_download(logprobs_out.sampled),
-                backend.begin_download(logprobs_out.top_ids) if num_top else None,
-                backend.begin_download(logprobs_out.top_logprobs) if num_top else None,
-            )
-        return PendingStep(step_id, ids_download, logprobs_downloads, wanted)
+        if logprobs_out is None:
+            return ids_download, None
+        return ids_download, (
+            backend.begin_download(logprobs_out.sampled),
+            backend.begin_download(logprobs_out.top_ids) if num_top else None,
+            backend.begin_download(logprobs_out.top_logprobs) if num_top else None,
+        )
+
+
+def decode_rows(batch: ScheduledBatch) -> ScheduledBatch:
+    """`batch` with each sequence that verifies drafts split into single-token rows.
+
+        verify chunk   tokens  t  d0 d1 d2   at positions P .. P+3, rows r0 .. r3
+        as rows        (t) at P  (d0) at P+1  (d1) at P+2  (d2) at P+3, each sampling its row
+
+    Every row shares the sequence's block tables and attends up to its own position; the layer
+    writes all four positions' K/V before any row attends, so row j sees d0 .. d(j-1) as the
+    chunk's causal attention would. Sequences without drafts stay as they are.
+    """
+    if not any(seq.num_draft_tokens for seq in batch.sequences):
+        return batch
+    sequences: list[ScheduledSequence] = []
+    for seq in batch.sequences:
+        if not seq.num_draft_tokens:
+            sequences.append(seq)
+            continue
+        sampling_rows = seq.sampling_rows
+        first = seq.num_tokens - len(sampling_rows)  # tokens before the last one and the drafts
+        if first:
+            sequences.append(replace(seq, token_ids=seq.token_ids[:first], sampling=None, num_draft_tokens=0,
+                                     draft_rows=()))
+        sequences.extend(seq.decode_row(first + offset, row) for offset, row in enumerate(sampling_rows))
+    return replace(batch, sequences=tuple(sequences))
 
 
 def _pack(rows: list[SamplingRow], bucket: int | None) -> PackedSampling | None:
@@ -283,5 +373,5 @@ def _pack(rows: list[SamplingRow], bucket: int | None) -> PackedSampling | None:
 
 
 def _needs_eager_sampling(packed: PackedSampling, wanted: list[int | None]) -> bool:
-    """Whether a step asks for more than a graph's sampler does (penalties, bias, logprobs)."""
+    """Whether a step asks for more than a sampler graph does (penalties, bias, logprobs)."""
     return packed.any_penalties or packed.any_bias or any(num is not None for num in wanted)

@@ -3,7 +3,11 @@
 //
 //   1. penalties (CSR entries of the row): repetition divides positive / multiplies negative
 //      logits; presence + frequency * count is subtracted for tokens with output count > 0
-//   2. logit bias, added entry by entry in order (one thread: repeated ids add in order)
+//   2. logit bias, added entry by entry in order (one thread: repeated ids add in order); then
+//      the allowed-token mask when given (int32 [R, ceil(V / 32)], bit v % 32 of word v / 32
+//      set = allowed): a cleared bit makes the logit -inf. -inf survives rules 1-2 unchanged
+//      (x / r, x * r, x - c and x + b of -inf are -inf), so the bit is tested in the pass that
+//      reads the logits, before the penalties: the same ids as masking after the bias
 //   3. temperature 0 -> argmax of the processed row (ties: lowest id)
 //   4. top-k (ties at the cut: lowest ids), then top-p over the top-k set in order (value desc,
 //      id asc), keeping tokens whose preceding mass / total < top_p, then min-p
@@ -24,8 +28,9 @@
 //
 // One block of 1024 threads per row (64 KiB of dynamic shared memory for per-warp top-p
 // histograms); the processed row lives in a float32 workspace [R, V]. A greedy row with no
-// penalty or bias entries skips it: one pass over the logits finds its argmax.
-// Bytes: ~15 passes over V * 4 bytes per row (L2 resident after the first). FLOPs: negligible
+// penalty or bias entries skips it: one pass over the logits (and its mask) finds its argmax.
+// Bytes: ~15 passes over V * 4 bytes per row (L2 resident after the first), plus V / 8 bytes of
+// mask read once with the logits. FLOPs: negligible
 // except one splitmix64 hash and two logf per token in the race. Bound by the single SM's L2
 // bandwidth per row; batches spread rows over SMs.
 #include "atlas_common.cuh"
@@ -163,6 +168,21 @@ __device__ int nth_matching_id(int vocab_size, int need, Predicate predicate, Sa
     return shared.found_id;
 }
 
+// Clears to -inf the values of the 8 tokens chunk * 8 .. chunk * 8 + 7 whose bits `mask_row`
+// clears (a chunk's 8 bits are one byte of a word: chunk * 8 is a multiple of 8).
+__device__ __forceinline__ void mask8(const u32* __restrict__ mask_row, int chunk, float* values) {
+    const u32 bits = __ldg(mask_row + (chunk >> 2)) >> ((chunk & 3) * 8);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        if (!((bits >> i) & 1u)) values[i] = -ATLAS_INF;
+    }
+}
+
+// Token v's logit, -inf where the mask clears its bit (no mask: every token is allowed).
+__device__ __forceinline__ float masked_value(const u32* __restrict__ mask_row, int v, float value) {
+    return mask_row == nullptr || ((__ldg(mask_row + (v >> 5)) >> (v & 31)) & 1u) ? value : -ATLAS_INF;
+}
+
 struct RowParams {
     float temperature, top_p, min_p;
     int top_k;
@@ -174,7 +194,8 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
                            const int* __restrict__ penalty_ids, const int* __restrict__ penalty_counts,
                            float repetition, float presence, float frequency, int bias_begin, int bias_end,
                            const int* __restrict__ bias_ids, const float* __restrict__ bias_values,
-                           int* __restrict__ out_id, SampleShared& shared, double* warp_masses) {
+                           const u32* __restrict__ mask_row, int* __restrict__ out_id, SampleShared& shared,
+                           double* warp_masses) {
     const int tid = threadIdx.x;
     const bool vector_rows = vocab_size % 8 == 0;  // rows then start 16-byte aligned
     if (params.temperature == 0.0f && penalty_begin == penalty_end && bias_begin == bias_end) {
@@ -189,7 +210,10 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
 #pragma unroll
             for (int u = 0; u < GREEDY_BATCH; ++u) {
                 const int chunk = base + u * SAMPLE_THREADS;
-                if (chunk * 8 < vector_end) load8(logits_row + chunk * 8, values[u]);
+                if (chunk * 8 < vector_end) {
+                    load8(logits_row + chunk * 8, values[u]);
+                    if (mask_row != nullptr) mask8(mask_row, chunk, values[u]);
+                }
             }
 #pragma unroll
             for (int u = 0; u < GREEDY_BATCH; ++u) {
@@ -205,7 +229,7 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
             }
         }
         for (int v = vector_end + tid; v < vocab_size; v += SAMPLE_THREADS) {
-            const float value = to_float(logits_row[v]);
+            const float value = masked_value(mask_row, v, to_float(logits_row[v]));
             if (ranks_before(value, v, max_value, argmax_id)) {
                 max_value = value;
                 argmax_id = v;
@@ -220,10 +244,12 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
         for (int chunk = tid; chunk < vocab_size / 8; chunk += SAMPLE_THREADS) {
             float values[8];
             load8(logits_row + chunk * 8, values);
+            if (mask_row != nullptr) mask8(mask_row, chunk, values);
             store8(row + chunk * 8, values);
         }
     } else {
-        for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) row[v] = to_float(logits_row[v]);
+        for (int v = tid; v < vocab_size; v += SAMPLE_THREADS)
+            row[v] = masked_value(mask_row, v, to_float(logits_row[v]));
     }
     __syncthreads();
     for (int e = penalty_begin + tid; e < penalty_end; e += SAMPLE_THREADS) {
@@ -502,8 +528,9 @@ __device__ __forceinline__ void sample_kernel_impl(
     const float* top_p, const float* min_p, const i64* seeds, const i64* counters, const float* repetition_penalty,
     const float* presence_penalty, const float* frequency_penalty, const int* penalty_offsets,
     const int* penalty_token_ids, const int* penalty_output_counts, const int* bias_offsets,
-    const int* bias_token_ids, const float* bias_values, int any_penalties, int any_bias, int all_greedy,
-    int* out_token_ids, float* sampled_logprobs, int* top_ids, float* top_logprobs, int num_top) {
+    const int* bias_token_ids, const float* bias_values, const int* token_mask, int mask_words, int any_penalties,
+    int any_bias, int all_greedy, int* out_token_ids, float* sampled_logprobs, int* top_ids, float* top_logprobs,
+    int num_top) {
     __shared__ SampleShared shared;
     extern __shared__ double warp_masses[];  // [SAMPLE_WARPS][RADIX_BINS], 64 KiB (dynamic)
     const int r = blockIdx.x;
@@ -518,11 +545,12 @@ __device__ __forceinline__ void sample_kernel_impl(
     const int penalty_end = any_penalties ? penalty_offsets[r + 1] : 0;
     const int bias_begin = any_bias ? bias_offsets[r] : 0;
     const int bias_end = any_bias ? bias_offsets[r + 1] : 0;
+    const u32* mask_row = token_mask != nullptr ? (const u32*)token_mask + (long long)r * mask_words : nullptr;
     sample_row<LOGIT>(logits_row, workspace + (long long)r * vocab_size, vocab_size, params, stream_key,
                       penalty_begin, penalty_end, penalty_token_ids, penalty_output_counts,
                       any_penalties ? repetition_penalty[r] : 1.0f, any_penalties ? presence_penalty[r] : 0.0f,
                       any_penalties ? frequency_penalty[r] : 0.0f, bias_begin, bias_end, bias_token_ids,
-                      bias_values, out_token_ids + r, shared, warp_masses);
+                      bias_values, mask_row, out_token_ids + r, shared, warp_masses);
     if (sampled_logprobs != nullptr) {
         __syncthreads();
         const int sampled_id = out_token_ids[r];
@@ -537,15 +565,15 @@ __device__ __forceinline__ void sample_kernel_impl(
         const float* top_p, const float* min_p, const i64* seeds, const i64* counters,                           \
         const float* repetition_penalty, const float* presence_penalty, const float* frequency_penalty,          \
         const int* penalty_offsets, const int* penalty_token_ids, const int* penalty_output_counts,              \
-        const int* bias_offsets, const int* bias_token_ids, const float* bias_values, int any_penalties,         \
-        int any_bias, int all_greedy, int* out_token_ids, float* sampled_logprobs, int* top_ids,                 \
-        float* top_logprobs, int num_top) {                                                                      \
+        const int* bias_offsets, const int* bias_token_ids, const float* bias_values, const int* token_mask,      \
+        int mask_words, int any_penalties, int any_bias, int all_greedy, int* out_token_ids,                     \
+        float* sampled_logprobs, int* top_ids, float* top_logprobs, int num_top) {                               \
         dependent_launch_entry();                                                                                \
         sample_kernel_impl<LOGIT>(logits, vocab_size, workspace, temperature, top_k, top_p, min_p, seeds,        \
                                   counters, repetition_penalty, presence_penalty, frequency_penalty,             \
                                   penalty_offsets, penalty_token_ids, penalty_output_counts, bias_offsets,       \
-                                  bias_token_ids, bias_values, any_penalties, any_bias, all_greedy,              \
-                                  out_token_ids, sampled_logprobs, top_ids, top_logprobs, num_top);              \
+                                  bias_token_ids, bias_values, token_mask, mask_words, any_penalties, any_bias,  \
+                                  all_greedy, out_token_ids, sampled_logprobs, top_ids, top_logprobs, num_top);  \
     }
 
 DEFINE_SAMPLE(f32, float)

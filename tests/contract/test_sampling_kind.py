@@ -1,5 +1,5 @@
 """The sampling kind picks exactly the reference's ids: greedy and seeded rows with every filter,
-penalties and bias, and logprobs.
+penalties, bias and allowed-token masks, and logprobs.
 
 The reference is `sample_rows` (atlas/adapters/mock/sampler.py), the numpy statement of the
 `SamplingTensors` contract that tests/unit/test_sampling*.py check rule by rule and
@@ -8,6 +8,8 @@ statistically; on the mock this suite checks the member's plumbing around it.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from kind_references import bf16
@@ -15,6 +17,7 @@ from kind_references import bf16
 from atlas.adapters.mock.sampler import sample_rows
 from atlas.domain.batch import SamplingRow
 from atlas.domain.sampling import PackedSampling, pack_rows
+from atlas.domain.token_mask import ALL_ALLOWED, allow_only, bitmask_width
 from atlas.ports.gpu import DType
 from atlas.ports.kernels.sampling import LogprobsOut, SamplingTensors
 
@@ -71,13 +74,15 @@ def _tensors(backend, packed: PackedSampling) -> SamplingTensors:
         all_greedy=packed.all_greedy,
         any_penalties=packed.any_penalties,
         any_bias=packed.any_bias,
+        token_mask=backend.upload(packed.token_mask) if packed.token_mask is not None else None,
     )
 
 
-def _sample(harness, logits: np.ndarray, rows, logits_dtype: DType = DType.F32, num_top: int | None = None):
+def _sample(harness, logits: np.ndarray, rows, logits_dtype: DType = DType.F32, num_top: int | None = None,
+            token_mask: np.ndarray | None = None):
     """(ids, logprobs or None) from the backend, and the reference's for the same rows."""
     backend = harness.backend
-    packed = pack_rows(rows)
+    packed = replace(pack_rows(rows), token_mask=token_mask)
     num_rows = logits.shape[0]
     ids = harness.poisoned((num_rows,), DType.I32)
     logprobs = None
@@ -126,3 +131,49 @@ def test_logprobs(harness, rng, num_top):
     if num_top:
         np.testing.assert_array_equal(logprobs[1], expected.top_ids)
         np.testing.assert_allclose(logprobs[2], expected.top_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def _random_masks(rng: np.random.Generator, vocab_size: int, num_rows: int) -> np.ndarray:
+    """Rows of the shapes grammars make: all allowed, one token (a forced one; the last id
+    too), a few scattered ids, a dense random half."""
+    masks = np.zeros((num_rows, bitmask_width(vocab_size)), dtype=np.int32)
+    for row in range(num_rows):
+        kind = row % 5
+        if kind == 0:
+            masks[row] = ALL_ALLOWED
+        elif kind == 1:
+            allow_only(masks[row], [int(rng.integers(0, vocab_size)) if row % 2 else vocab_size - 1])
+        elif kind == 2:
+            allow_only(masks[row], rng.choice(vocab_size, size=7, replace=False).tolist())
+        else:
+            allow_only(masks[row], np.flatnonzero(rng.random(vocab_size) < 0.5).tolist())
+    return masks
+
+
+@pytest.mark.parametrize("vocab_size, logits_dtype", [(32000, DType.BF16), (49152, DType.F32), (1001, DType.F32)])
+def test_masked_rows_sample_the_reference_ids_inside_the_mask(harness, rng, vocab_size, logits_dtype):
+    """The mask after bias, before temperature, on greedy rows (the one-pass argmax) and on every
+    filter; a row whose argmax is masked must move to an allowed id."""
+    num_rows = 20
+    logits = bf16(rng.standard_normal((num_rows, vocab_size)) * 2.5)
+    masks = _random_masks(rng, vocab_size, num_rows)
+    rows = _random_rows(rng, vocab_size, num_rows)
+    greedy = [replace(row, temperature=0.0, penalty_token_ids=(), penalty_output_counts=(), bias_token_ids=(),
+                      bias_values=()) for row in rows[:6]]
+    ids, _, expected = _sample(harness, logits, greedy + rows[6:], logits_dtype, token_mask=masks)
+    np.testing.assert_array_equal(ids, expected.token_ids)
+    allowed = (masks[np.arange(num_rows), ids >> 5].view(np.uint32) >> (ids & 31).astype(np.uint32)) & 1
+    assert allowed.all()
+    unmasked = _sample(harness, logits, greedy + rows[6:], logits_dtype)[0]
+    assert (ids != unmasked).any()  # the masks changed some draws
+
+
+def test_logprobs_ignore_the_mask(harness, rng):
+    logits = bf16(rng.standard_normal((5, 32000)) * 3)
+    rows = _random_rows(rng, 32000, 5)
+    masks = _random_masks(rng, 32000, 5)
+    ids, logprobs, expected = _sample(harness, logits, rows, num_top=3, token_mask=masks)
+    _, unmasked_logprobs, _ = _sample(harness, logits, rows, num_top=3)
+    np.testing.assert_array_equal(ids, expected.token_ids)
+    np.testing.assert_array_equal(logprobs[1], unmasked_logprobs[1])  # top ids of the raw logits
+    np.testing.assert_allclose(logprobs[0], expected.sampled_logprobs, rtol=1e-5, atol=1e-5)

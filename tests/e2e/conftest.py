@@ -18,23 +18,12 @@ import httpx
 import pytest
 
 from atlas.app.bench.tiny_model import TinyModelShape, write_tiny_model
-from atlas.app.chat_features import ENGINE_APPLIES_CONSTRAINTS
 
 STARTUP_TIMEOUT_S = 90.0
 MAX_SEQ_LEN = 512
 # The device the live servers run on: the mock everywhere, `cuda` on a GPU machine
 # (ATLAS_E2E_DEVICE=cuda python -m pytest tests/e2e), where the tiny model gets 64-dim heads.
 DEVICE = os.environ.get("ATLAS_E2E_DEVICE", "mock")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Tests whose grammar or thinking budget must constrain sampling wait for the engine's side."""
-    if ENGINE_APPLIES_CONSTRAINTS:
-        return
-    skip = pytest.mark.skip(reason="engine-side token masks not wired yet")
-    for item in items:
-        if "needs_engine_constraints" in item.keywords:
-            item.add_marker(skip)
 
 
 def free_port() -> int:

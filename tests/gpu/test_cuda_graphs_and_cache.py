@@ -165,10 +165,11 @@ def test_warm_start_compiles_no_kernel(kernel_cache_dir, tmp_path, monkeypatch):
     second.close()
 
 
-def test_a_fresh_cache_loads_the_packaged_cubins_and_computes(tmp_path):
-    """The nvcc-built cubins shipped in the package serve a start with an empty cache."""
+def test_a_fresh_cache_loads_the_packaged_cubins_and_computes(tmp_path, monkeypatch):
+    """The nvcc-built cubins shipped in the package (opt-in) serve a start with an empty cache."""
     from atlas.adapters import cuda
 
+    monkeypatch.setenv("ATLAS_PACKAGED_CUBINS", "1")
     if not cuda.available():
         pytest.skip("no CUDA GPU")
     backend = cuda.CudaGpuBackend(kernel_cache_dir=tmp_path)

@@ -24,6 +24,7 @@ from atlas.domain.requests import FinishReason, Request, SamplingParams
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import SchedulingPolicy
 from atlas.domain.sequence import Sequence
+from atlas.domain.speculative.policy import SpeculationPolicy
 
 BLOCK_SIZE = 4
 VOCAB_SIZE = 50
@@ -73,7 +74,14 @@ class PagedFakeWorker:
                 assert state is not None and len(state) == scheduled.start_position, "a state slot lost its sequence"
                 self.states[slot] = state + tuple(token_ids)
                 views.append(self.states[slot])
-            if scheduled.sampling is not None:
+            if scheduled.sampling is not None and scheduled.num_draft_tokens:
+                # a row per position of the verify chunk, each reading every group's view up to it
+                assert not scheduled.state_slots, "recurrent state cannot verify drafts"
+                for row in range(1 + scheduled.num_draft_tokens):
+                    end = scheduled.context_len - scheduled.num_draft_tokens + row
+                    row_views = [self._read(group, table, end) for group, table in enumerate(tables)]
+                    sampled.append(greedy_next_token(tuple(itertools.chain.from_iterable(row_views))))
+            elif scheduled.sampling is not None:
                 assert scheduled.sampling.is_greedy
                 sampled.append(greedy_next_token(tuple(itertools.chain.from_iterable(views))))
         self.last_sampled = tuple(sampled)
@@ -88,7 +96,12 @@ class PagedFakeWorker:
         assert table.first_block_idx <= first_read // BLOCK_SIZE, "a block the step reads was released"
         for offset, token_id in enumerate(token_ids):
             slots[self._slot(table, scheduled.start_position + offset)] = token_id
-        visible = range(0 if window is None else max(0, context_len - window), context_len)
+        return self._read(group, table, context_len)
+
+    def _read(self, group: int, table: BlockTable, end: int) -> tuple[int, ...]:
+        """What group `group` shows a row whose context is positions [0, end)."""
+        window, slots = self.windows[group], self.slots[group]
+        visible = range(0 if window is None else max(0, end - window), end)
         return tuple(slots[self._slot(table, p)] for p in visible)  # type: ignore[misc]
 
     @staticmethod
@@ -134,12 +147,12 @@ def make_scheduler(
 
 def scheduler_over(
     cache: CacheManager, budget: int, max_num_seqs: int = 8, max_model_len: int = 64,
-    policy: SchedulingPolicy | None = None,
+    policy: SchedulingPolicy | None = None, speculation: SpeculationPolicy | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=BLOCK_SIZE
     )
-    return Scheduler(config, cache, policy)
+    return Scheduler(config, cache, policy, speculation)
 
 
 def step(scheduler: Scheduler, worker: PagedFakeWorker) -> tuple[ScheduledBatch, list]:

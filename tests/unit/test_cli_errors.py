@@ -186,3 +186,23 @@ def test_the_priority_policy_and_no_prefix_caching_flags_reach_the_engine(tiny_m
         run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock",
                 "--scheduling-policy", "lottery")
     assert "invalid choice: 'lottery' (choose from 'fifo', 'priority')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config, expected", [
+    ('{"method": "ngram"', "not valid JSON"),
+    ('{"method": "ngram", "num_speculative_tokens": 40}', "speculative_config.num_speculative_tokens"),
+    ('{"method": "mtp", "num_speculative_tokens": 1}', "use ngram"),
+    ('{"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}', "speculative_config.lookahead"),
+])
+def test_a_bad_speculative_config_is_one_line_naming_the_flag_and_key(tiny_model, capsys, config, expected):
+    code, _, err = run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock",
+                           "--speculative-config", config)
+    line = error_line(err)
+    assert code == 2 and line.startswith("atlas: error: --speculative-config:") and expected in line
+
+
+def test_generate_with_ngram_speculation_prints_what_it_prints_without(tiny_model, capsys):
+    args = ["generate", str(tiny_model), "--prompt", "a b a b a b a b", "--device", "mock", "--max-tokens", "16"]
+    plain = run_cli(capsys, *args)
+    speculative = run_cli(capsys, *args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert plain[0] == speculative[0] == 0 and plain[1] == speculative[1]

@@ -149,14 +149,6 @@ def test_rollback_is_bounded_by_the_history_it_keeps() -> None:
     constraint.rollback(2)
 
 
-def test_a_fork_goes_its_own_way() -> None:
-    constraint = TokenConstraint(SequenceGrammar([5, 6]), MARKERS)
-    constraint.accept(5)
-    fork = constraint.fork()
-    fork.accept(6)
-    assert allowed(constraint) == [6] and allowed(fork) == [EOS]
-
-
 def test_a_token_against_the_forced_end_is_a_violation() -> None:
     constraint = TokenConstraint(None, MARKERS, starts_in_reasoning=True, thinking_budget=0)
     with pytest.raises(ConstraintViolation, match="forces 10"):

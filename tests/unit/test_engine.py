@@ -4,50 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fakes import TINY_LLAMA, DictWeights, random_llama_weights
-from helpers.engines import make_cache, make_worker
+from helpers.tiny_engine import BLOCK_SIZE, build_core, greedy, prompts, run, run_strictly_synchronous
 
-from atlas.adapters.mock.backend import MockGpuBackend
-from atlas.domain.engine import EngineCore
-from atlas.domain.models.config import ModelConfig
-from atlas.domain.models.families import load_model
 from atlas.domain.requests import ParameterError, Request, SamplingParams
-from atlas.domain.scheduler import Scheduler, SchedulerConfig
-from atlas.domain.worker import WorkerConfig
-
-BLOCK_SIZE = 4
-MAX_LEN = 128
-EOS = frozenset({96})
-
-
-def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=(), prefix_caching=True, policy=None):
-    config = ModelConfig.from_dict(TINY_LLAMA)
-    backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
-    model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed)), backend, MAX_LEN)
-    worker = make_worker(model, num_blocks, BLOCK_SIZE, WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes))
-    cache = make_cache(model, num_blocks, BLOCK_SIZE, max_num_seqs, prefix_caching)
-    scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, policy)
-    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)
-
-
-def run(core, requests, check=True):
-    tokens = {r.request_id: [] for r in requests}
-    for request in requests:
-        core.add_request(request)
-    while core.has_unfinished:
-        for output in core.step():
-            tokens[output.seq_id].extend(output.new_token_ids)
-        if check:
-            core.scheduler.check_invariants()
-    return tokens
-
-
-def prompts(count, rng, low=3, high=40):
-    return [tuple(int(t) for t in rng.integers(0, 96, size=rng.integers(low, high))) for _ in range(count)]
-
-
-def greedy(max_tokens=12):
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
 
 def test_sixteen_prompts_batched_give_the_tokens_each_gives_alone(rng):
@@ -128,20 +87,6 @@ def test_max_tokens_and_eos_finish_requests(rng):
     np.testing.assert_equal(core.stats().num_blocks_free, 400)
 
 
-def run_strictly_synchronous(core, requests):
-    """The reference: schedule, execute, commit, one step at a time, no overlap."""
-    tokens = {r.request_id: [] for r in requests}
-    for request in requests:
-        core.add_request(request)
-    scheduler, worker = core.scheduler, core.executor
-    while scheduler.has_unfinished:
-        batch = scheduler.schedule()
-        assert not any(s.placeholder_row is not None for s in batch.sequences)
-        for output in scheduler.commit(batch, worker.execute(batch)):
-            tokens[output.seq_id].extend(output.new_token_ids)
-    return tokens
-
-
 PLAIN = [SamplingParams(temperature=0.0, max_tokens=14), SamplingParams(temperature=0.9, top_k=20, max_tokens=14)]
 PENALISED = [
     SamplingParams(temperature=0.8, repetition_penalty=1.3, frequency_penalty=0.5, max_tokens=14),
@@ -177,32 +122,44 @@ WITH_LOGPROBS = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=14, logpr
     ids=["plain", "penalties", "logprobs"],
 )
 def test_decode_graphs_padded_to_buckets_give_the_eager_tokens(rng, mixes, sampled_again):
-    """The graph path (bucket padding, token gather, sampling inside the graph, replay over
-    persistent buffers) on the CPU. Plain rows are sampled by the graph alone, and overlapped
-    steps gather its ids; penalties, bias or logprobs make a step sample again eagerly."""
+    """The graph path (bucket padding, token gather, forward and sampler graphs, replay over
+    persistent buffers) on the CPU. Plain rows are sampled by the sampler graph, and overlapped
+    steps gather its ids; penalties, bias or logprobs make a step sample eagerly instead."""
     requests = [Request(f"r{i}", p, mixes[i % len(mixes)], seed=7 + i) for i, p in enumerate(prompts(11, rng))]
     eager = run(build_core(), requests)
     graphed_core = build_core(graph_sizes=(1, 2, 4, 8, 16))
     worker = graphed_core.executor
-    captures, eager_samples, graph_steps = [], [], []
-    original_capture, original_sample, original_submit = worker._capture, worker._sample, worker.submit
+    captures, sampler_replays, graph_steps = [], [], []
+    original_capture, original_capture_sampler, original_submit = (
+        worker._capture, worker._capture_sampler, worker.submit
+    )
 
     def counting_capture(bucket):
         captures.append(bucket)
         return original_capture(bucket)
 
-    def counting_sample(*args):
-        eager_samples.append(args[0])
-        return original_sample(*args)
+    class CountingGraph:
+        def __init__(self, graph):
+            self.graph = graph
+
+        def replay(self):
+            sampler_replays.append(1)
+            self.graph.replay()
+
+    def counting_capture_sampler(bucket, masked):
+        graph = CountingGraph(original_capture_sampler(bucket, masked))
+        worker._sampler_graphs[(bucket, masked)] = graph
+        return graph
 
     def spying_submit(batch):
+        replays_before = len(sampler_replays)
         pending = original_submit(batch)
         if worker._graph_bucket(batch) is not None:
             placeholders = any(s.placeholder_row is not None for s in batch.sequences)
-            graph_steps.append((placeholders, batch.step_id in eager_samples))
+            graph_steps.append((placeholders, len(sampler_replays) == replays_before))
         return pending
 
-    worker._capture, worker._sample, worker.submit = counting_capture, counting_sample, spying_submit
+    worker._capture, worker._capture_sampler, worker.submit = counting_capture, counting_capture_sampler, spying_submit
     assert run(graphed_core, requests) == eager
     assert captures and set(captures) <= {1, 2, 4, 8, 16}
     assert graph_steps and any(again for _, again in graph_steps) == sampled_again

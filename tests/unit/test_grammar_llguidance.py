@@ -188,6 +188,20 @@ def test_forced_tool_calls_parse_into_valid_calls(compiler, tokenizer, walk_weig
             assert schema_errors(json.loads(call.arguments), schema) == [], text
 
 
+@pytest.mark.parametrize("markup", ["hermes", "qwen3_coder"])
+def test_the_newline_after_a_parallel_call_may_end_the_output(compiler, tokenizer, markup) -> None:
+    """A model that writes the newline it learnt after a call is not locked into another call."""
+    matcher = compiler.compile(ForcedToolCalls(markup, (NO_ARGS,), parallel=True), "tool_choice").new_matcher()
+    call = {"hermes": '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n',
+            "qwen3_coder": "<tool_call>\n<function=now>\n</function>\n</tool_call>\n"}[markup]
+    for token_id in tokenizer.encode(call, add_special_tokens=False):
+        assert matcher.accept_token(token_id), call
+    row = np.zeros((compiler.vocab_size + 31) // 32, dtype=np.int32)
+    matcher.fill_bitmask(row)
+    allowed = {tokenizer.decode([t], skip_special_tokens=False) for t in allowed_ids(row, compiler.vocab_size)}
+    assert matcher.is_accepting and "<|im_end|>" in allowed and "<" in allowed
+
+
 def test_a_named_choice_calls_that_tool(compiler, tokenizer, walk_weights) -> None:
     rng = np.random.default_rng(3)
     for _ in range(3):
@@ -255,14 +269,15 @@ def test_invalid_constraints_name_the_field(compiler, spec, message) -> None:
 
 
 def test_three_samples_think_within_the_budget_then_write_valid_json(compiler, tokenizer, walk_weights) -> None:
-    """n = 3 forks of one constraint, masks filled as one batch: 5 reasoning tokens, the forced
-    end of the block, then JSON that validates."""
+    """n = 3 sequences of one compiled grammar, masks filled as one batch: 5 reasoning tokens,
+    the forced end of the block, then JSON that validates."""
     newline = tokenizer.encode("\n", add_special_tokens=False)
     blank_line = tokenizer.encode("\n\n", add_special_tokens=False)
     markers = ReasoningMarkers(3, 4, (*newline, 4, *blank_line))  # SmolLM2 has no <think>: stand-in ids
-    first = TokenConstraint(compiler.compile(JsonSchema(PERSON), "response_format").new_matcher(), markers,
-                            starts_in_reasoning=True, thinking_budget=5)
-    constraints: list[TokenConstraint | None] = [first, first.fork(), first.fork()]
+    grammar = compiler.compile(JsonSchema(PERSON), "response_format")
+    constraints: list[TokenConstraint | None] = [
+        TokenConstraint(grammar.new_matcher(), markers, starts_in_reasoning=True, thinking_budget=5) for _ in range(3)
+    ]
     outputs: list[list[int]] = [[], [], []]
     bitmask = np.zeros((3, (compiler.vocab_size + 31) // 32), dtype=np.int32)
     rng = np.random.default_rng(4)

@@ -83,6 +83,16 @@ async def test_the_router_fails_a_request_once_and_reports_siblings_and_orphans(
 
 
 @pytest.mark.anyio
+async def test_an_output_with_an_error_fails_its_request_and_names_the_siblings_to_abort():
+    router = OutputRouter()
+    stream = router.open(["a-0", "a-1"])
+    failed = SequenceOutput("a-0", (), FinishReason.ABORT, 4, 1, error="a forbidden token")
+    assert router.deliver([output("a-1", 3), failed]) == ["a-1"] and len(router) == 0
+    items = await drain(stream)
+    assert items[0].seq_id == "a-1" and items[1] == EngineFailure("a forbidden token")
+
+
+@pytest.mark.anyio
 async def test_the_actor_runs_n_sequences_and_frees_every_block():
     core = build_core()
     actor = EngineActor(core)

@@ -51,9 +51,6 @@ class Model:
     tokenizer: HfTokenizer
     features: object
 
-    def constrained(self, applies: bool = True) -> object:
-        return dataclasses.replace(self.features, engine_applies_constraints=applies)
-
 
 @pytest.fixture(scope="module")
 def models(tiny, tmp_path_factory) -> dict[str, Model]:
@@ -64,7 +61,7 @@ def models(tiny, tmp_path_factory) -> dict[str, Model]:
         folder = tiny if template is None else with_chat_template(
             tiny, tmp_path_factory.mktemp(family) / "model", template, think_tags=family == "qwen3")
         tokenizer = HfTokenizer.from_folder(folder)
-        features = chat_features(tokenizer, folder, tokenizer.vocab_size, engine_applies_constraints=False)
+        features = chat_features(tokenizer, folder, tokenizer.vocab_size)
         result[family] = Model(tokenizer, features)
     return result
 
@@ -214,13 +211,6 @@ async def test_a_template_that_ignores_tools_is_a_400_unless_a_grammar_forces_th
         client = served.openai
         with pytest.raises(openai.BadRequestError) as auto:
             await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS)
-        with pytest.raises(openai.BadRequestError) as unmasked:
-            await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required")
-    assert "ignores tools" in auto.value.body["message"] and auto.value.body["param"] == "tools"
-    assert auto.value.body["code"] == "unsupported_feature"
-    assert "token masks" in unmasked.value.body["message"]
-    async with serving(model.tokenizer, model.constrained(), forced_text) as served:
-        client = served.openai
         required = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required")
         named = await client.chat.completions.create(
             model="tiny", messages=USER, tools=[*TOOLS, {"type": "function", "function": {"name": "now"}}],
@@ -228,6 +218,8 @@ async def test_a_template_that_ignores_tools_is_a_400_unless_a_grammar_forces_th
         with pytest.raises(openai.BadRequestError) as unknown:
             await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS,
                                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert "ignores tools" in auto.value.body["message"] and auto.value.body["param"] == "tools"
+    assert auto.value.body["code"] == "unsupported_feature"
     weather = FunctionTool("get_weather", WEATHER_SCHEMA, "Weather by city")
     assert served.engine.submitted[0].constraint.grammar == ForcedToolCalls("hermes", (weather,), parallel=True)
     assert served.engine.submitted[0].constraint.grammar_field == "tools"
@@ -256,7 +248,7 @@ JSON_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "re
 ])
 async def test_structured_output_fields_become_every_choices_constraint(models, fields, spec, field):
     model = models["plain"]
-    async with serving(model.tokenizer, model.constrained(), '{"name": "Ada"}') as served:
+    async with serving(model.tokenizer, model.features, '{"name": "Ada"}') as served:
         response = await served.openai.chat.completions.create(model="tiny", messages=USER, n=2, extra_body=fields)
     assert [c.message.content for c in response.choices] == ['{"name": "Ada"}'] * 2
     constraints = [request.constraint for request in served.engine.submitted]
@@ -279,21 +271,10 @@ async def test_structured_output_fields_become_every_choices_constraint(models, 
 ])
 async def test_invalid_constraints_are_400s_naming_the_field(models, fields, param, words):
     model = models["plain"]
-    async with serving(model.tokenizer, model.constrained(), "{}") as served:
+    async with serving(model.tokenizer, model.features, "{}") as served:
         with pytest.raises(openai.BadRequestError) as raised:
             await served.openai.chat.completions.create(model="tiny", messages=USER, extra_body=fields)
     assert raised.value.body["param"] == param and words in raised.value.body["message"]
-    assert not served.engine.submitted
-
-
-@pytest.mark.anyio
-async def test_structured_output_is_a_400_while_the_engine_applies_no_masks(models):
-    model = models["plain"]
-    async with serving(model.tokenizer, model.features, "{}") as served:
-        with pytest.raises(openai.BadRequestError) as raised:
-            await served.openai.chat.completions.create(model="tiny", messages=USER,
-                                                    response_format={"type": "json_object"})
-    assert raised.value.body["code"] == "unsupported_feature" and raised.value.body["param"] == "response_format"
     assert not served.engine.submitted
 
 
@@ -326,26 +307,22 @@ async def test_enable_thinking_false_reaches_the_template_and_the_output_is_all_
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("fields,budget,field", [
-    ({"thinking_token_budget": 64}, 64, "thinking_token_budget"),
-    ({"reasoning_effort": "low"}, 1024, "reasoning_effort"),
-    ({"reasoning_effort": "none"}, 0, "reasoning_effort"),
-    ({"thinking_token_budget": 5, "reasoning_effort": "high"}, 5, "thinking_token_budget"),
+@pytest.mark.parametrize("fields,budget", [
+    ({"thinking_token_budget": 64}, 64),
+    ({"reasoning_effort": "low"}, 1024),
+    ({"reasoning_effort": "none"}, 0),
+    ({"thinking_token_budget": 5, "reasoning_effort": "high"}, 5),
 ])
-async def test_thinking_budgets_reach_the_engine_with_the_reasoning_markers(models, fields, budget, field):
+async def test_thinking_budgets_reach_the_engine_with_the_reasoning_markers(models, fields, budget):
     model = models["qwen3"]
     think, end_think = model.tokenizer.token_id("<think>"), model.tokenizer.token_id("</think>")
-    async with serving(model.tokenizer, model.constrained(), "<think>\nHm.\n</think>\n\nParis.") as served:
+    async with serving(model.tokenizer, model.features, "<think>\nHm.\n</think>\n\nParis.") as served:
         response = await served.openai.chat.completions.create(model="tiny", messages=USER, extra_body=fields)
     constraint = served.engine.submitted[0].constraint
     assert constraint.thinking_budget == budget and constraint.grammar is None
     assert (constraint.reasoning.start_token_id, constraint.reasoning.end_token_id) == (think, end_think)
     assert not constraint.starts_in_reasoning  # Qwen3's prompt opens no block: the model does
     assert response.choices[0].message.content == "Paris."
-    async with serving(model.tokenizer, model.features, "Paris.") as served:
-        with pytest.raises(openai.BadRequestError) as raised:
-            await served.openai.chat.completions.create(model="tiny", messages=USER, extra_body=fields)
-    assert raised.value.body["param"] == field and raised.value.body["code"] == "unsupported_feature"
 
 
 @pytest.mark.anyio
@@ -359,7 +336,7 @@ async def test_a_budget_on_a_model_that_does_not_reason_changes_nothing(models):
 @pytest.mark.anyio
 async def test_a_grammar_on_a_reasoning_model_starts_after_the_block_unless_thinking_is_off(models):
     model = models["qwen3"]
-    async with serving(model.tokenizer, model.constrained(), "{}") as served:
+    async with serving(model.tokenizer, model.features, "{}") as served:
         client = served.openai
         await client.chat.completions.create(model="tiny", messages=USER, response_format={"type": "json_object"})
         await client.chat.completions.create(model="tiny", messages=USER, response_format={"type": "json_object"},

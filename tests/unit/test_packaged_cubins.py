@@ -105,6 +105,30 @@ def test_a_shared_header_edit_makes_every_including_cubin_stale(tmp_path, fake_n
     assert sorted(fake_nvrtc) == ["attention", "norm"]
 
 
+@pytest.fixture(autouse=True)
+def packaged_cubins_on(monkeypatch):
+    """The package's cubins are opt-in (ATLAS_PACKAGED_CUBINS=1); these tests ask for them."""
+    monkeypatch.setenv("ATLAS_PACKAGED_CUBINS", "1")
+
+
+def test_packaged_cubins_are_off_unless_asked_for(tmp_path, monkeypatch):
+    modules = select_modules(KernelTarget("sm90", "llama"), _kernels(tmp_path / "kernels"))
+    _package(tmp_path / "cubins", modules.values(), cuda_version=13000)
+    monkeypatch.delenv("ATLAS_PACKAGED_CUBINS")
+    assert packaged_cubins(ARCH, 13000, tmp_path / "cubins") is None
+
+
+def test_a_module_named_in_the_skip_list_goes_to_nvrtc(tmp_path, monkeypatch, fake_nvrtc):
+    root = _kernels(tmp_path / "kernels")
+    modules = select_modules(KernelTarget("sm90", "llama"), root)
+    packaged = _package(tmp_path / "cubins", modules.values())
+    monkeypatch.setenv("ATLAS_PACKAGED_CUBINS_SKIP", "norm")
+    compiler = KernelCompiler(ARCH, tmp_path / "cache", packaged)
+    for module in modules.values():
+        compiler.cubin(module)
+    assert sorted(fake_nvrtc) == ["norm"]
+
+
 def test_packaged_cubins_are_skipped_when_turned_off_or_the_driver_is_older(tmp_path, monkeypatch):
     modules = select_modules(KernelTarget("sm90", "llama"), _kernels(tmp_path / "kernels"))
     _package(tmp_path / "cubins", modules.values(), cuda_version=13000)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import anyio
@@ -16,7 +17,8 @@ from atlas.app.builder import build_engine
 from atlas.app.engine_process import EngineProcess, EngineStopped
 from atlas.app.llm import LLM
 from atlas.app.settings import EngineSettings, SettingsError
-from atlas.domain.requests import Request, SamplingParams
+from atlas.domain.requests import OutputConstraint, Request, SamplingParams
+from atlas.ports.grammar import Regex
 from helpers.processes import all_gone, rank_pids
 
 
@@ -36,17 +38,25 @@ def settings(model, **changes) -> EngineSettings:
 
 
 def test_two_ranks_generate_what_one_device_does_and_closing_leaves_no_rank(model):
+    """With n-gram drafts and a grammar too: the driver's core verifies the drafts and fills the
+    masks, every rank samples under them (`SampleStep`)."""
     prompts = ["The capital of France", "Numbers such as 1, 2"]
-    one = LLM.from_settings(settings(model), show_progress=False)
-    two = LLM.from_settings(settings(model, tensor_parallel_size=2), show_progress=False)
+    ngram = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    one = LLM.from_settings(settings(model, speculative_config=ngram), show_progress=False)
+    two = LLM.from_settings(settings(model, tensor_parallel_size=2, speculative_config=ngram), show_progress=False)
     pids = rank_pids()
     assert len(pids) == 2
+    grammar = OutputConstraint(Regex("(ab|cd)+ [0-9]{3}"), "structured_outputs.regex")
     try:
-        for params in (SamplingParams(max_tokens=10, temperature=0.0),
-                       SamplingParams(max_tokens=10, temperature=0.9, seed=7)):
-            expected = [output.outputs[0].token_ids for output in one.generate(prompts, params)]
-            assert [output.outputs[0].token_ids for output in two.generate(prompts, params)] == expected
-        assert two.engine.core.stats().num_blocks_free == two.engine.core.stats().num_blocks_total
+        for params, constraint in ((SamplingParams(max_tokens=24, temperature=0.0), None),
+                                   (SamplingParams(max_tokens=10, temperature=0.9, seed=7), None),
+                                   (SamplingParams(max_tokens=24, temperature=0.9, seed=8), grammar)):
+            expected = [output.outputs[0] for output in one.generate(prompts, params, constraint=constraint)]
+            got = [output.outputs[0] for output in two.generate(prompts, params, constraint=constraint)]
+            assert [output.token_ids for output in got] == [output.token_ids for output in expected]
+        assert all(re.fullmatch("(ab|cd)+ [0-9]{3}", output.text) for output in got)
+        stats = two.engine.core.stats()
+        assert stats.num_spec_verify_steps > 0 and stats.num_blocks_free == stats.num_blocks_total
     finally:
         two.close()
     assert all_gone(pids)

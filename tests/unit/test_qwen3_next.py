@@ -21,6 +21,7 @@ import atlas  # noqa: E402
 from atlas.adapters.mock.backend import MockGpuBackend  # noqa: E402
 from atlas.adapters.mock.dense import rmsnorm  # noqa: E402
 from atlas.adapters.weights.safetensors import SafetensorsWeights  # noqa: E402
+from atlas.app.settings import SettingsError  # noqa: E402
 from atlas.domain.engine import EngineCore  # noqa: E402
 from atlas.domain.models import qwen3_next  # noqa: E402
 from atlas.domain.models.cache_groups import CacheGroupKind  # noqa: E402
@@ -179,6 +180,13 @@ def test_a_reused_state_slot_starts_from_zero_whatever_it_held(checkpoint, rng):
     reused = used.compute_logits(ScheduledBatch(2, (step("b", b, 0),), BLOCK_SIZE))
     fresh = worker().compute_logits(ScheduledBatch(0, (step("b", b, 0),), BLOCK_SIZE))
     np.testing.assert_array_equal(reused, fresh)
+
+
+def test_speculative_decoding_is_refused_naming_the_flag_since_the_state_cannot_roll_back(checkpoint):
+    folder, _ = checkpoint
+    with pytest.raises(SettingsError, match="--speculative-config: this model has recurrent layers"):
+        atlas.LLM(str(folder), device="mock", show_progress=False, max_seq_len=128, max_num_seqs=2, kv_cache_gb=0.01,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 def test_a_backend_without_the_recurrent_and_moe_kinds_is_refused_naming_them(checkpoint):

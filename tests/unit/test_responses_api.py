@@ -3,7 +3,6 @@ output: text, the stream the SDK assembles, function calls, previous_response_id
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import openai
@@ -35,8 +34,7 @@ def qwen3(tmp_path_factory):
     folder = with_chat_template(tiny, tmp_path_factory.mktemp("qwen3") / "model", TOOL_TEMPLATES["qwen3"],
                                 think_tags=True)
     tokenizer = HfTokenizer.from_folder(folder)
-    # The engine's masks are switched on per test (`constrained`): without them a constraint is a 400.
-    return tokenizer, chat_features(tokenizer, folder, tokenizer.vocab_size, engine_applies_constraints=False)
+    return tokenizer, chat_features(tokenizer, folder, tokenizer.vocab_size)
 
 
 def prompt(served, tokenizer, index: int = -1) -> str:
@@ -176,7 +174,7 @@ async def test_max_output_tokens_makes_it_incomplete(qwen3):
 async def test_forced_calls_json_schema_and_effort_reach_the_engine(qwen3):
     tokenizer, features = qwen3
     schema = {"type": "object", "properties": {"name": {"type": "string"}}}
-    async with serving(tokenizer, dataclasses.replace(features, engine_applies_constraints=True), CALL) as served:
+    async with serving(tokenizer, features, CALL) as served:
         await served.openai.responses.create(model="tiny", input="Weather?", tools=TOOLS, tool_choice="required")
         await served.openai.responses.create(model="tiny", input="Weather?", tools=TOOLS,
                                              tool_choice={"type": "function", "name": "get_weather"})

@@ -16,7 +16,7 @@ from atlas.adapters.mock.sampler import apply_penalties_and_bias, sample_rows
 from atlas.domain.batch import SamplingRow
 from atlas.domain.requests import ParameterError, Request, SamplingParams
 from atlas.domain.sequence import Sequence
-from atlas.domain.sampling import counter_uniforms, pack_rows, sampling_row, validate_token_ids
+from atlas.domain.sampling import counter_uniforms, pack_rows, sampling_row, sampling_rows, validate_token_ids
 
 MASK = 2**64 - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -415,3 +415,20 @@ def test_logprobs_only_when_asked() -> None:
     np.testing.assert_allclose(
         only_sampled.sampled_logprobs, reference_log_softmax(logits)[[0, 1], none.token_ids], atol=1e-5
     )
+
+
+def test_a_verify_step_samples_each_draft_position_as_if_the_drafts_were_output() -> None:
+    """Row j of a sequence verifying drafts: counter c + j, penalty counts with drafts[:j],
+    and eos banned while c + j < min_tokens."""
+    params = SamplingParams(temperature=0.7, max_tokens=20, min_tokens=3, repetition_penalty=1.2, frequency_penalty=0.5)
+    seq = Sequence(Request("s", (4, 5), params, seed=9), max_total_tokens=22, eos_token_ids=frozenset({0}))
+    seq.append_token(5)  # one output token: c = 1
+    seq.add_drafts((6, 5, 6))
+    rows = sampling_rows(seq)
+    assert [row.counter for row in rows] == [1, 2, 3, 4]
+    counts = [dict(zip(row.penalty_token_ids, row.penalty_output_counts)) for row in rows]
+    assert counts == [{4: 0, 5: 1}, {4: 0, 5: 1, 6: 1}, {4: 0, 5: 2, 6: 1}, {4: 0, 5: 2, 6: 2}]
+    assert [0 in row.bias_token_ids for row in rows] == [True, True, False, False]  # c + j < 3
+    plain = Sequence(Request("p", (4, 5), params, seed=9), max_total_tokens=22, eos_token_ids=frozenset({0}))
+    plain.append_token(5)
+    assert sampling_rows(plain) == rows[:1]  # without drafts: the first row alone

@@ -21,7 +21,7 @@ import pytest
 from atlas.adapters.mock.sampler import sample_rows
 from atlas.domain.batch import SamplingRow
 from atlas.domain.sampling import pack_rows, stream_keys, token_uniforms
-from atlas.domain.speculative import VerifyOutcome, accept_matching, draft_seeds, race, rejection_sample
+from atlas.domain.speculative import VerifyOutcome, accept_matching, draft_seeds, race, rejection_sample, verify_drafts
 from atlas.domain.speculative.verify import ACCEPT_TOKEN_ID, accept_uniforms
 
 NUM_ROWS = 100_000
@@ -340,3 +340,26 @@ def test_an_outcome_cut_by_a_stop_rolls_back_the_rest() -> None:
         outcome.keep(4)
     with pytest.raises(ValueError):
         VerifyOutcome((1, 2, 3), num_drafts=1)
+
+
+def test_the_engines_row_by_row_verification_agrees_with_accept_matching() -> None:
+    """`verify_drafts` (what the scheduler's commit runs over ragged rows) against the array
+    rule, on random rows whose drafts match the draws for a random length, then diverge."""
+    rng = np.random.default_rng(3)
+    drafts, targets = [], []
+    for _ in range(200):
+        num_drafts = int(rng.integers(0, 7))
+        row_targets = [int(t) for t in rng.integers(0, 5, size=num_drafts + 1)]
+        matching = int(rng.integers(0, num_drafts + 1))
+        row_drafts = row_targets[:matching] + [int(t) for t in rng.integers(0, 5, size=num_drafts - matching)]
+        drafts.append(row_drafts)
+        targets.append(row_targets)
+    width = max(len(row) for row in drafts)
+    draft_ids = np.array([row + [0] * (width - len(row)) for row in drafts])
+    target_ids = np.array([row + [0] * (width + 1 - len(row)) for row in targets])
+    num_drafts = np.array([len(row) for row in drafts])
+    expected = accept_matching(target_ids, draft_ids, num_drafts).outcomes(draft_ids, num_drafts)
+    assert verify_drafts(drafts, targets) == expected
+    assert {outcome.num_accepted for outcome in expected} >= {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="row 0: 2 draws for 2 drafts"):
+        verify_drafts([[1, 2]], [[1, 2]])

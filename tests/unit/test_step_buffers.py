@@ -140,6 +140,19 @@ def test_graph_sampling_views_cover_the_rows_without_penalties_or_bias(rng):
     np.testing.assert_array_equal(backend.download(out), sample_rows(logits, plain, None).token_ids)
 
 
+def test_masks_go_to_their_own_buffer_and_padding_rows_allow_every_token():
+    backend = MockGpuBackend()
+    buffers = StepBuffers(backend, max_tokens=9, max_seqs=5, caches=LAYOUT, mask_words=2)
+    assert (buffers.token_mask.data == -1).all()  # every row starts all allowed
+    masks = np.array([[1, 0], [0, 1 << 3]], dtype=np.int32)
+    buffers.stage_mask(masks, 4)  # two real rows padded to a graph's four
+    np.testing.assert_array_equal(buffers.token_mask.data[:4], [[1, 0], [0, 8], [-1, -1], [-1, -1]])
+    masked = buffers.graph_sampling_tensors(4, masked=True)
+    assert masked.token_mask.shape == (4, 2) and buffers.graph_sampling_tensors(4).token_mask is None
+    with pytest.raises(ValueError, match=r"expected int32 \[R, 2\]"):
+        buffers.stage_mask(np.zeros((2, 3), np.int32), 2)
+    with pytest.raises(ValueError, match="padded to 6, at most 5"):
+        buffers.stage_mask(masks, 6)
 def test_each_groups_table_slots_and_state_slots_read_back_through_its_views():
     """Two KV groups (the second a sliding window that released block 0) and a recurrent group:
     one copy, and each group's views give exactly its own rows."""

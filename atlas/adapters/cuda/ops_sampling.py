@@ -1,5 +1,6 @@
 """The sampling kind on CUDA: one block per row runs the whole rule chain of `SamplingTensors`
-on the device; only the token ids (and logprobs when asked) are written out."""
+on the device (the allowed-token mask tested as the logits are read); only the token ids (and
+logprobs when asked) are written out."""
 
 from __future__ import annotations
 
@@ -73,6 +74,15 @@ def _check(logits: CudaTensor, params: SamplingTensors, out_token_ids: CudaTenso
         checks.dtype(_field(params, name), f"params.{name}", (dtype,))
     checks.at_least_rows(params.penalty_offsets, "params.penalty_offsets", num_rows + 1)
     checks.at_least_rows(params.bias_offsets, "params.bias_offsets", num_rows + 1)
+    if params.token_mask is not None:
+        mask = checks.tensor(params.token_mask, "params.token_mask")
+        checks.rank(mask, "params.token_mask", 2)
+        checks.dtype(mask, "params.token_mask", (DType.I32,))
+        checks.at_least_rows(mask, "params.token_mask", num_rows)
+        words = (logits.shape[1] + 31) // 32
+        if mask.shape[1] != words:
+            raise ValueError(f"params.token_mask: {mask.shape[1]} words a row, the vocabulary of {logits.shape[1]} "
+                             f"needs {words}")
     if logprobs is not None:
         checks.dtype(logprobs.sampled, "logprobs.sampled", (DType.F32,))
         checks.at_least_rows(logprobs.sampled, "logprobs.sampled", num_rows)
@@ -119,6 +129,8 @@ def sample(
         workspace,
         *(_field(params, name).address for name, _ in _PER_ROW),
         *(_field(params, name).address for name, _ in _CSR),
+        params.token_mask.address if params.token_mask is not None else 0,
+        np.int32((vocab_size + 31) // 32),
         np.int32(params.any_penalties),
         np.int32(params.any_bias),
         np.int32(params.all_greedy),

@@ -45,11 +45,15 @@ def tool_call_lark(spec: ForcedToolCalls, special_token: SpecialToken, has_args_
     return "\n".join(["%llguidance {}", *rules]) + "\n"
 
 
-def _start(spec: ForcedToolCalls, separator: str | None) -> str:
-    """`start: call`, or one or more calls (joined by `separator`) when parallel calls are allowed."""
+def _start(spec: ForcedToolCalls, separator: str | None, may_trail: bool = False) -> str:
+    """`start: call`, or one or more calls (joined by `separator`) when parallel calls are
+    allowed. `may_trail`: the separator (a newline) may also end the output, so a model that
+    writes the newline it learnt after a call is not locked into writing another one."""
     if not spec.parallel:
         return "start: call"
-    return f"start: call ({separator} call)*" if separator else "start: call+"
+    if not separator:
+        return "start: call+"
+    return f"start: call ({separator} call)*" + (f" {separator}?" if may_trail else "")
 
 
 def _parameters(tool: FunctionTool) -> dict[str, Any]:
@@ -78,7 +82,7 @@ def _alternatives(name: str, num_tools: int) -> str:
 
 def _hermes(spec: ForcedToolCalls, special_token: SpecialToken, has_args_token: bool) -> list[str]:
     rules = [
-        _start(spec, '"\\n"'),
+        _start(spec, '"\\n"', may_trail=True),
         'call: "<tool_call>\\n" call_object "\\n</tool_call>"',
         _alternatives("call_object", len(spec.tools)),
         *(_json_rule(f"call_object_{idx}", _call_object(tool, "arguments")) for idx, tool in enumerate(spec.tools)),
@@ -114,7 +118,7 @@ def _mistral(spec: ForcedToolCalls, special_token: SpecialToken, has_args_token:
 
 
 def _qwen3_coder(spec: ForcedToolCalls, special_token: SpecialToken, has_args_token: bool) -> list[str]:
-    rules = [_start(spec, '"\\n"'), _alternatives("call", len(spec.tools))]
+    rules = [_start(spec, '"\\n"', may_trail=True), _alternatives("call", len(spec.tools))]
     for idx, tool in enumerate(spec.tools):
         schema = _parameters(tool)
         properties = schema.get("properties") or {}

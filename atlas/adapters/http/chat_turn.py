@@ -177,7 +177,6 @@ def _constraint(features: ChatFeatures, turn: ChatTurn, spec: StructuredOutput |
     budget = _budget(features, turn.thinking_budget) if turn.enable_thinking else None
     if spec is None and budget is None:
         return None
-    _check_engine_applies(features, spec.field if spec is not None else turn.thinking_budget.field)
     markers = features.reasoning_markers if features.reasoning is not None and turn.enable_thinking else None
     if spec is not None and starts_in_reasoning and markers is None:
         raise bad_request(spec.field, "this model's reasoning tags are not single tokens, so a grammar cannot start "
@@ -274,12 +273,6 @@ def _budget(features: ChatFeatures, budget: ThinkingBudget | None) -> int | None
         raise bad_request(budget.field, "this model's reasoning tags are not single tokens, so a thinking budget "
                                         "cannot be kept", code=UNSUPPORTED)
     return budget.tokens
-
-
-def _check_engine_applies(features: ChatFeatures, field_name: str) -> None:
-    if not features.engine_applies_constraints:
-        raise bad_request(field_name, f"{field_name} needs constrained decoding (token masks), which this "
-                                      f"server's engine does not apply yet", code=UNSUPPORTED)
 
 
 def _cut(message: str, limit: int = 300) -> str:

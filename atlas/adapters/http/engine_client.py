@@ -60,8 +60,7 @@ class ChatFeatures:
     markup or `tool_calls_off` (`--tool-call-parser none`: tools are rendered, the output is
     content). `forced_tool_markup` is the markup a grammar forces a call into: the parser's, else
     hermes' (a template that ignores tools has none of its own). `grammar` validates constraints
-    in the API process; `engine_applies_constraints` says the engine applies token masks (without
-    it a request that needs them is a 400).
+    in the API process (the engine compiles them again and applies their token masks).
     """
 
     tool_call_parser: str | None = None
@@ -69,7 +68,6 @@ class ChatFeatures:
     reasoning: ReasoningTags | None = None
     reasoning_markers: ReasoningMarkers | None = None  # single-token tags: a thinking budget can be kept
     grammar: GrammarCompiler | None = None
-    engine_applies_constraints: bool = False
 
     @property
     def forced_tool_markup(self) -> str | None:

@@ -7,7 +7,7 @@ callbacks at scrape time, so engine figures (running, waiting, KV blocks) are ne
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -66,6 +66,20 @@ class Gauge:
                 f"{self.name} {_number(self._read())}"]
 
 
+class LabeledGauge:
+    """Values by one label read from `read()` at scrape time ({label value: value})."""
+
+    def __init__(self, name: str, help_text: str, label_name: str, read: Callable[[], Mapping[str, float]],
+                 kind: str = "gauge") -> None:
+        self.name, self.help_text, self.label_name, self._read, self.kind = name, help_text, label_name, read, kind
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} {self.kind}"]
+        for label, value in self._read().items():
+            lines.append(f"{self.name}{_labels((self.label_name,), (label,))} {_number(value)}")
+        return lines
+
+
 class Histogram:
     """Counts of observations at or below each bucket's upper bound, plus their sum."""
 
@@ -102,13 +116,17 @@ class MetricsRegistry:
     """Every metric the server exposes at /metrics, in registration order."""
 
     def __init__(self) -> None:
-        self._metrics: list[Counter | Gauge | Histogram] = []
+        self._metrics: list[Counter | Gauge | LabeledGauge | Histogram] = []
 
     def counter(self, name: str, help_text: str, label_names: Sequence[str] = ()) -> Counter:
         return self._add(Counter(name, help_text, label_names))
 
     def gauge(self, name: str, help_text: str, read: Callable[[], float], kind: str = "gauge") -> Gauge:
         return self._add(Gauge(name, help_text, read, kind))
+
+    def labeled_gauge(self, name: str, help_text: str, label_name: str, read: Callable[[], Mapping[str, float]],
+                      kind: str = "gauge") -> LabeledGauge:
+        return self._add(LabeledGauge(name, help_text, label_name, read, kind))
 
     def histogram(self, name: str, help_text: str, buckets_s: Sequence[float]) -> Histogram:
         return self._add(Histogram(name, help_text, buckets_s))

@@ -66,6 +66,21 @@ class ServerMetrics:
                          lambda s: s.num_prefix_cache_queries, "counter")
         self._stat_gauge("atlas_prefix_cache_hits_total", "Prompt tokens found in the prefix cache",
                          lambda s: s.num_prefix_cache_hits, "counter")
+        self._stat_gauge("atlas_spec_decode_num_draft_tokens_total", "Speculative draft tokens verified",
+                         lambda s: s.num_spec_draft_tokens, "counter")
+        self._stat_gauge("atlas_spec_decode_num_accepted_tokens_total", "Speculative draft tokens accepted",
+                         lambda s: s.num_spec_accepted_tokens, "counter")
+        registry.labeled_gauge(
+            "atlas_spec_decode_num_accepted_tokens_per_pos_total",
+            "Speculative draft tokens accepted, by their position among a step's drafts (0 first)",
+            "position",
+            lambda: {str(j): float(n) for j, n in enumerate(self._spec_by_position())},
+            "counter",
+        )
+
+    def _spec_by_position(self) -> tuple[int, ...]:
+        stats = self._engine_stats()
+        return () if stats is None else stats.spec_accepted_by_position
 
     def _stat_gauge(self, name: str, help_text: str, read: Callable[[EngineStats], float], kind: str = "gauge") -> None:
         def value() -> float:

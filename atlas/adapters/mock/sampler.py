@@ -1,13 +1,15 @@
 """The mock's sampling kind: the numpy reference of `SamplingTensors`' rules.
 
-Rows are processed as `SamplingTensors` documents: penalties, logit bias, temperature, top-k,
-top-p, min-p, then a Gumbel-max race on the counter-based stream of `atlas.domain.sampling`.
+Rows are processed as `SamplingTensors` documents: penalties, logit bias, the allowed-token
+mask (`apply_token_bitmask`), temperature, top-k, top-p, min-p, then a Gumbel-max race on the
+counter-based stream of `atlas.domain.sampling`.
 The CUDA kernel must pick the same ids, so every float step below is the one the contract
 names, in float32:
 
     processed = logit / rep if logit > 0 else logit * rep        (tokens seen in the context)
     processed = processed - (presence + frequency * count)       (tokens with count > 0)
     processed = processed + bias
+    processed = -inf where the row's mask clears the token's bit
     score     = processed / T - log(-log(u))
 
 Top-p ranks tokens by processed logit (ties: lowest id) and accumulates the probabilities
@@ -28,6 +30,7 @@ import numpy as np
 
 from atlas.adapters.mock.tensor import MockTensor
 from atlas.domain.sampling import PackedSampling, neg_gumbel, stream_keys
+from atlas.domain.token_mask import apply_token_bitmask
 from atlas.ports.kernels.sampling import LogprobsOut, SamplingTensors
 
 if TYPE_CHECKING:
@@ -52,14 +55,16 @@ def sample_rows(logits: np.ndarray, packed: PackedSampling, num_top_logprobs: in
 
     `num_top_logprobs` None skips logprobs; 0 returns only the sampled token's. Logprobs are
     log_softmax of the raw logits, before penalties, bias or temperature. `logits` is not
-    modified. Raises `ValueError` naming the argument when shapes disagree or a penalty/bias
-    token id is outside [0, V).
+    modified. Raises `ValueError` naming the argument when shapes disagree, a penalty/bias
+    token id is outside [0, V), or a mask row allows no token.
     """
     logits = np.asarray(logits, dtype=np.float32)
     num_rows = packed.num_rows
     if logits.ndim != 2 or logits.shape[0] != num_rows:
         raise ValueError(f"logits: expected [{num_rows}, V], got {list(logits.shape)}")
     processed = apply_penalties_and_bias(logits, packed)
+    if packed.token_mask is not None:
+        processed = apply_token_bitmask(processed, packed.token_mask[:num_rows])
     if packed.all_greedy:
         token_ids = np.argmax(processed, axis=1).astype(np.int32)
     else:
@@ -274,6 +279,7 @@ class MockSampling:
             all_greedy=params.all_greedy,
             any_penalties=params.any_penalties,
             any_bias=params.any_bias,
+            token_mask=params.token_mask.data if params.token_mask is not None else None,
         )
         num_top = logprobs.num_top if logprobs is not None else None
         result = sample_rows(logits.as_f32()[: params.num_rows], packed, num_top)

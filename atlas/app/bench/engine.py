@@ -74,6 +74,20 @@ def _bench(engine, args: argparse.Namespace, model, batch_sizes: list[int], pref
                                     gemm_size=1024 if on_mock else 8192)
         bytes_read, collective_s = engine_bytes_read(engine), [0.0] * len(batch_sizes)
     print(f"atlas bench engine: {engine.config.architecture} from {model} on {device}", file=sys.stderr)
+    if engine.settings.speculative_config:
+        from atlas.app.bench.speculative import run_speculative_bench
+
+        report = {"device": device, **run_speculative_bench(engine, args.prompts, batch_sizes, args.decode_tokens)}
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        return 0
+    if args.json_schema:
+        from atlas.app.bench.structured import run_structured_bench
+
+        report = {"device": device, **run_structured_bench(engine, args.json_schema, batch_sizes, args.decode_tokens)}
+        if args.json_path:
+            Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     decode = []
     for batch in batch_sizes:
         print(f"decode at batch {batch} ...", file=sys.stderr)

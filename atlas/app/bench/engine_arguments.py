@@ -24,5 +24,12 @@ def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "the same shapes (hf-random: nothing written; for speed only)")
     parser.add_argument("--reference-batch-sizes", default="1",
                         help="decode batch sizes for the reference (empty: prefill only)")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="instead of the usual figures: decode each batch size under this JSON schema and free, "
+                        "in the same run, and print both tokens/s (use a schema whose documents outlast "
+                        "--output-len, such as an array with a large minItems)")
+    parser.add_argument("--prompts", metavar="FILE",
+                        help="with --speculative-config: the prompts (a JSON list of strings; default: the 24 "
+                        "edit-and-repeat prompts shipped with Atlas)")
     parser.add_argument("--json", dest="json_path", help="write every figure to this JSON file")
     parser.add_argument("--plot", dest="plot_path", help="write tokens/s vs batch with the roofline to this PNG")

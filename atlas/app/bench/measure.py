@@ -225,16 +225,17 @@ def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_to
     decoding = [b for b in recorded if len(b.sequences) == batch and b.num_tokens == batch]
     if len(decoding) != len(recorded):
         raise RuntimeError(f"batch {batch}: {len(recorded) - len(decoding)} timed steps were not full decode steps")
-    device_step_s = _replay_device_time(engine, decoding[len(decoding) // 2])
+    device_step_s = replay_device_time(engine, decoding[len(decoding) // 2])
     mean_context = np.mean([sum(s.context_len for s in b.sequences) for b in decoding])
     read_bytes = bytes_read.step_bytes(batch, mean_context)
     return DecodeResult(batch, context_len, float(mean_context) / batch, decode_tokens, step_s, device_step_s,
                         read_bytes / bandwidth)
 
 
-def _replay_device_time(engine: LoadedEngine, batch: ScheduledBatch, repeats: int = 30) -> float:
-    """Submit one recorded decode step back to back: the host enqueues faster than the device
-    runs, so the time per step is the device's (graph replay + sampling + the id copy)."""
+def replay_device_time(engine: LoadedEngine, batch: ScheduledBatch, repeats: int = 30) -> float:
+    """Submit one recorded step (a decode or a verify step) back to back: the host enqueues
+    faster than the device runs, so the time per step is the device's (graph replay + sampling
+    + the id copy)."""
     worker = engine.core.executor
     worker.submit(batch).result()
     started = time.perf_counter()

@@ -1,7 +1,8 @@
 """`atlas bench startup MODEL`: seconds from `atlas serve` starting to its first streamed token.
 
 Starts the server once per `--starts` entry:
-- cold: an empty kernel cache (the package's cubins still load; cuBLASLt has no stored winners);
+- cold: an empty kernel cache with the package's cubins on (`ATLAS_PACKAGED_CUBINS=1`; cuBLASLt
+  has no stored winners);
 - nvrtc: an empty kernel cache and the packaged cubins off (`ATLAS_PACKAGED_CUBINS=0`): every
   module compiles, as after a kernel edit that was not prebuilt;
 - warm: the cache the first earlier start filled (kernels and cuBLASLt winners).
@@ -60,7 +61,7 @@ def run_startup_bench(args: argparse.Namespace) -> int:
     for label in starts:
         cache_dir = warm_cache if label == "warm" else Path(tempfile.mkdtemp(prefix=f"atlas-startup-{label}-"))
         warm_cache = warm_cache or cache_dir
-        extra = {"ATLAS_PACKAGED_CUBINS": "0"} if label == "nvrtc" else {}
+        extra = {"ATLAS_PACKAGED_CUBINS": "0" if label == "nvrtc" else "1"}
         print(f"starting atlas serve ({label}: kernel cache {cache_dir}) ...", file=sys.stderr)
         seconds, log_text = _first_token_seconds(args, cache_dir, extra)
         results.append((label, seconds))

@@ -7,6 +7,7 @@
                 release_unread(seq)              once the step is built: releases the blocks that
                                                  left a sliding window
     growth      r = reserve(seq, n); commit(seq, r)
+    rollback    trim(seq)                        rejected drafts: the pages past the computed count
     the end     release(seq)                     finish, abort or preemption: full blocks stay
                                                  cached (evictable), the rest goes back to the pools
 
@@ -208,13 +209,31 @@ class CacheManager:
         release the blocks no later step reads, those that left a sliding window. Nothing else
         is handed out for this step, so they are reused only by steps that run after it."""
         holdings = seq.cache
+        # Drafts may be rolled back: keep what a step from the first draft on would read.
+        position = seq.num_computed_tokens - seq.num_draft_tokens
         for idx in self._windowed_groups:
             holding = holdings.groups[idx]
-            first_needed = self.groups[idx].first_needed_block(seq.num_computed_tokens)
+            first_needed = self.groups[idx].first_needed_block(position)
             while holding.first_block_idx < first_needed and holding.block_ids:
                 self._unpin(holdings, idx, holding.first_block_idx)
                 self.groups[idx].pool.free([holding.release_first()])
                 self._version += 1
+
+    def trim(self, seq: Sequence) -> None:
+        """`seq`'s computed count fell (verification rejected drafts): return the pages past it
+        to their pools. They held only drafts, which are never cached, so no sequence and no
+        cache node shares them."""
+        holdings = seq.cache
+        for group, holding in zip(self.groups, holdings.groups, strict=True):
+            num_extra = holding.num_covered - group.num_pages(seq.num_computed_tokens)
+            if num_extra > 0:
+                group.pool.free(holding.block_ids[-num_extra:])
+                del holding.block_ids[-num_extra:]
+        holdings.num_tokens_covered = min(
+            self.groups[idx].pool.block_size * holdings.groups[idx].num_covered for idx in self._kv_groups
+        )
+        self._version += 1
+        self.release_unread(seq)
 
     def release(self, seq: Sequence) -> None:
         """`seq` stops running (finished, aborted or preempted): its full computed blocks stay
@@ -325,7 +344,8 @@ class CacheManager:
             holding = seq.cache.groups[idx]
             if holding.num_covered != group.num_pages(seq.num_computed_tokens):
                 raise AssertionError(f"{seq!r}: group {idx} covers {holding.num_covered} pages")
-            if holding.first_block_idx != group.first_needed_block(seq.num_computed_tokens):
+            # drafts in flight may be rolled back: the window of their first one is kept
+            if holding.first_block_idx != group.first_needed_block(seq.num_computed_tokens - seq.num_draft_tokens):
                 raise AssertionError(f"{seq!r}: group {idx} released a block it still reads, or keeps one it does not")
             holders.update(holding.block_ids)
             for block_idx in range(holding.first_block_idx, holding.num_covered):

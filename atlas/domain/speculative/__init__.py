@@ -1,22 +1,26 @@
 """Speculative decoding: propose drafts, verify them in one target forward, keep what passes.
 
 `config` parses `--speculative-config`; `ngram` proposes from the sequence's own tokens;
+`policy` is what the scheduler asks (whether to speculate this step, and which drafts);
 `verify` holds the acceptance rules and their random-stream contract; `outcome` the results the
-scheduler applies and the counters the metrics report. docs/lab/speculative-plan.md says how
-scheduler, worker, sampler and caches take them up.
+scheduler applies and the counters the metrics report.
 """
 
 from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeConfigError, SpeculativeMethod
 from atlas.domain.speculative.ngram import NgramIndex, NgramProposer
 from atlas.domain.speculative.outcome import SpecDecodeStats, VerifyOutcome, VerifyResult
-from atlas.domain.speculative.verify import accept_matching, draft_seeds, race, rejection_sample
+from atlas.domain.speculative.policy import NgramSpeculation, NoSpeculation, SpeculationPolicy, speculation_policy
+from atlas.domain.speculative.verify import accept_matching, draft_seeds, race, rejection_sample, verify_drafts
 
 __all__ = [
     "NgramIndex",
     "NgramProposer",
+    "NgramSpeculation",
+    "NoSpeculation",
     "SpecDecodeStats",
     "SpeculativeConfig",
     "SpeculativeConfigError",
+    "SpeculationPolicy",
     "SpeculativeMethod",
     "VerifyOutcome",
     "VerifyResult",
@@ -24,4 +28,6 @@ __all__ = [
     "draft_seeds",
     "race",
     "rejection_sample",
+    "speculation_policy",
+    "verify_drafts",
 ]

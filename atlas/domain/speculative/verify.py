@@ -40,10 +40,12 @@ rounding (a * q against p, two near-equal race scores) may go either way.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceOf
+
 import numpy as np
 
 from atlas.domain.sampling import neg_gumbel, stream_keys, token_uniforms
-from atlas.domain.speculative.outcome import VerifyResult
+from atlas.domain.speculative.outcome import VerifyOutcome, VerifyResult
 
 ACCEPT_TOKEN_ID = 1 << 32
 DRAFT_SEED_BIT = np.uint64(1 << 63)
@@ -90,6 +92,24 @@ def accept_matching(target_ids: np.ndarray, draft_ids: np.ndarray, num_drafts: n
     num_accepted = _leading_true(valid & (target_ids[:, :-1] == draft_ids))
     next_ids = target_ids[np.arange(target_ids.shape[0]), num_accepted]
     return VerifyResult(num_accepted.astype(np.int32), next_ids.astype(np.int32))
+
+
+def verify_drafts(
+    drafts: SequenceOf[SequenceOf[int]], target_ids: SequenceOf[SequenceOf[int]]
+) -> tuple[VerifyOutcome, ...]:
+    """`accept_matching` over ragged rows, as the engine's commit applies it: row i has drafts[i]
+    (k_i of them) and the target's k_i + 1 draws at counters c..c+k_i (`target_ids[i]`).
+    Plain Python: a step's rows are a few ints each, where numpy's per-call cost would dominate
+    (tests check both agree). Raises ValueError when a row's draw count is not its draft count + 1."""
+    outcomes = []
+    for row, (row_drafts, row_targets) in enumerate(zip(drafts, target_ids, strict=True)):
+        if len(row_targets) != len(row_drafts) + 1:
+            raise ValueError(f"row {row}: {len(row_targets)} draws for {len(row_drafts)} drafts (needs drafts + 1)")
+        num_accepted = 0
+        while num_accepted < len(row_drafts) and row_drafts[num_accepted] == row_targets[num_accepted]:
+            num_accepted += 1
+        outcomes.append(VerifyOutcome((*row_drafts[:num_accepted], row_targets[num_accepted]), len(row_drafts)))
+    return tuple(outcomes)
 
 
 def rejection_sample(

@@ -1,7 +1,8 @@
 """The sampling kind: one token per row of logits, by rules every backend applies bit for bit.
 
-Speculative verification (accepting a row's draft tokens by the same rules and stream) belongs
-to this kind too when it comes.
+Speculative verification with point-mass drafts (n-gram) needs nothing more: a sequence's k + 1
+positions are k + 1 rows sampled at counters c..c+k, and the host compares the draws with the
+drafts (`atlas.domain.speculative.verify.accept_matching`).
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ class SamplingTensors:
     1. penalties over the row's context (`penalty_*` CSR): repetition (divide positive logits,
        multiply negative ones) for every token seen in prompt or output; presence and frequency
        (subtract `presence + frequency * count`) for tokens in the output;
-    2. logit bias (`bias_*` CSR; -inf bans a token); then, when structured output lands, the
-       row's allowed-token bitmask (int32 [R, ceil(V / 32)]; token v is allowed where bit
-       v % 32 of word v // 32 is set) bans every token it leaves out;
+    2. logit bias (`bias_*` CSR; -inf bans a token); then, with `token_mask`, the row's
+       allowed-token bitmask (int32 [R, ceil(V / 32)]; token v is allowed where bit v % 32 of
+       word v // 32 is set; bits past V - 1 are ignored) sets every token it leaves out to
+       -inf (`atlas.domain.token_mask.apply_token_bitmask`), greedy rows included. A masked
+       logit stays -inf through every later rule, so a backend may apply the mask as it reads
+       the logits, before penalties and bias: the ids are the same;
     3. temperature; a row with temperature 0 is greedy (argmax of the biased logits);
     4. top-k (0 = off), then top-p over the renormalised top-k set, then min-p
        (keep p >= min_p * max p);
@@ -38,7 +42,9 @@ class SamplingTensors:
                                                 # (23 bits: with 24 the top value rounds to 1.0)
         token = argmax over kept v of  logit_v / T - log(-log(u))   (ties: lowest id)
 
-    Greedy rows take argmax of the processed logits (ties: lowest id). Top-k keeps the k
+    Greedy rows take argmax of the processed logits (ties: lowest id). Logprobs stay those of
+    the raw logits, mask or not. A row whose mask allows no token is the caller's mistake: the
+    reference raises ValueError, a device picks some id. Top-k keeps the k
     largest (ties: lowest id); top-p keeps, in descending probability, each token whose
     preceding cumulative probability is < top_p (so at least one); min-p compares
     exp((logit_v - logit_max) / T) with min_p.
@@ -63,6 +69,7 @@ class SamplingTensors:
     all_greedy: bool
     any_penalties: bool
     any_bias: bool
+    token_mask: Tensor | None = None  # [R, ceil(V / 32)] i32 allowed-token bits; None: all allowed
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +93,6 @@ class SamplingKernels(Protocol):
         """One token per row of logits [R, V] (f32, or bf16 where the backend takes it) into
         out_token_ids [R] i32, by the rules and the random stream of `SamplingTensors`; with
         `logprobs`, the log-probabilities of the raw logits too. Every backend picks the mock's
-        ids exactly. A penalty or bias token id outside [0, V) raises `ValueError` where the
-        backend can see it."""
+        ids exactly. A penalty or bias token id outside [0, V), or a `token_mask` that is not
+        int32 [>= R, ceil(V / 32)], raises `ValueError` where the backend can see it."""
         ...

@@ -1,0 +1,147 @@
+"""`atlas bench MODEL --json-schema FILE`: structured-output decode against free decode.
+
+The same batch runs twice in one process on one loaded engine: every sequence under the JSON
+schema (token masks from llguidance, filled while the device runs each forward), then every
+sequence free, each as a closed loop of `batch` sequences sampled at temperature 1 where a
+sequence that finishes is replaced at once, timed over the same number of engine steps. The
+figure is tokens/s of each and their ratio (the host's mask work is the only difference; a
+schema whose documents outlast the window keeps replacements, and their prefills, out of it).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from atlas.app.builder import LoadedEngine
+from atlas.app.chat_features import GrammarUnavailable
+from atlas.domain.requests import OutputConstraint, Request, SamplingParams
+from atlas.domain.token_mask import bitmask_width
+from atlas.ports.grammar import GrammarError, JsonSchema
+from atlas.ports.tokenizer import ChatTemplateError
+
+_WARMUP_STEPS = 3  # after every first token: masked sampler graphs captured, llguidance warm
+
+
+@dataclass(frozen=True, slots=True)
+class LoopResult:
+    batch: int
+    steps: int
+    num_tokens: int  # generated in the timed steps
+    seconds: float
+    num_replaced: int  # sequences that finished inside the window and were replaced
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+
+def json_schema_constraint(engine: LoadedEngine, path: str) -> OutputConstraint:
+    """Requests' constraint under the schema in `path`, compiled once through the engine's
+    grammar cache; ValueError naming --json-schema when the file is unreadable, the schema
+    cannot be compiled, or the model's tokenizer cannot spell JSON."""
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--json-schema {path}: {error}") from None
+    unusable = (f"--json-schema: llguidance cannot use {engine.model_dir}'s tokenizer to spell JSON (a --random "
+                "checkpoint's is a placeholder); use a model with its real tokenizer")
+    constraint = OutputConstraint(JsonSchema(schema), "schema")
+    grammars = engine.core.grammars
+    if grammars is None:
+        raise ValueError(unusable)
+    try:
+        grammar = grammars.compiled(constraint.grammar, constraint.grammar_field)
+    except GrammarUnavailable:
+        raise ValueError(unusable) from None
+    except GrammarError as error:
+        raise ValueError(f"--json-schema {path}: {error}") from None
+    first = np.zeros(bitmask_width(engine.config.vocab_size), dtype=np.int32)
+    grammar.new_matcher().fill_bitmask(first)
+    if not first.any():
+        raise ValueError(unusable)
+    return constraint
+
+
+def schema_prompt(engine: LoadedEngine, path: str) -> tuple[int, ...]:
+    """A request for a document of the schema, through the chat template when the model has one."""
+    text = f"Write one JSON document that follows this JSON schema:\n{Path(path).read_text()}"
+    tokenizer = engine.tokenizer
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tuple(tokenizer.encode(rendered, add_special_tokens=False))
+    except ChatTemplateError:  # no chat template
+        return tuple(tokenizer.encode(text))
+
+
+def measure_closed_loop(engine: LoadedEngine, prompt: tuple[int, ...], batch: int, steps: int,
+                        constraint: OutputConstraint | None, tag: str) -> LoopResult:
+    """`batch` sequences (under `constraint`, None: free), replaced as they finish, over
+    `steps` timed engine steps after every one has its first token."""
+    core = engine.core
+    params = SamplingParams(temperature=1.0, max_tokens=4 * steps + 64)
+    live: set[str] = set()
+    counter = iter(range(1 << 62))
+
+    def start() -> None:
+        index = next(counter)
+        request_id = f"{tag}-{batch}-{index}"
+        core.add_request(Request(request_id, prompt, params, seed=index, constraint=constraint))
+        live.add(request_id)
+
+    def step() -> tuple[int, int]:
+        outputs = core.step()
+        finished = [o.seq_id for o in outputs if o.finish_reason is not None]
+        for seq_id in finished:
+            live.discard(seq_id)
+            start()
+        return sum(len(o.new_token_ids) for o in outputs), len(finished)
+
+    try:
+        for _ in range(batch):
+            start()
+        started_ids: set[str] = set()
+        while not live <= started_ids:  # prefill until every sequence has its first token
+            started_ids.update(o.seq_id for o in core.step() if o.new_token_ids)
+        for _ in range(_WARMUP_STEPS):
+            step()
+        num_tokens = num_replaced = 0
+        began = time.perf_counter()
+        for _ in range(steps):
+            tokens, replaced = step()
+            num_tokens += tokens
+            num_replaced += replaced
+        seconds = time.perf_counter() - began
+    finally:
+        for request_id in list(live):
+            core.abort(request_id)
+        while core.has_unfinished:
+            core.step()
+    return LoopResult(batch, steps, num_tokens, seconds, num_replaced)
+
+
+def run_structured_bench(engine: LoadedEngine, schema_path: str, batch_sizes: list[int], steps: int) -> dict:
+    """Both loops at each batch size; prints a table and returns the figures."""
+    constraint = json_schema_constraint(engine, schema_path)
+    prompt = schema_prompt(engine, schema_path)
+    rows = []
+    for batch in batch_sizes:
+        print(f"json_schema against free decode at batch {batch} ...", file=sys.stderr)
+        constrained = measure_closed_loop(engine, prompt, batch, steps, constraint, "json")
+        free = measure_closed_loop(engine, prompt, batch, steps, None, "free")
+        rows.append({
+            "batch": batch, "steps": steps,
+            "free_tokens_per_s": free.tokens_per_s, "json_schema_tokens_per_s": constrained.tokens_per_s,
+            "ratio": constrained.tokens_per_s / free.tokens_per_s,
+            "free_replaced": free.num_replaced, "json_schema_replaced": constrained.num_replaced,
+        })
+    print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'json/free':>9} {'replaced':>9}")
+    for row in rows:
+        print(f"{row['batch']:>5} {row['free_tokens_per_s']:>11.1f} {row['json_schema_tokens_per_s']:>11.1f} "
+              f"{100 * row['ratio']:>8.1f}% {row['free_replaced']:>4}/{row['json_schema_replaced']:<4}")
+    return {"json_schema": schema_path, "model_dir": str(engine.model_dir), "structured": rows}

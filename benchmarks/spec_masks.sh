@@ -1,0 +1,71 @@
+#!/bin/bash
+# Speculative decoding and structured output on one H200 (or H100): the issues' figures, most
+# important first, each step time-boxed (about 7 minutes in all); logs and JSON in $OUT, a short
+# table last.
+#   source .devkit/env.sh && bash benchmarks/spec_masks.sh          ngram verify8b json table
+#   bash benchmarks/spec_masks.sh check                             the GPU tests of both (3 minutes)
+# Steps:
+#   ngram     real SmolLM2 at batch 1 over the 24 shipped edit-and-repeat prompts, plain and with
+#             n-gram drafts (k = 4) in one run: tokens/s of each, speed-up (issue 31: >= 2x),
+#             acceptance length, identical outputs
+#   verify8b  Llama-3.1-8B shape (random weights) at batch 1: a k = 4 verify step's device time
+#             against a plain decode step's at the same context (issue 31: <= 1.15x)
+#   json      real SmolLM2 at batch 1 and 16: json_schema decode against free decode in one run
+#             (issue 28: >= 90% at batch 16)
+#   check     tests/gpu/test_cuda_masks_and_speculation.py
+# SmolLM2 is read from $SMOLLM2 (default ~/.cache/atlas/models/smollm2, as `atlas pull smollm2`
+# leaves it).
+set -uo pipefail
+OUT=${OUT:-/tmp/out/spec_masks}; mkdir -p "$OUT"
+export ATLAS_KERNEL_CACHE=${ATLAS_KERNEL_CACHE:-/tmp/atlas-kernel-cache}
+export ATLAS_SMOLLM2_DIR=${SMOLLM2:-$HOME/.cache/atlas/models/smollm2}
+ATLAS="python3 -m atlas.app.cli"
+NGRAM='{"method": "ngram", "num_speculative_tokens": 4}'
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+run() { local name=$1 limit=$2; shift 2; local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc $((SECONDS - t0))s"; grep -vE "^(loading|writing)|INFO|^\s*$" "$OUT/$name.log" | tail -n 12; }
+smollm2() {
+  if [ ! -f "$ATLAS_SMOLLM2_DIR/config.json" ]; then
+    echo "=== $1 skipped: no SmolLM2 at $ATLAS_SMOLLM2_DIR (set SMOLLM2=/path/to/the/folder)"; return 1; fi; }
+for step in ${*:-ngram verify8b json table}; do case $step in
+  ngram) smollm2 ngram && run ngram 150 $ATLAS bench "$ATLAS_SMOLLM2_DIR" --device cuda --batch-sizes 1 \
+           --output-len 256 --prefill-lens 512 --speculative-config "$NGRAM" --json "$OUT/ngram.json" ;;
+  verify8b) run verify8b 240 $ATLAS bench --random llama-3.1-8b --device cuda --batch-sizes 1 --max-num-seqs 1 \
+           --max-batch-size 1 --output-len 24 --prefill-lens 512 --max-seq-len 2048 \
+           --speculative-config "$NGRAM" --json "$OUT/verify8b.json" ;;
+  json) smollm2 json && run json 120 $ATLAS bench "$ATLAS_SMOLLM2_DIR" --device cuda --batch-sizes 1,16 \
+           --output-len 128 --prefill-lens 512 --json-schema benchmarks/records.schema.json --json "$OUT/json.json" ;;
+  check) run check 240 python3 -m pytest tests/gpu/test_cuda_masks_and_speculation.py -m gpu -q -s ;;
+  table) python3 - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def load(name):
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+rows = []
+ngram = load("ngram")
+if ngram:
+    row = ngram["speculative"][0]
+    rows.append(("SmolLM2 batch 1, n-gram k=4 / plain tokens/s (>= 2x)", f"{row['speedup']:.2f}x",
+                 f"{row['plain_tokens_per_s']:.0f} -> {row['speculative_tokens_per_s']:.0f} tok/s, acceptance length "
+                 f"{row['mean_acceptance_length']:.2f}, {row['prompts']} prompts, "
+                 f"identical: {row['identical_outputs']}"))
+verify = load("verify8b")
+if verify and verify.get("verify_over_decode"):
+    rows.append(("8B batch 1, k=4 verify step / decode step (<= 1.15x)", f"{verify['verify_over_decode']:.3f}x",
+                 f"{verify['verify_step_ms']:.3f} ms vs {verify['decode_step_ms']:.3f} ms"))
+structured = load("json")
+if structured:
+    for row in structured["structured"]:
+        target = " (>= 90%)" if row["batch"] == 16 else ""
+        rows.append((f"SmolLM2 batch {row['batch']}, json_schema / free tokens/s{target}",
+                     f"{100 * row['ratio']:.1f}%",
+                     f"{row['free_tokens_per_s']:.0f} free, {row['json_schema_tokens_per_s']:.0f} json tok/s"))
+for name, value, note in rows:
+    print(f"{name:<58} {value:>9}  {note}")
+EOF
+  ;;
+  *) echo "unknown step $step (ngram verify8b json check table)"; exit 2 ;;
+esac; done

@@ -1,0 +1,107 @@
+"""A fake grammar a random model follows only through its masks, and a compiler for it.
+
+`Regex("residues 9")` compiles to a grammar that allows, at output position i, the ids below 90
+congruent to i modulo 3, and after 9 tokens only end-of-sequence; `Regex("residues 20 lying
+17")` also lets its mask allow id 17, which `accept_token` then refuses (a broken grammar, as a
+sampler ignoring the mask would expose). Requests carry it as an `OutputConstraint`, so the
+engine goes through its `GrammarCache` as with llguidance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from helpers.tiny_engine import EOS
+
+from atlas.domain.request_constraints import GrammarCache
+from atlas.domain.requests import OutputConstraint, ReasoningMarkers
+from atlas.ports.grammar import ConstraintSpec, GrammarError, Regex
+
+EOS_ID = next(iter(EOS))
+
+
+class ResidueGrammar:
+    """A GrammarMatcher: position i allows the ids below 90 that are i mod 3; then only eos."""
+
+    def __init__(self, length: int, position: int = 0, lying_token: int | None = None) -> None:
+        self.length = length
+        self.position = position
+        self.lying_token = lying_token  # allowed by the mask, refused by accept (a broken grammar)
+        self.broken = False
+
+    def allowed(self) -> list[int]:
+        if self.position >= self.length:
+            return [EOS_ID]
+        ids = [t for t in range(90) if t % 3 == self.position % 3]
+        return ids + [self.lying_token] if self.lying_token is not None else ids
+
+    def fill_bitmask(self, bitmask_row: np.ndarray) -> None:
+        bitmask_row[:] = 0
+        words = bitmask_row.view(np.uint32)
+        for token_id in self.allowed():
+            words[token_id >> 5] |= np.uint32(1 << (token_id & 31))
+
+    def accept_token(self, token_id: int) -> bool:
+        if token_id == self.lying_token or token_id not in self.allowed():
+            self.broken = True
+            return False
+        self.position += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.position -= num_tokens
+
+    def fork(self) -> ResidueGrammar:
+        return ResidueGrammar(self.length, self.position, self.lying_token)
+
+    @property
+    def is_accepting(self) -> bool:
+        return self.position >= self.length
+
+    @property
+    def is_finished(self) -> bool:
+        return self.position > self.length or self.broken
+
+
+class CompiledResidues:
+    def __init__(self, length: int, lying_token: int | None) -> None:
+        self.length = length
+        self.lying_token = lying_token
+
+    def new_matcher(self) -> ResidueGrammar:
+        return ResidueGrammar(self.length, lying_token=self.lying_token)
+
+
+class ResidueCompiler:
+    """A GrammarCompiler of residue grammars; `compiled` lists the patterns it compiled."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.compiled: list[str] = []
+
+    def compile(self, spec: ConstraintSpec, field: str) -> CompiledResidues:
+        words = spec.pattern.split() if isinstance(spec, Regex) else []
+        if len(words) not in (2, 4) or words[0] != "residues":
+            raise GrammarError(field, f"not a residue grammar: {spec!r}")
+        self.compiled.append(spec.pattern)
+        return CompiledResidues(int(words[1]), int(words[3]) if len(words) == 4 else None)
+
+    def fill_bitmasks(self, rows, bitmask: np.ndarray) -> None:
+        for matcher, row in rows:
+            matcher.fill_bitmask(bitmask[row])
+
+
+def residue_grammars(vocab_size: int) -> GrammarCache:
+    return GrammarCache(ResidueCompiler(vocab_size))
+
+
+def residues(length: int, lying_token: int | None = None, reasoning: ReasoningMarkers | None = None,
+             thinking_budget: int | None = None) -> OutputConstraint:
+    """The constraint of a residue grammar of `length` tokens (after a reasoning block, with
+    `reasoning`, that the prompt opened)."""
+    pattern = f"residues {length}" + (f" lying {lying_token}" if lying_token is not None else "")
+    return OutputConstraint(Regex(pattern), "response_format", reasoning, reasoning is not None, thinking_budget)
+
+
+def follows_residues(tokens: list[int], length: int) -> bool:
+    body, rest = tokens[:length], tokens[length:]
+    return all(t < 90 and t % 3 == i % 3 for i, t in enumerate(body)) and rest in ([], [EOS_ID])

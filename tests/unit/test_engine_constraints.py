@@ -1,0 +1,145 @@
+"""Token constraints in the engine on a small random model: masks bind every draw, steps still
+overlap, graphs read the mask buffer, n > 1 compile one grammar, a forbidden token fails the
+request, and a thinking budget forces the end of the block.
+
+Requests carry their constraints as `OutputConstraint`s; the fake grammar (`helpers.residue_grammar`)
+allows, at output position i, the ids below 90 congruent to i modulo 3, and after `length`
+tokens only end-of-sequence: a random model follows it only through the mask.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from helpers.residue_grammar import EOS_ID, follows_residues, residue_grammars, residues
+from helpers.tiny_engine import VOCAB_SIZE, build_core, prompts, run
+
+from atlas.domain.requests import (
+    FinishReason,
+    OutputConstraint,
+    ParameterError,
+    ReasoningMarkers,
+    Request,
+    SamplingParams,
+)
+from atlas.ports.grammar import Regex
+
+THINK, END_THINK, NEWLINE, BLANK_LINE = 60, 61, 10, 11
+
+
+def constrained(request: Request, constraint) -> Request:
+    return msgspec.structs.replace(request, constraint=constraint)
+
+
+def grammar_core(**options):
+    return build_core(grammars=residue_grammars(VOCAB_SIZE), **options)
+
+
+SAMPLED = SamplingParams(temperature=1.0, max_tokens=20)
+
+
+def test_masks_bind_every_draw_and_keep_the_steps_overlapping(rng):
+    """Constrained and free requests share batches; each constrained one gives the tokens it
+    gives alone (seeded draws ignore neighbours), every draw obeys its grammar, the grammar's
+    end is followed by eos, and the steps still overlap (placeholders gathered on the device)."""
+    length = 9
+    requests = [Request(f"r{i}", p, SAMPLED, seed=40 + i) for i, p in enumerate(prompts(8, rng))]
+    requests = [constrained(r, residues(length)) if i % 2 == 0 else r for i, r in enumerate(requests)]
+    core = grammar_core()
+    awaiting_with_placeholders = []
+    original_submit = core.executor.submit
+
+    def spying_submit(batch):
+        if batch.awaits_masks:
+            awaiting_with_placeholders.append(any(s.placeholder_row is not None for s in batch.sequences))
+        return original_submit(batch)
+
+    core.executor.submit = spying_submit
+    together = run(core, requests)
+    assert any(awaiting_with_placeholders)
+    for request in requests:
+        tokens = together[request.request_id]
+        if request.constraint is not None:
+            assert follows_residues(tokens, length) and tokens[-1] == EOS_ID, tokens
+            alone = grammar_core()
+            assert run(alone, [request])[request.request_id] == tokens
+        else:
+            assert not follows_residues(tokens, length)  # the random model does not obey by itself
+    assert core.stats().num_blocks_free == 400
+
+
+@pytest.mark.parametrize("params", [SAMPLED, SamplingParams(temperature=0.0, max_tokens=20, logprobs=2)],
+                         ids=["sampled", "greedy-logprobs"])
+def test_decode_graphs_sample_through_the_mask_buffer(rng, params):
+    length = 7
+    requests = [Request(f"r{i}", p, params, seed=i, constraint=residues(length)) for i, p in enumerate(prompts(6, rng))]
+    eager = run(grammar_core(), requests)
+    graphed = grammar_core(graph_sizes=(1, 2, 4, 8))
+    assert run(graphed, requests) == eager
+    assert all(follows_residues(tokens, length) for tokens in eager.values())
+    masked_samplers = [key for key in graphed.executor._sampler_graphs if key[1]]
+    assert bool(masked_samplers) == (params.logprobs is None)  # logprobs sample eagerly
+
+
+def test_the_n_sequences_of_a_request_compile_one_grammar(rng):
+    prompt = prompts(1, rng)[0]
+    requests = [Request(f"req-{i}", prompt, SAMPLED, seed=100 + i, constraint=residues(6)) for i in range(4)]
+    core = grammar_core()
+    tokens = run(core, requests)
+    assert core.grammars.compiler.compiled == ["residues 6"]
+    assert all(follows_residues(t, 6) for t in tokens.values())
+    assert len({tuple(t) for t in tokens.values()}) > 1  # each sequence goes its own way
+
+
+def test_a_grammar_the_engine_cannot_compile_is_refused_naming_the_field(rng):
+    request = Request("bad", prompts(1, rng)[0], SAMPLED, seed=1)
+    unknown = OutputConstraint(Regex("[a-z]+"), "structured_outputs.regex")
+    with pytest.raises(ParameterError, match="structured_outputs.regex"):
+        grammar_core().add_request(constrained(request, unknown))
+    with pytest.raises(ParameterError, match="no grammar compiler"):
+        build_core().add_request(constrained(request, residues(4)))
+
+
+def test_a_token_the_constraint_forbids_fails_the_request_and_frees_its_blocks(rng):
+    """A grammar whose mask allows a token it then refuses (as a sampler ignoring the mask would
+    make happen): the request ends with an error; its neighbour runs on."""
+    bias = {17: 100.0}  # the lying token wins every draw
+    liar = Request("liar", prompts(1, rng)[0], SamplingParams(temperature=0.0, max_tokens=10, logit_bias=bias), seed=1,
+                   constraint=residues(20, lying_token=17))
+    honest = Request("honest", prompts(1, rng)[0], SamplingParams(temperature=0.0, max_tokens=10), seed=2)
+    core = grammar_core()
+    for request in (liar, honest):
+        core.add_request(request)
+    outputs = []
+    while core.has_unfinished:
+        outputs += core.step()
+        core.scheduler.check_invariants()
+    failed = [o for o in outputs if o.seq_id == "liar"]
+    assert len(failed) == 1 and failed[0].error and "forbids" in failed[0].error
+    assert failed[0].finish_reason is FinishReason.ABORT and failed[0].new_token_ids == ()
+    assert sum(len(o.new_token_ids) for o in outputs if o.seq_id == "honest") == 10
+    assert core.stats().num_blocks_free == 400
+
+
+def test_a_thinking_budget_forces_the_end_of_the_block_then_the_grammar(rng):
+    markers = ReasoningMarkers(THINK, END_THINK, (NEWLINE, END_THINK, BLANK_LINE))
+    budget, length = 5, 4
+    constraint = residues(length, reasoning=markers, thinking_budget=budget)
+    params = SamplingParams(temperature=1.0, max_tokens=30, logit_bias={END_THINK: -100.0})  # never ends by itself
+    requests = [Request(f"t{i}", p, params, seed=i, constraint=constraint) for i, p in enumerate(prompts(3, rng))]
+    for tokens in run(grammar_core(), requests).values():
+        assert END_THINK not in tokens[:budget]
+        assert tokens[budget : budget + 3] == [NEWLINE, END_THINK, BLANK_LINE]
+        assert follows_residues(tokens[budget + 3 :], length)
+
+
+def test_the_output_cannot_end_inside_the_reasoning_block(rng):
+    """A model that would end at once (eos biased up) reasons up to its budget instead, then the
+    forced end, the grammar and only then eos."""
+    markers = ReasoningMarkers(THINK, END_THINK, (NEWLINE, END_THINK, BLANK_LINE))
+    constraint = residues(4, reasoning=markers, thinking_budget=5)
+    params = SamplingParams(temperature=1.0, max_tokens=30, logit_bias={EOS_ID: 100.0, END_THINK: -100.0})
+    requests = [Request(f"e{i}", p, params, seed=i, constraint=constraint) for i, p in enumerate(prompts(2, rng))]
+    for tokens in run(grammar_core(), requests).values():
+        assert EOS_ID not in tokens[:5] and tokens[5:8] == [NEWLINE, END_THINK, BLANK_LINE]
+        assert follows_residues(tokens[8:], 4) and tokens[-1] == EOS_ID
