@@ -27,6 +27,8 @@ _WARPS = 8
 _GEMM_ROWS = 128  # moe.cu GEMM_BM / GEMM_BN (gate_up: 64 features a tile)
 _GEMM_THREADS = 128
 _GEMM_SHARED_BYTES = 3 * (128 + 128) * (32 + 8) * 2  # GEMM_SHARED_BYTES
+_WGMMA_THREADS = 256  # kernels/sm90/moe.cu WG_GEMM_THREADS: two warpgroups
+_WGMMA_SHARED_BYTES = 3 * 2 * 128 * 128 + 1024  # WG_GEMM_SHARED_BYTES: 3 stages of A and B panels + alignment
 
 
 @dataclass(frozen=True, slots=True)

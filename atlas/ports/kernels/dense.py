@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from atlas.ports.gpu import Tensor
 from atlas.ports.kernels.host_weights import GatedActivation, HostLinear, RmsNorm
 
