@@ -61,18 +61,30 @@ class DeltaNetMixer:
 
     @property
     def needs(self) -> WorkspaceNeeds:
-        spec = self.spec
-        return WorkspaceNeeds(
-            scratch=(spec.projected_width, spec.conv_dim, spec.value_dim), intermediate=self.hidden_size
-        )
+        return delta_net_needs(self.spec, self.hidden_size)
 
     def forward(self, step: LayerStep, residual: Tensor) -> None:
-        recurrent, dense = step.backend.recurrent, step.backend.dense
-        meta, state = step.recurrent(self.group)
-        projected = step.scratch(0, self.spec.projected_width)
-        mixed = step.scratch(1, self.spec.conv_dim)
-        out = step.scratch(2, self.spec.value_dim)
-        dense.project(residual, self.input, projected)
-        recurrent.causal_conv1d(projected, self.delta_net, meta, state, mixed)
-        recurrent.gated_delta_rule(mixed, projected, self.delta_net, meta, state, out)
-        dense.project_add(out, self.output, residual)
+        out = delta_net_heads(step, residual, self.spec, self.group, self.input, self.delta_net)
+        step.backend.dense.project_add(out, self.output, residual)
+
+
+def delta_net_needs(spec: DeltaNetLayer, hidden_size: int) -> WorkspaceNeeds:
+    """The scratch a DeltaNet mixer's step takes: in_proj's rows, the conv output, the heads."""
+    return WorkspaceNeeds(scratch=(spec.projected_width, spec.conv_dim, spec.value_dim), intermediate=hidden_size)
+
+
+def delta_net_heads(
+    step: LayerStep, residual: Tensor, spec: DeltaNetLayer, group: int, input: Projection, delta_net: PreparedDeltaNet
+) -> Tensor:
+    """A DeltaNet mixer up to its output projection: the input norm and in_proj, the causal
+    conv1d and the gated delta rule over the group's state; returns the heads' output (scratch 2,
+    [tokens, value_dim]), which the caller projects into the residual (all of it, or a rank's part)."""
+    recurrent, dense = step.backend.recurrent, step.backend.dense
+    meta, state = step.recurrent(group)
+    projected = step.scratch(0, spec.projected_width)
+    mixed = step.scratch(1, spec.conv_dim)
+    out = step.scratch(2, spec.value_dim)
+    dense.project(residual, input, projected)
+    recurrent.causal_conv1d(projected, delta_net, meta, state, mixed)
+    recurrent.gated_delta_rule(mixed, projected, delta_net, meta, state, out)
+    return out

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from atlas.domain.models.layers import LayerStep, WorkspaceNeeds
+from atlas.domain.models.mixers import delta_net_heads, delta_net_needs
 from atlas.ports.comm import CommBackend
 from atlas.ports.gpu import DType, GpuBackend, Kind, Tensor
 from atlas.ports.kernels.attention import AttentionLayer, PreparedAttention
@@ -119,21 +120,11 @@ class ParallelDeltaNetMixer:
 
     @property
     def needs(self) -> WorkspaceNeeds:
-        spec = self.spec
-        return WorkspaceNeeds(
-            scratch=(spec.projected_width, spec.conv_dim, spec.value_dim), intermediate=self.hidden_size
-        )
+        return delta_net_needs(self.spec, self.hidden_size)
 
     def forward(self, step: LayerStep, residual: Tensor) -> None:
-        recurrent, dense = step.backend.recurrent, step.backend.dense
-        meta, state = step.recurrent(self.group)
-        projected = step.scratch(0, self.spec.projected_width)
-        mixed = step.scratch(1, self.spec.conv_dim)
-        out = step.scratch(2, self.spec.value_dim)
-        dense.project(residual, self.input, projected)
-        recurrent.causal_conv1d(projected, self.delta_net, meta, state, mixed)
-        recurrent.gated_delta_rule(mixed, projected, self.delta_net, meta, state, out)
-        self.sums.add_projection(dense, out, self.output, residual)
+        out = delta_net_heads(step, residual, self.spec, self.group, self.input, self.delta_net)
+        self.sums.add_projection(step.backend.dense, out, self.output, residual)
 
 
 @dataclass(frozen=True, slots=True)
