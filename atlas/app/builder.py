@@ -74,7 +74,8 @@ class LoadedEngine:
     weight_bytes: int = 0  # the weights as the device holds them (FP8 projections: a byte an element)
 
     def close(self) -> None:
-        """Release what the engine holds outside this process (rank processes)."""
+        """Release what the engine holds outside this thread (its mask thread, rank processes)."""
+        self.core.close()
         self.on_close()
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
