@@ -99,6 +99,11 @@ class DraftModelProposer:
         self._next_step_id = 0
 
     @property
+    def runner(self) -> StepRunner:
+        """What runs the draft model's steps (its worker)."""
+        return self._runner
+
+    @property
     def num_free_blocks(self) -> int:
         return self._pool.num_free_blocks
 
