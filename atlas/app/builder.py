@@ -227,7 +227,7 @@ def build_engine(
     if draft is not None and draft_model is not None:
         proposer = _draft_proposer(settings, draft, draft_model, plan.num_pages[len(model.cache_groups):], kv_dtype,
                                    max_model_len, () if settings.enforce_eager else _graph_sizes(settings, 0),
-                                   config.vocab_size)
+                                   min(config.vocab_size, draft.config.vocab_size))
     phases.lap("memory plan", f"{sum(plan.num_pages)} pages, step buffers and workspace")
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))

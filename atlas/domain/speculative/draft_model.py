@@ -31,7 +31,7 @@ the tokens plain decoding yields (`verify`'s module docstring).
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence, StepResult
@@ -88,7 +88,8 @@ class DraftModelProposer:
                  vocab_size: int) -> None:
         """`num_blocks` blocks of `block_size` tokens (the draft worker's caches hold them, plus
         the scratch block); `max_num_tokens`: the draft worker's step size; `vocab_size`: the
-        target's (a draft id past it can never be accepted, so drafting stops there)."""
+        smaller of the two models' (a draft id past the target's is never accepted, so drafting
+        stops there; a logit bias past the draft's is dropped)."""
         if max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be at least 1 (got {max_num_tokens})")
         self._runner = runner
@@ -128,7 +129,8 @@ class DraftModelProposer:
                 break
             self._run_decode(drafting)
         for row in rows:
-            row.state.num_final = min(row.stop, row.request.history.num_final_tokens)
+            self._truncate(row.state, len(row.state.token_ids))  # blocks of drafts never fed (a cut)
+            row.state.num_final = row.stop
         return {row.request.seq_id: tuple(row.drafts) for row in rows if row.drafts}
 
     def forget(self, seq_id: str) -> None:
@@ -214,11 +216,13 @@ class DraftModelProposer:
                 row.request = DraftRequest(row.request.seq_id, row.request.history, row.request.num_computed, 0)
 
     def _scheduled(self, row: _Row, token_ids: tuple[int, ...], start: int, sampled: bool) -> ScheduledSequence:
-        bias_ids, bias_values = row.request.bias
-        sampling = SamplingRow(
-            temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0,
-            bias_token_ids=bias_ids, bias_values=bias_values,
-        ) if sampled and bias_ids else (_GREEDY if sampled else None)
+        sampling = None
+        if sampled:
+            sampling = _GREEDY
+            bias = [(i, v) for i, v in zip(*row.request.bias, strict=True) if i < self._vocab_size]
+            if bias:
+                ids, values = zip(*bias, strict=True)
+                sampling = replace(_GREEDY, bias_token_ids=ids, bias_values=values)
         return ScheduledSequence(row.request.seq_id, token_ids, start, tuple(row.state.block_ids), sampling)
 
     def _grow(self, state: _DraftState, num_positions: int) -> bool:
