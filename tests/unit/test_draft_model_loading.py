@@ -11,7 +11,7 @@ import pytest
 from atlas.app.bench.tiny_model import TinyModelShape, write_tiny_model
 from atlas.app.cli import main
 from atlas.app.llm import LLM
-from atlas.app.settings import SettingsError
+from atlas.app.settings import EngineSettings, SettingsError
 from atlas.domain.requests import SamplingParams
 
 PROMPTS = ["Once upon a time", "Engineers measure throughput in tokens"]
@@ -71,7 +71,8 @@ def test_the_cli_says_what_is_wrong_with_the_draft_in_one_line(folders, capsys, 
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("atlas: error:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err
-    assert lines[0].startswith("atlas: error: --speculative-config: speculative_config.model: ") and expected in lines[0]
+    assert lines[0].startswith("atlas: error: --speculative-config: speculative_config.model: ")
+    assert expected in lines[0]
 
 
 def test_the_cli_generates_with_a_draft_model_what_it_generates_without(folders, capsys):
@@ -81,3 +82,10 @@ def test_the_cli_generates_with_a_draft_model_what_it_generates_without(folders,
     plain = capsys.readouterr().out
     assert main([*args, "--speculative-config", json.dumps(draft_config(folders["draft"]))]) == 0
     assert capsys.readouterr().out == plain
+
+
+def test_a_draft_model_on_several_devices_is_refused_naming_the_flags(folders):
+    with pytest.raises(SettingsError, match=r"speculative_config\.method: draft_model runs on one device; drop "
+                                            r"--tensor-parallel-size"):
+        EngineSettings(model=str(folders["target"]), tensor_parallel_size=2,
+                       speculative_config=json.dumps(draft_config(folders["draft"])))

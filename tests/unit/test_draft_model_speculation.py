@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fakes import TINY_LLAMA
-from helpers.tiny_engine import build_core, prompts, run
+from helpers.residue_grammar import follows_residues, residue_grammars, residues
+from helpers.tiny_engine import VOCAB_SIZE, build_core, prompts, run
 from test_engine_speculation import REPEATING, assert_same_outputs, outputs, requests_for
 
 from atlas.domain.requests import Request, SamplingParams
@@ -162,4 +163,17 @@ def test_a_draft_round_catches_up_over_prefix_cache_hits(rng):
     assert run(core, [second]) == run(plain, [second])
     assert core.stats().num_prefix_cache_hits > 0
     assert core.stats().num_spec_accepted_tokens > accepted_before
+    assert_all_blocks_back(core)
+
+
+def test_constrained_sequences_verify_draft_model_drafts_under_their_grammar(rng):
+    bias = {6: 4.0, 9: 4.0, 12: 4.0}
+    requests = [Request(f"r{i}", p, SamplingParams(temperature=t, max_tokens=30, logit_bias=bias), seed=i,
+                        constraint=residues(24))
+                for i, (p, t) in enumerate(zip(prompts(6, rng), (0.0, 0.8) * 3))]
+    core = build_core(speculative=DRAFT_MODEL, draft="target", grammars=residue_grammars(VOCAB_SIZE))
+    tokens = run(core, requests)
+    assert tokens == run(build_core(grammars=residue_grammars(VOCAB_SIZE)), requests)
+    assert all(follows_residues(t, 24) for t in tokens.values())
+    assert core.stats().num_spec_accepted_tokens > 0
     assert_all_blocks_back(core)
