@@ -9,7 +9,9 @@
 #               cubin is byte-identical to the shipped one)
 #   sanitizer   compute-sanitizer memcheck over the packaged 8B prefill and first decode step
 #   8b-decode-only  atlas bench of the random 8B, batch 1, with only attention_decode packaged
-#               (NVRTC compiles the other modules, ~66 s); FULL=1 adds 8b-all-but-decode, the converse
+#               (NVRTC compiles the other modules, ~66 s); FULL=1 adds 8b-all-but-decode, the converse,
+#               and 8b-packaged-no-pdl, every module packaged without programmatic launches (is
+#               the trap the kernel before attention's, reported at attention's launch?)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export ATLAS_KERNEL_CACHE=$(mktemp -d)  # NVRTC compiles once across the steps, never from an older cache
@@ -29,5 +31,8 @@ step nvcc-here 120 env ATLAS_PACKAGED_CUBINS=1 $PROBE --nvcc-here "$OUT/nvcc-her
 step sanitizer 120 env ATLAS_PACKAGED_CUBINS=1 compute-sanitizer --tool memcheck --print-limit 10 $PROBE --quick
 BENCH="python3 -m atlas.app.cli bench --random llama-3.1-8b --device cuda --batch-sizes 1 --output-len 8"
 step 8b-decode-only 200 env ATLAS_PACKAGED_CUBINS=1 ATLAS_PACKAGED_CUBINS_SKIP=$ALL_BUT_DECODE $BENCH
-[ "${FULL:-0}" = 1 ] && step 8b-all-but-decode 150 env ATLAS_PACKAGED_CUBINS=1 ATLAS_PACKAGED_CUBINS_SKIP=attention_decode $BENCH
+if [ "${FULL:-0}" = 1 ]; then
+  step 8b-all-but-decode 150 env ATLAS_PACKAGED_CUBINS=1 ATLAS_PACKAGED_CUBINS_SKIP=attention_decode $BENCH
+  step 8b-packaged-no-pdl 150 env ATLAS_PACKAGED_CUBINS=1 ATLAS_CUDA_DISABLE=pdl $BENCH
+fi
 echo "=== total $((SECONDS - t0)) s"
