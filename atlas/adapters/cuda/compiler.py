@@ -224,6 +224,12 @@ class KernelCompiler:
         self.stats.record(module.name, "compiled")
         return data
 
+    def compile(self, module: KernelModule) -> bytes:
+        """Compile the module with NVRTC now, bypassing the packaged cubins and the cache (the
+        prebuild's path: packaged cubins are then the bytes this machine's NVRTC would make).
+        Raises `KernelCompileError` as `cubin` does."""
+        return self._compile(module)
+
     def _nvrtc_version(self) -> tuple[int, int]:
         with self._lock:
             if self._version is None:

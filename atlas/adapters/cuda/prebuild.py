@@ -1,12 +1,19 @@
 """Build the packaged cubins: `python -m atlas.adapters.cuda.prebuild [--arch sm_90a ...] [--check]`.
 
 Compiles every kernel module some target of each arch can select (`registry.selectable_modules`)
-with nvcc into `atlas/adapters/cuda/cubins/<arch>/<module>-<source key>.cubin`, removes the cubins
+with NVRTC, through the runtime's own compile call (`--compiler nvcc` runs nvcc instead), into
+`atlas/adapters/cuda/cubins/<arch>/<module>-<source key>.cubin`, removes the cubins
 no current source maps to, and writes `cubins/MANIFEST.json`: per arch the CUDA version that built
 them (the driver must support it) and each file's module, source and SHA-256. The runtime finds a
 cubin by the source key alone (compiler.py), so a kernel edited without rebuilding falls back to
-NVRTC; `--check` lists such modules and exits 1. Needs nvcc (no GPU); run it after editing
-anything under kernels/ and commit the result.
+NVRTC; `--check` lists such modules and exits 1. Needs NVRTC (cuda-bindings and the
+nvidia-cuda-nvrtc wheel; no GPU); run it after editing anything under kernels/ and commit the
+result, with the oldest NVRTC of the major version the cubins are for (the driver must support
+the version that built them).
+
+Why NVRTC by default: nvcc 13.0.88's ptxas built attention_decode_mma_d128_w8_s2 with an
+`LDGSTS ... desc[UR1]` that traps (CUDA_ERROR_ILLEGAL_INSTRUCTION) on an H200, while NVRTC 13.0
+builds the same source into code that runs; the cubins then are the bytes every GPU test ran.
 """
 
 from __future__ import annotations
@@ -26,7 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from atlas.adapters.cuda.compiler import MANIFEST_NAME, cubin_file_name, packaged_root, source_key
+from atlas.adapters.cuda.compiler import (
+    MANIFEST_NAME,
+    KernelCompileError,
+    KernelCompiler,
+    cubin_file_name,
+    nvrtc_version,
+    packaged_root,
+    source_key,
+)
 from atlas.adapters.cuda.registry import KernelModule, family_of_arch, kernels_root, selectable_modules
 
 DEFAULT_ARCHES = ("sm_90a", "sm_100a")
@@ -108,11 +123,16 @@ def nvcc_cuda_version(nvcc: str) -> tuple[int, str]:
     return major * 1000 + minor * 10, f"nvcc {full.removeprefix('V')}"
 
 
-def build(arches: list[str], nvcc: str, jobs: int, packaged: Path | None = None, root: Path | None = None) -> int:
-    """Compile what is missing, prune what is stale, rewrite the manifest; returns an exit code."""
+def build(arches: list[str], nvcc: str | None, jobs: int, packaged: Path | None = None, root: Path | None = None) -> int:
+    """Compile what is missing (with nvcc, or with NVRTC when `nvcc` is None), prune what is
+    stale, rewrite the manifest; returns an exit code."""
     packaged = packaged or packaged_root()
     root = root or kernels_root()
-    cuda_version, built_with = nvcc_cuda_version(nvcc)
+    if nvcc is None:
+        major, minor = nvrtc_version()
+        cuda_version, built_with = major * 1000 + minor * 10, f"NVRTC {major}.{minor}"
+    else:
+        cuda_version, built_with = nvcc_cuda_version(nvcc)
     manifest_path = packaged / MANIFEST_NAME
     manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {"arches": {}}
     failures = 0
@@ -120,7 +140,7 @@ def build(arches: list[str], nvcc: str, jobs: int, packaged: Path | None = None,
         folder = packaged / arch
         folder.mkdir(parents=True, exist_ok=True)
         previous = manifest["arches"].get(arch, {})
-        if previous.get("cuda_version") not in (None, cuda_version):
+        if previous.get("cuda_version") not in (None, cuda_version) or previous.get("built_with") != built_with:
             shutil.rmtree(folder)  # another toolkit built these: rebuild them all with this one
             folder.mkdir(parents=True)
         plans = planned_cubins(arch, root)
@@ -131,7 +151,8 @@ def build(arches: list[str], nvcc: str, jobs: int, packaged: Path | None = None,
                 stale.unlink()
         todo = [plan for plan in plans if not (folder / plan.file_name).is_file()]
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            results = list(pool.map(lambda plan: _compile(nvcc, plan, folder), todo))
+            compile_one = _compile if nvcc is not None else _compile_nvrtc
+            results = list(pool.map(lambda plan: compile_one(nvcc, plan, folder), todo))
         failures += results.count(False)
         entries = {}
         for plan in plans:
@@ -170,9 +191,27 @@ def _compile(nvcc: str, plan: PlannedCubin, folder: Path) -> bool:
     return True
 
 
+def _compile_nvrtc(_: str | None, plan: PlannedCubin, folder: Path) -> bool:
+    started = time.perf_counter()
+    try:
+        data = KernelCompiler(plan.arch).compile(plan.module)
+    except KernelCompileError as error:
+        print(f"{plan.arch}: {error}", file=sys.stderr)
+        return False
+    handle, temporary = tempfile.mkstemp(dir=folder, prefix=plan.file_name, suffix=".tmp")
+    with os.fdopen(handle, "wb") as file:
+        file.write(data)
+    os.chmod(temporary, 0o644)  # mkstemp's file is private; package data is not
+    os.replace(temporary, folder / plan.file_name)
+    print(f"{plan.arch}: {plan.module.name} ({plan.module.folder}) in {time.perf_counter() - started:.1f} s")
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m atlas.adapters.cuda.prebuild", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", action="append", help=f"compile arch (repeatable; default {', '.join(DEFAULT_ARCHES)})")
+    parser.add_argument("--compiler", choices=("nvrtc", "nvcc"), default="nvrtc",
+                        help="NVRTC through the runtime's compile call (default), or nvcc")
     parser.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"), help="the nvcc to run (default: $NVCC or nvcc)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="modules compiled at once")
     parser.add_argument("--check", action="store_true", help="only list modules without an up-to-date cubin")
@@ -183,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         for arch, names in stale.items():
             print(f"{arch}: {'stale or missing: ' + ', '.join(names) if names else 'up to date'}")
         return 1 if any(stale.values()) else 0
+    if args.compiler == "nvrtc":
+        return build(arches, None, args.jobs)
     if shutil.which(args.nvcc) is None:
         print(f"--nvcc: {args.nvcc} is not on PATH; install the CUDA toolkit or pass --nvcc", file=sys.stderr)
         return 2
