@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
+import msgspec
 import numpy as np
 
 from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence, StepResult, TokenLogprobs
@@ -358,8 +359,8 @@ def decode_rows(batch: ScheduledBatch) -> ScheduledBatch:
         sampling_rows = seq.sampling_rows
         first = seq.num_tokens - len(sampling_rows)  # tokens before the last one and the drafts
         if first:
-            sequences.append(replace(seq, token_ids=seq.token_ids[:first], sampling=None, num_draft_tokens=0,
-                                     draft_rows=()))
+            sequences.append(msgspec.structs.replace(seq, token_ids=seq.token_ids[:first], sampling=None,
+                                                    num_draft_tokens=0, draft_rows=()))
         sequences.extend(seq.decode_row(first + offset, row) for offset, row in enumerate(sampling_rows))
     return replace(batch, sequences=tuple(sequences))
 

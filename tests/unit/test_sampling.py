@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
+
 import numpy as np
 import pytest
 
@@ -226,15 +228,15 @@ def test_penalties_steer_greedy_choice() -> None:
     prompt_only = row(temperature=0.0, repetition_penalty=1.1, presence_penalty=2.0,
                       penalty_token_ids=(1,), penalty_output_counts=(0,))  # fmt: skip
     assert sample_rows(logits, pack_rows([prompt_only]), None).token_ids.tolist() == [2]
-    mild = dataclasses.replace(prompt_only, repetition_penalty=1.02)  # 3.0 / 1.02 > 2.9
+    mild = msgspec.structs.replace(prompt_only, repetition_penalty=1.02)  # 3.0 / 1.02 > 2.9
     assert sample_rows(logits, pack_rows([mild]), None).token_ids.tolist() == [1]
 
 
 def test_a_minus_inf_bias_bans_a_token() -> None:
     logits = np.float32([[0.5, 4.0, 3.9, 0.0, -1.0]])
     banned = row(bias_token_ids=(1,), bias_values=(float("-inf"),))
-    assert sample_rows(logits, pack_rows([dataclasses.replace(banned, temperature=0.0)]), None).token_ids[0] == 2
-    rows = [dataclasses.replace(banned, counter=c, temperature=2.0) for c in range(400)]
+    assert sample_rows(logits, pack_rows([msgspec.structs.replace(banned, temperature=0.0)]), None).token_ids[0] == 2
+    rows = [msgspec.structs.replace(banned, counter=c, temperature=2.0) for c in range(400)]
     drawn = sample_rows(np.repeat(logits, 400, axis=0), pack_rows(rows), None).token_ids
     assert 1 not in drawn.tolist()
     assert set(drawn.tolist()) == {0, 2, 3, 4}  # at T=2 every other token turns up
