@@ -10,7 +10,8 @@ apart and left out of the host total.
 
 Each phase's time is its own (time spent in the phases it calls is subtracted), in
 microseconds per step, over the timed steps of every repeat; the table gives each phase's
-median over the repeats:
+median over the repeats. Times are the thread's CPU time by default (`--clock cpu`), which
+other processes on a busy machine do not inflate as they do wall time (`--clock wall`):
 
     python benchmarks/host_step.py --batch-sizes 16,64 --steps 200 --repeats 5
     python benchmarks/host_step.py --batch-sizes 64 --profile   # cProfile's top functions too
@@ -63,24 +64,25 @@ DEVICE = "device"
 
 
 class PhaseClock:
-    """Exclusive wall time per phase: a wrapped call's time minus its wrapped callees'."""
+    """Exclusive time per phase: a wrapped call's time minus its wrapped callees'."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.totals: dict[str, float] = defaultdict(float)
         self._stack: list[float] = []
         self._restore: list[Callable[[], None]] = []
 
     def wrap(self, owner: object, name: str, phase: str) -> None:
         original = getattr(owner, name)
-        stack, totals = self._stack, self.totals
+        stack, totals, clock = self._stack, self.totals, self.clock
 
         def timed(*args, **kwargs):
-            started = time.perf_counter()
+            started = clock()
             stack.append(0.0)
             try:
                 return original(*args, **kwargs)
             finally:
-                elapsed = time.perf_counter() - started
+                elapsed = clock() - started
                 totals[phase] += elapsed - stack.pop()
                 if stack:
                     stack[-1] += elapsed
@@ -89,12 +91,12 @@ class PhaseClock:
         self._restore.append(lambda: setattr(owner, name, original))
 
     def time(self, phase: str, fn: Callable[[], object]) -> object:
-        started = time.perf_counter()
+        started = self.clock()
         self._stack.append(0.0)
         try:
             return fn()
         finally:
-            elapsed = time.perf_counter() - started
+            elapsed = self.clock() - started
             self.totals[phase] += elapsed - self._stack.pop()
 
     def reset(self) -> None:
@@ -174,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens of each sequence")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
+                        help="the thread's CPU time (default) or wall time")
     parser.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
     args = parser.parse_args(argv)
     batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                               max_seq_len=args.context + args.steps + 128, kv_cache_gb=0.25)
     loaded = build_engine(settings, show_progress=False, placement=EmulatedGraphs())
     core = loaded.core
-    clock = PhaseClock()
+    clock = PhaseClock(time.thread_time if args.clock == "cpu" else time.perf_counter)
     instrument(clock, core)
     rows = []
     for batch in batch_sizes:
@@ -208,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print(rows) -> None:
-    print(f"µs per decode step, median of the repeats (phases exclusive; '{DEVICE}': the mock's math, not host)")
+    print(f"µs per decode step, median of the repeats (phases exclusive; '{DEVICE}': the mock's math, not host; "
+          f"'wall': the loop's wall time per step)")
     print(f"{'phase':>12}" + "".join(f"{f'batch {batch}':>12}" for batch, *_ in rows))
     for phase in (*CORE_PHASES, *FRONT_PHASES, DEVICE):
         print(f"{phase:>12}" + "".join(f"{phases[phase]:>12.1f}" for _, phases, *_ in rows))

@@ -19,16 +19,16 @@ rolls back the computed count past the rejected ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
+from atlas.domain.batch import SamplingRow
 from atlas.domain.cache.holdings import CacheHoldings
 from atlas.domain.requests import FinishReason, ParameterError, Request, SamplingParams, SequenceStatus
 
 PLACEHOLDER_TOKEN = -1
 
 
-@dataclass(frozen=True, slots=True)
-class PendingToken:
+class PendingToken(msgspec.Struct, frozen=True):
     """Where the id of a sequence's last token will come from."""
 
     step_id: int  # the step that samples it
@@ -58,6 +58,7 @@ class Sequence:
         "_penalty_counts",
         "_pending",
         "_num_drafts",
+        "sampling_row_base",
     )
 
     def __init__(self, request: Request, max_total_tokens: int, eos_token_ids: frozenset[int]) -> None:
@@ -82,6 +83,9 @@ class Sequence:
         if request.sampling.has_penalties:
             covers_prompt = request.sampling.repetition_penalty != 1.0
             self._penalty_counts = dict.fromkeys(request.prompt_token_ids, 0) if covers_prompt else {}
+        # The sampling module's row for this request without drafts, penalties or bans, which
+        # depends on the request alone: built once, each step's row is it with its counter.
+        self.sampling_row_base: SamplingRow | None = None
 
     @property
     def seq_id(self) -> str:

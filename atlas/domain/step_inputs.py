@@ -15,6 +15,10 @@ import numpy as np
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence
 
+# What `build_step_inputs` reads of each sequence in its one pass: query length, start,
+# placeholder row (-1: none), samples, block ids, KV tables and state slots carried.
+_NUM_SEQUENCE_NUMBERS = 7
+
 
 @dataclass(frozen=True, slots=True)
 class CacheLayout:
@@ -94,28 +98,33 @@ def build_step_inputs(batch: ScheduledBatch, layout: CacheLayout, num_sample_slo
     block_size = layout.block_size
     sequences = batch.sequences
     num_seqs = len(sequences)
-    # One pass of Python over the sequences per field, then numpy: at 64 or more sequences a
-    # step this builds every few milliseconds, the host's per-sequence work is what shows.
-    query_lens = np.fromiter((len(seq.token_ids) for seq in sequences), np.int32, num_seqs)
-    starts = np.fromiter((seq.start_position for seq in sequences), np.int32, num_seqs)
+    # One pass of Python over the sequences gathers their numbers, then numpy: at batch 64 a
+    # step builds these every millisecond or two, and each pass over the batch costs more
+    # than the arithmetic.
+    numbers = np.fromiter(
+        itertools.chain.from_iterable(
+            (len(seq.token_ids), seq.start_position, -1 if seq.placeholder_row is None else seq.placeholder_row,
+             seq.sampling is not None, len(seq.block_ids), len(seq.kv_block_tables), len(seq.state_slots))
+            for seq in sequences
+        ),
+        np.int32,
+        _NUM_SEQUENCE_NUMBERS * num_seqs,
+    ).reshape(num_seqs, _NUM_SEQUENCE_NUMBERS).T
+    query_lens, starts, placeholder_rows, samples, num_block_ids, num_tables, num_slots = numbers
+    lone = _check_groups(sequences, layout, num_tables, num_slots)
     seq_lens = starts + query_lens
     query_start = np.zeros(num_seqs + 1, np.int32)
     np.cumsum(query_lens, out=query_start[1:])
     num_tokens = int(query_start[-1])
     token_seq = np.repeat(np.arange(num_seqs), query_lens)  # the sequence of each token row
     positions = (np.arange(num_tokens) + np.repeat(starts - query_start[:-1], query_lens)).astype(np.int32)
-    lone = _check_groups(sequences, layout)
     block_tables = np.empty((num_seqs, layout.num_kv_groups, layout.table_width), np.int32)
     slot_mapping = np.empty((layout.num_kv_groups, num_tokens), np.int32)
     for group in range(layout.num_kv_groups):
         table = block_tables[:, group]
-        _fill_table(table, sequences, group, layout, seq_lens, lone)
+        _fill_table(table, sequences, group, layout, seq_lens, num_block_ids if lone else None)
         slot_mapping[group] = table[token_seq, positions // block_size] * block_size + positions % block_size
-    samples = np.fromiter((seq.sampling is not None for seq in sequences), bool, num_seqs)
     token_gather = np.arange(num_sample_slots, num_sample_slots + num_tokens, dtype=np.int32)
-    placeholder_rows = np.fromiter(
-        (-1 if seq.placeholder_row is None else seq.placeholder_row for seq in sequences), np.int32, num_seqs
-    )
     placeholders = placeholder_rows >= 0  # last token rows sampled by the previous step, on the device
     token_gather[query_start[1:][placeholders] - 1] = placeholder_rows[placeholders]
     return HostStepInputs(
@@ -126,7 +135,7 @@ def build_step_inputs(batch: ScheduledBatch, layout: CacheLayout, num_sample_slo
         seq_lens=seq_lens,
         block_tables=block_tables,
         state_slots=_state_slots(sequences, layout),
-        sample_indices=query_start[1:][samples] - 1,
+        sample_indices=query_start[1:][samples != 0] - 1,
         token_gather=token_gather,
         has_placeholders=bool(placeholders.any()),
         max_query_len=int(query_lens.max()) if num_seqs else 0,
@@ -134,21 +143,22 @@ def build_step_inputs(batch: ScheduledBatch, layout: CacheLayout, num_sample_slo
     )
 
 
-def _check_groups(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -> bool:
+def _check_groups(
+    sequences: Sequence[ScheduledSequence], layout: CacheLayout, num_tables: np.ndarray, num_slots: np.ndarray
+) -> bool:
     """Whether the batch's tables are `block_ids` alone (a lone full-attention group, with no
-    `kv_block_tables`). Raises ValueError unless every sequence carries a table per KV group
-    and a slot per recurrent group."""
-    shapes = {(len(seq.kv_block_tables), len(seq.state_slots)) for seq in sequences}
-    expected = {(layout.num_kv_groups, layout.num_state_groups)}
+    `kv_block_tables`), given each sequence's numbers of tables and slots. Raises ValueError
+    unless every sequence carries a table per KV group and a slot per recurrent group."""
+    fits = (num_tables == layout.num_kv_groups) & (num_slots == layout.num_state_groups)
     if layout.num_kv_groups == 1:
-        expected.add((0, layout.num_state_groups))
-    if shapes - expected:
-        seq = next(s for s in sequences if (len(s.kv_block_tables), len(s.state_slots)) not in expected)
+        fits |= (num_tables == 0) & (num_slots == layout.num_state_groups)
+    if not fits.all():
+        seq = sequences[int(np.flatnonzero(~fits)[0])]
         raise ValueError(
             f"sequence {seq.seq_id!r} carries {len(seq.block_tables)} block tables and {len(seq.state_slots)} "
             f"state slots for {layout.num_kv_groups} KV and {layout.num_state_groups} recurrent groups"
         )
-    return all(num_tables == 0 for num_tables, _ in shapes)
+    return not num_tables.any()
 
 
 def _fill_table(
@@ -157,23 +167,25 @@ def _fill_table(
     group: int,
     layout: CacheLayout,
     seq_lens: np.ndarray,
-    lone: bool,
+    lone_counts: np.ndarray | None,
 ) -> None:
     """Write KV group `group`'s block table of each sequence into `table` [S, W]: entry i is
     block i's page, the group's scratch block where the sequence holds none (released from a
-    sliding window, or past its last block).
+    sliding window, or past its last block). `lone_counts`: each sequence's number of
+    `block_ids` when they are its only table (a lone full-attention group), else None.
 
         first_block_idx 2, block_ids (7, 3), scratch 99:   [99 99 7 3 99 99 ...]
     """
     num_seqs, width = len(sequences), layout.table_width
-    if lone:
+    if lone_counts is not None:
         held: Sequence[tuple[int, ...]] = [seq.block_ids for seq in sequences]
         firsts = np.zeros(num_seqs, np.int32)
+        counts = lone_counts
     else:
         tables = [seq.block_tables[group] for seq in sequences]
         held = [t.block_ids for t in tables]
         firsts = np.fromiter((t.first_block_idx for t in tables), np.int32, num_seqs)
-    counts = np.fromiter((len(ids) for ids in held), np.int32, num_seqs)
+        counts = np.fromiter((len(ids) for ids in held), np.int32, num_seqs)
     covered = firsts + counts
     for index in np.flatnonzero((covered > width) | (covered * layout.block_size < seq_lens)):
         seq = sequences[index]
@@ -183,7 +195,7 @@ def _fill_table(
     table[...] = layout.kv_scratch_blocks[group]
     columns = np.arange(width, dtype=np.int32)  # (int32 against int32: no promotion per element)
     held_entries = columns < covered[:, None]
-    if not lone:
+    if lone_counts is None:
         held_entries &= columns >= firsts[:, None]
     # a row-major boolean mask takes the concatenated tables in order
     table[held_entries] = np.fromiter(itertools.chain.from_iterable(held), np.int32, int(counts.sum()))

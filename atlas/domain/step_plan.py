@@ -5,7 +5,7 @@ for the front end), with the check that a result belongs to the step it is commi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from atlas.domain.batch import (
     BlockTable,
@@ -19,8 +19,7 @@ from atlas.domain.sampling import sampling_rows
 from atlas.domain.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
-@dataclass(frozen=True, slots=True)
-class Planned:
+class Planned(msgspec.Struct, frozen=True):
     """One sequence's share of a step: `num_tokens` from `num_computed_tokens` on, the last
     `num_drafts` of them drafts to verify."""
 
@@ -41,8 +40,7 @@ class Planned:
         return self.samples and (self.num_drafts > 0 or self.seq.sampling.has_penalties)
 
 
-@dataclass(frozen=True, slots=True)
-class InFlightStep:
+class InFlightStep(msgspec.Struct, frozen=True):
     step_id: int
     planned: tuple[Planned, ...]
 

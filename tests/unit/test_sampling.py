@@ -434,3 +434,24 @@ def test_a_verify_step_samples_each_draft_position_as_if_the_drafts_were_output(
     plain = Sequence(Request("p", (4, 5), params, seed=9), max_total_tokens=22, eos_token_ids=frozenset({0}))
     plain.append_token(5)
     assert sampling_rows(plain) == rows[:1]  # without drafts: the first row alone
+
+
+def test_a_sequences_rows_built_from_its_cached_base_equal_rows_built_afresh() -> None:
+    """Past min_tokens a row without drafts or penalties is the sequence's cached base with
+    the step's counter: every field must match the row a sequence with no cache builds from
+    the parameters, across the min_tokens edge; drafts still get a row per position."""
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, min_tokens=2, max_tokens=20,
+                            logit_bias={7: 1.5}, stop_token_ids=[9], logprobs=2)
+    request = Request("s", (4, 5, 6), params, seed=-3)
+    seq = Sequence(request, max_total_tokens=30, eos_token_ids=frozenset({0}))
+    for token_id in (11, 12, 13, 14):
+        afresh = Sequence(request, max_total_tokens=30, eos_token_ids=frozenset({0}))
+        for earlier in seq.output_token_ids:
+            afresh.append_token(earlier)
+        assert sampling_rows(seq) == sampling_rows(afresh)
+        seq.append_token(token_id)
+    assert seq.sampling_row_base is not None and seq.sampling_row_base.bias_token_ids == (7,)
+    [late] = sampling_rows(seq)
+    assert (late.counter, late.seed, late.bias_values, late.num_logprobs, late.top_k) == (4, 2**64 - 3, (1.5,), 2, 40)
+    seq.add_drafts((15, 16))
+    assert [row.counter for row in sampling_rows(seq)] == [4, 5, 6]

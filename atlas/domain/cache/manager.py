@@ -27,6 +27,8 @@ from collections import Counter
 from collections.abc import Collection, Sequence as SequenceList
 from dataclasses import dataclass
 
+import msgspec
+
 from atlas.domain.batch import BlockTable
 from atlas.domain.cache.block_key import BlockKey
 from atlas.domain.cache.block_pool import BlockPool
@@ -47,8 +49,7 @@ class PrefixHit:
     waits_for_step: bool  # some of these blocks are computed by the step being built
 
 
-@dataclass(frozen=True, slots=True)
-class CacheReservation:
+class CacheReservation(msgspec.Struct, frozen=True):
     """A checked promise of pages for one sequence, redeemable once by `CacheManager.commit`
     before the cache changes again."""
 
