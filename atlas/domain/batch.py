@@ -5,7 +5,7 @@
 crosses: the worker never calls back into the scheduler.
 
 The types built once per sequence per step (`SamplingRow`, `BlockTable`, `ScheduledSequence`,
-`TokenLogprobs`) are frozen msgspec Structs: at batch 64 a step builds hundreds of them, and a
+`TokenLogprobs`, `SequenceOutput`) are frozen msgspec Structs: at batch 64 a step builds hundreds of them, and a
 Struct is built about ten times faster than a frozen dataclass (`msgspec.structs.replace`
 derives one from another).
 """
@@ -163,8 +163,7 @@ class StepResult:
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class SequenceOutput:
+class SequenceOutput(msgspec.Struct, frozen=True):
     """What one step changed for one sequence, published to its request's stream."""
 
     seq_id: str

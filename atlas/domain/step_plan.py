@@ -69,10 +69,10 @@ def scheduled_sequence(
     seq = planned.seq
     start = seq.num_computed_tokens
     token_ids = tuple(seq.tokens_slice(start, start + planned.num_tokens))
-    pending = seq.pending
     placeholder_row = None
     if token_ids[-1] == PLACEHOLDER_TOKEN:
         # only the newest placeholder can be computed: the previous step samples it
+        pending = seq.pending
         assert len(pending) == 1 and start + planned.num_tokens == seq.num_tokens
         placeholder_row = pending[-1].sample_row
     block_ids, kv_block_tables, state_slots = tables

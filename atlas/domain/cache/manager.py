@@ -209,6 +209,8 @@ class CacheManager:
         """The step computing `seq` up to its computed count is built (its block tables taken):
         release the blocks no later step reads, those that left a sliding window. Nothing else
         is handed out for this step, so they are reused only by steps that run after it."""
+        if not self._windowed_groups:
+            return
         holdings = seq.cache
         # Drafts may be rolled back: keep what a step from the first draft on would read.
         position = seq.num_computed_tokens - seq.num_draft_tokens
