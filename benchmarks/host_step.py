@@ -4,9 +4,10 @@ A decode step of a small model on a GPU is host bound when Python's work per ste
 step inputs, commit, outputs) outlasts the device's step: the engine overlaps one step, so
 host work hides only while it is shorter. This script isolates that work: a tiny random Llama
 (1 layer, hidden 32) on the mock backend with graphs emulated, so the worker takes the CUDA
-path (padding to a bucket, one staged copy, forward and sampler graph replays) and the mock's
-own math is small. The device's share (graph replays, eager forward and sampling) is timed
-apart and left out of the host total.
+path (padding to a bucket, one staged copy, forward and sampler graph replays). During the
+timed steps the graph replays do nothing by default (`--device none`), so the host's work runs
+alone as it does next to a GPU; `--device mock` runs the mock's math, timed apart as `device`
+and left out of the host total.
 
 Each phase's time is its own (time spent in the phases it calls is subtracted), in
 microseconds per step, over the timed steps of every repeat; the table gives each phase's
@@ -107,6 +108,23 @@ class PhaseClock:
             restore()
 
 
+class DeviceSwitch:
+    """Graph replays that run the mock's math, or (off) do nothing: the host's phases then
+    run alone, as next to a GPU, where the device's work neither takes the CPU nor evicts
+    the host's data from its caches. The sampled ids stay those of the last real step."""
+
+    def __init__(self) -> None:
+        self.on = True
+        self._replay = mock_backend._MockGraph.replay
+        switch = self
+
+        def replay(graph) -> None:
+            if switch.on:
+                switch._replay(graph)
+
+        mock_backend._MockGraph.replay = replay
+
+
 class EmulatedGraphs(OneDevice):
     """The whole model on the mock, reporting graph support so the worker takes the CUDA path."""
 
@@ -132,8 +150,8 @@ def instrument(clock: PhaseClock, core: engine.EngineCore) -> None:
     clock.wrap(StepBuffers, "gather_tokens", DEVICE)
 
 
-def run_batch(core: engine.EngineCore, tokenizer, clock: PhaseClock, batch: int, args: argparse.Namespace,
-              repeat: int) -> tuple[dict[str, float], float]:
+def run_batch(core: engine.EngineCore, tokenizer, clock: PhaseClock, device: DeviceSwitch, batch: int,
+              args: argparse.Namespace, repeat: int) -> tuple[dict[str, float], float]:
     """Decode `batch` sequences for `args.steps` timed steps; µs per step of each phase, and
     the wall µs per step."""
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.steps + 64,
@@ -149,12 +167,14 @@ def run_batch(core: engine.EngineCore, tokenizer, clock: PhaseClock, batch: int,
     for _ in range(3):  # steady decode: both steps in flight are decodes
         _front_end(core, texts, core.step())
     clock.reset()
+    device.on = args.device == "mock"
     started = time.perf_counter()
     for _ in range(args.steps):
         outputs = clock.time("engine", core.step)
         clock.time("detokenize", lambda: _front_end(core, texts, outputs))
         clock.time("stats", core.stats)
     wall = (time.perf_counter() - started) / args.steps
+    device.on = True
     totals = {phase: 1e6 * seconds / args.steps for phase, seconds in clock.totals.items()}
     for request_id in texts:
         core.abort(request_id)
@@ -176,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=512, help="prompt tokens of each sequence")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--device", choices=("none", "mock"), default="none",
+                        help="during the timed steps, graph replays do nothing (none, the default: the host alone, "
+                        "as next to a GPU) or run the mock's math (mock)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="the thread's CPU time (default) or wall time")
     parser.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
@@ -189,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     loaded = build_engine(settings, show_progress=False, placement=EmulatedGraphs())
     core = loaded.core
     clock = PhaseClock(time.thread_time if args.clock == "cpu" else time.perf_counter)
+    device = DeviceSwitch()
     instrument(clock, core)
     rows = []
     for batch in batch_sizes:
-        runs = [run_batch(core, loaded.tokenizer, clock, batch, args, repeat) for repeat in range(args.repeats)]
+        runs = [run_batch(core, loaded.tokenizer, clock, device, batch, args, repeat) for repeat in range(args.repeats)]
         phases = {phase: statistics.median(run[0].get(phase, 0.0) for run in runs)
                   for phase in (*CORE_PHASES, *FRONT_PHASES, DEVICE)}
         walls = [run[1] for run in runs]
@@ -205,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         clock.unwrap()
         profiler = cProfile.Profile()
         profiler.enable()
-        run_batch(core, loaded.tokenizer, clock, batch_sizes[-1], args, args.repeats)
+        run_batch(core, loaded.tokenizer, clock, device, batch_sizes[-1], args, args.repeats)
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(r"atlas/(domain|app)|numpy|builtins|tokenizers", 45)
     return 0

@@ -93,7 +93,7 @@ class PendingStep:
         if self._result is None:
             token_ids = self._token_ids.wait() if self._token_ids is not None else np.zeros(0, np.int32)
             logprobs = self._collect_logprobs(token_ids) if self._logprobs is not None else None
-            self._result = StepResult(self._step_id, tuple(int(t) for t in token_ids), logprobs)
+            self._result = StepResult(self._step_id, tuple(token_ids.tolist()), logprobs)
         return self._result
 
     def _collect_logprobs(self, token_ids: np.ndarray) -> tuple[TokenLogprobs | None, ...]:
