@@ -37,7 +37,7 @@ from atlas.domain.models.layers import GroupMetadata
 from atlas.domain.models.model import LayerObserver, Model, StepTensors
 from atlas.domain.sampling import PackedSampling, pack_rows
 from atlas.domain.step_buffers import StepBuffers
-from atlas.domain.step_inputs import CacheLayout, HostStepInputs, build_step_inputs, pad_decode_inputs
+from atlas.domain.step_inputs import CacheLayout, HostStepInputs, TableRows, build_step_inputs, pad_decode_inputs
 from atlas.domain.token_mask import bitmask_width
 from atlas.ports.gpu import DType, GpuBackend, Graph, PendingDownload, Tensor
 from atlas.ports.kernels.sampling import LogprobsOut
@@ -150,6 +150,9 @@ class Worker:
         max_tokens = max(config.max_num_tokens, max_graph)
         max_seqs = max(config.max_num_seqs, max_graph)
         self.buffers = StepBuffers(backend, max_tokens, max_seqs, self.cache_layout, bitmask_width(model.vocab_size))
+        lone = self.cache_layout.num_kv_groups == 1 and not self.cache_layout.num_state_groups
+        # a lone full-attention group's tables, kept between steps (rewritten where they change)
+        self._table_rows = TableRows(max_seqs, self.cache_layout) if lone else None
         self.workspace = model.allocate_workspace(max_tokens, max_seqs)
         self.graph_batch_sizes = tuple(sorted(config.graph_batch_sizes)) if backend.capabilities.supports_graphs else ()
         self._graphs: dict[int, tuple[Graph, Tensor]] = {}  # bucket -> (forward graph, its logits)
@@ -212,7 +215,7 @@ class Worker:
                 f"{self.config.max_num_tokens} / {self.config.max_num_seqs}"
             )
         buffers = self.buffers
-        inputs = build_step_inputs(batch, self.cache_layout, buffers.max_seqs)
+        inputs = build_step_inputs(batch, self.cache_layout, buffers.max_seqs, self._table_rows)
         if bucket is not None:
             graph, logits = self._graphs.get(bucket) or self._capture(bucket)  # capturing uses the buffers
             inputs = pad_decode_inputs(inputs, bucket, self.cache_layout, buffers.max_seqs)

@@ -190,7 +190,7 @@ class CacheManager:
             pool_reservation = group.pool.reserve(need)
             if pool_reservation is None:
                 raise AssertionError(f"group {idx}: a checked reservation of {need} pages no longer fits")
-            seq.cache.groups[idx].block_ids.extend(group.pool.commit(pool_reservation))
+            seq.cache.groups[idx].block_ids += tuple(group.pool.commit(pool_reservation))
         seq.cache.num_tokens_covered = min(
             self.groups[idx].pool.block_size * seq.cache.groups[idx].num_covered for idx in self._kv_groups
         )
@@ -231,7 +231,7 @@ class CacheManager:
             num_extra = holding.num_covered - group.num_pages(seq.num_computed_tokens)
             if num_extra > 0:
                 group.pool.free(holding.block_ids[-num_extra:])
-                del holding.block_ids[-num_extra:]
+                holding.block_ids = holding.block_ids[:-num_extra]
         holdings.num_tokens_covered = min(
             self.groups[idx].pool.block_size * holdings.groups[idx].num_covered for idx in self._kv_groups
         )
@@ -274,8 +274,8 @@ class CacheManager:
         holdings = seq.cache.groups
         first = holdings[self._kv_groups[0]]
         if self._lone_full_group:
-            return tuple(first.block_ids), (), ()
-        tables = tuple(BlockTable(tuple(holdings[i].block_ids), holdings[i].first_block_idx) for i in self._kv_groups)
+            return first.block_ids, (), ()
+        tables = tuple(BlockTable(holdings[i].block_ids, holdings[i].first_block_idx) for i in self._kv_groups)
         slots = tuple(holding.block_ids[0] for i, holding in enumerate(holdings) if i not in self._kv_groups)
         return tables[0].block_ids, tables, slots
 
@@ -398,9 +398,8 @@ class CacheManager:
             blocks = group.hit_blocks(len(hit.nodes))
             holding.first_block_idx = blocks.start if blocks else 0
             for block_idx in blocks:
-                node = hit.nodes[block_idx]
-                self.tree.pin(node, idx)
-                holding.block_ids.append(node.block_ids[idx])  # type: ignore[arg-type]
+                self.tree.pin(hit.nodes[block_idx], idx)
+            holding.block_ids = tuple(hit.nodes[block_idx].block_ids[idx] for block_idx in blocks)  # type: ignore[misc]
             group.pool.incref(holding.block_ids)
         holdings.nodes = list(hit.nodes)
         seq.start_from_cache(hit.num_tokens)
