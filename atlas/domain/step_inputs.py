@@ -117,11 +117,15 @@ def build_step_inputs(
     query_lens, starts, placeholder_rows, samples, num_block_ids, num_tables, num_slots = numbers
     lone = _check_groups(sequences, layout, num_tables, num_slots)
     seq_lens = starts + query_lens
-    query_start = np.zeros(num_seqs + 1, np.int32)
-    np.cumsum(query_lens, out=query_start[1:])
+    if (query_lens == 1).all():  # a decode step: token row i is sequence i's one token
+        query_start = np.arange(num_seqs + 1, dtype=np.int32)
+        token_seq, positions = query_start[:-1], starts.copy()
+    else:
+        query_start = np.zeros(num_seqs + 1, np.int32)
+        np.cumsum(query_lens, out=query_start[1:])
+        token_seq = np.repeat(np.arange(num_seqs), query_lens)  # the sequence of each token row
+        positions = (np.arange(query_start[-1]) + np.repeat(starts - query_start[:-1], query_lens)).astype(np.int32)
     num_tokens = int(query_start[-1])
-    token_seq = np.repeat(np.arange(num_seqs), query_lens)  # the sequence of each token row
-    positions = (np.arange(num_tokens) + np.repeat(starts - query_start[:-1], query_lens)).astype(np.int32)
     slot_mapping = np.empty((layout.num_kv_groups, num_tokens), np.int32)
     if lone and rows is not None:
         _check_coverage(sequences, num_block_ids, seq_lens, layout)
@@ -275,6 +279,8 @@ def pad_decode_inputs(
     extra = num_seqs - inputs.num_seqs
     if extra < 0 or inputs.num_tokens != inputs.num_seqs:
         raise ValueError("only decode steps (one token per sequence) can be padded")
+    if extra == 0 and inputs.num_sample_rows == num_seqs:
+        return inputs  # a full bucket: its rows are already the graph's (every row samples, in order)
     scratch_blocks = np.asarray(layout.kv_scratch_blocks, np.int32)
     padded_gather = np.concatenate(
         [inputs.token_gather, num_sample_slots + np.arange(inputs.num_tokens, num_seqs, dtype=np.int32)]

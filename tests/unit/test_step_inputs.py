@@ -181,3 +181,16 @@ def test_kept_table_rows_still_check_every_table():
         build_step_inputs(ScheduledBatch(2, (fine, short), BLOCK_SIZE), ONE_GROUP, 1, rows)
     with pytest.raises(ValueError, match="lone full-attention"):
         TableRows(4, HYBRID)
+
+
+def test_a_full_bucket_pads_to_itself():
+    """A decode step whose every row samples, padded to its own size, is already what the
+    graph reads: one token row per sequence, each sampled in order."""
+    rng = np.random.default_rng(11)
+    decodes = tuple(s for s in random_batch(rng, 16, HYBRID).sequences if s.num_tokens == 1)
+    inputs = build_step_inputs(ScheduledBatch(1, decodes, BLOCK_SIZE), HYBRID, SAMPLE_SLOTS)
+    padded = pad_decode_inputs(inputs, len(decodes), HYBRID, SAMPLE_SLOTS)
+    assert padded.query_start_loc.tolist() == list(range(len(decodes) + 1))
+    assert padded.sample_indices.tolist() == list(range(len(decodes)))
+    for name, expected in expected_inputs(ScheduledBatch(1, decodes, BLOCK_SIZE), HYBRID).items():
+        np.testing.assert_array_equal(getattr(padded, name), expected, err_msg=name)
