@@ -319,6 +319,8 @@ class Scheduler:
 
         Victims come from `_running[idx:]`: the sequences before `idx` are already in the step.
         """
+        if self.cache.covers(seq, num_tokens):
+            return True
         while (reservation := self.cache.reserve(seq, num_tokens)) is None:
             candidates = self._running[idx:]
             victim = self.policy.choose_victim(candidates, seq)

@@ -146,6 +146,11 @@ class CacheManager:
         waits = bool(self._fresh) and any(node in self._fresh for node in nodes)
         return PrefixHit(nodes, num_blocks * self.block_size, waits)
 
+    def covers(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether running `seq` already holds the pages for `num_tokens` more tokens in every
+        group (most steps of a running sequence): reserving them would hand out nothing."""
+        return seq.num_computed_tokens + num_tokens <= seq.cache.num_tokens_covered
+
     def reserve(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> CacheReservation | None:
         """Check that `seq` can hold `num_tokens` more tokens: from its computed ones when
         running, or from `hit` when it is being admitted (pass the hit, even an empty one).
