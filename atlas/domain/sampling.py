@@ -52,11 +52,12 @@ def sampling_rows(seq: Sequence) -> tuple[SamplingRow, ...]:
     params = seq.sampling
     num_drafts = seq.num_draft_tokens
     counter = seq.num_output_tokens - num_drafts
-    if not num_drafts and counter >= params.min_tokens and not params.has_penalties:
-        base = seq.sampling_row_base
-        if base is None:
+    if not num_drafts and counter >= params.min_tokens:
+        base = seq.sampling_row_base  # only ever built for a request without penalties
+        if base is None and not params.has_penalties:
             base = seq.sampling_row_base = _build_rows(seq, counter)[0]
-        return (msgspec.structs.replace(base, counter=counter),)
+        if base is not None:
+            return (msgspec.structs.replace(base, counter=counter),)
     return _build_rows(seq, counter)
 
 
