@@ -136,7 +136,7 @@ def instrument(clock: PhaseClock, core: engine.EngineCore) -> None:
     clock.wrap(scheduler.Scheduler, "schedule", "schedule")
     clock.wrap(scheduler, "scheduled_sequence", "rows")
     clock.wrap(worker.Worker, "submit", "submit")
-    clock.wrap(worker, "_pack", "pack")
+    clock.wrap(worker.Worker if hasattr(worker.Worker, "_pack") else worker, "_pack", "pack")  # a method since hostgap
     clock.wrap(worker, "build_step_inputs", "inputs")
     clock.wrap(worker, "pad_decode_inputs", "inputs")
     for name in ("stage_inputs", "stage_sampling", "send"):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 import numpy as np
@@ -199,6 +199,30 @@ def pack_rows(rows: SequenceOf[SamplingRow]) -> PackedSampling:
         any_penalties=bool(penalised),
         any_bias=any(row.bias_token_ids for row in bias_rows),
     )
+
+
+class RowPacker:
+    """`pack_rows` for a worker's stream of steps. A step whose rows equal the previous step's
+    but for their counters (the same sequences in the same order, decoding on) shares that
+    step's arrays and packs only its counters; any other step is packed afresh, so sequences
+    leaving, joining or moving, or a row changing (a min_tokens ban lifted), cost a full pack."""
+
+    def __init__(self) -> None:
+        self._rows: list[SamplingRow] = []
+        self._packed: PackedSampling | None = None
+
+    def pack(self, rows: list[SamplingRow]) -> PackedSampling:
+        """`pack_rows(rows)`, with the same errors. The arrays may be the previous result's:
+        read them, never write them."""
+        previous, packed = self._rows, self._packed
+        if packed is not None and len(rows) == len(previous) and all(
+            row == msgspec.structs.replace(old, counter=row.counter) for row, old in zip(rows, previous)
+        ):
+            packed = replace(packed, counters=np.array([row.counter for row in rows], dtype=np.int64))
+        else:
+            packed = pack_rows(rows)
+        self._rows, self._packed = list(rows), packed
+        return packed
 
 
 def _offsets(lengths: list[int], num_rows: int) -> np.ndarray:

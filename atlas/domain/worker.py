@@ -35,7 +35,7 @@ from atlas.domain.device_caches import DeviceCache, scratch_page
 from atlas.domain.models.cache_groups import kv_group_indices, state_group_indices
 from atlas.domain.models.layers import GroupMetadata
 from atlas.domain.models.model import LayerObserver, Model, StepTensors
-from atlas.domain.sampling import PackedSampling, pack_rows
+from atlas.domain.sampling import PackedSampling, RowPacker
 from atlas.domain.step_buffers import StepBuffers
 from atlas.domain.step_inputs import CacheLayout, HostStepInputs, TableRows, build_step_inputs, pad_decode_inputs
 from atlas.domain.token_mask import bitmask_width
@@ -153,6 +153,7 @@ class Worker:
         lone = self.cache_layout.num_kv_groups == 1 and not self.cache_layout.num_state_groups
         # a lone full-attention group's tables, kept between steps (rewritten where they change)
         self._table_rows = TableRows(max_seqs, self.cache_layout) if lone else None
+        self._packer = RowPacker()  # this step's sampling rows, from the last step's where only counters moved
         self.workspace = model.allocate_workspace(max_tokens, max_seqs)
         self.graph_batch_sizes = tuple(sorted(config.graph_batch_sizes)) if backend.capabilities.supports_graphs else ()
         self._graphs: dict[int, tuple[Graph, Tensor]] = {}  # bucket -> (forward graph, its logits)
@@ -167,7 +168,7 @@ class Worker:
         if batch.is_empty:
             return PendingStep(batch.step_id, wanted)
         bucket = self._graph_bucket(batch)
-        staged = _pack(rows, bucket)
+        staged = self._pack(rows, bucket)
         logits = self._forward(batch, bucket, staged)
         if staged is None:
             return PendingStep(batch.step_id, wanted)
@@ -190,7 +191,7 @@ class Worker:
         batch = decode_rows(batch)
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
         bucket = None if observer is not None else self._graph_bucket(batch)
-        logits = self._forward(batch, bucket, _pack(rows, bucket), observer)
+        logits = self._forward(batch, bucket, self._pack(rows, bucket), observer)
         return self.backend.begin_download(logits.rows(0, batch.num_sampled)).wait()
 
     def capture_graphs(self) -> None:
@@ -277,7 +278,7 @@ class Worker:
         # valid inputs for the warm-up run: every row a padding row in the scratch pages
         padding = pad_decode_inputs(HostStepInputs.empty(self.cache_layout), bucket, self.cache_layout, buffers.max_seqs)
         buffers.stage_inputs(padding)
-        buffers.stage_sampling(_pack([], bucket))
+        buffers.stage_sampling(self._pack([], bucket))
         buffers.send()
         outputs: list[Tensor] = []
 
@@ -303,6 +304,13 @@ class Worker:
         graph = backend.capture(lambda: backend.sampling.sample(logits, tensors, buffers.sampled_ids.rows(0, bucket)))
         self._sampler_graphs[(bucket, masked)] = graph
         return graph
+
+    def _pack(self, rows: list[SamplingRow], bucket: int | None) -> PackedSampling | None:
+        """The step's sampling rows (None without any), padded with greedy rows to a graph's
+        `bucket`: the graph samples every row, so padding rows need valid parameters too."""
+        if bucket is not None:
+            return self._packer.pack(rows + [_PADDING_ROW] * (bucket - len(rows)))
+        return self._packer.pack(rows) if rows else None
 
     def _sample(
         self,
@@ -366,14 +374,6 @@ def decode_rows(batch: ScheduledBatch) -> ScheduledBatch:
                                                     num_draft_tokens=0, draft_rows=()))
         sequences.extend(seq.decode_row(first + offset, row) for offset, row in enumerate(sampling_rows))
     return replace(batch, sequences=tuple(sequences))
-
-
-def _pack(rows: list[SamplingRow], bucket: int | None) -> PackedSampling | None:
-    """The step's sampling rows (None without any), padded with greedy rows to a graph's
-    `bucket`: the graph samples every row, so padding rows need valid parameters too."""
-    if bucket is not None:
-        return pack_rows(rows + [_PADDING_ROW] * (bucket - len(rows)))
-    return pack_rows(rows) if rows else None
 
 
 def _needs_eager_sampling(packed: PackedSampling, wanted: list[int | None]) -> bool:

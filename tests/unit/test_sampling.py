@@ -18,7 +18,14 @@ from atlas.adapters.mock.sampler import apply_penalties_and_bias, sample_rows
 from atlas.domain.batch import SamplingRow
 from atlas.domain.requests import ParameterError, Request, SamplingParams
 from atlas.domain.sequence import Sequence
-from atlas.domain.sampling import counter_uniforms, pack_rows, sampling_row, sampling_rows, validate_token_ids
+from atlas.domain.sampling import (
+    RowPacker,
+    counter_uniforms,
+    pack_rows,
+    sampling_row,
+    sampling_rows,
+    validate_token_ids,
+)
 
 MASK = 2**64 - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -455,3 +462,31 @@ def test_a_sequences_rows_built_from_its_cached_base_equal_rows_built_afresh() -
     assert (late.counter, late.seed, late.bias_values, late.num_logprobs, late.top_k) == (4, 2**64 - 3, (1.5,), 2, 40)
     seq.add_drafts((15, 16))
     assert [row.counter for row in sampling_rows(seq)] == [4, 5, 6]
+
+
+def test_a_row_packer_packs_every_step_as_pack_rows_does():
+    """Steps that only advance the counters reuse the last step's arrays; rows changing,
+    leaving, joining or moving must never leave a stale field behind."""
+    rng = np.random.default_rng(3)
+    pool = [row(temperature=float(t), top_k=int(k), seed=int(s), bias_token_ids=(1,) if b else (),
+                bias_values=(2.0,) if b else ())
+            for t, k, s, b in zip(rng.uniform(0, 2, 9), rng.integers(0, 50, 9), rng.integers(0, 2**63, 9),
+                                  rng.random(9) < 0.3)]
+    packer = RowPacker()
+    rows = pool[:4]
+    for step in range(40):
+        if step % 7 == 3:
+            rows = [pool[int(i)] for i in rng.choice(len(pool), size=int(rng.integers(0, 7)), replace=False)]
+        elif step % 7 == 5 and rows:  # one row changed but for its seed and counter (a ban lifted, say)
+            index = int(rng.integers(0, len(rows)))
+            rows[index] = msgspec.structs.replace(rows[index], temperature=0.0, min_p=0.2, bias_token_ids=(),
+                                                  bias_values=())
+        rows = [msgspec.structs.replace(r, counter=r.counter + 1) for r in rows]
+        packed, expected = packer.pack(rows), pack_rows(rows)
+        for field in dataclasses.fields(expected):
+            actual, wanted = getattr(packed, field.name), getattr(expected, field.name)
+            if isinstance(wanted, np.ndarray):
+                assert actual.dtype == wanted.dtype, field.name
+                np.testing.assert_array_equal(actual, wanted, err_msg=field.name)
+            else:
+                assert actual == wanted, field.name
