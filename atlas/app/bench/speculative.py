@@ -173,7 +173,8 @@ def _verify_step_cost(engine: LoadedEngine, decode_steps: list[ScheduledBatch], 
     decode = next((b for b in decode_steps if len(b.sequences) == 1 and b.num_tokens == 1), None)
     if decode is None:
         return {"verify_step_ms": None, "decode_step_ms": None, "verify_over_decode": None}
-    decode = replace(decode, sequences=(msgspec.structs.replace(decode.sequences[0], token_ids=(0,), placeholder_row=None),))
+    first = msgspec.structs.replace(decode.sequences[0], token_ids=(0,), placeholder_row=None)
+    decode = replace(decode, sequences=(first,))
     decode_s, verify_s = replay_device_time(engine, decode), replay_device_time(engine, verify_over(decode, num_drafts))
     return {"verify_step_ms": 1e3 * verify_s, "decode_step_ms": 1e3 * decode_s,
             "verify_over_decode": verify_s / decode_s}
