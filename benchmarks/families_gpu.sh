@@ -47,9 +47,9 @@ for s in ${*:-families doctor contract moe dense next kinds}; do case $s in
   families) step families 230 $PYTEST tests/gpu/test_models.py -k families_prefill_decode_and_chunk ;;
   doctor) step doctor 90 $PYTEST tests/gpu/test_doctor_cuda.py -k "qwen3_moe or qwen3_next or gemma3 or gpt_oss" ;;
   contract) step contract 90 $PYTEST tests/contract ;;
-  moe) bench moe 120 qwen3-30b-a3b --batch-sizes 1,64 --reference hf-random --reference-batch-sizes "" ;;
-  dense) bench dense 80 llama-3.1-8b --batch-sizes 1,64 ;;
-  next) bench next 150 "$NEXT" --batch-sizes 1 --max-num-seqs 8 --reference hf-random --reference-batch-sizes "" ;;
+  moe) bench moe 200 qwen3-30b-a3b --batch-sizes 1,64 --reference hf-random --reference-batch-sizes "" ;;
+  dense) bench dense 150 llama-3.1-8b --batch-sizes 1,64 ;;
+  next) bench next 300 "$NEXT" --batch-sizes 1 --max-num-seqs 8 --reference hf-random --reference-batch-sizes "" ;;
   kinds) step kinds 120 $PYTEST -x tests/gpu/test_cuda_moe.py tests/gpu/test_cuda_recurrent.py ;;
   *) echo "unknown step $s (families doctor contract moe dense next kinds)" ;;
 esac; done

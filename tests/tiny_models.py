@@ -11,6 +11,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+# transformers before 5.19 (the GPU machine's 5.17) ignores GPT-OSS's swiglu_alpha and limit
+from atlas.app.doctor import match_gpt_oss_experts
+
 # the loader's row orders of Qwen3-Next's in_proj_qkvz and in_proj_ba, for the tests that map
 # transformers' weights by hand
 from atlas.domain.models.qwen3_next import ba_rows, qkvz_rows  # noqa: F401
@@ -123,6 +126,7 @@ def build_reference(config_dict: dict[str, Any], seed: int = 0, device: str = "c
             tensors[name] = rounded.cpu().view(torch.int16).numpy().view(ml_dtypes.bfloat16)  # the same bits
     if config_dict.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
+    match_gpt_oss_experts(model, config_dict.get("swiglu_alpha", 1.702), config_dict.get("swiglu_limit", 7.0))
     return model, tensors
 
 

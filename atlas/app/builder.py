@@ -17,6 +17,7 @@ from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.adapters.weights.safetensors import SafetensorsWeights
 from atlas.app.backends import make_backend
 from atlas.app.chat_features import LazyGrammarCompiler
+from atlas.app.draft_model import DraftCheckpoint, load_draft_model, open_draft_model
 from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
 from atlas.app.settings import EngineSettings, SettingsError
@@ -33,7 +34,8 @@ from atlas.domain.models.quantization_weights import QuantizedOnLoad, checkpoint
 from atlas.domain.request_constraints import GrammarCache
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
-from atlas.domain.speculative.config import SpeculativeConfig
+from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeMethod
+from atlas.domain.speculative.draft_model import DraftModelProposer
 from atlas.domain.speculative.policy import speculation_policy
 from atlas.domain.worker import Worker, WorkerConfig
 from atlas.ports.gpu import DType, GpuBackend
@@ -74,7 +76,8 @@ class LoadedEngine:
     weight_bytes: int = 0  # the weights as the device holds them (FP8 projections: a byte an element)
 
     def close(self) -> None:
-        """Release what the engine holds outside this process (rank processes)."""
+        """Release what the engine holds outside this thread (its mask thread, rank processes)."""
+        self.core.close()
         self.on_close()
 
     def watch(self, on_failure: Callable[[str], None]) -> None:
@@ -162,19 +165,23 @@ def build_engine(
     stored = open_weights(model_dir, config)
     weights = QuantizedOnLoad(stored) if quantize else stored
     max_model_len = settings.max_seq_len or config.max_position_embeddings
+    speculative = settings.speculative
+    draft = None
+    if speculative is not None and speculative.method is SpeculativeMethod.DRAFT_MODEL:
+        draft = open_draft_model(speculative.model, tokenizer)  # type: ignore[arg-type]
 
     phases.lap("model files", f"{model_dir.name}: config, tokenizer, weight headers")
     backend = placement.make_backend(settings, config)
     phases.lap("backend", f"{backend.name}: libraries, device, kernels started")
     free_bytes, total_bytes = backend.memory_info()
     weight_bytes = placement.weight_bytes(checkpoint_bytes(stored, quantize))
+    weight_bytes += draft.weight_bytes if draft is not None else 0
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
     log.info(
         "loading %s (%s, %.2f GiB%s) on %s", model_dir, config.architecture, weight_bytes / GIB,
         "" if quantization is None else f", {quantization.describe()}", backend.name,
     )
     max_num_tokens = settings.max_prefill_tokens
-    speculative = settings.speculative
     verify_rows = _max_verify_rows(settings, speculative)
     num_drafts = speculative.num_speculative_tokens if speculative is not None else 0
     graph_sizes = () if settings.enforce_eager else _graph_sizes(settings, verify_rows, num_drafts)
@@ -182,6 +189,7 @@ def build_engine(
     limits = StepLimits(max(max_num_tokens, max_rows), max_rows)
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
     model = placement.load(config, weights, backend, max_model_len, limits, progress.update)
+    draft_model = load_draft_model(draft, backend, max_model_len) if draft is not None else None
     backend.synchronize()  # the copies are in: the phase's rate is the real one
     phases.lap("weights", lambda seconds: f"{weight_bytes / GIB:.2f} GiB, {weight_bytes / seconds / 1e9:.2f} GB/s")
 
@@ -190,19 +198,24 @@ def build_engine(
         MOCK_KV_CACHE_GB if backend.name == "mock" else None
     )
     free_bytes, total_bytes = backend.memory_info()
+    # A draft model's full-attention groups join the target's: the plan gives every such group
+    # the same block count, so the draft holds as many tokens as the target.
+    draft_groups = draft_model.cache_groups if draft_model is not None else ()
+    draft_workspace = draft_model.workspace_bytes(max_num_tokens, settings.max_num_seqs) if draft_model else 0
     plan = plan_cache(
         free_bytes=free_bytes,
         total_bytes=total_bytes,
         utilization=settings.gpu_memory_utilization,
-        reserved_bytes=model.workspace_bytes(limits.max_tokens, limits.max_rows),
-        groups=model.cache_groups,
+        reserved_bytes=model.workspace_bytes(limits.max_tokens, limits.max_rows) + draft_workspace,
+        groups=(*model.cache_groups, *draft_groups),
         kv_dtype=kv_dtype,
         block_size=settings.block_size,
         demand=CacheDemand(settings.max_num_seqs, max_num_tokens, max_model_len),
         kv_budget_bytes=int(kv_budget * GIB) if kv_budget is not None else None,
     )
+    num_pages = plan.num_pages[: len(model.cache_groups)]
     scales = kv_cache_scales(config, weights) if kv_dtype.is_quantized else ()
-    caches = allocate_caches(backend, model.cache_groups, plan.num_pages, settings.block_size, kv_dtype, scales)
+    caches = allocate_caches(backend, model.cache_groups, num_pages, settings.block_size, kv_dtype, scales)
     _log_caches(model, plan, kv_dtype)
 
     worker = Worker(
@@ -211,6 +224,11 @@ def build_engine(
         caches,
         WorkerConfig(max_num_tokens, max(settings.max_num_seqs, verify_rows), max_model_len, graph_sizes),
     )
+    proposer = None
+    if draft is not None and draft_model is not None:
+        proposer = _draft_proposer(settings, draft, draft_model, plan.num_pages[len(model.cache_groups):], kv_dtype,
+                                   max_model_len, () if settings.enforce_eager else _graph_sizes(settings, 0),
+                                   min(config.vocab_size, draft.config.vocab_size))
     phases.lap("memory plan", f"{sum(plan.num_pages)} pages, step buffers and workspace")
     if worker.graph_batch_sizes:
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
@@ -220,8 +238,8 @@ def build_engine(
     captured = f"{len(sizes)} decode graphs (batch {sizes[0]}-{sizes[-1]})" if sizes else "no graphs (eager)"
     phases.lap("graphs", f"{captured}; {tuning}" if tuning else captured)
     grammars = None if is_rank else engine_grammars(tokenizer, model_dir, config.vocab_size)
-    core = make_core(settings, model.cache_groups, plan.num_pages, worker, max_model_len, config.vocab_size, tokenizer,
-                     grammars)
+    core = make_core(settings, model.cache_groups, num_pages, worker, max_model_len, config.vocab_size, tokenizer,
+                     grammars, proposer)
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,
@@ -232,7 +250,7 @@ def build_engine(
         model=model,
         max_model_len=max_model_len,
         settings=settings,
-        num_pages=tuple(plan.num_pages),
+        num_pages=tuple(num_pages),
         weight_bytes=weight_bytes,
     )
 
@@ -244,11 +262,12 @@ def engine_grammars(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int) ->
 
 def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pages: Sequence[int],
               executor: StepExecutor, max_model_len: int, vocab_size: int, tokenizer: Tokenizer,
-              grammars: GrammarCache | None = None) -> EngineCore:
+              grammars: GrammarCache | None = None, draft: DraftModelProposer | None = None) -> EngineCore:
     """The engine core over the model's cache groups, group i with `num_pages[i]` pages,
-    driving `executor`, compiling requests' grammars with `grammars` (None: refusing them).
-    Raises SettingsError for a speculative configuration the model cannot run."""
-    speculation = speculation_policy(settings.speculative)
+    driving `executor`, compiling requests' grammars with `grammars` (None: refusing them),
+    drafting with `draft` under a draft_model configuration. Raises SettingsError for a
+    speculative configuration the model cannot run."""
+    speculation = speculation_policy(settings.speculative, draft)
     if settings.speculative is not None and any(group.kind is CacheGroupKind.RECURRENT_STATE for group in groups):
         raise SettingsError(
             "--speculative-config: this model has recurrent layers, whose state the engine cannot roll back "
@@ -271,8 +290,24 @@ def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pa
     return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids, grammars)
 
 
+def _draft_proposer(settings: EngineSettings, draft: DraftCheckpoint, model: Model, num_pages: Sequence[int],
+                    kv_dtype: DType, max_model_len: int, graph_sizes: tuple[int, ...],
+                    vocab_size: int) -> DraftModelProposer:
+    """The draft model's caches (`num_pages` blocks per group, from the joint plan), its worker
+    on the target's backend and the proposer over them."""
+    scales = kv_cache_scales(draft.config, draft.weights) if kv_dtype.is_quantized else ()
+    caches = allocate_caches(model.backend, model.cache_groups, num_pages, settings.block_size, kv_dtype, scales)
+    config = WorkerConfig(settings.max_prefill_tokens, settings.max_num_seqs, max_model_len, graph_sizes)
+    log.info("draft model %s: %d KV blocks of %d tokens", draft.model_dir, num_pages[0], settings.block_size)
+    worker = Worker(model.backend, model, caches, config)
+    worker.capture_graphs()  # its decode steps (drafts 1 .. k - 1) replay them
+    return DraftModelProposer(worker, num_pages[0], settings.block_size, settings.max_prefill_tokens, vocab_size)
+
+
 def _log_caches(model: Model, plan: CachePlan, kv_dtype: DType) -> None:
-    for group, pages, size in zip(model.cache_groups, plan.num_pages, plan.bytes_per_page, strict=True):
+    num_groups = len(model.cache_groups)  # the plan's later groups are a draft model's
+    for group, pages, size in zip(model.cache_groups, plan.num_pages[:num_groups], plan.bytes_per_page[:num_groups],
+                                  strict=True):
         layers = f"{len(group.layers)} of {len(model.layers)} layers"
         if group.kind is CacheGroupKind.RECURRENT_STATE:
             log.info("recurrent state: %d slots (%s, %.1f KiB a slot)", pages, layers, size / 2**10)

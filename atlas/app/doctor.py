@@ -13,9 +13,12 @@ every token of the prompt) is held to a bound:
                                        rotation, routing or cache read is 1e-2 and up
 
 The first layer past its bound (or with a non-finite hidden state) is named, and `atlas doctor`
-exits 1. Without transformers (or for an architecture it does not know) Atlas runs alone and
-only non-finite hidden states are caught. `--reference FOLDER` compares against another
-checkpoint of the same model (the original of a GGUF import, say).
+exits 1. The reference runs the config Atlas reads: where an older transformers ignores a value
+of config.json (GPT-OSS's swiglu_alpha and swiglu_limit before 5.19), its modules are given the
+value and a line says so; else a checkpoint whose value is not the published one would be blamed
+on Atlas at its first layer. Without transformers (or for an architecture it does not know)
+Atlas runs alone and only non-finite hidden states are caught. `--reference FOLDER` compares
+against another checkpoint of the same model (the original of a GGUF import, say).
 
 torch and transformers are imported only here, inside the functions that need them.
 """
@@ -38,6 +41,7 @@ from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
 from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence
 from atlas.domain.device_caches import allocate_caches
+from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.families import check_supported, load_model
 from atlas.domain.models.feed_forward import DenseFeedForward, MoeFeedForward
 from atlas.domain.models.layers import Layer
@@ -132,7 +136,7 @@ def run_doctor(
                         progress=progress.update)
     hidden, logits = _atlas_states(loaded, token_ids)
     reference_dir = resolve_model(reference) if reference is not None else model_dir
-    states = _transformers_states(reference_dir, token_ids, len(loaded.layers), write)
+    states = _transformers_states(reference_dir, token_ids, config, len(loaded.layers), write)
     if states is None:
         checks = tuple(LayerCheck(index, _kind(layer), _rms(hidden[index])) for index, layer in enumerate(loaded.layers))
         report = DoctorReport(str(model_dir), config.architecture, backend.name, backend.capabilities.activation_dtype,
@@ -167,10 +171,12 @@ def _atlas_states(model: Model, token_ids: list[int]) -> tuple[list[np.ndarray],
     return hidden, np.asarray(logits[0], np.float32)
 
 
-def _transformers_states(folder: Path, token_ids: list[int], num_layers: int, write: Write):
+def _transformers_states(folder: Path, token_ids: list[int], config: ModelConfig, num_layers: int, write: Write):
     """(float32 hidden states, float32 logits, bf16 hidden states, bf16 logits, a description)
     from transformers on the CPU, or None (said why) where it is missing or cannot load the
-    model."""
+    model. Where the installed transformers ignores a config value Atlas reads (GPT-OSS's
+    clamped SwiGLU before 5.19), its model is given Atlas's value and a line says so: the
+    reference computes the checkpoint's model, not the one transformers hard-codes."""
     try:
         import torch
         import transformers
@@ -189,11 +195,33 @@ def _transformers_states(folder: Path, token_ids: list[int], num_layers: int, wr
     with torch.no_grad():
         for parameter in model.parameters():  # the values Atlas's bf16 weights hold
             parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
+    held = match_gpt_oss_experts(model, config.swiglu_alpha, config.swiglu_limit)
+    if held is not None:
+        write(f"transformers {transformers.__version__} builds GPT-OSS's experts with swiglu_alpha {held[0]:g} and "
+              f"swiglu_limit {held[1]:g} whatever config.json says (5.19 on read it): they get config.json's "
+              f"{config.swiglu_alpha:g} and {config.swiglu_limit:g}")
     layers = _decoder_layers(model, num_layers)
     exact = _run_transformers(model, layers, token_ids)
     write("running transformers in bf16 (its own rounding error, the noise floor) ...")
     noisy = _run_transformers(model.to(torch.bfloat16), layers, token_ids)
     return (*exact, *noisy, f"transformers {transformers.__version__} float32")
+
+
+def match_gpt_oss_experts(model, alpha: float, limit: float) -> tuple[float, float] | None:
+    """Give the experts of a transformers GPT-OSS `model` the clamped SwiGLU's `alpha` and
+    `limit` (config.json's `swiglu_alpha`, `swiglu_limit`), which transformers before 5.19 does not
+    read: it builds them with the published checkpoints' 1.702 and 7.0. Returns the (alpha, limit)
+    they held where that differed, else None; a model of another family is left as it is."""
+    if model.config.model_type != "gpt_oss":
+        return None
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    held = None
+    for module in model.modules():
+        if isinstance(module, GptOssExperts) and (module.alpha, module.limit) != (alpha, limit):
+            held = (module.alpha, module.limit)
+            module.alpha, module.limit = alpha, limit
+    return held
 
 
 def _decoder_layers(model, num_layers: int):

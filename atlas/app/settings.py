@@ -83,7 +83,12 @@ class EngineSettings:
                 "--enable-expert-parallel places the experts over the --tensor-parallel-size ranks; "
                 "give --tensor-parallel-size 2 or more"
             )
-        _parse_speculative(self.speculative_config)
+        speculative = _parse_speculative(self.speculative_config)
+        if speculative is not None and speculative.method is SpeculativeMethod.DRAFT_MODEL and self.is_parallel:
+            raise SettingsError(
+                "--speculative-config: speculative_config.method: draft_model runs on one device; drop "
+                "--tensor-parallel-size or use ngram"
+            )
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -93,17 +98,17 @@ class EngineSettings:
 
 def _parse_speculative(text: str | None) -> SpeculativeConfig | None:
     """Raises SettingsError naming the flag and the key for a configuration that is invalid, or
-    that the engine cannot run yet (only ngram)."""
+    that the engine cannot run yet (only ngram and draft_model)."""
     if text is None:
         return None
     try:
         config = SpeculativeConfig.from_json(text)
     except ParameterError as error:
         raise SettingsError(f"--speculative-config: {error}") from None
-    if config.method is not SpeculativeMethod.NGRAM:
+    if config.method not in (SpeculativeMethod.NGRAM, SpeculativeMethod.DRAFT_MODEL):
         raise SettingsError(
             f"--speculative-config: speculative_config.method: {config.method.value} is not supported by the "
-            "engine yet; use ngram"
+            "engine yet; use ngram or draft_model"
         )
     return config
 

@@ -13,9 +13,18 @@ overlap).
 
 Token constraints (structured output, thinking budgets) keep the overlap: a step with a
 constrained sampling row is submitted with `awaits_masks`, so the device runs its forward
-while the core commits the previous step, advances each constraint past its new tokens and
-fills the masks; then the step samples. A token its constraint forbids (only a sampler that
-ignored the mask could draw one) ends that request with an error.
+while the core commits the previous step and advances each constraint past its new tokens.
+The masks are then filled on a helper thread (llguidance computes them in native code
+without the GIL) while this thread returns the outputs and, at the next `step`, schedules the
+step after; the step samples just before that one is enqueued behind it:
+
+    step k:    schedule N+1, submit N+1 (forward only), commit N, start filling N+1's masks
+    step k+1:  schedule N+2, wait for N+1's masks and sample N+1, submit N+2, commit N+1, ...
+
+A small model's step is shorter than its host work, so the fill hides behind the host's own
+work as well as the device's. Nothing touches a constraint while its fill runs: every
+commit waits for the fill first. A token its constraint forbids (only a sampler that ignored
+the mask could draw one) ends that request with an error.
 
 Transports (the Python API, the engine actor behind HTTP, a separate engine process) wrap
 this object; they decide when to call `step` and where outputs go.
@@ -24,6 +33,7 @@ this object; they decide when to call `step` and where outputs go.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -109,6 +119,8 @@ class EngineCore:
         self._num_generated_tokens = 0
         self._num_finished_preemptions = 0
         self._in_flight: deque[tuple[ScheduledBatch, PendingResult]] = deque()
+        self._masks: Future[np.ndarray | None] | None = None  # of the last step in flight, filling
+        self._mask_thread: ThreadPoolExecutor | None = None  # started by the first constrained step
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ParameterError naming the field when it cannot run."""
@@ -153,7 +165,8 @@ class EngineCore:
         outputs: list[SequenceOutput] = []
         if self._in_flight and self.scheduler.needs_commit_first:
             outputs += self._commit_oldest()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule()  # while the last step's masks fill
+        self._sample_in_flight()  # before the next step is enqueued behind it
         if not batch.is_empty:
             if self._is_constrained(batch):
                 batch = replace(batch, awaits_masks=True)
@@ -162,14 +175,21 @@ class EngineCore:
         if self._in_flight and (len(self._in_flight) > 1 or batch.is_empty):
             outputs += self._commit_oldest()
         if batch.awaits_masks:  # the device runs its forward meanwhile
-            self._in_flight[-1][1].sample(self._fill_masks(batch))
+            self._start_masks(batch)
         return outputs
+
+    def close(self) -> None:
+        """Stop the mask thread (a later constrained step starts it again)."""
+        thread, self._mask_thread = self._mask_thread, None
+        if thread is not None:
+            thread.shutdown(wait=True)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no running request uses; returns how many were freed."""
         return self.scheduler.cache.reset_prefix_cache()
 
     def _commit_oldest(self) -> list[SequenceOutput]:
+        self._sample_in_flight()  # the step may be the one whose masks are filling
         batch, pending = self._in_flight.popleft()
         result = pending.result()
         outputs = self.scheduler.commit(batch, result)
@@ -213,9 +233,10 @@ class EngineCore:
                 error=f"the engine sampled a token the request's constraint forbids: {violation}")
         return output
 
-    def _fill_masks(self, batch: ScheduledBatch) -> np.ndarray | None:
-        """The masks of `batch`'s sampling rows after every committed token, or None when no row
-        is constrained (the sequences finished meanwhile, or reason freely)."""
+    def _start_masks(self, batch: ScheduledBatch) -> None:
+        """Start filling the masks of `batch` (the last step in flight) on the mask thread: its
+        sampling rows' masks after every committed token, or None when no row is constrained
+        (the sequences finished meanwhile, or reason freely)."""
         rows = [
             (self._constraints.get(s.seq_id), s.token_ids[len(s.token_ids) - s.num_draft_tokens :])
             for s in batch.sequences
@@ -224,9 +245,22 @@ class EngineCore:
         num_rows = batch.num_sampled
         if self._bitmask.shape[0] < num_rows:
             self._bitmask = np.empty((max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
-        bitmask = self._bitmask[:num_rows]
+        bitmask = self._bitmask[:num_rows]  # one fill at a time: the buffer is free again
         compiler = self.grammars.compiler if self.grammars is not None else None
-        return bitmask if fill_step_bitmask(rows, bitmask, compiler) else None
+
+        def fill() -> np.ndarray | None:
+            return bitmask if fill_step_bitmask(rows, bitmask, compiler) else None
+
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-masks")
+        self._masks = self._mask_thread.submit(fill)
+
+    def _sample_in_flight(self) -> None:
+        """Sample the last step in flight with its masks once they are filled (a no-op when no
+        fill is pending); an error the fill raised is raised here."""
+        masks, self._masks = self._masks, None
+        if masks is not None:
+            self._in_flight[-1][1].sample(masks.result())
 
     def _forget(self, request_id: str) -> None:
         self._constraints.pop(request_id, None)

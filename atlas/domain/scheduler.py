@@ -274,6 +274,8 @@ class Scheduler:
         """Give each running sequence, oldest first, its next tokens (and drafts), preempting
         when blocks run out."""
         speculating = self.speculation.is_active(len(self._running))
+        if speculating:
+            self.speculation.prepare(self._running)
         idx = 0
         while idx < len(self._running) and plan.budget_left > 0:
             seq = self._running[idx]
@@ -359,6 +361,7 @@ class Scheduler:
     def _preempt(self, victim: Sequence) -> None:
         self._running.remove(victim)
         self.cache.release(victim)
+        self.speculation.forget(victim.seq_id)  # a draft model's cache pages go back too
         victim.reset_for_recompute()
         self._waiting.appendleft(victim)
 

@@ -1,6 +1,6 @@
 """Token masks and speculative decoding on CUDA: the masked sampler graphs, JSON-schema output
 of SmolLM2 at temperature 1, verify steps replaying decode graphs, and greedy SmolLM2 with and
-without the n-gram proposer.
+without the n-gram proposer and with itself as its draft model.
 
 Run on a GPU machine: `python -m pytest tests/gpu/test_cuda_masks_and_speculation.py -m gpu`.
 The SmolLM2 cases need it pulled (ATLAS_SMOLLM2_DIR, or `atlas pull smollm2`).
@@ -132,6 +132,51 @@ def test_smollm2_verify_steps_replay_decode_graphs_and_greedy_matches_plain_deco
     stats = speculative.engine.core.stats()
     length = (stats.num_spec_accepted_tokens + stats.num_spec_verify_steps) / stats.num_spec_verify_steps
     print(f"acceptance length {length:.2f}")
+    plain = LLM(str(folder), device="cuda", show_progress=False, max_seq_len=1024)
+    without = [r.outputs[0].token_ids for r in plain.chat(conversations, params)]
+    parted = []
+    for conversation, got, expected in zip(conversations, with_drafts, without):
+        if got != expected:
+            gap = _gap_where_paths_part(plain, conversation, got, expected)
+            parted.append(gap)
+            print(f"paths part: the plain engine's best logit {gap:.2%} above the speculative choice")
+    assert all(gap < _NEAR_TIE for gap in parted) and len(parted) <= 1, parted
+
+
+def test_smollm2_as_its_own_draft_model_replays_graphs_and_matches_plain_decoding(kernel_cache_dir):
+    """The draft_model proposer on CUDA: SmolLM2 drafts for itself (its own worker, KV cache and
+    decode graphs on the target's backend). Draft steps 1..k-1 and the verify steps replay decode
+    graphs; nearly every draft is accepted (the draft's chunked catch-up and the verify rows sum
+    in other orders, so a near-tie may go the other way); greedy paths match plain decoding but
+    at a near-tie; every draft block comes back."""
+    from atlas.app.bench.speculative import load_prompts
+    from atlas.app.llm import LLM
+
+    folder = _smollm2_dir()
+    prompts = load_prompts(None)
+    conversations = [[{"role": "user", "content": prompts[i]}] for i in range(0, 24, 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    draft = {"method": "draft_model", "num_speculative_tokens": 4, "model": str(folder)}
+    speculative = LLM(str(folder), device="cuda", show_progress=False, max_seq_len=1024, speculative_config=draft)
+    proposer = speculative.engine.core.scheduler.speculation.proposer
+    draft_worker = proposer.runner
+    draft_buckets = []
+    original_execute = draft_worker.execute
+
+    def spying_execute(batch):
+        if all(s.num_tokens == 1 for s in batch.sequences):
+            draft_buckets.append(draft_worker._graph_bucket(batch))
+        return original_execute(batch)
+
+    draft_worker.execute = spying_execute
+    with_drafts = [r.outputs[0].token_ids for r in speculative.chat(conversations, params)]
+    del draft_worker.execute
+    assert draft_buckets and all(bucket is not None for bucket in draft_buckets)
+    stats = speculative.engine.core.stats()
+    length = (stats.num_spec_accepted_tokens + stats.num_spec_verify_steps) / stats.num_spec_verify_steps
+    print(f"acceptance length {length:.2f} of {1 + draft['num_speculative_tokens']}")
+    assert stats.num_spec_accepted_tokens >= 0.9 * stats.num_spec_draft_tokens
+    assert proposer.num_free_blocks == proposer.num_blocks and stats.num_blocks_free == stats.num_blocks_total
     plain = LLM(str(folder), device="cuda", show_progress=False, max_seq_len=1024)
     without = [r.outputs[0].token_ids for r in plain.chat(conversations, params)]
     parted = []

@@ -113,3 +113,31 @@ def test_a_fresh_backend_takes_the_stored_winner_without_timing(tmp_path, rng, m
 
 def _refuse_timing(self, run):
     raise AssertionError("a stored winner should have been used")
+
+
+@pytest.mark.gpu
+def test_token_counts_of_one_bucket_reuse_its_algorithm_without_the_heuristic(cuda_backend, rng, monkeypatch):
+    """Mixed serving steps bring a new token count nearly every step: after the bucket's first
+    shape, the others of the bucket (here 600..1000 of bucket 1024) reuse its algorithm, never
+    query the heuristic or time candidates, and still compute the product."""
+    from atlas.adapters.cuda import gemm_tuning
+
+    gemm = cuda_backend._linear._gemm
+    num_rows, inner = 4096, 1024
+    weight = bf16(rng.standard_normal((num_rows, inner)) / np.sqrt(inner))
+    weight_device = cuda_backend.upload(weight, DType.BF16)
+
+    def run(num_tokens):
+        x = bf16(rng.standard_normal((num_tokens, inner)))
+        out = poisoned(cuda_backend, (num_tokens, num_rows), DType.BF16)
+        cuda_backend.linear(cuda_backend.upload(x, DType.BF16), weight_device, out)
+        expected = x.astype(np.float64) @ weight.astype(np.float64).T
+        assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE, num_tokens
+
+    run(1000)
+    heuristics, derived = gemm.stats.num_heuristics, gemm.stats.num_derived
+    monkeypatch.setattr(gemm_tuning.CandidateTimer, "seconds", _refuse_timing)
+    for num_tokens in (600, 777, 513, 999):
+        run(num_tokens)
+    assert gemm.stats.num_heuristics == heuristics
+    assert gemm.stats.num_derived == derived + 4

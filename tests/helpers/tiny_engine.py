@@ -13,6 +13,7 @@ from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.families import load_model
 from atlas.domain.requests import SamplingParams
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
+from atlas.domain.speculative.draft_model import DraftModelProposer
 from atlas.domain.speculative.policy import speculation_policy
 from atlas.domain.worker import WorkerConfig
 
@@ -23,9 +24,11 @@ VOCAB_SIZE = TINY_LLAMA["vocab_size"]
 
 
 def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=(), prefix_caching=True, policy=None,
-               grammars=None, speculative=None):
+               grammars=None, speculative=None, draft=None, draft_blocks=None):
     """`grammars`: a GrammarCache for requests' constraints (None: none may have a grammar);
-    `speculative`: a SpeculativeConfig (n-gram) or None."""
+    `speculative`: a SpeculativeConfig or None. A draft_model config drafts with `draft`: a
+    Llama config dict and its weights' seed, or "target" for the target model itself, on
+    `draft_blocks` blocks (default: `num_blocks`)."""
     config = ModelConfig.from_dict(TINY_LLAMA)
     backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed)), backend, MAX_LEN)
@@ -33,8 +36,19 @@ def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=
     worker_config = WorkerConfig(budget, min(rows, budget), MAX_LEN, graph_sizes)
     worker = make_worker(model, num_blocks, BLOCK_SIZE, worker_config)
     cache = make_cache(model, num_blocks, BLOCK_SIZE, max_num_seqs, prefix_caching)
+    proposer = None
+    if draft is not None:
+        draft_model = model
+        if draft != "target":
+            draft_config, draft_seed = draft
+            draft_model = load_model(ModelConfig.from_dict(draft_config),
+                                     DictWeights(random_llama_weights(draft_config, draft_seed)), backend, MAX_LEN)
+        draft_blocks = draft_blocks or num_blocks
+        draft_worker = make_worker(draft_model, draft_blocks, BLOCK_SIZE,
+                                   WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes))
+        proposer = DraftModelProposer(draft_worker, draft_blocks, BLOCK_SIZE, budget, config.vocab_size)
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, policy,
-                          speculation_policy(speculative))
+                          speculation_policy(speculative, proposer))
     return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS, grammars)
 
 

@@ -82,3 +82,24 @@ def test_the_bound_is_three_times_transformers_bf16_noise_or_fixed_for_float32()
     assert layer_bound(0.02, DType.BF16) == pytest.approx(0.06)
     assert layer_bound(1e-5, DType.BF16) == 1e-3  # never below the floor
     assert layer_bound(0.02, DType.F32) == F32_BOUND
+
+
+def test_a_transformers_that_hard_codes_gpt_oss_swiglu_limit_runs_the_configs(tmp_path, monkeypatch):
+    """transformers before 5.19 builds GPT-OSS's experts with limit 7.0 whatever config.json says;
+    against such a reference the tiny model's limit 1.0 (a clamp its experts reach) put layer 0
+    ~60% off. The doctor gives the reference config.json's values, says so, and passes."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    write_model_folder(tmp_path, "gpt_oss")
+    built = modeling_gpt_oss.GptOssExperts.__init__
+
+    def as_before_5_19(self, config):
+        built(self, config)
+        self.alpha, self.limit = 1.702, 7.0
+
+    monkeypatch.setattr(modeling_gpt_oss.GptOssExperts, "__init__", as_before_5_19)
+    lines: list[str] = []
+    report = run_doctor(str(tmp_path), device="mock", prompt=PROMPT, write=lines.append, show_progress=False)
+    assert report.passed and report.reference is not None, lines
+    assert max(check.error for check in report.layers) < 1e-5
+    assert any("swiglu_limit 7 whatever config.json says" in line and "1.702 and 1" in line for line in lines)

@@ -143,3 +143,67 @@ def test_the_output_cannot_end_inside_the_reasoning_block(rng):
     for tokens in run(grammar_core(), requests).values():
         assert EOS_ID not in tokens[:5] and tokens[5:8] == [NEWLINE, END_THINK, BLANK_LINE]
         assert follows_residues(tokens[8:], 4) and tokens[-1] == EOS_ID
+
+
+def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, monkeypatch):
+    """The masks of a step fill on the mask thread after `step` returns; the next `step`
+    schedules before waiting for them, samples the step before submitting the next one behind
+    it, and never commits a step (or advances a constraint) while its fill runs."""
+    import threading
+
+    from atlas.domain import engine as engine_module
+    from atlas.domain.scheduler import Scheduler
+
+    length = 9
+    requests = [Request(f"r{i}", p, SAMPLED, seed=40 + i, constraint=residues(length))
+                for i, p in enumerate(prompts(4, rng))]
+    alone = {r.request_id: run(grammar_core(), [r])[r.request_id] for r in requests}
+    core = grammar_core()
+    events: list[str] = []
+    fill_threads: set[str] = set()
+    real_fill, real_schedule, real_commit = engine_module.fill_step_bitmask, Scheduler.schedule, Scheduler.commit
+    real_submit = core.executor.submit
+
+    def fill(*args):
+        fill_threads.add(threading.current_thread().name)
+        mask = real_fill(*args)
+        events.append("filled")
+        return mask
+
+    def submit(batch):
+        pending = real_submit(batch)
+        real_sample = pending.sample
+
+        def sample(bitmask):
+            events.append("sample")
+            real_sample(bitmask)
+
+        pending.sample = sample
+        events.append("submit")
+        return pending
+
+    def schedule(scheduler):
+        events.append("schedule")
+        return real_schedule(scheduler)
+
+    def commit(scheduler, batch, result):
+        assert core._masks is None, "a step committed while a fill runs"
+        events.append("commit")
+        return real_commit(scheduler, batch, result)
+
+    monkeypatch.setattr(engine_module, "fill_step_bitmask", fill)
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    monkeypatch.setattr(Scheduler, "commit", commit)
+    core.executor.submit = submit
+    try:
+        assert run(core, requests) == alone
+    finally:
+        core.close()
+    assert fill_threads and all(name.startswith("atlas-masks") for name in fill_threads)
+    order = [e for e in events if e in ("schedule", "sample", "submit")]
+    samples = [i for i, e in enumerate(order) if e == "sample"]
+    assert samples
+    for index in samples:  # scheduled the next step first, then sampled, then submitted it behind
+        assert order[index - 1] == "schedule" and "submit" in order[:index]
+        assert index + 1 == len(order) or order[index + 1] in ("submit", "schedule")
+    assert core.stats().num_blocks_free == 400

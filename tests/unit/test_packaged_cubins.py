@@ -222,3 +222,65 @@ def test_the_shipped_cubins_match_their_manifest_and_stale_ones_are_reported():
             warnings.warn(f"{arch}: packaged cubins are stale for {', '.join(stale)}: run "
                           f"`python -m atlas.adapters.cuda.prebuild` (NVRTC compiles them at startup meanwhile)",
                           stacklevel=1)
+
+
+def _attention_tables() -> dict[str, object]:
+    """ops_attention's literal kernel tables, read from its source (importing it needs the cuda
+    extra)."""
+    import ast
+
+    from atlas.adapters.cuda import registry
+
+    source = Path(registry.__file__).with_name("ops_attention.py").read_text()
+    wanted = {"SUPPORTED_HEAD_DIMS", "DECODE_MMA_SHAPES", "DECODE_MMA_SHAPES_FP8", "_PREFILL_VARIANTS",
+              "WGMMA_KEYS_PER_TILE", "WGMMA_X_MODULE"}
+    tables = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and getattr(node.targets[0], "id", "") in wanted:
+            tables[node.targets[0].id] = ast.literal_eval(node.value)
+    assert set(tables) == wanted, f"ops_attention.py no longer defines {sorted(wanted - set(tables))} as literals"
+    return tables
+
+
+def _attention_symbols(arch: str) -> dict[str, set[str]]:
+    """Every attention kernel ops_attention can ask for on `arch`, by module."""
+    ops = _attention_tables()
+    decode = {f"attention_decode_d{d}_h{h}" for d in ops["SUPPORTED_HEAD_DIMS"] for h in (1, 2, 4, 8)}
+    for table, suffix in ((ops["DECODE_MMA_SHAPES"], ""), (ops["DECODE_MMA_SHAPES_FP8"], "_fp8")):
+        for head_dim, shapes in table.items():
+            for warps, stages in shapes:
+                name = f"attention_decode_mma_d{head_dim}_w{warps}_s{stages}{suffix}"
+                decode |= {name, name + "_x"}
+    twins = [f"{fp8}{x}" for fp8 in ("", "_fp8") for x in ("", "_x")]
+    prefill = {f"attention_prefill_d{d}_m{rows}{twin}" for d, rows in ops["_PREFILL_VARIANTS"] for twin in twins}
+    wanted = {"attention_decode": decode, "attention_prefill": set(prefill)}
+    if arch == "sm_90a":  # kernels/sm90's bf16 wgmma kernels; head dim 256 and the _x twins in their own
+        # module. (prefill_kernel asks `provides` first and falls back to mma.sync, as it does for the
+        # FP8 twins that only some head dims have.)
+        extras = wanted[ops["WGMMA_X_MODULE"]] = set(prefill)
+        for head_dim, keys in ops["WGMMA_KEYS_PER_TILE"].items():
+            name = f"attention_prefill_wgmma_d{head_dim}_n{keys}"
+            (extras if head_dim == 256 else wanted["attention_prefill"]).add(name)
+            extras.add(name + "_x")
+    return wanted
+
+
+@pytest.mark.parametrize("arch", prebuild.DEFAULT_ARCHES)
+def test_the_shipped_cubins_define_every_attention_kernel_the_ops_launch(arch):
+    """A packaged cubin lacking a variant the host picks by shape (a head dim, a decode shape,
+    an FP8 or `_x` twin) would fail only on the model that picks it; the symbol tables say."""
+    folder = packaged_root() / arch
+    for module, symbols in _attention_symbols(arch).items():
+        cubins = sorted(folder.glob(f"{module}-*.cubin"))
+        assert len(cubins) == 1, f"{arch}: expected one packaged {module} cubin, found {cubins}"
+        missing = symbols - prebuild.cubin_kernels(cubins[0].read_bytes())
+        assert not missing, f"{arch}/{cubins[0].name} lacks {sorted(missing)}"
+
+
+def test_cubin_kernels_reads_the_global_functions_and_refuses_other_files():
+    cubin = next((packaged_root() / "sm_90a").glob("attention_decode-*.cubin")).read_bytes()
+    names = prebuild.cubin_kernels(cubin)
+    assert "attention_decode_mma_d128_w8_s2" in names and "attention_decode_d64_h1" in names
+    assert not any(name.startswith("_Z") for name in names)  # device helpers and statics are not kernels
+    with pytest.raises(ValueError, match="ELF64"):
+        prebuild.cubin_kernels(b"not a cubin")

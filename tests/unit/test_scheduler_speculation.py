@@ -44,6 +44,9 @@ class ScriptedProposer:
     def is_active(self, num_running: int) -> bool:
         return True
 
+    def prepare(self, running) -> None:
+        pass
+
     def propose(self, seq_id, history, max_drafts):
         num_output = history.num_final_tokens - self.prompt_lens[seq_id]
         drafts = self.references[seq_id][num_output : num_output + min(self.num_drafts, max_drafts)]

@@ -64,3 +64,23 @@ def test_greedy_smollm2_is_identical_with_and_without_the_ngram_proposer():
     stats = speculative.engine.core.stats()
     assert stats.num_spec_accepted_tokens > 0 and stats.num_spec_verify_steps > 0
     assert stats.num_blocks_free == stats.num_blocks_total
+
+
+@pytest.mark.skipif(FOLDER is None, reason="SmolLM2 is not pulled (atlas pull smollm2)")
+@pytest.mark.slow
+def test_greedy_smollm2_drafting_for_itself_is_identical_and_accepts_every_draft():
+    """SmolLM2 as its own draft model: the draft's greedy tokens are the target's, so every
+    draft is accepted (but for a near-tie the two paths round differently) and nothing changes."""
+    prompts = load_prompts(None)
+    conversations = [[{"role": "user", "content": prompts[i]}] for i in (0, 8)]
+    params = SamplingParams(temperature=0.0, max_tokens=32)
+    draft = {"method": "draft_model", "num_speculative_tokens": 4, "model": str(FOLDER)}
+    speculative = LLM(str(FOLDER), device="mock", show_progress=False, max_seq_len=1024, speculative_config=draft)
+    with_drafts = [r.outputs[0].token_ids for r in speculative.chat(conversations, params)]
+    plain = LLM(str(FOLDER), device="mock", show_progress=False, max_seq_len=1024)
+    assert with_drafts == [r.outputs[0].token_ids for r in plain.chat(conversations, params)]
+    stats = speculative.engine.core.stats()
+    assert stats.num_spec_accepted_tokens >= 0.9 * stats.num_spec_draft_tokens > 0
+    assert stats.num_blocks_free == stats.num_blocks_total
+    proposer = speculative.engine.core.scheduler.speculation.proposer
+    assert proposer.num_free_blocks == proposer.num_blocks

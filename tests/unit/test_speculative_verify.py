@@ -212,6 +212,49 @@ def test_reusing_the_counter_across_steps_is_caught() -> None:
     assert total_variation(empirical, exact) > 2 * tv_bound(NUM_ROWS, exact.size)
 
 
+def generate_with_greedy_drafts(num_tokens: int, num_speculative: int, accept_in_support: bool = False) -> np.ndarray:
+    """[NUM_ROWS, num_tokens] tokens from the target chain, drafting as the draft_model proposer
+    does: the draft chain's argmax, k times, verified by `accept_matching` against the target's
+    ordinary draws at counters c..c+k. `accept_in_support` accepts a draft whenever the target
+    can produce it instead (a plausible bug)."""
+    tokens = np.zeros((NUM_ROWS, num_tokens), dtype=np.int64)
+    counts = np.zeros(NUM_ROWS, dtype=np.int64)
+    seeds = np.arange(NUM_ROWS, dtype=np.uint64) * np.uint64(0x9E37) + np.uint64(29)
+    rows = np.arange(NUM_ROWS)
+    while (counts < num_tokens).any():
+        previous = np.where(counts > 0, tokens[rows, np.maximum(counts - 1, 0)], 0)
+        contexts = [previous]
+        for _ in range(num_speculative):
+            contexts.append(np.argmax(DRAFT_CHAIN[contexts[-1]], axis=1))
+        context = np.stack(contexts, axis=1)
+        draft_ids = context[:, 1:]
+        target_ids = np.stack([race(TARGET_CHAIN[context[:, j]], seeds, counts + j)
+                               for j in range(num_speculative + 1)], axis=1)
+        if accept_in_support:
+            in_support = TARGET_CHAIN[context[:, :-1], draft_ids] > 0
+            target_ids[:, :-1] = np.where(in_support, draft_ids, target_ids[:, :-1])
+        result = accept_matching(target_ids, draft_ids, np.full(NUM_ROWS, num_speculative))
+        for position in range(num_speculative + 1):
+            token = np.where(position == result.num_accepted, result.next_token_ids,
+                             draft_ids[:, min(position, num_speculative - 1)])
+            appends = (position <= result.num_accepted) & (counts < num_tokens)
+            tokens[rows[appends], counts[appends]] = token[appends]
+            counts += appends
+    return tokens
+
+
+def test_greedy_draft_model_proposals_keep_the_target_chain_over_several_steps() -> None:
+    # The draft_model proposer's drafts are a deterministic function of the context (the draft's
+    # argmax), independent of the target's uniforms: accepting the ones the target draws itself
+    # leaves every token the target's draw, whatever the draft model says.
+    tokens = generate_with_greedy_drafts(num_tokens=4, num_speculative=3)
+    exact = sequence_distribution(TARGET_CHAIN, 4)
+    bound = tv_bound(NUM_ROWS, exact.size)
+    assert total_variation(sequence_histogram(tokens, TARGET_CHAIN.shape[0]), exact) < bound
+    wrong = sequence_histogram(generate_with_greedy_drafts(4, 3, accept_in_support=True), TARGET_CHAIN.shape[0])
+    assert total_variation(wrong, exact) > 4 * bound  # teeth: the bug is far, and the statistic sees it
+
+
 # -- point-mass drafts: the target's own draws, so the tokens equal plain decoding's ---------
 
 

@@ -9,7 +9,11 @@ B = x seen as K x N (ld K):
     row-major out [N, M] == column-major D [M, N]   (ld M)
 
 A plan (descriptors, layouts, candidate algorithms) is built once per shape and reused; the
-workspace is persistent so the call can be captured in a graph. fp32 accumulation.
+workspace is persistent so the call can be captured in a graph. fp32 accumulation. The first
+shape of a token bucket (gemm_tuning.token_bucket) runs the heuristic query; the bucket's other
+token counts reuse its chosen algorithm once `cublasLtMatmulAlgoCheck` accepts it for their
+layouts (a heuristic query with its variants took ~5 ms a shape on an H200, and mixed serving
+steps bring a new token count nearly every step: several GEMM shapes a step paid it).
 
 FP8 (E4M3 x E4M3, Hopper): D = (scale_A op(A)) (scale_B op(B)) [+ C] with the scales as `Fp8Scales`
 gives them (cuBLASLt 12.9+ on sm_90): outer vectors (a scale per weight row, i.e. per output
@@ -117,6 +121,7 @@ class CublasLtGemm:
         self._stream = stream_handle
         self._workspace = workspace_address
         self._plans: dict[tuple, _Plan] = {}
+        self._bucket_plans: dict[tuple, _Plan] = {}  # the plan each token bucket's first shape built
         self._alpha = np.ones(1, dtype=np.float32)
         self._beta = np.zeros(1, dtype=np.float32)  # a plan that accumulates passes _alpha (1) as beta
         self._tuning = tuning
@@ -156,15 +161,26 @@ class CublasLtGemm:
         if fp8_scales is not None and bias_address is not None:
             raise ValueError("matmul: an FP8 product takes no bias")
         modes = fp8_scales.modes if fp8_scales is not None else None
-        key = (num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate, modes)
+        shape = (num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate, modes)
+        key = (num_tokens, *shape)
         plan = self._plans.get(key)
         new_plan = plan is None
         if plan is None:
             scale_addresses = (fp8_scales.weight_address, fp8_scales.x_address) if fp8_scales is not None else None
-            plan = self._build(
-                num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate, modes,
-                scale_addresses,
-            )
+            bucket_key = (token_bucket(num_tokens), *shape)
+            bucket_plan = self._bucket_plans.get(bucket_key)
+            if bucket_plan is not None:
+                plan = self._derive(bucket_plan, num_tokens, num_rows, inner, in_dtype, out_dtype,
+                                    bias_address is not None, modes, scale_addresses)
+            if plan is None:
+                plan = self._build(
+                    num_tokens, num_rows, inner, in_dtype, out_dtype, bias_address is not None, accumulate, modes,
+                    scale_addresses,
+                )
+                self._bucket_plans.setdefault(bucket_key, plan)
+            else:
+                new_plan = False  # the bucket's choice stands: nothing to time
+                self.stats.num_derived += 1
             self._plans[key] = plan
             self.stats.num_plans += 1
         if fp8_scales is not None:
@@ -242,18 +258,47 @@ class CublasLtGemm:
             log.debug("cuBLASLt %s: candidate %d fails (%s)", plan.tuning_key, candidate, error)
             return math.inf
 
-    def _build(
+    def _derive(
         self,
+        base: _Plan,
         num_tokens: int,
         num_rows: int,
         inner: int,
         in_dtype: DType,
         out_dtype: DType,
         with_bias: bool,
-        accumulate: bool,
-        scale_modes: tuple[int, int] | None = None,
-        scale_addresses: tuple[int, int] | None = None,
-    ) -> _Plan:
+        scale_modes: tuple[int, int] | None,
+        scale_addresses: tuple[int, int] | None,
+    ) -> _Plan | None:
+        """A plan for `num_tokens` that runs the algorithm `base` (a plan of the same token
+        bucket) chose, or None when cuBLASLt refuses that algorithm for this shape or it needs
+        more than the workspace (the caller then builds a plan of its own)."""
+        descriptor, bias_attribute = self._descriptor(in_dtype, with_bias, scale_modes, scale_addresses)
+        layouts = self._layouts(num_tokens, num_rows, inner, in_dtype, out_dtype)
+        chosen = base.candidates[base.choice : base.choice + 1].copy()
+        checked = np.zeros(1, dtype=_HEURISTIC_DTYPE)
+        a_layout, b_layout, d_layout = layouts
+        try:
+            lt.matmul_algo_check(
+                self._handle, descriptor, a_layout, b_layout, d_layout, d_layout, chosen.ctypes.data, checked.ctypes.data
+            )
+            fits = int(checked[0]["workspace_size"]) <= WORKSPACE_BYTES
+        except lt.cuBLASLtError:
+            fits = False
+        if not fits:
+            _destroy(descriptor, layouts)
+            return None
+        chosen[0]["workspace_size"] = checked[0]["workspace_size"]
+        return _Plan(descriptor, layouts, chosen, 0, base.tuning_key, bias_attribute, base.accumulate, base.fp8)
+
+    def _descriptor(
+        self,
+        in_dtype: DType,
+        with_bias: bool,
+        scale_modes: tuple[int, int] | None,
+        scale_addresses: tuple[int, int] | None,
+    ) -> tuple[int, np.ndarray | None]:
+        """A matmul descriptor (A transposed, fp32 compute) and the bias pointer's buffer."""
         descriptor = lt.matmul_desc_create(int(cublas.ComputeType.COMPUTE_32F), _DATA_TYPES[DType.F32])
         _set(descriptor, lt.MatmulDescAttribute.TRANSA, _OP_T)
         _set(descriptor, lt.MatmulDescAttribute.TRANSB, _OP_N)
@@ -270,17 +315,35 @@ class CublasLtGemm:
             _set(descriptor, lt.MatmulDescAttribute.EPILOGUE, int(lt.Epilogue.BIAS))
             bias_dtype = lt.get_matmul_desc_attribute_dtype(lt.MatmulDescAttribute.BIAS_POINTER)
             bias_attribute = np.zeros(1, dtype=bias_dtype)
+        return descriptor, bias_attribute
+
+    @staticmethod
+    def _layouts(num_tokens: int, num_rows: int, inner: int, in_dtype: DType, out_dtype: DType) -> tuple[int, int, int]:
         a_layout = lt.matrix_layout_create(_DATA_TYPES[in_dtype], inner, num_rows, inner)
         b_layout = lt.matrix_layout_create(_DATA_TYPES[in_dtype], inner, num_tokens, inner)
         d_layout = lt.matrix_layout_create(_DATA_TYPES[out_dtype], num_rows, num_tokens, num_rows)
-        layouts = (a_layout, b_layout, d_layout)
+        return a_layout, b_layout, d_layout
+
+    def _build(
+        self,
+        num_tokens: int,
+        num_rows: int,
+        inner: int,
+        in_dtype: DType,
+        out_dtype: DType,
+        with_bias: bool,
+        accumulate: bool,
+        scale_modes: tuple[int, int] | None = None,
+        scale_addresses: tuple[int, int] | None = None,
+    ) -> _Plan:
+        descriptor, bias_attribute = self._descriptor(in_dtype, with_bias, scale_modes, scale_addresses)
+        layouts = self._layouts(num_tokens, num_rows, inner, in_dtype, out_dtype)
 
         wanted = _HEURISTIC_CANDIDATES if self._tuning is not None else 1
         candidates = self._heuristic(descriptor, layouts, wanted)
+        self.stats.num_heuristics += 1
         if len(candidates) == 0:
-            for layout in layouts:
-                lt.matrix_layout_destroy(layout)
-            lt.matmul_desc_destroy(descriptor)
+            _destroy(descriptor, layouts)
             raise RuntimeError(
                 f"cuBLASLt has no algorithm for x [{num_tokens}, {inner}] @ w [{num_rows}, {inner}]^T "
                 f"({in_dtype.value} -> {out_dtype.value})"
@@ -402,13 +465,18 @@ class CublasLtGemm:
 
     def close(self) -> None:
         for plan in self._plans.values():
-            for layout in plan.layouts:
-                lt.matrix_layout_destroy(layout)
-            lt.matmul_desc_destroy(plan.descriptor)
+            _destroy(plan.descriptor, plan.layouts)
         self._plans.clear()
+        self._bucket_plans.clear()
         if self._timer is not None:
             self._timer.close()
         lt.destroy(self._handle)
+
+
+def _destroy(descriptor: int, layouts: tuple[int, int, int]) -> None:
+    for layout in layouts:
+        lt.matrix_layout_destroy(layout)
+    lt.matmul_desc_destroy(descriptor)
 
 
 def _set(descriptor: int, attribute: lt.MatmulDescAttribute, value: int) -> None:

@@ -52,6 +52,8 @@ class TuningStats:
     num_stored: int = 0
     num_timed: int = 0
     timing_s: float = 0.0
+    num_heuristics: int = 0  # shapes that queried the heuristic (a bucket's first, or refused)
+    num_derived: int = 0  # shapes that reused their token bucket's chosen algorithm
 
     @staticmethod
     def describe(stats: Iterable[TuningStats]) -> str:
@@ -62,10 +64,12 @@ class TuningStats:
             total.num_stored += part.num_stored
             total.num_timed += part.num_timed
             total.timing_s += part.timing_s
+            total.num_heuristics += part.num_heuristics
+            total.num_derived += part.num_derived
         if not total.num_plans:
             return ""
         return (f"cuBLASLt {total.num_plans} shapes: {total.num_timed} timed in {total.timing_s:.2f} s, "
-                f"{total.num_stored} from stored winners")
+                f"{total.num_stored} from stored winners, {total.num_derived} from their bucket's first")
 
 
 class GemmTuningStore:

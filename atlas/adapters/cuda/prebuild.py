@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,27 @@ def nvcc_command(nvcc: str, module: KernelModule, arch: str, output: Path) -> li
             return None
         command += spell(value)
     return [*command, str(module.source_path)]
+
+
+def cubin_kernels(cubin: bytes) -> set[str]:
+    """The kernel (global function) names an ELF64 cubin defines, read from its symbol table
+    without the CUDA toolkit. ValueError when `cubin` is not a little-endian ELF64 file."""
+    if cubin[:6] != b"\x7fELF\x02\x01":
+        raise ValueError("not a little-endian ELF64 cubin")
+    section_offset, = struct.unpack_from("<Q", cubin, 0x28)
+    entry_size, count = struct.unpack_from("<HH", cubin, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", cubin, section_offset + i * entry_size) for i in range(count)]
+    names: set[str] = set()
+    for _, kind, _, _, offset, size, link, _, _, symbol_size in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        strings = sections[link][4]
+        for at in range(offset, offset + size, symbol_size):
+            name_at, info = struct.unpack_from("<IB", cubin, at)
+            if info == 0x12:  # STB_GLOBAL, STT_FUNC
+                end = cubin.index(b"\0", strings + name_at)
+                names.add(cubin[strings + name_at:end].decode())
+    return names
 
 
 def nvcc_cuda_version(nvcc: str) -> tuple[int, str]:

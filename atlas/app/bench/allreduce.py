@@ -106,6 +106,10 @@ class AllReduceRank:
         self._decoder = msgspec.msgpack.Decoder(Request)
         self._encode = msgspec.msgpack.Encoder().encode
 
+    def loaded(self) -> bytes:
+        """The `RankWorker` ready message: nothing to report (no model is loaded)."""
+        return b""
+
     def step(self, body: bytes) -> bytes:
         request = self._decoder.decode(body)
         if isinstance(request, CheckRequest):

@@ -339,7 +339,7 @@ class GeneratedWeights:
         if step < 1:
             raise ValueError(f"tensor {name!r} {shape} is too large for the pool of generated weights")
         itemsize = self._pool.itemsize
-        strides = [itemsize, step * itemsize]
+        strides = [step * itemsize, itemsize]  # row r starts `step` values after row r - 1
         for extent in reversed(shape[1:-1]):
             strides.insert(0, strides[0] * extent)
         return np.lib.stride_tricks.as_strided(self._pool[start:], shape, tuple(strides), writeable=False)

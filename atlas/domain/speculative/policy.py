@@ -2,25 +2,46 @@
 
     policy.is_active(num_running)        this step may verify drafts: commit the previous one
                                          first (drafts and their verification need final tokens)
+    policy.prepare(running)              once per such step, before any propose: a proposer
+                                         that drafts for every sequence at once runs here
     policy.propose(seq, max_drafts)      up to max_drafts drafts for a caught-up sequence
-    policy.forget(seq_id)                the sequence finished: drop what the proposer keeps
+    policy.forget(seq_id)                the sequence finished or was preempted: drop what the
+                                         proposer keeps for it
 
 `NoSpeculation` is the null object (the scheduler's default); `NgramSpeculation` drafts with
-prompt lookup (`NgramProposer`) and switches itself off for steps with more running sequences
-than the config's `disable_by_batch_size`.
+prompt lookup (`NgramProposer`), `DraftModelSpeculation` with a small model
+(`DraftModelProposer`); both switch themselves off for steps with more running sequences than
+the config's `disable_by_batch_size`.
+
+Why the draft model's device work sits behind the policy: drafts must exist when the step is
+scheduled (its block reservations and row counts depend on them), and the verify outcome they
+follow is known only once the previous step is committed (speculation commits first). So the
+round runs inside `schedule()`, batched over the running sequences in `prepare`, through a
+`StepRunner` (one method, the worker's own `execute` over plain `ScheduledBatch` data): the
+policy stays pure bookkeeping, testable with a fake runner, and no new port is needed since
+the domain's `Worker` already runs any model on any `GpuBackend`.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from collections.abc import Sequence as SequenceOf
+
+from atlas.domain.sequence import Sequence
 from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeConfigError, SpeculativeMethod
+from atlas.domain.speculative.draft_model import DraftModelProposer, DraftRequest
 from atlas.domain.speculative.ngram import NgramProposer, TokenHistory
 
 
 class SpeculationPolicy(Protocol):
     def is_active(self, num_running: int) -> bool:
         """Whether a step with `num_running` running sequences proposes drafts."""
+        ...
+
+    def prepare(self, running: SequenceOf[Sequence]) -> None:
+        """A step that speculates is being scheduled over `running` (oldest first): called
+        once, before its `propose` calls."""
         ...
 
     def propose(self, seq_id: str, history: TokenHistory, max_drafts: int) -> tuple[int, ...]:
@@ -37,6 +58,9 @@ class NoSpeculation:
 
     def is_active(self, num_running: int) -> bool:
         return False
+
+    def prepare(self, running: SequenceOf[Sequence]) -> None:
+        pass
 
     def propose(self, seq_id: str, history: TokenHistory, max_drafts: int) -> tuple[int, ...]:
         return ()
@@ -60,6 +84,9 @@ class NgramSpeculation:
     def is_active(self, num_running: int) -> bool:
         return self.config.speculates_at(num_running)
 
+    def prepare(self, running: SequenceOf[Sequence]) -> None:
+        pass  # prompt lookup drafts per sequence, in propose
+
     def propose(self, seq_id: str, history: TokenHistory, max_drafts: int) -> tuple[int, ...]:
         if max_drafts <= 0:
             return ()
@@ -69,13 +96,55 @@ class NgramSpeculation:
         self._proposer.forget(seq_id)
 
 
-def speculation_policy(config: SpeculativeConfig | None) -> SpeculationPolicy:
-    """The policy for a configuration (None: no speculation). Raises SpeculativeConfigError
-    naming `method` for a method the engine cannot run yet."""
+class DraftModelSpeculation:
+    """Drafts of `config.num_speculative_tokens` from a draft model, one round per step for
+    every running sequence (`DraftModelProposer.draft`), handed out by `propose`."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: DraftModelProposer) -> None:
+        """Raises SpeculativeConfigError for a method other than draft_model."""
+        if config.method is not SpeculativeMethod.DRAFT_MODEL:
+            raise SpeculativeConfigError("method", f"{config.method.value} is not a draft_model configuration")
+        self.config = config
+        self.proposer = proposer
+        self._drafts: dict[str, tuple[int, ...]] = {}
+
+    def is_active(self, num_running: int) -> bool:
+        return self.config.speculates_at(num_running)
+
+    def prepare(self, running: SequenceOf[Sequence]) -> None:
+        self._drafts = self.proposer.draft([self._request(seq) for seq in running])
+
+    def propose(self, seq_id: str, history: TokenHistory, max_drafts: int) -> tuple[int, ...]:
+        drafts = self._drafts.pop(seq_id, ())
+        return drafts[:max_drafts] if max_drafts > 0 else ()
+
+    def forget(self, seq_id: str) -> None:
+        self._drafts.pop(seq_id, None)
+        self.proposer.forget(seq_id)
+
+    def _request(self, seq: Sequence) -> DraftRequest:
+        # The scheduler's rule for a sequence that may verify drafts (`Scheduler._add_drafts`):
+        # caught up with no token in flight, and room for the drafts and the token after them.
+        caught_up = seq.num_uncomputed_tokens == 1 and not seq.pending
+        room = seq.max_total_tokens - seq.num_tokens - 1
+        max_drafts = max(0, min(self.config.num_speculative_tokens, room)) if caught_up else 0
+        bias = seq.sampling.logit_bias or {}
+        return DraftRequest(seq.seq_id, seq, seq.num_computed_tokens, max_drafts,
+                            (tuple(bias), tuple(float(value) for value in bias.values())))
+
+
+def speculation_policy(config: SpeculativeConfig | None, draft: DraftModelProposer | None = None) -> SpeculationPolicy:
+    """The policy for a configuration (None: no speculation); `draft` runs a draft_model
+    configuration's model. Raises SpeculativeConfigError naming `method` for a method the
+    engine cannot run yet, and `model` for draft_model without a loaded draft."""
     if config is None:
         return NoSpeculation()
+    if config.method is SpeculativeMethod.DRAFT_MODEL:
+        if draft is None:
+            raise SpeculativeConfigError("model", "the draft model is not loaded; the engine builder loads it")
+        return DraftModelSpeculation(config, draft)
     if config.method is not SpeculativeMethod.NGRAM:
         raise SpeculativeConfigError(
-            "method", f"{config.method.value} is not supported by the engine yet; use ngram"
+            "method", f"{config.method.value} is not supported by the engine yet; use ngram or draft_model"
         )
     return NgramSpeculation(config)
