@@ -3,17 +3,23 @@
 `ScheduledBatch` says which tokens to compute this step and which sequences sample;
 `StepResult` carries only the sampled ids (and logprobs when asked). No live domain object
 crosses: the worker never calls back into the scheduler.
+
+The types built once per sequence per step (`SamplingRow`, `BlockTable`, `ScheduledSequence`,
+`TokenLogprobs`, `SequenceOutput`) are frozen msgspec Structs: at batch 64 a step builds hundreds of them, and a
+Struct is built about ten times faster than a frozen dataclass (`msgspec.structs.replace`
+derives one from another).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from atlas.domain.requests import FinishReason
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingRow:
+class SamplingRow(msgspec.Struct, frozen=True):
     """Everything the device needs to draw the next token of one sequence."""
 
     temperature: float
@@ -42,8 +48,7 @@ class SamplingRow:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class BlockTable:
+class BlockTable(msgspec.Struct, frozen=True):
     """One KV cache group's pages of one sequence. Position p lives in page
     `block_ids[p // block_size - first_block_idx]`; blocks before `first_block_idx` left a
     sliding window and are no longer held (always 0 in a full-attention group).
@@ -57,8 +62,7 @@ class BlockTable:
     first_block_idx: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledSequence:
+class ScheduledSequence(msgspec.Struct, frozen=True):
     """One sequence's share of a step: compute `token_ids` at positions start_position..
 
     A model with one full-attention cache group (every model before cache groups) needs only
@@ -144,8 +148,7 @@ class ScheduledBatch:
         return not self.sequences
 
 
-@dataclass(frozen=True, slots=True)
-class TokenLogprobs:
+class TokenLogprobs(msgspec.Struct, frozen=True):
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
@@ -160,8 +163,7 @@ class StepResult:
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class SequenceOutput:
+class SequenceOutput(msgspec.Struct, frozen=True):
     """What one step changed for one sequence, published to its request's stream."""
 
     seq_id: str

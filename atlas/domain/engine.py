@@ -37,6 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
@@ -227,8 +228,9 @@ class EngineCore:
                 constraint.accept(token_id)
         except ConstraintViolation as violation:
             self.scheduler.abort(output.seq_id)
-            return replace(output, new_token_ids=(), logprobs=(), finish_reason=FinishReason.ABORT,
-                           error=f"the engine sampled a token the request's constraint forbids: {violation}")
+            return msgspec.structs.replace(
+                output, new_token_ids=(), logprobs=(), finish_reason=FinishReason.ABORT,
+                error=f"the engine sampled a token the request's constraint forbids: {violation}")
         return output
 
     def _start_masks(self, batch: ScheduledBatch) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import msgspec
 import numpy as np
 
 from atlas.domain.batch import SamplingRow
@@ -44,10 +45,26 @@ def sampling_rows(seq: Sequence) -> tuple[SamplingRow, ...]:
     """The rows of `seq`'s next step: one, or 1 + k when the step verifies k drafts. Row j
     draws output token c + j (c: tokens sampled before the drafts) as if drafts[:j] were
     already output: its counter is c + j, its penalty counts include them, and eos and stop
-    ids stay banned while c + j < min_tokens."""
+    ids stay banned while c + j < min_tokens.
+
+    Most steps of most sequences (no drafts, no penalties, past min_tokens) differ only in the
+    counter: their row is the sequence's `sampling_row_base`, built on first use, with it."""
+    params = seq.sampling
+    num_drafts = seq.num_draft_tokens
+    counter = seq.num_output_tokens - num_drafts
+    if not num_drafts and counter >= params.min_tokens:
+        base = seq.sampling_row_base  # only ever built for a request without penalties
+        if base is None and not params.has_penalties:
+            base = seq.sampling_row_base = _build_rows(seq, counter)[0]
+        if base is not None:
+            return (msgspec.structs.replace(base, counter=counter),)
+    return _build_rows(seq, counter)
+
+
+def _build_rows(seq: Sequence, counter: int) -> tuple[SamplingRow, ...]:
+    """`sampling_rows` from the request's parameters, `counter` being c."""
     params = seq.sampling
     drafts = seq.draft_token_ids
-    counter = seq.num_output_tokens - len(drafts)
     free = dict(params.logit_bias or {})
     banned = {**free, **dict.fromkeys(seq.eos_token_ids | seq.stop_token_ids, NEG_INF)}
     counts = dict(seq.penalty_counts()) if params.has_penalties else None
@@ -137,47 +154,82 @@ def pack_rows(rows: SequenceOf[SamplingRow]) -> PackedSampling:
     nobody asks for penalties ships none. Raises `ValueError` when a row's penalty ids and
     counts (or bias ids and values) differ in length, or a seed is outside [0, 2**64).
     """
-    penalised = [row.has_penalties for row in rows]
-    for row in rows:
-        if len(row.penalty_token_ids) != len(row.penalty_output_counts):
+    num_rows = len(rows)
+    # One pass of Python over the rows, then numpy: at batch 64 this runs every step, and a
+    # pass per field cost more than the step's numpy work.
+    scalars = [
+        (row.temperature, row.top_p, row.min_p, row.repetition_penalty, row.presence_penalty,
+         row.frequency_penalty, row.top_k, row.seed, row.counter)
+        for row in rows
+    ]
+    *float_columns, top_ks, seeds, counters = tuple(zip(*scalars)) or ((),) * 9
+    floats = np.array(float_columns, np.float32).reshape(len(float_columns), num_rows)
+    if seeds and (min(seeds) < 0 or max(seeds) > _UINT64_MASK):
+        bad = next(seed for seed in seeds if not 0 <= seed <= _UINT64_MASK)
+        raise ValueError(f"seed: {bad} is not an unsigned 64-bit integer")
+    penalised: list[SamplingRow] = []  # rows whose penalties are not neutral
+    penalty_lengths: list[int] = []  # per row; empty while no row is penalised
+    if any(row.penalty_token_ids or row.penalty_output_counts for row in rows):
+        if any(len(row.penalty_token_ids) != len(row.penalty_output_counts) for row in rows):
             raise ValueError("penalty_output_counts: needs one count per penalty token id")
-        if len(row.bias_token_ids) != len(row.bias_values):
-            raise ValueError("bias_values: needs one value per bias token id")
-        if not 0 <= row.seed <= _UINT64_MASK:
-            raise ValueError(f"seed: {row.seed} is not an unsigned 64-bit integer")
-    penalty_rows = [row for row, is_penalised in zip(rows, penalised) if is_penalised]
-
-    def floats(values: list[float]) -> np.ndarray:
-        return np.array(values, dtype=np.float32)
-
+        penalised = [row for row in rows if row.has_penalties]
+        penalty_lengths = [len(row.penalty_token_ids) if row.has_penalties else 0 for row in rows] if penalised else []
+    bias_rows = [row for row in rows if row.bias_token_ids or row.bias_values]
+    if any(len(row.bias_token_ids) != len(row.bias_values) for row in bias_rows):
+        raise ValueError("bias_values: needs one value per bias token id")
+    temperature = floats[0]
     return PackedSampling(
-        temperature=floats([row.temperature for row in rows]),
-        top_k=np.array([min(row.top_k, _INT32_MAX) for row in rows], dtype=np.int32),
-        top_p=floats([row.top_p for row in rows]),
-        min_p=floats([row.min_p for row in rows]),
-        seeds=np.array([row.seed for row in rows], dtype=np.uint64).view(np.int64),
-        counters=np.array([row.counter for row in rows], dtype=np.int64),
-        repetition_penalty=floats([row.repetition_penalty for row in rows]),
-        presence_penalty=floats([row.presence_penalty for row in rows]),
-        frequency_penalty=floats([row.frequency_penalty for row in rows]),
-        penalty_offsets=_offsets(
-            [len(row.penalty_token_ids) if is_penalised else 0 for row, is_penalised in zip(rows, penalised)]
-        ),
-        penalty_token_ids=_flatten([row.penalty_token_ids for row in penalty_rows], np.int32),
-        penalty_output_counts=_flatten([row.penalty_output_counts for row in penalty_rows], np.int32),
-        bias_offsets=_offsets([len(row.bias_token_ids) for row in rows]),
-        bias_token_ids=_flatten([row.bias_token_ids for row in rows], np.int32),
-        bias_values=_flatten([row.bias_values for row in rows], np.float32),
-        num_rows=len(rows),
-        all_greedy=all(row.is_greedy for row in rows),
-        any_penalties=bool(penalty_rows),
-        any_bias=any(row.bias_token_ids for row in rows),
+        temperature=temperature,
+        top_k=np.array([min(top_k, _INT32_MAX) for top_k in top_ks], np.int32),
+        top_p=floats[1],
+        min_p=floats[2],
+        seeds=np.array(seeds, dtype=np.uint64).view(np.int64),
+        counters=np.array(counters, dtype=np.int64),
+        repetition_penalty=floats[3],
+        presence_penalty=floats[4],
+        frequency_penalty=floats[5],
+        penalty_offsets=_offsets(penalty_lengths, num_rows),
+        penalty_token_ids=_flatten([row.penalty_token_ids for row in penalised], np.int32),
+        penalty_output_counts=_flatten([row.penalty_output_counts for row in penalised], np.int32),
+        bias_offsets=_offsets([len(row.bias_token_ids) for row in rows] if bias_rows else [], num_rows),
+        bias_token_ids=_flatten([row.bias_token_ids for row in bias_rows], np.int32),
+        bias_values=_flatten([row.bias_values for row in bias_rows], np.float32),
+        num_rows=num_rows,
+        all_greedy=not temperature.any(),
+        any_penalties=bool(penalised),
+        any_bias=any(row.bias_token_ids for row in bias_rows),
     )
 
 
-def _offsets(lengths: list[int]) -> np.ndarray:
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=offsets[1:])
+class RowPacker:
+    """`pack_rows` for a worker's stream of steps. A step whose rows equal the previous step's
+    but for their counters (the same sequences in the same order, decoding on) shares that
+    step's arrays and packs only its counters; any other step is packed afresh, so sequences
+    leaving, joining or moving, or a row changing (a min_tokens ban lifted), cost a full pack."""
+
+    def __init__(self) -> None:
+        self._rows: list[SamplingRow] = []
+        self._packed: PackedSampling | None = None
+
+    def pack(self, rows: list[SamplingRow]) -> PackedSampling:
+        """`pack_rows(rows)`, with the same errors. The arrays may be the previous result's:
+        read them, never write them."""
+        previous, packed = self._rows, self._packed
+        if packed is not None and len(rows) == len(previous) and all(
+            row == msgspec.structs.replace(old, counter=row.counter) for row, old in zip(rows, previous)
+        ):
+            packed = replace(packed, counters=np.array([row.counter for row in rows], dtype=np.int64))
+        else:
+            packed = pack_rows(rows)
+        self._rows, self._packed = list(rows), packed
+        return packed
+
+
+def _offsets(lengths: list[int], num_rows: int) -> np.ndarray:
+    """CSR offsets [num_rows + 1] of rows of `lengths` (empty: every row has none)."""
+    offsets = np.zeros(num_rows + 1, dtype=np.int32)
+    if lengths:
+        np.cumsum(lengths, out=offsets[1:])
     return offsets
 
 

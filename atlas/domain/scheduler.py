@@ -185,17 +185,20 @@ class Scheduler:
             self._admit_waiting(plan)
         step_id = self._next_step_id
         self._next_step_id += 1
-        scheduled = tuple(scheduled_sequence(p, self.cache.step_tables(p.seq)) for p in plan.planned)
+        scheduled = []
         sample_row = 0
-        for planned in plan.planned:  # the step is as good as run: advance, and await its samples
-            planned.seq.mark_computed(planned.num_tokens)
-            self.cache.release_unread(planned.seq)
+        for planned in plan.planned:
+            seq = planned.seq
+            scheduled.append(scheduled_sequence(planned, self.cache.step_tables(seq)))
+            # the step is as good as run: advance, and await its samples
+            seq.mark_computed(planned.num_tokens)
+            self.cache.release_unread(seq)
             if planned.samples:
-                planned.seq.append_pending(PendingToken(step_id, sample_row))
+                seq.append_pending(PendingToken(step_id, sample_row))
                 sample_row += planned.num_rows
         if plan.planned:
             self._in_flight.append(InFlightStep(step_id, tuple(plan.planned)))
-        return ScheduledBatch(step_id=step_id, sequences=scheduled, block_size=self.cache.block_size)
+        return ScheduledBatch(step_id=step_id, sequences=tuple(scheduled), block_size=self.cache.block_size)
 
     @property
     def num_in_flight(self) -> int:
@@ -226,16 +229,17 @@ class Scheduler:
         in_flight = check_result(self._in_flight[0] if self._in_flight else None, batch, result)
         self._in_flight.popleft()
         outputs: list[SequenceOutput] = []
+        live, step_id = self._live, batch.step_id
         row_idx = 0
         for planned in in_flight.planned:
             if not planned.samples:
                 continue
             seq, first_row = planned.seq, row_idx
             row_idx += planned.num_rows
-            if self._live.get(seq.seq_id) is not seq:
+            if live.get(seq.seq_id) is not seq:
                 continue  # aborted after schedule(): its blocks are already back in the pool
             pending = seq.pending
-            if not pending or pending[0].step_id != batch.step_id:
+            if not pending or pending[0].step_id != step_id:
                 continue  # preempted after schedule(): it samples this token again later
             if planned.num_drafts:
                 outputs.append(self._append_verified(seq, result, first_row, planned.num_rows))
@@ -317,6 +321,8 @@ class Scheduler:
 
         Victims come from `_running[idx:]`: the sequences before `idx` are already in the step.
         """
+        if self.cache.covers(seq, num_tokens):
+            return True
         while (reservation := self.cache.reserve(seq, num_tokens)) is None:
             candidates = self._running[idx:]
             victim = self.policy.choose_victim(candidates, seq)

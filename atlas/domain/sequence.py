@@ -19,16 +19,16 @@ rolls back the computed count past the rejected ones.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
+from atlas.domain.batch import SamplingRow
 from atlas.domain.cache.holdings import CacheHoldings
 from atlas.domain.requests import FinishReason, ParameterError, Request, SamplingParams, SequenceStatus
 
 PLACEHOLDER_TOKEN = -1
 
 
-@dataclass(frozen=True, slots=True)
-class PendingToken:
+class PendingToken(msgspec.Struct, frozen=True):
     """Where the id of a sequence's last token will come from."""
 
     step_id: int  # the step that samples it
@@ -58,6 +58,8 @@ class Sequence:
         "_penalty_counts",
         "_pending",
         "_num_drafts",
+        "_num_prompt_tokens",
+        "sampling_row_base",
     )
 
     def __init__(self, request: Request, max_total_tokens: int, eos_token_ids: frozenset[int]) -> None:
@@ -65,6 +67,7 @@ class Sequence:
             raise ParameterError("prompt", "the prompt is empty")
         self.request = request
         self._token_ids: list[int] = list(request.prompt_token_ids)
+        self._num_prompt_tokens = len(request.prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first admitted
         self._cache = CacheHoldings()
@@ -74,7 +77,8 @@ class Sequence:
         self.eos_token_ids = frozenset() if request.sampling.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(request.sampling.stop_token_ids)
         self.num_preemptions = 0
-        self._pending: list[PendingToken] = []  # oldest first; the last len(_pending) tokens
+        # oldest first; the last len(_pending) tokens (a tuple: read several times a step)
+        self._pending: tuple[PendingToken, ...] = ()
         self._num_drafts = 0  # tentative tokens before the pending ones
         # token id -> occurrences in the output, kept only when penalties need it; prompt tokens
         # enter with 0 when the repetition penalty also covers the prompt
@@ -82,6 +86,9 @@ class Sequence:
         if request.sampling.has_penalties:
             covers_prompt = request.sampling.repetition_penalty != 1.0
             self._penalty_counts = dict.fromkeys(request.prompt_token_ids, 0) if covers_prompt else {}
+        # The sampling module's row for this request without drafts, penalties or bans, which
+        # depends on the request alone: built once, each step's row is it with its counter.
+        self.sampling_row_base: SamplingRow | None = None
 
     @property
     def seq_id(self) -> str:
@@ -101,11 +108,11 @@ class Sequence:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.request.prompt_token_ids)
+        return self._num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self._token_ids) - len(self.request.prompt_token_ids)
+        return len(self._token_ids) - self._num_prompt_tokens
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
@@ -176,7 +183,7 @@ class Sequence:
             num_kept_drafts += 1
         del self._token_ids[start:]
         self._token_ids.extend(token_ids)
-        self._pending.pop(0)
+        self._pending = self._pending[1:]
         self._num_drafts = 0
         for token_id in token_ids:
             self._count_for_penalties(token_id)
@@ -187,7 +194,7 @@ class Sequence:
     @property
     def pending(self) -> tuple[PendingToken, ...]:
         """Tokens steps in flight are sampling for this sequence, oldest first (at most two)."""
-        return tuple(self._pending)
+        return self._pending
 
     @property
     def num_resolved_tokens(self) -> int:
@@ -201,14 +208,14 @@ class Sequence:
     def append_pending(self, pending: PendingToken) -> None:
         """Add the next token as a placeholder; `resolve_pending` fills in its id."""
         self._token_ids.append(PLACEHOLDER_TOKEN)
-        self._pending.append(pending)
+        self._pending += (pending,)
 
     def resolve_pending(self, token_id: int) -> None:
         """The oldest step in flight sampled `token_id`: it replaces that placeholder."""
         if not self._pending or self._num_drafts:
             raise AssertionError(f"{self.seq_id}: no pending token to resolve, or drafts to verify first")
         self._token_ids[self.num_resolved_tokens] = token_id
-        self._pending.pop(0)
+        self._pending = self._pending[1:]
         self._count_for_penalties(token_id)
 
     def _drop_tentative(self) -> None:
@@ -216,7 +223,7 @@ class Sequence:
         num_tentative = len(self._pending) + self._num_drafts
         if num_tentative:
             del self._token_ids[-num_tentative:]
-            self._pending.clear()
+            self._pending = ()
             self._num_drafts = 0
             self.num_computed_tokens = min(self.num_computed_tokens, len(self._token_ids))
 

@@ -15,6 +15,10 @@ import numpy as np
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence
 
+# What `build_step_inputs` reads of each sequence in its one pass: query length, start,
+# placeholder row (-1: none), samples, block ids, KV tables and state slots carried.
+_NUM_SEQUENCE_NUMBERS = 7
+
 
 @dataclass(frozen=True, slots=True)
 class CacheLayout:
@@ -81,11 +85,15 @@ class HostStepInputs:
         return int(self.sample_indices.shape[0])
 
 
-def build_step_inputs(batch: ScheduledBatch, layout: CacheLayout, num_sample_slots: int) -> HostStepInputs:
+def build_step_inputs(
+    batch: ScheduledBatch, layout: CacheLayout, num_sample_slots: int, rows: TableRows | None = None
+) -> HostStepInputs:
     """Flatten a batch into varlen arrays.
 
     Token i's id is read from row `token_gather[i]` of the token source: the previous step's
-    sampled ids occupy rows [0, num_sample_slots), this step's host tokens follow.
+    sampled ids occupy rows [0, num_sample_slots), this step's host tokens follow. With
+    `rows` (a lone full-attention group), the block tables are rows of its buffer, rewritten
+    only where they changed since the last step built with it, and valid until the next.
 
     Raises ValueError when a sequence carries another number of block tables or state slots
     than the layout's groups, or a block table is wider than `table_width` or does not cover
@@ -94,28 +102,44 @@ def build_step_inputs(batch: ScheduledBatch, layout: CacheLayout, num_sample_slo
     block_size = layout.block_size
     sequences = batch.sequences
     num_seqs = len(sequences)
-    # One pass of Python over the sequences per field, then numpy: at 64 or more sequences a
-    # step this builds every few milliseconds, the host's per-sequence work is what shows.
-    query_lens = np.fromiter((len(seq.token_ids) for seq in sequences), np.int32, num_seqs)
-    starts = np.fromiter((seq.start_position for seq in sequences), np.int32, num_seqs)
+    # One pass of Python over the sequences gathers their numbers, then numpy: at batch 64 a
+    # step builds these every millisecond or two, and each pass over the batch costs more
+    # than the arithmetic.
+    numbers = np.fromiter(
+        itertools.chain.from_iterable(
+            (len(seq.token_ids), seq.start_position, -1 if seq.placeholder_row is None else seq.placeholder_row,
+             seq.sampling is not None, len(seq.block_ids), len(seq.kv_block_tables), len(seq.state_slots))
+            for seq in sequences
+        ),
+        np.int32,
+        _NUM_SEQUENCE_NUMBERS * num_seqs,
+    ).reshape(num_seqs, _NUM_SEQUENCE_NUMBERS).T
+    query_lens, starts, placeholder_rows, samples, num_block_ids, num_tables, num_slots = numbers
+    lone = _check_groups(sequences, layout, num_tables, num_slots)
     seq_lens = starts + query_lens
-    query_start = np.zeros(num_seqs + 1, np.int32)
-    np.cumsum(query_lens, out=query_start[1:])
+    if (query_lens == 1).all():  # a decode step: token row i is sequence i's one token
+        query_start = np.arange(num_seqs + 1, dtype=np.int32)
+        token_seq, positions = query_start[:-1], starts.copy()
+    else:
+        query_start = np.zeros(num_seqs + 1, np.int32)
+        np.cumsum(query_lens, out=query_start[1:])
+        token_seq = np.repeat(np.arange(num_seqs), query_lens)  # the sequence of each token row
+        positions = (np.arange(query_start[-1]) + np.repeat(starts - query_start[:-1], query_lens)).astype(np.int32)
     num_tokens = int(query_start[-1])
-    token_seq = np.repeat(np.arange(num_seqs), query_lens)  # the sequence of each token row
-    positions = (np.arange(num_tokens) + np.repeat(starts - query_start[:-1], query_lens)).astype(np.int32)
-    lone = _check_groups(sequences, layout)
-    block_tables = np.empty((num_seqs, layout.num_kv_groups, layout.table_width), np.int32)
     slot_mapping = np.empty((layout.num_kv_groups, num_tokens), np.int32)
+    if lone and rows is not None:
+        _check_coverage(sequences, num_block_ids, seq_lens, layout)
+        block_tables = rows.fill(sequences, num_block_ids)
+    else:
+        block_tables = np.empty((num_seqs, layout.num_kv_groups, layout.table_width), np.int32)
+        for group in range(layout.num_kv_groups):
+            held, firsts, counts = _group_tables(sequences, group, num_block_ids if lone else None)
+            _check_coverage(sequences, firsts + counts, seq_lens, layout)
+            _write_tables(block_tables[:, group], held, firsts, counts, layout.kv_scratch_blocks[group])
     for group in range(layout.num_kv_groups):
         table = block_tables[:, group]
-        _fill_table(table, sequences, group, layout, seq_lens, lone)
         slot_mapping[group] = table[token_seq, positions // block_size] * block_size + positions % block_size
-    samples = np.fromiter((seq.sampling is not None for seq in sequences), bool, num_seqs)
     token_gather = np.arange(num_sample_slots, num_sample_slots + num_tokens, dtype=np.int32)
-    placeholder_rows = np.fromiter(
-        (-1 if seq.placeholder_row is None else seq.placeholder_row for seq in sequences), np.int32, num_seqs
-    )
     placeholders = placeholder_rows >= 0  # last token rows sampled by the previous step, on the device
     token_gather[query_start[1:][placeholders] - 1] = placeholder_rows[placeholders]
     return HostStepInputs(
@@ -126,7 +150,7 @@ def build_step_inputs(batch: ScheduledBatch, layout: CacheLayout, num_sample_slo
         seq_lens=seq_lens,
         block_tables=block_tables,
         state_slots=_state_slots(sequences, layout),
-        sample_indices=query_start[1:][samples] - 1,
+        sample_indices=query_start[1:][samples != 0] - 1,
         token_gather=token_gather,
         has_placeholders=bool(placeholders.any()),
         max_query_len=int(query_lens.max()) if num_seqs else 0,
@@ -134,59 +158,104 @@ def build_step_inputs(batch: ScheduledBatch, layout: CacheLayout, num_sample_slo
     )
 
 
-def _check_groups(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -> bool:
+def _check_groups(
+    sequences: Sequence[ScheduledSequence], layout: CacheLayout, num_tables: np.ndarray, num_slots: np.ndarray
+) -> bool:
     """Whether the batch's tables are `block_ids` alone (a lone full-attention group, with no
-    `kv_block_tables`). Raises ValueError unless every sequence carries a table per KV group
-    and a slot per recurrent group."""
-    shapes = {(len(seq.kv_block_tables), len(seq.state_slots)) for seq in sequences}
-    expected = {(layout.num_kv_groups, layout.num_state_groups)}
+    `kv_block_tables`), given each sequence's numbers of tables and slots. Raises ValueError
+    unless every sequence carries a table per KV group and a slot per recurrent group."""
+    fits = (num_tables == layout.num_kv_groups) & (num_slots == layout.num_state_groups)
     if layout.num_kv_groups == 1:
-        expected.add((0, layout.num_state_groups))
-    if shapes - expected:
-        seq = next(s for s in sequences if (len(s.kv_block_tables), len(s.state_slots)) not in expected)
+        fits |= (num_tables == 0) & (num_slots == layout.num_state_groups)
+    if not fits.all():
+        seq = sequences[int(np.flatnonzero(~fits)[0])]
         raise ValueError(
             f"sequence {seq.seq_id!r} carries {len(seq.block_tables)} block tables and {len(seq.state_slots)} "
             f"state slots for {layout.num_kv_groups} KV and {layout.num_state_groups} recurrent groups"
         )
-    return all(num_tables == 0 for num_tables, _ in shapes)
+    return not num_tables.any()
 
 
-def _fill_table(
-    table: np.ndarray,
-    sequences: Sequence[ScheduledSequence],
-    group: int,
-    layout: CacheLayout,
-    seq_lens: np.ndarray,
-    lone: bool,
+def _group_tables(
+    sequences: Sequence[ScheduledSequence], group: int, lone_counts: np.ndarray | None
+) -> tuple[Sequence[tuple[int, ...]], np.ndarray, np.ndarray]:
+    """KV group `group`'s table of each sequence: its block ids, first block index and count.
+    `lone_counts`: each sequence's number of `block_ids` when they are its only table (a lone
+    full-attention group), else None."""
+    num_seqs = len(sequences)
+    if lone_counts is not None:
+        return [seq.block_ids for seq in sequences], np.zeros(num_seqs, np.int32), lone_counts
+    tables = [seq.block_tables[group] for seq in sequences]
+    held = [t.block_ids for t in tables]
+    firsts = np.fromiter((t.first_block_idx for t in tables), np.int32, num_seqs)
+    return held, firsts, np.fromiter((len(ids) for ids in held), np.int32, num_seqs)
+
+
+def _check_coverage(
+    sequences: Sequence[ScheduledSequence], covered: np.ndarray, seq_lens: np.ndarray, layout: CacheLayout
 ) -> None:
-    """Write KV group `group`'s block table of each sequence into `table` [S, W]: entry i is
-    block i's page, the group's scratch block where the sequence holds none (released from a
-    sliding window, or past its last block).
+    """Raises ValueError naming the first sequence whose table (blocks 0 .. `covered` - 1) is
+    wider than `table_width` or does not hold its context."""
+    for index in np.flatnonzero((covered > layout.table_width) | (covered * layout.block_size < seq_lens)):
+        seq = sequences[index]
+        if covered[index] > layout.table_width:
+            raise ValueError(f"sequence {seq.seq_id!r} has {covered[index]} blocks, more than {layout.table_width}")
+        raise ValueError(f"sequence {seq.seq_id!r}: {covered[index]} blocks cannot hold {seq.context_len} tokens")
+
+
+def _write_tables(
+    table: np.ndarray, held: Sequence[tuple[int, ...]], firsts: np.ndarray, counts: np.ndarray, scratch: int
+) -> None:
+    """Write each sequence's table into `table` [S, W]: entry i is block i's page, `scratch`
+    where the sequence holds none (released from a sliding window, or past its last block).
+    The tables must fit the width (`_check_coverage`).
 
         first_block_idx 2, block_ids (7, 3), scratch 99:   [99 99 7 3 99 99 ...]
     """
-    num_seqs, width = len(sequences), layout.table_width
-    if lone:
-        held: Sequence[tuple[int, ...]] = [seq.block_ids for seq in sequences]
-        firsts = np.zeros(num_seqs, np.int32)
-    else:
-        tables = [seq.block_tables[group] for seq in sequences]
-        held = [t.block_ids for t in tables]
-        firsts = np.fromiter((t.first_block_idx for t in tables), np.int32, num_seqs)
-    counts = np.fromiter((len(ids) for ids in held), np.int32, num_seqs)
-    covered = firsts + counts
-    for index in np.flatnonzero((covered > width) | (covered * layout.block_size < seq_lens)):
-        seq = sequences[index]
-        if covered[index] > width:
-            raise ValueError(f"sequence {seq.seq_id!r} has {covered[index]} blocks, more than {width}")
-        raise ValueError(f"sequence {seq.seq_id!r}: {covered[index]} blocks cannot hold {seq.context_len} tokens")
-    table[...] = layout.kv_scratch_blocks[group]
-    columns = np.arange(width, dtype=np.int32)  # (int32 against int32: no promotion per element)
-    held_entries = columns < covered[:, None]
-    if not lone:
-        held_entries &= columns >= firsts[:, None]
+    table[...] = scratch
+    columns = np.arange(table.shape[1], dtype=np.int32)  # (int32 against int32: no promotion per element)
+    held_entries = (columns < (firsts + counts)[:, None]) & (columns >= firsts[:, None])
     # a row-major boolean mask takes the concatenated tables in order
     table[held_entries] = np.fromiter(itertools.chain.from_iterable(held), np.int32, int(counts.sum()))
+
+
+class TableRows:
+    """The block tables of a model with one full-attention cache group, kept from step to step
+    so that a step rewrites only the rows that changed.
+
+    Row i holds the table of the last step's sequence i. The cache manager rebinds a
+    sequence's `block_ids` tuple whenever its pages change, so a row whose sequence now brings
+    the very tuple the row was written from is still right, whoever that sequence is; in steady
+    decode only the sequences that just took a page change. When many rows changed (sequences
+    left or joined, and the rest moved up) the whole table is written at once instead.
+    """
+
+    def __init__(self, max_seqs: int, layout: CacheLayout) -> None:
+        """Rows for steps of up to `max_seqs` sequences. Raises ValueError unless `layout` has
+        one KV group and no recurrent one."""
+        if layout.num_kv_groups != 1 or layout.num_state_groups:
+            raise ValueError("TableRows serves a lone full-attention cache group")
+        self._scratch = layout.kv_scratch_blocks[0]
+        self._table = np.full((max_seqs, 1, layout.table_width), self._scratch, np.int32)
+        self._written_from: list[tuple[int, ...] | None] = [None] * max_seqs  # each row's block ids
+
+    def fill(self, sequences: Sequence[ScheduledSequence], counts: np.ndarray) -> np.ndarray:
+        """The tables [S, 1, W] of `sequences` (`counts`: their numbers of block ids, each
+        already checked to fit the width), as a view of the buffer."""
+        written_from, num_seqs = self._written_from, len(sequences)
+        stale = [index for index in range(num_seqs) if written_from[index] is not sequences[index].block_ids]
+        table = self._table[:num_seqs, 0]
+        if 4 * len(stale) > num_seqs:  # one vectorised write beats a numpy call a row
+            held = [seq.block_ids for seq in sequences]
+            _write_tables(table, held, np.zeros(num_seqs, np.int32), counts, self._scratch)
+            written_from[:num_seqs] = held
+        else:
+            for index in stale:
+                block_ids = sequences[index].block_ids
+                table[index, len(block_ids) :] = self._scratch
+                table[index, : len(block_ids)] = block_ids
+                written_from[index] = block_ids
+        return self._table[:num_seqs]
 
 
 def _state_slots(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -> np.ndarray:
@@ -210,6 +279,8 @@ def pad_decode_inputs(
     extra = num_seqs - inputs.num_seqs
     if extra < 0 or inputs.num_tokens != inputs.num_seqs:
         raise ValueError("only decode steps (one token per sequence) can be padded")
+    if extra == 0 and inputs.num_sample_rows == num_seqs:
+        return inputs  # a full bucket: its rows are already the graph's (every row samples, in order)
     scratch_blocks = np.asarray(layout.kv_scratch_blocks, np.int32)
     padded_gather = np.concatenate(
         [inputs.token_gather, num_sample_slots + np.arange(inputs.num_tokens, num_seqs, dtype=np.int32)]

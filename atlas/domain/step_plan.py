@@ -5,7 +5,7 @@ for the front end), with the check that a result belongs to the step it is commi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from atlas.domain.batch import (
     BlockTable,
@@ -19,8 +19,7 @@ from atlas.domain.sampling import sampling_rows
 from atlas.domain.sequence import PLACEHOLDER_TOKEN, Sequence
 
 
-@dataclass(frozen=True, slots=True)
-class Planned:
+class Planned(msgspec.Struct, frozen=True):
     """One sequence's share of a step: `num_tokens` from `num_computed_tokens` on, the last
     `num_drafts` of them drafts to verify."""
 
@@ -41,8 +40,7 @@ class Planned:
         return self.samples and (self.num_drafts > 0 or self.seq.sampling.has_penalties)
 
 
-@dataclass(frozen=True, slots=True)
-class InFlightStep:
+class InFlightStep(msgspec.Struct, frozen=True):
     step_id: int
     planned: tuple[Planned, ...]
 
@@ -71,10 +69,10 @@ def scheduled_sequence(
     seq = planned.seq
     start = seq.num_computed_tokens
     token_ids = tuple(seq.tokens_slice(start, start + planned.num_tokens))
-    pending = seq.pending
     placeholder_row = None
     if token_ids[-1] == PLACEHOLDER_TOKEN:
         # only the newest placeholder can be computed: the previous step samples it
+        pending = seq.pending
         assert len(pending) == 1 and start + planned.num_tokens == seq.num_tokens
         placeholder_row = pending[-1].sample_row
     block_ids, kv_block_tables, state_slots = tables

@@ -23,11 +23,13 @@ def stop_reason(seq: Sequence) -> FinishReason | None:
     stop id is not honoured unless at least `min_tokens` outputs come before it. Never raises for
     a sequence that holds at least one output token.
     """
-    num_output = seq.num_resolved_tokens - seq.num_prompt_tokens
-    if num_output > seq.sampling.min_tokens and _is_stop_token(seq, seq.last_resolved_token_id):
+    params = seq.sampling
+    num_resolved = seq.num_resolved_tokens
+    num_output = num_resolved - seq.num_prompt_tokens
+    if num_output > params.min_tokens and _is_stop_token(seq, seq.last_resolved_token_id):
         return FinishReason.STOP
-    max_tokens = seq.sampling.max_tokens
-    if (max_tokens is not None and num_output >= max_tokens) or seq.num_resolved_tokens >= seq.max_total_tokens:
+    max_tokens = params.max_tokens
+    if (max_tokens is not None and num_output >= max_tokens) or num_resolved >= seq.max_total_tokens:
         return FinishReason.LENGTH
     return None
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 
+import msgspec
 import numpy as np
 
 from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence, StepResult, TokenLogprobs
@@ -34,9 +35,9 @@ from atlas.domain.device_caches import DeviceCache, scratch_page
 from atlas.domain.models.cache_groups import kv_group_indices, state_group_indices
 from atlas.domain.models.layers import GroupMetadata
 from atlas.domain.models.model import LayerObserver, Model, StepTensors
-from atlas.domain.sampling import PackedSampling, pack_rows
+from atlas.domain.sampling import PackedSampling, RowPacker
 from atlas.domain.step_buffers import StepBuffers
-from atlas.domain.step_inputs import CacheLayout, HostStepInputs, build_step_inputs, pad_decode_inputs
+from atlas.domain.step_inputs import CacheLayout, HostStepInputs, TableRows, build_step_inputs, pad_decode_inputs
 from atlas.domain.token_mask import bitmask_width
 from atlas.ports.gpu import DType, GpuBackend, Graph, PendingDownload, Tensor
 from atlas.ports.kernels.sampling import LogprobsOut
@@ -92,7 +93,7 @@ class PendingStep:
         if self._result is None:
             token_ids = self._token_ids.wait() if self._token_ids is not None else np.zeros(0, np.int32)
             logprobs = self._collect_logprobs(token_ids) if self._logprobs is not None else None
-            self._result = StepResult(self._step_id, tuple(int(t) for t in token_ids), logprobs)
+            self._result = StepResult(self._step_id, tuple(token_ids.tolist()), logprobs)
         return self._result
 
     def _collect_logprobs(self, token_ids: np.ndarray) -> tuple[TokenLogprobs | None, ...]:
@@ -149,6 +150,10 @@ class Worker:
         max_tokens = max(config.max_num_tokens, max_graph)
         max_seqs = max(config.max_num_seqs, max_graph)
         self.buffers = StepBuffers(backend, max_tokens, max_seqs, self.cache_layout, bitmask_width(model.vocab_size))
+        lone = self.cache_layout.num_kv_groups == 1 and not self.cache_layout.num_state_groups
+        # a lone full-attention group's tables, kept between steps (rewritten where they change)
+        self._table_rows = TableRows(max_seqs, self.cache_layout) if lone else None
+        self._packer = RowPacker()  # this step's sampling rows, from the last step's where only counters moved
         self.workspace = model.allocate_workspace(max_tokens, max_seqs)
         self.graph_batch_sizes = tuple(sorted(config.graph_batch_sizes)) if backend.capabilities.supports_graphs else ()
         self._graphs: dict[int, tuple[Graph, Tensor]] = {}  # bucket -> (forward graph, its logits)
@@ -163,7 +168,7 @@ class Worker:
         if batch.is_empty:
             return PendingStep(batch.step_id, wanted)
         bucket = self._graph_bucket(batch)
-        staged = _pack(rows, bucket)
+        staged = self._pack(rows, bucket)
         logits = self._forward(batch, bucket, staged)
         if staged is None:
             return PendingStep(batch.step_id, wanted)
@@ -186,7 +191,7 @@ class Worker:
         batch = decode_rows(batch)
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
         bucket = None if observer is not None else self._graph_bucket(batch)
-        logits = self._forward(batch, bucket, _pack(rows, bucket), observer)
+        logits = self._forward(batch, bucket, self._pack(rows, bucket), observer)
         return self.backend.begin_download(logits.rows(0, batch.num_sampled)).wait()
 
     def capture_graphs(self) -> None:
@@ -211,7 +216,7 @@ class Worker:
                 f"{self.config.max_num_tokens} / {self.config.max_num_seqs}"
             )
         buffers = self.buffers
-        inputs = build_step_inputs(batch, self.cache_layout, buffers.max_seqs)
+        inputs = build_step_inputs(batch, self.cache_layout, buffers.max_seqs, self._table_rows)
         if bucket is not None:
             graph, logits = self._graphs.get(bucket) or self._capture(bucket)  # capturing uses the buffers
             inputs = pad_decode_inputs(inputs, bucket, self.cache_layout, buffers.max_seqs)
@@ -273,7 +278,7 @@ class Worker:
         # valid inputs for the warm-up run: every row a padding row in the scratch pages
         padding = pad_decode_inputs(HostStepInputs.empty(self.cache_layout), bucket, self.cache_layout, buffers.max_seqs)
         buffers.stage_inputs(padding)
-        buffers.stage_sampling(_pack([], bucket))
+        buffers.stage_sampling(self._pack([], bucket))
         buffers.send()
         outputs: list[Tensor] = []
 
@@ -299,6 +304,13 @@ class Worker:
         graph = backend.capture(lambda: backend.sampling.sample(logits, tensors, buffers.sampled_ids.rows(0, bucket)))
         self._sampler_graphs[(bucket, masked)] = graph
         return graph
+
+    def _pack(self, rows: list[SamplingRow], bucket: int | None) -> PackedSampling | None:
+        """The step's sampling rows (None without any), padded with greedy rows to a graph's
+        `bucket`: the graph samples every row, so padding rows need valid parameters too."""
+        if bucket is not None:
+            return self._packer.pack(rows + [_PADDING_ROW] * (bucket - len(rows)))
+        return self._packer.pack(rows) if rows else None
 
     def _sample(
         self,
@@ -358,18 +370,10 @@ def decode_rows(batch: ScheduledBatch) -> ScheduledBatch:
         sampling_rows = seq.sampling_rows
         first = seq.num_tokens - len(sampling_rows)  # tokens before the last one and the drafts
         if first:
-            sequences.append(replace(seq, token_ids=seq.token_ids[:first], sampling=None, num_draft_tokens=0,
-                                     draft_rows=()))
+            sequences.append(msgspec.structs.replace(seq, token_ids=seq.token_ids[:first], sampling=None,
+                                                    num_draft_tokens=0, draft_rows=()))
         sequences.extend(seq.decode_row(first + offset, row) for offset, row in enumerate(sampling_rows))
     return replace(batch, sequences=tuple(sequences))
-
-
-def _pack(rows: list[SamplingRow], bucket: int | None) -> PackedSampling | None:
-    """The step's sampling rows (None without any), padded with greedy rows to a graph's
-    `bucket`: the graph samples every row, so padding rows need valid parameters too."""
-    if bucket is not None:
-        return pack_rows(rows + [_PADDING_ROW] * (bucket - len(rows)))
-    return pack_rows(rows) if rows else None
 
 
 def _needs_eager_sampling(packed: PackedSampling, wanted: list[int | None]) -> bool:

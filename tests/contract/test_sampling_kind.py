@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import msgspec
 import numpy as np
 import pytest
 from kind_references import bf16
@@ -158,8 +159,8 @@ def test_masked_rows_sample_the_reference_ids_inside_the_mask(harness, rng, voca
     logits = bf16(rng.standard_normal((num_rows, vocab_size)) * 2.5)
     masks = _random_masks(rng, vocab_size, num_rows)
     rows = _random_rows(rng, vocab_size, num_rows)
-    greedy = [replace(row, temperature=0.0, penalty_token_ids=(), penalty_output_counts=(), bias_token_ids=(),
-                      bias_values=()) for row in rows[:6]]
+    greedy = [msgspec.structs.replace(row, temperature=0.0, penalty_token_ids=(), penalty_output_counts=(),
+                                      bias_token_ids=(), bias_values=()) for row in rows[:6]]
     ids, _, expected = _sample(harness, logits, greedy + rows[6:], logits_dtype, token_mask=masks)
     np.testing.assert_array_equal(ids, expected.token_ids)
     allowed = (masks[np.arange(num_rows), ids >> 5].view(np.uint32) >> (ids & 31).astype(np.uint32)) & 1

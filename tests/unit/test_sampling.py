@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
+
 import numpy as np
 import pytest
 
@@ -16,7 +18,14 @@ from atlas.adapters.mock.sampler import apply_penalties_and_bias, sample_rows
 from atlas.domain.batch import SamplingRow
 from atlas.domain.requests import ParameterError, Request, SamplingParams
 from atlas.domain.sequence import Sequence
-from atlas.domain.sampling import counter_uniforms, pack_rows, sampling_row, sampling_rows, validate_token_ids
+from atlas.domain.sampling import (
+    RowPacker,
+    counter_uniforms,
+    pack_rows,
+    sampling_row,
+    sampling_rows,
+    validate_token_ids,
+)
 
 MASK = 2**64 - 1
 GOLDEN = 0x9E3779B97F4A7C15
@@ -226,15 +235,15 @@ def test_penalties_steer_greedy_choice() -> None:
     prompt_only = row(temperature=0.0, repetition_penalty=1.1, presence_penalty=2.0,
                       penalty_token_ids=(1,), penalty_output_counts=(0,))  # fmt: skip
     assert sample_rows(logits, pack_rows([prompt_only]), None).token_ids.tolist() == [2]
-    mild = dataclasses.replace(prompt_only, repetition_penalty=1.02)  # 3.0 / 1.02 > 2.9
+    mild = msgspec.structs.replace(prompt_only, repetition_penalty=1.02)  # 3.0 / 1.02 > 2.9
     assert sample_rows(logits, pack_rows([mild]), None).token_ids.tolist() == [1]
 
 
 def test_a_minus_inf_bias_bans_a_token() -> None:
     logits = np.float32([[0.5, 4.0, 3.9, 0.0, -1.0]])
     banned = row(bias_token_ids=(1,), bias_values=(float("-inf"),))
-    assert sample_rows(logits, pack_rows([dataclasses.replace(banned, temperature=0.0)]), None).token_ids[0] == 2
-    rows = [dataclasses.replace(banned, counter=c, temperature=2.0) for c in range(400)]
+    assert sample_rows(logits, pack_rows([msgspec.structs.replace(banned, temperature=0.0)]), None).token_ids[0] == 2
+    rows = [msgspec.structs.replace(banned, counter=c, temperature=2.0) for c in range(400)]
     drawn = sample_rows(np.repeat(logits, 400, axis=0), pack_rows(rows), None).token_ids
     assert 1 not in drawn.tolist()
     assert set(drawn.tolist()) == {0, 2, 3, 4}  # at T=2 every other token turns up
@@ -432,3 +441,52 @@ def test_a_verify_step_samples_each_draft_position_as_if_the_drafts_were_output(
     plain = Sequence(Request("p", (4, 5), params, seed=9), max_total_tokens=22, eos_token_ids=frozenset({0}))
     plain.append_token(5)
     assert sampling_rows(plain) == rows[:1]  # without drafts: the first row alone
+
+
+def test_a_sequences_rows_built_from_its_cached_base_equal_rows_built_afresh() -> None:
+    """Past min_tokens a row without drafts or penalties is the sequence's cached base with
+    the step's counter: every field must match the row a sequence with no cache builds from
+    the parameters, across the min_tokens edge; drafts still get a row per position."""
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.05, min_tokens=2, max_tokens=20,
+                            logit_bias={7: 1.5}, stop_token_ids=[9], logprobs=2)
+    request = Request("s", (4, 5, 6), params, seed=-3)
+    seq = Sequence(request, max_total_tokens=30, eos_token_ids=frozenset({0}))
+    for token_id in (11, 12, 13, 14):
+        afresh = Sequence(request, max_total_tokens=30, eos_token_ids=frozenset({0}))
+        for earlier in seq.output_token_ids:
+            afresh.append_token(earlier)
+        assert sampling_rows(seq) == sampling_rows(afresh)
+        seq.append_token(token_id)
+    assert seq.sampling_row_base is not None and seq.sampling_row_base.bias_token_ids == (7,)
+    [late] = sampling_rows(seq)
+    assert (late.counter, late.seed, late.bias_values, late.num_logprobs, late.top_k) == (4, 2**64 - 3, (1.5,), 2, 40)
+    seq.add_drafts((15, 16))
+    assert [row.counter for row in sampling_rows(seq)] == [4, 5, 6]
+
+
+def test_a_row_packer_packs_every_step_as_pack_rows_does():
+    """Steps that only advance the counters reuse the last step's arrays; rows changing,
+    leaving, joining or moving must never leave a stale field behind."""
+    rng = np.random.default_rng(3)
+    pool = [row(temperature=float(t), top_k=int(k), seed=int(s), bias_token_ids=(1,) if b else (),
+                bias_values=(2.0,) if b else ())
+            for t, k, s, b in zip(rng.uniform(0, 2, 9), rng.integers(0, 50, 9), rng.integers(0, 2**63, 9),
+                                  rng.random(9) < 0.3)]
+    packer = RowPacker()
+    rows = pool[:4]
+    for step in range(40):
+        if step % 7 == 3:
+            rows = [pool[int(i)] for i in rng.choice(len(pool), size=int(rng.integers(0, 7)), replace=False)]
+        elif step % 7 == 5 and rows:  # one row changed but for its seed and counter (a ban lifted, say)
+            index = int(rng.integers(0, len(rows)))
+            rows[index] = msgspec.structs.replace(rows[index], temperature=0.0, min_p=0.2, bias_token_ids=(),
+                                                  bias_values=())
+        rows = [msgspec.structs.replace(r, counter=r.counter + 1) for r in rows]
+        packed, expected = packer.pack(rows), pack_rows(rows)
+        for field in dataclasses.fields(expected):
+            actual, wanted = getattr(packed, field.name), getattr(expected, field.name)
+            if isinstance(wanted, np.ndarray):
+                assert actual.dtype == wanted.dtype, field.name
+                np.testing.assert_array_equal(actual, wanted, err_msg=field.name)
+            else:
+                assert actual == wanted, field.name

@@ -75,7 +75,7 @@ def test_rejected_drafts_give_their_pages_back_and_accepted_ones_keep_theirs() -
     seq = make_seq("a", prompt, max_tokens=12)
     scheduler.add(seq)
     step(scheduler, worker)  # the prompt: one sampled token
-    assert seq.cache.groups[0].block_ids == [0, 1] and seq.num_tokens == 8
+    assert seq.cache.groups[0].block_ids == (0, 1) and seq.num_tokens == 8
     batch = scheduler.schedule()  # the token at 7 and four drafts at 8..11: a third block
     [verify] = batch.sequences
     assert verify.num_tokens == 5 and verify.num_draft_tokens == 4 and len(verify.sampling_rows) == 5
@@ -84,7 +84,7 @@ def test_rejected_drafts_give_their_pages_back_and_accepted_ones_keep_theirs() -
     scheduler.check_invariants()
     # every draft wrong: the target's own token at 8, computed up to 7, block 2 back in the pool
     assert len(output.new_token_ids) == 1 and seq.num_computed_tokens == 8 and seq.num_tokens == 9
-    assert seq.cache.groups[0].block_ids == [0, 1] and pool.num_free_blocks == 6
+    assert seq.cache.groups[0].block_ids == (0, 1) and pool.num_free_blocks == 6
     assert scheduler.spec_stats.num_draft_tokens == 4 and scheduler.spec_stats.num_accepted_tokens == 0
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence
 from atlas.domain.sequence import PLACEHOLDER_TOKEN
-from atlas.domain.step_inputs import CacheLayout, HostStepInputs, build_step_inputs, pad_decode_inputs
+from atlas.domain.step_inputs import CacheLayout, HostStepInputs, TableRows, build_step_inputs, pad_decode_inputs
 
 BLOCK_SIZE = 16
 TABLE_WIDTH = 16
@@ -142,3 +142,55 @@ def test_padding_rows_write_and_read_only_each_groups_scratch_page():
     assert padded.seq_lens[real:].tolist() == [1, 1] and padded.query_start_loc.tolist() == [0, 1, 2, 3, 4, 5]
     empty = pad_decode_inputs(HostStepInputs.empty(HYBRID), 2, HYBRID, SAMPLE_SLOTS)
     assert empty.block_tables.shape == (2, 2, TABLE_WIDTH) and empty.state_slots.shape == (2, 2)
+
+
+def test_kept_table_rows_equal_tables_built_afresh_as_sequences_grow_leave_join_and_move():
+    """`TableRows` rewrites only rows whose block ids are another tuple than the one the row
+    was written from; whatever the batch does between steps, the tables must be the ones a
+    fresh build gives."""
+    rng = np.random.default_rng(7)
+    rows = TableRows(12, ONE_GROUP)
+    free_blocks = iter(rng.permutation(5000).tolist())
+    tables = {f"s{index}": tuple(next(free_blocks) for _ in range(1 + index % 5)) for index in range(20)}
+    ids: list[str] = []
+    for step in range(80):
+        if step % 8 == 0:  # another batch: sequences left, joined and moved
+            ids = [str(seq_id) for seq_id in rng.choice(sorted(tables), size=int(rng.integers(0, 13)), replace=False)]
+        elif step % 8 == 4 and ids:  # one left, the rest moved up a row
+            ids.pop(int(rng.integers(0, len(ids))))
+        for seq_id in ids:  # otherwise the same sequences in the same order, as in steady decode
+            if rng.random() < 0.15 and len(tables[seq_id]) < TABLE_WIDTH:
+                tables[seq_id] += (next(free_blocks),)  # a page taken: a new tuple
+            elif rng.random() < 0.05:
+                tables[seq_id] = tables[seq_id][:1]  # rolled back
+        batch = ScheduledBatch(step, tuple(
+            ScheduledSequence(seq_id, (1,), BLOCK_SIZE * len(tables[seq_id]) - 1, tables[seq_id], ROW) for seq_id in ids
+        ), BLOCK_SIZE)
+        kept = build_step_inputs(batch, ONE_GROUP, SAMPLE_SLOTS, rows)
+        afresh = build_step_inputs(batch, ONE_GROUP, SAMPLE_SLOTS)
+        np.testing.assert_array_equal(kept.block_tables, afresh.block_tables)
+        np.testing.assert_array_equal(kept.slot_mapping, afresh.slot_mapping)
+
+
+def test_kept_table_rows_still_check_every_table():
+    rows = TableRows(4, ONE_GROUP)
+    fine = ScheduledSequence("fine", (5,), 20, (1, 2), ROW)
+    build_step_inputs(ScheduledBatch(1, (fine,), BLOCK_SIZE), ONE_GROUP, 1, rows)
+    short = ScheduledSequence("short", (5, 6), 31, (3, 4), ROW)
+    with pytest.raises(ValueError, match="'short': 2 blocks cannot hold 33 tokens"):
+        build_step_inputs(ScheduledBatch(2, (fine, short), BLOCK_SIZE), ONE_GROUP, 1, rows)
+    with pytest.raises(ValueError, match="lone full-attention"):
+        TableRows(4, HYBRID)
+
+
+def test_a_full_bucket_pads_to_itself():
+    """A decode step whose every row samples, padded to its own size, is already what the
+    graph reads: one token row per sequence, each sampled in order."""
+    rng = np.random.default_rng(11)
+    decodes = tuple(s for s in random_batch(rng, 16, HYBRID).sequences if s.num_tokens == 1)
+    inputs = build_step_inputs(ScheduledBatch(1, decodes, BLOCK_SIZE), HYBRID, SAMPLE_SLOTS)
+    padded = pad_decode_inputs(inputs, len(decodes), HYBRID, SAMPLE_SLOTS)
+    assert padded.query_start_loc.tolist() == list(range(len(decodes) + 1))
+    assert padded.sample_indices.tolist() == list(range(len(decodes)))
+    for name, expected in expected_inputs(ScheduledBatch(1, decodes, BLOCK_SIZE), HYBRID).items():
+        np.testing.assert_array_equal(getattr(padded, name), expected, err_msg=name)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
+import msgspec
+
 from atlas.app.bench.measure import replay_device_time
 from atlas.app.builder import LoadedEngine
 from atlas.domain.batch import ScheduledBatch
@@ -171,7 +173,8 @@ def _verify_step_cost(engine: LoadedEngine, decode_steps: list[ScheduledBatch], 
     decode = next((b for b in decode_steps if len(b.sequences) == 1 and b.num_tokens == 1), None)
     if decode is None:
         return {"verify_step_ms": None, "decode_step_ms": None, "verify_over_decode": None}
-    decode = replace(decode, sequences=(replace(decode.sequences[0], token_ids=(0,), placeholder_row=None),))
+    first = msgspec.structs.replace(decode.sequences[0], token_ids=(0,), placeholder_row=None)
+    decode = replace(decode, sequences=(first,))
     decode_s, verify_s = replay_device_time(engine, decode), replay_device_time(engine, verify_over(decode, num_drafts))
     return {"verify_step_ms": 1e3 * verify_s, "decode_step_ms": 1e3 * decode_s,
             "verify_over_decode": verify_s / decode_s}
@@ -186,8 +189,9 @@ def verify_over(decode: ScheduledBatch, num_drafts: int) -> ScheduledBatch:
     [seq] = decode.sequences
     if seq.start_position < num_drafts or seq.sampling is None:
         raise ValueError(f"a decode at position {seq.start_position} has no room for {num_drafts} drafts before it")
-    verify = replace(seq, token_ids=(0,) * (1 + num_drafts), start_position=seq.start_position - num_drafts,
-                     placeholder_row=None, num_draft_tokens=num_drafts, draft_rows=(seq.sampling,) * num_drafts)
+    verify = msgspec.structs.replace(
+        seq, token_ids=(0,) * (1 + num_drafts), start_position=seq.start_position - num_drafts, placeholder_row=None,
+        num_draft_tokens=num_drafts, draft_rows=(seq.sampling,) * num_drafts)
     return replace(decode, sequences=(verify,))
 
 

@@ -10,16 +10,20 @@ from atlas.domain.cache.radix_tree import RadixNode
 class GroupHolding:
     """One group's pages of a sequence: page `block_ids[k]` holds block `first_block_idx + k`.
 
-        sliding window, first_block_idx 2, block_ids [7, 3]
+        sliding window, first_block_idx 2, block_ids (7, 3)
         block     0   1 | 2   3
         page      released | 7   3
+
+    `block_ids` is a tuple, rebound whenever the pages change: a step hands it to the worker
+    as the sequence's block table without a copy, and the worker may keep what it derived
+    from it (its rows of the step's table) while it is the same object.
     """
 
     __slots__ = ("first_block_idx", "block_ids")
 
     def __init__(self) -> None:
         self.first_block_idx = 0
-        self.block_ids: list[int] = []
+        self.block_ids: tuple[int, ...] = ()
 
     @property
     def num_covered(self) -> int:
@@ -34,7 +38,8 @@ class GroupHolding:
     def release_first(self) -> int:
         """Give up the first held page (it left a sliding window); returns its id."""
         self.first_block_idx += 1
-        return self.block_ids.pop(0)
+        first, self.block_ids = self.block_ids[0], self.block_ids[1:]
+        return first
 
 
 class CacheHoldings:

@@ -27,6 +27,8 @@ from collections import Counter
 from collections.abc import Collection, Sequence as SequenceList
 from dataclasses import dataclass
 
+import msgspec
+
 from atlas.domain.batch import BlockTable
 from atlas.domain.cache.block_key import BlockKey
 from atlas.domain.cache.block_pool import BlockPool
@@ -47,8 +49,7 @@ class PrefixHit:
     waits_for_step: bool  # some of these blocks are computed by the step being built
 
 
-@dataclass(frozen=True, slots=True)
-class CacheReservation:
+class CacheReservation(msgspec.Struct, frozen=True):
     """A checked promise of pages for one sequence, redeemable once by `CacheManager.commit`
     before the cache changes again."""
 
@@ -145,6 +146,11 @@ class CacheManager:
         waits = bool(self._fresh) and any(node in self._fresh for node in nodes)
         return PrefixHit(nodes, num_blocks * self.block_size, waits)
 
+    def covers(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether running `seq` already holds the pages for `num_tokens` more tokens in every
+        group (most steps of a running sequence): reserving them would hand out nothing."""
+        return seq.num_computed_tokens + num_tokens <= seq.cache.num_tokens_covered
+
     def reserve(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> CacheReservation | None:
         """Check that `seq` can hold `num_tokens` more tokens: from its computed ones when
         running, or from `hit` when it is being admitted (pass the hit, even an empty one).
@@ -189,7 +195,7 @@ class CacheManager:
             pool_reservation = group.pool.reserve(need)
             if pool_reservation is None:
                 raise AssertionError(f"group {idx}: a checked reservation of {need} pages no longer fits")
-            seq.cache.groups[idx].block_ids.extend(group.pool.commit(pool_reservation))
+            seq.cache.groups[idx].block_ids += tuple(group.pool.commit(pool_reservation))
         seq.cache.num_tokens_covered = min(
             self.groups[idx].pool.block_size * seq.cache.groups[idx].num_covered for idx in self._kv_groups
         )
@@ -208,6 +214,8 @@ class CacheManager:
         """The step computing `seq` up to its computed count is built (its block tables taken):
         release the blocks no later step reads, those that left a sliding window. Nothing else
         is handed out for this step, so they are reused only by steps that run after it."""
+        if not self._windowed_groups:
+            return
         holdings = seq.cache
         # Drafts may be rolled back: keep what a step from the first draft on would read.
         position = seq.num_computed_tokens - seq.num_draft_tokens
@@ -228,7 +236,7 @@ class CacheManager:
             num_extra = holding.num_covered - group.num_pages(seq.num_computed_tokens)
             if num_extra > 0:
                 group.pool.free(holding.block_ids[-num_extra:])
-                del holding.block_ids[-num_extra:]
+                holding.block_ids = holding.block_ids[:-num_extra]
         holdings.num_tokens_covered = min(
             self.groups[idx].pool.block_size * holdings.groups[idx].num_covered for idx in self._kv_groups
         )
@@ -271,8 +279,8 @@ class CacheManager:
         holdings = seq.cache.groups
         first = holdings[self._kv_groups[0]]
         if self._lone_full_group:
-            return tuple(first.block_ids), (), ()
-        tables = tuple(BlockTable(tuple(holdings[i].block_ids), holdings[i].first_block_idx) for i in self._kv_groups)
+            return first.block_ids, (), ()
+        tables = tuple(BlockTable(holdings[i].block_ids, holdings[i].first_block_idx) for i in self._kv_groups)
         slots = tuple(holding.block_ids[0] for i, holding in enumerate(holdings) if i not in self._kv_groups)
         return tables[0].block_ids, tables, slots
 
@@ -395,9 +403,8 @@ class CacheManager:
             blocks = group.hit_blocks(len(hit.nodes))
             holding.first_block_idx = blocks.start if blocks else 0
             for block_idx in blocks:
-                node = hit.nodes[block_idx]
-                self.tree.pin(node, idx)
-                holding.block_ids.append(node.block_ids[idx])  # type: ignore[arg-type]
+                self.tree.pin(hit.nodes[block_idx], idx)
+            holding.block_ids = tuple(hit.nodes[block_idx].block_ids[idx] for block_idx in blocks)  # type: ignore[misc]
             group.pool.incref(holding.block_ids)
         holdings.nodes = list(hit.nodes)
         seq.start_from_cache(hit.num_tokens)

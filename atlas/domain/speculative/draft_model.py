@@ -31,8 +31,10 @@ the tokens plain decoding yields (`verify`'s module docstring).
 from __future__ import annotations
 
 from collections.abc import Sequence as SequenceOf
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
+
+import msgspec
 
 from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence, StepResult
 from atlas.domain.cache.block_pool import BlockPool
@@ -222,7 +224,7 @@ class DraftModelProposer:
             bias = [(i, v) for i, v in zip(*row.request.bias, strict=True) if i < self._vocab_size]
             if bias:
                 ids, values = zip(*bias, strict=True)
-                sampling = replace(_GREEDY, bias_token_ids=ids, bias_values=values)
+                sampling = msgspec.structs.replace(_GREEDY, bias_token_ids=ids, bias_values=values)
         return ScheduledSequence(row.request.seq_id, token_ids, start, tuple(row.state.block_ids), sampling)
 
     def _grow(self, state: _DraftState, num_positions: int) -> bool:

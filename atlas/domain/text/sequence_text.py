@@ -8,7 +8,8 @@ the delta says so and the caller aborts the engine request.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from atlas.domain.batch import SequenceOutput, TokenLogprobs
 from atlas.domain.requests import FinishReason, SamplingParams
@@ -17,9 +18,8 @@ from atlas.domain.text.stop_strings import StopStringMatcher
 from atlas.ports.tokenizer import Tokenizer
 
 
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    """What one engine output adds to a sequence's text."""
+class TextDelta(msgspec.Struct, frozen=True):
+    """What one engine output adds to a sequence's text (a Struct: one per sequence per step)."""
 
     text: str
     token_ids: tuple[int, ...]
