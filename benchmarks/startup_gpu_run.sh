@@ -1,6 +1,7 @@
 #!/bin/bash
 # Issue 29 section 5, cold and warm start of the Llama-3.1-8B-shape checkpoint, on one GPU (~4-6 min):
-#   source .devkit/env.sh && bash benchmarks/startup_gpu_run.sh
+#   source .devkit/env.sh && bash benchmarks/startup_gpu_run.sh [main bulk-off few-graphs]
+# (no argument runs all three; STARTS overrides main's starts, default cold,nvrtc,warm)
 # Prints a phase table per start (atlas bench startup); logs in $OUT.
 #   main:        cold (empty kernel cache, packaged cubins asked for), nvrtc (empty cache, cubins off), warm
 #   bulk-off:    cold and warm with the driver's pageable weight copies (ATLAS_CUDA_DISABLE=bulk_upload)
@@ -22,9 +23,12 @@ cat "$LLAMA"/*.safetensors > /dev/null  # in the page cache, as the docs' figure
 run() { local name=$1 limit=$2; shift 2; local t=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc $((SECONDS - t))s"; grep -vE "^starting atlas serve" "$OUT/$name.log" | tail -n 60; }
-run main 300 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "$SERVE" --starts cold,nvrtc,warm
-run bulk-off 100 env ATLAS_CUDA_DISABLE=bulk_upload $ATLAS bench startup "$LLAMA" --device cuda \
+RUNS=${*:-main bulk-off few-graphs}
+want() { [[ " $RUNS " == *" $1 "* ]]; }
+want main && run main 300 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "$SERVE" \
+  --starts "${STARTS:-cold,nvrtc,warm}"
+want bulk-off && run bulk-off 100 env ATLAS_CUDA_DISABLE=bulk_upload $ATLAS bench startup "$LLAMA" --device cuda \
   --serve-args "$SERVE" --starts cold,warm
-run few-graphs 100 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "$SERVE --max-batch-size 8" \
+want few-graphs && run few-graphs 100 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "$SERVE --max-batch-size 8" \
   --starts cold,warm
 echo "=== total $((SECONDS - t0)) s"

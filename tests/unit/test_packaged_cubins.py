@@ -106,16 +106,18 @@ def test_a_shared_header_edit_makes_every_including_cubin_stale(tmp_path, fake_n
 
 
 @pytest.fixture(autouse=True)
-def packaged_cubins_on(monkeypatch):
-    """The package's cubins are opt-in (ATLAS_PACKAGED_CUBINS=1); these tests ask for them."""
-    monkeypatch.setenv("ATLAS_PACKAGED_CUBINS", "1")
+def packaged_cubins_default(monkeypatch):
+    """The package's cubins are on unless ATLAS_PACKAGED_CUBINS turns them off."""
+    monkeypatch.delenv("ATLAS_PACKAGED_CUBINS", raising=False)
 
 
-def test_packaged_cubins_are_off_unless_asked_for(tmp_path, monkeypatch):
+def test_packaged_cubins_are_on_unless_turned_off(tmp_path, monkeypatch):
     modules = select_modules(KernelTarget("sm90", "llama"), _kernels(tmp_path / "kernels"))
     _package(tmp_path / "cubins", modules.values(), cuda_version=13000)
-    monkeypatch.delenv("ATLAS_PACKAGED_CUBINS")
-    assert packaged_cubins(ARCH, 13000, tmp_path / "cubins") is None
+    assert packaged_cubins(ARCH, 13000, tmp_path / "cubins") is not None
+    for off in ("0", "off", "false"):
+        monkeypatch.setenv("ATLAS_PACKAGED_CUBINS", off)
+        assert packaged_cubins(ARCH, 13000, tmp_path / "cubins") is None
 
 
 def test_a_module_named_in_the_skip_list_goes_to_nvrtc(tmp_path, monkeypatch, fake_nvrtc):

@@ -2,17 +2,16 @@
 
 `KernelCompiler.cubin(module)` looks in three places, first hit wins:
 
-1. Packaged cubins (`atlas/adapters/cuda/cubins/<arch>/`, built with nvcc by
-   `python -m atlas.adapters.cuda.prebuild`), found by the module's *source key*: a digest of
-   the module source, every header on its include path, the target arch and the options. A
-   kernel source changed since the build gives another key, so a stale cubin is never loaded:
-   the module falls through to the cache and NVRTC. The key leaves the compiler out (an
-   nvcc-built cubin does not depend on the NVRTC at hand); `cubins/MANIFEST.json` records the
-   CUDA version that built them, and they are used only on a driver at least that new.
-   They are opt-in for now (`ATLAS_PACKAGED_CUBINS=1`): on an H100 the Llama-3.1-8B's first
-   decode step hit CUDA_ERROR_ILLEGAL_INSTRUCTION in decode attention with every module
-   packaged, while the same sources compiled by NVRTC run (and SmolLM2's shapes ran with each
-   packaged module); `ATLAS_PACKAGED_CUBINS_SKIP` names modules to leave to NVRTC, to bisect.
+1. Packaged cubins (`atlas/adapters/cuda/cubins/<arch>/`, built by
+   `python -m atlas.adapters.cuda.prebuild`, through NVRTC by default), found by the module's
+   *source key*: a digest of the module source, every header on its include path, the target
+   arch and the options. A kernel source changed since the build gives another key, so a stale
+   cubin is never loaded: the module falls through to the cache and NVRTC. The key leaves the
+   compiler out; `cubins/MANIFEST.json` records the CUDA version that built them, and they are
+   used only on a driver at least that new. On by default; `ATLAS_PACKAGED_CUBINS=0` turns them
+   off and `ATLAS_PACKAGED_CUBINS_SKIP` names modules to leave to NVRTC, to bisect. (Cubins
+   built by nvcc 13.0.88 trapped in decode attention on the 8B, an `LDGSTS` form NVRTC does not
+   emit: docs/lab/packaged-cubins.md.)
 2. The disk cache, under the *cache key*: the source key plus the NVRTC version.
 3. NVRTC, whose cubin is then stored in the cache.
 
@@ -98,11 +97,11 @@ def _skipped_modules() -> set[str]:
 
 
 def packaged_cubins(arch: str, driver_cuda: int | None, root: Path | None = None) -> PackagedCubins | None:
-    """The package's cubins for `arch` when they can be used: not turned off by
-    asked for (`ATLAS_PACKAGED_CUBINS=1`; off by default, see the module docstring), built for this arch, and by a CUDA no newer than the driver's
+    """The package's cubins for `arch` when they can be used: not turned off
+    (`ATLAS_PACKAGED_CUBINS=0`), built for this arch, and by a CUDA no newer than the driver's
     (`driver_cuda`, e.g. 12080 for 12.8; None: not checked, to describe them without a GPU).
     None otherwise (logged when the driver is too old)."""
-    if os.environ.get(PACKAGED_ENVIRONMENT, "0").strip().lower() not in ("1", "on", "true", "yes"):
+    if os.environ.get(PACKAGED_ENVIRONMENT, "1").strip().lower() in ("0", "off", "false", "no"):
         return None
     root = root or packaged_root()
     try:

@@ -1,7 +1,7 @@
 """`atlas bench startup MODEL`: seconds from `atlas serve` starting to its first streamed token.
 
 Starts the server once per `--starts` entry:
-- cold: an empty kernel cache with the package's cubins on (`ATLAS_PACKAGED_CUBINS=1`; cuBLASLt
+- cold: an empty kernel cache with the package's cubins on (their default; cuBLASLt
   has no stored winners);
 - nvrtc: an empty kernel cache and the packaged cubins off (`ATLAS_PACKAGED_CUBINS=0`): every
   module compiles, as after a kernel edit that was not prebuilt;
