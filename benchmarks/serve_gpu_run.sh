@@ -8,6 +8,9 @@
 #   DEVICE=mock MODEL=smollm2 NUM=8 CONC=4 MIXED_IN=16:64 MIXED_OUT=4:16 FIXED_IN=40 FIXED_OUT=10 \
 #     PREFIX=128 PREFIX_OUT=4 CHATS=2 TURNS=3 CHAT_IN=8:24 CHAT_OUT=4:8 SERVE_ARGS="--kv-cache-gb 0.5" \
 #     bash benchmarks/serve_gpu_run.sh
+# Arguments pick runs (mixed fixed prefix-on chat prefix-off; default all). STEP_TRACE=1 makes
+# each server write its engine steps to $OUT/<server>.steps.jsonl (ATLAS_STEP_TRACE; read them
+# with benchmarks/step_trace_table.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,7 +41,7 @@ fi
 server=
 start_server() {  # $1: log name; the rest: extra serve flags
   local name=$1; shift
-  $ATLAS serve "$MODEL" --device "$DEVICE" --port "$PORT" --shutdown-timeout 0 $SERVE_ARGS "$@" \
+  ${STEP_TRACE:+env ATLAS_STEP_TRACE=$OUT/$name.steps.jsonl} $ATLAS serve "$MODEL" --device "$DEVICE" --port "$PORT" --shutdown-timeout 0 $SERVE_ARGS "$@" \
     > "$OUT/$name.log" 2>&1 &
   server=$!
   for _ in $(seq 400); do
@@ -52,8 +55,10 @@ stop_server() { [ -n "$server" ] && kill "$server" 2> /dev/null && wait "$server
 trap stop_server EXIT
 
 python3 -c "import matplotlib" 2> /dev/null && PLOT=1 || { PLOT=; echo "no matplotlib: no PNGs"; }
+RUNS=${*:-mixed fixed prefix-on chat prefix-off}
 bench() {  # $1: run name (its JSON is $OUT/$1.json); the rest: bench serve flags
   local name=$1 t=$SECONDS; shift
+  [[ " $RUNS " == *" $name "* ]] || return 0
   timeout 150 $ATLAS bench serve --url "$URL" --json-file "$OUT/$name.json" \
     ${PLOT:+--plot "$OUT/$name.png"} "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
   echo "=== $name rc=$? $((SECONDS - t))s"; grep -E "^(throughput|TTFT|prefix cache)" "$OUT/$name.txt"
@@ -73,7 +78,7 @@ if start_server serve; then
     --concurrency "$CHATS" --input-len "$CHAT_IN" --output-len "$CHAT_OUT"
   stop_server
 fi
-if start_server serve-no-cache --no-prefix-caching; then
+if [[ " $RUNS " == *" prefix-off "* ]] && start_server serve-no-cache --no-prefix-caching; then
   bench prefix-off --seed 3 --num-prompts "$NUM" --concurrency "$CONC" \
     --shared-prefix-len "$PREFIX" --num-prefixes 1 --input-len "$SUFFIX" --output-len "$PREFIX_OUT"
   stop_server

@@ -55,6 +55,7 @@ from atlas.app.engine_protocol import (
     frame,
 )
 from atlas.app.settings import EngineSettings
+from atlas.app.step_trace import StepTrace
 from atlas.app.threads import blas_thread_variables
 from atlas.domain.engine import EngineCore, EngineStats
 from atlas.domain.requests import ParameterError, Request
@@ -94,6 +95,14 @@ class EngineLoop:
     def run(self) -> None:
         """Until Shutdown or EOF; a step's exception is reported as Crashed and re-raised."""
         core = self._core
+        trace = StepTrace.from_environment(core)
+        try:
+            self._run(core, trace)
+        finally:
+            if trace is not None:
+                trace.close()
+
+    def _run(self, core: EngineCore, trace: StepTrace | None) -> None:
         while True:
             commands = self._receive(block=not core.has_unfinished)
             if commands is None:
@@ -105,7 +114,7 @@ class EngineLoop:
                 self._apply(command, failures)
             if core.has_unfinished:
                 try:
-                    outputs = core.step()
+                    outputs = core.step() if trace is None else trace.step(len(commands))
                 except Exception as error:
                     self.send(Crashed(f"{type(error).__name__}: {error}"))
                     raise

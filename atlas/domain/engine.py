@@ -156,6 +156,11 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._in_flight)
 
+    @property
+    def newest_batch(self) -> ScheduledBatch | None:
+        """The last batch enqueued and not yet committed (None when none is in flight)."""
+        return self._in_flight[-1][0] if self._in_flight else None
+
     def step(self) -> list[SequenceOutput]:
         """Enqueue the next step and commit the previous one; the outputs that commit produced.
 
