@@ -1,10 +1,12 @@
 #!/bin/bash
 # Issue 29 section 5, cold and warm start of the Llama-3.1-8B-shape checkpoint, on one GPU (~4-6 min):
-#   source .devkit/env.sh && bash benchmarks/startup_gpu_run.sh
-# Prints a phase table per start (atlas bench startup); logs in $OUT.
-#   main:        cold (empty kernel cache, packaged cubins asked for), nvrtc (empty cache, cubins off), warm
+#   source .devkit/env.sh && bash benchmarks/startup_gpu_run.sh [RUN ...]
+# Prints a phase table per start (atlas bench startup); logs in $OUT. RUNs (default: all three):
+#   main:        $STARTS (default cold,nvrtc,warm): cold (empty kernel cache, packaged cubins asked
+#                for), nvrtc (empty cache, cubins off), warm
 #   bulk-off:    cold and warm with the driver's pageable weight copies (ATLAS_CUDA_DISABLE=bulk_upload)
 #   few-graphs:  cold and warm capturing decode graphs up to batch 8 only (--max-batch-size 8)
+# e.g. STARTS=cold,warm bash benchmarks/startup_gpu_run.sh main bulk-off
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ATLAS="python3 -m atlas.app.cli"
@@ -19,10 +21,13 @@ from atlas.app.bench.random_model import write_random_model
 write_random_model('llama-3.1-8b', '$LLAMA')" 2>&1 | tail -n 1
 echo "=== checkpoint ready in $((SECONDS - t0)) s: $(du -sh "$LLAMA" | cut -f1)"
 cat "$LLAMA"/*.safetensors > /dev/null  # in the page cache, as the docs' figures assume
+RUNS=${*:-main bulk-off few-graphs}
+STARTS=${STARTS:-cold,nvrtc,warm}
 run() { local name=$1 limit=$2; shift 2; local t=$SECONDS
+  [[ " $RUNS " == *" $name "* ]] || return 0
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "=== $name rc=$rc $((SECONDS - t))s"; grep -vE "^starting atlas serve" "$OUT/$name.log" | tail -n 60; }
-run main 300 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "$SERVE" --starts cold,nvrtc,warm
+run main 300 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "$SERVE" --starts "$STARTS"
 run bulk-off 100 env ATLAS_CUDA_DISABLE=bulk_upload $ATLAS bench startup "$LLAMA" --device cuda \
   --serve-args "$SERVE" --starts cold,warm
 run few-graphs 100 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "$SERVE --max-batch-size 8" \
