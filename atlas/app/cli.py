@@ -265,9 +265,16 @@ def _bench_startup(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from atlas.app.server import run_server
+    from atlas.app import engine_spawn
 
-    return run_server(args)
+    if not args.single_process:  # the engine process imports while this one does (engine_spawn.py)
+        engine_spawn.spawn_early(preload_cuda=args.device in ("cuda", "auto"))
+    try:
+        from atlas.app.server import run_server
+
+        return run_server(args)
+    finally:
+        engine_spawn.discard_early()
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

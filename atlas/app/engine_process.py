@@ -18,7 +18,6 @@ _STARTED_S = time.perf_counter()  # before the imports: the engine process's sta
 
 import logging
 import math
-import os
 import signal
 import socket
 import subprocess
@@ -54,9 +53,9 @@ from atlas.app.engine_protocol import (
     ToEngine,
     frame,
 )
+from atlas.app.engine_spawn import PRELOAD_CUDA_FLAG, spawn_engine, take_early
 from atlas.app.settings import EngineSettings
 from atlas.app.step_trace import StepTrace
-from atlas.app.threads import blas_thread_variables
 from atlas.domain.engine import EngineCore, EngineStats
 from atlas.domain.requests import ParameterError, Request
 from atlas.ports.startup import report_phase
@@ -186,12 +185,9 @@ class EngineProcess:
 
     # -- lifecycle ----------------------------------------------------------------------
     async def start(self) -> Ready:
-        parent, child = socket.socketpair()
-        command = [sys.executable, "-m", "atlas.app.engine_process", str(child.fileno())]
-        self._process = subprocess.Popen(command, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL,
-                                         env=_engine_environment())
-        child.close()
-        self._stream = await anyio.abc.SocketStream.from_socket(parent)
+        spawned = take_early() or spawn_engine()  # `atlas serve` may have spawned it before its imports
+        self._process = spawned.process
+        self._stream = await anyio.abc.SocketStream.from_socket(spawned.sock)
         await self._stream.send(frame(self._encode(Start(self._settings))))
         while self._ready is None:
             for message in await self._receive_messages():
@@ -315,12 +311,10 @@ class EngineProcess:
             await anyio.to_thread.run_sync(process.wait)
 
 
-def _engine_environment() -> dict[str, str]:
-    return {**os.environ, **blas_thread_variables()}
-
-
-def child_main(fd: int) -> int:
-    """The engine process: read Start, load the model, serve commands until told to stop."""
+def child_main(fd: int, preload_cuda: bool = False) -> int:
+    """The engine process: read Start, load the model, serve commands until told to stop.
+    Before Start it imports the builder (and, with `preload_cuda`, the CUDA libraries when the
+    cuda extra and a GPU are there), beside the API process's own imports (engine_spawn.py)."""
     # The API process decides when the engine stops: Ctrl-C in a terminal (and a service
     # manager's SIGTERM to the whole group) reaches this process too, and the engine must keep
     # stepping while the API drains its requests. It exits on Shutdown, or on EOF when the API
@@ -330,6 +324,13 @@ def child_main(fd: int) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     sock = socket.socket(fileno=fd)
+    from atlas.app.builder import build_engine
+
+    if preload_cuda:
+        from atlas.adapters import cuda
+
+        if cuda.available():
+            from atlas.adapters.cuda import backend  # noqa: F401 - the libraries' import, before Start
     frames = FrameBuffer()
     decoder = msgspec.msgpack.Decoder(ToEngine)
     encode = msgspec.msgpack.Encoder().encode
@@ -342,8 +343,6 @@ def child_main(fd: int) -> int:
             message = decoder.decode(body)
             if isinstance(message, Start):
                 start = message
-    from atlas.app.builder import build_engine
-
     report_phase("engine process", time.perf_counter() - _STARTED_S, "interpreter, imports, settings")
     started = time.perf_counter()
     try:
@@ -370,4 +369,4 @@ def child_main(fd: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(child_main(int(sys.argv[1])))
+    sys.exit(child_main(int(sys.argv[1]), PRELOAD_CUDA_FLAG in sys.argv[2:]))

@@ -144,3 +144,27 @@ async def test_health_reports_an_engine_that_stops_making_progress(settings):
             pass
         assert engine.health().is_healthy
         engine.shutdown()
+
+
+@pytest.mark.anyio
+async def test_an_engine_spawned_early_is_the_one_started_and_an_untaken_one_exits(settings):
+    from atlas.app import engine_spawn
+
+    engine_spawn.spawn_early(preload_cuda=True)  # no GPU here: the preload finds none and goes on
+    early = engine_spawn._early[0].process
+    engine = EngineProcess(settings)
+    with anyio.fail_after(60):
+        await engine.start()
+        assert engine._process is early and engine_spawn.take_early() is None
+        async with anyio.create_task_group() as group:
+            group.start_soon(engine.run)
+            tokens = [t for item in [item async for item in engine.submit([request("e-0", 4)])]
+                      for t in item.new_token_ids]
+            assert len(tokens) == 4
+            engine.shutdown()
+    assert early.returncode == 0
+
+    engine_spawn.spawn_early(preload_cuda=False)
+    untaken = engine_spawn._early[0].process
+    engine_spawn.discard_early()  # as `atlas serve` does when its flags fail after the spawn
+    assert untaken.returncode == 0 and engine_spawn.take_early() is None

@@ -8,7 +8,7 @@ import pytest
 
 from atlas.adapters.weights.safetensors import SafetensorsWeights, write_safetensors
 from atlas.domain.models.checkpoint import CheckpointReader
-from atlas.domain.models.shard_reads import Deferred, DeferredWeights, RowStack, read_part
+from atlas.domain.models.shard_reads import Deferred, DeferredWeights, RowStack, read_part, row_blocks
 from atlas.domain.models.sharding import ShardingError, linear_rows, row_projection
 from atlas.domain.parallel import RankPlacement
 from atlas.ports.kernels.dense import HostProjection
@@ -35,8 +35,26 @@ def test_the_loaders_stack_stays_deferred_and_reads_only_a_ranks_rows(tmp_path):
     np.testing.assert_array_equal(read_part(stacked, [[(2, 4), (9, 11)], [(1, 3)]]),
                                   np.concatenate([q, k])[[2, 3, 9, 10]][:, 1:3])
     np.testing.assert_array_equal(np.asarray(stacked), np.concatenate([q, k]))
-    assert isinstance(CheckpointReader(DictWeights({"q": q, "k": k})).stacked([("q", (8, 4)), ("k", (4, 4))]),
-                      np.ndarray)  # one device: the plain concatenation, as before
+
+
+def test_one_devices_stack_keeps_the_checkpoints_views_for_the_backend_to_upload_block_by_block(tmp_path):
+    q, k, v = (np.arange(32, dtype=np.float32).reshape(8, 4) + 100 * i for i in range(3))
+    write_safetensors(tmp_path / "model.safetensors", {"q": q, "k": k[:4], "v": v[:4]})
+    source = SafetensorsWeights(tmp_path)
+    reader = CheckpointReader(source)
+    stacked = reader.stacked([("q", (8, 4)), ("k", (4, 4)), ("v", (4, 4))])
+    assert isinstance(stacked, RowStack) and stacked.shape == (16, 4)
+    blocks = row_blocks(stacked)
+    assert [block.shape for block in blocks] == [(8, 4), (4, 4), (4, 4)]
+    assert all(isinstance(block.base, np.memmap) or isinstance(block, np.memmap) for block in blocks)  # no copy
+    expected = np.concatenate([q, k[:4], v[:4]])
+    np.testing.assert_array_equal(np.concatenate(blocks), expected)
+    np.testing.assert_array_equal(np.asarray(stacked), expected)
+    np.testing.assert_array_equal(np.asarray(stacked, np.float64), expected)
+    assert isinstance(reader.stacked([("q", (8, 4))]), np.ndarray)  # one tensor: the view itself
+    assert [block.shape for block in row_blocks(RowStack([stacked, q]))] == [(8, 4), (4, 4), (4, 4), (8, 4)]
+    experts = reader.experts([[("q", (8, 4)), ("k", (4, 4))], [("q", (8, 4)), ("v", (4, 4))]])
+    assert isinstance(experts, np.ndarray) and experts.shape == (2, 12, 4)  # plain arrays stack at once
 
 
 def test_numpy_on_a_deferred_tensor_reads_it_whole():

@@ -30,6 +30,7 @@ from atlas.adapters.cuda.ops_sampling import CudaSampling
 from atlas.adapters.cuda.recurrent import CudaRecurrent
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
+from atlas.domain.models.shard_reads import row_blocks
 from atlas.ports.gpu import NUMPY_DTYPES, Capabilities, DType, Kind, dtype_of
 
 KINDS = frozenset({Kind.DENSE, Kind.ATTENTION, Kind.MOE, Kind.RECURRENT, Kind.SAMPLING})
@@ -130,13 +131,15 @@ class CudaGpuBackend:
         return tensor
 
     def copy_from_host(self, dst: CudaTensor, array: np.ndarray) -> None:
+        """A fused projection's `RowStack` goes up block by block, never concatenated here."""
         self._rt.ensure_current()
         self._rt.forbid_in_capture("copy_from_host")
         checks.tensor(dst, "dst")
-        host = np.ascontiguousarray(np.asarray(array), dtype=NUMPY_DTYPES[dst.dtype])
-        if host.size != dst.num_elements:
-            raise ValueError(f"copy_from_host: {host.size} elements into a tensor of {dst.num_elements}")
-        self._rt.staging.upload(dst.address, host)
+        blocks = [np.ascontiguousarray(block, dtype=NUMPY_DTYPES[dst.dtype]) for block in row_blocks(array)]
+        num_elements = sum(block.size for block in blocks)
+        if num_elements != dst.num_elements:
+            raise ValueError(f"copy_from_host: {num_elements} elements into a tensor of {dst.num_elements}")
+        self._rt.staging.upload_pieces(dst.address, blocks)
 
     def download(self, src: CudaTensor) -> np.ndarray:
         """A host copy of `src` after all enqueued work (tests and benchmarks; the port's copy

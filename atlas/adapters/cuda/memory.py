@@ -10,12 +10,14 @@ When the driver is out of memory the pool returns its cached blocks and tries on
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from cuda.bindings import driver as cu
 
 from atlas.adapters.cuda.driver import CudaError, check
+from atlas.adapters.cuda.upload_ring import UploadRing
 
 _SMALL_LIMIT_BYTES = 1 << 20
 _SMALL_STEP_BYTES = 512
@@ -139,59 +141,37 @@ class DeviceMemoryPool:
 
 
 class BulkUploads:
-    """Large host-to-device copies (weights at load) through a ring of big page-locked slots.
+    """Large host-to-device copies (the weights at load) through `UploadRing`: a ring of
+    page-locked slots filled by `num_threads` threads, each slot's DMA enqueued on the stream in
+    order, with an event after it that says when the slot may be written again."""
 
-    Each slot-sized chunk of the source is copied into the next free slot by `num_threads`
-    threads at once (numpy releases the GIL for the copy; one core's memcpy from a memory-mapped
-    checkpoint is what bounds a load), then sent by DMA while the next chunk is copied. A slot is
-    reused once the event after its last DMA has fired, so `upload` returns as soon as the
-    source has been read, like the driver's own pageable copy, which stages on one thread.
-    """
-
-    def __init__(self, stream_handle: int, num_slots: int = 4, slot_bytes: int = 32 << 20, num_threads: int = 4) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
+    def __init__(self, stream_handle: int, num_slots: int = 16, slot_bytes: int = 8 << 20, num_threads: int = 8) -> None:
         self.slot_bytes = slot_bytes
         self._stream = stream_handle
         self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))
         buffer = (ctypes.c_uint8 * (num_slots * slot_bytes)).from_address(self._base)
-        self._host = np.ctypeslib.as_array(buffer)
         flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._events = [check("cuEventCreate", cu.cuEventCreate(flags)) for _ in range(num_slots)]
-        self._used = [False] * num_slots
-        self._next = 0
-        self._num_threads = num_threads
-        self._threads = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="atlas-upload")
+        self._ring = UploadRing(np.ctypeslib.as_array(buffer), slot_bytes, self, num_threads)
 
-    def upload(self, device_address: int, source: np.ndarray) -> None:
-        """Enqueue the copy of the contiguous bytes `source` (uint8) to `device_address`."""
-        for start in range(0, source.nbytes, self.slot_bytes):
-            chunk = source[start : start + self.slot_bytes]
-            slot = self._take_slot()
-            offset = slot * self.slot_bytes
-            target = self._host[offset : offset + chunk.nbytes]
-            step = -(-chunk.nbytes // self._num_threads)
-            pieces = [(target[i : i + step], chunk[i : i + step]) for i in range(0, chunk.nbytes, step)]
-            list(self._threads.map(lambda piece: np.copyto(*piece), pieces))
-            check(
-                "cuMemcpyHtoDAsync",
-                cu.cuMemcpyHtoDAsync(device_address + start, self._base + offset, chunk.nbytes, self._stream),
-            )
-            check("cuEventRecord", cu.cuEventRecord(self._events[slot], self._stream))
-            self._used[slot] = True
+    def upload(self, device_address: int, pieces: Sequence[np.ndarray]) -> None:
+        """Enqueue the copy of the contiguous `pieces`, laid end to end from `device_address`;
+        returns once they have been read (`UploadRing.upload`)."""
+        self._ring.upload(device_address, pieces)
 
-    def _take_slot(self) -> int:
-        slot = self._next
-        self._next = (slot + 1) % len(self._events)
-        if self._used[slot]:
-            check("cuEventSynchronize", cu.cuEventSynchronize(self._events[slot]))
-            self._used[slot] = False
-        return slot
+    def send(self, slot: int, num_bytes: int, device_address: int) -> None:
+        """`SlotTransport.send`: the slot's DMA on the stream, then its event."""
+        host = self._base + slot * self.slot_bytes
+        check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(device_address, host, num_bytes, self._stream))
+        check("cuEventRecord", cu.cuEventRecord(self._events[slot], self._stream))
+
+    def wait(self, slot: int) -> None:
+        """`SlotTransport.wait`."""
+        check("cuEventSynchronize", cu.cuEventSynchronize(self._events[slot]))
 
     def close(self) -> None:
-        self._threads.shutdown()
+        self._ring.close()
         for event in self._events:
-            check("cuEventSynchronize", cu.cuEventSynchronize(event))
             cu.cuEventDestroy(event)
         cu.cuMemFreeHost(self._base)
 
@@ -222,11 +202,23 @@ class PinnedStaging:
 
     def upload(self, device_address: int, data: np.ndarray) -> None:
         """Enqueue a copy of the contiguous `data` to `device_address` on the stream."""
+        self.upload_pieces(device_address, [data])
+
+    def upload_pieces(self, device_address: int, pieces: Sequence[np.ndarray]) -> None:
+        """Enqueue a copy of the contiguous `pieces`, laid end to end from `device_address`
+        (a fused projection's parts, straight from the checkpoint with no host concatenation)."""
+        num_bytes = sum(piece.nbytes for piece in pieces)
+        if num_bytes > self.slot_bytes and self._bulk is not None:
+            self._bulk.upload(device_address, pieces)
+            return
+        offset = 0
+        for piece in pieces:
+            self._upload_one(device_address + offset, piece)
+            offset += piece.nbytes
+
+    def _upload_one(self, device_address: int, data: np.ndarray) -> None:
         num_bytes = data.nbytes
         if num_bytes == 0:
-            return
-        if num_bytes > self.slot_bytes and self._bulk is not None:
-            self._bulk.upload(device_address, data.reshape(-1).view(np.uint8))
             return
         if num_bytes > self.slot_bytes:
             check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(device_address, data.ctypes.data, num_bytes, self._stream))

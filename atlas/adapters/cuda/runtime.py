@@ -85,8 +85,8 @@ class CudaFeatures:
         `benchmarks/cuda/bench_kernels.py` and `benchmarks/cuda/ablate_model_step.py gemm` turn it
         on to keep it correct and measured.
     bulk_upload: uploads larger than a staging slot (the weights at load) go through
-        `BulkUploads`, a ring of page-locked slots filled by several threads, instead of the
-        driver's pageable copy.
+        `BulkUploads` (upload_ring.py), a ring of page-locked slots filled by up to 8 threads
+        while the earlier slots' DMAs run, instead of the driver's pageable copy.
     """
 
     programmatic_launch: bool = True
@@ -247,7 +247,7 @@ class CudaRuntime:
         self.stream_handle = int(self.stream.handle)
         self.pool = DeviceMemoryPool(f"device {device_ordinal} ({self.device_name})")
         self.features = CudaFeatures.for_device(self.compute_capability)
-        threads = min(4, os.cpu_count() or 1)
+        threads = max(1, min(8, (os.cpu_count() or 2) // 2))  # half the cores: the API process loads too
         bulk = BulkUploads(self.stream_handle, num_threads=threads) if self.features.bulk_upload else None
         self.staging = PinnedStaging(self.stream_handle, bulk=bulk)
         self.downloads = PinnedDownloads(self.stream_handle)

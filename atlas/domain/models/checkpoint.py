@@ -44,15 +44,18 @@ class CheckpointReader:
         return array
 
     def stacked(self, names_and_shapes: list[tuple[str, tuple[int, ...]]]) -> np.ndarray:
-        """The tensors concatenated along their first dimension (fused projections); deferred
-        tensors give a deferred `RowStack`."""
-        return concatenate_rows([self.array(name, shape) for name, shape in names_and_shapes])
+        """The tensors concatenated along their first dimension (fused projections), as a
+        `RowStack` of the checkpoint's own views: nothing is copied on the host until a reader
+        asks (`np.asarray` concatenates; a backend uploading `row_blocks` copies each part
+        straight to its rows). One tensor comes back as it is."""
+        return concatenate_rows([self.array(name, shape) for name, shape in names_and_shapes], lazy=True)
 
     def experts(self, names_and_shapes: list[list[tuple[str, tuple[int, ...]]]]) -> np.ndarray:
         """One [E, ...] stack of an MoE layer's experts, expert e the concatenation of group e's
         tensors along their first dimension (gate_proj and up_proj into its gate_up rows).
         Deferred tensors give a deferred stack, so an expert-parallel rank reads its experts only."""
-        return stack_leading([self.stacked(group) for group in names_and_shapes])
+        groups = [[self.array(name, shape) for name, shape in group] for group in names_and_shapes]
+        return stack_leading([concatenate_rows(group) for group in groups])
 
     def norm(self, name: str, width: int, eps: float) -> RmsNorm:
         return RmsNorm(self.array(name, (width,)), eps)

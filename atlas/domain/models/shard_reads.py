@@ -91,7 +91,8 @@ class Deferred(LazyArray):
 
 
 class RowStack(LazyArray):
-    """Arrays (deferred or not) concatenated along dimension 0, read part by part."""
+    """Arrays (deferred or not) concatenated along dimension 0, read part by part; a backend
+    that uploads row blocks (`row_blocks`) copies each part straight to its rows."""
 
     def __init__(self, parts: Sequence[np.ndarray | LazyArray]) -> None:
         first = parts[0]
@@ -100,6 +101,10 @@ class RowStack(LazyArray):
         self.parts = tuple(parts)
         self.shape = (sum(int(part.shape[0]) for part in parts), *first.shape[1:])
         self.dtype = np.dtype(first.dtype)
+
+    def __array__(self, dtype: np.dtype | None = None, copy: bool | None = None) -> np.ndarray:
+        whole = np.concatenate([np.asarray(part) for part in self.parts], axis=0)  # one copy, not a part's two
+        return whole if dtype is None else whole.astype(dtype)
 
     def part(self, spec: PartSpec) -> np.ndarray:
         spec = _full_spec(spec, self.shape)
@@ -145,11 +150,25 @@ def read_part(array: np.ndarray | LazyArray, spec: PartSpec) -> np.ndarray:
     return _gather(np.asarray(array), _full_spec(spec, tuple(array.shape)))
 
 
-def concatenate_rows(parts: Sequence[np.ndarray | LazyArray]) -> np.ndarray | RowStack:
-    """np.concatenate along dimension 0, or a `RowStack` when a part is deferred (not read)."""
-    if any(isinstance(part, LazyArray) for part in parts):
+def concatenate_rows(parts: Sequence[np.ndarray | LazyArray], lazy: bool = False) -> np.ndarray | RowStack:
+    """np.concatenate along dimension 0, or a `RowStack` when a part is deferred (not read) or
+    `lazy` asks to leave the parts where they are (memory-mapped) for `row_blocks`."""
+    if (lazy and len(parts) > 1) or any(isinstance(part, LazyArray) for part in parts):
         return RowStack(parts)
     return np.concatenate(parts, axis=0)
+
+
+def row_blocks(array: np.ndarray | LazyArray) -> list[np.ndarray]:
+    """Arrays whose concatenation along dimension 0 is `array`: a `RowStack`'s parts (theirs in
+    turn), read whole; anything else as itself. A row-major matrix's row blocks lie end to end
+    in its memory, so a backend copies each block to its offset and the host never holds the
+    concatenation:
+
+        RowStack(q [Hq D, H], k [Hkv D, H], v [Hkv D, H]) -> device bytes | q | k | v |
+    """
+    if isinstance(array, RowStack):
+        return [block for part in array.parts for block in row_blocks(part)]
+    return [np.asarray(array)]
 
 
 def stack_leading(parts: Sequence[np.ndarray | LazyArray]) -> np.ndarray | LeadingStack:

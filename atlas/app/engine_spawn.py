@@ -1,0 +1,69 @@
+"""Spawning the engine process, early when `atlas serve` can: before the API process's own imports.
+
+The engine process needs its settings only once it has imported what loading a model takes
+(the builder, and with `preload_cuda` the CUDA libraries: about a second each on a GPU
+machine), so `atlas serve` spawns it first (`spawn_early`) and the API's `EngineProcess` takes
+that process (`take_early`) when it would spawn one; both processes import side by side. An
+early process nobody takes ends at `discard_early` (EOF on its socket). This module imports
+only the standard library, so spawning costs the API process nothing it would not pay anyway.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from atlas.app.threads import blas_thread_variables
+from atlas.ports.startup import EPOCH_ENVIRONMENT, startup_epoch
+
+PRELOAD_CUDA_FLAG = "--preload-cuda"
+
+
+@dataclass(frozen=True, slots=True)
+class SpawnedEngine:
+    """An engine process and the API's end of its socket (the process has the other)."""
+
+    process: subprocess.Popen
+    sock: socket.socket
+
+
+def spawn_engine(preload_cuda: bool = False) -> SpawnedEngine:
+    """Start `python -m atlas.app.engine_process FD`; it waits for its `Start` frame."""
+    parent, child = socket.socketpair()
+    command = [sys.executable, "-m", "atlas.app.engine_process", str(child.fileno())]
+    command += [PRELOAD_CUDA_FLAG] if preload_cuda else []
+    environment = {**os.environ, **blas_thread_variables()}
+    process = subprocess.Popen(command, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=environment)
+    child.close()
+    return SpawnedEngine(process, parent)
+
+
+_early: list[SpawnedEngine] = []  # at most one: the process `spawn_early` started, until taken
+
+
+def spawn_early(preload_cuda: bool) -> None:
+    """Spawn the engine process now for the `EngineProcess` this process will start; its
+    startup phases count from this process's start, as `run_server`'s own do."""
+    os.environ.setdefault(EPOCH_ENVIRONMENT, repr(startup_epoch()))
+    discard_early()
+    _early.append(spawn_engine(preload_cuda))
+
+
+def take_early() -> SpawnedEngine | None:
+    """The early process, once (None when there is none or it has exited)."""
+    spawned = _early.pop() if _early else None
+    if spawned is not None and spawned.process.poll() is not None:
+        spawned.sock.close()
+        return None
+    return spawned
+
+
+def discard_early() -> None:
+    """Close an early process's socket if nobody took it; the process exits on the EOF."""
+    while _early:
+        spawned = _early.pop()
+        spawned.sock.close()
+        spawned.process.wait()

@@ -1,0 +1,149 @@
+"""The weights' upload ring on the CPU: a fake device whose DMAs land late, on their own thread,
+reading the slot when they run (as a real DMA does), so a slot written too early corrupts."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from atlas.adapters.cuda.upload_ring import MIN_CHUNK_BYTES, Chunk, UploadRing, plan_chunks
+
+MIB = 1 << 20
+
+
+class LateDevice:
+    """A stream of DMAs run in order on one thread, each after a short delay."""
+
+    def __init__(self, host: np.ndarray, slot_bytes: int, device_bytes: int, delay_s: float = 0.002) -> None:
+        self.memory = np.zeros(device_bytes, np.uint8)
+        self._host = host
+        self._slot_bytes = slot_bytes
+        self._delay_s = delay_s
+        self._stream = ThreadPoolExecutor(max_workers=1)
+        self._last: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self.busy: set[int] = set()  # slots whose DMA has not landed
+        self.num_sends = 0
+
+    def send(self, slot: int, num_bytes: int, device_address: int) -> None:
+        with self._lock:
+            self.busy.add(slot)
+        self.num_sends += 1
+        self._last[slot] = self._stream.submit(self._dma, slot, num_bytes, device_address)
+
+    def wait(self, slot: int) -> None:
+        if slot in self._last:
+            self._last[slot].result()
+
+    def drain(self) -> None:
+        for future in self._last.values():
+            future.result()
+
+    def slot_of(self, target: np.ndarray) -> int:
+        return (target.ctypes.data - self._host.ctypes.data) // self._slot_bytes
+
+    def _dma(self, slot: int, num_bytes: int, device_address: int) -> None:
+        time.sleep(self._delay_s)
+        start = slot * self._slot_bytes
+        self.memory[device_address : device_address + num_bytes] = self._host[start : start + num_bytes]
+        with self._lock:
+            self.busy.discard(slot)
+
+
+def make_ring(num_slots: int, slot_bytes: int, num_threads: int, device_bytes: int):
+    host = np.zeros(num_slots * slot_bytes, np.uint8)
+    device = LateDevice(host, slot_bytes, device_bytes)
+    overwritten: list[int] = []
+
+    def checked_copy(target: np.ndarray, source: np.ndarray) -> None:
+        slot = device.slot_of(target)
+        if slot in device.busy:
+            overwritten.append(slot)
+        np.copyto(target, source)
+
+    return UploadRing(host, slot_bytes, device, num_threads, copy=checked_copy), device, overwritten
+
+
+def test_chunks_split_a_tensor_over_the_threads_and_never_span_two_pieces():
+    chunks = plan_chunks([8 * MIB, 0, 4 * MIB - 5], num_threads=4, slot_bytes=4 * MIB)
+    share = 3 * MIB  # ceil((12 MiB - 5) / 4) rounded up to whole pages
+    assert chunks == [
+        Chunk(0, 0, share, 0),
+        Chunk(0, share, 2 * share, share),
+        Chunk(0, 2 * share, 8 * MIB, 2 * share),
+        Chunk(2, 0, share, 8 * MIB),
+        Chunk(2, share, 4 * MIB - 5, 8 * MIB + share),
+    ]
+    assert [c.num_bytes for c in plan_chunks([64 * MIB], num_threads=2, slot_bytes=8 * MIB)] == [8 * MIB] * 8
+    assert plan_chunks([MIB // 2, MIB // 2], num_threads=8, slot_bytes=8 * MIB) == [
+        Chunk(0, 0, MIB // 2, 0),
+        Chunk(1, 0, MIB // 2, MIB // 2),
+    ]
+    assert plan_chunks([3 * MIB], num_threads=16, slot_bytes=8 * MIB)[0].num_bytes == MIN_CHUNK_BYTES
+
+
+def test_pieces_land_end_to_end_bit_exact_and_no_slot_is_written_before_its_dma_landed():
+    rng = np.random.default_rng(7)
+    sizes = [5 * MIB + 3, 1, 2 * MIB, 0, 7 * MIB + 4093]  # odd sizes, an empty piece, wraps the ring
+    pieces = [rng.integers(0, 256, size, dtype=np.uint8) for size in sizes]
+    ring, device, overwritten = make_ring(num_slots=3, slot_bytes=MIB, num_threads=3, device_bytes=32 * MIB)
+    ring.upload(4096, pieces)
+    ring.upload(4096 + sum(sizes), [pieces[0][::-1].copy()])  # a second call reuses slots in flight
+    ring.close()
+    device.drain()
+    expected = np.concatenate([*pieces, pieces[0][::-1]])
+    assert np.array_equal(device.memory[4096 : 4096 + expected.nbytes], expected)
+    assert not device.memory[:4096].any() and not device.memory[4096 + expected.nbytes :].any()
+    assert overwritten == []
+    assert device.num_sends == len(plan_chunks(sizes, 3, MIB)) + len(plan_chunks([sizes[0]], 3, MIB))
+
+
+def test_sources_may_change_once_upload_returns():
+    source = np.arange(6 * MIB, dtype=np.uint8)
+    original = source.copy()
+    ring, device, _ = make_ring(num_slots=2, slot_bytes=2 * MIB, num_threads=2, device_bytes=6 * MIB)
+    ring.upload(0, [source])
+    source[:] = 0  # the DMAs may still be running: they read the slots, not the source
+    ring.close()
+    device.drain()
+    assert np.array_equal(device.memory, original)
+
+
+def test_typed_pieces_upload_as_their_bytes():
+    floats = np.linspace(-3.0, 3.0, 3 * 1024 * 512, dtype=np.float32).reshape(3, -1)
+    ints = np.arange(1000, dtype=np.int32)
+    ring, device, _ = make_ring(num_slots=4, slot_bytes=MIB, num_threads=2, device_bytes=8 * MIB)
+    ring.upload(0, [floats, ints])
+    ring.close()
+    device.drain()
+    assert np.array_equal(device.memory[: floats.nbytes].view(np.float32), floats.reshape(-1))
+    assert np.array_equal(device.memory[floats.nbytes : floats.nbytes + ints.nbytes].view(np.int32), ints)
+
+
+def test_a_failing_copy_is_raised_after_the_other_copies_stopped_and_the_ring_still_works():
+    host = np.zeros(4 * MIB, np.uint8)
+    device = LateDevice(host, MIB, 16 * MIB)
+    calls = []
+
+    def flaky(target: np.ndarray, source: np.ndarray) -> None:
+        calls.append(len(calls))
+        if len(calls) == 2:
+            raise OSError("the checkpoint's page could not be read")
+        np.copyto(target, source)
+
+    ring = UploadRing(host, MIB, device, num_threads=2, copy=flaky)
+    with pytest.raises(OSError, match="could not be read"):
+        ring.upload(0, [np.ones(6 * MIB, np.uint8)])
+    ring.upload(8 * MIB, [np.full(3 * MIB, 9, np.uint8)])
+    ring.close()
+    device.drain()
+    assert (device.memory[8 * MIB : 11 * MIB] == 9).all()
+
+
+def test_a_buffer_smaller_than_a_slot_is_refused():
+    with pytest.raises(ValueError, match="at least one slot"):
+        UploadRing(np.zeros(100, np.uint8), 4096, LateDevice(np.zeros(100, np.uint8), 4096, 0), 1)
