@@ -3,6 +3,7 @@ reading the slot when they run (as a real DMA does), so a slot written too early
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -10,7 +11,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from atlas.adapters.cuda.upload_ring import MIN_CHUNK_BYTES, Chunk, UploadRing, plan_chunks
+from atlas.adapters.cuda.upload_ring import (
+    MIN_CHUNK_BYTES,
+    Chunk,
+    FileExtent,
+    UploadRing,
+    file_extent,
+    plan_chunks,
+    read_into,
+    upload_threads,
+)
 
 MIB = 1 << 20
 
@@ -54,7 +64,7 @@ class LateDevice:
             self.busy.discard(slot)
 
 
-def make_ring(num_slots: int, slot_bytes: int, num_threads: int, device_bytes: int):
+def make_ring(num_slots: int, slot_bytes: int, num_threads: int, device_bytes: int, reads: list | None = None):
     host = np.zeros(num_slots * slot_bytes, np.uint8)
     device = LateDevice(host, slot_bytes, device_bytes)
     overwritten: list[int] = []
@@ -65,7 +75,16 @@ def make_ring(num_slots: int, slot_bytes: int, num_threads: int, device_bytes: i
             overwritten.append(slot)
         np.copyto(target, source)
 
-    return UploadRing(host, slot_bytes, device, num_threads, copy=checked_copy), device, overwritten
+    def checked_read(fd: int, target: np.ndarray, offset: int) -> None:
+        slot = device.slot_of(target)
+        if slot in device.busy:
+            overwritten.append(slot)
+        if reads is not None:
+            reads.append((offset, target.nbytes))
+        read_into(fd, target, offset)
+
+    ring = UploadRing(host, slot_bytes, device, num_threads, copy=checked_copy, read=checked_read)
+    return ring, device, overwritten
 
 
 def test_chunks_split_a_tensor_over_the_threads_and_never_span_two_pieces():
@@ -147,3 +166,73 @@ def test_a_failing_copy_is_raised_after_the_other_copies_stopped_and_the_ring_st
 def test_a_buffer_smaller_than_a_slot_is_refused():
     with pytest.raises(ValueError, match="at least one slot"):
         UploadRing(np.zeros(100, np.uint8), 4096, LateDevice(np.zeros(100, np.uint8), 4096, 0), 1)
+
+
+def write_file(path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def test_a_memmaps_views_know_their_file_offset_and_other_arrays_have_none(tmp_path):
+    name = write_file(tmp_path / "w.bin", bytes(range(256)) * 64)
+    mapped = np.memmap(name, dtype=np.uint8, mode="r")
+    typed = mapped[100:612].view(np.uint16).reshape(16, 16)
+    assert file_extent(typed) == FileExtent(os.path.abspath(name), 100)
+    assert file_extent(np.ascontiguousarray(typed[2:4])) == FileExtent(os.path.abspath(name), 164)
+    at_offset = np.memmap(name, dtype=np.uint8, mode="r", offset=5000)  # not on a page boundary
+    assert file_extent(at_offset[10:20]) == FileExtent(os.path.abspath(name), 5010)
+    assert file_extent(typed[:, ::2]) is None  # strided: not one extent
+    assert file_extent(np.array(typed)) is None
+    assert file_extent(np.memmap(name, dtype=np.uint8, mode="c")[:10]) is None  # its writes stay in memory
+
+
+def test_memmapped_pieces_are_read_from_their_file_into_the_slots_bit_exact(tmp_path):
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 9 * MIB + 77, dtype=np.uint8)
+    name = write_file(tmp_path / "model.safetensors", data.tobytes())
+    mapped = np.memmap(name, dtype=np.uint8, mode="r")
+    in_memory = rng.integers(0, 256, MIB + 5, dtype=np.uint8)
+    pieces = [mapped[13 : 5 * MIB], in_memory, mapped[6 * MIB + 1 :].view(np.uint8)]
+    reads: list[tuple[int, int]] = []
+    ring, device, overwritten = make_ring(num_slots=3, slot_bytes=MIB, num_threads=3, device_bytes=16 * MIB, reads=reads)
+    ring.upload(0, pieces)
+    ring.close()
+    device.drain()
+    expected = np.concatenate([np.asarray(piece) for piece in pieces])
+    assert np.array_equal(device.memory[: expected.nbytes], expected)
+    assert overwritten == []
+    assert sum(size for _, size in reads) == pieces[0].nbytes + pieces[2].nbytes  # the file pieces only
+    assert min(offset for offset, _ in reads) == 13
+
+
+def test_a_file_shorter_than_its_tensor_is_an_os_error(tmp_path):
+    name = write_file(tmp_path / "short.bin", b"x" * 100)
+    fd = os.open(name, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="ends at byte 100"):
+            read_into(fd, np.zeros(64, np.uint8), 50)
+    finally:
+        os.close(fd)
+
+
+def test_copy_threads_are_three_quarters_of_the_cores_up_to_twelve():
+    assert [upload_threads(cores) for cores in (1, 2, 8, 16, 64)] == [1, 1, 6, 12, 12]
+
+
+def test_a_checkpoints_fused_projection_blocks_are_read_from_the_file(tmp_path):
+    """What `CudaGpuBackend.copy_from_host` hands the ring for a safetensors model: views with
+    a file extent (else the load silently falls back to faulting in the map)."""
+    from atlas.adapters.weights.safetensors import SafetensorsWeights, write_safetensors
+    from atlas.domain.models.checkpoint import CheckpointReader
+    from atlas.domain.models.shard_reads import row_blocks
+
+    tensors = {name: np.full((rows, 64), index, np.float32) for index, (name, rows) in enumerate({"q": 8, "k": 2}.items())}
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    stacked = CheckpointReader(SafetensorsWeights(tmp_path)).stacked([(name, t.shape) for name, t in tensors.items()])
+    blocks = [np.ascontiguousarray(block, dtype=np.float32) for block in row_blocks(stacked)]
+    extents = [file_extent(block) for block in blocks]
+    assert all(extent is not None and extent.path.endswith("model.safetensors") for extent in extents)
+    with open(tmp_path / "model.safetensors", "rb") as handle:
+        for block, extent in zip(blocks, extents, strict=True):
+            handle.seek(extent.offset)
+            assert handle.read(block.nbytes) == block.tobytes()

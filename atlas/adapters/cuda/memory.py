@@ -145,7 +145,7 @@ class BulkUploads:
     page-locked slots filled by `num_threads` threads, each slot's DMA enqueued on the stream in
     order, with an event after it that says when the slot may be written again."""
 
-    def __init__(self, stream_handle: int, num_slots: int = 16, slot_bytes: int = 8 << 20, num_threads: int = 8) -> None:
+    def __init__(self, stream_handle: int, num_slots: int = 16, slot_bytes: int = 8 << 20, num_threads: int = 12) -> None:
         self.slot_bytes = slot_bytes
         self._stream = stream_handle
         self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))

@@ -34,6 +34,7 @@ from atlas.adapters.cuda.memory import (
 from atlas.adapters.cuda.registry import KernelModule, KernelTarget, arch_family, nvrtc_arch, select_modules
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.adapters.cuda.tma import TensorMap, parameter_array
+from atlas.adapters.cuda.upload_ring import upload_threads
 from atlas.ports.gpu import DType
 from atlas.ports.startup import report_phase
 
@@ -85,8 +86,9 @@ class CudaFeatures:
         `benchmarks/cuda/bench_kernels.py` and `benchmarks/cuda/ablate_model_step.py gemm` turn it
         on to keep it correct and measured.
     bulk_upload: uploads larger than a staging slot (the weights at load) go through
-        `BulkUploads` (upload_ring.py), a ring of page-locked slots filled by up to 8 threads
-        while the earlier slots' DMAs run, instead of the driver's pageable copy.
+        `BulkUploads` (upload_ring.py), a ring of page-locked slots filled by up to 12 threads
+        (a memory-mapped checkpoint's tensors read from the file with preadv) while the earlier
+        slots' DMAs run, instead of the driver's pageable copy.
     """
 
     programmatic_launch: bool = True
@@ -247,8 +249,7 @@ class CudaRuntime:
         self.stream_handle = int(self.stream.handle)
         self.pool = DeviceMemoryPool(f"device {device_ordinal} ({self.device_name})")
         self.features = CudaFeatures.for_device(self.compute_capability)
-        threads = max(1, min(8, (os.cpu_count() or 2) // 2))  # half the cores: the API process loads too
-        bulk = BulkUploads(self.stream_handle, num_threads=threads) if self.features.bulk_upload else None
+        bulk = BulkUploads(self.stream_handle, num_threads=upload_threads()) if self.features.bulk_upload else None
         self.staging = PinnedStaging(self.stream_handle, bulk=bulk)
         self.downloads = PinnedDownloads(self.stream_handle)
         driver_cuda = int(check("cuDriverGetVersion", cu.cuDriverGetVersion()))
