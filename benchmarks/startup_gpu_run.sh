@@ -1,10 +1,11 @@
 #!/bin/bash
 # Issue 29 section 5, cold and warm start of the Llama-3.1-8B-shape checkpoint, on one GPU (~4-6 min):
-#   source .devkit/env.sh && bash benchmarks/startup_gpu_run.sh [main bulk-off few-graphs]
+#   source .devkit/env.sh && bash benchmarks/startup_gpu_run.sh [main bulk-off reads-off few-graphs]
 # (no argument runs all three; STARTS overrides main's starts, default cold,nvrtc,warm)
 # Prints a phase table per start (atlas bench startup); logs in $OUT.
 #   main:        cold (empty kernel cache, packaged cubins asked for), nvrtc (empty cache, cubins off), warm
 #   bulk-off:    cold and warm with the driver's pageable weight copies (ATLAS_CUDA_DISABLE=bulk_upload)
+#   reads-off:   warm with the ring copying out of the map instead of preadv (ATLAS_CUDA_DISABLE=file_reads)
 #   few-graphs:  cold and warm capturing decode graphs up to batch 8 only (--max-batch-size 8)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,6 +30,8 @@ want main && run main 300 $ATLAS bench startup "$LLAMA" --device cuda --serve-ar
   --starts "${STARTS:-cold,nvrtc,warm}"
 want bulk-off && run bulk-off 100 env ATLAS_CUDA_DISABLE=bulk_upload $ATLAS bench startup "$LLAMA" --device cuda \
   --serve-args "$SERVE" --starts cold,warm
+want reads-off && run reads-off 100 env ATLAS_CUDA_DISABLE=file_reads $ATLAS bench startup "$LLAMA" --device cuda \
+  --serve-args "$SERVE" --starts warm
 want few-graphs && run few-graphs 100 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "$SERVE --max-batch-size 8" \
   --starts cold,warm
 echo "=== total $((SECONDS - t0)) s"

@@ -236,3 +236,24 @@ def test_a_checkpoints_fused_projection_blocks_are_read_from_the_file(tmp_path):
         for block, extent in zip(blocks, extents, strict=True):
             handle.seek(extent.offset)
             assert handle.read(block.nbytes) == block.tobytes()
+
+
+def test_without_read_files_a_memmapped_piece_is_copied_out_of_the_map(tmp_path):
+    name = write_file(tmp_path / "w.bin", bytes(range(256)) * 8192)
+    mapped = np.memmap(name, dtype=np.uint8, mode="r")
+    host = np.zeros(2 * MIB, np.uint8)
+    device = LateDevice(host, MIB, 4 * MIB)
+    copies: list[int] = []
+
+    def counted_copy(target: np.ndarray, source: np.ndarray) -> None:
+        copies.append(source.nbytes)
+        np.copyto(target, source)
+
+    def no_read(fd: int, target: np.ndarray, offset: int) -> None:
+        raise AssertionError("read from the file although read_files is off")
+
+    ring = UploadRing(host, MIB, device, 2, copy=counted_copy, read=no_read, read_files=False)
+    ring.upload(0, [mapped[7:]])
+    ring.close()
+    device.drain()
+    assert np.array_equal(device.memory[: mapped.nbytes - 7], mapped[7:]) and sum(copies) == mapped.nbytes - 7

@@ -143,16 +143,24 @@ class DeviceMemoryPool:
 class BulkUploads:
     """Large host-to-device copies (the weights at load) through `UploadRing`: a ring of
     page-locked slots filled by `num_threads` threads, each slot's DMA enqueued on the stream in
-    order, with an event after it that says when the slot may be written again."""
+    order, with an event after it that says when the slot may be written again. With
+    `read_files`, a memory-mapped checkpoint's tensors are read from their files (preadv)."""
 
-    def __init__(self, stream_handle: int, num_slots: int = 16, slot_bytes: int = 8 << 20, num_threads: int = 12) -> None:
+    def __init__(
+        self,
+        stream_handle: int,
+        num_slots: int = 16,
+        slot_bytes: int = 8 << 20,
+        num_threads: int = 12,
+        read_files: bool = True,
+    ) -> None:
         self.slot_bytes = slot_bytes
         self._stream = stream_handle
         self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))
         buffer = (ctypes.c_uint8 * (num_slots * slot_bytes)).from_address(self._base)
         flags = cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._events = [check("cuEventCreate", cu.cuEventCreate(flags)) for _ in range(num_slots)]
-        self._ring = UploadRing(np.ctypeslib.as_array(buffer), slot_bytes, self, num_threads)
+        self._ring = UploadRing(np.ctypeslib.as_array(buffer), slot_bytes, self, num_threads, read_files=read_files)
 
     def upload(self, device_address: int, pieces: Sequence[np.ndarray]) -> None:
         """Enqueue the copy of the contiguous `pieces`, laid end to end from `device_address`;

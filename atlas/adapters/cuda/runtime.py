@@ -89,6 +89,9 @@ class CudaFeatures:
         `BulkUploads` (upload_ring.py), a ring of page-locked slots filled by up to 12 threads
         (a memory-mapped checkpoint's tensors read from the file with preadv) while the earlier
         slots' DMAs run, instead of the driver's pageable copy.
+    file_reads: with bulk_upload, a memory-mapped checkpoint's tensors are read from their
+        files with preadv into the slots; off: copied out of the map (a fault per page not yet
+        mapped), for the A/B.
     """
 
     programmatic_launch: bool = True
@@ -102,6 +105,7 @@ class CudaFeatures:
     moe_wgmma: bool = True
     skinny_gemm: bool = False
     bulk_upload: bool = True
+    file_reads: bool = True
 
     @classmethod
     def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
@@ -119,6 +123,7 @@ class CudaFeatures:
             "launch_order",
             "moe_wgmma",
             "bulk_upload",
+            "file_reads",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -136,6 +141,7 @@ class CudaFeatures:
             launch_order_edges=programmatic and "launch_order" not in disabled,
             moe_wgmma="moe_wgmma" not in disabled,
             bulk_upload="bulk_upload" not in disabled,
+            file_reads="file_reads" not in disabled,
         )
 
 
@@ -249,7 +255,9 @@ class CudaRuntime:
         self.stream_handle = int(self.stream.handle)
         self.pool = DeviceMemoryPool(f"device {device_ordinal} ({self.device_name})")
         self.features = CudaFeatures.for_device(self.compute_capability)
-        bulk = BulkUploads(self.stream_handle, num_threads=upload_threads()) if self.features.bulk_upload else None
+        bulk = None
+        if self.features.bulk_upload:
+            bulk = BulkUploads(self.stream_handle, num_threads=upload_threads(), read_files=self.features.file_reads)
         self.staging = PinnedStaging(self.stream_handle, bulk=bulk)
         self.downloads = PinnedDownloads(self.stream_handle)
         driver_cuda = int(check("cuDriverGetVersion", cu.cuDriverGetVersion()))

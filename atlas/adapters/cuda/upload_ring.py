@@ -133,8 +133,8 @@ def plan_chunks(piece_bytes: Sequence[int], num_threads: int, slot_bytes: int) -
 class UploadRing:
     """`num_slots` slots of `slot_bytes` in `host` (uint8, page-locked for real DMA), filled by
     `num_threads` threads with `read(fd, target, offset)` for a source with a `file_extent`
-    (`read_into`), else `copy(target, source)` (np.copyto); tests inject their own. The files
-    stay open until `close`."""
+    (`read_into`; with `read_files` only), else `copy(target, source)` (np.copyto); tests
+    inject their own. The files stay open until `close`."""
 
     def __init__(
         self,
@@ -144,6 +144,7 @@ class UploadRing:
         num_threads: int,
         copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto,
         read: Callable[[int, np.ndarray, int], None] = read_into,
+        read_files: bool = True,
     ) -> None:
         if host.dtype != np.uint8 or host.ndim != 1 or host.nbytes < slot_bytes:
             raise ValueError(f"the ring needs a flat uint8 buffer of at least one slot ({slot_bytes} bytes)")
@@ -153,7 +154,7 @@ class UploadRing:
         self._host = host
         self._transport = transport
         self._copy = copy
-        self._read = read
+        self._read = read if read_files else None
         self._files: dict[str, int] = {}  # path -> fd, opened by the caller's thread only
         self._in_flight = [False] * self.num_slots  # sent, not yet waited for
         self._next = 0
@@ -164,7 +165,7 @@ class UploadRing:
         every byte has been read from them and its DMA enqueued. A copy that raises is raised
         here, after the other chunks' copies have stopped (the ring stays usable)."""
         sources = [piece.reshape(-1).view(np.uint8) for piece in pieces]
-        extents = [file_extent(piece) for piece in pieces]
+        extents = [file_extent(piece) if self._read is not None else None for piece in pieces]
         pending: deque[tuple[Future, int, Chunk]] = deque()
         try:
             for chunk in plan_chunks([source.nbytes for source in sources], self.num_threads, self.slot_bytes):
