@@ -53,7 +53,7 @@ from atlas.app.engine_protocol import (
     ToEngine,
     frame,
 )
-from atlas.app.engine_spawn import PRELOAD_CUDA_FLAG, spawn_engine, take_early
+from atlas.app.engine_spawn import PRELOAD_CUDA_FLAG, spawn_engine, start_cuda_preload, take_early
 from atlas.app.settings import EngineSettings
 from atlas.app.step_trace import StepTrace
 from atlas.domain.engine import EngineCore, EngineStats
@@ -314,7 +314,8 @@ class EngineProcess:
 def child_main(fd: int, preload_cuda: bool = False) -> int:
     """The engine process: read Start, load the model, serve commands until told to stop.
     Before Start it imports the builder (and, with `preload_cuda`, the CUDA libraries when the
-    cuda extra and a GPU are there), beside the API process's own imports (engine_spawn.py)."""
+    cuda extra and a GPU are there: on a thread, beside the builder's import), while the API
+    process does its own imports (engine_spawn.py)."""
     # The API process decides when the engine stops: Ctrl-C in a terminal (and a service
     # manager's SIGTERM to the whole group) reaches this process too, and the engine must keep
     # stepping while the API drains its requests. It exits on Shutdown, or on EOF when the API
@@ -324,9 +325,11 @@ def child_main(fd: int, preload_cuda: bool = False) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     sock = socket.socket(fileno=fd)
+    preload = start_cuda_preload() if preload_cuda else None
     from atlas.app.builder import build_engine
 
-    if preload_cuda:
+    if preload is not None:
+        preload.join()
         from atlas.adapters import cuda
 
         if cuda.available():

@@ -6,20 +6,32 @@ machine), so `atlas serve` spawns it first (`spawn_early`) and the API's `Engine
 that process (`take_early`) when it would spawn one; both processes import side by side. An
 early process nobody takes ends at `discard_early` (EOF on its socket). This module imports
 only the standard library, so spawning costs the API process nothing it would not pay anyway.
+
+In the engine process the CUDA libraries' own import and the driver's initialisation (cuInit)
+run on a thread (`start_cuda_preload`) beside the builder's import: the settings are of no use
+before both are done (loading needs the builder, the device needs the libraries), so what
+shortens the wait for them is running the two side by side, not reading the settings sooner.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 
 from atlas.app.threads import blas_thread_variables
 from atlas.ports.startup import EPOCH_ENVIRONMENT, startup_epoch
 
 PRELOAD_CUDA_FLAG = "--preload-cuda"
+# The CUDA adapter's third-party imports (the `cuda` extra). No `atlas` module: the caller's
+# thread imports those meanwhile, and two threads importing disjoint modules never wait on each
+# other's import locks (nor trip importlib's deadlock detection on a circular pair).
+CUDA_LIBRARIES = ("cuda.bindings.driver", "cuda.bindings.nvrtc", "cuda.core", "nvmath.bindings.cublas",
+                  "nvmath.bindings.cublasLt")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +51,26 @@ def spawn_engine(preload_cuda: bool = False) -> SpawnedEngine:
     process = subprocess.Popen(command, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=environment)
     child.close()
     return SpawnedEngine(process, parent)
+
+
+def start_cuda_preload(libraries: tuple[str, ...] = CUDA_LIBRARIES) -> threading.Thread:
+    """Import `libraries` and initialise the CUDA driver on a daemon thread; join it before
+    importing the CUDA backend. Never raises: a missing extra, driver or GPU just ends the
+    thread early, and the backend's own import (or `cuda.available()`) then says what is wrong."""
+    thread = threading.Thread(target=_preload_cuda, args=(libraries,), name="atlas-cuda-preload", daemon=True)
+    thread.start()
+    return thread
+
+
+def _preload_cuda(libraries: tuple[str, ...]) -> None:
+    try:
+        for name in libraries:
+            importlib.import_module(name)
+        from cuda.bindings import driver
+
+        driver.cuInit(0)  # ~0.1-0.3 s, outside the GIL: the builder's import runs meanwhile
+    except Exception:  # noqa: BLE001 - best effort (see the docstring)
+        return
 
 
 _early: list[SpawnedEngine] = []  # at most one: the process `spawn_early` started, until taken

@@ -168,3 +168,17 @@ async def test_an_engine_spawned_early_is_the_one_started_and_an_untaken_one_exi
     untaken = engine_spawn._early[0].process
     engine_spawn.discard_early()  # as `atlas serve` does when its flags fail after the spawn
     assert untaken.returncode == 0 and engine_spawn.take_early() is None
+
+
+def test_the_cuda_preload_imports_its_libraries_and_a_missing_one_ends_it_quietly(monkeypatch):
+    import sys
+    import threading
+
+    from atlas.app import engine_spawn
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    sys.modules.pop("colorsys", None)
+    engine_spawn.start_cuda_preload(("colorsys", "atlas_no_such_library", "wave")).join(timeout=30)
+    assert "colorsys" in sys.modules and raised == []  # imported before the missing one stopped it
+    assert not any(name.startswith("atlas") for name in engine_spawn.CUDA_LIBRARIES)
