@@ -31,7 +31,7 @@ want main && run main 300 $ATLAS bench startup "$LLAMA" --device cuda --serve-ar
 want bulk-off && run bulk-off 100 env ATLAS_CUDA_DISABLE=bulk_upload $ATLAS bench startup "$LLAMA" --device cuda \
   --serve-args "$SERVE" --starts cold,warm
 want reads-off && run reads-off 100 env ATLAS_CUDA_DISABLE=file_reads $ATLAS bench startup "$LLAMA" --device cuda \
-  --serve-args "$SERVE" --starts warm
+  --serve-args "$SERVE" --starts cold,warm
 want few-graphs && run few-graphs 100 $ATLAS bench startup "$LLAMA" --device cuda --serve-args "$SERVE --max-batch-size 8" \
   --starts cold,warm
 echo "=== total $((SECONDS - t0)) s"
