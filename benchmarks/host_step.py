@@ -53,7 +53,7 @@ from atlas.adapters.mock.sampler import MockSampling  # noqa: E402
 from atlas.app.bench.tiny_model import TinyModelShape, write_tiny_model  # noqa: E402
 from atlas.app.builder import OneDevice, build_engine  # noqa: E402
 from atlas.app.settings import EngineSettings  # noqa: E402
-from atlas.domain import engine, scheduler, worker  # noqa: E402
+from atlas.domain import engine, scheduler, step_plan, worker  # noqa: E402
 from atlas.domain.models.model import Model  # noqa: E402
 from atlas.domain.requests import Request, SamplingParams  # noqa: E402
 from atlas.domain.step_buffers import StepBuffers  # noqa: E402
@@ -134,7 +134,7 @@ class EmulatedGraphs(OneDevice):
 
 def instrument(clock: PhaseClock, core: engine.EngineCore) -> None:
     clock.wrap(scheduler.Scheduler, "schedule", "schedule")
-    clock.wrap(scheduler, "scheduled_sequence", "rows")
+    clock.wrap(step_plan, "scheduled_sequence", "rows")
     clock.wrap(worker.Worker, "submit", "submit")
     clock.wrap(worker.Worker if hasattr(worker.Worker, "_pack") else worker, "_pack", "pack")  # a method since hostgap
     clock.wrap(worker, "build_step_inputs", "inputs")
