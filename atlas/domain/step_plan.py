@@ -26,6 +26,7 @@ class InFlightStep(msgspec.Struct, frozen=True):
     step_id: int
     sequences: tuple[Sequence, ...]
     scheduled: tuple[ScheduledSequence, ...]
+    num_rows: int  # sampling rows: the result's token ids
     # Some sequence's next step needs this step's tokens on the host: its penalty context, or
     # how many drafts it keeps (`Scheduler.needs_commit_first`).
     needs_host_tokens: bool
@@ -69,7 +70,9 @@ class StepPlan:
 
     def in_flight(self) -> InFlightStep:
         """The record `Scheduler.commit` checks the step's result against."""
-        return InFlightStep(self.step_id, tuple(self.sequences), tuple(self.scheduled), self.needs_host_tokens)
+        return InFlightStep(
+            self.step_id, tuple(self.sequences), tuple(self.scheduled), self.num_rows, self.needs_host_tokens
+        )
 
 
 def scheduled_sequence(seq: Sequence, num_tokens: int, tables: StepTables) -> ScheduledSequence:
@@ -108,9 +111,9 @@ def check_result(in_flight: InFlightStep | None, batch: ScheduledBatch, result: 
         raise ValueError(f"batch of step {batch.step_id} is not the oldest in flight ({pending})")
     if result.step_id != batch.step_id:
         raise ValueError(f"result of step {result.step_id} committed against batch of step {batch.step_id}")
-    if len(result.token_ids) != batch.num_sampled:
+    if len(result.token_ids) != in_flight.num_rows:
         raise ValueError(
-            f"step {batch.step_id} samples {batch.num_sampled} tokens but the result has {len(result.token_ids)}"
+            f"step {batch.step_id} samples {in_flight.num_rows} tokens but the result has {len(result.token_ids)}"
         )
     if result.logprobs is not None and len(result.logprobs) != len(result.token_ids):
         raise ValueError(f"step {batch.step_id}: {len(result.logprobs)} logprobs for {len(result.token_ids)} tokens")
