@@ -42,12 +42,11 @@ def sampling_row(seq: Sequence) -> SamplingRow:
 
     Most steps of most sequences (no drafts, no penalties, past min_tokens) differ only in the
     counter: their row is the sequence's `sampling_row_base`, built on first use, with it."""
-    params = seq.sampling
     num_drafts = seq.num_draft_tokens
     counter = seq.num_output_tokens - num_drafts
-    if not num_drafts and counter >= params.min_tokens:
+    if not num_drafts and counter >= seq.sampling.min_tokens:
         base = seq.sampling_row_base  # only ever built for a request without penalties
-        if base is None and not params.has_penalties:
+        if base is None and not seq.has_penalties:
             base = seq.sampling_row_base = _build_rows(seq, counter)[0]
         if base is not None:
             return msgspec.structs.replace(base, counter=counter)

@@ -229,7 +229,8 @@ class Sequence:
         self._token_ids[self._num_resolved] = token_id
         self._num_resolved += 1
         self._pending = self._pending[1:]
-        self._count_for_penalties(token_id)
+        if self._penalty_counts is not None:
+            self._count_for_penalties(token_id)
 
     def _drop_tentative(self) -> None:
         """Forget pending tokens and drafts (a finished or preempted sequence's)."""

@@ -80,15 +80,16 @@ def scheduled_sequence(seq: Sequence, num_tokens: int, tables: StepTables) -> Sc
     `tables`; it samples when they reach its last token."""
     start = seq.num_computed_tokens
     end = start + num_tokens
+    samples = end == seq.num_tokens
     token_ids = seq.token_tuple(start, end)
     placeholder_row = None
     if token_ids[-1] == PLACEHOLDER_TOKEN:
         # only the newest placeholder can be computed: the previous step samples it
         pending = seq.pending
-        assert len(pending) == 1 and end == seq.num_tokens
-        placeholder_row = pending[-1].sample_row
+        assert len(pending) == 1 and samples
+        placeholder_row = pending[0].sample_row
     num_drafts = seq.num_draft_tokens
-    if end < seq.num_tokens:  # a prefill chunk short of the last token: nothing to sample
+    if not samples:  # a prefill chunk short of the last token
         row, draft_rows = None, ()
     elif num_drafts:
         rows = sampling_rows(seq)
