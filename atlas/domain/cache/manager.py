@@ -4,7 +4,7 @@
                 r = reserve(seq, n, hit)         None when pages are short; nothing changed
                 commit(seq, r)                   pins the hit, evicts what is short, hands out pages
     each step   on_scheduled(seq, start, end)    offers the blocks the step fills to the prefix cache
-                release_unread(seq)              once the step is built: releases the blocks that
+                release_unread(seqs)             once the step is built: releases the blocks that
                                                  left a sliding window
     growth      r = reserve(seq, n); commit(seq, r)
     rollback    trim(seq)                        rejected drafts: the pages past the computed count
