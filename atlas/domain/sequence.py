@@ -145,7 +145,9 @@ class Sequence:
         return self._token_ids[start:stop]
 
     def token_tuple(self, start: int, stop: int) -> tuple[int, ...]:
-        """Tokens [start, stop) as a tuple (placeholders included)."""
+        """Tokens [start, stop) as a tuple (placeholders included); stop <= num_tokens."""
+        if stop - start == 1:  # a decode: no slice to copy
+            return (self._token_ids[start],)
         return tuple(self._token_ids[start:stop])
 
     def append_token(self, token_id: int) -> None:

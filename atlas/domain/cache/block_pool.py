@@ -20,13 +20,13 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+
+import msgspec
 
 _pool_uids = itertools.count(1)
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
+class Reservation(msgspec.Struct, frozen=True):
     """A promise of `num_blocks` pages from one pool, redeemable once by `BlockPool.commit`."""
 
     num_blocks: int
