@@ -162,9 +162,9 @@ def _check_groups(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -
     """Whether the batch's tables are `block_ids` alone (a lone full-attention group, with no
     `kv_block_tables`). Raises ValueError unless every sequence carries a table per KV group
     and a slot per recurrent group."""
-    if not any([seq.kv_block_tables or seq.state_slots for seq in sequences]):
-        if layout.num_kv_groups == 1 and layout.num_state_groups == 0:
-            return True  # most models: every sequence's table is its block ids
+    lone_group = layout.num_kv_groups == 1 and layout.num_state_groups == 0
+    if lone_group and not any([seq.kv_block_tables or seq.state_slots for seq in sequences]):
+        return True  # most models: every sequence's table is its block ids
     num_seqs = len(sequences)
     num_tables = np.fromiter([len(seq.kv_block_tables) for seq in sequences], np.int32, num_seqs)
     num_slots = np.fromiter([len(seq.state_slots) for seq in sequences], np.int32, num_seqs)
