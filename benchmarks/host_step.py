@@ -17,9 +17,10 @@ other processes on a busy machine do not inflate as they do wall time (`--clock 
     python benchmarks/host_step.py --batch-sizes 16,64 --steps 200 --repeats 5
     python benchmarks/host_step.py --batch-sizes 64 --profile   # cProfile's top functions too
 
-Phases: `schedule` (the scheduler's plan and its ScheduledBatch, `rows`: the per-sequence
-ScheduledSequence with its sampling rows and tables), `submit` (the worker's own work),
-`pack` (sampling rows into arrays), `inputs` (build_step_inputs and graph padding), `stage`
+Phases: `schedule` (the scheduler's plan and its ScheduledBatch; with `--rows`, `rows`: each
+sequence's ScheduledSequence with its sampling rows and tables, timed apart at ~1 us a sequence
+of timer overhead that inflates `schedule` + `rows`), `submit` (the worker's own work), `pack`
+(sampling rows into arrays), `inputs` (build_step_inputs and graph padding), `stage`
 (into the host arena and the one copy), `sample` (enqueueing the sampler, the id download),
 `readback` (ids to a StepResult), `commit` (resolve, stop checks, outputs), `engine` (the
 core's own work), then the front end's: `detokenize` (SequenceText per output, as
@@ -53,7 +54,7 @@ from atlas.adapters.mock.sampler import MockSampling  # noqa: E402
 from atlas.app.bench.tiny_model import TinyModelShape, write_tiny_model  # noqa: E402
 from atlas.app.builder import OneDevice, build_engine  # noqa: E402
 from atlas.app.settings import EngineSettings  # noqa: E402
-from atlas.domain import engine, scheduler, worker  # noqa: E402
+from atlas.domain import engine, scheduler, step_plan, worker  # noqa: E402
 from atlas.domain.models.model import Model  # noqa: E402
 from atlas.domain.requests import Request, SamplingParams  # noqa: E402
 from atlas.domain.step_buffers import StepBuffers  # noqa: E402
@@ -132,9 +133,10 @@ class EmulatedGraphs(OneDevice):
         return MockGpuBackend(emulate_graphs=True)
 
 
-def instrument(clock: PhaseClock, core: engine.EngineCore) -> None:
+def instrument(clock: PhaseClock, core: engine.EngineCore, rows: bool) -> None:
     clock.wrap(scheduler.Scheduler, "schedule", "schedule")
-    clock.wrap(scheduler, "scheduled_sequence", "rows")
+    if rows:
+        clock.wrap(step_plan, "scheduled_sequence", "rows")
     clock.wrap(worker.Worker, "submit", "submit")
     clock.wrap(worker.Worker if hasattr(worker.Worker, "_pack") else worker, "_pack", "pack")  # a method since hostgap
     clock.wrap(worker, "build_step_inputs", "inputs")
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                         "as next to a GPU) or run the mock's math (mock)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="the thread's CPU time (default) or wall time")
+    parser.add_argument("--rows", action="store_true",
+                        help="time each sequence's ScheduledSequence apart (`rows`), at ~1 us of timer overhead each")
     parser.add_argument("--profile", action="store_true", help="also print cProfile's top functions")
     args = parser.parse_args(argv)
     batch_sizes = [int(size) for size in args.batch_sizes.split(",")]
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     core = loaded.core
     clock = PhaseClock(time.thread_time if args.clock == "cpu" else time.perf_counter)
     device = DeviceSwitch()
-    instrument(clock, core)
+    instrument(clock, core, args.rows)
     rows = []
     for batch in batch_sizes:
         runs = [run_batch(core, loaded.tokenizer, clock, device, batch, args, repeat) for repeat in range(args.repeats)]

@@ -136,12 +136,12 @@ class ScheduledBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.sequences)
+        return sum([len(s.token_ids) for s in self.sequences])  # a list: faster than a generator
 
     @property
     def num_sampled(self) -> int:
         """Rows the step samples: one per sampling sequence, plus one per draft."""
-        return sum(1 + s.num_draft_tokens for s in self.sequences if s.sampling is not None)
+        return sum([1 + s.num_draft_tokens for s in self.sequences if s.sampling is not None])
 
     @property
     def is_empty(self) -> bool:

@@ -198,7 +198,7 @@ class EngineCore:
         batch, pending = self._in_flight.popleft()
         result = pending.result()
         outputs = self.scheduler.commit(batch, result)
-        self._num_generated_tokens += sum(len(output.new_token_ids) for output in outputs)
+        self._num_generated_tokens += sum([len(output.new_token_ids) for output in outputs])
         if self._constraints:
             outputs = [self._advance_constraint(output) for output in outputs]
         for output in outputs:

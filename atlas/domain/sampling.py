@@ -37,28 +37,31 @@ _UNIFORM_SCALE = np.float32(2.0**-23)
 
 
 def sampling_row(seq: Sequence) -> SamplingRow:
-    """The row for the next token of `seq` (called once its whole context is computed)."""
-    return sampling_rows(seq)[0]
+    """The row for the next token of `seq` (called once its whole context is computed): the
+    first of `sampling_rows`.
+
+    Most steps of most sequences (no drafts, no penalties, past min_tokens) differ only in the
+    counter: their row is the sequence's `sampling_row_base`, built on first use, with it."""
+    num_drafts = seq.num_draft_tokens
+    counter = seq.num_output_tokens - num_drafts
+    if not num_drafts and counter >= seq.sampling.min_tokens:
+        base = seq.sampling_row_base  # only ever built for a request without penalties
+        if base is None and not seq.has_penalties:
+            base = seq.sampling_row_base = _build_rows(seq, counter)[0]
+        if base is not None:
+            return msgspec.structs.replace(base, counter=counter)
+    return _build_rows(seq, counter)[0]
 
 
 def sampling_rows(seq: Sequence) -> tuple[SamplingRow, ...]:
     """The rows of `seq`'s next step: one, or 1 + k when the step verifies k drafts. Row j
     draws output token c + j (c: tokens sampled before the drafts) as if drafts[:j] were
     already output: its counter is c + j, its penalty counts include them, and eos and stop
-    ids stay banned while c + j < min_tokens.
-
-    Most steps of most sequences (no drafts, no penalties, past min_tokens) differ only in the
-    counter: their row is the sequence's `sampling_row_base`, built on first use, with it."""
-    params = seq.sampling
+    ids stay banned while c + j < min_tokens."""
     num_drafts = seq.num_draft_tokens
-    counter = seq.num_output_tokens - num_drafts
-    if not num_drafts and counter >= params.min_tokens:
-        base = seq.sampling_row_base  # only ever built for a request without penalties
-        if base is None and not params.has_penalties:
-            base = seq.sampling_row_base = _build_rows(seq, counter)[0]
-        if base is not None:
-            return (msgspec.structs.replace(base, counter=counter),)
-    return _build_rows(seq, counter)
+    if not num_drafts:
+        return (sampling_row(seq),)
+    return _build_rows(seq, seq.num_output_tokens - num_drafts)
 
 
 def _build_rows(seq: Sequence, counter: int) -> tuple[SamplingRow, ...]:

@@ -46,12 +46,12 @@ from dataclasses import dataclass
 from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
 from atlas.domain.cache.manager import CacheManager
 from atlas.domain.requests import FinishReason, ParameterError, SequenceStatus
-from atlas.domain.sequence import PendingToken, Sequence
+from atlas.domain.sequence import Sequence
 from atlas.domain.scheduling_policy import FifoPolicy, SchedulingPolicy
 from atlas.domain.speculative.outcome import SpecDecodeStats
 from atlas.domain.speculative.policy import NoSpeculation, SpeculationPolicy
 from atlas.domain.speculative.verify import verify_drafts
-from atlas.domain.step_plan import InFlightStep, StepPlan, check_result, scheduled_sequence, sequence_output
+from atlas.domain.step_plan import InFlightStep, StepPlan, check_result, sequence_output
 from atlas.domain.stopping import ends_by_length, first_stop, stop_reason
 
 
@@ -179,26 +179,17 @@ class Scheduler:
                 f"steps {[f.step_id for f in self._in_flight]} are in flight; commit one before scheduling again"
             )
         self.cache.begin_step()
-        plan = StepPlan(self.config.max_num_batched_tokens)
+        plan = StepPlan(self._next_step_id, self.config.max_num_batched_tokens)
+        self._next_step_id += 1
         self._schedule_running(plan)
         if plan.num_preempted == 0:
             self._admit_waiting(plan)
-        step_id = self._next_step_id
-        self._next_step_id += 1
-        scheduled = []
-        sample_row = 0
-        for planned in plan.planned:
-            seq = planned.seq
-            scheduled.append(scheduled_sequence(planned, self.cache.step_tables(seq)))
-            # the step is as good as run: advance, and await its samples
-            seq.mark_computed(planned.num_tokens)
-            self.cache.release_unread(seq)
-            if planned.samples:
-                seq.append_pending(PendingToken(step_id, sample_row))
-                sample_row += planned.num_rows
-        if plan.planned:
-            self._in_flight.append(InFlightStep(step_id, tuple(plan.planned)))
-        return ScheduledBatch(step_id=step_id, sequences=tuple(scheduled), block_size=self.cache.block_size)
+        if not plan.sequences:
+            return ScheduledBatch(step_id=plan.step_id, sequences=(), block_size=self.cache.block_size)
+        self.cache.release_unread(plan.sequences)  # the step's block tables are taken
+        in_flight = plan.in_flight()
+        self._in_flight.append(in_flight)
+        return ScheduledBatch(step_id=plan.step_id, sequences=in_flight.scheduled, block_size=self.cache.block_size)
 
     @property
     def num_in_flight(self) -> int:
@@ -215,7 +206,7 @@ class Scheduler:
         if not self._in_flight:
             return False
         return self.speculation.is_active(len(self._running)) or any(
-            planned.needs_host_token for flight in self._in_flight for planned in flight.planned
+            flight.needs_host_tokens for flight in self._in_flight
         )
 
     def commit(self, batch: ScheduledBatch, result: StepResult) -> list[SequenceOutput]:
@@ -231,18 +222,18 @@ class Scheduler:
         outputs: list[SequenceOutput] = []
         live, step_id = self._live, batch.step_id
         row_idx = 0
-        for planned in in_flight.planned:
-            if not planned.samples:
+        for seq, scheduled in zip(in_flight.sequences, in_flight.scheduled):
+            if scheduled.sampling is None:
                 continue
-            seq, first_row = planned.seq, row_idx
-            row_idx += planned.num_rows
+            first_row, num_drafts = row_idx, scheduled.num_draft_tokens
+            row_idx += 1 + num_drafts
             if live.get(seq.seq_id) is not seq:
                 continue  # aborted after schedule(): its blocks are already back in the pool
             pending = seq.pending
             if not pending or pending[0].step_id != step_id:
                 continue  # preempted after schedule(): it samples this token again later
-            if planned.num_drafts:
-                outputs.append(self._append_verified(seq, result, first_row, planned.num_rows))
+            if num_drafts:
+                outputs.append(self._append_verified(seq, result, first_row, 1 + num_drafts))
             else:
                 outputs.append(self._append_sampled(seq, result, first_row))
         return outputs
@@ -276,16 +267,20 @@ class Scheduler:
         speculating = self.speculation.is_active(len(self._running))
         if speculating:
             self.speculation.prepare(self._running)
+        running, cache = self._running, self.cache
         idx = 0
-        while idx < len(self._running) and plan.budget_left > 0:
-            seq = self._running[idx]
-            if seq.pending and ends_by_length(seq):
+        while idx < len(running) and plan.budget_left > 0:
+            seq = running[idx]
+            pending = seq.pending
+            if pending and ends_by_length(seq):
                 idx += 1  # its pending token is its last: nothing more to compute
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, plan.budget_left)
-            if speculating and seq.num_uncomputed_tokens == 1 and not seq.pending:
+            num_uncomputed = seq.num_uncomputed_tokens
+            num_tokens = min(num_uncomputed, plan.budget_left)
+            if speculating and num_uncomputed == 1 and not pending:
                 num_tokens += self._add_drafts(seq, plan.budget_left - 1)
-            if self._grow(seq, num_tokens, idx, plan):
+            # most steps of a running sequence need no new page
+            if cache.covers(seq, num_tokens) or self._grow(seq, num_tokens, idx, plan):
                 self._plan(plan, seq, num_tokens)
                 idx += 1
             # else `seq` itself was preempted: the next sequence moved into slot `idx`
@@ -307,8 +302,8 @@ class Scheduler:
 
     def _plan(self, plan: StepPlan, seq: Sequence, num_tokens: int) -> None:
         start = seq.num_computed_tokens
-        plan.add(seq, num_tokens)
         self.cache.on_scheduled(seq, start, start + num_tokens)
+        plan.add(seq, num_tokens, self.cache.step_tables(seq))
 
     def _grow(self, seq: Sequence, num_tokens: int, idx: int, plan: StepPlan) -> bool:
         """Attach the blocks `seq` needs to compute `num_tokens` more; False if it was preempted.
@@ -321,8 +316,6 @@ class Scheduler:
 
         Victims come from `_running[idx:]`: the sequences before `idx` are already in the step.
         """
-        if self.cache.covers(seq, num_tokens):
-            return True
         while (reservation := self.cache.reserve(seq, num_tokens)) is None:
             candidates = self._running[idx:]
             victim = self.policy.choose_victim(candidates, seq)

@@ -41,14 +41,26 @@ class Sequence:
     `token_ids` holds the prompt then the output. `num_computed_tokens` counts tokens whose
     K/V are in the cache (found in the prefix cache, or computed); the scheduler feeds the next
     ones until it catches up with `num_tokens`, then each step samples one more.
+
+    What the request fixes (`seq_id`, `sampling`, `num_prompt_tokens`, the token limits,
+    `has_penalties`) and `cache` (the one holdings object, which the cache manager changes) are
+    plain attributes, set once here: the scheduler reads them for every sequence of every step,
+    and a slot reads several times faster than a property.
     """
 
     __slots__ = (
         "request",
+        "seq_id",
+        "sampling",
+        "num_prompt_tokens",
+        "length_limit",
+        "ending_token_ids",
         "_token_ids",
+        "_num_resolved",
         "num_computed_tokens",
         "num_cached_tokens",
-        "_cache",
+        "cache",
+        "has_penalties",
         "status",
         "finish_reason",
         "max_total_tokens",
@@ -58,7 +70,6 @@ class Sequence:
         "_penalty_counts",
         "_pending",
         "_num_drafts",
-        "_num_prompt_tokens",
         "sampling_row_base",
     )
 
@@ -66,16 +77,27 @@ class Sequence:
         if not request.prompt_token_ids:
             raise ParameterError("prompt", "the prompt is empty")
         self.request = request
+        self.seq_id = request.request_id
+        self.sampling: SamplingParams = request.sampling
         self._token_ids: list[int] = list(request.prompt_token_ids)
-        self._num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self._num_resolved = self.num_prompt_tokens  # all but drafts and pending tokens
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache when first admitted
-        self._cache = CacheHoldings()
+        # its pages in each cache group and its path in the prefix cache (the cache manager's)
+        self.cache = CacheHoldings()
         self.status = SequenceStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.max_total_tokens = max_total_tokens
         self.eos_token_ids = frozenset() if request.sampling.ignore_eos else eos_token_ids
         self.stop_token_ids = frozenset(request.sampling.stop_token_ids)
+        # either of them ends it (STOP), once past min_tokens (`atlas.domain.stopping`)
+        self.ending_token_ids = self.eos_token_ids | self.stop_token_ids
+        # The number of tokens at which it ends by LENGTH: max_total_tokens, or max_tokens outputs.
+        max_tokens = request.sampling.max_tokens
+        self.length_limit = max_total_tokens if max_tokens is None else min(
+            max_total_tokens, self.num_prompt_tokens + max_tokens
+        )
         self.num_preemptions = 0
         # oldest first; the last len(_pending) tokens (a tuple: read several times a step)
         self._pending: tuple[PendingToken, ...] = ()
@@ -83,20 +105,13 @@ class Sequence:
         # token id -> occurrences in the output, kept only when penalties need it; prompt tokens
         # enter with 0 when the repetition penalty also covers the prompt
         self._penalty_counts: dict[int, int] | None = None
-        if request.sampling.has_penalties:
+        self.has_penalties = request.sampling.has_penalties
+        if self.has_penalties:
             covers_prompt = request.sampling.repetition_penalty != 1.0
             self._penalty_counts = dict.fromkeys(request.prompt_token_ids, 0) if covers_prompt else {}
         # The sampling module's row for this request without drafts, penalties or bans, which
         # depends on the request alone: built once, each step's row is it with its counter.
         self.sampling_row_base: SamplingRow | None = None
-
-    @property
-    def seq_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return self.request.sampling
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -107,12 +122,8 @@ class Sequence:
         return len(self._token_ids)
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return self._num_prompt_tokens
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self._token_ids) - self._num_prompt_tokens
+        return len(self._token_ids) - self.num_prompt_tokens
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
@@ -121,11 +132,6 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self._token_ids[-1]
-
-    @property
-    def cache(self) -> CacheHoldings:
-        """Its pages in each cache group and its path in the prefix cache (the cache manager's)."""
-        return self._cache
 
     @property
     def priority(self) -> int:
@@ -138,10 +144,17 @@ class Sequence:
     def tokens_slice(self, start: int, stop: int) -> list[int]:
         return self._token_ids[start:stop]
 
+    def token_tuple(self, start: int, stop: int) -> tuple[int, ...]:
+        """Tokens [start, stop) as a tuple (placeholders included); stop <= num_tokens."""
+        if stop - start == 1:  # a decode: no slice to copy
+            return (self._token_ids[start],)
+        return tuple(self._token_ids[start:stop])
+
     def append_token(self, token_id: int) -> None:
         if self._pending or self._num_drafts:
             raise AssertionError(f"{self.seq_id}: a token is appended while one is pending or drafted")
         self._token_ids.append(token_id)
+        self._num_resolved += 1
         self._count_for_penalties(token_id)
 
     @property
@@ -185,6 +198,7 @@ class Sequence:
         self._token_ids.extend(token_ids)
         self._pending = self._pending[1:]
         self._num_drafts = 0
+        self._num_resolved = start + len(token_ids)
         for token_id in token_ids:
             self._count_for_penalties(token_id)
         computed = min(self.num_computed_tokens, start + num_kept_drafts)
@@ -199,11 +213,11 @@ class Sequence:
     @property
     def num_resolved_tokens(self) -> int:
         """Tokens whose ids the host knows for good (all but drafts and pending ones)."""
-        return len(self._token_ids) - len(self._pending) - self._num_drafts
+        return self._num_resolved
 
     @property
     def last_resolved_token_id(self) -> int:
-        return self._token_ids[self.num_resolved_tokens - 1]
+        return self._token_ids[self._num_resolved - 1]
 
     def append_pending(self, pending: PendingToken) -> None:
         """Add the next token as a placeholder; `resolve_pending` fills in its id."""
@@ -214,9 +228,11 @@ class Sequence:
         """The oldest step in flight sampled `token_id`: it replaces that placeholder."""
         if not self._pending or self._num_drafts:
             raise AssertionError(f"{self.seq_id}: no pending token to resolve, or drafts to verify first")
-        self._token_ids[self.num_resolved_tokens] = token_id
+        self._token_ids[self._num_resolved] = token_id
+        self._num_resolved += 1
         self._pending = self._pending[1:]
-        self._count_for_penalties(token_id)
+        if self._penalty_counts is not None:
+            self._count_for_penalties(token_id)
 
     def _drop_tentative(self) -> None:
         """Forget pending tokens and drafts (a finished or preempted sequence's)."""
@@ -253,7 +269,7 @@ class Sequence:
         """Preemption by recompute, once the cache manager released its pages: forget the
         computed count (and a pending token, sampled again later); prompt and output are
         refilled later, from the prefix cache as far as it still holds them."""
-        if not self._cache.is_empty:
+        if not self.cache.is_empty:
             raise AssertionError(f"{self.seq_id}: preempted while still holding cache pages")
         self._drop_tentative()
         self.num_computed_tokens = 0
@@ -268,5 +284,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (
             f"Sequence({self.seq_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-            f"{self._cache!r}, {self.status.value})"
+            f"{self.cache!r}, {self.status.value})"
         )

@@ -8,100 +8,113 @@ from __future__ import annotations
 import msgspec
 
 from atlas.domain.batch import (
-    BlockTable,
     ScheduledBatch,
     ScheduledSequence,
     SequenceOutput,
     StepResult,
     TokenLogprobs,
 )
-from atlas.domain.sampling import sampling_rows
-from atlas.domain.sequence import PLACEHOLDER_TOKEN, Sequence
-
-
-class Planned(msgspec.Struct, frozen=True):
-    """One sequence's share of a step: `num_tokens` from `num_computed_tokens` on, the last
-    `num_drafts` of them drafts to verify."""
-
-    seq: Sequence
-    num_tokens: int
-    samples: bool
-    num_drafts: int
-
-    @property
-    def num_rows(self) -> int:
-        """Rows the step samples for it."""
-        return 1 + self.num_drafts if self.samples else 0
-
-    @property
-    def needs_host_token(self) -> bool:
-        """Whether the sequence's next step needs this step's tokens on the host: its penalty
-        context, or how many drafts it keeps."""
-        return self.samples and (self.num_drafts > 0 or self.seq.sampling.has_penalties)
+from atlas.domain.cache.manager import StepTables
+from atlas.domain.sampling import sampling_row, sampling_rows
+from atlas.domain.sequence import PLACEHOLDER_TOKEN, PendingToken, Sequence
 
 
 class InFlightStep(msgspec.Struct, frozen=True):
+    """A step scheduled and not committed yet: `sequences[i]` is the live sequence behind the
+    batch's `scheduled[i]`."""
+
     step_id: int
-    planned: tuple[Planned, ...]
+    sequences: tuple[Sequence, ...]
+    scheduled: tuple[ScheduledSequence, ...]
+    num_rows: int  # sampling rows: the result's token ids
+    # Some sequence's next step needs this step's tokens on the host: its penalty context, or
+    # how many drafts it keeps (`Scheduler.needs_commit_first`).
+    needs_host_tokens: bool
 
 
 class StepPlan:
-    """The step being built: what is scheduled so far and the budget left."""
+    """The step being built: each sequence's share as the worker will see it, in order, and
+    the budget left.
 
-    __slots__ = ("budget_left", "planned", "num_preempted")
+    Adding a sequence takes its view for the step and advances it at once, as if the step had
+    run: its computed count moves past the step's tokens, and a sequence that samples awaits
+    its token as a pending placeholder (row `num_rows` of the step's samples). Nothing else in
+    the step reads a sequence already added: preemption takes victims only among those not
+    added yet.
+    """
 
-    def __init__(self, budget: int) -> None:
+    __slots__ = ("step_id", "budget_left", "sequences", "scheduled", "num_rows", "num_preempted", "needs_host_tokens")
+
+    def __init__(self, step_id: int, budget: int) -> None:
+        self.step_id = step_id
         self.budget_left = budget
-        self.planned: list[Planned] = []
+        self.sequences: list[Sequence] = []
+        self.scheduled: list[ScheduledSequence] = []
+        self.num_rows = 0  # sampling rows so far
         self.num_preempted = 0
+        self.needs_host_tokens = False
 
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        samples = seq.num_computed_tokens + num_tokens == seq.num_tokens
-        self.planned.append(Planned(seq, num_tokens, samples, seq.num_draft_tokens))
+    def add(self, seq: Sequence, num_tokens: int, tables: StepTables) -> None:
+        """Schedule `num_tokens` of `seq` from its computed count on, over its cache `tables`
+        (`CacheManager.step_tables`), and advance it."""
+        scheduled = scheduled_sequence(seq, num_tokens, tables)
+        seq.mark_computed(num_tokens)
+        if scheduled.sampling is not None:
+            seq.append_pending(PendingToken(self.step_id, self.num_rows))
+            self.num_rows += 1 + scheduled.num_draft_tokens
+            if scheduled.num_draft_tokens or seq.has_penalties:
+                self.needs_host_tokens = True
+        self.sequences.append(seq)
+        self.scheduled.append(scheduled)
         self.budget_left -= num_tokens
 
+    def in_flight(self) -> InFlightStep:
+        """The record `Scheduler.commit` checks the step's result against."""
+        return InFlightStep(
+            self.step_id, tuple(self.sequences), tuple(self.scheduled), self.num_rows, self.needs_host_tokens
+        )
 
-def scheduled_sequence(
-    planned: Planned, tables: tuple[tuple[int, ...], tuple[BlockTable, ...], tuple[int, ...]]
-) -> ScheduledSequence:
-    """The step's view of `planned` (its cache `tables` from `CacheManager.step_tables`), taken
-    before the step advances the sequence."""
-    seq = planned.seq
+
+def scheduled_sequence(seq: Sequence, num_tokens: int, tables: StepTables) -> ScheduledSequence:
+    """The step's view of `num_tokens` of `seq` from its computed count on, over its cache
+    `tables`; it samples when they reach its last token."""
     start = seq.num_computed_tokens
-    token_ids = tuple(seq.tokens_slice(start, start + planned.num_tokens))
+    end = start + num_tokens
+    samples = end == seq.num_tokens
+    token_ids = seq.token_tuple(start, end)
     placeholder_row = None
     if token_ids[-1] == PLACEHOLDER_TOKEN:
         # only the newest placeholder can be computed: the previous step samples it
         pending = seq.pending
-        assert len(pending) == 1 and start + planned.num_tokens == seq.num_tokens
-        placeholder_row = pending[-1].sample_row
+        assert len(pending) == 1 and samples
+        placeholder_row = pending[0].sample_row
+    num_drafts = seq.num_draft_tokens
+    if not samples:  # a prefill chunk short of the last token
+        row, draft_rows = None, ()
+    elif num_drafts:
+        rows = sampling_rows(seq)
+        row, draft_rows = rows[0], rows[1:]
+    else:
+        row, draft_rows = sampling_row(seq), ()
     block_ids, kv_block_tables, state_slots = tables
-    rows = sampling_rows(seq) if planned.samples else ()
+    # positional, as ScheduledSequence lists its fields: one is built per sequence per step
     return ScheduledSequence(
-        seq_id=seq.seq_id,
-        token_ids=token_ids,
-        start_position=start,
-        block_ids=block_ids,
-        sampling=rows[0] if rows else None,
-        placeholder_row=placeholder_row,
-        kv_block_tables=kv_block_tables,
-        state_slots=state_slots,
-        num_draft_tokens=planned.num_drafts,
-        draft_rows=rows[1:],
+        seq.seq_id, token_ids, start, block_ids, row, placeholder_row, kv_block_tables, state_slots, num_drafts,
+        draft_rows,
     )
 
 
 def check_result(in_flight: InFlightStep | None, batch: ScheduledBatch, result: StepResult) -> InFlightStep:
     """`in_flight` (the oldest step in flight), once `batch` and `result` are known to be its.
     Raises ValueError naming the mismatch otherwise."""
-    if in_flight is None or batch.step_id != in_flight.step_id or len(batch.sequences) != len(in_flight.planned):
+    if in_flight is None or batch.step_id != in_flight.step_id or len(batch.sequences) != len(in_flight.sequences):
         pending = "none" if in_flight is None else f"step {in_flight.step_id}"
         raise ValueError(f"batch of step {batch.step_id} is not the oldest in flight ({pending})")
     if result.step_id != batch.step_id:
         raise ValueError(f"result of step {result.step_id} committed against batch of step {batch.step_id}")
-    if len(result.token_ids) != batch.num_sampled:
+    if len(result.token_ids) != in_flight.num_rows:
         raise ValueError(
-            f"step {batch.step_id} samples {batch.num_sampled} tokens but the result has {len(result.token_ids)}"
+            f"step {batch.step_id} samples {in_flight.num_rows} tokens but the result has {len(result.token_ids)}"
         )
     if result.logprobs is not None and len(result.logprobs) != len(result.token_ids):
         raise ValueError(f"step {batch.step_id}: {len(result.logprobs)} logprobs for {len(result.token_ids)} tokens")
@@ -111,12 +124,8 @@ def check_result(in_flight: InFlightStep | None, batch: ScheduledBatch, result: 
 def sequence_output(
     seq: Sequence, new_token_ids: tuple[int, ...], logprobs: tuple[TokenLogprobs, ...]
 ) -> SequenceOutput:
-    return SequenceOutput(
-        seq_id=seq.seq_id,
-        new_token_ids=new_token_ids,
-        finish_reason=seq.finish_reason,
-        num_prompt_tokens=seq.num_prompt_tokens,
-        num_output_tokens=seq.num_resolved_tokens - seq.num_prompt_tokens,
-        logprobs=logprobs,
-        num_cached_tokens=seq.num_cached_tokens,
+    num_prompt_tokens = seq.num_prompt_tokens
+    return SequenceOutput(  # positional: a step builds one per sequence (fields: seq_id, ...)
+        seq.seq_id, new_token_ids, seq.finish_reason, num_prompt_tokens, seq.num_resolved_tokens - num_prompt_tokens,
+        logprobs, seq.num_cached_tokens,
     )

@@ -23,13 +23,13 @@ def stop_reason(seq: Sequence) -> FinishReason | None:
     stop id is not honoured unless at least `min_tokens` outputs come before it. Never raises for
     a sequence that holds at least one output token.
     """
-    params = seq.sampling
     num_resolved = seq.num_resolved_tokens
-    num_output = num_resolved - seq.num_prompt_tokens
-    if num_output > params.min_tokens and _is_stop_token(seq, seq.last_resolved_token_id):
+    if (
+        num_resolved - seq.num_prompt_tokens > seq.sampling.min_tokens
+        and seq.last_resolved_token_id in seq.ending_token_ids
+    ):
         return FinishReason.STOP
-    max_tokens = params.max_tokens
-    if (max_tokens is not None and num_output >= max_tokens) or num_resolved >= seq.max_total_tokens:
+    if num_resolved >= seq.length_limit:  # max_tokens outputs, or max_total_tokens
         return FinishReason.LENGTH
     return None
 
@@ -40,24 +40,14 @@ def first_stop(seq: Sequence, token_ids: tuple[int, ...]) -> tuple[int, FinishRe
     (len(token_ids), None) when none of them ends it. The rules of `stop_reason`, token by token."""
     num_resolved = seq.num_resolved_tokens
     num_output = num_resolved - seq.num_prompt_tokens
-    max_tokens = seq.sampling.max_tokens
     for index, token_id in enumerate(token_ids, start=1):
-        if num_output + index > seq.sampling.min_tokens and _is_stop_token(seq, token_id):
+        if num_output + index > seq.sampling.min_tokens and token_id in seq.ending_token_ids:
             return index, FinishReason.STOP
-        if (max_tokens is not None and num_output + index >= max_tokens) or (
-            num_resolved + index >= seq.max_total_tokens
-        ):
+        if num_resolved + index >= seq.length_limit:
             return index, FinishReason.LENGTH
     return len(token_ids), None
 
 
 def ends_by_length(seq: Sequence) -> bool:
     """True when the last token (real or pending) is the last `max_tokens` or the length limit allow."""
-    max_tokens = seq.sampling.max_tokens
-    if max_tokens is not None and seq.num_output_tokens >= max_tokens:
-        return True
-    return seq.num_tokens >= seq.max_total_tokens
-
-
-def _is_stop_token(seq: Sequence, token_id: int) -> bool:
-    return token_id in seq.eos_token_ids or token_id in seq.stop_token_ids
+    return seq.num_tokens >= seq.length_limit

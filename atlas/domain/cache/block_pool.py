@@ -20,13 +20,13 @@ from __future__ import annotations
 import itertools
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+
+import msgspec
 
 _pool_uids = itertools.count(1)
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
+class Reservation(msgspec.Struct, frozen=True):
     """A promise of `num_blocks` pages from one pool, redeemable once by `BlockPool.commit`."""
 
     num_blocks: int
@@ -125,13 +125,14 @@ class BlockPool:
         Raises ValueError, changing nothing, if a page is unknown or free: only a used page can be
         shared.
         """
-        counts = Counter(block_ids)
-        for block_id in counts:
+        listed = block_ids if isinstance(block_ids, (list, tuple)) else list(block_ids)
+        ref_counts = self._ref_counts
+        for block_id in listed:
             self._check_id(block_id)
-            if self._ref_counts[block_id] == 0:
+            if ref_counts[block_id] == 0:
                 raise ValueError(f"block {block_id} is free; only a used block can gain a holder")
-        for block_id, count in counts.items():
-            self._ref_counts[block_id] += count
+        for block_id in listed:
+            ref_counts[block_id] += 1
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one holder from each listed page; a page left with none returns to the free list.

@@ -4,7 +4,7 @@
                 r = reserve(seq, n, hit)         None when pages are short; nothing changed
                 commit(seq, r)                   pins the hit, evicts what is short, hands out pages
     each step   on_scheduled(seq, start, end)    offers the blocks the step fills to the prefix cache
-                release_unread(seq)              once the step is built: releases the blocks that
+                release_unread(seqs)             once the step is built: releases the blocks that
                                                  left a sliding window
     growth      r = reserve(seq, n); commit(seq, r)
     rollback    trim(seq)                        rejected drafts: the pages past the computed count
@@ -24,7 +24,7 @@ cached and evictable: `reserve` counts free + evictable pages, minus those the h
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Sequence as SequenceList
+from collections.abc import Collection, Iterable, Sequence as SequenceList
 from dataclasses import dataclass
 
 import msgspec
@@ -38,6 +38,12 @@ from atlas.domain.cache.radix_tree import NoPrefixCache, RadixNode, RadixTree
 from atlas.domain.models.cache_groups import CacheGroupSpec
 from atlas.domain.requests import ParameterError
 from atlas.domain.sequence import Sequence
+
+
+# What a step's ScheduledSequence carries of a sequence's cache (`CacheManager.step_tables`):
+# the first KV group's block ids, every KV group's table (none for a lone full-attention group)
+# and every state group's slot.
+StepTables = tuple[tuple[int, ...], tuple[BlockTable, ...], tuple[int, ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,17 +211,24 @@ class CacheManager:
         """`seq` computes tokens [start, end) in the step being built: offer the blocks this
         fills (if resolved) to the prefix cache."""
         holdings = seq.cache
-        num_tokens = min(end, seq.num_resolved_tokens)
-        if not holdings.path_ended and num_tokens >= (len(holdings.nodes) + 1) * self.block_size:
-            self._offer(seq, num_tokens, fresh_from=start)  # a block was filled
-            self._version += 1
+        next_full = (len(holdings.nodes) + 1) * self.block_size  # tokens that fill its next block
+        if end >= next_full and not holdings.path_ended:  # most steps fill no block: end below
+            num_tokens = min(end, seq.num_resolved_tokens)
+            if num_tokens >= next_full:
+                self._offer(seq, num_tokens, fresh_from=start)
+                self._version += 1
 
-    def release_unread(self, seq: Sequence) -> None:
-        """The step computing `seq` up to its computed count is built (its block tables taken):
-        release the blocks no later step reads, those that left a sliding window. Nothing else
-        is handed out for this step, so they are reused only by steps that run after it."""
+    def release_unread(self, seqs: Iterable[Sequence]) -> None:
+        """The step computing each of `seqs` up to its computed count is built (their block
+        tables taken): release the blocks no later step reads, those that left a sliding window.
+        Nothing else is handed out for this step, so they are reused only by steps that run
+        after it."""
         if not self._windowed_groups:
             return
+        for seq in seqs:
+            self._release_unread(seq)
+
+    def _release_unread(self, seq: Sequence) -> None:
         holdings = seq.cache
         # Drafts may be rolled back: keep what a step from the first draft on would read.
         position = seq.num_computed_tokens - seq.num_draft_tokens
@@ -241,7 +254,7 @@ class CacheManager:
             self.groups[idx].pool.block_size * holdings.groups[idx].num_covered for idx in self._kv_groups
         )
         self._version += 1
-        self.release_unread(seq)
+        self.release_unread((seq,))
 
     def release(self, seq: Sequence) -> None:
         """`seq` stops running (finished, aborted or preempted): its full computed blocks stay
@@ -272,7 +285,7 @@ class CacheManager:
         self._version += 1
         return num_evicted
 
-    def step_tables(self, seq: Sequence) -> tuple[tuple[int, ...], tuple[BlockTable, ...], tuple[int, ...]]:
+    def step_tables(self, seq: Sequence) -> StepTables:
         """What a step's `ScheduledSequence` carries: the first KV group's block ids, every KV
         group's table (empty for a lone full-attention group: its table is the block ids) and
         every state group's slot."""
