@@ -56,6 +56,7 @@ from atlas.app.engine_protocol import (
 from atlas.app.engine_spawn import PRELOAD_CUDA_FLAG, spawn_engine, start_cuda_preload, take_early
 from atlas.app.settings import EngineSettings
 from atlas.app.step_trace import StepTrace
+from atlas.app.long_running import freeze_startup_objects
 from atlas.domain.engine import EngineCore, EngineStats
 from atlas.domain.requests import ParameterError, Request
 from atlas.ports.startup import report_phase
@@ -358,6 +359,7 @@ def child_main(fd: int, preload_cuda: bool = False) -> int:
         sock.sendall(frame(encode(LoadFailed(f"{type(error).__name__}: {error}", False))))
         return 1
     report_phase("engine ready", time.perf_counter() - started, "the model built")
+    freeze_startup_objects()
     try:
         sock.sendall(frame(encode(Ready(str(engine.model_dir), engine.max_model_len, engine.config.vocab_size,
                                         engine.core.stats()))))

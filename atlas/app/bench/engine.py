@@ -29,6 +29,7 @@ from atlas.app.bench.measure import (
     measure_prefill,
 )
 from atlas.app.builder import build_engine
+from atlas.app.long_running import freeze_startup_objects
 from atlas.app.settings import EngineSettings
 
 REFERENCE_SCRIPT = Path(__file__).resolve().parents[3] / "benchmarks" / "hf_reference.py"
@@ -50,6 +51,7 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
         max_seq_len=settings.max_seq_len or max(max(prefill_lens, default=0), args.context + 5 * args.decode_tokens + 64) + 16,
     )
     engine = build_engine(settings)
+    freeze_startup_objects()  # as a server's engine process does
     try:
         return _bench(engine, args, model, batch_sizes, prefill_lens, reference)
     finally:
