@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("atlas")
 
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# a server captures these at startup (an interactive user's batches) and the rest when idle
+STARTUP_GRAPH_BATCH = 8
 MOCK_KV_CACHE_GB = 2.0
 _KV_DTYPES = {"bf16": DType.BF16, "f16": DType.F16, "f32": DType.F32, "fp8": DType.FP8_E4M3, "fp8_e4m3": DType.FP8_E4M3}
 
@@ -74,6 +76,9 @@ class LoadedEngine:
     ranks: RankExecutor | None = None  # the executor over the rank processes, if any
     num_pages: tuple[int, ...] = ()  # each cache group's pages (KV blocks or state slots)
     weight_bytes: int = 0  # the weights as the device holds them (FP8 projections: a byte an element)
+    # work left from startup, one piece a call, for when no step is in flight (deferred decode
+    # graphs); returns False once nothing is left
+    idle_work: Callable[[], bool] = lambda: False
 
     def close(self) -> None:
         """Release what the engine holds outside this thread (its mask thread, rank processes)."""
@@ -142,11 +147,14 @@ def open_weights(model_dir: Path, config: ModelConfig) -> WeightSource:
 
 
 def build_engine(
-    settings: EngineSettings, show_progress: bool = True, placement: ModelPlacement | None = None
+    settings: EngineSettings, show_progress: bool = True, placement: ModelPlacement | None = None,
+    defer_graphs: bool = False,
 ) -> LoadedEngine:
     """Load a model and wire an engine; every user mistake raises a ValueError naming the fix.
     With --tensor-parallel-size > 1 the model runs on rank processes
-    (`parallel_engine.py`); each rank builds its part through here with its `placement`."""
+    (`parallel_engine.py`); each rank builds its part through here with its `placement`.
+    `defer_graphs` (a server's engine process): capture the decode graphs of up to
+    STARTUP_GRAPH_BATCH sequences now and leave the rest to `LoadedEngine.idle_work`."""
     if placement is None and settings.is_parallel:
         from atlas.app.parallel_engine import build_parallel_engine
 
@@ -230,12 +238,17 @@ def build_engine(
                                    max_model_len, () if settings.enforce_eager else _graph_sizes(settings, 0),
                                    min(config.vocab_size, draft.config.vocab_size))
     phases.lap("memory plan", f"{sum(plan.num_pages)} pages, step buffers and workspace")
+    up_to = STARTUP_GRAPH_BATCH if defer_graphs and not is_rank else None
     if worker.graph_batch_sizes:
-        log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, worker.graph_batch_sizes)))
-        worker.capture_graphs()
+        now = [size for size in worker.graph_batch_sizes if up_to is None or size <= up_to]
+        log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, now)))
+        worker.capture_graphs(up_to)
     tuning = backend.setup_summary()
     sizes = worker.graph_batch_sizes
     captured = f"{len(sizes)} decode graphs (batch {sizes[0]}-{sizes[-1]})" if sizes else "no graphs (eager)"
+    if worker.num_deferred_graphs:
+        captured = (f"{len(sizes) - worker.num_deferred_graphs} of {captured}, "
+                    f"{worker.num_deferred_graphs} more when idle")
     phases.lap("graphs", f"{captured}; {tuning}" if tuning else captured)
     grammars = None if is_rank else engine_grammars(tokenizer, model_dir, config.vocab_size)
     core = make_core(settings, model.cache_groups, num_pages, worker, max_model_len, config.vocab_size, tokenizer,
@@ -252,6 +265,7 @@ def build_engine(
         settings=settings,
         num_pages=tuple(num_pages),
         weight_bytes=weight_bytes,
+        idle_work=worker.capture_next_graph,
     )
 
 

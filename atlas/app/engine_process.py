@@ -70,8 +70,11 @@ _EXIT_WAIT_S = 10.0
 class EngineLoop:
     """The engine process's side: apply commands between steps, publish one frame per step."""
 
-    def __init__(self, core: EngineCore, sock: socket.socket, frames: FrameBuffer) -> None:
+    def __init__(self, core: EngineCore, sock: socket.socket, frames: FrameBuffer,
+                 idle_work: Callable[[], bool] = lambda: False) -> None:
         self._core = core
+        self._idle_work = idle_work  # one piece of startup work left, for when nothing runs
+        self._has_idle_work = True
         self._sock = sock
         self._frames = frames  # may hold bytes that arrived with Start
         self._encode = msgspec.msgpack.Encoder().encode
@@ -104,9 +107,17 @@ class EngineLoop:
 
     def _run(self, core: EngineCore, trace: StepTrace | None) -> None:
         while True:
-            commands = self._receive(block=not core.has_unfinished)
+            idle = not core.has_unfinished
+            commands = self._receive(block=idle and not self._has_idle_work)
             if commands is None:
                 return
+            if idle and not commands and self._has_idle_work:
+                try:
+                    self._has_idle_work = self._idle_work()  # nothing in flight: e.g. a deferred graph
+                except Exception as error:
+                    self.send(Crashed(f"{type(error).__name__}: {error}"))
+                    raise
+                continue
             failures: list[RequestFailure] = []
             for command in commands:
                 if isinstance(command, Shutdown):
@@ -350,7 +361,7 @@ def child_main(fd: int, preload_cuda: bool = False) -> int:
     report_phase("engine process", time.perf_counter() - _STARTED_S, "interpreter, imports, settings")
     started = time.perf_counter()
     try:
-        engine = build_engine(start.settings, show_progress=True)
+        engine = build_engine(start.settings, show_progress=True, defer_graphs=True)
     except (ValueError, MemoryError) as error:
         sock.sendall(frame(encode(LoadFailed(str(error), True))))
         return 2
@@ -363,7 +374,7 @@ def child_main(fd: int, preload_cuda: bool = False) -> int:
     try:
         sock.sendall(frame(encode(Ready(str(engine.model_dir), engine.max_model_len, engine.config.vocab_size,
                                         engine.core.stats()))))
-        loop = EngineLoop(engine.core, sock, frames)
+        loop = EngineLoop(engine.core, sock, frames, engine.idle_work)
         engine.watch(loop.fail)
         loop.run()
     except (BrokenPipeError, ConnectionResetError):

@@ -158,6 +158,7 @@ class Worker:
         self.graph_batch_sizes = tuple(sorted(config.graph_batch_sizes)) if backend.capabilities.supports_graphs else ()
         self._graphs: dict[int, tuple[Graph, Tensor]] = {}  # bucket -> (forward graph, its logits)
         self._sampler_graphs: dict[tuple[int, bool], Graph] = {}  # (bucket, masked) -> sampler graph
+        self._deferred: list[int] = []  # buckets left to `capture_next_graph`, smallest first
 
     def submit(self, batch: ScheduledBatch) -> PendingStep:
         """Enqueue one step (its sampling too, unless `batch.awaits_masks`). Raises ValueError
@@ -194,14 +195,37 @@ class Worker:
         logits = self._forward(batch, bucket, self._pack(rows, bucket), observer)
         return self.backend.begin_download(logits.rows(0, batch.num_sampled)).wait()
 
-    def capture_graphs(self) -> None:
-        """Capture every decode graph now (startup), instead of on first use: the forward and
-        the unmasked sampler of each bucket (masked samplers are captured when first needed)."""
+    def capture_graphs(self, up_to: int | None = None) -> None:
+        """Capture decode graphs now (startup), instead of on first use: the forward and the
+        unmasked sampler of each bucket (masked samplers are captured when first needed).
+
+        `up_to` None: every bucket. Otherwise only the buckets of at most `up_to` sequences;
+        the larger ones are *deferred*: steps of their size run eagerly until
+        `capture_next_graph` (the server's idle time) captures them, so a server answers its
+        first request sooner and no capture runs between two steps of live traffic."""
         for bucket in self.graph_batch_sizes:
-            if bucket not in self._graphs:
-                self._capture(bucket)
-            if (bucket, False) not in self._sampler_graphs:
-                self._capture_sampler(bucket, masked=False)
+            if up_to is not None and bucket > up_to:
+                self._deferred.append(bucket)
+                continue
+            self._capture_bucket(bucket)
+
+    @property
+    def num_deferred_graphs(self) -> int:
+        return len(self._deferred)
+
+    def capture_next_graph(self) -> bool:
+        """Capture the smallest deferred bucket's graphs; False when none is left. Call it
+        only with no step in flight (the capture runs its forward on the step buffers)."""
+        if not self._deferred:
+            return False
+        self._capture_bucket(self._deferred.pop(0))
+        return True
+
+    def _capture_bucket(self, bucket: int) -> None:
+        if bucket not in self._graphs:
+            self._capture(bucket)
+        if (bucket, False) not in self._sampler_graphs:
+            self._capture_sampler(bucket, masked=False)
 
     def _forward(
         self,
@@ -260,7 +284,10 @@ class Worker:
         if any(seq.num_tokens != 1 or seq.sampling is None for seq in batch.sequences):
             return None
         index = bisect.bisect_left(self.graph_batch_sizes, len(batch.sequences))
-        return self.graph_batch_sizes[index] if index < len(self.graph_batch_sizes) else None
+        if index == len(self.graph_batch_sizes):
+            return None
+        bucket = self.graph_batch_sizes[index]
+        return None if self._deferred and bucket in self._deferred else bucket
 
     def _capture(self, bucket: int) -> tuple[Graph, Tensor]:
         """Capture the decode forward for `bucket` sequences: token gather and model, on the
