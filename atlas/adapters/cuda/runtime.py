@@ -251,15 +251,15 @@ class CudaRuntime:
         self.max_shared_per_sm = int(properties.max_shared_memory_per_multiprocessor)
         self.l2_bytes = int(properties.l2_cache_size)
         self.device_name = str(self.device.name)
-        self.stream = self.device.create_stream()
-        self.stream_handle = int(self.stream.handle)
+        self._stream = self.device.create_stream()
+        self._stream_handle = int(self._stream.handle)
         self.pool = DeviceMemoryPool(f"device {device_ordinal} ({self.device_name})")
         self.features = CudaFeatures.for_device(self.compute_capability)
         bulk = None
         if self.features.bulk_upload:
-            bulk = BulkUploads(self.stream_handle, num_threads=upload_threads(), read_files=self.features.file_reads)
-        self.staging = PinnedStaging(self.stream_handle, bulk=bulk)
-        self.downloads = PinnedDownloads(self.stream_handle)
+            bulk = BulkUploads(self._stream_handle, num_threads=upload_threads(), read_files=self.features.file_reads)
+        self.staging = PinnedStaging(self._stream_handle, bulk=bulk)
+        self.downloads = PinnedDownloads(self._stream_handle)
         driver_cuda = int(check("cuDriverGetVersion", cu.cuDriverGetVersion()))
         report_phase("cuda context", time.perf_counter() - started,
                      f"{self.device_name}, driver CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}")
@@ -283,6 +283,25 @@ class CudaRuntime:
             self.device.set_current()
             self._thread = ident
 
+    # -- the stream ------------------------------------------------------------------------
+    # An upload read from a checkpoint's files is only queued when `copy_from_host` returns
+    # (upload_ring.py), so the next tensor's reads overlap this one's. Whatever is enqueued
+    # after it must come after its DMAs: every op takes the stream from here (or `launch`),
+    # and that first puts the queued uploads on it. Not covered: cuBLASLt keeps the handle it
+    # was given, so a bf16 cuBLAS GEMM right after a file upload, with no launch or copy
+    # between, would not see it (loading ends in `synchronize`, which flushes).
+    @property
+    def stream(self):
+        """The cuda.core stream, with every queued upload enqueued on it."""
+        self.staging.flush()
+        return self._stream
+
+    @property
+    def stream_handle(self) -> int:
+        """The stream's driver handle, with every queued upload enqueued on it."""
+        self.staging.flush()
+        return self._stream_handle
+
     def forbid_in_capture(self, what: str) -> None:
         if self.capturing:
             raise CaptureError(f"{what} cannot run while a CUDA graph is being captured")
@@ -301,6 +320,7 @@ class CudaRuntime:
         """Enqueue `symbol` of `module` on the stream (with programmatic stream serialization
         when `features.programmatic_launch` is on), in clusters of `cluster` blocks along x."""
         self.ensure_current()
+        self.staging.flush()
         kernel = self.kernels.get(module, symbol)
         if shared_bytes > 48 * 1024:
             self._raise_shared_limit(module, symbol, kernel, shared_bytes)
@@ -321,7 +341,7 @@ class CudaRuntime:
             else:
                 config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
             self._configs[key] = config
-        launch(self.stream, config, kernel, *args)
+        launch(self._stream, config, kernel, *args)
 
     def _driver_config(self, grid: tuple[int, ...], block: int, shared_bytes: int, cluster: int) -> cu.CUlaunchConfig:
         """cuLaunchKernelEx's config for launches cuda.core cannot make (tensor maps by value,
