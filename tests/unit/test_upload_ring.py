@@ -352,3 +352,15 @@ def test_a_failed_read_of_a_queued_upload_surfaces_by_the_next_upload_of_an_arra
         ring.upload(4 * MIB, [np.ones(MIB, np.uint8)])
     ring.close()
     assert device.num_sends == 0
+
+
+def test_only_uploads_read_wholly_from_files_are_queued(tmp_path):
+    from atlas.adapters.weights.safetensors import SafetensorsWeights, write_safetensors
+
+    write_safetensors(tmp_path / "model.safetensors", {"norm": np.ones(8, np.float32)})
+    norm = SafetensorsWeights(tmp_path).get("norm")  # what the loader hands a backend
+    host = np.zeros(MIB, np.uint8)
+    ring = UploadRing(host, MIB, LateDevice(host, MIB, MIB), 1)
+    assert ring.queues([norm]) and not ring.queues([norm, np.ones(8, np.float32)])
+    assert not UploadRing(host, MIB, LateDevice(host, MIB, MIB), 1, read_files=False).queues([norm])
+    ring.close()

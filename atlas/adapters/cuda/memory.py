@@ -168,6 +168,10 @@ class BulkUploads:
         to end from `device_address` (`UploadRing.upload`)."""
         self._ring.upload(device_address, pieces)
 
+    def queues(self, pieces: Sequence[np.ndarray]) -> bool:
+        """Whether `upload` would only queue these pieces (`UploadRing.queues`)."""
+        return self._ring.queues(pieces)
+
     @property
     def has_pending(self) -> bool:
         return self._ring.has_pending
@@ -204,9 +208,10 @@ class PinnedStaging:
 
     A copy of up to `slot_bytes` goes through the next slot in turn; before a slot is written
     again, the event recorded after its last copy is waited on, so the caller's array may be
-    reused as soon as `copy_from_host` returns while the GPU runs ahead. Larger uploads go
-    through `bulk` (`BulkUploads`), or without it the driver's pageable path (which stages and
-    returns once the source has been read); larger downloads take the pageable path. An upload
+    reused as soon as `copy_from_host` returns while the GPU runs ahead. Larger uploads, and
+    any upload read from files, go through `bulk` (`BulkUploads`), or without it the driver's
+    pageable path (which stages and returns once the source has been read); larger downloads
+    take the pageable path. An upload
     `bulk` only queued (read from files) reaches the stream at `flush`, which every other copy
     here calls first and `CudaRuntime` calls before handing out the stream.
     """
@@ -233,8 +238,11 @@ class PinnedStaging:
         """Enqueue a copy of the contiguous `pieces`, laid end to end from `device_address`
         (a fused projection's parts, straight from the checkpoint with no host concatenation)."""
         num_bytes = sum(piece.nbytes for piece in pieces)
-        if num_bytes > self.slot_bytes and self._bulk is not None:
-            self._bulk.upload(device_address, pieces)
+        bulk = self._bulk
+        # A small tensor read from the checkpoint's files (a norm) joins the bulk queue too:
+        # a slot of ours would flush the queue first and drain the threads at every layer.
+        if bulk is not None and (num_bytes > self.slot_bytes or (num_bytes and bulk.queues(pieces))):
+            bulk.upload(device_address, pieces)
             return
         self.flush()
         offset = 0
@@ -246,6 +254,11 @@ class PinnedStaging:
     def has_pending(self) -> bool:
         """Whether uploads wait in `bulk`'s queue, not yet on the stream."""
         return self._bulk is not None and self._bulk.has_pending
+
+    @property
+    def bulk_stats(self) -> RingStats | None:
+        """The bulk ring's counters (None without one)."""
+        return self._bulk.stats if self._bulk is not None else None
 
     def flush(self) -> None:
         """Put every queued bulk upload on the stream, ahead of whatever is enqueued next.

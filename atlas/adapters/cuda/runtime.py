@@ -90,8 +90,9 @@ class CudaFeatures:
         (a memory-mapped checkpoint's tensors read from the file with preadv) while the earlier
         slots' DMAs run, instead of the driver's pageable copy.
     file_reads: with bulk_upload, a memory-mapped checkpoint's tensors are read from their
-        files with preadv into the slots; off: copied out of the map (a fault per page not yet
-        mapped), for the A/B.
+        files with preadv into the slots, and such an upload is only queued on return so the
+        threads read across tensors (the stream's users flush it first); off: copied out of
+        the map (a fault per page not yet mapped), one tensor at a time, for the A/B.
     """
 
     programmatic_launch: bool = True
@@ -260,6 +261,7 @@ class CudaRuntime:
             bulk = BulkUploads(self._stream_handle, num_threads=upload_threads(), read_files=self.features.file_reads)
         self.staging = PinnedStaging(self._stream_handle, bulk=bulk)
         self.downloads = PinnedDownloads(self._stream_handle)
+        self._reported_ring_bytes = 0
         driver_cuda = int(check("cuDriverGetVersion", cu.cuDriverGetVersion()))
         report_phase("cuda context", time.perf_counter() - started,
                      f"{self.device_name}, driver CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}")
@@ -445,6 +447,10 @@ class CudaRuntime:
     def synchronize(self) -> None:
         self.ensure_current()
         check("cuStreamSynchronize", cu.cuStreamSynchronize(self.stream_handle))
+        stats = self.staging.bulk_stats
+        if stats is not None and stats.num_bytes > self._reported_ring_bytes:  # the weights are in
+            self._reported_ring_bytes = stats.num_bytes
+            log.info("upload ring: %s", stats.describe())
 
     def memory_info(self) -> tuple[int, int]:
         self.ensure_current()

@@ -200,6 +200,10 @@ class UploadRing:
         """Whether chunks wait to be sent: the device has not got every upload yet."""
         return bool(self._pending)
 
+    def queues(self, pieces: Sequence[np.ndarray]) -> bool:
+        """Whether `upload` would only queue these pieces (every one read from a file)."""
+        return self._read is not None and all(file_extent(piece) is not None for piece in pieces)
+
     def upload(self, device_address: int, pieces: Sequence[np.ndarray]) -> None:
         """Copy the contiguous `pieces`, laid end to end from `device_address`. When every
         piece has a file extent (and `read_files`), returns once its chunks are queued (see the
