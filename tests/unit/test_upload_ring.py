@@ -303,10 +303,10 @@ def test_a_file_upload_reaches_the_device_only_at_flush_so_later_work_must_flush
     device = LateDevice(host, MIB, 4 * MIB)
     ring = UploadRing(host, MIB, device, num_threads=2, read=held_read)
     ring.upload(0, [mapped])
-    assert ring.has_pending and device.num_sends == 0  # queued: a kernel enqueued now would run first
+    assert ring.queued and device.num_sends == 0  # queued: a kernel enqueued now would run first
     gate.set()
     ring.flush()  # every chunk sent, in order: what is enqueued next runs after them
-    assert not ring.has_pending and device.num_sends == 3
+    assert not ring.queued and device.num_sends == 3
     device.drain()
     assert np.array_equal(device.memory[: data.nbytes], data)
     ring.close()

@@ -10,7 +10,7 @@ When the driver is out of memory the pool returns its cached blocks and tries on
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 
 import numpy as np
@@ -173,8 +173,9 @@ class BulkUploads:
         return self._ring.queues(pieces)
 
     @property
-    def has_pending(self) -> bool:
-        return self._ring.has_pending
+    def queued(self) -> Sized:
+        """`UploadRing.queued`: truthy while uploads wait to be put on the stream."""
+        return self._ring.queued
 
     @property
     def stats(self) -> RingStats:
@@ -211,9 +212,9 @@ class PinnedStaging:
     reused as soon as `copy_from_host` returns while the GPU runs ahead. Larger uploads, and
     any upload read from files, go through `bulk` (`BulkUploads`), or without it the driver's
     pageable path (which stages and returns once the source has been read); larger downloads
-    take the pageable path. An upload
-    `bulk` only queued (read from files) reaches the stream at `flush`, which every other copy
-    here calls first and `CudaRuntime` calls before handing out the stream.
+    take the pageable path. An upload `bulk` only queued (read from files) reaches the stream
+    at `flush`, which every other copy here calls first and `CudaRuntime` calls before handing
+    out the stream (or launching).
     """
 
     def __init__(
@@ -221,6 +222,8 @@ class PinnedStaging:
     ) -> None:
         self.slot_bytes = slot_bytes
         self._bulk = bulk
+        # Truthy while bulk uploads wait, not yet on the stream: a test per launch must be cheap.
+        self.queued: Sized = bulk.queued if bulk is not None else ()
         self._stream = stream_handle
         self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))
         buffer = (ctypes.c_uint8 * (num_slots * slot_bytes)).from_address(self._base)
@@ -251,11 +254,6 @@ class PinnedStaging:
             offset += piece.nbytes
 
     @property
-    def has_pending(self) -> bool:
-        """Whether uploads wait in `bulk`'s queue, not yet on the stream."""
-        return self._bulk is not None and self._bulk.has_pending
-
-    @property
     def bulk_stats(self) -> RingStats | None:
         """The bulk ring's counters (None without one)."""
         return self._bulk.stats if self._bulk is not None else None
@@ -263,7 +261,7 @@ class PinnedStaging:
     def flush(self) -> None:
         """Put every queued bulk upload on the stream, ahead of whatever is enqueued next.
         Raises what a queued read raised (those uploads are lost)."""
-        if self._bulk is not None and self._bulk.has_pending:
+        if self.queued and self._bulk is not None:
             self._bulk.flush()
 
     def _upload_one(self, device_address: int, data: np.ndarray) -> None:

@@ -295,13 +295,15 @@ class CudaRuntime:
     @property
     def stream(self):
         """The cuda.core stream, with every queued upload enqueued on it."""
-        self.staging.flush()
+        if self.staging.queued:
+            self.staging.flush()
         return self._stream
 
     @property
     def stream_handle(self) -> int:
         """The stream's driver handle, with every queued upload enqueued on it."""
-        self.staging.flush()
+        if self.staging.queued:
+            self.staging.flush()
         return self._stream_handle
 
     def forbid_in_capture(self, what: str) -> None:
@@ -322,7 +324,8 @@ class CudaRuntime:
         """Enqueue `symbol` of `module` on the stream (with programmatic stream serialization
         when `features.programmatic_launch` is on), in clusters of `cluster` blocks along x."""
         self.ensure_current()
-        self.staging.flush()
+        if self.staging.queued:
+            self.staging.flush()
         kernel = self.kernels.get(module, symbol)
         if shared_bytes > 48 * 1024:
             self._raise_shared_limit(module, symbol, kernel, shared_bytes)

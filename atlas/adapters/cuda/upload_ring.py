@@ -34,7 +34,7 @@ import mmap
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -200,6 +200,12 @@ class UploadRing:
         """Whether chunks wait to be sent: the device has not got every upload yet."""
         return bool(self._pending)
 
+    @property
+    def queued(self) -> Sized:
+        """The queue of unsent chunks itself (always the same object, so a hot path may keep
+        it and test its truth: non-empty while `flush` has work). Read only."""
+        return self._pending
+
     def queues(self, pieces: Sequence[np.ndarray]) -> bool:
         """Whether `upload` would only queue these pieces (every one read from a file)."""
         return self._read is not None and all(file_extent(piece) is not None for piece in pieces)
@@ -211,7 +217,7 @@ class UploadRing:
         has been read from the pieces (they may then be changed or freed) and its DMA enqueued.
         A copy or read that raises is raised here or at `flush`, whichever sends its chunk,
         after every other queued copy has stopped; the queued chunks are then dropped (their
-        uploads are lost, which the error says) and the ring stays usable."""
+        uploads never land: the load has failed) and the ring stays usable."""
         sources = [piece.reshape(-1).view(np.uint8) for piece in pieces]
         extents = [file_extent(piece) if self._read is not None else None for piece in pieces]
         deferred = all(extent is not None for extent in extents)
