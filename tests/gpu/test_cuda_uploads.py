@@ -50,3 +50,27 @@ def test_a_float32_stack_converts_block_by_block(cuda_backend):
     on_device = cuda_backend.upload(RowStack(parts), DType.BF16)
     expected = np.concatenate(parts).astype(ml_dtypes.bfloat16)
     assert np.array_equal(cuda_backend.download(on_device).view(np.uint16), expected.view(np.uint16))
+
+
+def test_many_small_checkpoint_tensors_are_seen_by_a_kernel_launched_right_after(cuda_backend, tmp_path):
+    """File uploads are only queued when `upload` returns (upload_ring.py): the next launch
+    must put them on the stream first. No synchronize between the uploads and the kernels."""
+    rng = np.random.default_rng(13)
+    widths = [64, 4096, 1024, 8, 2048, 12288] * 6 + [1 << 20, 3 << 20, 64]  # norms to several slots
+    tensors = {
+        f"t{index}": rng.integers(0, 1 << 16, (4, width), dtype=np.uint16).view(ml_dtypes.bfloat16)
+        for index, width in enumerate(widths)
+    }
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    weights = SafetensorsWeights(tmp_path)
+    reverse = cuda_backend.upload(np.arange(4, dtype=np.int32)[::-1].copy(), DType.I32)
+    gathered = {}
+    for index, name in enumerate(tensors):
+        table = cuda_backend.upload(weights.get(name), DType.BF16)
+        if index % 3 == 2:
+            continue  # left queued behind the next tensors
+        gathered[name] = cuda_backend.empty(table.shape, DType.BF16)
+        cuda_backend.gather_rows(table, reverse, gathered[name])  # reads the upload just queued
+    for name, out in gathered.items():
+        expected = tensors[name]
+        assert np.array_equal(cuda_backend.download(out).view(np.uint16), expected[::-1].view(np.uint16))

@@ -257,3 +257,110 @@ def test_without_read_files_a_memmapped_piece_is_copied_out_of_the_map(tmp_path)
     ring.close()
     device.drain()
     assert np.array_equal(device.memory[: mapped.nbytes - 7], mapped[7:]) and sum(copies) == mapped.nbytes - 7
+
+
+def test_many_small_file_tensors_pipeline_across_uploads_and_land_exactly_with_arrays_between(tmp_path):
+    rng = np.random.default_rng(11)
+    data = rng.integers(0, 256, 24 * MIB, dtype=np.uint8)
+    mapped = np.memmap(write_file(tmp_path / "model.safetensors", data.tobytes()), dtype=np.uint8, mode="r")
+    ring, device, overwritten = make_ring(num_slots=4, slot_bytes=MIB, num_threads=3, device_bytes=64 * MIB)
+    expected = np.zeros(64 * MIB, np.uint8)
+    address, start = 0, 0
+    for index, size in enumerate([4096, 3 * MIB + 5, 100, 2 * MIB, 1, 5 * MIB - 3, 64, MIB] * 2):
+        if index % 5 == 4:  # an array in memory: sends everything queued before its own copy
+            source = rng.integers(0, 256, size + 7, dtype=np.uint8)
+            ring.upload(address, [source])
+            assert not ring.has_pending
+            expected[address : address + source.nbytes] = source
+            source[:] = 0  # read by now
+            address += source.nbytes
+            continue
+        pieces = [mapped[start : start + size], mapped[start + size : start + 2 * size + 1]]
+        ring.upload(address, pieces)
+        expected[address : address + 2 * size + 1] = data[start : start + 2 * size + 1]
+        address, start = address + 2 * size + 1, (start + 2 * size + 1) % (12 * MIB)
+    assert ring.stats.num_deferred > 0
+    ring.flush()
+    assert not ring.has_pending
+    device.drain()
+    assert np.array_equal(device.memory, expected)
+    assert overwritten == []
+    assert ring.stats.num_bytes == address and ring.stats.file_bytes < address
+    ring.close()
+
+
+def test_a_file_upload_reaches_the_device_only_at_flush_so_later_work_must_flush_first(tmp_path):
+    """The ordering a kernel after the upload relies on: `CudaRuntime` flushes before any op."""
+    data = np.arange(3 * MIB, dtype=np.uint8)
+    mapped = np.memmap(write_file(tmp_path / "w.bin", data.tobytes()), dtype=np.uint8, mode="r")
+    gate = threading.Event()
+
+    def held_read(fd: int, target: np.ndarray, offset: int) -> None:
+        gate.wait(5)
+        read_into(fd, target, offset)
+
+    host = np.zeros(8 * MIB, np.uint8)
+    device = LateDevice(host, MIB, 4 * MIB)
+    ring = UploadRing(host, MIB, device, num_threads=2, read=held_read)
+    ring.upload(0, [mapped])
+    assert ring.queued and device.num_sends == 0  # queued: a kernel enqueued now would run first
+    gate.set()
+    ring.flush()  # every chunk sent, in order: what is enqueued next runs after them
+    assert not ring.queued and device.num_sends == 3
+    device.drain()
+    assert np.array_equal(device.memory[: data.nbytes], data)
+    ring.close()
+
+
+def test_a_failed_read_of_a_queued_upload_surfaces_by_flush_and_the_ring_still_works(tmp_path):
+    data = np.arange(4 * MIB, dtype=np.uint8)
+    mapped = np.memmap(write_file(tmp_path / "w.bin", data.tobytes()), dtype=np.uint8, mode="r")
+    calls: list[int] = []
+
+    def flaky(fd: int, target: np.ndarray, offset: int) -> None:
+        calls.append(offset)
+        if len(calls) == 2:
+            raise OSError("the checkpoint's page could not be read")
+        read_into(fd, target, offset)
+
+    host = np.zeros(8 * MIB, np.uint8)
+    device = LateDevice(host, MIB, 16 * MIB)
+    ring = UploadRing(host, MIB, device, num_threads=2, read=flaky)
+    with pytest.raises(OSError, match="could not be read"):  # at whichever sends that chunk
+        ring.upload(0, [mapped])
+        ring.flush()
+    assert not ring.has_pending
+    ring.upload(8 * MIB, [mapped[: 2 * MIB]])
+    ring.upload(12 * MIB, [np.full(MIB, 9, np.uint8)])  # an array: flushes the file upload first
+    ring.close()
+    device.drain()
+    assert np.array_equal(device.memory[8 * MIB : 10 * MIB], data[: 2 * MIB])
+    assert (device.memory[12 * MIB : 13 * MIB] == 9).all()
+
+
+def test_a_failed_read_of_a_queued_upload_surfaces_by_the_next_upload_of_an_array(tmp_path):
+    mapped = np.memmap(write_file(tmp_path / "w.bin", b"\1" * (2 * MIB)), dtype=np.uint8, mode="r")
+
+    def failing(fd: int, target: np.ndarray, offset: int) -> None:
+        raise OSError("gone")
+
+    host = np.zeros(4 * MIB, np.uint8)
+    device = LateDevice(host, MIB, 8 * MIB)
+    ring = UploadRing(host, MIB, device, num_threads=2, read=failing)
+    with pytest.raises(OSError, match="gone"):  # by the array's upload at the latest
+        ring.upload(0, [mapped])
+        ring.upload(4 * MIB, [np.ones(MIB, np.uint8)])
+    ring.close()
+    assert device.num_sends == 0
+
+
+def test_only_uploads_read_wholly_from_files_are_queued(tmp_path):
+    from atlas.adapters.weights.safetensors import SafetensorsWeights, write_safetensors
+
+    write_safetensors(tmp_path / "model.safetensors", {"norm": np.ones(8, np.float32)})
+    norm = SafetensorsWeights(tmp_path).get("norm")  # what the loader hands a backend
+    host = np.zeros(MIB, np.uint8)
+    ring = UploadRing(host, MIB, LateDevice(host, MIB, MIB), 1)
+    assert ring.queues([norm]) and not ring.queues([norm, np.ones(8, np.float32)])
+    assert not UploadRing(host, MIB, LateDevice(host, MIB, MIB), 1, read_files=False).queues([norm])
+    ring.close()

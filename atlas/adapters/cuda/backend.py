@@ -131,7 +131,9 @@ class CudaGpuBackend:
         return tensor
 
     def copy_from_host(self, dst: CudaTensor, array: np.ndarray) -> None:
-        """A fused projection's `RowStack` goes up block by block, never concatenated here."""
+        """A fused projection's `RowStack` goes up block by block, never concatenated here.
+        Read from a checkpoint's files, the copy is only queued on return; it reaches the
+        stream before the next op on it (`CudaRuntime.stream`)."""
         self._rt.ensure_current()
         self._rt.forbid_in_capture("copy_from_host")
         checks.tensor(dst, "dst")
@@ -155,6 +157,7 @@ class CudaGpuBackend:
         self._rt.ensure_current()
         self._rt.forbid_in_capture("begin_download")
         checks.tensor(src, "src")
+        self._rt.staging.flush()  # `downloads` holds the raw stream handle
         return self._rt.downloads.begin(src.address, src.shape, NUMPY_DTYPES[src.dtype])
 
     def fill(self, dst: CudaTensor, value: float) -> None:

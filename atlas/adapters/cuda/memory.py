@@ -10,14 +10,14 @@ When the driver is out of memory the pool returns its cached blocks and tries on
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 from dataclasses import dataclass
 
 import numpy as np
 from cuda.bindings import driver as cu
 
 from atlas.adapters.cuda.driver import CudaError, check
-from atlas.adapters.cuda.upload_ring import UploadRing
+from atlas.adapters.cuda.upload_ring import RingStats, UploadRing
 
 _SMALL_LIMIT_BYTES = 1 << 20
 _SMALL_STEP_BYTES = 512
@@ -144,12 +144,13 @@ class BulkUploads:
     """Large host-to-device copies (the weights at load) through `UploadRing`: a ring of
     page-locked slots filled by `num_threads` threads, each slot's DMA enqueued on the stream in
     order, with an event after it that says when the slot may be written again. With
-    `read_files`, a memory-mapped checkpoint's tensors are read from their files (preadv)."""
+    `read_files`, a memory-mapped checkpoint's tensors are read from their files (preadv), and
+    such an upload is only queued (`UploadRing`): `flush` before other work on the stream."""
 
     def __init__(
         self,
         stream_handle: int,
-        num_slots: int = 16,
+        num_slots: int = 32,
         slot_bytes: int = 8 << 20,
         num_threads: int = 12,
         read_files: bool = True,
@@ -163,9 +164,26 @@ class BulkUploads:
         self._ring = UploadRing(np.ctypeslib.as_array(buffer), slot_bytes, self, num_threads, read_files=read_files)
 
     def upload(self, device_address: int, pieces: Sequence[np.ndarray]) -> None:
-        """Enqueue the copy of the contiguous `pieces`, laid end to end from `device_address`;
-        returns once they have been read (`UploadRing.upload`)."""
+        """Enqueue (or, read from files, queue) the copy of the contiguous `pieces`, laid end
+        to end from `device_address` (`UploadRing.upload`)."""
         self._ring.upload(device_address, pieces)
+
+    def queues(self, pieces: Sequence[np.ndarray]) -> bool:
+        """Whether `upload` would only queue these pieces (`UploadRing.queues`)."""
+        return self._ring.queues(pieces)
+
+    @property
+    def queued(self) -> Sized:
+        """`UploadRing.queued`: truthy while uploads wait to be put on the stream."""
+        return self._ring.queued
+
+    @property
+    def stats(self) -> RingStats:
+        return self._ring.stats
+
+    def flush(self) -> None:
+        """Enqueue every queued chunk's DMA (`UploadRing.flush`; raises a failed read)."""
+        self._ring.flush()
 
     def send(self, slot: int, num_bytes: int, device_address: int) -> None:
         """`SlotTransport.send`: the slot's DMA on the stream, then its event."""
@@ -178,10 +196,12 @@ class BulkUploads:
         check("cuEventSynchronize", cu.cuEventSynchronize(self._events[slot]))
 
     def close(self) -> None:
-        self._ring.close()
-        for event in self._events:
-            cu.cuEventDestroy(event)
-        cu.cuMemFreeHost(self._base)
+        try:
+            self._ring.close()
+        finally:
+            for event in self._events:
+                cu.cuEventDestroy(event)
+            cu.cuMemFreeHost(self._base)
 
 
 class PinnedStaging:
@@ -189,9 +209,12 @@ class PinnedStaging:
 
     A copy of up to `slot_bytes` goes through the next slot in turn; before a slot is written
     again, the event recorded after its last copy is waited on, so the caller's array may be
-    reused as soon as `copy_from_host` returns while the GPU runs ahead. Larger uploads go
-    through `bulk` (`BulkUploads`), or without it the driver's pageable path (which stages and
-    returns once the source has been read); larger downloads take the pageable path.
+    reused as soon as `copy_from_host` returns while the GPU runs ahead. Larger uploads, and
+    any upload read from files, go through `bulk` (`BulkUploads`), or without it the driver's
+    pageable path (which stages and returns once the source has been read); larger downloads
+    take the pageable path. An upload `bulk` only queued (read from files) reaches the stream
+    at `flush`, which every other copy here calls first and `CudaRuntime` calls before handing
+    out the stream (or launching).
     """
 
     def __init__(
@@ -199,6 +222,8 @@ class PinnedStaging:
     ) -> None:
         self.slot_bytes = slot_bytes
         self._bulk = bulk
+        # Truthy while bulk uploads wait, not yet on the stream: a test per launch must be cheap.
+        self.queued: Sized = bulk.queued if bulk is not None else ()
         self._stream = stream_handle
         self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))
         buffer = (ctypes.c_uint8 * (num_slots * slot_bytes)).from_address(self._base)
@@ -216,13 +241,28 @@ class PinnedStaging:
         """Enqueue a copy of the contiguous `pieces`, laid end to end from `device_address`
         (a fused projection's parts, straight from the checkpoint with no host concatenation)."""
         num_bytes = sum(piece.nbytes for piece in pieces)
-        if num_bytes > self.slot_bytes and self._bulk is not None:
-            self._bulk.upload(device_address, pieces)
+        bulk = self._bulk
+        # A small tensor read from the checkpoint's files (a norm) joins the bulk queue too:
+        # a slot of ours would flush the queue first and drain the threads at every layer.
+        if bulk is not None and (num_bytes > self.slot_bytes or (num_bytes and bulk.queues(pieces))):
+            bulk.upload(device_address, pieces)
             return
+        self.flush()
         offset = 0
         for piece in pieces:
             self._upload_one(device_address + offset, piece)
             offset += piece.nbytes
+
+    @property
+    def bulk_stats(self) -> RingStats | None:
+        """The bulk ring's counters (None without one)."""
+        return self._bulk.stats if self._bulk is not None else None
+
+    def flush(self) -> None:
+        """Put every queued bulk upload on the stream, ahead of whatever is enqueued next.
+        Raises what a queued read raised (those uploads are lost)."""
+        if self.queued and self._bulk is not None:
+            self._bulk.flush()
 
     def _upload_one(self, device_address: int, data: np.ndarray) -> None:
         num_bytes = data.nbytes
@@ -243,6 +283,7 @@ class PinnedStaging:
 
     def download(self, device_address: int, out: np.ndarray) -> None:
         """Copy into the contiguous `out` after everything enqueued so far (synchronises)."""
+        self.flush()
         num_bytes = out.nbytes
         if num_bytes == 0:
             return

@@ -90,8 +90,9 @@ class CudaFeatures:
         (a memory-mapped checkpoint's tensors read from the file with preadv) while the earlier
         slots' DMAs run, instead of the driver's pageable copy.
     file_reads: with bulk_upload, a memory-mapped checkpoint's tensors are read from their
-        files with preadv into the slots; off: copied out of the map (a fault per page not yet
-        mapped), for the A/B.
+        files with preadv into the slots, and such an upload is only queued on return so the
+        threads read across tensors (the stream's users flush it first); off: copied out of
+        the map (a fault per page not yet mapped), one tensor at a time, for the A/B.
     """
 
     programmatic_launch: bool = True
@@ -251,15 +252,16 @@ class CudaRuntime:
         self.max_shared_per_sm = int(properties.max_shared_memory_per_multiprocessor)
         self.l2_bytes = int(properties.l2_cache_size)
         self.device_name = str(self.device.name)
-        self.stream = self.device.create_stream()
-        self.stream_handle = int(self.stream.handle)
+        self._stream = self.device.create_stream()
+        self._stream_handle = int(self._stream.handle)
         self.pool = DeviceMemoryPool(f"device {device_ordinal} ({self.device_name})")
         self.features = CudaFeatures.for_device(self.compute_capability)
         bulk = None
         if self.features.bulk_upload:
-            bulk = BulkUploads(self.stream_handle, num_threads=upload_threads(), read_files=self.features.file_reads)
-        self.staging = PinnedStaging(self.stream_handle, bulk=bulk)
-        self.downloads = PinnedDownloads(self.stream_handle)
+            bulk = BulkUploads(self._stream_handle, num_threads=upload_threads(), read_files=self.features.file_reads)
+        self.staging = PinnedStaging(self._stream_handle, bulk=bulk)
+        self.downloads = PinnedDownloads(self._stream_handle)
+        self._reported_ring_bytes = 0
         driver_cuda = int(check("cuDriverGetVersion", cu.cuDriverGetVersion()))
         report_phase("cuda context", time.perf_counter() - started,
                      f"{self.device_name}, driver CUDA {driver_cuda // 1000}.{driver_cuda % 1000 // 10}")
@@ -283,6 +285,27 @@ class CudaRuntime:
             self.device.set_current()
             self._thread = ident
 
+    # -- the stream ------------------------------------------------------------------------
+    # An upload read from a checkpoint's files is only queued when `copy_from_host` returns
+    # (upload_ring.py), so the next tensor's reads overlap this one's. Whatever is enqueued
+    # after it must come after its DMAs: every op takes the stream from here (or `launch`),
+    # and that first puts the queued uploads on it. Not covered: cuBLASLt keeps the handle it
+    # was given, so a bf16 cuBLAS GEMM right after a file upload, with no launch or copy
+    # between, would not see it (loading ends in `synchronize`, which flushes).
+    @property
+    def stream(self):
+        """The cuda.core stream, with every queued upload enqueued on it."""
+        if self.staging.queued:
+            self.staging.flush()
+        return self._stream
+
+    @property
+    def stream_handle(self) -> int:
+        """The stream's driver handle, with every queued upload enqueued on it."""
+        if self.staging.queued:
+            self.staging.flush()
+        return self._stream_handle
+
     def forbid_in_capture(self, what: str) -> None:
         if self.capturing:
             raise CaptureError(f"{what} cannot run while a CUDA graph is being captured")
@@ -301,6 +324,8 @@ class CudaRuntime:
         """Enqueue `symbol` of `module` on the stream (with programmatic stream serialization
         when `features.programmatic_launch` is on), in clusters of `cluster` blocks along x."""
         self.ensure_current()
+        if self.staging.queued:
+            self.staging.flush()
         kernel = self.kernels.get(module, symbol)
         if shared_bytes > 48 * 1024:
             self._raise_shared_limit(module, symbol, kernel, shared_bytes)
@@ -321,7 +346,7 @@ class CudaRuntime:
             else:
                 config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
             self._configs[key] = config
-        launch(self.stream, config, kernel, *args)
+        launch(self._stream, config, kernel, *args)
 
     def _driver_config(self, grid: tuple[int, ...], block: int, shared_bytes: int, cluster: int) -> cu.CUlaunchConfig:
         """cuLaunchKernelEx's config for launches cuda.core cannot make (tensor maps by value,
@@ -425,6 +450,10 @@ class CudaRuntime:
     def synchronize(self) -> None:
         self.ensure_current()
         check("cuStreamSynchronize", cu.cuStreamSynchronize(self.stream_handle))
+        stats = self.staging.bulk_stats
+        if stats is not None and stats.num_bytes > self._reported_ring_bytes:  # the weights are in
+            self._reported_ring_bytes = stats.num_bytes
+            log.info("upload ring: %s", stats.describe())
 
     def memory_info(self) -> tuple[int, int]:
         self.ensure_current()

@@ -17,8 +17,12 @@ no thread faults the map in page by page (each fault takes the process's memory-
 many threads then queue on). Any other source is copied with `np.copyto`.
 
 A slot is written again only after `wait` on its last send, and only the caller's thread talks
-to the device, so the copy threads need no CUDA context. `upload` returns once every chunk is
-sent: the sources have been read (they may be changed or freed), the DMAs may still run.
+to the device, so the copy threads need no CUDA context. An upload of arrays in memory returns
+once every chunk is sent: the sources have been read (they may be changed or freed), the DMAs
+may still run. An upload read wholly from files returns once its chunks are queued, so the
+threads stay busy across a checkpoint's many small tensors instead of draining after each; its
+chunks are sent by the next uploads or by `flush`, which whoever enqueues other device work
+must call first (`PinnedStaging.flush`, called by `CudaRuntime` before any stream operation).
 
 This module holds no CUDA call: `memory.BulkUploads` gives it the page-locked slots and a
 `SlotTransport` over the driver; the unit tests give it a fake device.
@@ -28,8 +32,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -130,11 +135,37 @@ def plan_chunks(piece_bytes: Sequence[int], num_threads: int, slot_bytes: int) -
     return chunks
 
 
+@dataclass(slots=True)
+class RingStats:
+    """What the ring did since it was made: bytes sent, bytes of those read from files,
+    uploads left in flight on return (file-backed), and the caller's thread's seconds blocked
+    on a chunk's copy or read (the threads are the bound) vs on a slot's DMA (the DMA is)."""
+
+    num_bytes: int = 0
+    file_bytes: int = 0
+    num_deferred: int = 0
+    read_wait_s: float = 0.0
+    slot_wait_s: float = 0.0
+
+    def describe(self) -> str:
+        return (
+            f"ring {self.num_bytes / 1e9:.2f} GB ({self.file_bytes / 1e9:.2f} from files), "
+            f"waited {self.read_wait_s:.2f} s on reads, {self.slot_wait_s:.2f} s on slots"
+        )
+
+
 class UploadRing:
     """`num_slots` slots of `slot_bytes` in `host` (uint8, page-locked for real DMA), filled by
     `num_threads` threads with `read(fd, target, offset)` for a source with a `file_extent`
     (`read_into`; with `read_files` only), else `copy(target, source)` (np.copyto); tests
-    inject their own. The files stay open until `close`."""
+    inject their own. The files stay open until `close`.
+
+    An upload whose every piece is read from a file returns once its chunks are queued: its
+    bytes stay valid in the file, so the threads keep reading it while the caller moves on to
+    the next tensor, and its slots are sent (in order, on the caller's thread) by later uploads
+    or by `flush`. The device therefore sees such an upload only after `flush` (or a later
+    upload of another source, which flushes first): whoever enqueues other work on the same
+    stream must call `flush` before it."""
 
     def __init__(
         self,
@@ -151,6 +182,7 @@ class UploadRing:
         self.slot_bytes = slot_bytes
         self.num_slots = host.nbytes // slot_bytes
         self.num_threads = max(1, num_threads)
+        self.stats = RingStats()
         self._host = host
         self._transport = transport
         self._copy = copy
@@ -158,46 +190,88 @@ class UploadRing:
         self._files: dict[str, int] = {}  # path -> fd, opened by the caller's thread only
         self._in_flight = [False] * self.num_slots  # sent, not yet waited for
         self._next = 0
+        # Chunks whose copy was submitted but whose slot is not sent yet, in slot order: at
+        # most `num_slots`, the oldest one's slot is the next to take when the ring is full.
+        self._pending: deque[tuple[Future, int, int, int]] = deque()  # (copy, slot, bytes, device address)
         self._threads = ThreadPoolExecutor(max_workers=self.num_threads, thread_name_prefix="atlas-upload")
 
+    @property
+    def has_pending(self) -> bool:
+        """Whether chunks wait to be sent: the device has not got every upload yet."""
+        return bool(self._pending)
+
+    @property
+    def queued(self) -> Sized:
+        """The queue of unsent chunks itself (always the same object, so a hot path may keep
+        it and test its truth: non-empty while `flush` has work). Read only."""
+        return self._pending
+
+    def queues(self, pieces: Sequence[np.ndarray]) -> bool:
+        """Whether `upload` would only queue these pieces (every one read from a file)."""
+        return self._read is not None and all(file_extent(piece) is not None for piece in pieces)
+
     def upload(self, device_address: int, pieces: Sequence[np.ndarray]) -> None:
-        """Copy the contiguous `pieces`, laid end to end from `device_address`. Returns once
-        every byte has been read from them and its DMA enqueued. A copy that raises is raised
-        here, after the other chunks' copies have stopped (the ring stays usable)."""
+        """Copy the contiguous `pieces`, laid end to end from `device_address`. When every
+        piece has a file extent (and `read_files`), returns once its chunks are queued (see the
+        class doc); else first sends every earlier queued chunk, then returns once every byte
+        has been read from the pieces (they may then be changed or freed) and its DMA enqueued.
+        A copy or read that raises is raised here or at `flush`, whichever sends its chunk,
+        after every other queued copy has stopped; the queued chunks are then dropped (their
+        uploads never land: the load has failed) and the ring stays usable."""
         sources = [piece.reshape(-1).view(np.uint8) for piece in pieces]
         extents = [file_extent(piece) if self._read is not None else None for piece in pieces]
-        pending: deque[tuple[Future, int, Chunk]] = deque()
+        deferred = all(extent is not None for extent in extents)
+        if not deferred:
+            self.flush()
         try:
             for chunk in plan_chunks([source.nbytes for source in sources], self.num_threads, self.slot_bytes):
-                if len(pending) == self.num_slots:  # the next slot's copy is the oldest pending
-                    self._send(pending.popleft(), device_address)
+                if len(self._pending) == self.num_slots:  # the next slot's copy is the oldest pending
+                    self._send_oldest()
                 slot = self._take_slot()
                 target = self._host[slot * self.slot_bytes :][: chunk.num_bytes]
                 extent = extents[chunk.piece]
                 if extent is not None:
                     fd = self._open(extent.path)
                     future = self._threads.submit(self._read, fd, target, extent.offset + chunk.start)
+                    self.stats.file_bytes += chunk.num_bytes
                 else:
                     future = self._threads.submit(self._copy, target, sources[chunk.piece][chunk.start : chunk.stop])
-                pending.append((future, slot, chunk))
-                while pending and pending[0][0].done():
-                    self._send(pending.popleft(), device_address)
-            while pending:
-                self._send(pending.popleft(), device_address)
-        finally:
-            for future, _, _ in pending:  # only after an error: let no thread write a slot later
-                future.exception()
+                self._pending.append((future, slot, chunk.num_bytes, device_address + chunk.offset))
+                while self._pending and self._pending[0][0].done():
+                    self._send_oldest()
+        except BaseException:
+            self._drop_pending()
+            raise
+        if deferred:
+            self.stats.num_deferred += 1
+        else:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send every queued chunk (blocking on its copy): once this returns, every upload so
+        far is enqueued on the device, ordered before whatever is enqueued next. Raises what a
+        queued copy raised (see `upload`)."""
+        try:
+            while self._pending:
+                self._send_oldest()
+        except BaseException:
+            self._drop_pending()
+            raise
 
     def close(self) -> None:
-        """Stop the threads, close the files and wait for every DMA still in flight."""
-        self._threads.shutdown()
-        for fd in self._files.values():
-            os.close(fd)
-        self._files.clear()
-        for slot, in_flight in enumerate(self._in_flight):
-            if in_flight:
-                self._transport.wait(slot)
-                self._in_flight[slot] = False
+        """Send what is queued, stop the threads, close the files and wait for every DMA still
+        in flight. Raises what a queued copy raised, after all of that."""
+        try:
+            self.flush()
+        finally:
+            self._threads.shutdown()
+            for fd in self._files.values():
+                os.close(fd)
+            self._files.clear()
+            for slot, in_flight in enumerate(self._in_flight):
+                if in_flight:
+                    self._transport.wait(slot)
+                    self._in_flight[slot] = False
 
     def _open(self, path: str) -> int:
         fd = self._files.get(path)
@@ -209,12 +283,27 @@ class UploadRing:
         slot = self._next
         self._next = (slot + 1) % self.num_slots
         if self._in_flight[slot]:
+            started = time.perf_counter()
             self._transport.wait(slot)
+            self.stats.slot_wait_s += time.perf_counter() - started
             self._in_flight[slot] = False
         return slot
 
-    def _send(self, entry: tuple[Future, int, Chunk], device_address: int) -> None:
-        future, slot, chunk = entry
-        future.result()
-        self._transport.send(slot, chunk.num_bytes, device_address + chunk.offset)
+    def _send_oldest(self) -> None:
+        future, slot, num_bytes, device_address = self._pending[0]
+        if not future.done():
+            started = time.perf_counter()
+            future.result()
+            self.stats.read_wait_s += time.perf_counter() - started
+        future.result()  # raises the copy's error, the chunk still counted as pending
+        self._pending.popleft()
+        self._transport.send(slot, num_bytes, device_address)
         self._in_flight[slot] = True
+        self.stats.num_bytes += num_bytes
+
+    def _drop_pending(self) -> None:
+        """After an error: let no thread write a slot later, and forget the unsent chunks (their
+        slots were never sent, so they are free)."""
+        for future, _, _, _ in self._pending:
+            future.exception()
+        self._pending.clear()
