@@ -655,6 +655,7 @@ class LinearOp:
         if self._gemm is None:
             raise RuntimeError("linear: the backend was closed")
         fused_bias = bias is not None and out.dtype is DType.BF16
+        self._rt.flush_uploads()  # cuBLASLt holds the stream handle: queued weight uploads go first
         self._gemm.matmul(
             x.address,
             weight.address,

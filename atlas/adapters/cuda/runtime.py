@@ -289,9 +289,13 @@ class CudaRuntime:
     # An upload read from a checkpoint's files is only queued when `copy_from_host` returns
     # (upload_ring.py), so the next tensor's reads overlap this one's. Whatever is enqueued
     # after it must come after its DMAs: every op takes the stream from here (or `launch`),
-    # and that first puts the queued uploads on it. Not covered: cuBLASLt keeps the handle it
-    # was given, so a bf16 cuBLAS GEMM right after a file upload, with no launch or copy
-    # between, would not see it (loading ends in `synchronize`, which flushes).
+    # and that first puts the queued uploads on it. cuBLASLt keeps the handle it was given,
+    # so the GEMM wrappers call `flush_uploads` before each product.
+    def flush_uploads(self) -> None:
+        """Enqueue every queued upload on the stream (for work that holds its handle)."""
+        if self.staging.queued:
+            self.staging.flush()
+
     @property
     def stream(self):
         """The cuda.core stream, with every queued upload enqueued on it."""
