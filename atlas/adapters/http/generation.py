@@ -173,6 +173,14 @@ class Generation:
         heartbeat = self._heartbeat_s is not None and (delay_s is None or self._heartbeat_s < delay_s)
         if heartbeat:
             delay_s = self._heartbeat_s
+        elif delay_s is not None and delay_s <= 0:
+            return None
+        try:  # what is queued already needs no cancel scope (most wake-ups of a busy server)
+            return self._drain(stream, stream.receive_nowait())
+        except anyio.WouldBlock:
+            pass
+        except anyio.EndOfStream:
+            return []
         try:
             with anyio.move_on_after(delay_s) as self._waiting:
                 first = await stream.receive()
