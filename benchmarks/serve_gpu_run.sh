@@ -8,6 +8,8 @@
 #   DEVICE=mock MODEL=smollm2 NUM=8 CONC=4 MIXED_IN=16:64 MIXED_OUT=4:16 FIXED_IN=40 FIXED_OUT=10 \
 #     PREFIX=128 PREFIX_OUT=4 CHATS=2 TURNS=3 CHAT_IN=8:24 CHAT_OUT=4:8 SERVE_ARGS="--kv-cache-gb 0.5" \
 #     bash benchmarks/serve_gpu_run.sh
+# RUNS picks the runs (default: all): `RUNS="prefix-on prefix-off" bash benchmarks/serve_gpu_run.sh`
+# gives only the shared-prefix pair, with the cache and without (~2 minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -22,6 +24,7 @@ FIXED_IN=${FIXED_IN:-512}; FIXED_OUT=${FIXED_OUT:-128}
 PREFIX=${PREFIX:-2048}; SUFFIX=${SUFFIX:-32}; PREFIX_OUT=${PREFIX_OUT:-128}
 CHATS=${CHATS:-32}; TURNS=${TURNS:-10}; CHAT_IN=${CHAT_IN:-16:128}; CHAT_OUT=${CHAT_OUT:-16:128}
 SERVE_ARGS=${SERVE_ARGS:-"--max-seq-len 4096 --max-num-seqs $CONC"}
+RUNS=${RUNS:-"mixed fixed prefix-on chat prefix-off"}
 t0=$SECONDS
 
 device_name=$DEVICE
@@ -52,8 +55,10 @@ stop_server() { [ -n "$server" ] && kill "$server" 2> /dev/null && wait "$server
 trap stop_server EXIT
 
 python3 -c "import matplotlib" 2> /dev/null && PLOT=1 || { PLOT=; echo "no matplotlib: no PNGs"; }
-bench() {  # $1: run name (its JSON is $OUT/$1.json); the rest: bench serve flags
+wanted() { [[ " $RUNS " == *" $1 "* ]]; }
+bench() {  # $1: run name (its JSON is $OUT/$1.json); the rest: bench serve flags; skipped unless in $RUNS
   local name=$1 t=$SECONDS; shift
+  wanted "$name" || return 0
   timeout 150 $ATLAS bench serve --url "$URL" --json-file "$OUT/$name.json" \
     ${PLOT:+--plot "$OUT/$name.png"} "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
   echo "=== $name rc=$? $((SECONDS - t))s"; grep -E "^(throughput|TTFT|prefix cache)" "$OUT/$name.txt"
@@ -62,7 +67,7 @@ bench() {  # $1: run name (its JSON is $OUT/$1.json); the rest: bench serve flag
 
 # Each run draws its texts from a seed of its own: the server's prefix cache keeps the earlier runs'
 # blocks, and runs of one seed would open with the same words.
-if start_server serve; then
+if wanted mixed || wanted fixed || wanted prefix-on || wanted chat && start_server serve; then
   bench mixed --seed 1 --num-prompts "$NUM" --concurrency "$CONC" \
     --input-len "$MIXED_IN" --output-len "$MIXED_OUT" --temperature 0.8
   bench fixed --seed 2 --num-prompts "$NUM" --concurrency "$CONC" \
@@ -73,7 +78,7 @@ if start_server serve; then
     --concurrency "$CHATS" --input-len "$CHAT_IN" --output-len "$CHAT_OUT"
   stop_server
 fi
-if start_server serve-no-cache --no-prefix-caching; then
+if wanted prefix-off && start_server serve-no-cache --no-prefix-caching; then
   bench prefix-off --seed 3 --num-prompts "$NUM" --concurrency "$CONC" \
     --shared-prefix-len "$PREFIX" --num-prefixes 1 --input-len "$SUFFIX" --output-len "$PREFIX_OUT"
   stop_server
