@@ -120,6 +120,11 @@ class Generation:
             self._waiting.cancel()
 
     @property
+    def is_finished(self) -> bool:
+        """Every choice has finished: the batch just taken from `batches()` was its last."""
+        return all(choice.finished for choice in self._choices.values())
+
+    @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache, counted once per prompt like
         `num_prompt_tokens`: the fewest any of its choices found, since the choices after the
