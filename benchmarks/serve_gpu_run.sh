@@ -8,9 +8,10 @@
 #   DEVICE=mock MODEL=smollm2 NUM=8 CONC=4 MIXED_IN=16:64 MIXED_OUT=4:16 FIXED_IN=40 FIXED_OUT=10 \
 #     PREFIX=128 PREFIX_OUT=4 CHATS=2 TURNS=3 CHAT_IN=8:24 CHAT_OUT=4:8 SERVE_ARGS="--kv-cache-gb 0.5" \
 #     bash benchmarks/serve_gpu_run.sh
-# Arguments pick runs (mixed fixed prefix-on chat prefix-off; default all). STEP_TRACE=1 makes
-# each server write its engine steps to $OUT/<server>.steps.jsonl (ATLAS_STEP_TRACE; read them
-# with benchmarks/step_trace_table.py).
+# Arguments (or RUNS) pick the runs (mixed fixed prefix-on chat prefix-off; default all):
+# `bash benchmarks/serve_gpu_run.sh prefix-on prefix-off` gives only the shared-prefix pair
+# (~2 minutes). STEP_TRACE=1 makes each server write its engine steps to
+# $OUT/<server>.steps.jsonl (ATLAS_STEP_TRACE; read them with benchmarks/step_trace_table.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -25,6 +26,7 @@ FIXED_IN=${FIXED_IN:-512}; FIXED_OUT=${FIXED_OUT:-128}
 PREFIX=${PREFIX:-2048}; SUFFIX=${SUFFIX:-32}; PREFIX_OUT=${PREFIX_OUT:-128}
 CHATS=${CHATS:-32}; TURNS=${TURNS:-10}; CHAT_IN=${CHAT_IN:-16:128}; CHAT_OUT=${CHAT_OUT:-16:128}
 SERVE_ARGS=${SERVE_ARGS:-"--max-seq-len 4096 --max-num-seqs $CONC"}
+RUNS=${*:-${RUNS:-mixed fixed prefix-on chat prefix-off}}
 t0=$SECONDS
 
 device_name=$DEVICE
@@ -55,10 +57,10 @@ stop_server() { [ -n "$server" ] && kill "$server" 2> /dev/null && wait "$server
 trap stop_server EXIT
 
 python3 -c "import matplotlib" 2> /dev/null && PLOT=1 || { PLOT=; echo "no matplotlib: no PNGs"; }
-RUNS=${*:-mixed fixed prefix-on chat prefix-off}
-bench() {  # $1: run name (its JSON is $OUT/$1.json); the rest: bench serve flags
+wanted() { [[ " $RUNS " == *" $1 "* ]]; }
+bench() {  # $1: run name (its JSON is $OUT/$1.json); the rest: bench serve flags; skipped unless in $RUNS
   local name=$1 t=$SECONDS; shift
-  [[ " $RUNS " == *" $name "* ]] || return 0
+  wanted "$name" || return 0
   timeout 150 $ATLAS bench serve --url "$URL" --json-file "$OUT/$name.json" \
     ${PLOT:+--plot "$OUT/$name.png"} "$@" > "$OUT/$name.txt" 2> "$OUT/$name.err"
   echo "=== $name rc=$? $((SECONDS - t))s"; grep -E "^(throughput|TTFT|prefix cache)" "$OUT/$name.txt"
@@ -67,7 +69,7 @@ bench() {  # $1: run name (its JSON is $OUT/$1.json); the rest: bench serve flag
 
 # Each run draws its texts from a seed of its own: the server's prefix cache keeps the earlier runs'
 # blocks, and runs of one seed would open with the same words.
-if start_server serve; then
+if { wanted mixed || wanted fixed || wanted prefix-on || wanted chat; } && start_server serve; then
   # Not measured: a short mixed run first, so that cuBLASLt's one-time tuning of the prefill
   # token buckets (stored on disk for later starts; decode buckets are tuned at startup) is not
   # inside the measured runs. On a fresh machine it cost the first mixed run ~11% (H200).
@@ -83,7 +85,7 @@ if start_server serve; then
     --concurrency "$CHATS" --input-len "$CHAT_IN" --output-len "$CHAT_OUT"
   stop_server
 fi
-if [[ " $RUNS " == *" prefix-off "* ]] && start_server serve-no-cache --no-prefix-caching; then
+if wanted prefix-off && start_server serve-no-cache --no-prefix-caching; then
   bench prefix-off --seed 3 --num-prompts "$NUM" --concurrency "$CONC" \
     --shared-prefix-len "$PREFIX" --num-prefixes 1 --input-len "$SUFFIX" --output-len "$PREFIX_OUT"
   stop_server

@@ -16,8 +16,8 @@ import time
 
 _STARTED_S = time.perf_counter()  # before the imports: the engine process's start phase counts them
 
+import asyncio
 import logging
-import math
 import signal
 import socket
 import subprocess
@@ -27,9 +27,7 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 
 import anyio
-import anyio.abc
 import msgspec
-from anyio.abc import ObjectReceiveStream
 
 from atlas.app.engine_actor import (
     DEFAULT_STALL_TIMEOUT_S,
@@ -37,9 +35,11 @@ from atlas.app.engine_actor import (
     AddRequest,
     Command,
     OutputRouter,
+    OutputStream,
     Shutdown,
+    ended_stream,
 )
-from atlas.domain.engine_events import EngineFailure, EngineHealth, StreamItem
+from atlas.domain.engine_events import EngineFailure, EngineHealth
 from atlas.app.engine_protocol import (
     Commands,
     Crashed,
@@ -165,12 +165,49 @@ class EngineStopped(RuntimeError):
     """The engine process crashed or exited while serving."""
 
 
+class _Connection(asyncio.Protocol):
+    """The API process's end of the socket, as an asyncio protocol: each frame is handed to
+    `on_message` in the callback that read it, and `write` goes to the socket at once, so a
+    request reaches the engine, and an output its stream, without waiting for a pump task's
+    turn on a busy event loop (each turn costs a whole round of the other streams' work)."""
+
+    def __init__(self, on_message: Callable[[FromEngine], None], on_lost: Callable[[str | None], None]) -> None:
+        self._on_message = on_message
+        self._on_lost = on_lost
+        self._frames = FrameBuffer()
+        self._decoder = msgspec.msgpack.Decoder(FromEngine)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            messages = [self._decoder.decode(body) for body in self._frames.feed(data)]
+        except (ValueError, msgspec.DecodeError) as error:
+            self._lose(f"the engine sent a corrupt frame: {error}")
+            return
+        for message in messages:
+            self._on_message(message)
+
+    def eof_received(self) -> bool:
+        return False  # close the transport; connection_lost follows
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self._on_lost(None if error is None else str(error))
+
+    def _lose(self, reason: str) -> None:
+        self._on_lost(reason)
+        self.transport.abort()
+
+
 class EngineProcess:
     """The API side: `EngineClient` over the socket, plus spawning and stopping the process.
 
     `start()` spawns the process and waits for the model to load (raising ValueError with the
-    engine's message when loading fails); `run()` then pumps frames both ways until `shutdown()`
-    (returns) or the engine dies (fails every open request, raises EngineStopped).
+    engine's message when loading fails); `run()` then serves until `shutdown()` (returns) or
+    the engine dies (fails every open request, raises EngineStopped). Commands are written as
+    they are made and outputs routed as their frames arrive (`_Connection`); `run` only waits.
     """
 
     def __init__(
@@ -183,12 +220,11 @@ class EngineProcess:
         self._stall_timeout_s = stall_timeout_s
         self._clock = clock
         self._router = OutputRouter()
-        self._outbox_send, self._outbox = anyio.create_memory_object_stream[Command](math.inf)
         self._encode = msgspec.msgpack.Encoder().encode
-        self._decoder = msgspec.msgpack.Decoder(FromEngine)
-        self._frames = FrameBuffer()
         self._process: subprocess.Popen | None = None
-        self._stream: anyio.abc.SocketStream | None = None
+        self._connection: _Connection | None = None
+        self._loaded: asyncio.Future[Ready | LoadFailed] | None = None
+        self._lost = anyio.Event()  # the socket closed (EOF, an error, or the engine crashed)
         self._stats: EngineStats | None = None
         self._ready: Ready | None = None
         self._failed: str | None = None
@@ -199,53 +235,45 @@ class EngineProcess:
     async def start(self) -> Ready:
         spawned = take_early() or spawn_engine()  # `atlas serve` may have spawned it before its imports
         self._process = spawned.process
-        self._stream = await anyio.abc.SocketStream.from_socket(spawned.sock)
-        await self._stream.send(frame(self._encode(Start(self._settings))))
-        while self._ready is None:
-            for message in await self._receive_messages():
-                if isinstance(message, LoadFailed):
-                    await self.close()
-                    raise (ValueError if message.is_user_error else RuntimeError)(message.message)
-                if isinstance(message, Ready):
-                    self._ready, self._stats = message, message.stats
+        loop = asyncio.get_running_loop()
+        self._loaded = loop.create_future()
+        _, self._connection = await loop.create_unix_connection(
+            lambda: _Connection(self._on_message, self._on_lost), sock=spawned.sock)
+        self._write(Start(self._settings))
+        loaded = await self._loaded
+        if isinstance(loaded, LoadFailed):
+            await self.close()
+            raise (ValueError if loaded.is_user_error else RuntimeError)(loaded.message)
+        self._ready, self._stats = loaded, loaded.stats
         self._last_progress_s = self._clock()
         return self._ready
 
     async def run(self) -> None:
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(self._write_commands)
-                await self._read_outputs()
-                group.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            stopped = group.subgroup(EngineStopped)
-            if stopped is None:
-                raise
-            raise stopped.exceptions[0] from None
+            await self._lost.wait()
+            if self._failed is not None:
+                raise EngineStopped(self._failed)
         finally:
             await self.close()
 
     def shutdown(self) -> None:
         self._stopping = True
-        self._outbox_send.send_nowait(Shutdown())
+        self._write(Commands([Shutdown()]))
 
     # -- EngineClient -------------------------------------------------------------------
-    def submit(self, requests: Sequence[Request]) -> ObjectReceiveStream[StreamItem]:
+    def submit(self, requests: Sequence[Request]) -> OutputStream:
         if self._failed is not None:
-            send, receive = anyio.create_memory_object_stream[StreamItem](1)
-            send.send_nowait(EngineFailure(f"the engine stopped: {self._failed}"))
-            send.close()
-            return receive
+            return ended_stream(EngineFailure(f"the engine stopped: {self._failed}"))
         if not len(self._router):
             self._last_progress_s = self._clock()  # idle until now: the stall clock starts here
-        receive = self._router.open([request.request_id for request in requests])
-        for request in requests:
-            self._outbox_send.send_nowait(AddRequest(request))
-        return receive
+        stream = self._router.open([request.request_id for request in requests])
+        self._write(Commands([AddRequest(request) for request in requests]))
+        return stream
 
     def abort(self, request_ids: Iterable[str]) -> None:
-        for request_id in self._router.close(request_ids):
-            self._outbox_send.send_nowait(AbortRequest(request_id))
+        closed = self._router.close(request_ids)
+        if closed:
+            self._write(Commands([AbortRequest(request_id) for request_id in closed]))
 
     def stats(self) -> EngineStats | None:
         return self._stats
@@ -260,34 +288,34 @@ class EngineProcess:
             return EngineHealth(True, False, f"no step finished for {waited_s:.0f}s")
         return EngineHealth(True, True, "ok")
 
-    # -- pumps --------------------------------------------------------------------------
-    async def _write_commands(self) -> None:
-        while True:
-            commands = [await self._outbox.receive()]
-            while True:
-                try:
-                    commands.append(self._outbox.receive_nowait())
-                except anyio.WouldBlock:
-                    break
-            await self._stream.send(frame(self._encode(Commands(commands))))
+    # -- the socket ---------------------------------------------------------------------
+    def _write(self, message: ToEngine) -> None:
+        """Send now (the transport buffers what the socket cannot take yet); nothing once the
+        socket is gone, where every request has failed already."""
+        transport = self._connection.transport if self._connection is not None else None
+        if transport is not None and not transport.is_closing():
+            transport.write(frame(self._encode(message)))
 
-    async def _read_outputs(self) -> None:
-        try:
-            while True:
-                for message in await self._receive_messages():
-                    if isinstance(message, StepOutputs):
-                        self._apply(message)
-                    elif isinstance(message, Crashed):
-                        raise EngineStopped(message.message)
-        except anyio.EndOfStream:
+    def _on_message(self, message: FromEngine) -> None:
+        if isinstance(message, StepOutputs):
+            self._apply(message)
+        elif isinstance(message, (Ready, LoadFailed)):
+            if self._loaded is not None and not self._loaded.done():
+                self._loaded.set_result(message)
+        elif isinstance(message, Crashed):
+            self._fail(message.message)
+            self._connection.transport.abort()
+
+    def _on_lost(self, reason: str | None) -> None:
+        if self._loaded is not None and not self._loaded.done():
+            detail = f": {reason}" if reason else ""
+            self._loaded.set_result(LoadFailed(f"the engine process exited while loading{detail}", False))
+        if self._failed is None:
             if self._stopping:
                 self._router.fail_all("the server is shutting down")
-                return
-            self._fail("the engine process exited unexpectedly")
-            raise EngineStopped(self._failed) from None
-        except (EngineStopped, OSError, anyio.BrokenResourceError) as error:
-            self._fail(str(error))
-            raise EngineStopped(self._failed) from None
+            else:
+                self._fail(reason or "the engine process exited unexpectedly")
+        self._lost.set()
 
     def _apply(self, message: StepOutputs) -> None:
         self._stats = message.stats
@@ -295,14 +323,8 @@ class EngineProcess:
         for failure in message.failures:
             self.abort(self._router.fail(failure.request_id, failure.failure))
         orphans = self._router.deliver(message.outputs)
-        for orphan in orphans:
-            self._outbox_send.send_nowait(AbortRequest(orphan))
-
-    async def _receive_messages(self) -> list[FromEngine]:
-        while True:
-            bodies = self._frames.feed(await self._stream.receive(_RECEIVE_BYTES))
-            if bodies:
-                return [self._decoder.decode(body) for body in bodies]
+        if orphans:
+            self._write(Commands([AbortRequest(orphan) for orphan in orphans]))
 
     def _fail(self, message: str) -> None:
         self._failed = message
@@ -310,8 +332,8 @@ class EngineProcess:
 
     async def close(self) -> None:
         """Close the socket and wait for the process to exit (killing it after a grace period)."""
-        if self._stream is not None:
-            await self._stream.aclose()
+        if self._connection is not None and self._connection.transport is not None:
+            self._connection.transport.close()
         process = self._process
         if process is None:
             return

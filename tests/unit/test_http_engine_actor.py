@@ -70,6 +70,30 @@ async def test_the_router_closes_a_shared_stream_when_its_last_sequence_ends():
 
 
 @pytest.mark.anyio
+async def test_a_waiting_reader_wakes_for_each_output_and_for_the_end():
+    router = OutputRouter()
+    stream = router.open(["a"])
+    with pytest.raises(anyio.WouldBlock):
+        stream.receive_nowait()
+    received = []
+
+    async def read() -> None:
+        received.append(await stream.receive())
+        received.extend(await drain(stream))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(read)
+        await anyio.sleep(0.01)  # the reader is waiting now
+        router.deliver([output("a", 1)])
+        await anyio.sleep(0.01)
+        assert [o.new_token_ids for o in received] == [(1,)]
+        router.deliver([output("a", 2, FinishReason.STOP)])
+    assert [o.new_token_ids for o in received] == [(1,), (2,)]
+    with pytest.raises(anyio.EndOfStream):
+        stream.receive_nowait()
+
+
+@pytest.mark.anyio
 async def test_the_router_fails_a_request_once_and_reports_siblings_and_orphans():
     router = OutputRouter()
     stream = router.open(["a-0", "a-1", "a-2"])

@@ -151,6 +151,7 @@ async def _stream(
                                 [ChatChunkChoice(index, ChatDelta(role="assistant", content=""))]))
             for index in range(generation.num_choices)
         )
+        last: list[bytes] = []
         async with aclosing(generation.batches()) as batches:
             async for batch in batches:
                 frames = []
@@ -164,11 +165,13 @@ async def _stream(
                     finish = parsed.openai_finish_reason(update.index) if update.finish_reason is not None else None
                     choice = ChatChunkChoice(update.index, _delta(parts), logprobs, finish, update.stop_reason)
                     frames.append(sse.event(ChatChunk(reply.id, reply.created, reply.model, [choice], usage=usage)))
-                if frames:
+                if frames and generation.is_finished:
+                    last = frames  # goes out with the usage chunk and [DONE], one write for all
+                elif frames:
                     yield b"".join(frames)
         if include_usage:
-            yield sse.event(ChatChunk(reply.id, reply.created, reply.model, [], usage=_usage(generation)))
-        yield sse.DONE
+            last.append(sse.event(ChatChunk(reply.id, reply.created, reply.model, [], usage=_usage(generation))))
+        yield b"".join([*last, sse.DONE])
     finally:
         if state.dump is not None:
             state.dump.write("chat", 200, True, started_s, body,

@@ -122,6 +122,7 @@ async def _stream(
         ]
         if echoes:
             yield b"".join(echoes)
+        last: list[bytes] = []
         async with aclosing(generation.batches()) as batches:
             async for batch in batches:
                 frames = []
@@ -134,11 +135,13 @@ async def _stream(
                     choice = CompletionChoice(update.index, update.text, logprobs, update.finish_reason,
                                               update.stop_reason)
                     frames.append(sse.event(Completion(reply.id, reply.created, reply.model, [choice], None)))
-                if frames:
+                if frames and generation.is_finished:
+                    last = frames  # goes out with the usage chunk and [DONE], one write for all
+                elif frames:
                     yield b"".join(frames)
         if include_usage:
-            yield sse.event(Completion(reply.id, reply.created, reply.model, [], _usage(generation)))
-        yield sse.DONE
+            last.append(sse.event(Completion(reply.id, reply.created, reply.model, [], _usage(generation))))
+        yield b"".join([*last, sse.DONE])
     finally:
         if state.dump is not None:
             state.dump.write("completions", 200, True, started_s, body,

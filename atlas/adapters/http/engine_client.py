@@ -8,12 +8,10 @@ its context is open; the app's lifespan enters it in the background so `/health`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Protocol
-
-from anyio.abc import ObjectReceiveStream
 
 from atlas.domain.engine_events import EngineHealth, StreamItem
 from atlas.domain.engine import EngineStats
@@ -23,8 +21,26 @@ from atlas.ports.grammar import GrammarCompiler
 from atlas.ports.tokenizer import Tokenizer
 
 
+class OutputStream(Protocol):
+    """One request's outputs in order (`atlas.app.engine_actor.OutputStream`)."""
+
+    async def receive(self) -> StreamItem:
+        """The next item, waiting for it; anyio.EndOfStream once the stream has ended."""
+        ...
+
+    def receive_nowait(self) -> StreamItem:
+        """The next item if one is queued; anyio.WouldBlock if not, anyio.EndOfStream at the end."""
+        ...
+
+    def close(self) -> None:
+        """Stop reading (the engine is told separately, by `EngineClient.abort`)."""
+        ...
+
+    def __aiter__(self) -> AsyncIterator[StreamItem]: ...
+
+
 class EngineClient(Protocol):
-    def submit(self, requests: Sequence[Request]) -> ObjectReceiveStream[StreamItem]:
+    def submit(self, requests: Sequence[Request]) -> OutputStream:
         """Run one front-end request's sequences; their outputs (or one EngineFailure) arrive
         on the stream, which closes when every sequence has finished or been aborted."""
         ...

@@ -120,6 +120,11 @@ class Generation:
             self._waiting.cancel()
 
     @property
+    def is_finished(self) -> bool:
+        """Every choice has finished: the batch just taken from `batches()` was its last."""
+        return all(choice.finished for choice in self._choices.values())
+
+    @property
     def num_cached_tokens(self) -> int:
         """Prompt tokens served from the prefix cache, counted once per prompt like
         `num_prompt_tokens`: the fewest any of its choices found, since the choices after the
@@ -173,6 +178,14 @@ class Generation:
         heartbeat = self._heartbeat_s is not None and (delay_s is None or self._heartbeat_s < delay_s)
         if heartbeat:
             delay_s = self._heartbeat_s
+        elif delay_s is not None and delay_s <= 0:
+            return None
+        try:  # what is queued already needs no cancel scope (most wake-ups of a busy server)
+            return self._drain(stream, stream.receive_nowait())
+        except anyio.WouldBlock:
+            pass
+        except anyio.EndOfStream:
+            return []
         try:
             with anyio.move_on_after(delay_s) as self._waiting:
                 first = await stream.receive()

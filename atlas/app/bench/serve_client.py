@@ -1,8 +1,10 @@
 """The HTTP client of `atlas bench serve`: a small HTTP/1.1 reader on asyncio streams.
 
-Chunked or length-delimited bodies, SSE events split on blank lines; one connection per
-request (`Connection: close`). It costs the server's machine little CPU, which matters when
-client and server share a small machine.
+Chunked or length-delimited bodies, SSE events split on blank lines. Connections are kept
+alive and reused, one request at a time each, as the OpenAI SDK's pool does: a new TCP
+connection per request would add the server's accept and connection set-up to every TTFT. It
+costs the server's machine little CPU, which matters when client and server share a small
+machine.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ _TOKENIZE_CONCURRENCY = 16
 
 
 class Endpoint:
-    """Where and how to send: parsed URL, headers, TLS. Raises ValueError for a bad URL."""
+    """Where and how to send: parsed URL, headers, TLS, and the idle kept-alive connections.
+    Raises ValueError for a bad URL."""
 
     def __init__(self, url: str, api_key: str | None) -> None:
         parts = urlsplit(url)
@@ -34,44 +37,82 @@ class Endpoint:
         self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self.base_path = parts.path.rstrip("/")
         self.api_key = api_key
+        self._idle: list[_Connection] = []
 
     def request_bytes(self, method: str, path: str, body: bytes = b"") -> bytes:
         lines = [f"{method} {self.base_path}{path} HTTP/1.1", f"Host: {self.host}:{self.port}",
-                 "Accept: text/event-stream, application/json, text/plain", "Connection: close"]
+                 "Accept: text/event-stream, application/json, text/plain"]
         if body:
             lines += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
         if self.api_key:
             lines.append(f"Authorization: Bearer {self.api_key}")
         return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
+    def take_idle(self) -> _Connection | None:
+        while self._idle:
+            connection = self._idle.pop()
+            if not connection.reader.at_eof() and not connection.writer.is_closing():
+                return connection
+            connection.writer.close()
+        return None
+
+    def give_back(self, connection: _Connection) -> None:
+        """Keep a connection whose response was read to its end, unless the server closes it."""
+        if connection.reusable and not connection.reader.at_eof():
+            self._idle.append(connection)
+        else:
+            connection.writer.close()
+
+
+@dataclass(slots=True)
+class _Connection:
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    reusable: bool = False  # the response was read whole and did not say `Connection: close`
+
 
 async def _open(endpoint: Endpoint, method: str, path: str, body: bytes = b""):
-    """Send a request; returns (status, headers, reader, writer) once the headers are read."""
-    reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port, ssl=endpoint.ssl, limit=1 << 20)
-    writer.write(endpoint.request_bytes(method, path, body))
-    status_line = await reader.readline()
+    """Send a request on an idle connection, else a new one; returns (status, headers,
+    connection) once the headers are read."""
+    data = endpoint.request_bytes(method, path, body)
+    connection = endpoint.take_idle()
+    if connection is not None:
+        try:
+            connection.writer.write(data)
+            status_line = await connection.reader.readline()
+        except OSError:
+            status_line = b""
+        if not status_line:  # the server closed it while idle: send again on a new one
+            connection.writer.close()
+            connection = None
+    if connection is None:
+        reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port, ssl=endpoint.ssl, limit=1 << 20)
+        connection = _Connection(reader, writer)
+        writer.write(data)
+        status_line = await reader.readline()
     if not status_line:
-        writer.close()
+        connection.writer.close()
         raise ConnectionError("the server closed the connection without answering")
     status = int(status_line.split()[1])
     headers = {}
     while True:
-        line = await reader.readline()
+        line = await connection.reader.readline()
         if line in (b"\r\n", b"\n", b""):
             break
         name, _, value = line.decode("latin-1").partition(":")
         headers[name.strip().lower()] = value.strip()
-    return status, headers, reader, writer
+    return status, headers, connection
 
 
-async def _body_pieces(reader: asyncio.StreamReader, headers: dict[str, str]):
-    """The body as it arrives, de-chunked."""
+async def _body_pieces(connection: _Connection, headers: dict[str, str]):
+    """The body as it arrives, de-chunked; marks the connection reusable once it is read whole."""
+    reader = connection.reader
     if headers.get("transfer-encoding", "").lower() == "chunked":
         while True:
             size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
             if size == 0:
                 await reader.readline()
-                return
+                break
             data = await reader.readexactly(size)
             await reader.readexactly(2)
             yield data
@@ -80,16 +121,18 @@ async def _body_pieces(reader: asyncio.StreamReader, headers: dict[str, str]):
     else:
         while data := await reader.read(1 << 16):
             yield data
+        return
+    connection.reusable = headers.get("connection", "").lower() != "close"
 
 
 async def fetch(endpoint: Endpoint, method: str, path: str, payload: dict | None = None) -> tuple[int, bytes]:
     """(status, whole body) of one request; OSError when the server cannot be reached."""
     body = json.dumps(payload).encode() if payload is not None else b""
-    status, headers, reader, writer = await _open(endpoint, method, path, body)
+    status, headers, connection = await _open(endpoint, method, path, body)
     try:
-        return status, b"".join([piece async for piece in _body_pieces(reader, headers)])
+        return status, b"".join([piece async for piece in _body_pieces(connection, headers)])
     finally:
-        writer.close()
+        endpoint.give_back(connection)
 
 
 async def get_json(endpoint: Endpoint, path: str) -> dict:
@@ -132,7 +175,7 @@ async def stream_request(endpoint: Endpoint, path: str, body: bytes, keep_text: 
     started_s = time.perf_counter()
     decode = msgspec.json.Decoder(_StreamChunk).decode
     try:
-        status, headers, reader, writer = await _open(endpoint, "POST", path, body)
+        status, headers, connection = await _open(endpoint, "POST", path, body)
     except (OSError, ValueError, IndexError) as error:
         return StreamResult(False, f"connect: {error}")
     result = StreamResult(True)
@@ -140,9 +183,9 @@ async def stream_request(endpoint: Endpoint, path: str, body: bytes, keep_text: 
     pending = b""
     try:
         if status != 200:
-            text = b"".join([piece async for piece in _body_pieces(reader, headers)])
+            text = b"".join([piece async for piece in _body_pieces(connection, headers)])
             return StreamResult(False, f"HTTP {status}: {text[:200].decode('utf-8', 'replace')}")
-        async for piece in _body_pieces(reader, headers):
+        async for piece in _body_pieces(connection, headers):
             now = time.perf_counter() - started_s
             pending += piece.replace(b"\r\n", b"\n")  # SSE allows CRLF line ends
             *events, pending = pending.split(b"\n\n")
@@ -160,7 +203,7 @@ async def stream_request(endpoint: Endpoint, path: str, body: bytes, keep_text: 
     except (OSError, ValueError, asyncio.IncompleteReadError, msgspec.DecodeError) as error:
         return StreamResult(False, f"stream: {error}")
     finally:
-        writer.close()
+        endpoint.give_back(connection)
     result.latency_s = time.perf_counter() - started_s
     if not result.chunk_times_s:
         return StreamResult(False, "the stream carried no text")
