@@ -32,6 +32,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text, in order; may run them in parallel and without the GIL (so a
+        worker thread can call it while the event loop goes on)."""
+        ...
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def token_to_text(self, token_id: int) -> str:

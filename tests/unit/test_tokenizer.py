@@ -348,3 +348,12 @@ def test_smollm2_agrees_with_transformers(smollm2: Path) -> None:
         assert ours.apply_chat_template(
             conversation, add_generation_prompt=add_generation_prompt
         ) == reference.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def test_encode_batch_gives_each_text_what_encode_gives(tiny_folder: Path) -> None:
+    tokenizer = HfTokenizer.from_folder(tiny_folder)
+    texts = ["hello world", "", "12345 and more", "<|im_start|>user"]
+    for add_special_tokens in (True, False):
+        assert tokenizer.encode_batch(texts, add_special_tokens) == [
+            tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts
+        ]

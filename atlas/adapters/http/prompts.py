@@ -2,17 +2,21 @@
 
 Long texts are tokenized, and long conversations rendered, in a worker thread so one big
 prompt does not stall every other stream on the event loop; short ones (the common case) are
-cheaper to do inline. Where the process has cores to spare, texts of a few thousand characters
-go to a thread too: 64 requests of 2,000-token prompts arriving together (a shared-prefix wave)
-then tokenize side by side (the tokenizers library releases the GIL) instead of queueing one
-after another on the loop at ~1-2 ms each. On a 2-core machine the threads only compete with
-the engine and the loop for the same cores, so it stays inline there (docs/lab/serving-gpu.md).
+cheaper to do inline. The thread encodes every text that is waiting at once through the
+tokenizer's batch call (`Tokenizer.encode_batch`: the tokenizers library's parallel encode,
+GIL released). One text at a time in threads would not help: its single-text encode holds the
+GIL, so 64 threads run one after another and slow the loop besides (an H100 host spent 108 ms
+p50 tokenizing a shared-prefix wave of 64 prompts of 2,080 words that way). Where the process
+has cores to spare, texts of a few thousand characters go to the batch too, so a wave's
+prompts tokenize side by side; on a 2-core machine the library's threads only compete with
+the engine and the loop, so they stay inline there (docs/lab/serving-gpu.md).
 """
-
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,7 +123,58 @@ def _inline_tokenize_chars() -> int:
 async def tokenize(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) <= _inline_tokenize_chars():
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return await anyio.to_thread.run_sync(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    encoder = _batch_encoders.get(tokenizer)
+    if encoder is None:
+        encoder = _batch_encoders[tokenizer] = BatchEncoder(tokenizer)
+    return await encoder.encode(text, add_special_tokens)
+
+
+class BatchEncoder:
+    """Texts to tokenize off the event loop, encoded together: each `encode` joins the texts
+    waiting, and one worker thread at a time runs `encode_batch` over all of them (grouped
+    by `add_special_tokens`). A lone text costs one thread hop; a wave arriving together is
+    encoded in parallel. A failing batch fails each of its texts' `encode` with the error."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._waiting: list[tuple[str, bool, asyncio.Future[list[int]]]] = []
+        self._draining = False
+
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[int]] = loop.create_future()
+        self._waiting.append((text, add_special_tokens, future))
+        if not self._draining:
+            self._draining = True
+            loop.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting, []
+                for flag in (True, False):
+                    group = [(text, future) for text, add_special, future in batch if add_special is flag]
+                    if group:
+                        await self._encode_group(group, flag)
+        finally:
+            self._draining = False
+
+    async def _encode_group(self, group: list[tuple[str, asyncio.Future[list[int]]]], add_special_tokens: bool) -> None:
+        texts = [text for text, _ in group]
+        try:
+            ids = await anyio.to_thread.run_sync(lambda: self._tokenizer.encode_batch(texts, add_special_tokens))
+        except Exception as error:  # every waiting request hears of it; the next batch starts clean
+            for _, future in group:
+                if not future.done():
+                    future.set_exception(error)
+            return
+        for (_, future), token_ids in zip(group, ids):
+            if not future.done():  # its request may have been cancelled meanwhile
+                future.set_result(token_ids)
+
+
+_batch_encoders: weakref.WeakKeyDictionary[Tokenizer, BatchEncoder] = weakref.WeakKeyDictionary()
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> None:

@@ -223,6 +223,10 @@ class HfTokenizer:
         applies (pass False for a rendered chat prompt whose template already wrote them)."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text, in order, on the tokenizers library's threads (GIL released)."""
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; an incomplete UTF-8 tail comes out as U+FFFD."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
