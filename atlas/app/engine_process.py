@@ -70,6 +70,10 @@ _RECEIVE_BYTES = 1 << 20
 # a benchmark's next wave, or a client's next turn, comes within milliseconds of the last
 # stream's end.
 _IDLE_WORK_AFTER_S = 0.5
+# A server busy from its start never has that quiet: after this long, the pieces are done
+# between steps (the pipeline drained first), one every spacing, each a pause of tens of ms.
+_FORCE_IDLE_WORK_AFTER_S = 10.0
+_FORCED_IDLE_WORK_SPACING_S = 1.0
 _EXIT_WAIT_S = 10.0
 
 
@@ -113,7 +117,18 @@ class EngineLoop:
 
     def _run(self, core: EngineCore, trace: StepTrace | None) -> None:
         busy_s = time.monotonic()  # when the engine last had work or a command
+        forced_s = busy_s + _FORCE_IDLE_WORK_AFTER_S  # when busy steps give way to idle work
         while True:
+            if self._has_idle_work and core.has_unfinished and time.monotonic() >= forced_s:
+                # never quiet since startup: drain the pipeline and do a piece between steps
+                try:
+                    drained = core.drain()
+                except Exception as error:
+                    self.send(Crashed(f"{type(error).__name__}: {error}"))
+                    raise
+                self.send(StepOutputs(drained, [], core.stats()))
+                self._do_idle_work()
+                forced_s = time.monotonic() + _FORCED_IDLE_WORK_SPACING_S
             idle = not core.has_unfinished
             quiet = _IDLE_WORK_AFTER_S - (time.monotonic() - busy_s)
             wait = None if not self._has_idle_work else max(quiet, 0.0)  # None: until a command
@@ -123,11 +138,7 @@ class EngineLoop:
             if commands or not idle:
                 busy_s = time.monotonic()
             elif self._has_idle_work and quiet <= 0:
-                try:
-                    self._has_idle_work = self._idle_work()  # nothing in flight: e.g. a deferred graph
-                except Exception as error:
-                    self.send(Crashed(f"{type(error).__name__}: {error}"))
-                    raise
+                self._do_idle_work()
                 continue
             failures: list[RequestFailure] = []
             for command in commands:
@@ -143,6 +154,15 @@ class EngineLoop:
                 self.send(StepOutputs(outputs, failures, core.stats()))
             elif commands:
                 self.send(StepOutputs([], failures, core.stats()))
+
+    def _do_idle_work(self) -> None:
+        """One piece of the startup's leftover work (nothing may be in flight); a failure is
+        reported as Crashed and re-raised, as a step's is."""
+        try:
+            self._has_idle_work = self._idle_work()
+        except Exception as error:
+            self.send(Crashed(f"{type(error).__name__}: {error}"))
+            raise
 
     def _apply(self, command: Command, failures: list[RequestFailure]) -> None:
         if isinstance(command, AbortRequest):

@@ -183,6 +183,15 @@ class EngineCore:
             self._start_masks(batch)
         return outputs
 
+    def drain(self) -> list[SequenceOutput]:
+        """Commit every step in flight and return their outputs: afterwards nothing runs on
+        the device (the worker's buffers are free, e.g. to capture a graph) until the next
+        `step`, which schedules as usual."""
+        outputs: list[SequenceOutput] = []
+        while self._in_flight:
+            outputs += self._commit_oldest()
+        return outputs
+
     def close(self) -> None:
         """Stop the mask thread (a later constrained step starts it again)."""
         thread, self._mask_thread = self._mask_thread, None

@@ -27,15 +27,16 @@ def build(up_to: int | None):
     return worker, EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, frozenset())
 
 
-def run(core: EngineCore, between_steps=lambda: None) -> dict[str, list[int]]:
+def run(core: EngineCore, between_steps=lambda: []) -> dict[str, list[int]]:
+    """Greedy tokens of six requests; `between_steps()` may return outputs of its own (a
+    drain's), recorded in order with the steps'."""
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     for index in range(6):
         core.add_request(Request(f"r{index}", (3 + index, 9, 13, 17, 21), params, seed=index))
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished:
-        for output in core.step():
+        for output in core.step() + between_steps():
             tokens.setdefault(output.seq_id, []).extend(output.new_token_ids)
-        between_steps()
     return tokens
 
 
@@ -61,6 +62,32 @@ def test_deferred_buckets_run_eagerly_until_captured_when_idle():
     assert run(core) == deferred_tokens  # the same core again, now from the graphs
     assert 8 in buckets
     assert run(reference) == deferred_tokens
+
+
+def test_a_busy_engine_drains_and_captures_between_steps_without_changing_its_output():
+    worker, core = build(up_to=2)
+    _, reference = build(up_to=None)
+    captured_while_busy = []
+
+    def capture_now() -> list:
+        if not (worker.num_deferred_graphs and core.has_unfinished):
+            return []
+        drained = core.drain()  # nothing in flight afterwards
+        captured_while_busy.append(worker.capture_next_graph())
+        return drained
+
+    buckets = []
+    original = worker._forward
+
+    def recording(batch, bucket, packed, observer=None):
+        buckets.append(bucket)
+        return original(batch, bucket, packed, observer)
+
+    worker._forward = recording
+    tokens = run(core, between_steps=capture_now)
+    assert captured_while_busy == [True, True] and worker.num_deferred_graphs == 0
+    assert 8 in buckets  # the six sequences' decodes replayed bucket 8 once it was captured
+    assert tokens == run(reference)
 
 
 def test_every_bucket_is_captured_at_startup_without_a_limit():
@@ -105,3 +132,58 @@ def test_the_engine_process_loop_does_idle_work_until_none_is_left_then_waits():
     finally:
         engine_side.close()
         api_side.close()
+
+
+def test_an_engine_busy_from_its_start_does_its_idle_work_between_steps(monkeypatch):
+    import socket
+    import threading
+
+    import msgspec
+
+    from atlas.app import engine_process
+    from atlas.app.engine_actor import Shutdown
+    from atlas.app.engine_protocol import Commands, FrameBuffer, frame
+    from atlas.domain.engine import EngineStats
+
+    monkeypatch.setattr(engine_process, "_FORCE_IDLE_WORK_AFTER_S", 0.05)
+    monkeypatch.setattr(engine_process, "_FORCED_IDLE_WORK_SPACING_S", 0.01)
+    events = []
+
+    class BusyCore:
+        has_unfinished = True
+
+        def step(self):
+            events.append("step")
+            threading.Event().wait(0.002)
+            return []
+
+        def drain(self):
+            events.append("drain")
+            return []
+
+        def stats(self):
+            return EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
+
+    def idle_work() -> bool:
+        events.append("work")
+        return events.count("work") < 2
+
+    engine_side, api_side = socket.socketpair()
+    loop = engine_process.EngineLoop(BusyCore(), engine_side, FrameBuffer(), idle_work)
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        for _ in range(300):
+            if events.count("work") == 2:
+                break
+            threading.Event().wait(0.01)
+        api_side.sendall(frame(msgspec.msgpack.encode(Commands([Shutdown()]))))
+        thread.join(timeout=5)
+        assert not thread.is_alive()
+    finally:
+        engine_side.close()
+        api_side.close()
+    assert events.count("work") == 2  # then none is left: no more drains
+    first = events.index("work")
+    assert events[first - 1] == "drain" and events.index("step") < first  # steps ran first, then a drain
+    assert events.count("drain") == 2
