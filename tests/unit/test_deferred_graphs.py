@@ -27,6 +27,19 @@ def build(up_to: int | None):
     return worker, EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, frozenset())
 
 
+def record_buckets(worker) -> list[int | None]:
+    """The graph bucket of each step the worker runs from now on (None: eager)."""
+    buckets: list[int | None] = []
+    forward = worker._forward
+
+    def recording(batch, bucket, packed, observer=None):
+        buckets.append(bucket)
+        return forward(batch, bucket, packed, observer)
+
+    worker._forward = recording
+    return buckets
+
+
 def run(core: EngineCore, between_steps=lambda: []) -> dict[str, list[int]]:
     """Greedy tokens of six requests; `between_steps()` may return outputs of its own (a
     drain's), recorded in order with the steps'."""
@@ -43,14 +56,7 @@ def run(core: EngineCore, between_steps=lambda: []) -> dict[str, list[int]]:
 def test_deferred_buckets_run_eagerly_until_captured_when_idle():
     worker, core = build(up_to=2)
     assert worker.num_deferred_graphs == 2  # 4 and 8
-    buckets = []
-    original = worker._forward
-
-    def recording(batch, bucket, packed, observer=None):
-        buckets.append(bucket)
-        return original(batch, bucket, packed, observer)
-
-    worker._forward = recording
+    buckets = record_buckets(worker)
     deferred_tokens = run(core)
     assert 8 not in buckets and 4 not in buckets  # six sequences decoded eagerly, not in bucket 8
     assert None in buckets
@@ -76,14 +82,7 @@ def test_a_busy_engine_drains_and_captures_between_steps_without_changing_its_ou
         captured_while_busy.append(worker.capture_next_graph())
         return drained
 
-    buckets = []
-    original = worker._forward
-
-    def recording(batch, bucket, packed, observer=None):
-        buckets.append(bucket)
-        return original(batch, bucket, packed, observer)
-
-    worker._forward = recording
+    buckets = record_buckets(worker)
     tokens = run(core, between_steps=capture_now)
     assert captured_while_busy == [True, True] and worker.num_deferred_graphs == 0
     assert 8 in buckets  # the six sequences' decodes replayed bucket 8 once it was captured
