@@ -243,12 +243,16 @@ def build_engine(
         now = [size for size in worker.graph_batch_sizes if up_to is None or size <= up_to]
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, now)))
         worker.capture_graphs(up_to)
+    # Ranks skip it: each rank's store could answer differently, and their forwards must pair.
+    warmed = () if is_rank else worker.warm_up()
     tuning = backend.setup_summary()
     sizes = worker.graph_batch_sizes
     captured = f"{len(sizes)} decode graphs (batch {sizes[0]}-{sizes[-1]})" if sizes else "no graphs (eager)"
     if worker.num_deferred_graphs:
         captured = (f"{len(sizes) - worker.num_deferred_graphs} of {captured}, "
                     f"{worker.num_deferred_graphs} more when idle")
+    if warmed:
+        captured += f"; warm-up forwards of {', '.join(map(str, warmed))} tokens"
     phases.lap("graphs", f"{captured}; {tuning}" if tuning else captured)
     grammars = None if is_rank else engine_grammars(tokenizer, model_dir, config.vocab_size)
     core = make_core(settings, model.cache_groups, num_pages, worker, max_model_len, config.vocab_size, tokenizer,

@@ -158,6 +158,42 @@ def build_step_inputs(
     )
 
 
+def warm_up_inputs(num_tokens: int, layout: CacheLayout, num_sample_slots: int, max_seq_len: int) -> HostStepInputs:
+    """A prefill of `num_tokens` tokens (token id 0) that touches no sequence's cache: for a
+    forward that only prepares the kernels of its size (`Worker.warm_up`).
+
+    The tokens form sequences of at most `max_seq_len` from position 0, every table entry and
+    every slot in each group's scratch page (slot = position % block size, so the page's slots
+    are all written before attention reads them), a fresh state slot per recurrent group. The
+    first min(`num_tokens`, `num_sample_slots`) rows are sampled, so the LM head runs at the
+    sizes decode steps give it. Raises ValueError for a size below 1.
+    """
+    if num_tokens < 1 or max_seq_len < 1:
+        raise ValueError(f"warm_up_inputs: {num_tokens} tokens in sequences of {max_seq_len}")
+    seq_lens = np.full(-(-num_tokens // max_seq_len), max_seq_len, np.int32)
+    seq_lens[-1] = num_tokens - max_seq_len * (len(seq_lens) - 1)
+    query_start = np.zeros(len(seq_lens) + 1, np.int32)
+    np.cumsum(seq_lens, out=query_start[1:])
+    positions = (np.arange(num_tokens) - np.repeat(query_start[:-1], seq_lens)).astype(np.int32)
+    scratch = np.asarray(layout.kv_scratch_blocks, np.int32)
+    return HostStepInputs(
+        token_ids=np.zeros(num_tokens, np.int32),
+        positions=positions,
+        slot_mapping=(scratch[:, None] * layout.block_size + positions % layout.block_size).astype(np.int32),
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        block_tables=np.broadcast_to(scratch[None, :, None], (len(seq_lens), len(scratch), layout.table_width)),
+        state_slots=np.broadcast_to(
+            np.asarray(layout.state_scratch_slots, np.int32)[:, None], (layout.num_state_groups, len(seq_lens))
+        ),
+        sample_indices=np.arange(min(num_tokens, num_sample_slots), dtype=np.int32),
+        token_gather=np.arange(num_sample_slots, num_sample_slots + num_tokens, dtype=np.int32),
+        has_placeholders=False,
+        max_query_len=int(seq_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
 def _check_groups(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -> bool:
     """Whether the batch's tables are `block_ids` alone (a lone full-attention group, with no
     `kv_block_tables`). Raises ValueError unless every sequence carries a table per KV group

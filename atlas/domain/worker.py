@@ -37,7 +37,14 @@ from atlas.domain.models.layers import GroupMetadata
 from atlas.domain.models.model import LayerObserver, Model, StepTensors
 from atlas.domain.sampling import PackedSampling, RowPacker
 from atlas.domain.step_buffers import StepBuffers
-from atlas.domain.step_inputs import CacheLayout, HostStepInputs, TableRows, build_step_inputs, pad_decode_inputs
+from atlas.domain.step_inputs import (
+    CacheLayout,
+    HostStepInputs,
+    TableRows,
+    build_step_inputs,
+    pad_decode_inputs,
+    warm_up_inputs,
+)
 from atlas.domain.token_mask import bitmask_width
 from atlas.ports.gpu import DType, GpuBackend, Graph, PendingDownload, Tensor
 from atlas.ports.kernels.sampling import LogprobsOut
@@ -220,6 +227,39 @@ class Worker:
             return False
         self._capture_bucket(self._deferred.pop(0))
         return True
+
+    def warm_up(self) -> tuple[int, ...]:
+        """Run eager forwards of the step sizes whose first step would still make the backend
+        prepare something slow (time GEMM algorithms, `Device.untuned_token_counts`), so live
+        traffic never waits for it; returns the sizes run. Call it with no step in flight.
+
+        The sizes are 16, 32, .. tokens up to the worker's `max_num_tokens` (the buckets a
+        backend tunes by). The smallest runs whenever the backend prepares anything lazily (it
+        shows the backend the model's products); the others only where the backend says so, so
+        a restart with a store of the winners costs one small forward.
+        """
+        max_tokens = self.config.max_num_tokens
+        buckets = (1 << exponent for exponent in range(4, max_tokens.bit_length() + 2))
+        sizes = tuple(sorted({min(bucket, max_tokens) for bucket in buckets}))
+        todo = self.backend.untuned_token_counts(sizes[:1])
+        if todo is None:
+            return ()
+        ran = list(todo)
+        for num_tokens in todo:
+            self._warm_up_forward(num_tokens)
+        for num_tokens in self.backend.untuned_token_counts(sizes[1:]) or ():
+            self._warm_up_forward(num_tokens)
+            ran.append(num_tokens)
+        return tuple(ran)
+
+    def _warm_up_forward(self, num_tokens: int) -> None:
+        buffers = self.buffers
+        inputs = warm_up_inputs(num_tokens, self.cache_layout, buffers.max_seqs, self.config.max_model_len)
+        buffers.stage_inputs(inputs)
+        buffers.send()
+        buffers.gather_tokens(num_tokens)
+        self.model.forward(self._step_tensors(inputs), self.caches, self.workspace, inputs.num_sample_rows)
+        self.backend.synchronize()
 
     def _capture_bucket(self, bucket: int) -> None:
         if bucket not in self._graphs:

@@ -243,6 +243,14 @@ class Device(Protocol):
         there was none."""
         ...
 
+    def untuned_token_counts(self, token_counts: Sequence[int]) -> tuple[int, ...] | None:
+        """Of the step sizes `token_counts` (tokens in one step), those whose first eager step
+        would still prepare something slow for the products the steps so far ran (CUDA: time
+        the GEMM algorithms of a token bucket that has no stored winner); all of them before
+        any product ran. None when the backend prepares nothing lazily (no warm-up is worth
+        running). The worker runs a forward of each at startup (`Worker.warm_up`)."""
+        ...
+
 
 class GpuBackend(Device, Protocol):
     """A device with its kernel kinds. Each property returns that kind's kernels; reaching one

@@ -141,3 +141,26 @@ def test_token_counts_of_one_bucket_reuse_its_algorithm_without_the_heuristic(cu
         run(num_tokens)
     assert gemm.stats.num_heuristics == heuristics
     assert gemm.stats.num_derived == derived + 4
+
+
+@pytest.mark.gpu
+def test_untuned_token_counts_name_the_buckets_without_a_stored_winner(tmp_path, rng):
+    """What `Worker.warm_up` asks: every size before any product ran; afterwards the sizes whose
+    bucket lacks a winner for a shape seen; a fresh backend over the same store only the sizes
+    no earlier process tuned."""
+    from atlas.adapters import cuda
+
+    if not cuda.available():
+        pytest.skip("no CUDA GPU")
+    weight = bf16(rng.standard_normal((3072, 2048)) / 45)
+    sizes = (16, 32, 300, 1000)
+    for run, tuned_before in enumerate(((), (16, 300))):
+        backend = cuda_test_backend(tmp_path)
+        weight_device = backend.upload(weight, DType.BF16)
+        assert backend.untuned_token_counts(sizes) == sizes  # no product yet
+        for num_tokens in (16, 300) if run == 0 else (16,):
+            x = bf16(rng.standard_normal((num_tokens, 2048)))
+            backend.linear(backend.upload(x, DType.BF16), weight_device, poisoned(backend, (num_tokens, 3072),
+                                                                                DType.BF16))
+        assert backend.untuned_token_counts(sizes) == tuple(n for n in sizes if n not in tuned_before + (16, 300))
+        backend.close()

@@ -225,3 +225,9 @@ class CudaGpuBackend:
 
     def setup_summary(self) -> str:
         return TuningStats.describe([self._linear.tuning_stats, self._fp8.tuning_stats])
+
+    def untuned_token_counts(self, token_counts: Sequence[int]) -> tuple[int, ...]:
+        planned = [gemm.untuned(token_counts) for gemm in (self._linear.gemm, self._fp8.gemm) if gemm is not None]
+        if all(untuned is None for untuned in planned):
+            return tuple(token_counts)  # no product ran yet: every size may tune
+        return tuple(n for n in token_counts if any(untuned is not None and n in untuned for untuned in planned))

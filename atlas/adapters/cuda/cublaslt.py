@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -200,6 +201,20 @@ class CublasLtGemm:
             self._choose(plan, timed, may_synchronize)
         self._enqueue(plan, plan.choice, operands)
 
+    def untuned(self, token_counts: Sequence[int]) -> tuple[int, ...] | None:
+        """Of the step sizes `token_counts`, those whose token bucket lacks a stored winner for
+        a shape planned so far (its first call there would time candidates); () with tuning
+        off, None when no shape was planned yet."""
+        if self._tuning is None:
+            return ()
+        shapes = {key[1:] for key in self._plans}
+        if not shapes:
+            return None
+        return tuple(
+            n for n in token_counts
+            if any(self._tuning.get(_tuning_key(token_bucket(n), shape)) is None for shape in shapes)
+        )
+
     def _enqueue(self, plan: _Plan, candidate: int, operands: tuple[int, int, int]) -> None:
         x_address, w_address, out_address = operands
         a_layout, b_layout, d_layout = plan.layouts
@@ -226,9 +241,11 @@ class CublasLtGemm:
         """Take the bucket's stored winner when the candidates hold it; else time them all (only
         when allowed to synchronise) and store the fastest."""
         assert self._tuning is not None and self._timer is not None
-        if len(plan.candidates) == 1:
-            return
         winner = self._tuning.get(plan.tuning_key)
+        if len(plan.candidates) == 1:
+            if winner is None:  # stored all the same: the bucket counts as tuned (`untuned`)
+                self._tuning.put(plan.tuning_key, plan.algorithm_bytes(0))
+            return
         if winner is not None:
             for index in range(len(plan.candidates)):
                 if plan.algorithm_bytes(index) == winner:
@@ -353,11 +370,8 @@ class CublasLtGemm:
             if num_rows * inner * in_dtype.itemsize > self._l2_bytes:
                 variants.append(self._tile_variants(descriptor, layouts, candidates[0], num_tokens, candidates))
             candidates = np.concatenate([candidates, *variants])
-        key = f"{token_bucket(num_tokens)},{num_rows},{inner},{in_dtype.value},{out_dtype.value},{int(with_bias)}"
-        if accumulate:
-            key += ",accumulate"
-        if scale_modes is not None:
-            key += ",scales{},{}".format(*scale_modes)
+        key = _tuning_key(token_bucket(num_tokens), (num_rows, inner, in_dtype, out_dtype, with_bias, accumulate,
+                                                     scale_modes))
         return _Plan(descriptor, layouts, candidates, 0, key, bias_attribute, accumulate, scale_modes is not None)
 
     def _heuristic(self, descriptor: int, layouts: tuple[int, int, int], wanted: int) -> np.ndarray:
@@ -477,6 +491,18 @@ def _destroy(descriptor: int, layouts: tuple[int, int, int]) -> None:
     for layout in layouts:
         lt.matrix_layout_destroy(layout)
     lt.matmul_desc_destroy(descriptor)
+
+
+def _tuning_key(bucket: int, shape: tuple) -> str:
+    """The store's key of a token bucket and a shape (M, K, in and out dtypes, bias,
+    accumulate, FP8 scale modes or None): the plans of a bucket share their winner."""
+    num_rows, inner, in_dtype, out_dtype, with_bias, accumulate, scale_modes = shape
+    key = f"{bucket},{num_rows},{inner},{in_dtype.value},{out_dtype.value},{int(with_bias)}"
+    if accumulate:
+        key += ",accumulate"
+    if scale_modes is not None:
+        key += ",scales{},{}".format(*scale_modes)
+    return key
 
 
 def _set(descriptor: int, attribute: lt.MatmulDescAttribute, value: int) -> None:

@@ -684,6 +684,11 @@ class LinearOp:
             )
 
     @property
+    def gemm(self) -> CublasLtGemm | None:
+        """Its cuBLASLt wrapper (None once closed)."""
+        return self._gemm
+
+    @property
     def tuning_stats(self) -> TuningStats:
         """Its cuBLASLt wrapper's shapes and tuning time so far (empty once closed)."""
         return self._gemm.stats if self._gemm is not None else TuningStats()

@@ -198,6 +198,9 @@ class MockGpuBackend:
     def setup_summary(self) -> str:
         return ""  # numpy needs no tuning
 
+    def untuned_token_counts(self, token_counts: Sequence[int]) -> None:
+        return None  # numpy prepares nothing per size
+
 
 def _default_memory_bytes() -> int:
     try:
