@@ -6,6 +6,7 @@ weights onto the chosen backend, sizes the KV cache, and wires scheduler, worker
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Callable, Sequence
@@ -244,7 +245,7 @@ def build_engine(
         log.info("capturing decode graphs for batch sizes %s", ", ".join(map(str, now)))
         worker.capture_graphs(up_to)
     # Ranks skip it: each rank's store could answer differently, and their forwards must pair.
-    warmed = () if is_rank else worker.warm_up()
+    warmed = () if is_rank else worker.warm_up(_products_key(config, settings))
     tuning = backend.setup_summary()
     sizes = worker.graph_batch_sizes
     captured = f"{len(sizes)} decode graphs (batch {sizes[0]}-{sizes[-1]})" if sizes else "no graphs (eager)"
@@ -271,6 +272,13 @@ def build_engine(
         weight_bytes=weight_bytes,
         idle_work=worker.capture_next_graph,
     )
+
+
+def _products_key(config: ModelConfig, settings: EngineSettings) -> str:
+    """What decides a model's GEMM shapes (its config and the load-time quantization), hashed:
+    the key a backend records startup warm-ups under (`Worker.warm_up`)."""
+    text = json.dumps(config.raw, sort_keys=True, default=str) + settings.quantization
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def engine_grammars(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int) -> GrammarCache:

@@ -228,29 +228,28 @@ class Worker:
         self._capture_bucket(self._deferred.pop(0))
         return True
 
-    def warm_up(self) -> tuple[int, ...]:
-        """Run eager forwards of the step sizes whose first step would still make the backend
-        prepare something slow (time GEMM algorithms, `Device.untuned_token_counts`), so live
-        traffic never waits for it; returns the sizes run. Call it with no step in flight.
+    def warm_up(self, key: str) -> tuple[int, ...]:
+        """Run eager forwards of the step sizes whose first step may still make the backend
+        prepare something slow (time GEMM algorithms: `Device.unprepared_token_counts`), so
+        live traffic never waits for it; returns those sizes. `key` names the model's products
+        (the backend remembers warm-ups under it across restarts). Call it with no step in
+        flight.
 
-        The sizes are 16, 32, .. tokens up to the worker's `max_num_tokens` (the buckets a
-        backend tunes by). The smallest runs whenever the backend prepares anything lazily (it
-        shows the backend the model's products); the others only where the backend says so, so
-        a restart with a store of the winners costs one small forward.
+        The sizes are 16, 32, .. tokens up to the worker's `max_num_tokens`: the token buckets
+        a backend tunes by, each forward sampling as many rows as a step can (the LM head's
+        sizes). A restart whose backend recorded them all runs none.
         """
         max_tokens = self.config.max_num_tokens
         buckets = (1 << exponent for exponent in range(4, max_tokens.bit_length() + 2))
         sizes = tuple(sorted({min(bucket, max_tokens) for bucket in buckets}))
-        todo = self.backend.untuned_token_counts(sizes[:1])
-        if todo is None:
+        key = f"{key}/{self.buffers.max_seqs}"  # the LM head's sizes go up to it
+        todo = self.backend.unprepared_token_counts(key, sizes)
+        if not todo:
             return ()
-        ran = list(todo)
         for num_tokens in todo:
             self._warm_up_forward(num_tokens)
-        for num_tokens in self.backend.untuned_token_counts(sizes[1:]) or ():
-            self._warm_up_forward(num_tokens)
-            ran.append(num_tokens)
-        return tuple(ran)
+        self.backend.record_prepared(key, todo)
+        return todo
 
     def _warm_up_forward(self, num_tokens: int) -> None:
         buffers = self.buffers

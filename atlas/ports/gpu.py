@@ -243,12 +243,17 @@ class Device(Protocol):
         there was none."""
         ...
 
-    def untuned_token_counts(self, token_counts: Sequence[int]) -> tuple[int, ...] | None:
+    def unprepared_token_counts(self, key: str, token_counts: Sequence[int]) -> tuple[int, ...] | None:
         """Of the step sizes `token_counts` (tokens in one step), those whose first eager step
-        would still prepare something slow for the products the steps so far ran (CUDA: time
-        the GEMM algorithms of a token bucket that has no stored winner); all of them before
-        any product ran. None when the backend prepares nothing lazily (no warm-up is worth
-        running). The worker runs a forward of each at startup (`Worker.warm_up`)."""
+        may still prepare something slow (CUDA: time GEMM algorithms): the sizes no
+        `record_prepared` under `key` recorded, in this process or (CUDA: in the store of tuned
+        algorithms) an earlier one. `key` names a set of products (a hash of the model's
+        config). None when the backend prepares nothing lazily: no warm-up is worth running.
+        `Worker.warm_up` runs a forward of each at startup, so live traffic never waits."""
+        ...
+
+    def record_prepared(self, key: str, token_counts: Sequence[int]) -> None:
+        """Remember that forwards of `token_counts` ran over the products `key` names."""
         ...
 
 

@@ -144,23 +144,20 @@ def test_token_counts_of_one_bucket_reuse_its_algorithm_without_the_heuristic(cu
 
 
 @pytest.mark.gpu
-def test_untuned_token_counts_name_the_buckets_without_a_stored_winner(tmp_path, rng):
-    """What `Worker.warm_up` asks: every size before any product ran; afterwards the sizes whose
-    bucket lacks a winner for a shape seen; a fresh backend over the same store only the sizes
-    no earlier process tuned."""
+def test_warm_ups_are_recorded_per_key_across_restarts(tmp_path):
+    """What `Worker.warm_up` asks: the sizes no earlier warm-up under the same key recorded,
+    in this process or one before (the store on disk); another key has none recorded."""
     from atlas.adapters import cuda
 
     if not cuda.available():
         pytest.skip("no CUDA GPU")
-    weight = bf16(rng.standard_normal((3072, 2048)) / 45)
-    sizes = (16, 32, 300, 1000)
-    for run, tuned_before in enumerate(((), (16, 300))):
-        backend = cuda_test_backend(tmp_path)
-        weight_device = backend.upload(weight, DType.BF16)
-        assert backend.untuned_token_counts(sizes) == sizes  # no product yet
-        for num_tokens in (16, 300) if run == 0 else (16,):
-            x = bf16(rng.standard_normal((num_tokens, 2048)))
-            backend.linear(backend.upload(x, DType.BF16), weight_device, poisoned(backend, (num_tokens, 3072),
-                                                                                DType.BF16))
-        assert backend.untuned_token_counts(sizes) == tuple(n for n in sizes if n not in tuned_before + (16, 300))
-        backend.close()
+    sizes = (16, 32, 300)
+    backend = cuda_test_backend(tmp_path)
+    assert backend.unprepared_token_counts("model-a", sizes) == sizes
+    backend.record_prepared("model-a", (16, 300))
+    assert backend.unprepared_token_counts("model-a", sizes) == (32,)
+    backend.close()
+    restarted = cuda_test_backend(tmp_path)
+    assert restarted.unprepared_token_counts("model-a", sizes) == (32,)
+    assert restarted.unprepared_token_counts("model-b", sizes) == sizes
+    restarted.close()

@@ -21,19 +21,20 @@ NUM_BLOCKS, BLOCK_SIZE, MAX_LEN, MAX_TOKENS = 48, 4, 40, 100
 
 
 class TuningBackend(MockGpuBackend):
-    """The mock, answering `untuned_token_counts` like a backend with a store of winners: a
-    size is untuned until a forward of its bucket ran; before any forward, every size is."""
+    """The mock, answering like a backend with a store of warm-ups: a size is unprepared
+    until `record_prepared` named it under the same key (a restart keeps `recorded`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, recorded: set[tuple[str, int]] = frozenset()) -> None:
         super().__init__()
-        self.queries: list[tuple[int, ...]] = []
-        self.tuned: set[int] | None = None  # None: no product ran yet
+        self.queries: list[tuple[str, tuple[int, ...]]] = []
+        self.recorded = set(recorded)
 
-    def untuned_token_counts(self, token_counts):
-        self.queries.append(tuple(token_counts))
-        if self.tuned is None:
-            return tuple(token_counts)
-        return tuple(n for n in token_counts if n not in self.tuned)
+    def unprepared_token_counts(self, key, token_counts):
+        self.queries.append((key, tuple(token_counts)))
+        return tuple(n for n in token_counts if (key, n) not in self.recorded)
+
+    def record_prepared(self, key, token_counts):
+        self.recorded |= {(key, n) for n in token_counts}
 
 
 def build(backend: MockGpuBackend):
@@ -45,8 +46,6 @@ def build(backend: MockGpuBackend):
 
     def recording(num_tokens: int) -> None:
         forwards.append(num_tokens)
-        if isinstance(backend, TuningBackend):
-            backend.tuned = (backend.tuned or set()) | {num_tokens}
         forward(num_tokens)
 
     worker._warm_up_forward = recording
@@ -65,22 +64,25 @@ def greedy(core: EngineCore) -> dict[str, list[int]]:
     return tokens
 
 
-def test_warm_up_runs_the_smallest_size_then_the_ones_the_backend_names():
+def test_warm_up_runs_the_sizes_the_backend_has_no_record_of():
     backend = TuningBackend()
     worker, _, forwards = build(backend)
-    assert worker.warm_up() == (16, 32, 64, 100)  # the buckets of up to 100 tokens, the last one 100 itself
+    assert worker.warm_up("llama") == (16, 32, 64, 100)  # the buckets of up to 100 tokens, the last 100 itself
     assert forwards == [16, 32, 64, 100]
-    assert backend.queries == [(16,), (32, 64, 100)]
+    assert backend.queries == [("llama/8", (16, 32, 64, 100))]  # the key names the sampled rows too
+    assert backend.recorded == {("llama/8", n) for n in (16, 32, 64, 100)}
 
-    backend.tuned, backend.queries = {16, 32, 100}, []  # a restart with a store lacking bucket 64
-    forwards.clear()
-    assert worker.warm_up() == (64,)
+    restarted = TuningBackend(recorded={("llama/8", n) for n in (16, 32, 100)})  # a store lacking 64
+    worker, _, forwards = build(restarted)
+    assert worker.warm_up("llama") == (64,)
     assert forwards == [64]
+    assert worker.warm_up("llama") == () and forwards == [64]  # all recorded: nothing runs
+    assert worker.warm_up("qwen") == (16, 32, 64, 100)  # another model's products
 
 
 def test_a_backend_that_tunes_nothing_gets_no_forward():
     worker, _, forwards = build(MockGpuBackend())
-    assert worker.warm_up() == ()
+    assert worker.warm_up("llama") == ()
     assert forwards == []
 
 
@@ -89,7 +91,7 @@ def test_warm_up_writes_only_scratch_pages_and_changes_no_token():
     worker, core, _ = build(backend)
     _, reference, _ = build(MockGpuBackend())
     before = [(cache.keys.copy(), cache.values.copy()) for cache in worker.caches]
-    worker.warm_up()
+    worker.warm_up("llama")
     scratch = worker.cache_layout.kv_scratch_blocks[0]
     for cache, (keys, values) in zip(worker.caches, before):
         for new, old in ((cache.keys, keys), (cache.values, values)):

@@ -226,8 +226,15 @@ class CudaGpuBackend:
     def setup_summary(self) -> str:
         return TuningStats.describe([self._linear.tuning_stats, self._fp8.tuning_stats])
 
-    def untuned_token_counts(self, token_counts: Sequence[int]) -> tuple[int, ...]:
-        planned = [gemm.untuned(token_counts) for gemm in (self._linear.gemm, self._fp8.gemm) if gemm is not None]
-        if all(untuned is None for untuned in planned):
-            return tuple(token_counts)  # no product ran yet: every size may tune
-        return tuple(n for n in token_counts if any(untuned is not None and n in untuned for untuned in planned))
+    def unprepared_token_counts(self, key: str, token_counts: Sequence[int]) -> tuple[int, ...] | None:
+        """Of the step sizes, those whose warm-up under `key` the cuBLASLt store has no record
+        of; None with tuning off (nothing is timed lazily)."""
+        store = self._linear.gemm.tuning if self._linear.gemm is not None else None
+        if store is None:
+            return None
+        return tuple(n for n in token_counts if store.get(f"warm-up {key} {n}") is None)
+
+    def record_prepared(self, key: str, token_counts: Sequence[int]) -> None:
+        store = self._linear.gemm.tuning if self._linear.gemm is not None else None
+        if store is not None:
+            store.put_many({f"warm-up {key} {n}": b"" for n in token_counts})

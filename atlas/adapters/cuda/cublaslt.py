@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,19 +200,10 @@ class CublasLtGemm:
             self._choose(plan, timed, may_synchronize)
         self._enqueue(plan, plan.choice, operands)
 
-    def untuned(self, token_counts: Sequence[int]) -> tuple[int, ...] | None:
-        """Of the step sizes `token_counts`, those whose token bucket lacks a stored winner for
-        a shape planned so far (its first call there would time candidates); () with tuning
-        off, None when no shape was planned yet."""
-        if self._tuning is None:
-            return ()
-        shapes = {key[1:] for key in self._plans}
-        if not shapes:
-            return None
-        return tuple(
-            n for n in token_counts
-            if any(self._tuning.get(_tuning_key(token_bucket(n), shape)) is None for shape in shapes)
-        )
+    @property
+    def tuning(self) -> GemmTuningStore | None:
+        """The store of winners (None with tuning off)."""
+        return self._tuning
 
     def _enqueue(self, plan: _Plan, candidate: int, operands: tuple[int, int, int]) -> None:
         x_address, w_address, out_address = operands
@@ -241,11 +231,9 @@ class CublasLtGemm:
         """Take the bucket's stored winner when the candidates hold it; else time them all (only
         when allowed to synchronise) and store the fastest."""
         assert self._tuning is not None and self._timer is not None
-        winner = self._tuning.get(plan.tuning_key)
         if len(plan.candidates) == 1:
-            if winner is None:  # stored all the same: the bucket counts as tuned (`untuned`)
-                self._tuning.put(plan.tuning_key, plan.algorithm_bytes(0))
             return
+        winner = self._tuning.get(plan.tuning_key)
         if winner is not None:
             for index in range(len(plan.candidates)):
                 if plan.algorithm_bytes(index) == winner:

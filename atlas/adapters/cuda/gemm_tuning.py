@@ -96,7 +96,12 @@ class GemmTuningStore:
 
     def put(self, key: str, algorithm: bytes) -> None:
         """Record a winner and rewrite the file (atomically: temporary name, then rename)."""
-        self._winners[key] = algorithm
+        self.put_many({key: algorithm})
+
+    def put_many(self, entries: dict[str, bytes]) -> None:
+        """Record several entries (winners, or a warm-up's markers: empty bytes) and rewrite
+        the file once."""
+        self._winners.update(entries)
         if self.path is None:
             return
         try:

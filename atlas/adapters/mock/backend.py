@@ -198,8 +198,11 @@ class MockGpuBackend:
     def setup_summary(self) -> str:
         return ""  # numpy needs no tuning
 
-    def untuned_token_counts(self, token_counts: Sequence[int]) -> None:
+    def unprepared_token_counts(self, key: str, token_counts: Sequence[int]) -> None:
         return None  # numpy prepares nothing per size
+
+    def record_prepared(self, key: str, token_counts: Sequence[int]) -> None:
+        pass
 
 
 def _default_memory_bytes() -> int:
