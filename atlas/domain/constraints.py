@@ -239,6 +239,55 @@ class TokenConstraint:
         return True
 
 
+@dataclass(slots=True)
+class GrammarRows:
+    """The grammar rows of a batch's masks, left to fill (`plan_batch_bitmask`)."""
+
+    rows: list[tuple[GrammarMatcher, int]]
+    extras: list[tuple[int, tuple[int, ...]]]  # (row, tokens allowed besides the grammar's)
+    any_constrained: bool
+
+    def fill(self, bitmask: np.ndarray, compiler: GrammarCompiler | None) -> bool:
+        """Fill the grammar rows (in parallel through `compiler`, else one by one), then allow
+        the extras; returns whether any row of the batch is constrained. Native work: a
+        mask thread runs this outside the GIL but for the loop over the extras."""
+        if self.rows:
+            if compiler is not None:
+                compiler.fill_bitmasks(self.rows, bitmask)
+            else:
+                for matcher, row in self.rows:
+                    matcher.fill_bitmask(bitmask[row])
+        for row, token_ids in self.extras:  # after the fill, which overwrites whole rows
+            allow(bitmask[row], token_ids)
+        return self.any_constrained
+
+
+def plan_batch_bitmask(
+    constraints: Sequence[TokenConstraint | None], bitmask: np.ndarray, rows: Sequence[int] | None = None
+) -> GrammarRows:
+    """Write every row of `bitmask` that needs no grammar (all ones for unconstrained rows, a
+    forced token, all but end-of-sequence) and return the grammar rows left to fill: rows[i]
+    (None: row i) for constraints[i]."""
+    grammar = GrammarRows([], [], False)
+    for index, constraint in enumerate(constraints):
+        row = index if rows is None else rows[index]
+        rule = constraint.next_token_rule() if constraint is not None else None
+        if rule is None:
+            bitmask[row] = ALL_ALLOWED
+            continue
+        grammar.any_constrained = True
+        if isinstance(rule, ForcedToken):
+            allow_only(bitmask[row], (rule.token_id,))
+        elif isinstance(rule, AnyTokenBut):
+            bitmask[row] = ALL_ALLOWED
+            forbid(bitmask[row], rule.token_ids)
+        else:
+            grammar.rows.append((rule.matcher, row))
+            if rule.extra_token_ids:
+                grammar.extras.append((row, rule.extra_token_ids))
+    return grammar
+
+
 def fill_batch_bitmask(
     constraints: Sequence[TokenConstraint | None],
     bitmask: np.ndarray,
@@ -251,34 +300,7 @@ def fill_batch_bitmask(
     `compiler.fill_bitmasks` call (in parallel); without a compiler, one by one. Returns True
     when any row is constrained, False when the sampler can skip the mask.
     """
-    grammar_rows: list[tuple[GrammarMatcher, int]] = []
-    extras: list[tuple[int, tuple[int, ...]]] = []
-    any_constrained = False
-    for index, constraint in enumerate(constraints):
-        row = index if rows is None else rows[index]
-        rule = constraint.next_token_rule() if constraint is not None else None
-        if rule is None:
-            bitmask[row] = ALL_ALLOWED
-            continue
-        any_constrained = True
-        if isinstance(rule, ForcedToken):
-            allow_only(bitmask[row], (rule.token_id,))
-        elif isinstance(rule, AnyTokenBut):
-            bitmask[row] = ALL_ALLOWED
-            forbid(bitmask[row], rule.token_ids)
-        else:
-            grammar_rows.append((rule.matcher, row))
-            if rule.extra_token_ids:
-                extras.append((row, rule.extra_token_ids))
-    if grammar_rows:
-        if compiler is not None:
-            compiler.fill_bitmasks(grammar_rows, bitmask)
-        else:
-            for matcher, row in grammar_rows:
-                matcher.fill_bitmask(bitmask[row])
-    for row, token_ids in extras:  # after the fill, which overwrites whole rows
-        allow(bitmask[row], token_ids)
-    return any_constrained
+    return plan_batch_bitmask(constraints, bitmask, rows).fill(bitmask, compiler)
 
 
 def fill_step_bitmask(

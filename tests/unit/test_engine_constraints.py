@@ -151,7 +151,7 @@ def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, 
     it, and never commits a step (or advances a constraint) while its fill runs."""
     import threading
 
-    from atlas.domain import engine as engine_module
+    from atlas.domain.constraints import GrammarRows
     from atlas.domain.scheduler import Scheduler
 
     length = 9
@@ -161,10 +161,10 @@ def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, 
     core = grammar_core()
     events: list[str] = []
     fill_threads: set[str] = set()
-    real_fill, real_schedule, real_commit = engine_module.fill_step_bitmask, Scheduler.schedule, Scheduler.commit
+    real_fill, real_schedule, real_commit = GrammarRows.fill, Scheduler.schedule, Scheduler.commit
     real_submit = core.executor.submit
 
-    def fill(*args):
+    def fill(*args):  # the grammar rows' fill (the rules are planned on the engine's thread)
         fill_threads.add(threading.current_thread().name)
         mask = real_fill(*args)
         events.append("filled")
@@ -191,7 +191,7 @@ def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, 
         events.append("commit")
         return real_commit(scheduler, batch, result)
 
-    monkeypatch.setattr(engine_module, "fill_step_bitmask", fill)
+    monkeypatch.setattr(GrammarRows, "fill", fill)
     monkeypatch.setattr(Scheduler, "schedule", schedule)
     monkeypatch.setattr(Scheduler, "commit", commit)
     core.executor.submit = submit

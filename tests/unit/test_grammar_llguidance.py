@@ -313,3 +313,18 @@ def test_a_mask_of_the_wrong_width_is_refused(compiler) -> None:
         matcher.fill_bitmask(np.zeros(1535, dtype=np.int32))
     with pytest.raises(ValueError, match="bitmask"):
         compiler.fill_bitmasks([(matcher, 0)], np.zeros((1, 1535), dtype=np.int32))
+
+
+def test_matchers_of_one_grammar_are_independent_copies(compiler, tokenizer) -> None:
+    """new_matcher copies the grammar's first matcher: advancing one leaves the next ones at the start."""
+    grammar = compiler.compile(Choice(("alpha", "beta")), "structured_outputs.choice")
+    width = (tokenizer.vocab_size + 31) // 32
+    first, advanced = grammar.new_matcher(), grammar.new_matcher()
+    start = np.zeros(width, np.int32)
+    first.fill_bitmask(start)
+    assert advanced.accept_token(tokenizer.encode("alpha", add_special_tokens=False)[0])
+    later, mask = grammar.new_matcher(), np.zeros(width, np.int32)
+    later.fill_bitmask(mask)
+    np.testing.assert_array_equal(mask, start)
+    advanced.fill_bitmask(mask)
+    assert not np.array_equal(mask, start)

@@ -85,20 +85,27 @@ class LlguidanceMatcher:
 class LlguidanceGrammar:
     """A validated grammar (the `CompiledGrammar` port)."""
 
-    __slots__ = ("_tokenizer", "_grammar", "_field", "_num_words")
+    __slots__ = ("_tokenizer", "_grammar", "_field", "_num_words", "_start")
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._grammar = grammar
         self._field = field
         self._num_words = (vocab_size + 31) // 32
+        self._start: llguidance.LLMatcher | None = None  # built by the first new_matcher
 
     def new_matcher(self) -> LlguidanceMatcher:
-        """A matcher at the start; GrammarError if llguidance rejects the (validated) grammar."""
-        matcher = llguidance.LLMatcher(self._tokenizer, self._grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(self._field, matcher.get_error())
-        return LlguidanceMatcher(matcher, self._num_words)
+        """A matcher at the start; GrammarError if llguidance rejects the (validated) grammar.
+
+        The first call builds a matcher from the grammar's text (~0.4-0.8 ms for a JSON schema
+        on a 49k vocabulary); later ones copy it (~1 us), which matters when short constrained
+        requests start every few steps."""
+        if self._start is None:
+            matcher = llguidance.LLMatcher(self._tokenizer, self._grammar, log_level=0)
+            if matcher.is_error():
+                raise GrammarError(self._field, matcher.get_error())
+            self._start = matcher
+        return LlguidanceMatcher(self._start.deep_copy(), self._num_words)
 
 
 class LlguidanceCompiler:
@@ -123,7 +130,10 @@ class LlguidanceCompiler:
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
         self._vocab_size = vocab_size
         self._token_id = token_id
-        self._num_threads = num_threads
+        # A step's 16 masks on a 16-core H100 host, median us: llguidance's default pool (80% of
+        # the cores) 255-296 for small JSON-schema masks and 1,033-1,226 for counted strings;
+        # two threads 132-150 and 236-264 (benchmarks/host_masks.py's notes, docs/lab).
+        self._num_threads = num_threads if num_threads is not None else 2
         self._executor: llguidance.LLExecutor | None = None
 
     @property
