@@ -102,6 +102,7 @@ def test_smollm2_json_schema_answers_at_temperature_one_parse_and_validate(kerne
                         constraint=OutputConstraint(JsonSchema(PERSON), "response_format"))
     for choice in result.outputs:
         assert choice.finish_reason == "stop" and schema_errors(json.loads(choice.text), PERSON) == [], choice.text
+    _release(llm)
 
 
 def test_smollm2_verify_steps_replay_decode_graphs_and_greedy_matches_plain_decoding(kernel_cache_dir):
@@ -132,6 +133,7 @@ def test_smollm2_verify_steps_replay_decode_graphs_and_greedy_matches_plain_deco
     stats = speculative.engine.core.stats()
     length = (stats.num_spec_accepted_tokens + stats.num_spec_verify_steps) / stats.num_spec_verify_steps
     print(f"acceptance length {length:.2f}")
+    _release(speculative)  # its KV cache holds most of the device
     plain = LLM(str(folder), device="cuda", show_progress=False, max_seq_len=1024)
     without = [r.outputs[0].token_ids for r in plain.chat(conversations, params)]
     parted = []
@@ -141,6 +143,7 @@ def test_smollm2_verify_steps_replay_decode_graphs_and_greedy_matches_plain_deco
             parted.append(gap)
             print(f"paths part: the plain engine's best logit {gap:.2%} above the speculative choice")
     assert all(gap < _NEAR_TIE for gap in parted) and len(parted) <= 1, parted
+    _release(plain)
 
 
 def test_smollm2_as_its_own_draft_model_replays_graphs_and_matches_plain_decoding(kernel_cache_dir):
@@ -177,6 +180,7 @@ def test_smollm2_as_its_own_draft_model_replays_graphs_and_matches_plain_decodin
     print(f"acceptance length {length:.2f} of {1 + draft['num_speculative_tokens']}")
     assert stats.num_spec_accepted_tokens >= 0.9 * stats.num_spec_draft_tokens
     assert proposer.num_free_blocks == proposer.num_blocks and stats.num_blocks_free == stats.num_blocks_total
+    _release(speculative)  # its KV cache holds most of the device
     plain = LLM(str(folder), device="cuda", show_progress=False, max_seq_len=1024)
     without = [r.outputs[0].token_ids for r in plain.chat(conversations, params)]
     parted = []
@@ -186,6 +190,7 @@ def test_smollm2_as_its_own_draft_model_replays_graphs_and_matches_plain_decodin
             parted.append(gap)
             print(f"paths part: the plain engine's best logit {gap:.2%} above the speculative choice")
     assert all(gap < _NEAR_TIE for gap in parted) and len(parted) <= 1, parted
+    _release(plain)
 
 
 def _gap_where_paths_part(llm, conversation, got, expected) -> float:
@@ -198,3 +203,9 @@ def _gap_where_paths_part(llm, conversation, got, expected) -> float:
     logits = llm.engine.core.executor.compute_logits(batch)[0]
     best = int(np.argmax(logits))
     return float((logits[best] - logits[got[index]]) / abs(logits[best]))
+
+
+def _release(llm) -> None:
+    """Free an LLM's device memory now, before another is built in this process."""
+    llm.close()
+    llm.engine.backend.close()
