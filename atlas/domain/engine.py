@@ -182,7 +182,7 @@ class EngineCore:
             self._num_steps += 1
         if self._in_flight and (len(self._in_flight) > 1 or batch.is_empty):
             outputs += self._commit_oldest()
-        if batch.awaits_masks:  # the device runs its forward meanwhile
+        if batch.awaits_masks and self._masks is None:  # the commit did not start them early
             self._start_masks(batch)
         return outputs
 
@@ -209,10 +209,11 @@ class EngineCore:
         self._sample_in_flight()  # the step may be the one whose masks are filling
         batch, pending = self._in_flight.popleft()
         result = pending.result()
+        early = self._accept_early(batch, result)
         outputs = self.scheduler.commit(batch, result)
         self._num_generated_tokens += sum([len(output.new_token_ids) for output in outputs])
-        if self._constraints:  # a token at a time: ~3 us each (llguidance's parallel consume took ~500 us a step)
-            outputs = [self._advance_constraint(output) for output in outputs]
+        if self._constraints or early:
+            outputs = self._advance_constraints(outputs, early)
         for output in outputs:
             if output.finish_reason is not None:
                 self._forget(output.seq_id)
@@ -233,6 +234,66 @@ class EngineCore:
     def _is_constrained(self, batch: ScheduledBatch) -> bool:
         constraints = self._constraints
         return bool(constraints) and any(s.sampling is not None and s.seq_id in constraints for s in batch.sequences)
+
+    def _accept_early(self, batch: ScheduledBatch, result: StepResult) -> dict[str, int]:
+        """Accept the sampled ids of `batch` (being committed) into their constraints before
+        the scheduler's commit, and start the next step's masks, so llguidance's fill runs
+        beside the commit's Python instead of after it. Only when the step in flight after it
+        waits for masks not yet started, and `batch` verified no drafts (its ids are then the
+        tokens the commit appends, one a sequence). Returns {sequence: token accepted}; {}
+        when it did nothing, or when a sampled id broke a constraint (the commit then takes
+        the usual path, which ends that request)."""
+        if not (self._constraints and self._in_flight and self._masks is None):
+            return {}
+        newest = self._in_flight[-1][0]
+        sampled = [s for s in batch.sequences if s.sampling is not None]
+        if not newest.awaits_masks or len(sampled) != len(result.token_ids):
+            return {}
+        accepted: dict[str, int] = {}
+        for seq, token_id in zip(sampled, result.token_ids):
+            constraint = self._constraints.get(seq.seq_id)
+            if constraint is None:
+                continue
+            try:
+                constraint.accept(token_id)
+            except ConstraintViolation:  # undo the others; the commit's path ends the request
+                for seq_id, token in accepted.items():
+                    self._constraints[seq_id].rollback(1)
+                return {}
+            accepted[seq.seq_id] = token_id
+        self._start_masks(newest)
+        return accepted
+
+    def _advance_constraints(self, outputs: list[SequenceOutput], early: dict[str, int]) -> list[SequenceOutput]:
+        """Advance the constraints past the outputs' tokens, those `_accept_early` took aside.
+        A sequence whose committed tokens are not the one taken early (preempted after it was
+        scheduled: it samples again later) is corrected once the fill in flight is done, and
+        the masks are filled again."""
+        stale = False
+        for index, output in enumerate(outputs):
+            token_id = early.pop(output.seq_id, None)
+            if token_id is None:
+                outputs[index] = self._advance_constraint(output)
+            elif output.new_token_ids != (token_id,):
+                stale = self._undo_early(output.seq_id) or stale
+                outputs[index] = self._advance_constraint(output)
+        for seq_id in early:  # no output: aborted, or preempted after schedule()
+            stale = self._undo_early(seq_id) or stale
+        if stale:
+            self._masks = None
+            self._start_masks(self._in_flight[-1][0])
+        return outputs
+
+    def _undo_early(self, seq_id: str) -> bool:
+        """Roll back the token `_accept_early` gave a live constraint (after the fill in flight
+        is done: nothing changes a constraint while one runs); whether one was rolled back."""
+        constraint = self._constraints.get(seq_id)
+        if constraint is None:
+            return False
+        if self._masks is not None:
+            self._masks.exception()  # waits; an error is raised where the step samples
+        constraint.rollback(1)
+        return True
 
     def _advance_constraint(self, output: SequenceOutput) -> SequenceOutput:
         """Accept `output`'s new tokens into its sequence's constraint; a forbidden one ends the

@@ -146,9 +146,10 @@ def test_the_output_cannot_end_inside_the_reasoning_block(rng):
 
 
 def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, monkeypatch):
-    """The masks of a step fill on the mask thread after `step` returns; the next `step`
-    schedules before waiting for them, samples the step before submitting the next one behind
-    it, and never commits a step (or advances a constraint) while its fill runs."""
+    """The masks of a step fill on the mask thread, started once the step before's sampled ids
+    are read and before the scheduler commits them (the fill runs beside the commit); the next
+    `step` schedules before waiting for them and samples the step before submitting the next
+    one behind it."""
     import threading
 
     from atlas.domain.constraints import GrammarRows
@@ -187,8 +188,7 @@ def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, 
         return real_schedule(scheduler)
 
     def commit(scheduler, batch, result):
-        assert core._masks is None, "a step committed while a fill runs"
-        events.append("commit")
+        events.append("commit-with-fill-started" if core._masks is not None else "commit")
         return real_commit(scheduler, batch, result)
 
     monkeypatch.setattr(GrammarRows, "fill", fill)
@@ -206,4 +206,34 @@ def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, 
     for index in samples:  # scheduled the next step first, then sampled, then submitted it behind
         assert order[index - 1] == "schedule" and "submit" in order[:index]
         assert index + 1 == len(order) or order[index + 1] in ("submit", "schedule")
+    assert "commit-with-fill-started" in events
     assert core.stats().num_blocks_free == 400
+
+
+def test_a_sequence_preempted_after_its_token_was_accepted_early_stays_on_its_grammar(rng):
+    """Few blocks: constrained sequences are preempted after being scheduled, so the id the
+    engine accepted early (before the scheduler's commit) is not the one committed; the
+    constraint is rolled back and the sequence samples that position again, giving the tokens
+    it gives alone, and every block returns."""
+    from atlas.domain.engine import EngineCore
+
+    length = 12
+    params = SamplingParams(temperature=1.0, max_tokens=24)
+    requests = [Request(f"r{i}", p, params, seed=60 + i, constraint=residues(length))
+                for i, p in enumerate(prompts(6, rng))]
+    alone = {r.request_id: run(grammar_core(), [r])[r.request_id] for r in requests}
+    core = grammar_core(num_blocks=24)
+    undone = []
+    real_undo = EngineCore._undo_early
+
+    def undo(engine, seq_id):
+        undone.append(seq_id)
+        return real_undo(engine, seq_id)
+
+    core._undo_early = lambda seq_id: undo(core, seq_id)
+    try:
+        assert run(core, requests) == alone
+    finally:
+        core.close()
+    assert core.stats().num_preemptions and undone
+    assert core.stats().num_blocks_free == 24
