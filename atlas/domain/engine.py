@@ -13,20 +13,24 @@ overlap).
 
 Token constraints (structured output, thinking budgets) keep the overlap: a step with a
 constrained sampling row is submitted with `awaits_masks`, so the device runs its forward
-while the core commits the previous step and advances each constraint past its new tokens.
+while the core reads the previous step's sampled ids and advances each constraint past them.
 The masks are then filled on a helper thread (llguidance computes them in native code
-without the GIL) while this thread returns the outputs and, at the next `step`, schedules the
-step after; the step samples just before that one is enqueued behind it:
+without the GIL) while this thread commits the previous step in the scheduler, returns the
+outputs and, at the next `step`, schedules the step after; the step samples just before that
+one is enqueued behind it:
 
-    step k:    schedule N+1, submit N+1 (forward only), commit N, start filling N+1's masks
-    step k+1:  schedule N+2, wait for N+1's masks and sample N+1, submit N+2, commit N+1, ...
+    step k:    schedule N+1, submit N+1 (forward only), read N's ids, accept them into the
+               constraints, start filling N+1's masks, commit N in the scheduler
+    step k+1:  schedule N+2, wait for N+1's masks and sample N+1, submit N+2, read N+1's ids, ...
 
 The engine thread plans each row's rule (forced tokens, all-but-end rows, which grammar rows to
 fill) and hands the GIL to the mask thread, which spends the fill in llguidance's native code;
 a small model's step is short, so the fill must hide behind the host's own work as well as the
-device's. Nothing touches a constraint while its fill runs: every
-commit waits for the fill first. A token its constraint forbids (only a sampler that ignored
-the mask could draw one) ends that request with an error.
+device's. Nothing changes a constraint while its fill runs: the ids are accepted before the
+fill starts, and a sequence whose committed tokens turn out otherwise (preempted after it was
+scheduled, or a step verifying drafts, which takes the accept after the commit) waits for the
+fill. A token its constraint forbids (only a sampler that ignored the mask could draw one)
+ends that request with an error.
 
 Transports (the Python API, the engine actor behind HTTP, a separate engine process) wrap
 this object; they decide when to call `step` and where outputs go.
