@@ -1,5 +1,5 @@
 """The HTTP layer's pure parts: request schemas and parameter mapping, error objects, auth,
-metrics exposition, delta merging, and the serve command's configuration checks."""
+metrics exposition, and the serve command's configuration checks."""
 
 from __future__ import annotations
 
@@ -9,16 +9,13 @@ import msgspec
 import pytest
 
 from atlas.adapters.http.auth import AuthConfigError, BearerAuth, read_tokens_file
-from atlas.adapters.http.choices import merge_batch
 from atlas.adapters.http.engine_client import SamplingDefaults
 from atlas.adapters.http.errors import ApiError, from_validation_error
-from atlas.adapters.http.generation import ChoiceDelta
 from atlas.adapters.http.metrics import MetricsRegistry
 from atlas.adapters.http.params import sampling_params
 from atlas.adapters.http.schemas import ChatCompletionRequest, CompletionRequest, unsupported_features
 from atlas.adapters.http.state import decode_body
 from atlas.app.arguments import ArgumentParser
-from atlas.domain.text.sequence_text import TextDelta
 from atlas.app.server import add_serve_arguments, exposure_warning, http_config, sampling_defaults
 from atlas.domain.batch import TokenLogprobs
 from atlas.domain.requests import FinishReason
@@ -163,18 +160,6 @@ def test_metrics_render_the_prometheus_text_format():
     assert "lat_seconds_count 5" in lines and "lat_seconds_sum 8.55" in lines and "g 2.5" in lines
     with pytest.raises(ValueError):
         registry.counter("x_total", "again")
-
-
-def test_merge_batch_folds_each_choice_into_one_update():
-    lp = TokenLogprobs(4, -0.5, ())
-
-    def delta(index, text, ids, finish=None, logprobs=()):
-        return ChoiceDelta(index, TextDelta(text, ids, finish, "END" if finish else None, logprobs, 3, len(ids)))
-
-    updates = merge_batch([delta(0, "a", (1,), logprobs=(lp,)), delta(1, "x", (2,)),
-                           delta(0, "b", (4,), logprobs=(lp,)), delta(2, "", ()), delta(0, "", (), FinishReason.STOP)])
-    assert [(u.index, u.text, u.num_tokens, len(u.logprobs), u.finish_reason, u.stop_reason) for u in updates] == [
-        (0, "ab", 2, 2, "stop", "END"), (1, "x", 1, 0, None, None)]
 
 
 def parse_serve(*argv: str) -> argparse.Namespace:

@@ -61,7 +61,7 @@ from atlas.adapters.http.anthropic_schemas import (
 )
 from atlas.adapters.http.chat_choices import ChatChoices, ChoiceParts
 from atlas.adapters.http.chat_turn import count_prompt_tokens, prepare_turn
-from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
+from atlas.adapters.http.choices import ChoiceResults, collect
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import build_sampling_params
@@ -191,7 +191,7 @@ async def _stream(
                     yield sse.named_event("ping", Ping())
                     continue
                 frames = []
-                for update in merge_batch(batch):
+                for update in batch:
                     results.add(update)
                     frames += blocks.events(parsed.apply(update))
                 if frames:

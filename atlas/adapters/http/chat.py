@@ -28,7 +28,7 @@ from atlas.adapters.http import sse
 from atlas.adapters.http.chat_choices import ChatChoices, ChoiceParts
 from atlas.adapters.http.chat_request import chat_turn
 from atlas.adapters.http.chat_turn import prepare_turn
-from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
+from atlas.adapters.http.choices import ChoiceResults, collect
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import check_choices, sampling_params
@@ -156,7 +156,7 @@ async def _stream(
             async for batch in batches:
                 frames = []
                 usage = _usage(generation) if continuous_usage else None
-                for update in merge_batch(batch):
+                for update in batch:
                     results.add(update)
                     parts = parsed.apply(update)
                     if parts.is_empty and update.finish_reason is None and not (with_logprobs and update.logprobs):

@@ -15,7 +15,7 @@ from contextlib import aclosing
 from quart import Response
 
 from atlas.adapters.http import sse
-from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
+from atlas.adapters.http.choices import ChoiceResults, collect
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import check_choices, check_prompt_fits, sampling_params
@@ -126,7 +126,7 @@ async def _stream(
         async with aclosing(generation.batches()) as batches:
             async for batch in batches:
                 frames = []
-                for update in merge_batch(batch):
+                for update in batch:
                     results.add(update)
                     logprobs = None
                     if with_logprobs:

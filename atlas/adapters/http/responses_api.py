@@ -33,7 +33,7 @@ from quart import Response
 from atlas.adapters.http import sse
 from atlas.adapters.http.chat_choices import ChatChoices, ChoiceParts
 from atlas.adapters.http.chat_turn import prepare_turn
-from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
+from atlas.adapters.http.choices import ChoiceResults, collect
 from atlas.adapters.http.errors import ApiError, bad_request, excerpt
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import RequestedSampling, build_sampling_params
@@ -316,7 +316,7 @@ async def _stream(
         async with aclosing(generation.batches()) as batches:
             async for batch in batches:
                 events = []
-                for update in merge_batch(batch):
+                for update in batch:
                     results.add(update)
                     events += items.events(parsed.apply(update))
                 if events:
