@@ -78,7 +78,9 @@ class OutputStream:
         if self._reader_closed:
             return False
         self._items.append(item)
-        self._wake()
+        waiter = self._waiter  # _wake(), inlined: every output of every stream comes here
+        if waiter is not None and not waiter.done():
+            waiter.set_result(True)
         return True
 
     def end(self) -> None:

@@ -1,5 +1,5 @@
 """The HTTP layer's pure parts: request schemas and parameter mapping, error objects, auth,
-metrics exposition, and the serve command's configuration checks."""
+metrics exposition, SSE frames spliced from templates, and the serve command's configuration checks."""
 
 from __future__ import annotations
 
@@ -8,11 +8,14 @@ import argparse
 import msgspec
 import pytest
 
+from atlas.adapters.http import sse
+from atlas.adapters.http.anthropic_schemas import ContentBlockDelta, TextDelta
 from atlas.adapters.http.auth import AuthConfigError, BearerAuth, read_tokens_file
 from atlas.adapters.http.engine_client import SamplingDefaults
 from atlas.adapters.http.errors import ApiError, from_validation_error
 from atlas.adapters.http.metrics import MetricsRegistry
 from atlas.adapters.http.params import sampling_params
+from atlas.adapters.http.responses import ChatChunk, ChatChunkChoice, ChatDelta, Completion, CompletionChoice
 from atlas.adapters.http.schemas import ChatCompletionRequest, CompletionRequest, unsupported_features
 from atlas.adapters.http.state import decode_body
 from atlas.app.arguments import ArgumentParser
@@ -210,3 +213,25 @@ def test_the_drain_interrupts_what_is_left_and_anything_that_starts_after_it():
     assert anyio.run(in_flight.drain, 0.0) == 1 and early.interrupted == 1 and len(in_flight) == 0
     in_flight.add(late)  # admitted before the shutdown, reached the engine after its timeout
     assert late.interrupted == 1 and len(in_flight) == 0
+
+
+TEXTS = ["", "a", ' "quoted" \\ back', "line\nbreak\ttab\x00\x1f", "日本 🎉 café", "\u2028\u2029", "</script>",
+         "\x00atlas text\x00", "\uffff"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_frames_splice_the_text_exactly_where_encoding_the_structs_puts_it(text):
+    shapes = [
+        lambda t: sse.event(Completion("cmpl-1", 5, "m\"odel", [CompletionChoice(3, t, None, None)], None)),
+        lambda t: sse.event(ChatChunk("chatcmpl-1", 5, "m", [ChatChunkChoice(0, ChatDelta(content=t))])),
+        lambda t: sse.named_event("content_block_delta", ContentBlockDelta(2, TextDelta(t))),
+    ]
+    for make in shapes:
+        assert sse.TextFrames(make)(text) == make(text)
+
+
+def test_text_frames_need_the_text_in_the_frame_exactly_once():
+    with pytest.raises(ValueError):
+        sse.TextFrames(lambda t: sse.event({"a": "b"}))
+    with pytest.raises(ValueError):
+        sse.TextFrames(lambda t: sse.event({"a": t, "b": t}))

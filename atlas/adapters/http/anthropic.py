@@ -124,6 +124,7 @@ class _Blocks:
         self._index = -1
         self._open: tuple[str, int] | None = None  # (kind, call index) of the open block
         self._thinking: list[str] = []
+        self._text_frames: sse.TextFrames | None = None  # text deltas of the open text block
 
     def events(self, parts: ChoiceParts) -> list[bytes]:
         events = []
@@ -133,7 +134,9 @@ class _Blocks:
             events.append(self._delta(ThinkingDelta(parts.reasoning)))
         if parts.content:
             events += self._begin(("text", 0), TextOut(""))
-            events.append(self._delta(TextDelta(parts.content)))
+            if self._text_frames is None:
+                self._text_frames = sse.TextFrames(lambda text: self._delta(TextDelta(text)))
+            events.append(self._text_frames(parts.content))
         for call in parts.tool_calls:
             if call.id is not None:
                 events += self._begin(("tool_use", call.index),
@@ -153,6 +156,7 @@ class _Blocks:
         events = self._close()
         self._index += 1
         self._open = key
+        self._text_frames = None
         return events + [sse.named_event("content_block_start", ContentBlockStart(self._index, block))]
 
     def _close(self) -> list[bytes]:

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quart import Response
 
@@ -59,6 +59,18 @@ class _Reply:
     id: str
     created: int
     model: str
+    _content_frames: dict[int, sse.TextFrames] = field(default_factory=dict)  # by choice index
+
+    def chunk(self, choice: ChatChunkChoice, usage: Usage | None = None) -> bytes:
+        return sse.event(ChatChunk(self.id, self.created, self.model, [choice], usage=usage))
+
+    def content_chunk(self, index: int, content: str) -> bytes:
+        """`chunk` of a delta of content alone (no logprobs, finish or usage): most of a stream."""
+        frames = self._content_frames.get(index)
+        if frames is None:
+            frames = self._content_frames[index] = sse.TextFrames(
+                lambda text: self.chunk(ChatChunkChoice(index, ChatDelta(content=text))))
+        return frames(content)
 
 
 async def chat_completions(state: ServerState, body: bytes) -> Response:
@@ -161,10 +173,14 @@ async def _stream(
                     parts = parsed.apply(update)
                     if parts.is_empty and update.finish_reason is None and not (with_logprobs and update.logprobs):
                         continue  # text held back (a tag not yet complete)
+                    if (parts.content and not (parts.reasoning or parts.tool_calls or update.finish_reason)
+                            and not with_logprobs and usage is None):
+                        frames.append(reply.content_chunk(update.index, parts.content))
+                        continue
                     logprobs = ChatLogprobs(token_texts.chat(update.logprobs)) if with_logprobs else None
                     finish = parsed.openai_finish_reason(update.index) if update.finish_reason is not None else None
                     choice = ChatChunkChoice(update.index, _delta(parts), logprobs, finish, update.stop_reason)
-                    frames.append(sse.event(ChatChunk(reply.id, reply.created, reply.model, [choice], usage=usage)))
+                    frames.append(reply.chunk(choice, usage))
                 if frames and generation.is_finished:
                     last = frames  # goes out with the usage chunk and [DONE], one write for all
                 elif frames:

@@ -34,7 +34,7 @@ JSON = "application/json"
 
 
 class _Reply:
-    __slots__ = ("id", "created", "model", "echo_texts", "n")
+    __slots__ = ("id", "created", "model", "echo_texts", "n", "_text_frames")
 
     def __init__(self, model: str, echo_texts: list[str], n: int) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
@@ -42,9 +42,21 @@ class _Reply:
         self.model = model
         self.echo_texts = echo_texts  # per prompt; empty strings without echo
         self.n = n
+        self._text_frames: dict[int, sse.TextFrames] = {}  # by choice index
 
     def echo(self, index: int) -> str:
         return self.echo_texts[index // self.n]
+
+    def chunk(self, choice: CompletionChoice) -> bytes:
+        return sse.event(Completion(self.id, self.created, self.model, [choice], None))
+
+    def text_chunk(self, index: int, text: str) -> bytes:
+        """`chunk` of a choice carrying only text (no logprobs, no finish): most of a stream."""
+        frames = self._text_frames.get(index)
+        if frames is None:
+            frames = self._text_frames[index] = sse.TextFrames(
+                lambda text: self.chunk(CompletionChoice(index, text, None, None)))
+        return frames(text)
 
 
 async def completions(state: ServerState, body: bytes) -> Response:
@@ -115,11 +127,8 @@ async def _stream(
     with_logprobs = results.logprobs is not None
     offsets = [len(reply.echo(index)) for index in range(generation.num_choices)]
     try:
-        echoes = [
-            sse.event(Completion(reply.id, reply.created, reply.model,
-                                 [CompletionChoice(index, reply.echo(index), None, None)], None))
-            for index in range(generation.num_choices) if reply.echo(index)
-        ]
+        echoes = [reply.text_chunk(index, reply.echo(index)) for index in range(generation.num_choices)
+                  if reply.echo(index)]
         if echoes:
             yield b"".join(echoes)
         last: list[bytes] = []
@@ -128,13 +137,15 @@ async def _stream(
                 frames = []
                 for update in batch:
                     results.add(update)
+                    if not with_logprobs and update.finish_reason is None:
+                        frames.append(reply.text_chunk(update.index, update.text))
+                        continue
                     logprobs = None
                     if with_logprobs:
                         logprobs = token_texts.completion(update.logprobs, offsets[update.index])
                         offsets[update.index] += sum(len(t) for t in logprobs.tokens)
-                    choice = CompletionChoice(update.index, update.text, logprobs, update.finish_reason,
-                                              update.stop_reason)
-                    frames.append(sse.event(Completion(reply.id, reply.created, reply.model, [choice], None)))
+                    frames.append(reply.chunk(CompletionChoice(update.index, update.text, logprobs,
+                                                               update.finish_reason, update.stop_reason)))
                 if frames and generation.is_finished:
                     last = frames  # goes out with the usage chunk and [DONE], one write for all
                 elif frames:

@@ -85,7 +85,7 @@ class Generation:
         self._metrics = metrics
         self._in_flight = in_flight
         self._interrupted = False
-        self._waiting: OutputStream | None = None  # while `batches()` waits for output
+        self._stream: OutputStream | None = None  # once `batches()` has submitted the request
         self._clock = clock
         self.arrival_s = clock()
         self._deadline_s = None if timeout_s is None else self.arrival_s + timeout_s
@@ -115,8 +115,8 @@ class Generation:
         """End now (the server is shutting down): every unfinished choice finishes with
         finish_reason "abort" in the next batch."""
         self._interrupted = True
-        if self._waiting is not None:
-            self._waiting.wake()
+        if self._stream is not None:
+            self._stream.wake()  # if `batches()` waits for output, it stops waiting
 
     @property
     def is_finished(self) -> bool:
@@ -141,14 +141,13 @@ class Generation:
         ends when every choice has finished. With `heartbeat_s`, an empty batch after that long
         without output (a stream's keep-alive). Raises ApiError for a request the engine
         rejects or cannot run."""
-        stream = self._engine.submit(self.requests)
+        stream = self._stream = self._engine.submit(self.requests)
         unfinished = self._unfinished
         cause = "client_disconnected"  # why sequences were left unfinished, if they were
         self._in_flight.add(self)
         try:
             while unfinished:
-                delay_s = None if self._deadline_s is None else self._deadline_s - self._clock()
-                if self._interrupted or (delay_s is not None and delay_s <= 0):
+                if self._interrupted or (self._deadline_s is not None and self._clock() >= self._deadline_s):
                     reason = FinishReason.ABORT if self._interrupted else FinishReason.LENGTH
                     self.timed_out = not self._interrupted
                     self._metrics.aborted.inc(("shutdown" if self._interrupted else "timeout",))
@@ -162,8 +161,12 @@ class Generation:
                 elif stream.at_end:  # the stream closed early: the engine is shutting down
                     cause = "engine_stopped"
                     return
-                elif await self._wait(stream, delay_s):
-                    yield []
+                elif self._deadline_s is None and self._heartbeat_s is None:
+                    await stream.wait()
+                else:
+                    timeout_s, is_heartbeat = self._wait_s()
+                    if not await stream.wait(timeout_s) and is_heartbeat:
+                        yield []
         except ApiError:
             cause = "error"
             raise
@@ -174,16 +177,15 @@ class Generation:
                 self._metrics.aborted.inc((cause,))
             stream.close()
 
-    async def _wait(self, stream: OutputStream, delay_s: float | None) -> bool:
-        """Wait for output, at most `delay_s` (the deadline's) or the heartbeat, whichever is
-        sooner; True when the heartbeat passed without any."""
-        heartbeat = self._heartbeat_s is not None and (delay_s is None or self._heartbeat_s < delay_s)
-        self._waiting = stream
-        try:
-            woken = await stream.wait(self._heartbeat_s if heartbeat else delay_s)
-        finally:
-            self._waiting = None
-        return heartbeat and not woken
+    def _wait_s(self) -> tuple[float, bool]:
+        """How long to wait for output: until the deadline or the heartbeat, whichever comes
+        first; True when it is the heartbeat."""
+        if self._deadline_s is None:
+            return self._heartbeat_s, True
+        delay_s = self._deadline_s - self._clock()
+        if self._heartbeat_s is not None and self._heartbeat_s < delay_s:
+            return self._heartbeat_s, True
+        return delay_s, False
 
     def _apply(self, items: list, unfinished: dict[str, _Choice]) -> list[ChoiceUpdate]:
         now = self._clock()
@@ -221,15 +223,14 @@ class Generation:
         return [u for u in updates.values() if u.text or u.num_tokens or u.finish_reason is not None]
 
     def _observe_tokens(self, choice: _Choice, num_new: int, now: float) -> None:
-        if choice.last_token_s is None:
-            self._metrics.time_to_first_token.observe(now - self.arrival_s)
-            num_new -= 1
-        else:
-            self._metrics.inter_token_latency.observe((now - choice.last_token_s) / num_new, num_new)
-            num_new = 0
-        if num_new > 0:  # tokens that arrived together with the first one
-            self._metrics.inter_token_latency.observe(0.0, num_new)
+        last_token_s = choice.last_token_s
         choice.last_token_s = now
+        if last_token_s is not None:
+            self._metrics.inter_token_latency.observe((now - last_token_s) / num_new, num_new)
+            return
+        self._metrics.time_to_first_token.observe(now - self.arrival_s)
+        if num_new > 1:  # tokens that arrived together with the first one
+            self._metrics.inter_token_latency.observe(0.0, num_new - 1)
 
     def _finish(self, choice: _Choice, reason: FinishReason, unfinished: dict[str, _Choice], now: float) -> None:
         choice.finished = True
