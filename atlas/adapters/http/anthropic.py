@@ -86,12 +86,11 @@ async def messages(state: ServerState, body: bytes) -> Response:
     generation = Generation(engine, model.tokenizer, message_id, [turn.prompt_ids], params, state.seeds,
                             state.metrics, state.in_flight, state.config.request_timeout_s,
                             constraint=turn.constraint, heartbeat_s=PING_INTERVAL_S if request.stream else None)
-    results = ChoiceResults(1, False)
     parsed = ChatChoices(1, turn.reading, random.Random(secrets.randbits(64)))
     if request.stream:
-        frames = _stream(state, generation, message_id, model.name, results, parsed, body, started_s)
+        frames = _stream(state, generation, message_id, model.name, parsed, body, started_s)
         return Response(sse.with_errors(frames, sse.anthropic_error_event), 200, sse.HEADERS)
-    await collect(generation, results, parsed.apply)
+    await collect(generation, ChoiceResults(1, False), parsed.apply)
     answer = _message(message_id, model.name, generation, parsed)
     if state.dump is not None:
         state.dump.write("messages", 200, False, started_s, body, answer)
@@ -179,7 +178,6 @@ async def _stream(
     generation: Generation,
     message_id: str,
     model_name: str,
-    results: ChoiceResults,
     parsed: ChatChoices,
     body: bytes,
     started_s: float,
@@ -196,7 +194,6 @@ async def _stream(
                     continue
                 frames = []
                 for update in batch:
-                    results.add(update)
                     frames += blocks.events(parsed.apply(update))
                 if frames:
                     yield b"".join(frames)

@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from quart import Response
 
@@ -59,18 +59,14 @@ class _Reply:
     id: str
     created: int
     model: str
-    _content_frames: dict[int, sse.TextFrames] = field(default_factory=dict)  # by choice index
 
     def chunk(self, choice: ChatChunkChoice, usage: Usage | None = None) -> bytes:
         return sse.event(ChatChunk(self.id, self.created, self.model, [choice], usage=usage))
 
-    def content_chunk(self, index: int, content: str) -> bytes:
-        """`chunk` of a delta of content alone (no logprobs, finish or usage): most of a stream."""
-        frames = self._content_frames.get(index)
-        if frames is None:
-            frames = self._content_frames[index] = sse.TextFrames(
-                lambda text: self.chunk(ChatChunkChoice(index, ChatDelta(content=text))))
-        return frames(content)
+    def content_chunks(self, index: int) -> sse.TextFrames:
+        """`chunk`s of choice `index` whose delta is content alone (no logprobs, finish or
+        usage): most of a stream."""
+        return sse.TextFrames(lambda text: self.chunk(ChatChunkChoice(index, ChatDelta(content=text))))
 
 
 async def chat_completions(state: ServerState, body: bytes) -> Response:
@@ -157,6 +153,8 @@ async def _stream(
     continuous_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
     with_logprobs = results.logprobs is not None
+    recording = state.dump is not None  # the dump records the whole answer; the stream needs no copy
+    content_chunks = [reply.content_chunks(index) for index in range(generation.num_choices)]
     try:
         yield b"".join(
             sse.event(ChatChunk(reply.id, reply.created, reply.model,
@@ -169,13 +167,14 @@ async def _stream(
                 frames = []
                 usage = _usage(generation) if continuous_usage else None
                 for update in batch:
-                    results.add(update)
+                    if recording:
+                        results.add(update)
                     parts = parsed.apply(update)
                     if parts.is_empty and update.finish_reason is None and not (with_logprobs and update.logprobs):
                         continue  # text held back (a tag not yet complete)
                     if (parts.content and not (parts.reasoning or parts.tool_calls or update.finish_reason)
                             and not with_logprobs and usage is None):
-                        frames.append(reply.content_chunk(update.index, parts.content))
+                        frames.append(content_chunks[update.index](parts.content))
                         continue
                     logprobs = ChatLogprobs(token_texts.chat(update.logprobs)) if with_logprobs else None
                     finish = parsed.openai_finish_reason(update.index) if update.finish_reason is not None else None

@@ -34,7 +34,7 @@ JSON = "application/json"
 
 
 class _Reply:
-    __slots__ = ("id", "created", "model", "echo_texts", "n", "_text_frames")
+    __slots__ = ("id", "created", "model", "echo_texts", "n")
 
     def __init__(self, model: str, echo_texts: list[str], n: int) -> None:
         self.id = f"cmpl-{uuid.uuid4().hex}"
@@ -42,7 +42,6 @@ class _Reply:
         self.model = model
         self.echo_texts = echo_texts  # per prompt; empty strings without echo
         self.n = n
-        self._text_frames: dict[int, sse.TextFrames] = {}  # by choice index
 
     def echo(self, index: int) -> str:
         return self.echo_texts[index // self.n]
@@ -50,13 +49,9 @@ class _Reply:
     def chunk(self, choice: CompletionChoice) -> bytes:
         return sse.event(Completion(self.id, self.created, self.model, [choice], None))
 
-    def text_chunk(self, index: int, text: str) -> bytes:
-        """`chunk` of a choice carrying only text (no logprobs, no finish): most of a stream."""
-        frames = self._text_frames.get(index)
-        if frames is None:
-            frames = self._text_frames[index] = sse.TextFrames(
-                lambda text: self.chunk(CompletionChoice(index, text, None, None)))
-        return frames(text)
+    def text_chunks(self, index: int) -> sse.TextFrames:
+        """`chunk`s of choice `index` carrying only text (no logprobs, no finish): most of a stream."""
+        return sse.TextFrames(lambda text: self.chunk(CompletionChoice(index, text, None, None)))
 
 
 async def completions(state: ServerState, body: bytes) -> Response:
@@ -125,9 +120,11 @@ async def _stream(
     include_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
     with_logprobs = results.logprobs is not None
+    recording = state.dump is not None  # the dump records the whole answer; the stream needs no copy
     offsets = [len(reply.echo(index)) for index in range(generation.num_choices)]
+    text_chunks = [reply.text_chunks(index) for index in range(generation.num_choices)]
     try:
-        echoes = [reply.text_chunk(index, reply.echo(index)) for index in range(generation.num_choices)
+        echoes = [text_chunks[index](reply.echo(index)) for index in range(generation.num_choices)
                   if reply.echo(index)]
         if echoes:
             yield b"".join(echoes)
@@ -136,9 +133,10 @@ async def _stream(
             async for batch in batches:
                 frames = []
                 for update in batch:
-                    results.add(update)
+                    if recording:
+                        results.add(update)
                     if not with_logprobs and update.finish_reason is None:
-                        frames.append(reply.text_chunk(update.index, update.text))
+                        frames.append(text_chunks[update.index](update.text))
                         continue
                     logprobs = None
                     if with_logprobs:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-
 import msgspec
 
 from atlas.adapters.http.engine_client import EngineClient, OutputStream
@@ -35,10 +33,10 @@ from atlas.domain.requests import FinishReason, OutputConstraint, SamplingParams
 from atlas.ports.tokenizer import Tokenizer
 
 
-@dataclass(slots=True)
-class ChoiceUpdate:
+class ChoiceUpdate(msgspec.Struct):
     """What one batch adds to one choice: the text, token count and logprobs of its outputs
-    in the batch, and its finish when one of them ended it."""
+    in the batch, and its finish when one of them ended it. (Mutable: a batch's later outputs
+    of the choice are folded in.)"""
 
     index: int
     text: str
@@ -189,6 +187,7 @@ class Generation:
 
     def _apply(self, items: list, unfinished: dict[str, _Choice]) -> list[ChoiceUpdate]:
         now = self._clock()
+        inter_token_latency = self._metrics.inter_token_latency
         updates: dict[int, ChoiceUpdate] = {}
         for item in items:
             if isinstance(item, EngineFailure):
@@ -200,7 +199,12 @@ class Generation:
             delta = choice.text.apply(item)
             num_new = len(delta.token_ids)
             if num_new:
-                self._observe_tokens(choice, num_new, now)
+                last_token_s = choice.last_token_s
+                if last_token_s is None:
+                    self._observe_first_tokens(num_new, now)
+                else:
+                    inter_token_latency.observe((now - last_token_s) / num_new, num_new)
+                choice.last_token_s = now
             if delta.num_output_tokens > choice.num_output_tokens:
                 choice.num_output_tokens = delta.num_output_tokens
             finish = None
@@ -220,14 +224,13 @@ class Generation:
                 update.logprobs += delta.logprobs
             if finish is not None:
                 update.finish_reason, update.stop_reason = finish, delta.stop_reason
-        return [u for u in updates.values() if u.text or u.num_tokens or u.finish_reason is not None]
+        kept = []
+        for update in updates.values():
+            if update.text or update.num_tokens or update.finish_reason is not None:
+                kept.append(update)
+        return kept
 
-    def _observe_tokens(self, choice: _Choice, num_new: int, now: float) -> None:
-        last_token_s = choice.last_token_s
-        choice.last_token_s = now
-        if last_token_s is not None:
-            self._metrics.inter_token_latency.observe((now - last_token_s) / num_new, num_new)
-            return
+    def _observe_first_tokens(self, num_new: int, now: float) -> None:
         self._metrics.time_to_first_token.observe(now - self.arrival_s)
         if num_new > 1:  # tokens that arrived together with the first one
             self._metrics.inter_token_latency.observe(0.0, num_new - 1)

@@ -69,10 +69,10 @@ class IncrementalDetokenizer:
         """
         if not token_ids:
             return ""  # nothing new: what is held back stays held back
-        self._window_ids.extend(token_ids)
-        full_text = self._decode(self._window_ids)
-        num_pending = len(self._window_ids) - self._read_idx
-        if full_text.endswith(REPLACEMENT_CHAR) and num_pending <= _MAX_PENDING_TOKENS:
+        window = self._window_ids
+        window.extend(token_ids)
+        full_text = self._tokenizer.decode(window, skip_special_tokens=self._skip_special_tokens)
+        if full_text.endswith(REPLACEMENT_CHAR) and len(window) - self._read_idx <= _MAX_PENDING_TOKENS:
             return ""
         return self._advance(full_text)
 
