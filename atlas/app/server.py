@@ -319,9 +319,9 @@ def app_from_environment():
     add_serve_arguments(parser)
     args = parser.parse_args([])
     limit_blas_threads(args.single_process)
-    from atlas.adapters.http import protocol_errors
+    from atlas.adapters.http import h11_protocol
 
-    protocol_errors.install()  # before hypercorn accepts a connection (the lifespan starts first)
+    h11_protocol.install()  # before hypercorn accepts a connection (the lifespan starts first)
     return build_app(args)
 
 
@@ -368,7 +368,7 @@ def run_server(args: argparse.Namespace) -> int:
     """`atlas serve`: check the configuration, then serve until Ctrl-C or SIGTERM."""
     from hypercorn.config import Config
 
-    from atlas.adapters.http import protocol_errors
+    from atlas.adapters.http import h11_protocol
     from atlas.app.model_store import resolve_model
 
     os.environ.setdefault(EPOCH_ENVIRONMENT, repr(startup_epoch()))  # the engine process counts from here too
@@ -384,7 +384,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = build_app(args, on_fatal)  # flag errors first; nothing loads until hypercorn starts it
     listener = listening_socket(args.host, args.port)
-    protocol_errors.install()
+    h11_protocol.install()
     config = Config()
     config.bind = [f"fd://{listener.detach()}"]
     config.accesslog = logging.getLogger("atlas.access") if args.access_log else None

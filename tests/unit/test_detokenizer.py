@@ -264,7 +264,8 @@ def test_cost_per_token_does_not_grow_with_length(bpe: TokenizerAdapter) -> None
     chunks = stream(bpe, bpe.encode("Q:" * 50), output_ids)
     assert "".join(chunks) == " ".join(SAMPLE_TEXTS * 60)
     assert max(bpe.decode_lengths) <= 12
-    assert len(bpe.decode_lengths) <= 2 * len(output_ids) + 2
+    # one decode per token, plus one each time the window slides (every ~5 tokens)
+    assert len(bpe.decode_lengths) <= len(output_ids) * 5 // 4 + 2
 
 
 # -- SentencePiece style (Metaspace, byte fallback) ----------------------------------------

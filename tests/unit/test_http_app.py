@@ -221,6 +221,28 @@ async def test_metrics_count_requests_and_latencies(tokenizer):
 
 
 @pytest.mark.anyio
+async def test_the_dump_records_a_streamed_answer_whole_as_the_stream_sent_it(tokenizer, tmp_path):
+    script = tokenizer.encode(SCRIPT_TEXT)
+    app = make_app(ScriptedEngine(script), tokenizer, HttpConfig(dump_path=tmp_path / "dump.jsonl"))
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        completion = await client.post("/v1/completions",
+                                       json={"prompt": "x", "n": 2, "max_tokens": 100, "stream": True})
+        chat = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        completion_chunks, chat_chunks = sse_payloads(await completion.get_data()), sse_payloads(await chat.get_data())
+    records = [json.loads(line) for line in (tmp_path / "dump.jsonl").read_text().splitlines()]
+    assert [(r["endpoint"], r["stream"]) for r in records] == [("completions", True), ("chat", True)]
+    texts = ["".join(c["choices"][0]["text"] for c in completion_chunks
+                     if c["choices"] and c["choices"][0]["index"] == index) for index in range(2)]
+    chat_text = "".join(c["choices"][0]["delta"].get("content", "") for c in chat_chunks if c["choices"])
+    assert texts == [tokenizer.decode(script)] * 2 and chat_text == tokenizer.decode(script)
+    assert [choice["text"] for choice in records[0]["response"]["choices"]] == texts
+    dumped = records[1]["response"]["choices"][0]
+    assert dumped["message"]["content"] == chat_text and dumped["finish_reason"] == "length"
+
+
+@pytest.mark.anyio
 async def test_curl_style_form_content_type_is_read_as_json(tokenizer):
     app = make_app(ScriptedEngine(tokenizer.encode(SCRIPT_TEXT)), tokenizer)
     async with app.test_app() as test_app:

@@ -1,5 +1,5 @@
 """The HTTP layer's pure parts: request schemas and parameter mapping, error objects, auth,
-metrics exposition, delta merging, and the serve command's configuration checks."""
+metrics exposition, SSE frames spliced from templates, and the serve command's configuration checks."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import argparse
 import msgspec
 import pytest
 
+from atlas.adapters.http import sse
+from atlas.adapters.http.anthropic_schemas import ContentBlockDelta, TextDelta
 from atlas.adapters.http.auth import AuthConfigError, BearerAuth, read_tokens_file
-from atlas.adapters.http.choices import merge_batch
 from atlas.adapters.http.engine_client import SamplingDefaults
 from atlas.adapters.http.errors import ApiError, from_validation_error
-from atlas.adapters.http.generation import ChoiceDelta
 from atlas.adapters.http.metrics import MetricsRegistry
 from atlas.adapters.http.params import sampling_params
+from atlas.adapters.http.responses import ChatChunk, ChatChunkChoice, ChatDelta, Completion, CompletionChoice
 from atlas.adapters.http.schemas import ChatCompletionRequest, CompletionRequest, unsupported_features
 from atlas.adapters.http.state import decode_body
 from atlas.app.arguments import ArgumentParser
-from atlas.domain.text.sequence_text import TextDelta
 from atlas.app.server import add_serve_arguments, exposure_warning, http_config, sampling_defaults
 from atlas.domain.batch import TokenLogprobs
 from atlas.domain.requests import FinishReason
@@ -165,18 +165,6 @@ def test_metrics_render_the_prometheus_text_format():
         registry.counter("x_total", "again")
 
 
-def test_merge_batch_folds_each_choice_into_one_update():
-    lp = TokenLogprobs(4, -0.5, ())
-
-    def delta(index, text, ids, finish=None, logprobs=()):
-        return ChoiceDelta(index, TextDelta(text, ids, finish, "END" if finish else None, logprobs, 3, len(ids)))
-
-    updates = merge_batch([delta(0, "a", (1,), logprobs=(lp,)), delta(1, "x", (2,)),
-                           delta(0, "b", (4,), logprobs=(lp,)), delta(2, "", ()), delta(0, "", (), FinishReason.STOP)])
-    assert [(u.index, u.text, u.num_tokens, len(u.logprobs), u.finish_reason, u.stop_reason) for u in updates] == [
-        (0, "ab", 2, 2, "stop", "END"), (1, "x", 1, 0, None, None)]
-
-
 def parse_serve(*argv: str) -> argparse.Namespace:
     parser = ArgumentParser(prog="atlas serve")
     add_serve_arguments(parser)
@@ -225,3 +213,25 @@ def test_the_drain_interrupts_what_is_left_and_anything_that_starts_after_it():
     assert anyio.run(in_flight.drain, 0.0) == 1 and early.interrupted == 1 and len(in_flight) == 0
     in_flight.add(late)  # admitted before the shutdown, reached the engine after its timeout
     assert late.interrupted == 1 and len(in_flight) == 0
+
+
+TEXTS = ["", "a", ' "quoted" \\ back', "line\nbreak\ttab\x00\x1f", "日本 🎉 café", "\u2028\u2029", "</script>",
+         "\x00atlas text\x00", "\uffff"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_text_frames_splice_the_text_exactly_where_encoding_the_structs_puts_it(text):
+    shapes = [
+        lambda t: sse.event(Completion("cmpl-1", 5, "m\"odel", [CompletionChoice(3, t, None, None)], None)),
+        lambda t: sse.event(ChatChunk("chatcmpl-1", 5, "m", [ChatChunkChoice(0, ChatDelta(content=t))])),
+        lambda t: sse.named_event("content_block_delta", ContentBlockDelta(2, TextDelta(t))),
+    ]
+    for make in shapes:
+        assert sse.TextFrames(make)(text) == make(text)
+
+
+def test_text_frames_need_the_text_in_the_frame_exactly_once():
+    with pytest.raises(ValueError):
+        sse.TextFrames(lambda t: sse.event({"a": "b"}))
+    with pytest.raises(ValueError):
+        sse.TextFrames(lambda t: sse.event({"a": t, "b": t}))

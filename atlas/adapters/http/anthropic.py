@@ -61,7 +61,7 @@ from atlas.adapters.http.anthropic_schemas import (
 )
 from atlas.adapters.http.chat_choices import ChatChoices, ChoiceParts
 from atlas.adapters.http.chat_turn import count_prompt_tokens, prepare_turn
-from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
+from atlas.adapters.http.choices import ChoiceResults, collect
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import build_sampling_params
@@ -86,12 +86,11 @@ async def messages(state: ServerState, body: bytes) -> Response:
     generation = Generation(engine, model.tokenizer, message_id, [turn.prompt_ids], params, state.seeds,
                             state.metrics, state.in_flight, state.config.request_timeout_s,
                             constraint=turn.constraint, heartbeat_s=PING_INTERVAL_S if request.stream else None)
-    results = ChoiceResults(1, False)
     parsed = ChatChoices(1, turn.reading, random.Random(secrets.randbits(64)))
     if request.stream:
-        frames = _stream(state, generation, message_id, model.name, results, parsed, body, started_s)
+        frames = _stream(state, generation, message_id, model.name, parsed, body, started_s)
         return Response(sse.with_errors(frames, sse.anthropic_error_event), 200, sse.HEADERS)
-    await collect(generation, results, parsed.apply)
+    await collect(generation, ChoiceResults(1, False), parsed.apply)
     answer = _message(message_id, model.name, generation, parsed)
     if state.dump is not None:
         state.dump.write("messages", 200, False, started_s, body, answer)
@@ -124,6 +123,7 @@ class _Blocks:
         self._index = -1
         self._open: tuple[str, int] | None = None  # (kind, call index) of the open block
         self._thinking: list[str] = []
+        self._text_frames: sse.TextFrames | None = None  # text deltas of the open text block
 
     def events(self, parts: ChoiceParts) -> list[bytes]:
         events = []
@@ -133,7 +133,9 @@ class _Blocks:
             events.append(self._delta(ThinkingDelta(parts.reasoning)))
         if parts.content:
             events += self._begin(("text", 0), TextOut(""))
-            events.append(self._delta(TextDelta(parts.content)))
+            if self._text_frames is None:
+                self._text_frames = sse.TextFrames(lambda text: self._delta(TextDelta(text)))
+            events.append(self._text_frames(parts.content))
         for call in parts.tool_calls:
             if call.id is not None:
                 events += self._begin(("tool_use", call.index),
@@ -153,6 +155,7 @@ class _Blocks:
         events = self._close()
         self._index += 1
         self._open = key
+        self._text_frames = None
         return events + [sse.named_event("content_block_start", ContentBlockStart(self._index, block))]
 
     def _close(self) -> list[bytes]:
@@ -175,7 +178,6 @@ async def _stream(
     generation: Generation,
     message_id: str,
     model_name: str,
-    results: ChoiceResults,
     parsed: ChatChoices,
     body: bytes,
     started_s: float,
@@ -191,8 +193,7 @@ async def _stream(
                     yield sse.named_event("ping", Ping())
                     continue
                 frames = []
-                for update in merge_batch(batch):
-                    results.add(update)
+                for update in batch:
                     frames += blocks.events(parsed.apply(update))
                 if frames:
                     yield b"".join(frames)

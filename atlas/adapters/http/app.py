@@ -6,7 +6,7 @@ and API requests get a 503 error object rather than a refused connection.
 
 Every error a client can cause is an OpenAI error object with a 4xx status: handlers raise
 `ApiError`; Quart's own errors (404 unknown route, 405 wrong method, 408 slow body, 413 body
-too large) are converted here (hypercorn's, for malformed HTTP, in `protocol_errors`);
+too large) are converted here (hypercorn's, for malformed HTTP, in `h11_protocol`);
 anything unexpected is logged and answered with a 500 error object.
 
 The routes are the table `ROUTES`; /openapi.json is generated from it and the Structs.

@@ -28,7 +28,7 @@ from atlas.adapters.http import sse
 from atlas.adapters.http.chat_choices import ChatChoices, ChoiceParts
 from atlas.adapters.http.chat_request import chat_turn
 from atlas.adapters.http.chat_turn import prepare_turn
-from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
+from atlas.adapters.http.choices import ChoiceResults, collect
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import check_choices, sampling_params
@@ -59,6 +59,14 @@ class _Reply:
     id: str
     created: int
     model: str
+
+    def chunk(self, choice: ChatChunkChoice, usage: Usage | None = None) -> bytes:
+        return sse.event(ChatChunk(self.id, self.created, self.model, [choice], usage=usage))
+
+    def content_chunks(self, index: int) -> sse.TextFrames:
+        """`chunk`s of choice `index` whose delta is content alone (no logprobs, finish or
+        usage): most of a stream."""
+        return sse.TextFrames(lambda text: self.chunk(ChatChunkChoice(index, ChatDelta(content=text))))
 
 
 async def chat_completions(state: ServerState, body: bytes) -> Response:
@@ -145,6 +153,8 @@ async def _stream(
     continuous_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
     with_logprobs = results.logprobs is not None
+    recording = state.dump is not None  # the dump records the whole answer; the stream needs no copy
+    content_chunks = [reply.content_chunks(index) for index in range(generation.num_choices)]
     try:
         yield b"".join(
             sse.event(ChatChunk(reply.id, reply.created, reply.model,
@@ -156,15 +166,20 @@ async def _stream(
             async for batch in batches:
                 frames = []
                 usage = _usage(generation) if continuous_usage else None
-                for update in merge_batch(batch):
-                    results.add(update)
+                for update in batch:
+                    if recording:
+                        results.add(update)
                     parts = parsed.apply(update)
                     if parts.is_empty and update.finish_reason is None and not (with_logprobs and update.logprobs):
                         continue  # text held back (a tag not yet complete)
+                    if (parts.content and not (parts.reasoning or parts.tool_calls or update.finish_reason)
+                            and not with_logprobs and usage is None):
+                        frames.append(content_chunks[update.index](parts.content))
+                        continue
                     logprobs = ChatLogprobs(token_texts.chat(update.logprobs)) if with_logprobs else None
                     finish = parsed.openai_finish_reason(update.index) if update.finish_reason is not None else None
                     choice = ChatChunkChoice(update.index, _delta(parts), logprobs, finish, update.stop_reason)
-                    frames.append(sse.event(ChatChunk(reply.id, reply.created, reply.model, [choice], usage=usage)))
+                    frames.append(reply.chunk(choice, usage))
                 if frames and generation.is_finished:
                     last = frames  # goes out with the usage chunk and [DONE], one write for all
                 elif frames:

@@ -1,52 +1,16 @@
 """Per-choice bookkeeping shared by the chat and completions endpoints.
 
-`merge_batch` folds the deltas of one batch into one update per choice (a stream chunk each);
-`ChoiceResults` accumulates whole choices for non-streamed answers and for `--dump`;
-`collect` runs a non-streamed request into one.
+`ChoiceResults` accumulates whole choices (from `Generation`'s `ChoiceUpdate`s) for
+non-streamed answers and for `--dump`; `collect` runs a non-streamed request into one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import aclosing
-from dataclasses import dataclass
 
-from atlas.adapters.http.generation import ChoiceDelta, Generation
+from atlas.adapters.http.generation import ChoiceUpdate, Generation
 from atlas.domain.batch import TokenLogprobs
-
-
-@dataclass(slots=True)
-class ChoiceUpdate:
-    """What one batch adds to one choice."""
-
-    index: int
-    text: str
-    num_tokens: int
-    logprobs: tuple[TokenLogprobs, ...]
-    finish_reason: str | None
-    stop_reason: str | int | None
-
-
-def merge_batch(batch: list[ChoiceDelta]) -> list[ChoiceUpdate]:
-    """One update per choice, in order of first appearance; a choice whose deltas carry
-    nothing (no text, tokens or finish) is left out."""
-    updates: dict[int, ChoiceUpdate] = {}
-    for item in batch:
-        delta = item.delta
-        update = updates.get(item.index)
-        finish = delta.finish_reason.value if delta.finish_reason is not None else None
-        if update is None:
-            updates[item.index] = ChoiceUpdate(
-                item.index, delta.text, len(delta.token_ids), delta.logprobs, finish, delta.stop_reason
-            )
-            continue
-        update.text += delta.text
-        update.num_tokens += len(delta.token_ids)
-        if delta.logprobs:
-            update.logprobs = update.logprobs + delta.logprobs
-        if finish is not None:
-            update.finish_reason, update.stop_reason = finish, delta.stop_reason
-    return [u for u in updates.values() if u.text or u.num_tokens or u.finish_reason is not None]
 
 
 class ChoiceResults:
@@ -87,7 +51,7 @@ async def collect(
     each update to `on_update`, which parses chat choices)."""
     async with aclosing(generation.batches()) as batches:
         async for batch in batches:
-            for update in merge_batch(batch):
+            for update in batch:
                 results.add(update)
                 if on_update is not None:
                     on_update(update)

@@ -15,7 +15,7 @@ from contextlib import aclosing
 from quart import Response
 
 from atlas.adapters.http import sse
-from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
+from atlas.adapters.http.choices import ChoiceResults, collect
 from atlas.adapters.http.errors import bad_request
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import check_choices, check_prompt_fits, sampling_params
@@ -45,6 +45,13 @@ class _Reply:
 
     def echo(self, index: int) -> str:
         return self.echo_texts[index // self.n]
+
+    def chunk(self, choice: CompletionChoice) -> bytes:
+        return sse.event(Completion(self.id, self.created, self.model, [choice], None))
+
+    def text_chunks(self, index: int) -> sse.TextFrames:
+        """`chunk`s of choice `index` carrying only text (no logprobs, no finish): most of a stream."""
+        return sse.TextFrames(lambda text: self.chunk(CompletionChoice(index, text, None, None)))
 
 
 async def completions(state: ServerState, body: bytes) -> Response:
@@ -113,28 +120,30 @@ async def _stream(
     include_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
     with_logprobs = results.logprobs is not None
+    recording = state.dump is not None  # the dump records the whole answer; the stream needs no copy
     offsets = [len(reply.echo(index)) for index in range(generation.num_choices)]
+    text_chunks = [reply.text_chunks(index) for index in range(generation.num_choices)]
     try:
-        echoes = [
-            sse.event(Completion(reply.id, reply.created, reply.model,
-                                 [CompletionChoice(index, reply.echo(index), None, None)], None))
-            for index in range(generation.num_choices) if reply.echo(index)
-        ]
+        echoes = [text_chunks[index](reply.echo(index)) for index in range(generation.num_choices)
+                  if reply.echo(index)]
         if echoes:
             yield b"".join(echoes)
         last: list[bytes] = []
         async with aclosing(generation.batches()) as batches:
             async for batch in batches:
                 frames = []
-                for update in merge_batch(batch):
-                    results.add(update)
+                for update in batch:
+                    if recording:
+                        results.add(update)
+                    if not with_logprobs and update.finish_reason is None:
+                        frames.append(text_chunks[update.index](update.text))
+                        continue
                     logprobs = None
                     if with_logprobs:
                         logprobs = token_texts.completion(update.logprobs, offsets[update.index])
                         offsets[update.index] += sum(len(t) for t in logprobs.tokens)
-                    choice = CompletionChoice(update.index, update.text, logprobs, update.finish_reason,
-                                              update.stop_reason)
-                    frames.append(sse.event(Completion(reply.id, reply.created, reply.model, [choice], None)))
+                    frames.append(reply.chunk(CompletionChoice(update.index, update.text, logprobs,
+                                                               update.finish_reason, update.stop_reason)))
                 if frames and generation.is_finished:
                     last = frames  # goes out with the usage chunk and [DONE], one write for all
                 elif frames:

@@ -24,6 +24,24 @@ from atlas.ports.tokenizer import Tokenizer
 class OutputStream(Protocol):
     """One request's outputs in order (`atlas.app.engine_actor.OutputStream`)."""
 
+    def take(self) -> list[StreamItem]:
+        """Every queued item, oldest first; [] when none is."""
+        ...
+
+    @property
+    def at_end(self) -> bool:
+        """Nothing is queued and nothing more will be."""
+        ...
+
+    async def wait(self, timeout_s: float | None = None) -> bool:
+        """Until an item is queued or the stream is at its end (at once when either holds
+        already) or `wake()` is called: True; or until `timeout_s` passed: False."""
+        ...
+
+    def wake(self) -> None:
+        """End a `wait` now."""
+        ...
+
     async def receive(self) -> StreamItem:
         """The next item, waiting for it; anyio.EndOfStream once the stream has ended."""
         ...

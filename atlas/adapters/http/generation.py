@@ -2,11 +2,12 @@
 
 A request has one or more prompts and `n` choices per prompt; choice `index` is
 `prompt_idx * n + choice_idx`, as OpenAI numbers them. All of its sequences share one engine
-stream. `batches()` waits for the next output, then takes everything else already queued, so
-a consumer that falls behind gets several tokens per wake-up instead of one wake-up per token:
+stream. `batches()` waits for the next output, then takes everything else already queued and
+folds it into one `ChoiceUpdate` per choice, so a consumer that falls behind gets several
+tokens per wake-up (and per chunk it writes) instead of one wake-up per token:
 
     engine step k   -> out(seq0), out(seq1)        \\
-    engine step k+1 -> out(seq0)                    >  one batch: [delta(0), delta(1), delta(0)]
+    engine step k+1 -> out(seq0)                    >  one batch: [update(0), update(1)]
     consumer wakes  ------------------------------ /
 
 Leaving `batches()` early (client gone, handler error, timeout, `interrupt()` at shutdown)
@@ -16,38 +17,33 @@ step. While `batches()` runs, the generation is in the server's `InFlight` set.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
-
-import anyio
 import msgspec
 
-from atlas.adapters.http.engine_client import EngineClient
+from atlas.adapters.http.engine_client import EngineClient, OutputStream
 from atlas.adapters.http.errors import INVALID_REQUEST, SERVER_ERROR, ApiError
 from atlas.adapters.http.in_flight import InFlight
 from atlas.adapters.http.server_metrics import ServerMetrics
+from atlas.domain.batch import TokenLogprobs
 from atlas.domain.engine_events import EngineFailure
 from atlas.domain.fan_out import SeedSource, fan_out
-from atlas.domain.text.sequence_text import SequenceText, TextDelta
+from atlas.domain.text.sequence_text import SequenceText
 from atlas.domain.requests import FinishReason, OutputConstraint, SamplingParams
 from atlas.ports.tokenizer import Tokenizer
 
 
-class _Quiet(enum.Enum):
-    """No output within the heartbeat."""
+class ChoiceUpdate(msgspec.Struct):
+    """What one batch adds to one choice: the text, token count and logprobs of its outputs
+    in the batch, and its finish when one of them ended it. (Mutable: a batch's later outputs
+    of the choice are folded in.)"""
 
-    QUIET = "quiet"
-
-
-_QUIET = _Quiet.QUIET
-
-
-@dataclass(frozen=True, slots=True)
-class ChoiceDelta:
     index: int
-    delta: TextDelta
+    text: str
+    num_tokens: int
+    logprobs: tuple[TokenLogprobs, ...]
+    finish_reason: str | None  # the engine's: stop, length, abort
+    stop_reason: str | int | None
 
 
 class _Choice:
@@ -87,7 +83,7 @@ class Generation:
         self._metrics = metrics
         self._in_flight = in_flight
         self._interrupted = False
-        self._waiting: anyio.CancelScope | None = None
+        self._stream: OutputStream | None = None  # once `batches()` has submitted the request
         self._clock = clock
         self.arrival_s = clock()
         self._deadline_s = None if timeout_s is None else self.arrival_s + timeout_s
@@ -106,6 +102,7 @@ class Generation:
                 self._choices[request.request_id] = _Choice(index, request.request_id, text)
                 self.requests.append(request)
         self.num_choices = len(self.requests)
+        self._unfinished = dict(self._choices)  # by sequence id; `batches()` removes those that finish
         self.timed_out = False
 
     @property
@@ -116,13 +113,13 @@ class Generation:
         """End now (the server is shutting down): every unfinished choice finishes with
         finish_reason "abort" in the next batch."""
         self._interrupted = True
-        if self._waiting is not None:
-            self._waiting.cancel()
+        if self._stream is not None:
+            self._stream.wake()  # if `batches()` waits for output, it stops waiting
 
     @property
     def is_finished(self) -> bool:
         """Every choice has finished: the batch just taken from `batches()` was its last."""
-        return all(choice.finished for choice in self._choices.values())
+        return not self._unfinished
 
     @property
     def num_cached_tokens(self) -> int:
@@ -137,30 +134,37 @@ class Generation:
                                              choice.num_cached_tokens)
         return sum(per_prompt.values())
 
-    async def batches(self) -> AsyncIterator[list[ChoiceDelta]]:
-        """Deltas in arrival order, several per batch when they queue up; ends when every
-        choice has finished. With `heartbeat_s`, an empty batch after that long without output
-        (a stream's keep-alive). Raises ApiError for a request the engine rejects or cannot run."""
-        stream = self._engine.submit(self.requests)
-        unfinished = dict(self._choices)
+    async def batches(self) -> AsyncIterator[list[ChoiceUpdate]]:
+        """Updates in order of each choice's first output in the batch, every batch non-empty;
+        ends when every choice has finished. With `heartbeat_s`, an empty batch after that long
+        without output (a stream's keep-alive). Raises ApiError for a request the engine
+        rejects or cannot run."""
+        stream = self._stream = self._engine.submit(self.requests)
+        unfinished = self._unfinished
         cause = "client_disconnected"  # why sequences were left unfinished, if they were
         self._in_flight.add(self)
         try:
             while unfinished:
-                items = None if self._interrupted else await self._next_items(stream)
-                if items is _QUIET:
-                    yield []
-                    continue
-                if items is None:  # interrupted, or the deadline passed
+                if self._interrupted or (self._deadline_s is not None and self._clock() >= self._deadline_s):
                     reason = FinishReason.ABORT if self._interrupted else FinishReason.LENGTH
                     self.timed_out = not self._interrupted
                     self._metrics.aborted.inc(("shutdown" if self._interrupted else "timeout",))
                     yield [self._end(choice, reason, unfinished) for choice in list(unfinished.values())]
                     return
-                if not items:  # the stream closed early: the engine is shutting down
+                items = stream.take()
+                if items:
+                    updates = self._apply(items, unfinished)
+                    if updates:
+                        yield updates
+                elif stream.at_end:  # the stream closed early: the engine is shutting down
                     cause = "engine_stopped"
                     return
-                yield self._apply(items, unfinished)
+                elif self._deadline_s is None and self._heartbeat_s is None:
+                    await stream.wait()
+                else:
+                    timeout_s, is_heartbeat = self._wait_s()
+                    if not await stream.wait(timeout_s) and is_heartbeat:
+                        yield []
         except ApiError:
             cause = "error"
             raise
@@ -171,43 +175,20 @@ class Generation:
                 self._metrics.aborted.inc((cause,))
             stream.close()
 
-    async def _next_items(self, stream) -> list | _Quiet | None:
-        """The next output and everything queued behind it; [] at end of stream, None at the
-        deadline or when interrupted, _QUIET when the heartbeat passed first."""
-        delay_s = None if self._deadline_s is None else self._deadline_s - self._clock()
-        heartbeat = self._heartbeat_s is not None and (delay_s is None or self._heartbeat_s < delay_s)
-        if heartbeat:
-            delay_s = self._heartbeat_s
-        elif delay_s is not None and delay_s <= 0:
-            return None
-        try:  # what is queued already needs no cancel scope (most wake-ups of a busy server)
-            return self._drain(stream, stream.receive_nowait())
-        except anyio.WouldBlock:
-            pass
-        except anyio.EndOfStream:
-            return []
-        try:
-            with anyio.move_on_after(delay_s) as self._waiting:
-                first = await stream.receive()
-                return self._drain(stream, first)
-            return _QUIET if heartbeat and not self._interrupted else None
-        except anyio.EndOfStream:
-            return []
-        finally:
-            self._waiting = None
+    def _wait_s(self) -> tuple[float, bool]:
+        """How long to wait for output: until the deadline or the heartbeat, whichever comes
+        first; True when it is the heartbeat."""
+        if self._deadline_s is None:
+            return self._heartbeat_s, True
+        delay_s = self._deadline_s - self._clock()
+        if self._heartbeat_s is not None and self._heartbeat_s < delay_s:
+            return self._heartbeat_s, True
+        return delay_s, False
 
-    @staticmethod
-    def _drain(stream, first) -> list:
-        items = [first]
-        while True:
-            try:
-                items.append(stream.receive_nowait())
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                return items
-
-    def _apply(self, items: list, unfinished: dict[str, _Choice]) -> list[ChoiceDelta]:
+    def _apply(self, items: list, unfinished: dict[str, _Choice]) -> list[ChoiceUpdate]:
         now = self._clock()
-        deltas = []
+        inter_token_latency = self._metrics.inter_token_latency
+        updates: dict[int, ChoiceUpdate] = {}
         for item in items:
             if isinstance(item, EngineFailure):
                 raise _failure_error(item)
@@ -218,25 +199,41 @@ class Generation:
             delta = choice.text.apply(item)
             num_new = len(delta.token_ids)
             if num_new:
-                self._observe_tokens(choice, num_new, now)
-            choice.num_output_tokens = max(choice.num_output_tokens, delta.num_output_tokens)
+                last_token_s = choice.last_token_s
+                if last_token_s is None:
+                    self._observe_first_tokens(num_new, now)
+                else:
+                    inter_token_latency.observe((now - last_token_s) / num_new, num_new)
+                choice.last_token_s = now
+            if delta.num_output_tokens > choice.num_output_tokens:
+                choice.num_output_tokens = delta.num_output_tokens
+            finish = None
             if delta.finish_reason is not None:
                 if delta.stopped_by_text:
                     self._engine.abort([choice.seq_id])
                 self._finish(choice, delta.finish_reason, unfinished, now)
-            deltas.append(ChoiceDelta(choice.index, delta))
-        return deltas
+                finish = delta.finish_reason.value
+            update = updates.get(choice.index)
+            if update is None:
+                updates[choice.index] = ChoiceUpdate(choice.index, delta.text, num_new, delta.logprobs, finish,
+                                                     delta.stop_reason)
+                continue
+            update.text += delta.text
+            update.num_tokens += num_new
+            if delta.logprobs:
+                update.logprobs += delta.logprobs
+            if finish is not None:
+                update.finish_reason, update.stop_reason = finish, delta.stop_reason
+        kept = []
+        for update in updates.values():
+            if update.text or update.num_tokens or update.finish_reason is not None:
+                kept.append(update)
+        return kept
 
-    def _observe_tokens(self, choice: _Choice, num_new: int, now: float) -> None:
-        if choice.last_token_s is None:
-            self._metrics.time_to_first_token.observe(now - self.arrival_s)
-            num_new -= 1
-        else:
-            self._metrics.inter_token_latency.observe((now - choice.last_token_s) / num_new, num_new)
-            num_new = 0
-        if num_new > 0:  # tokens that arrived together with the first one
-            self._metrics.inter_token_latency.observe(0.0, num_new)
-        choice.last_token_s = now
+    def _observe_first_tokens(self, num_new: int, now: float) -> None:
+        self._metrics.time_to_first_token.observe(now - self.arrival_s)
+        if num_new > 1:  # tokens that arrived together with the first one
+            self._metrics.inter_token_latency.observe(0.0, num_new - 1)
 
     def _finish(self, choice: _Choice, reason: FinishReason, unfinished: dict[str, _Choice], now: float) -> None:
         choice.finished = True
@@ -245,11 +242,10 @@ class Generation:
         if not unfinished:
             self._metrics.request_duration.observe(now - self.arrival_s)
 
-    def _end(self, choice: _Choice, reason: FinishReason, unfinished: dict[str, _Choice]) -> ChoiceDelta:
+    def _end(self, choice: _Choice, reason: FinishReason, unfinished: dict[str, _Choice]) -> ChoiceUpdate:
         self._engine.abort([choice.seq_id])
         self._finish(choice, reason, unfinished, self._clock())
-        delta = TextDelta("", (), reason, None, (), self.num_prompt_tokens, choice.num_output_tokens)
-        return ChoiceDelta(choice.index, delta)
+        return ChoiceUpdate(choice.index, "", 0, (), reason.value, None)
 
 
 def _failure_error(failure: EngineFailure) -> ApiError:

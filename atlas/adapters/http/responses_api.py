@@ -33,7 +33,7 @@ from quart import Response
 from atlas.adapters.http import sse
 from atlas.adapters.http.chat_choices import ChatChoices, ChoiceParts
 from atlas.adapters.http.chat_turn import prepare_turn
-from atlas.adapters.http.choices import ChoiceResults, collect, merge_batch
+from atlas.adapters.http.choices import ChoiceResults, collect
 from atlas.adapters.http.errors import ApiError, bad_request, excerpt
 from atlas.adapters.http.generation import Generation
 from atlas.adapters.http.params import RequestedSampling, build_sampling_params
@@ -95,17 +95,16 @@ async def create_response(state: ServerState, body: bytes) -> Response:
     reply = _Reply(request, model.name, store=request.store is not False and state.responses.enabled)
     generation = Generation(engine, model.tokenizer, reply.id, [turn.prompt_ids], params, state.seeds, state.metrics,
                             state.in_flight, state.config.request_timeout_s, constraint=turn.constraint)
-    results = ChoiceResults(1, False)
     parsed = ChatChoices(1, turn.reading, random.Random(secrets.randbits(64)))
     items = _Items()
     if request.stream:
-        frames = _stream(state, generation, reply, results, parsed, items, conversation, body, started_s)
+        frames = _stream(state, generation, reply, parsed, items, conversation, body, started_s)
         return Response(sse.with_errors(frames, _error_event), 200, sse.HEADERS)
 
     def on_update(update) -> None:
         items.events(parsed.apply(update))
 
-    await collect(generation, results, on_update)
+    await collect(generation, ChoiceResults(1, False), on_update)
     items.finish()
     answer = reply.finished(generation, parsed, items.output)
     _store(state, reply, answer, conversation, parsed)
@@ -301,7 +300,6 @@ async def _stream(
     state: ServerState,
     generation: Generation,
     reply: _Reply,
-    results: ChoiceResults,
     parsed: ChatChoices,
     items: _Items,
     conversation: list[dict[str, Any]],
@@ -316,8 +314,7 @@ async def _stream(
         async with aclosing(generation.batches()) as batches:
             async for batch in batches:
                 events = []
-                for update in merge_batch(batch):
-                    results.add(update)
+                for update in batch:
                     events += items.events(parsed.apply(update))
                 if events:
                     yield numbered.frames(events)

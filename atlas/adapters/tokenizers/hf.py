@@ -229,7 +229,8 @@ class HfTokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; an incomplete UTF-8 tail comes out as U+FFFD."""
-        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        ids = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids)  # no copy on the hot path
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_text(self, token_id: int) -> str:
         """The raw vocabulary string ("Ġthe" for byte-level BPE); "" for ids past the vocabulary."""

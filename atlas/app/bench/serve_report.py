@@ -48,6 +48,7 @@ class RequestRecord:
             "latency_ms": 1e3 * r.latency_s if r.ok else None,
             "tpot_ms": 1e3 * self.tpot_s if self.tpot_s is not None else None,
             "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+            "num_chunks": len(r.chunk_times_s),  # SSE events that carried text
             "cached_tokens": r.cached_tokens, "reusable_tokens": self.reusable_tokens,
         }
 

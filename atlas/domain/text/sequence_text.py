@@ -55,6 +55,11 @@ class SequenceText:
         if self._finished:
             return TextDelta("", (), None, None, (), output.num_prompt_tokens, output.num_output_tokens)
         token_ids = output.new_token_ids
+        if output.finish_reason is None and self._stops is None:  # most steps: new tokens' text only
+            if token_ids:
+                self._last_token_id = token_ids[-1]
+            return TextDelta(self._detokenizer.push(token_ids), token_ids, None, None, output.logprobs,
+                             output.num_prompt_tokens, output.num_output_tokens)
         if token_ids:
             self._last_token_id = token_ids[-1]
             if output.finish_reason is FinishReason.STOP and token_ids[-1] in self._eos_ids:
