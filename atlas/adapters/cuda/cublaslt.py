@@ -358,8 +358,11 @@ class CublasLtGemm:
             if num_rows * inner * in_dtype.itemsize > self._l2_bytes:
                 variants.append(self._tile_variants(descriptor, layouts, candidates[0], num_tokens, candidates))
             candidates = np.concatenate([candidates, *variants])
-        key = _tuning_key(token_bucket(num_tokens), (num_rows, inner, in_dtype, out_dtype, with_bias, accumulate,
-                                                     scale_modes))
+        key = f"{token_bucket(num_tokens)},{num_rows},{inner},{in_dtype.value},{out_dtype.value},{int(with_bias)}"
+        if accumulate:
+            key += ",accumulate"
+        if scale_modes is not None:
+            key += ",scales{},{}".format(*scale_modes)
         return _Plan(descriptor, layouts, candidates, 0, key, bias_attribute, accumulate, scale_modes is not None)
 
     def _heuristic(self, descriptor: int, layouts: tuple[int, int, int], wanted: int) -> np.ndarray:
@@ -479,18 +482,6 @@ def _destroy(descriptor: int, layouts: tuple[int, int, int]) -> None:
     for layout in layouts:
         lt.matrix_layout_destroy(layout)
     lt.matmul_desc_destroy(descriptor)
-
-
-def _tuning_key(bucket: int, shape: tuple) -> str:
-    """The store's key of a token bucket and a shape (M, K, in and out dtypes, bias,
-    accumulate, FP8 scale modes or None): the plans of a bucket share their winner."""
-    num_rows, inner, in_dtype, out_dtype, with_bias, accumulate, scale_modes = shape
-    key = f"{bucket},{num_rows},{inner},{in_dtype.value},{out_dtype.value},{int(with_bias)}"
-    if accumulate:
-        key += ",accumulate"
-    if scale_modes is not None:
-        key += ",scales{},{}".format(*scale_modes)
-    return key
 
 
 def _set(descriptor: int, attribute: lt.MatmulDescAttribute, value: int) -> None:

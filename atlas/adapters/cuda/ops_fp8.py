@@ -288,11 +288,6 @@ class Fp8LinearOp:
             return False
         return True
 
-    @property
-    def gemm(self) -> CublasLtGemm | None:
-        """Its cuBLASLt wrapper (None once closed)."""
-        return self._gemm
-
     def _open_gemm(self) -> CublasLtGemm:
         if self._gemm is None:
             raise RuntimeError("linear: the backend was closed")
