@@ -19,16 +19,20 @@
 //
 // Experts, decode (N <= MOE_GEMV_MAX_TOKENS): a grouped GEMV on tensor cores. grid.y = expert
 // slots: min(E, N k) for the routed experts (slot i serves the i-th smallest expert id that some
-// pair chose; the surplus slots leave at once) plus one for the shared expert. Each block finds
-// its slot's expert and pairs itself (a bitmap of the chosen experts and a ballot compaction over
-// the N k ids, in shared memory: no alignment kernel) and streams its weight rows once per 8 of
-// the expert's tokens (mma.sync m16n8k16, the tokens as the 8 columns, the k order permuted as in
-// gemv.cu's gemv_mma so that the fragments are plain 16-byte loads):
+// pair chose; the surplus slots leave at once) plus one for the shared expert. The routing
+// kernel's last block writes a slot table (each slot's expert and pairs), so a block learns its
+// slot with one read: no alignment kernel and no host sync. Each block streams its weight rows
+// once per 8 of the expert's tokens (mma.sync m16n8k16, the tokens as the 8 columns, the k order
+// permuted as in gemv.cu's gemv_mma so that the fragments are plain 16-byte loads):
 //     moe_gate_up_<act>:  16 rows = the gate and up rows of 8 features; hidden = act(gate) * up
 //     moe_down:           16 rows of down; y = the product + bias
 // Only the active experts' weights are read: at N = 1 the 8 routed experts of Qwen3-30B-A3B are
-// 75 MB a layer, 9.4 MB an expert. A block's 8 warps split K. Three launches a decode layer:
-// route, gate_up, down (whose last block per row tile is the combine).
+// 75 MB a layer, 9.4 MB an expert. A block's 4 warps split K, each requesting 4 chunks a round
+// (128 threads: an SM holds 6-8 blocks, so Qwen3-30B-A3B's 768 gate_up and 1024 down blocks of a
+// decode step run in one wave). moe_down reads its slot and asks L2 for its rows before waiting
+// for moe_gate_up; the weight loads mark their lines first to go from L2 so those rows stay.
+// Three launches a decode layer: route, gate_up, down (whose last block per row tile is the
+// combine).
 //
 // Experts, prefill (N > MOE_GEMV_MAX_TOKENS): moe_align (one block) counts the pairs per expert,
 // prefix-sums them into offsets and tile starts (tiles of GEMM_BM rows) and scatters the pair ids
@@ -51,7 +55,9 @@
 // makes the ids local first (one launch, only where first_expert > 0); every kernel skips pairs
 // whose id is outside [0, E), the combine included, so the rank adds its experts' share only.
 //
-// Every kernel waits for the previous one first: the weights a block streams depend on the ids.
+// Every kernel waits for the previous one before reading what it wrote: the weights a block
+// streams depend on the ids (moe_down's early reads are of the slot table, written two kernels
+// back, and of weights).
 // The kernels live in this header so that kernels/sm90/moe.cu (the wgmma grouped GEMM) can define
 // every symbol of kernels/common/moe.cu beside its own.
 #pragma once
@@ -62,7 +68,15 @@
 #define MOE_MAX_EXPERTS 512
 #define MOE_LANE_EXPERTS (MOE_MAX_EXPERTS / 32)
 #define MOE_MAX_SLOT_TOKENS 64  // MOE_GEMV_MAX_TOKENS: a token picks an expert at most once
-#define MOE_WARPS 8
+#define MOE_WARPS 4
+// Blocks an SM must hold (launch bounds): Qwen3-30B-A3B's decode step, 768 gate_up and 1024 down
+// blocks, in one wave of 132 SMs (down: at most 64 registers; gate_up 6, which spills nothing).
+#define MOE_DOWN_MIN_BLOCKS 8
+// moe_down's rows a block, in groups of 16 whose K the block's warps share. 16: 32 (two groups,
+// each over K in two warps' parts) stepped Qwen3-30B-A3B slower on an H200, batch 1 3.047 ms
+// against 2.978 and batch 64 20.16 against 19.78.
+#define MOE_DOWN_ROWS 16
+#define MOE_GATE_UP_MIN_BLOCKS 6
 #define ROUTE_THREADS 256
 #define ROUTE_ROWS 4
 #define ROUTE_MAX_TOKENS 8
@@ -70,6 +84,123 @@
 // Whether expert id e names one of the E experts this GPU holds (an expert-parallel rank's ids
 // are shifted by moe_shift_ids; the others' pairs are skipped everywhere).
 __device__ __forceinline__ bool held(int e, int num_experts) { return e >= 0 && e < num_experts; }
+
+// A 16-byte weight load issued where it stands: before griddepcontrol.wait (volatile asm keeps
+// its place, as gemv.cu's load_streaming_early). Only for what the previous kernel does not write.
+__device__ __forceinline__ uint4 load_weights_early(const bf16* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The grouped GEMV's slots. The routing kernel's last block writes a slot table once a step
+// (build_slot_table), so a GEMV block finds its expert and pairs with one read instead of a scan
+// of every id: slot_table [routed_slots][MOE_SLOT_INTS] i32, each slot = (expert, count, pairs
+// ascending). Slot s serves the s-th smallest expert this GPU holds that some pair chose (ids
+// local: global id - first_expert, within [0, E)); surplus slots hold expert -1. Its reads by
+// moe_down come before that kernel's griddepcontrol.wait: the routing kernel that wrote it
+// completed before moe_gate_up's wait returned, and moe_down launches only after that.
+#define MOE_SLOT_INTS (2 + MOE_MAX_SLOT_TOKENS)
+#define MOE_MAX_SLOT_PAIRS (MOE_MAX_SLOT_TOKENS * 16)  // N <= 64 tokens, top_k <= 16
+
+struct SlotPairs {
+    int expert;  // -1: no expert for this slot (the block leaves); E: the shared expert
+    int count;
+    int pairs[MOE_MAX_SLOT_TOKENS];
+};
+
+// One block (blockDim a multiple of 32) writes the slot table from expert_ids [num_pairs]
+// (global ids, read through L2: other blocks of the grid may have written them). A slot's pairs
+// come in the order the block's shared-memory atomics rank them, which may change from run to
+// run; no result depends on it (each pair's rows are its own GEMV columns and output rows, and
+// the combine sums a token's pairs in k order).
+__device__ __forceinline__ void build_slot_table(const int* expert_ids, int num_pairs, int first_expert,
+                                                 int num_experts, int routed_slots, int* slot_table) {
+    __shared__ unsigned present[MOE_MAX_EXPERTS / 32];
+    __shared__ int word_base[MOE_MAX_EXPERTS / 32];
+    __shared__ int counts[MOE_MAX_EXPERTS];
+    __shared__ short ranks[MOE_MAX_SLOT_PAIRS];
+    __shared__ short ids[MOE_MAX_SLOT_PAIRS];
+    __shared__ int distinct;
+    const int words = (num_experts + 31) / 32;
+    for (int i = threadIdx.x; i < words; i += blockDim.x) present[i] = 0u;
+    for (int i = threadIdx.x; i < num_experts; i += blockDim.x) counts[i] = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
+        const int e = __ldcg(expert_ids + p) - first_expert;
+        const bool mine = held(e, num_experts);
+        ids[p] = mine ? e : -1;
+        if (mine) {
+            atomicOr(present + (e >> 5), 1u << (e & 31));
+            ranks[p] = atomicAdd(counts + e, 1);
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const int count = lane < words ? __popc(present[lane]) : 0;
+        int inclusive = count;
+#pragma unroll
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const int before = __shfl_up_sync(0xffffffffu, inclusive, offset);
+            if (lane >= offset) inclusive += before;
+        }
+        if (lane < words) word_base[lane] = inclusive - count;
+        if (lane == 31) distinct = inclusive;
+    }
+    __syncthreads();
+    for (int s = distinct + threadIdx.x; s < routed_slots; s += blockDim.x) slot_table[s * MOE_SLOT_INTS] = -1;
+    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
+        const int e = ids[p];
+        if (e < 0) continue;
+        const int slot = word_base[e >> 5] + __popc(present[e >> 5] & ((1u << (e & 31)) - 1u));
+        const int rank = ranks[p];
+        int* entry = slot_table + slot * MOE_SLOT_INTS;
+        if (rank < MOE_MAX_SLOT_TOKENS) entry[2 + rank] = p;
+        if (rank == 0) {
+            entry[0] = e;
+            entry[1] = min(counts[e], MOE_MAX_SLOT_TOKENS);
+        }
+    }
+}
+
+// Fills `slot_pairs` (shared memory) for slot blockIdx.y from the table; every thread calls it.
+// Slots below `routed_slots` are the table's, slot `routed_slots` the shared expert (all tokens,
+// pairs num_pairs + t).
+__device__ __forceinline__ void read_slot(const int* slot_table, int num_pairs, int num_tokens, int num_experts,
+                                          int routed_slots, SlotPairs& slot_pairs) {
+    const int slot = blockIdx.y;
+    if (slot >= routed_slots) {
+        if (threadIdx.x == 0) {
+            slot_pairs.expert = num_experts;
+            slot_pairs.count = min(num_tokens, MOE_MAX_SLOT_TOKENS);
+        }
+        for (int t = threadIdx.x; t < min(num_tokens, MOE_MAX_SLOT_TOKENS); t += blockDim.x)
+            slot_pairs.pairs[t] = num_pairs + t;
+    } else {
+        const int* entry = slot_table + slot * MOE_SLOT_INTS;
+        const int expert = __ldcg(entry);
+        const int count = expert >= 0 ? __ldcg(entry + 1) : 0;
+        if (threadIdx.x == 0) {
+            slot_pairs.expert = expert;
+            slot_pairs.count = count;
+        }
+        for (int t = threadIdx.x; t < count; t += blockDim.x) slot_pairs.pairs[t] = __ldcg(entry + 2 + t);
+    }
+    __syncthreads();
+}
+
+// Asks L2 for `bytes` from p (16-byte aligned, a multiple of 16) without waiting: a block's
+// weight rows in one request, so all of them stream from HBM at once while its warps load them
+// a round at a time. Hopper's bulk prefetch; nothing before sm_90.
+__device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // Routing of one token by one warp. logits [E] (bias included) in global memory, read through L2
@@ -151,16 +282,20 @@ __device__ __forceinline__ void route_token(const float* logits, const float* se
 }
 
 // moe_topk: a warp per token over logits [N, E] (bias included). grid ceil(N / 8), 256 threads.
-extern "C" __global__ void __launch_bounds__(256) moe_topk(const float* logits, const float* selection_bias,
-                                                           int* expert_ids, float* expert_weights, int num_tokens,
-                                                           int num_experts, int top_k, int sigmoid_scoring,
-                                                           int renormalize, float scaling) {
+// With a slot_table (N <= MOE_MAX_SLOT_TOKENS: the grouped GEMV follows), the last block to
+// finish writes it (`counter` one zeroed u32); held_experts experts from first_expert on.
+extern "C" __global__ void __launch_bounds__(256)
+    moe_topk(const float* logits, const float* selection_bias, int* expert_ids, float* expert_weights,
+             int num_tokens, int num_experts, int top_k, int sigmoid_scoring, int renormalize, float scaling,
+             unsigned* counter, int* slot_table, int first_expert, int held_experts, int routed_slots) {
     dependent_launch_entry();
     const int token = blockIdx.x * 8 + (threadIdx.x >> 5);
-    if (token >= num_tokens) return;
-    route_token(logits + (long long)token * num_experts, selection_bias, num_experts, top_k, sigmoid_scoring,
-                renormalize, scaling, expert_ids + (long long)token * top_k,
-                expert_weights + (long long)token * top_k);
+    if (token < num_tokens)
+        route_token(logits + (long long)token * num_experts, selection_bias, num_experts, top_k, sigmoid_scoring,
+                    renormalize, scaling, expert_ids + (long long)token * top_k,
+                    expert_weights + (long long)token * top_k);
+    if (slot_table == nullptr || !last_block_done(counter, gridDim.x)) return;
+    build_slot_table(expert_ids, num_tokens * top_k, first_expert, held_experts, routed_slots, slot_table);
 }
 
 // moe_route_small: the whole decode routing in one launch (see the file comment). grid
@@ -170,13 +305,26 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     moe_route_small(const bf16* x, const bf16* norm_weight, float eps, const bf16* router, const bf16* router_bias,
                     const float* selection_bias, bf16* normed, float* logits, unsigned* counter, int* expert_ids,
                     float* expert_weights, int num_tokens, int hidden, int num_experts, int top_k,
-                    int sigmoid_scoring, int renormalize, float scaling) {
-    dependent_launch_entry();
+                    int sigmoid_scoring, int renormalize, float scaling, int* slot_table, int first_expert,
+                    int held_experts, int routed_slots) {
     __shared__ float scratch[32];
     __shared__ float inverse_rms[ROUTE_MAX_TOKENS];
     __shared__ float partial[ROUTE_THREADS / 32][ROUTE_ROWS][ROUTE_MAX_TOKENS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first = blockIdx.x * ROUTE_ROWS;
+    // The router rows and the norm weight do not depend on the previous kernel: the thread's
+    // first chunk of each is requested before the wait, so their HBM latency overlaps that
+    // kernel's tail instead of following the norm.
+    const int first_col = threadIdx.x * 8;
+    Vec8<bf16> early_rows[ROUTE_ROWS], early_scales;
+    if (first_col < hidden) {
+#pragma unroll
+        for (int r = 0; r < ROUTE_ROWS; ++r)
+            early_rows[r].raw =
+                load_weights_early(router + (long long)min(first + r, num_experts - 1) * hidden + first_col);
+        early_scales.raw = load_weights_early(norm_weight + first_col);
+    }
+    dependent_launch_entry();
     for (int n = 0; n < num_tokens; ++n) {
         const float total = block_sum(
             [&] {
@@ -198,12 +346,18 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     for (int r = 0; r < ROUTE_ROWS; ++r)
 #pragma unroll
         for (int n = 0; n < ROUTE_MAX_TOKENS; ++n) acc[r][n] = 0.0f;
-    for (int col = threadIdx.x * 8; col < hidden; col += ROUTE_THREADS * 8) {
+    for (int col = first_col; col < hidden; col += ROUTE_THREADS * 8) {
         float weights[ROUTE_ROWS][8], scales[8];
+        if (col == first_col) {
 #pragma unroll
-        for (int r = 0; r < ROUTE_ROWS; ++r)
-            load8(router + (long long)min(first + r, num_experts - 1) * hidden + col, weights[r]);
-        load8(norm_weight + col, scales);
+            for (int r = 0; r < ROUTE_ROWS; ++r) early_rows[r].to_floats(weights[r]);
+            early_scales.to_floats(scales);
+        } else {
+#pragma unroll
+            for (int r = 0; r < ROUTE_ROWS; ++r)
+                load8(router + (long long)min(first + r, num_experts - 1) * hidden + col, weights[r]);
+            load8(norm_weight + col, scales);
+        }
 #pragma unroll
         for (int n = 0; n < ROUTE_MAX_TOKENS; ++n) {
             if (n < num_tokens) {
@@ -242,78 +396,9 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
         route_token(logits + (long long)warp * num_experts, selection_bias, num_experts, top_k, sigmoid_scoring,
                     renormalize, scaling, expert_ids + (long long)warp * top_k,
                     expert_weights + (long long)warp * top_k);
-}
-
-// ---------------------------------------------------------------------------------------------
-// The grouped GEMV's slot: which expert a block serves and that expert's pairs, ascending.
-struct SlotPairs {
-    int expert;  // -1: no expert for this slot (the block leaves); E: the shared expert
-    int count;
-    int pairs[MOE_MAX_SLOT_TOKENS];
-};
-
-// Fills `slot_pairs` (shared memory) for slot `slot` (blockIdx.y); every thread calls it. Slots
-// below `routed_slots` serve the chosen experts in ascending id order; slot `routed_slots` the
-// shared expert (all tokens, pairs num_pairs + t).
-__device__ __forceinline__ void find_slot(const int* expert_ids, int num_pairs, int num_tokens, int num_experts,
-                                          int routed_slots, SlotPairs& slot_pairs) {
-    __shared__ unsigned present[MOE_MAX_EXPERTS / 32];
-    const int slot = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (slot >= routed_slots) {
-        if (threadIdx.x == 0) {
-            slot_pairs.expert = num_experts;
-            slot_pairs.count = min(num_tokens, MOE_MAX_SLOT_TOKENS);
-        }
-        for (int t = threadIdx.x; t < min(num_tokens, MOE_MAX_SLOT_TOKENS); t += blockDim.x)
-            slot_pairs.pairs[t] = num_pairs + t;
-        __syncthreads();
-        return;
-    }
-    const int words = (num_experts + 31) / 32;
-    for (int i = threadIdx.x; i < words; i += blockDim.x) present[i] = 0u;
-    __syncthreads();
-    for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
-        const int e = expert_ids[p];
-        if (held(e, num_experts)) atomicOr(present + (e >> 5), 1u << (e & 31));
-    }
-    __syncthreads();
-    if (warp == 0) {
-        // lane l holds word l; the slot-th set bit over the words in order is the slot's expert
-        unsigned word = lane < words ? present[lane] : 0u;
-        const int count = __popc(word);
-        int inclusive = count;
-#pragma unroll
-        for (int offset = 1; offset < 32; offset <<= 1) {
-            const int before = __shfl_up_sync(0xffffffffu, inclusive, offset);
-            if (lane >= offset) inclusive += before;
-        }
-        const int exclusive = inclusive - count;
-        const bool mine = slot >= exclusive && slot < inclusive;
-        int expert = -1;
-        if (mine) {
-            for (int skip = slot - exclusive; skip > 0; --skip) word &= word - 1u;  // drop the lower set bits
-            expert = lane * 32 + __ffs(word) - 1;
-        }
-        const unsigned owner = __ballot_sync(0xffffffffu, mine);
-        expert = owner != 0u ? __shfl_sync(0xffffffffu, expert, __ffs(owner) - 1) : -1;
-        int found = 0;
-        if (expert >= 0) {
-            for (int base = 0; base < num_pairs; base += 32) {
-                const int p = base + lane;
-                const bool hit = p < num_pairs && expert_ids[p] == expert;
-                const unsigned hits = __ballot_sync(0xffffffffu, hit);
-                const int at = found + __popc(hits & ((1u << lane) - 1u));
-                if (hit && at < MOE_MAX_SLOT_TOKENS) slot_pairs.pairs[at] = p;
-                found += __popc(hits);
-            }
-        }
-        if (lane == 0) {
-            slot_pairs.expert = expert;
-            slot_pairs.count = min(found, MOE_MAX_SLOT_TOKENS);
-        }
-    }
-    __syncthreads();
+    if (slot_table == nullptr) return;
+    __syncthreads();  // the block's ids are written
+    build_slot_table(expert_ids, num_tokens * top_k, first_expert, held_experts, routed_slots, slot_table);
 }
 
 // The token whose row a pair reads: t for routed pair t k + j, t for shared pair num_pairs + t.
@@ -321,23 +406,26 @@ __device__ __forceinline__ int token_of_pair(int pair, int num_pairs, int top_k)
     return pair >= num_pairs ? pair - num_pairs : pair / top_k;
 }
 
-// A weight chunk read once: no L1 allocation (as gemv.cu's weight loads).
-__device__ __forceinline__ uint4 load_weights(const bf16* p) {
+// A weight chunk read once: no L1 allocation (as gemv.cu's weight loads), and in L2 first to go
+// (`policy` = l2_evict_first()), so the rows that blocks asked L2 for ahead (prefetch_l2) stay
+// there until their own loads come.
+__device__ __forceinline__ uint4 load_weights(const bf16* p, u64 policy) {
     uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
+        : "l"(p), "l"(policy));
     return v;
 }
 
 // acc (rows g, g + 8; columns 2t, 2t + 1) += W[16 rows, K] x[8 columns, K]^T, with the k order
 // inside each 32-wide chunk permuted alike for both (gemv.cu's gemv_mma). The block's warps split
 // K in chunks of 32; a lane whose chunk lies past K contributes zeros (K % 8 == 0).
+template <int KWARPS>
 __device__ __forceinline__ void grouped_mma_rows(float* acc, const bf16* row_a, const bf16* row_b, const bf16* x_row,
-                                                 bool has_column, int inner) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+                                                 bool has_column, int inner, int kwarp) {
+    const int lane = threadIdx.x & 31;
     const int t = lane & 3;
-    constexpr int STEP = MOE_WARPS * 32;
+    constexpr int STEP = KWARPS * 32;
     constexpr int BATCH = 4;
     auto multiply = [&](uint4 wa, uint4 wb, uint4 xs) {
         const u32 a0[4] = {wa.x, wb.x, wa.y, wb.y};
@@ -348,27 +436,22 @@ __device__ __forceinline__ void grouped_mma_rows(float* acc, const bf16* row_a, 
         mma_bf16_16816(acc, a1, b1);
     };
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
-    int k0 = warp * 32;
-    for (; k0 + (BATCH - 1) * STEP < inner; k0 += BATCH * STEP) {
+    const u64 policy = l2_evict_first();
+    // Every round requests BATCH chunks before its products, the last round's chunks past K
+    // predicated off: a K of a few chunks a warp (an expert's down rows, I = 768 over 4 warps:
+    // 6) takes two rounds of loads in flight, not one round trip a chunk.
+    for (int k0 = kwarp * 32; k0 < inner; k0 += BATCH * STEP) {
         uint4 wa[BATCH], wb[BATCH], xs[BATCH];
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
             const int k = k0 + u * STEP + 8 * t;
             const bool valid = k < inner;
-            wa[u] = valid ? load_weights(row_a + k) : zero;
-            wb[u] = valid ? load_weights(row_b + k) : zero;
+            wa[u] = valid ? load_weights(row_a + k, policy) : zero;
+            wb[u] = valid ? load_weights(row_b + k, policy) : zero;
             xs[u] = valid && has_column ? *reinterpret_cast<const uint4*>(x_row + k) : zero;
         }
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], xs[u]);
-    }
-    for (; k0 < inner; k0 += STEP) {
-        const int k = k0 + 8 * t;
-        const bool valid = k < inner;
-        const uint4 wa = valid ? load_weights(row_a + k) : zero;
-        const uint4 wb = valid ? load_weights(row_b + k) : zero;
-        const uint4 xs = valid && has_column ? *reinterpret_cast<const uint4*>(x_row + k) : zero;
-        multiply(wa, wb, xs);
     }
 }
 
@@ -377,7 +460,7 @@ __device__ __forceinline__ void grouped_mma_rows(float* acc, const bf16* row_a, 
 // block x for tokens x, x + gridDim.x, ... (at most one each up to 8 gridDim.x tokens), into
 // shared_gate_values [N] for moe_down's combine (null shared_gate: none).
 template <int ACT>
-__device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed, const int* __restrict__ expert_ids,
+__device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed, const int* __restrict__ slot_table,
                                                  const bf16* __restrict__ gate_up, const bf16* __restrict__ gate_up_bias,
                                                  const bf16* __restrict__ shared_gate_up, bf16* __restrict__ hidden_out,
                                                  int num_tokens, int top_k, int num_experts, int hidden, int inner,
@@ -387,7 +470,7 @@ __device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
     const int num_pairs = num_tokens * top_k;
-    find_slot(expert_ids, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs);
+    read_slot(slot_table, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs);
     const int expert = slot_pairs.expert, count = slot_pairs.count;
     if (expert < 0) return;
     const bool is_shared = expert == num_experts;
@@ -419,7 +502,7 @@ __device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed
         const bool has_column = tile + g < count;
         const int token = has_column ? token_of_pair(slot_pairs.pairs[tile + g], num_pairs, top_k) : 0;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        grouped_mma_rows(acc, row_a, row_b, normed + (long long)token * hidden, has_column, hidden);
+        grouped_mma_rows<MOE_WARPS>(acc, row_a, row_b, normed + (long long)token * hidden, has_column, hidden, warp);
         partial[warp][g][2 * t] = acc[0];
         partial[warp][g][2 * t + 1] = acc[1];
         partial[warp][g + 8][2 * t] = acc[2];
@@ -450,11 +533,12 @@ __device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in
                                               float (*partial)[16][8], int num_experts, int hidden, int inner,
                                               int shared_inner, int stride, int first);
 
-// moe_down: grid (ceil(H / 16), slots), MOE_WARPS warps. y [P, H] f32. The last of a row tile's
+// moe_down: grid (ceil(H / MOE_DOWN_ROWS), slots), MOE_WARPS warps. y [P, H] f32. The last of a row tile's
 // blocks (every slot's, counted at counters[blockIdx.x], zero between launches) adds the tile's
-// 16 rows of every token into the residual: the weighted sum of its k pairs' rows of y and its
+// MOE_DOWN_ROWS rows of every token into the residual: the weighted sum of its k pairs' rows of y and its
 // shared expert's row times shared_gate_values[t] (null: 1), as moe_combine does.
-__device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in, const int* __restrict__ expert_ids,
+__device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in, const int* __restrict__ slot_table,
+                                              const int* __restrict__ expert_ids, int first_expert,
                                               const bf16* __restrict__ down, const bf16* __restrict__ down_bias,
                                               const bf16* __restrict__ shared_down, float* __restrict__ y, int num_tokens,
                                               int top_k, int num_experts, int hidden, int inner, int shared_inner,
@@ -464,20 +548,36 @@ __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
     const int num_pairs = num_tokens * top_k;
-    find_slot(expert_ids, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs);
+    // Before the wait (see read_slot): the slot, and the block's weight rows requested from HBM
+    // into L2, so they stream while moe_gate_up finishes; only hidden_in needs that kernel.
+    read_slot(slot_table, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs);
     const int expert = slot_pairs.expert;
-    const int first = blockIdx.x * 16;
+    const int first = blockIdx.x * MOE_DOWN_ROWS;
+    if (expert >= 0 && threadIdx.x == 0) {
+        const bool is_shared = expert == num_experts;
+        const int reduced = is_shared ? shared_inner : inner;
+        const bf16* w = is_shared ? shared_down : down + (long long)expert * hidden * inner;
+        prefetch_l2(w + (long long)first * reduced, min(MOE_DOWN_ROWS, hidden - first) * reduced * 2);
+    }
+    dependent_launch_entry();
     if (expert >= 0) moe_down_rows(hidden_in, down, down_bias, shared_down, y, slot_pairs, partial, num_experts, hidden,
                                    inner, shared_inner, stride, first);
     if (!last_block_done(counters + blockIdx.x, gridDim.y)) return;
-    for (int item = threadIdx.x; item < num_tokens * 16; item += blockDim.x) {
-        const int token = item >> 4, row = first + (item & 15);
+    for (int item = threadIdx.x; item < num_tokens * MOE_DOWN_ROWS; item += blockDim.x) {
+        const int token = item / MOE_DOWN_ROWS, row = first + item % MOE_DOWN_ROWS;
         if (row >= hidden) continue;
         float total = 0.0f;
-        for (int j = 0; j < top_k; ++j) {
-            const long long pair = (long long)token * top_k + j;
-            if (held(expert_ids[pair], num_experts))
-                total = fmaf(expert_weights[pair], __ldcg(y + pair * hidden + row), total);
+        for (int j0 = 0; j0 < top_k; j0 += 4) {  // four pairs' loads in flight, summed in k order
+            float weight[4], value[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const long long pair = (long long)token * top_k + j0 + u;
+                const bool use = j0 + u < top_k && held(expert_ids[pair] - first_expert, num_experts);
+                weight[u] = use ? expert_weights[pair] : 0.0f;
+                value[u] = use ? __ldcg(y + pair * hidden + row) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) total = fmaf(weight[u], value[u], total);
         }
         if (has_shared) {
             const float gate = shared_gate_values != nullptr ? __ldcg(shared_gate_values + token) : 1.0f;
@@ -488,7 +588,7 @@ __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in
     }
 }
 
-// The 16 rows of y from `first` for the slot's pairs (the expert's down rows, streamed once per 8
+// The MOE_DOWN_ROWS rows of y from `first` for the slot's pairs (the expert's down rows, streamed once per 8
 // of its tokens).
 __device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in, const bf16* __restrict__ down,
                                               const bf16* __restrict__ down_bias, const bf16* __restrict__ shared_down,
@@ -502,25 +602,30 @@ __device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in
     const bf16* bias = is_shared || down_bias == nullptr ? nullptr : down_bias + (long long)expert * hidden;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const bf16* row_a = w + (long long)min(first + g, hidden - 1) * reduced;
-    const bf16* row_b = w + (long long)min(first + g + 8, hidden - 1) * reduced;
+    // warp w: rows 16 (w / DOWN_KWARPS) .. + 15 of the block's, K part w % DOWN_KWARPS
+    constexpr int DOWN_KWARPS = MOE_WARPS * 16 / MOE_DOWN_ROWS;
+    const int group_first = first + 16 * (warp / DOWN_KWARPS);
+    const bf16* row_a = w + (long long)min(group_first + g, hidden - 1) * reduced;
+    const bf16* row_b = w + (long long)min(group_first + g + 8, hidden - 1) * reduced;
     for (int tile = 0; tile < count; tile += 8) {
         const bool has_column = tile + g < count;
         const int pair = has_column ? slot_pairs.pairs[tile + g] : 0;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        grouped_mma_rows(acc, row_a, row_b, hidden_in + (long long)pair * stride, has_column, reduced);
+        grouped_mma_rows<DOWN_KWARPS>(acc, row_a, row_b, hidden_in + (long long)pair * stride, has_column, reduced,
+                                      warp % DOWN_KWARPS);
         partial[warp][g][2 * t] = acc[0];
         partial[warp][g][2 * t + 1] = acc[1];
         partial[warp][g + 8][2 * t] = acc[2];
         partial[warp][g + 8][2 * t + 1] = acc[3];
         __syncthreads();
-        if (threadIdx.x < 128) {
-            const int r = threadIdx.x >> 3, n = threadIdx.x & 7;
+        for (int item = threadIdx.x; item < MOE_DOWN_ROWS * 8; item += blockDim.x) {
+            const int r = item >> 3, n = item & 7;
             const int row = first + r;
             if (row < hidden && tile + n < count) {
                 float total = bias != nullptr ? to_float(bias[row]) : 0.0f;
+                const int group = r >> 4;
 #pragma unroll
-                for (int j = 0; j < MOE_WARPS; ++j) total += partial[j][r][n];
+                for (int j = 0; j < DOWN_KWARPS; ++j) total += partial[group * DOWN_KWARPS + j][r & 15][n];
                 y[(long long)slot_pairs.pairs[tile + n] * hidden + row] = total;
             }
         }
@@ -529,13 +634,14 @@ __device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in
 }
 
 #define DEFINE_MOE_GATE_UP(NAME, ACT)                                                                        \
-    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32) moe_gate_up_##NAME(                         \
-        const bf16* normed, const int* expert_ids, const bf16* gate_up, const bf16* gate_up_bias,           \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_GATE_UP_MIN_BLOCKS)                   \
+        moe_gate_up_##NAME(                                                                                  \
+        const bf16* normed, const int* slot_table, const bf16* gate_up, const bf16* gate_up_bias,           \
         const bf16* shared_gate_up, bf16* hidden_out, int num_tokens, int top_k, int num_experts, int hidden, \
         int inner, int shared_inner, int stride, int routed_slots, float alpha, float limit,                \
         const bf16* shared_gate, float* shared_gate_values) {                                               \
         dependent_launch_entry();                                                                           \
-        moe_gate_up_impl<ACT>(normed, expert_ids, gate_up, gate_up_bias, shared_gate_up, hidden_out,        \
+        moe_gate_up_impl<ACT>(normed, slot_table, gate_up, gate_up_bias, shared_gate_up, hidden_out,        \
                               num_tokens, top_k, num_experts, hidden, inner, shared_inner, stride,          \
                               routed_slots, alpha, limit, shared_gate, shared_gate_values);                 \
     }
@@ -544,15 +650,14 @@ DEFINE_MOE_GATE_UP(silu, GATED_SILU)
 DEFINE_MOE_GATE_UP(gelu_tanh, GATED_GELU_TANH)
 DEFINE_MOE_GATE_UP(clamped, GATED_CLAMPED)
 
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32)
-    moe_down(const bf16* hidden_in, const int* expert_ids, const bf16* down, const bf16* down_bias,
-             const bf16* shared_down, float* y, int num_tokens, int top_k, int num_experts, int hidden, int inner,
-             int shared_inner, int stride, int routed_slots, const float* expert_weights,
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS)
+    moe_down(const bf16* hidden_in, const int* slot_table, const int* expert_ids, int first_expert, const bf16* down,
+             const bf16* down_bias, const bf16* shared_down, float* y, int num_tokens, int top_k, int num_experts,
+             int hidden, int inner, int shared_inner, int stride, int routed_slots, const float* expert_weights,
              const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters) {
-    dependent_launch_entry();
-    moe_down_impl(hidden_in, expert_ids, down, down_bias, shared_down, y, num_tokens, top_k, num_experts, hidden,
-                  inner, shared_inner, stride, routed_slots, expert_weights, shared_gate_values, has_shared, residual,
-                  counters);
+    moe_down_impl(hidden_in, slot_table, expert_ids, first_expert, down, down_bias, shared_down, y, num_tokens, top_k,
+                  num_experts, hidden, inner, shared_inner, stride, routed_slots, expert_weights, shared_gate_values,
+                  has_shared, residual, counters);
 }
 
 // ---------------------------------------------------------------------------------------------

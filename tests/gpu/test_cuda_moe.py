@@ -106,6 +106,28 @@ def test_route_and_experts_match_the_mock(cuda_backend, rng, gemm_kernel, num_to
     assert rel_l2(residual - x, mock.begin_download(stream).wait() - x) < 2e-2
 
 
+@pytest.mark.parametrize("num_tokens, first, held", [(1, 64, 64), (6, 0, 32), (20, 32, 32), (100, 96, 32)])
+def test_an_expert_parallel_share_adds_only_its_experts(cuda_backend, rng, num_tokens, first, held):
+    """A rank holding experts first .. first + held - 1 of 128: the grouped GEMV's slot table
+    (written by the routing, ids local) and the grouped GEMM's shifted ids against the mock."""
+    routing = Routing(128, 8, renormalize=True)
+    whole = _host_moe(rng, 256, 64, routing, shared_inner=0)
+    share = dataclasses.replace(
+        whole,
+        gate_up=HostLinear(whole.gate_up.weight[first : first + held]),
+        down=HostLinear(whole.down.weight[first : first + held]),
+        first_expert=first,
+    )
+    x = bf16(rng.standard_normal((num_tokens, 256)) * 2)
+    normed, ids, weights, residual = _run(cuda_backend, share, x, DType.BF16)
+    assert ((ids >= first) & (ids < first + held)).any() and ((ids < first) | (ids >= first + held)).any()
+    mock = MockGpuBackend(activation_dtype=DType.F32)
+    stream = mock.upload(x, DType.F32)
+    mock.moe.experts(mock.upload(normed.astype(np.float32), DType.F32), mock.moe.prepare(share),
+                     mock.upload(ids.astype(np.int32)), mock.upload(weights.astype(np.float32)), stream)
+    assert rel_l2(residual - x, mock.begin_download(stream).wait() - x) < 2e-2
+
+
 def test_routing_ids_match_a_reference_of_its_own_normed_rows(cuda_backend, rng):
     """Both routing paths choose exactly the experts the float64 reference chooses from the rows
     they normalised (ties aside), with its weights."""

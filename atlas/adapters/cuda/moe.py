@@ -125,14 +125,15 @@ class CudaMoe:
         ops_moe.check_routing_outputs(expert_ids, expert_weights, num_tokens, moe.routing.top_k)
         if num_tokens == 0:
             return
+        held = ops_moe.HeldExperts(moe.experts.first_expert, moe.experts.num_experts)
         if num_tokens <= ops_moe.ROUTE_SMALL_MAX_TOKENS:
-            ops_moe.route_small(rt, x, moe.input_norm, moe.eps, moe.router, moe.router_bias, moe.routing, normed,
-                                expert_ids, expert_weights)
+            ops_moe.route_small(rt, x, moe.input_norm, moe.eps, moe.router, moe.router_bias, moe.routing, held,
+                                normed, expert_ids, expert_weights)
             return
         ops_dense.rmsnorm(rt, x, None, moe.input_norm, moe.eps, normed)
         logits = rt.scratch_tensor("moe_logits", (num_tokens, moe.routing.num_experts), DType.F32)
         self._linear(normed, moe.router, logits, moe.router_bias)
-        ops_moe.top_k(rt, logits, moe.routing, expert_ids, expert_weights)
+        ops_moe.top_k(rt, logits, moe.routing, held, expert_ids, expert_weights)
 
     def experts(
         self,

@@ -23,7 +23,9 @@ MAX_TOP_K = 16
 ROUTE_SMALL_MAX_TOKENS = 8  # moe_route_small: the decode routing in one launch
 ROUTE_ROWS = 4
 GEMV_MAX_TOKENS = 64  # the grouped GEMV (a slot's pairs in shared memory); past it the grouped GEMM
-_WARPS = 8
+_SLOT_INTS = 2 + GEMV_MAX_TOKENS  # moe.cu MOE_SLOT_INTS: a slot table entry (expert, count, pairs)
+_WARPS = 4  # moe.cu MOE_WARPS
+_DOWN_ROWS = 16  # MOE_DOWN_ROWS: moe_down's rows a block
 _GEMM_ROWS = 128  # moe.cu GEMM_BM / GEMM_BN (gate_up: 64 features a tile)
 _GEMM_THREADS = 128
 _GEMM_SHARED_BYTES = 3 * (128 + 128) * (32 + 8) * 2  # GEMM_SHARED_BYTES
@@ -56,6 +58,33 @@ class RoutingArgs:
     selection_bias: CudaTensor | None  # [E] f32
 
 
+@dataclass(frozen=True, slots=True)
+class HeldExperts:
+    """The routed experts this GPU holds: `count` of them from global id `first` on (an
+    expert-parallel rank's share; all of them on one GPU)."""
+
+    first: int
+    count: int
+
+
+def routed_slots(held: HeldExperts, num_tokens: int, top_k: int) -> int:
+    """Grid slots of the grouped GEMV for routed experts: at most one per held expert and per pair."""
+    return min(held.count, num_tokens * top_k)
+
+
+def slot_table(rt: CudaRuntime, held: HeldExperts, num_tokens: int, top_k: int) -> int:
+    """The slot table the routing writes for the grouped GEMV (moe.cu build_slot_table), or 0
+    when the step's experts run on the grouped GEMM."""
+    if num_tokens > GEMV_MAX_TOKENS:
+        return 0
+    return rt.workspace("moe_slot_table", routed_slots(held, num_tokens, top_k) * _SLOT_INTS * 4)
+
+
+def _table_tail(rt: CudaRuntime, held: HeldExperts, num_tokens: int, top_k: int) -> tuple:
+    return (slot_table(rt, held, num_tokens, top_k), np.int32(held.first), np.int32(held.count),
+            np.int32(routed_slots(held, num_tokens, top_k)))
+
+
 def _routing_tail(routing: RoutingArgs) -> tuple:
     return (
         np.int32(routing.num_experts),
@@ -74,11 +103,13 @@ def route_small(
     router: CudaTensor,
     router_bias: CudaTensor | None,
     routing: RoutingArgs,
+    held: HeldExperts,
     normed: CudaTensor,
     expert_ids: CudaTensor,
     expert_weights: CudaTensor,
 ) -> None:
-    """norm + router + top-k in one launch for up to ROUTE_SMALL_MAX_TOKENS tokens."""
+    """norm + router + top-k in one launch for up to ROUTE_SMALL_MAX_TOKENS tokens, and the
+    grouped GEMV's slot table of the held experts."""
     num_tokens, hidden = x.shape
     experts = routing.num_experts
     logits = rt.workspace("moe_logits", num_tokens * experts * 4)
@@ -106,13 +137,20 @@ def route_small(
         np.int32(routing.sigmoid),
         np.int32(routing.renormalize),
         np.float32(routing.scaling),
+        *_table_tail(rt, held, num_tokens, routing.top_k),
     )
 
 
 def top_k(
-    rt: CudaRuntime, logits: CudaTensor, routing: RoutingArgs, expert_ids: CudaTensor, expert_weights: CudaTensor
+    rt: CudaRuntime,
+    logits: CudaTensor,
+    routing: RoutingArgs,
+    held: HeldExperts,
+    expert_ids: CudaTensor,
+    expert_weights: CudaTensor,
 ) -> None:
-    """ids and weights from logits [N, E] f32 (bias included): a warp per token."""
+    """ids and weights from logits [N, E] f32 (bias included): a warp per token; up to
+    GEMV_MAX_TOKENS tokens the last block writes the slot table."""
     num_tokens = logits.shape[0]
     rt.launch(
         "moe",
@@ -125,6 +163,8 @@ def top_k(
         expert_weights.address,
         np.int32(num_tokens),
         *_routing_tail(routing),
+        rt.counters("moe_topk_counter", 1),
+        *_table_tail(rt, held, num_tokens, routing.top_k),
     )
 
 
@@ -177,12 +217,6 @@ def experts(
     num_tokens, top_k_width = expert_ids.shape
     if num_tokens == 0:
         return
-    if weights.first_expert:
-        local = rt.scratch_tensor("moe_local_ids", expert_ids.shape, DType.I32)
-        count = num_tokens * top_k_width
-        rt.launch("moe", "moe_shift_ids", (-(-count // 256),), 256, expert_ids.address, local.address,
-                  np.int32(count), np.int32(weights.first_expert))
-        expert_ids = local
     hidden, inner, shared_inner = weights.hidden, weights.inner, weights.shared_inner
     experts_count = weights.num_experts
     has_shared = weights.shared_down is not None
@@ -193,26 +227,34 @@ def experts(
     outputs = rt.workspace("moe_outputs", rows * hidden * 4)
     act = weights.activation
     dims = (np.int32(hidden), np.int32(inner), np.int32(shared_inner), np.int32(stride))
-    if num_tokens <= GEMV_MAX_TOKENS:
-        routed_slots = min(experts_count, num_pairs)
-        slots = routed_slots + (1 if has_shared else 0)
+    if num_tokens <= GEMV_MAX_TOKENS:  # the routing wrote the slot table (global ids; the held ones local)
+        held = HeldExperts(weights.first_expert, experts_count)
+        table = slot_table(rt, held, num_tokens, top_k_width)
+        routed = routed_slots(held, num_tokens, top_k_width)
+        slots = routed + (1 if has_shared else 0)
         head = (np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count))
         gate_values = rt.workspace("moe_shared_gate", num_tokens * 4) if weights.shared_gate is not None else 0
         rt.launch(
             "moe", f"moe_gate_up_{act.name}", (-(-stride // 8), slots), _WARPS * 32,
-            normed.address, expert_ids.address, weights.gate_up.address, _address(weights.gate_up_bias),
-            _address(weights.shared_gate_up), hidden_rows, *head, *dims, np.int32(routed_slots),
+            normed.address, table, weights.gate_up.address, _address(weights.gate_up_bias),
+            _address(weights.shared_gate_up), hidden_rows, *head, *dims, np.int32(routed),
             np.float32(act.alpha), np.float32(act.limit), _address(weights.shared_gate), gate_values,
         )
-        row_tiles = -(-hidden // 16)
+        row_tiles = -(-hidden // _DOWN_ROWS)
         # the last block of each row tile adds the tile's rows into the residual (the combine)
         rt.launch(
             "moe", "moe_down", (row_tiles, slots), _WARPS * 32,
-            hidden_rows, expert_ids.address, weights.down.address, _address(weights.down_bias),
-            _address(weights.shared_down), outputs, *head, *dims, np.int32(routed_slots), expert_weights.address,
+            hidden_rows, table, expert_ids.address, np.int32(weights.first_expert), weights.down.address,
+            _address(weights.down_bias), _address(weights.shared_down), outputs, *head, *dims, np.int32(routed),
+            expert_weights.address,
             gate_values, np.int32(has_shared), residual.address, rt.counters("moe_down_counters", row_tiles),
         )
         return
+    if weights.first_expert:
+        local = rt.scratch_tensor("moe_local_ids", expert_ids.shape, DType.I32)
+        rt.launch("moe", "moe_shift_ids", (-(-num_pairs // 256),), 256, expert_ids.address, local.address,
+                  np.int32(num_pairs), np.int32(weights.first_expert))
+        expert_ids = local
     groups = experts_count + (1 if has_shared else 0)
     offsets = rt.workspace("moe_offsets", (groups + 1) * 4)
     tile_starts = rt.workspace("moe_tile_starts", (groups + 1) * 4)
