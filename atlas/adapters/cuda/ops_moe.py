@@ -26,6 +26,7 @@ GEMV_MAX_TOKENS = 64  # the grouped GEMV (a slot's pairs in shared memory); past
 _SLOT_INTS = 2 + GEMV_MAX_TOKENS  # moe.cu MOE_SLOT_INTS: a slot table entry (expert, count, pairs)
 _WARPS = 4  # moe.cu MOE_WARPS
 _DOWN_ROWS = 16  # MOE_DOWN_ROWS: moe_down's rows a block
+_DOWN_LOOPED_BLOCKS_PER_SM = 8  # MOE_DOWN_MIN_BLOCKS: moe_down_looped's grid is one wave
 _GEMM_ROWS = 128  # moe.cu GEMM_BM / GEMM_BN (gate_up: 64 features a tile)
 _GEMM_THREADS = 128
 _GEMM_SHARED_BYTES = 3 * (128 + 128) * (32 + 8) * 2  # GEMM_SHARED_BYTES
@@ -212,8 +213,9 @@ def experts(
     residual: CudaTensor,
 ) -> None:
     """residual += the held experts' weighted outputs + the (gated) shared expert's. The grouped
-    GEMV up to GEMV_MAX_TOKENS tokens (its down kernel's last blocks add into the residual), else
-    the alignment, the grouped GEMM and the combine."""
+    GEMV up to GEMV_MAX_TOKENS tokens (its down kernel's last blocks add into the residual; past
+    ROUTE_SMALL_MAX_TOKENS the looped down kernel, whose blocks each take a share of the slots),
+    else the alignment, the grouped GEMM and the combine."""
     num_tokens, top_k_width = expert_ids.shape
     if num_tokens == 0:
         return
@@ -241,6 +243,18 @@ def experts(
             np.float32(act.alpha), np.float32(act.limit), _address(weights.shared_gate), gate_values,
         )
         row_tiles = -(-hidden // _DOWN_ROWS)
+        if num_tokens > ROUTE_SMALL_MAX_TOKENS:
+            # most experts touched: a block loops over slots, each token's sum in shared memory
+            groups = max(1, min(slots, _DOWN_LOOPED_BLOCKS_PER_SM * rt.num_sms // row_tiles))
+            partials = rt.workspace("moe_down_partials", groups * num_tokens * hidden * 4)
+            rt.launch(
+                "moe", "moe_down_looped", (row_tiles, groups), _WARPS * 32,
+                hidden_rows, table, weights.down.address, _address(weights.down_bias),
+                _address(weights.shared_down), partials, *head, *dims, np.int32(routed), np.int32(slots),
+                expert_weights.address, gate_values, residual.address,
+                rt.counters("moe_down_looped_counters", row_tiles),
+            )
+            return
         # the last block of each row tile adds the tile's rows into the residual (the combine)
         rt.launch(
             "moe", "moe_down", (row_tiles, slots), _WARPS * 32,
