@@ -99,7 +99,7 @@ def test_route_breaks_ties_by_the_lowest_expert_id(harness, rng):
     assert rel(weights, np.full((1, 3), 1 / 8)) < 1e-6
 
 
-@pytest.mark.parametrize("num_tokens", [23, 70])  # CUDA: the grouped GEMV, the grouped GEMM
+@pytest.mark.parametrize("num_tokens", [3, 23, 70])  # CUDA: grouped GEMV (its down kernel, looped), GEMM
 @pytest.mark.parametrize(
     "activation, biases, shared",
     # the gates here are ~N(0, 1): a limit of 1 binds for a third of them (GPT-OSS's 7 never would)
@@ -124,7 +124,7 @@ def test_experts_add_the_weighted_routed_and_shared_experts(harness, rng, activa
     assert rel(residual - x, expected - x) < harness.tolerance * 2
 
 
-@pytest.mark.parametrize("num_tokens", [5, 80])
+@pytest.mark.parametrize("num_tokens", [5, 23, 80])
 def test_an_expert_parallel_share_adds_only_the_experts_it_holds(harness, rng, num_tokens):
     """Experts 3..5 of the 8 routed (`HostMoe.first_expert` 3): a token's picks of the others add
     nothing; at decode sizes and past them (grouped GEMV and GEMM on CUDA)."""
