@@ -302,12 +302,11 @@ extern "C" __global__ void __launch_bounds__(256)
 // moe_route_small: the whole decode routing in one launch (see the file comment). grid
 // ceil(E / ROUTE_ROWS), ROUTE_THREADS threads; N <= ROUTE_MAX_TOKENS, H % 8 == 0; `counter` one
 // zeroed u32 (last_block_done).
-extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
-    moe_route_small(const bf16* x, const bf16* norm_weight, float eps, const bf16* router, const bf16* router_bias,
-                    const float* selection_bias, bf16* normed, float* logits, unsigned* counter, int* expert_ids,
-                    float* expert_weights, int num_tokens, int hidden, int num_experts, int top_k,
-                    int sigmoid_scoring, int renormalize, float scaling, int* slot_table, int first_expert,
-                    int held_experts, int routed_slots) {
+__device__ __forceinline__ void moe_route_small_impl(
+    const bf16* x, const bf16* norm_weight, float eps, const bf16* router, const bf16* router_bias,
+    const float* selection_bias, bf16* normed, float* logits, unsigned* counter, int* expert_ids, float* expert_weights,
+    int num_tokens, int hidden, int num_experts, int top_k, int sigmoid_scoring, int renormalize, float scaling,
+    int* slot_table, int first_expert, int held_experts, int routed_slots) {
     __shared__ float scratch[32];
     __shared__ float inverse_rms[ROUTE_MAX_TOKENS];
     __shared__ float partial[ROUTE_THREADS / 32][ROUTE_ROWS][ROUTE_MAX_TOKENS];
@@ -400,6 +399,17 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     if (slot_table == nullptr) return;
     __syncthreads();  // the block's ids are written
     build_slot_table(expert_ids, num_tokens * top_k, first_expert, held_experts, routed_slots, slot_table);
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+    moe_route_small(const bf16* x, const bf16* norm_weight, float eps, const bf16* router, const bf16* router_bias,
+                    const float* selection_bias, bf16* normed, float* logits, unsigned* counter, int* expert_ids,
+                    float* expert_weights, int num_tokens, int hidden, int num_experts, int top_k,
+                    int sigmoid_scoring, int renormalize, float scaling, int* slot_table, int first_expert,
+                    int held_experts, int routed_slots) {
+    moe_route_small_impl(x, norm_weight, eps, router, router_bias, selection_bias, normed, logits, counter,
+                         expert_ids, expert_weights, num_tokens, hidden, num_experts, top_k, sigmoid_scoring,
+                         renormalize, scaling, slot_table, first_expert, held_experts, routed_slots);
 }
 
 // The token whose row a pair reads: t for routed pair t k + j, t for shared pair num_pairs + t.
@@ -676,6 +686,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
                     int num_experts, int hidden, int inner, int shared_inner, int stride, int routed_slots,
                     int slots, const float* __restrict__ expert_weights, const float* shared_gate_values,
                     bf16* __restrict__ residual, unsigned* __restrict__ counters) {
+    dependent_launch_entry();
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
     __shared__ float sums[MOE_MAX_SLOT_TOKENS][16];
@@ -684,7 +695,6 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     for (int i = threadIdx.x; i < num_tokens * 16; i += blockDim.x) sums[i >> 4][i & 15] = 0.0f;
-    dependent_launch_entry();
     for (int slot = blockIdx.y; slot < slots; slot += gridDim.y) {
         read_slot(slot_table, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs, slot);
         const int expert = slot_pairs.expert, count = slot_pairs.count;
