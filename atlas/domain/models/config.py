@@ -93,6 +93,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        text = cfg.get("text_config")
+        if isinstance(text, Mapping) and "hidden_size" not in cfg:
+            # a vision-language checkpoint (Qwen3.5): its language model's fields are nested
+            cfg = {**{key: value for key, value in cfg.items() if key != "text_config"}, **text,
+                   "architectures": cfg.get("architectures")}
         architectures = cfg.get("architectures") or []
         if not architectures:
             raise ModelConfigError("config.json has no 'architectures' entry; cannot tell which model this is")

@@ -1,7 +1,12 @@
-"""The Qwen3-Next loader: a hybrid of Gated DeltaNet and gated attention layers over MoE.
+"""The Qwen3-Next loader: a hybrid of Gated DeltaNet and gated attention layers over MoE; also
+Qwen3.5 (the same layers over a dense GLU) and Qwen3.5-MoE, text-only or the language model of
+their vision-language checkpoints (`model.language_model.*`, config.json's `text_config`; the
+vision tower is not loaded). Text positions make their multimodal RoPE the plain partial RoPE.
 
     layer_types      linear_attention x 3, full_attention, ... (full_attention_interval 4)
     linear_attention rmsnorm -> in_proj -> causal conv1d -> gated delta rule -> gated rmsnorm -> out_proj
+                     (Qwen3-Next: in_proj_qkvz and in_proj_ba, grouped per key head; Qwen3.5:
+                     in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, each all heads in order)
     full_attention   rmsnorm -> q (with a gate per head), k, v -> q/k rmsnorm -> partial RoPE (the
                      first quarter of each head) -> attention * sigmoid(gate) -> o_proj
     feed-forward     rmsnorm -> top-k of E experts (softmax, renormalised) + a shared expert
@@ -40,7 +45,16 @@ from atlas.ports.kernels.moe import HostMoe, HostSharedExpert, Routing, Scoring
 from atlas.ports.kernels.recurrent import DeltaNetLayer, HostDeltaNet
 from atlas.ports.weights import WeightError, WeightSource
 
-ARCHITECTURES = ("Qwen3NextForCausalLM",)
+ARCHITECTURES = (
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+# Qwen3.5-MoE's router renormalises its top k whatever norm_topk_prob says (transformers'
+# Qwen3VLMoeTextTopKRouter), as Qwen3-Next's does when the field is true.
+_ALWAYS_RENORMALISED = ("qwen3_5_moe_text", "qwen3_5_moe")
 LINEAR, FULL = "linear_attention", "full_attention"
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25  # what transformers assumes when config.json names none
 
@@ -85,7 +99,7 @@ class Qwen3NextShape:
                 num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)),
                 moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
                 shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size", 0)),
-                norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
+                norm_topk_prob=bool(raw.get("norm_topk_prob", True)) or config.model_type in _ALWAYS_RENORMALISED,
                 mlp_only_layers=frozenset(int(layer) for layer in raw.get("mlp_only_layers") or ()),
                 decoder_sparse_step=int(raw.get("decoder_sparse_step", 1)),
             )
@@ -164,7 +178,7 @@ def load_qwen3_next(
     total_steps = config.num_layers + 2
     layers = []
     for index, kind in enumerate(shape.layer_types):
-        prefix = f"model.layers.{index}."
+        prefix = f"{builder.model_prefix}layers.{index}."
         group, position = locate(groups, index)
         if kind == LINEAR:
             mixer = builder.delta_net(prefix, group, position)
@@ -251,6 +265,9 @@ class _LayerBuilder:
         self.config, self.shape, self.reader, self.backend = config, shape, reader, backend
         self._table: Tensor | None = None
         self._max_positions = max_positions
+        # a vision-language checkpoint (Qwen3.5's) keeps its language model apart from the vision tower
+        language_model = "model.language_model."
+        self.model_prefix = language_model if f"{language_model}embed_tokens.weight" in reader else "model."
 
     def norm(self, name: str, width: int | None = None) -> RmsNorm:
         """A zero-centred RMSNorm: the multiplier is 1 + the stored weight."""
@@ -299,11 +316,19 @@ class _LayerBuilder:
         reader, hidden, eps = self.reader, self.config.hidden_size, self.config.rms_norm_eps
         spec = self.shape.delta_net(state_layer)
         p = prefix + "linear_attn."
-        qkvz_width, ba_width = 2 * spec.key_dim + 2 * spec.value_dim, 2 * spec.num_value_heads
-        in_proj = np.concatenate([
-            reader.array(p + "in_proj_qkvz.weight", (qkvz_width, hidden))[qkvz_rows(spec)],
-            reader.array(p + "in_proj_ba.weight", (ba_width, hidden))[ba_rows(spec)],
-        ])  # fmt: skip
+        if p + "in_proj_qkv.weight" in reader:  # Qwen3.5: already all q, all k, all v, all z, all b, all a
+            in_proj = reader.stacked([
+                (p + "in_proj_qkv.weight", (2 * spec.key_dim + spec.value_dim, hidden)),
+                (p + "in_proj_z.weight", (spec.value_dim, hidden)),
+                (p + "in_proj_b.weight", (spec.num_value_heads, hidden)),
+                (p + "in_proj_a.weight", (spec.num_value_heads, hidden)),
+            ])  # fmt: skip
+        else:
+            qkvz_width, ba_width = 2 * spec.key_dim + 2 * spec.value_dim, 2 * spec.num_value_heads
+            in_proj = np.concatenate([
+                reader.array(p + "in_proj_qkvz.weight", (qkvz_width, hidden))[qkvz_rows(spec)],
+                reader.array(p + "in_proj_ba.weight", (ba_width, hidden))[ba_rows(spec)],
+            ])  # fmt: skip
         host = HostDeltaNet(
             conv_weight=reader.array(p + "conv1d.weight", (spec.conv_dim, 1, spec.conv_kernel))[:, 0],
             a_log=reader.array(p + "A_log", (spec.num_value_heads,)),
@@ -348,8 +373,8 @@ class _LayerBuilder:
         lm_head = None
         if not config.tie_word_embeddings:
             lm_head = reader.linear("lm_head", config.vocab_size, config.hidden_size)
-        embedding = reader.array("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
-        return HostVocab(embedding, self.norm("model.norm"), lm_head)
+        embedding = reader.array(f"{self.model_prefix}embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        return HostVocab(embedding, self.norm(f"{self.model_prefix}norm"), lm_head)
 
 
 def _gate_up(reader: CheckpointReader, prefix: str, inter: int, hidden: int) -> np.ndarray:
