@@ -177,7 +177,7 @@ def test_batched_decode_matches_transformers_within_its_own_bf16_error(config, n
           f"atlas error / transformers-bf16 error at most {worst:.2f}")
 
 
-# The families loaded by qwen3_moe.py, qwen3_next.py, gemma3.py and gpt_oss.py: real configs cut to
+# The families loaded by qwen3_moe.py, qwen3_next.py (Qwen3.5-MoE too), gemma3.py and gpt_oss.py: real configs cut to
 # a few layers (expert counts and sizes, head dims, GQA ratios, vocabularies, windows and RoPE are
 # the real ones). Gemma 3 keeps six layers so its sixth is a full one, Qwen3-Next a Gated DeltaNet
 # layer and a gated attention one; the references run transformers' eager attention (GPT-OSS's
@@ -217,8 +217,12 @@ QWEN3_NEXT_80B_A3B = dict(
     rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25),
     tie_word_embeddings=False, initializer_range=0.02, attn_implementation="eager",
 )  # fmt: skip
+# Qwen3.5-MoE's layout (split DeltaNet projections, fused experts) at Qwen3-Next-80B-A3B's widths
+QWEN3_5_MOE = {key: value for key, value in QWEN3_NEXT_80B_A3B.items() if key != "norm_topk_prob"} | dict(
+    architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text",
+)
 FAMILIES = {"qwen3-30b-a3b-2l": QWEN3_30B_A3B, "qwen3-next-80b-a3b-2l": QWEN3_NEXT_80B_A3B,
-            "gemma3-1b-6l": GEMMA_3_1B, "gpt-oss-20b-2l": GPT_OSS_20B}
+            "qwen3.5-moe-next-widths-2l": QWEN3_5_MOE, "gemma3-1b-6l": GEMMA_3_1B, "gpt-oss-20b-2l": GPT_OSS_20B}
 
 
 def _scheduled(model, index: int, tokens: list[int], start: int, stop: int, table: tuple[int, ...]):
