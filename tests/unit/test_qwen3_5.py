@@ -76,3 +76,16 @@ def test_a_vision_language_checkpoint_serves_its_language_model(checkpoint, tmp_
     for a, b in zip(ours, theirs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_atlas_doctor_finds_every_layer_within_the_noise(checkpoint):
+    """Float32 on the mock: summation-order error only, layer by layer against transformers."""
+    from atlas.app.doctor import run_doctor
+
+    family, folder, _ = checkpoint
+    report = run_doctor(str(folder), device="mock", prompt="The capital of France is Paris.", write=lambda line: None)
+    feed_forward = "moe" if family == "qwen3_5_moe" else "dense"
+    assert report.passed and [check.kind for check in report.layers] == [
+        f"gated deltanet + {feed_forward}", f"gated attention + {feed_forward}",
+    ] * 2
+    assert max(check.error for check in report.layers) < 1e-5
