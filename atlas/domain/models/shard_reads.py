@@ -152,8 +152,13 @@ def read_part(array: np.ndarray | LazyArray, spec: PartSpec) -> np.ndarray:
 
 def concatenate_rows(parts: Sequence[np.ndarray | LazyArray], lazy: bool = False) -> np.ndarray | RowStack:
     """np.concatenate along dimension 0, or a `RowStack` when a part is deferred (not read) or
-    `lazy` asks to leave the parts where they are (memory-mapped) for `row_blocks`."""
-    if (lazy and len(parts) > 1) or any(isinstance(part, LazyArray) for part in parts):
+    `lazy` asks to leave the parts where they are (memory-mapped) for `row_blocks`; one part
+    that is read comes back as it is (no copy: a checkpoint's view keeps its file extent)."""
+    if any(isinstance(part, LazyArray) for part in parts):
+        return RowStack(parts)
+    if len(parts) == 1:
+        return parts[0]
+    if lazy:
         return RowStack(parts)
     return np.concatenate(parts, axis=0)
 
