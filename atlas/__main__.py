@@ -1,5 +1,5 @@
 import sys
 
-from atlas.app.cli import main
+from atlas.app.launch import main
 
 sys.exit(main())

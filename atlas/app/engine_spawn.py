@@ -21,17 +21,19 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from atlas.app.threads import blas_thread_variables
 from atlas.ports.startup import EPOCH_ENVIRONMENT, startup_epoch
 
 PRELOAD_CUDA_FLAG = "--preload-cuda"
-# The CUDA adapter's third-party imports (the `cuda` extra). No `atlas` module: the caller's
-# thread imports those meanwhile, and two threads importing disjoint modules never wait on each
-# other's import locks (nor trip importlib's deadlock detection on a circular pair).
-CUDA_LIBRARIES = ("cuda.bindings.driver", "cuda.bindings.nvrtc", "cuda.core", "nvmath.bindings.cublas",
-                  "nvmath.bindings.cublasLt")
+# The CUDA adapter's third-party imports (the `cuda` extra); nvmath's bindings come through
+# `nvmath_bindings.load` (without the rest of nvmath). No `atlas` module is imported on the
+# thread: the caller's thread imports those meanwhile, and two threads importing disjoint
+# modules never wait on each other's import locks (nor trip importlib's deadlock detection on
+# a circular pair).
+CUDA_LIBRARIES = ("cuda.bindings.driver", "cuda.bindings.nvrtc", "cuda.core")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class SpawnedEngine:
 
     process: subprocess.Popen
     sock: socket.socket
+    preload_cuda: bool = False
 
 
 def spawn_engine(preload_cuda: bool = False) -> SpawnedEngine:
@@ -50,22 +53,26 @@ def spawn_engine(preload_cuda: bool = False) -> SpawnedEngine:
     environment = {**os.environ, **blas_thread_variables()}
     process = subprocess.Popen(command, pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=environment)
     child.close()
-    return SpawnedEngine(process, parent)
+    return SpawnedEngine(process, parent, preload_cuda)
 
 
 def start_cuda_preload(libraries: tuple[str, ...] = CUDA_LIBRARIES) -> threading.Thread:
     """Import `libraries` and initialise the CUDA driver on a daemon thread; join it before
     importing the CUDA backend. Never raises: a missing extra, driver or GPU just ends the
     thread early, and the backend's own import (or `cuda.available()`) then says what is wrong."""
-    thread = threading.Thread(target=_preload_cuda, args=(libraries,), name="atlas-cuda-preload", daemon=True)
+    from atlas.adapters.cuda import nvmath_bindings  # standard library only; imported here, not on the thread
+
+    thread = threading.Thread(target=_preload_cuda, args=(libraries, nvmath_bindings.load), name="atlas-cuda-preload",
+                              daemon=True)
     thread.start()
     return thread
 
 
-def _preload_cuda(libraries: tuple[str, ...]) -> None:
+def _preload_cuda(libraries: tuple[str, ...], load_nvmath: Callable[[], object]) -> None:
     try:
         for name in libraries:
             importlib.import_module(name)
+        load_nvmath()
         from cuda.bindings import driver
 
         driver.cuInit(0)  # ~0.1-0.3 s, outside the GIL: the builder's import runs meanwhile
@@ -78,8 +85,11 @@ _early: list[SpawnedEngine] = []  # at most one: the process `spawn_early` start
 
 def spawn_early(preload_cuda: bool) -> None:
     """Spawn the engine process now for the `EngineProcess` this process will start; its
-    startup phases count from this process's start, as `run_server`'s own do."""
+    startup phases count from this process's start, as `run_server`'s own do. A process
+    spawned earlier with the same `preload_cuda` (by `atlas.app.launch`) is kept."""
     os.environ.setdefault(EPOCH_ENVIRONMENT, repr(startup_epoch()))
+    if _early and _early[0].preload_cuda == preload_cuda and _early[0].process.poll() is None:
+        return
     discard_early()
     _early.append(spawn_engine(preload_cuda))
 

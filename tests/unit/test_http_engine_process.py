@@ -166,6 +166,11 @@ async def test_an_engine_spawned_early_is_the_one_started_and_an_untaken_one_exi
 
     engine_spawn.spawn_early(preload_cuda=False)
     untaken = engine_spawn._early[0].process
+    engine_spawn.spawn_early(preload_cuda=False)  # `atlas serve` again after the entry's spawn: kept
+    assert engine_spawn._early[0].process is untaken
+    engine_spawn.spawn_early(preload_cuda=True)  # the entry guessed the device wrong: replaced
+    replaced, untaken = untaken, engine_spawn._early[0].process
+    assert replaced.returncode == 0 and untaken is not replaced
     engine_spawn.discard_early()  # as `atlas serve` does when its flags fail after the spawn
     assert untaken.returncode == 0 and engine_spawn.take_early() is None
 

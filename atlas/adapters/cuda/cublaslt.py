@@ -42,14 +42,14 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from nvmath.bindings import cublas
-from nvmath.bindings import cublasLt as lt
 
+from atlas.adapters.cuda import nvmath_bindings
 from atlas.adapters.cuda.driver import CudaError
 from atlas.adapters.cuda.gemm_tuning import CandidateTimer, GemmTuningStore, TuningStats, token_bucket
 from atlas.ports.gpu import DType
 
 log = logging.getLogger("atlas.cuda")
+cublas, lt = nvmath_bindings.load()
 
 # cudaDataType: CUDA_R_16BF, _16F, _32F, _8F_E4M3
 _DATA_TYPES = {DType.BF16: 14, DType.F16: 2, DType.F32: 0, DType.FP8_E4M3: 28}

@@ -86,7 +86,7 @@ def _first_token_seconds(args: argparse.Namespace, cache_dir: Path, extra: dict[
     port = _free_port()
     environment = dict(os.environ, ATLAS_KERNEL_CACHE=str(cache_dir), **extra)
     environment[EPOCH_ENVIRONMENT] = repr(time.time())  # the server's phases count from the launch
-    command = [sys.executable, "-m", "atlas.app.cli", "serve", args.model, "--device", args.device,
+    command = [sys.executable, "-m", "atlas", "serve", args.model, "--device", args.device,
                "--port", str(port), *args.serve_args.split()]
     log = tempfile.TemporaryFile(mode="w+")
     started = time.perf_counter()
