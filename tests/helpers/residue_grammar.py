@@ -3,7 +3,8 @@
 `Regex("residues 9")` compiles to a grammar that allows, at output position i, the ids below 90
 congruent to i modulo 3, and after 9 tokens only end-of-sequence; `Regex("residues 20 lying
 17")` also lets its mask allow id 17, which `accept_token` then refuses (a broken grammar, as a
-sampler ignoring the mask would expose). Requests carry it as an `OutputConstraint`, so the
+sampler ignoring the mask would expose); `Regex("residues 9 loose")` carries a `superset` that
+allows every id below 90 at each position (the loose masks a bounded JSON string gets). Requests carry it as an `OutputConstraint`, so the
 engine goes through its `GrammarCache` as with llguidance.
 """
 
@@ -20,21 +21,27 @@ EOS_ID = next(iter(EOS))
 
 
 class ResidueGrammar:
-    """A GrammarMatcher: position i allows the ids below 90 that are i mod 3; then only eos."""
+    """A GrammarMatcher: position i allows the ids below 90 that are i mod 3; then only eos.
+    `modulus` 1 allows every id below 90 (the loose twin)."""
 
-    def __init__(self, length: int, position: int = 0, lying_token: int | None = None) -> None:
+    def __init__(self, length: int, position: int = 0, lying_token: int | None = None, loose: bool = False,
+                 modulus: int = 3) -> None:
         self.length = length
         self.position = position
         self.lying_token = lying_token  # allowed by the mask, refused by accept (a broken grammar)
         self.broken = False
+        self.modulus = modulus
+        self.superset = ResidueGrammar(length, position, modulus=1) if loose else None
+        self.num_fills = 0
 
     def allowed(self) -> list[int]:
         if self.position >= self.length:
             return [EOS_ID]
-        ids = [t for t in range(90) if t % 3 == self.position % 3]
+        ids = [t for t in range(90) if t % self.modulus == self.position % self.modulus]
         return ids + [self.lying_token] if self.lying_token is not None else ids
 
     def fill_bitmask(self, bitmask_row: np.ndarray) -> None:
+        self.num_fills += 1
         bitmask_row[:] = 0
         words = bitmask_row.view(np.uint32)
         for token_id in self.allowed():
@@ -45,13 +52,20 @@ class ResidueGrammar:
             self.broken = True
             return False
         self.position += 1
+        if self.superset is not None:
+            assert self.superset.accept_token(token_id)
         return True
+
+    def allows(self, token_id: int) -> bool:
+        return not self.broken and token_id != self.lying_token and token_id in self.allowed()
 
     def rollback(self, num_tokens: int) -> None:
         self.position -= num_tokens
+        if self.superset is not None:
+            self.superset.rollback(num_tokens)
 
     def fork(self) -> ResidueGrammar:
-        return ResidueGrammar(self.length, self.position, self.lying_token)
+        return ResidueGrammar(self.length, self.position, self.lying_token, self.superset is not None, self.modulus)
 
     @property
     def is_accepting(self) -> bool:
@@ -63,12 +77,16 @@ class ResidueGrammar:
 
 
 class CompiledResidues:
-    def __init__(self, length: int, lying_token: int | None) -> None:
+    def __init__(self, length: int, lying_token: int | None, loose: bool = False) -> None:
         self.length = length
         self.lying_token = lying_token
+        self.loose = loose
+        self.matchers: list[ResidueGrammar] = []
 
     def new_matcher(self) -> ResidueGrammar:
-        return ResidueGrammar(self.length, lying_token=self.lying_token)
+        matcher = ResidueGrammar(self.length, lying_token=self.lying_token, loose=self.loose)
+        self.matchers.append(matcher)
+        return matcher
 
 
 class ResidueCompiler:
@@ -80,10 +98,12 @@ class ResidueCompiler:
 
     def compile(self, spec: ConstraintSpec, field: str) -> CompiledResidues:
         words = spec.pattern.split() if isinstance(spec, Regex) else []
+        loose = words[-1:] == ["loose"]
+        words = words[:-1] if loose else words
         if len(words) not in (2, 4) or words[0] != "residues":
             raise GrammarError(field, f"not a residue grammar: {spec!r}")
         self.compiled.append(spec.pattern)
-        return CompiledResidues(int(words[1]), int(words[3]) if len(words) == 4 else None)
+        return CompiledResidues(int(words[1]), int(words[3]) if len(words) == 4 else None, loose)
 
     def fill_bitmasks(self, rows, bitmask: np.ndarray) -> None:
         for matcher, row in rows:
@@ -95,10 +115,11 @@ def residue_grammars(vocab_size: int) -> GrammarCache:
 
 
 def residues(length: int, lying_token: int | None = None, reasoning: ReasoningMarkers | None = None,
-             thinking_budget: int | None = None) -> OutputConstraint:
+             thinking_budget: int | None = None, loose: bool = False) -> OutputConstraint:
     """The constraint of a residue grammar of `length` tokens (after a reasoning block, with
-    `reasoning`, that the prompt opened)."""
+    `reasoning`, that the prompt opened); `loose` gives its matchers a superset."""
     pattern = f"residues {length}" + (f" lying {lying_token}" if lying_token is not None else "")
+    pattern += " loose" if loose else ""
     return OutputConstraint(Regex(pattern), "response_format", reasoning, reasoning is not None, thinking_budget)
 
 

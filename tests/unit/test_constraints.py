@@ -38,6 +38,11 @@ class SequenceGrammar:
         self.position += 1
         return True
 
+    def allows(self, token_id: int) -> bool:
+        return not self.is_finished and token_id == self.token_ids[self.position]
+
+    superset = None
+
     def rollback(self, num_tokens: int) -> None:
         assert num_tokens <= self.position
         self.position -= num_tokens

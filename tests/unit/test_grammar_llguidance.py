@@ -328,3 +328,48 @@ def test_matchers_of_one_grammar_are_independent_copies(compiler, tokenizer) -> 
     np.testing.assert_array_equal(mask, start)
     advanced.fill_bitmask(mask)
     assert not np.array_equal(mask, start)
+
+
+BOUNDED = {"type": "array", "minItems": 2, "items": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 6, "minLength": 2},
+                                     "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"], "additionalProperties": False}}
+
+
+def test_a_bounded_string_schema_carries_a_cheaper_superset_kept_in_step(compiler, tokenizer) -> None:
+    """The superset (the schema without maxLength / minLength) allows every token the schema
+    allows at each position of a walk, and more inside a name; `allows` tells which; rollback
+    and fork keep the superset at the same position."""
+    matcher = compiler.compile(JsonSchema(BOUNDED), "response_format").new_matcher()
+    assert matcher.superset is not None
+    unbounded = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    assert compiler.compile(JsonSchema(unbounded), "response_format").new_matcher().superset is None
+    width = (compiler.vocab_size + 31) // 32
+    exact, loose = np.zeros(width, dtype=np.int32), np.zeros(width, dtype=np.int32)
+    text = '[{"name": "Annie", "age": 31}, {"name": "Bo", "age": 7}]'
+    looser_somewhere = False
+    for token_id in tokenizer.encode(text, add_special_tokens=False):
+        matcher.fill_bitmask(exact)
+        matcher.superset.fill_bitmask(loose)
+        allowed, superset = set(allowed_ids(exact, compiler.vocab_size)), set(allowed_ids(loose, compiler.vocab_size))
+        assert allowed <= superset
+        looser_somewhere |= allowed < superset
+        refused = next(iter(superset - allowed), None)
+        assert matcher.allows(token_id) and (refused is None or not matcher.allows(refused))
+        assert matcher.accept_token(token_id)
+    assert looser_somewhere
+    fork = matcher.fork()
+    matcher.rollback(3)
+    for candidate in (fork, matcher):
+        candidate.fill_bitmask(exact)
+        candidate.superset.fill_bitmask(loose)
+        assert set(allowed_ids(exact, compiler.vocab_size)) <= set(allowed_ids(loose, compiler.vocab_size))
+
+
+def test_a_name_past_its_max_length_is_refused_by_the_schema_not_by_its_superset(compiler, tokenizer) -> None:
+    matcher = compiler.compile(JsonSchema(BOUNDED), "response_format").new_matcher()
+    for token_id in tokenizer.encode('[{"name": "Annie', add_special_tokens=False):
+        assert matcher.accept_token(token_id)
+    long_tail = tokenizer.encode("Annie Smith", add_special_tokens=False)[-1]  # " Smith": 11 characters in all
+    assert matcher.superset.allows(long_tail) and not matcher.allows(long_tail)
+    assert matcher.accept_token(tokenizer.encode('"', add_special_tokens=False)[0])

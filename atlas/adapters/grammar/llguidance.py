@@ -18,6 +18,7 @@ from typing import Any
 import llguidance
 import numpy as np
 
+from atlas.adapters.grammar.relaxed_schema import relaxed_schema
 from atlas.adapters.grammar.tool_call_grammars import JSON_STYLE, tool_call_lark
 from atlas.ports.grammar import (
     Choice,
@@ -33,19 +34,26 @@ from atlas.ports.grammar import (
 
 
 class LlguidanceMatcher:
-    """One sequence's llguidance matcher (the `GrammarMatcher` port)."""
+    """One sequence's llguidance matcher (the `GrammarMatcher` port), with the matcher of its
+    schema's relaxed grammar kept in step where it has one (`superset`)."""
 
-    __slots__ = ("_matcher", "_num_words", "_num_accepted")
+    __slots__ = ("_matcher", "_num_words", "_num_accepted", "_superset")
 
-    def __init__(self, matcher: llguidance.LLMatcher, num_words: int, num_accepted: int = 0) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, num_words: int, num_accepted: int = 0,
+                 superset: LlguidanceMatcher | None = None) -> None:
         self._matcher = matcher
         self._num_words = num_words  # ceil(V / 32)
         self._num_accepted = num_accepted
+        self._superset = superset
 
     @property
     def native(self) -> llguidance.LLMatcher:
         """The llguidance matcher (for the batched fill)."""
         return self._matcher
+
+    @property
+    def superset(self) -> LlguidanceMatcher | None:
+        return self._superset
 
     def fill_bitmask(self, bitmask_row: np.ndarray) -> None:
         """Write the allowed next tokens into an int32 row; ValueError on a wrong row."""
@@ -55,11 +63,17 @@ class LlguidanceMatcher:
                              f"{bitmask_row.dtype} {list(bitmask_row.shape)}")
         self._matcher.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)
 
+    def allows(self, token_id: int) -> bool:
+        return self._matcher.validate_tokens([token_id]) == 1
+
     def accept_token(self, token_id: int) -> bool:
         """Advance past `token_id`; False when the grammar forbids it (the matcher stays broken)."""
         if not self._matcher.consume_token(token_id):
             return False
         self._num_accepted += 1
+        superset = self._superset
+        if superset is not None and not superset.accept_token(token_id):
+            self._superset = None  # not looser after all here: exact masks from now on
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -69,9 +83,12 @@ class LlguidanceMatcher:
         if num_tokens and not self._matcher.rollback(num_tokens):
             raise ValueError(f"rollback: llguidance refused ({self._matcher.get_error()})")
         self._num_accepted -= num_tokens
+        if self._superset is not None:
+            self._superset.rollback(num_tokens)
 
     def fork(self) -> LlguidanceMatcher:
-        return LlguidanceMatcher(self._matcher.deep_copy(), self._num_words, self._num_accepted)
+        superset = self._superset.fork() if self._superset is not None else None
+        return LlguidanceMatcher(self._matcher.deep_copy(), self._num_words, self._num_accepted, superset)
 
     @property
     def is_accepting(self) -> bool:
@@ -85,14 +102,16 @@ class LlguidanceMatcher:
 class LlguidanceGrammar:
     """A validated grammar (the `CompiledGrammar` port)."""
 
-    __slots__ = ("_tokenizer", "_grammar", "_field", "_num_words", "_start")
+    __slots__ = ("_tokenizer", "_grammar", "_field", "_num_words", "_start", "_relaxed")
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str, vocab_size: int) -> None:
+    def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str, vocab_size: int,
+                 relaxed: LlguidanceGrammar | None = None) -> None:
         self._tokenizer = tokenizer
         self._grammar = grammar
         self._field = field
         self._num_words = (vocab_size + 31) // 32
         self._start: llguidance.LLMatcher | None = None  # built by the first new_matcher
+        self._relaxed = relaxed  # a looser grammar whose masks are cheaper (`relaxed_schema`)
 
     def new_matcher(self) -> LlguidanceMatcher:
         """A matcher at the start; GrammarError if llguidance rejects the (validated) grammar.
@@ -105,7 +124,13 @@ class LlguidanceGrammar:
             if matcher.is_error():
                 raise GrammarError(self._field, matcher.get_error())
             self._start = matcher
-        return LlguidanceMatcher(self._start.deep_copy(), self._num_words)
+        superset = None
+        if self._relaxed is not None:
+            try:
+                superset = self._relaxed.new_matcher()
+            except GrammarError:  # exact masks only
+                self._relaxed = None
+        return LlguidanceMatcher(self._start.deep_copy(), self._num_words, superset=superset)
 
 
 class LlguidanceCompiler:
@@ -148,7 +173,12 @@ class LlguidanceCompiler:
             raise GrammarError(field, _first_line(messages[0]) if messages else "invalid grammar")
         if isinstance(spec, JsonSchema) and spec.strict and messages:
             raise GrammarError(field, f"strict schema uses unsupported features: {'; '.join(messages)}")
-        return LlguidanceGrammar(self._tokenizer, grammar, field, self._vocab_size)
+        relaxed = None
+        loose = relaxed_schema(spec.schema) if isinstance(spec, JsonSchema) and isinstance(spec.schema, Mapping) else None
+        if loose is not None:
+            relaxed = LlguidanceGrammar(self._tokenizer, _json_schema_grammar(loose, lenient=not spec.strict), field,
+                                        self._vocab_size)
+        return LlguidanceGrammar(self._tokenizer, grammar, field, self._vocab_size, relaxed)
 
     def fill_bitmasks(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """Fill the named rows of an int32 [R, W] bitmask on llguidance's thread pool."""
