@@ -29,6 +29,19 @@ row per position: row j holds the mask after drafts[:j], found by accepting the 
 and rolling them back; a draft its row forbids can never be accepted, so the rows after it
 are all ones.
 
+Loose masks. A grammar whose matcher has a `superset` (a looser grammar whose masks cost far
+less, as a JSON schema without its string length bounds) may be sampled under the superset's
+mask. The engine then checks the sampled token (`admits`) before committing it: allowed, it is
+accepted as usual; refused, the position is sampled again under the exact mask (the engine
+recomputes the sequence's last token, `Scheduler.resample`). The sampler's draw is a
+Gumbel-max race whose scores are fixed by (seed, position, token) (`atlas.ports.kernels.
+sampling`), so the token it picks under a mask is the best-scoring one the mask allows: if
+the superset's winner is allowed it is also the exact mask's winner, and if not, the redraw at
+the same position under the exact mask picks that winner. Either way the row gets the very
+token exact masking gives, greedy or sampled, provided no top-p, top-k or min-p cut (which
+depends on the mask) comes before the race. The first token of a grammar is always sampled
+under the exact mask (its recompute would rewrite the prompt's last position).
+
 A request carries its constraint as plain data (`Request.constraint`); the engine turns it into
 a `TokenConstraint` per sequence through a `GrammarCache` (`atlas.domain.request_constraints`).
 """
@@ -99,9 +112,11 @@ class TokenConstraint:
     `thinking_budget` None means no limit; 0 ends a block as soon as it opens.
     `end_token_ids` (end-of-sequence) may not be sampled inside the block. Up to
     `max_rollback_tokens` accepted tokens can be rolled back (rejected speculative drafts).
+    `loose_masks` lets the grammar's rows be masked by its matcher's superset (module doc).
     """
 
-    __slots__ = ("_grammar", "_markers", "_budget", "_end_ids", "_state", "_history")
+    __slots__ = ("_grammar", "_markers", "_budget", "_end_ids", "_state", "_history", "_loose", "_exact_next",
+                 "_num_grammar_tokens")
 
     def __init__(
         self,
@@ -111,10 +126,14 @@ class TokenConstraint:
         thinking_budget: int | None = None,
         end_token_ids: frozenset[int] = frozenset(),
         max_rollback_tokens: int = DEFAULT_MAX_ROLLBACK_TOKENS,
+        loose_masks: bool = False,
     ) -> None:
         if thinking_budget is not None and thinking_budget < 0:
             raise ValueError(f"thinking_budget: must be >= 0 (got {thinking_budget})")
         self._grammar = grammar
+        self._loose = loose_masks and grammar is not None
+        self._exact_next = False  # a loosely sampled token was refused: this position goes exact
+        self._num_grammar_tokens = 0
         self._markers = markers
         self._budget = thinking_budget
         self._end_ids = frozenset(end_token_ids)
@@ -152,7 +171,33 @@ class TokenConstraint:
         if state.phase is _Phase.OPENING:
             assert self._markers is not None
             return GrammarTokens(self._grammar, (self._markers.start_token_id,))
-        return GrammarTokens(self._grammar)
+        return GrammarTokens(self._mask_grammar())
+
+    @property
+    def sampled_loosely(self) -> bool:
+        """True when the next token is masked by the grammar's superset, not the grammar."""
+        return self._state.phase is _Phase.ANSWER and self._grammar is not None and (
+            self._mask_grammar() is not self._grammar)
+
+    def admits(self, token_id: int) -> bool:
+        """Whether the token sampled under the current mask may be accepted: always under an
+        exact mask; under a superset's, when the grammar allows it. A refused token is not
+        accepted, and the next mask of this position is the exact one (module doc)."""
+        if not self.sampled_loosely:
+            return True
+        assert self._grammar is not None
+        if self._grammar.allows(token_id):
+            return True
+        self._exact_next = True
+        return False
+
+    def _mask_grammar(self) -> GrammarMatcher:
+        grammar = self._grammar
+        assert grammar is not None
+        if not self._loose or self._exact_next or self._num_grammar_tokens == 0:
+            return grammar
+        superset = grammar.superset
+        return grammar if superset is None else superset
 
     def mask_for_next(self, bitmask_row: np.ndarray) -> bool:
         """Write the allowed next tokens into `bitmask_row` (int32 [ceil(V / 32)]).
@@ -199,6 +244,7 @@ class TokenConstraint:
         else:
             consumed_by_grammar = self._answer(token_id)
         self._history.append((before, consumed_by_grammar))
+        self._exact_next = False
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepts; ValueError past what the history keeps."""
@@ -212,6 +258,7 @@ class TokenConstraint:
         if num_grammar_tokens:
             assert self._grammar is not None
             self._grammar.rollback(num_grammar_tokens)
+            self._num_grammar_tokens -= num_grammar_tokens
 
     def _reasoning(self, state: _State, token_id: int) -> _State:
         assert self._markers is not None
@@ -236,6 +283,7 @@ class TokenConstraint:
             return False
         if not self._grammar.accept_token(token_id):
             raise ConstraintViolation(f"token {token_id} is not allowed by the request's grammar")
+        self._num_grammar_tokens += 1
         return True
 
 

@@ -32,6 +32,15 @@ scheduled, or a step verifying drafts, which takes the accept after the commit) 
 fill. A token its constraint forbids (only a sampler that ignored the mask could draw one)
 ends that request with an error.
 
+A row sampled under its grammar's superset mask (`atlas.domain.constraints`, loose masks) is
+checked before its step commits: a token the grammar refuses is dropped with the step in
+flight after it, and the sequence's last token is computed again so that a later step samples
+the position under the exact mask (`Scheduler.resample`; that row loses two steps):
+
+    step N samples t under S        commit N: t refused -> resample(seq): t and N+1's token void
+    step N+1 (in flight) computes t  its row's mask: none (its token is void), commit N+1 skips it
+    step N+2 computes the last token again and samples under the exact mask
+
 Transports (the Python API, the engine actor behind HTTP, a separate engine process) wrap
 this object; they decide when to call `step` and where outputs go.
 """
@@ -53,8 +62,9 @@ from atlas.domain.request_constraints import GrammarCache, token_constraint
 from atlas.domain.requests import FinishReason, ParameterError, Request
 from atlas.domain.sequence import Sequence
 from atlas.domain.sampling import validate_token_ids
+from atlas.domain.speculative.policy import NoSpeculation
 from atlas.domain.scheduler import Scheduler
-from atlas.domain.token_mask import bitmask_width
+from atlas.domain.token_mask import ALL_ALLOWED, bitmask_width
 from atlas.ports.grammar import GrammarError
 
 
@@ -128,6 +138,12 @@ class EngineCore:
         self._in_flight: deque[tuple[ScheduledBatch, PendingResult]] = deque()
         self._masks: Future[np.ndarray | None] | None = None  # of the last step in flight, filling
         self._mask_thread: ThreadPoolExecutor | None = None  # started by the first constrained step
+        self._void: dict[str, int] = {}  # sequence -> the step in flight whose token for it is void
+        # A refused row's exact mask, filled on a thread of its own while the step in flight
+        # runs (its token there is void): the step after takes it without waiting on llguidance.
+        self._exact_masks: dict[str, Future[np.ndarray]] = {}
+        self._exact_thread: ThreadPoolExecutor | None = None
+        self.num_resampled_tokens = 0  # loosely sampled tokens the grammar refused
 
     def add_request(self, request: Request) -> None:
         """Queue a request. Raises ParameterError naming the field when it cannot run."""
@@ -200,10 +216,11 @@ class EngineCore:
         return outputs
 
     def close(self) -> None:
-        """Stop the mask thread (a later constrained step starts it again)."""
-        thread, self._mask_thread = self._mask_thread, None
-        if thread is not None:
-            thread.shutdown(wait=True)
+        """Stop the mask threads (a later constrained step starts them again)."""
+        for thread in (self._mask_thread, self._exact_thread):
+            if thread is not None:
+                thread.shutdown(wait=True)
+        self._mask_thread = self._exact_thread = None
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block no running request uses; returns how many were freed."""
@@ -213,8 +230,12 @@ class EngineCore:
         self._sample_in_flight()  # the step may be the one whose masks are filling
         batch, pending = self._in_flight.popleft()
         result = pending.result()
+        if self._constraints:
+            self._resample_refused(batch, result)
         early = self._accept_early(batch, result)
         outputs = self.scheduler.commit(batch, result)
+        if self._void:
+            self._void = {seq_id: step for seq_id, step in self._void.items() if step > batch.step_id}
         self._num_generated_tokens += sum([len(output.new_token_ids) for output in outputs])
         if self._constraints or early:
             outputs = self._advance_constraints(outputs, early)
@@ -230,14 +251,47 @@ class EngineCore:
         if constraint.grammar is not None and self.grammars is None:
             raise ParameterError(constraint.grammar_field, "structured output is unavailable: this engine has no "
                                                            "grammar compiler for its model's tokenizer")
+        sampling = request.sampling
+        # Sampling from p restricted to the mask, renormalised: greedy or temperature alone (a
+        # top-p, top-k or min-p cut depends on the mask) and no logprobs (they would be a
+        # superset's).
+        plain = sampling.temperature == 0 or (sampling.top_p >= 1 and sampling.top_k <= 0 and sampling.min_p <= 0)
+        # A refusal computes the last position again, and drafts would be checked against a
+        # superset's mask (taking its word for the grammar's): neither may be in the way.
+        scheduler = self.scheduler
+        loose = (plain and sampling.logprobs is None and scheduler.cache.can_recompute_last_token
+                 and isinstance(scheduler.speculation, NoSpeculation))
         try:
-            return token_constraint(constraint, self.grammars, self.eos_token_ids)
+            return token_constraint(constraint, self.grammars, self.eos_token_ids, loose_masks=loose)
         except GrammarError as error:
             raise ParameterError(error.field, str(error).removeprefix(f"{error.field}: ")) from None
 
     def _is_constrained(self, batch: ScheduledBatch) -> bool:
         constraints = self._constraints
         return bool(constraints) and any(s.sampling is not None and s.seq_id in constraints for s in batch.sequences)
+
+    def _resample_refused(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """Before `batch` commits: each row it sampled under a superset's mask whose token the
+        grammar refuses has its sequence sample that position again (`Scheduler.resample`);
+        the token its sequence has in the step in flight after `batch` is void (no mask is
+        filled for it, and that step's commit skips it). A refusal the scheduler cannot take
+        back is left to the commit's path, which ends the request."""
+        sampled = [s for s in batch.sequences if s.sampling is not None]
+        if len(sampled) != len(result.token_ids):  # drafts: exact masks only
+            return
+        newest = self._in_flight[-1][0].step_id if self._in_flight else batch.step_id
+        void = self._void
+        for seq, token_id in zip(sampled, result.token_ids):
+            constraint = self._constraints.get(seq.seq_id)
+            if constraint is None or void.get(seq.seq_id) == batch.step_id or constraint.admits(token_id):
+                continue
+            if self.scheduler.resample(seq.seq_id, batch.step_id):
+                void[seq.seq_id] = newest
+                self.num_resampled_tokens += 1
+                if self._exact_thread is None:
+                    self._exact_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-exact-masks")
+                self._exact_masks[seq.seq_id] = self._exact_thread.submit(_exact_mask, constraint,
+                                                                          self._bitmask.shape[1])
 
     def _accept_early(self, batch: ScheduledBatch, result: StepResult) -> dict[str, int]:
         """Accept the sampled ids of `batch` (being committed) into their constraints before
@@ -256,7 +310,7 @@ class EngineCore:
         accepted: dict[str, int] = {}
         for seq, token_id in zip(sampled, result.token_ids):
             constraint = self._constraints.get(seq.seq_id)
-            if constraint is None:
+            if constraint is None or seq.seq_id in self._void:  # void: sampled again later
                 continue
             try:
                 constraint.accept(token_id)
@@ -326,10 +380,20 @@ class EngineCore:
         bitmask = self._bitmask[:num_rows]  # one fill at a time: the buffer is free again
         compiler = self.grammars.compiler if self.grammars is not None else None
         if num_rows == len(sampled):  # no drafts: the rules here, only llguidance's fill on the thread
-            grammar = plan_batch_bitmask([self._constraints.get(s.seq_id) for s in sampled], bitmask)
+            void, step_id, exact = self._void, batch.step_id, self._exact_masks
+            constraints = [None if void.get(s.seq_id) == step_id else self._constraints.get(s.seq_id) for s in sampled]
+            filled: list[tuple[int, Future[np.ndarray]]] = []  # rows whose exact mask is on its way
+            if exact:
+                for index, seq in enumerate(sampled):
+                    if constraints[index] is not None and seq.seq_id in exact:
+                        filled.append((index, exact.pop(seq.seq_id)))
+                        constraints[index] = None
+            grammar = plan_batch_bitmask(constraints, bitmask)
 
             def fill() -> np.ndarray | None:
-                return bitmask if grammar.fill(bitmask, compiler) else None
+                for index, future in filled:
+                    bitmask[index] = future.result()
+                return bitmask if grammar.fill(bitmask, compiler) or filled else None
         else:
             rows = [(self._constraints.get(s.seq_id), s.token_ids[len(s.token_ids) - s.num_draft_tokens :])
                     for s in sampled]
@@ -357,6 +421,7 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._constraints.pop(request_id, None)
+        self._exact_masks.pop(request_id, None)
         sequence = self._sequences.pop(request_id, None)
         if sequence is not None:
             self._num_finished_preemptions += sequence.num_preemptions
@@ -381,3 +446,11 @@ class EngineCore:
             num_spec_verify_steps=spec.num_verify_steps,
             spec_accepted_by_position=tuple(spec.accepted_by_position),
         )
+
+
+def _exact_mask(constraint: TokenConstraint, num_words: int) -> np.ndarray:
+    """The exact mask of a constraint whose loosely sampled token was refused (one row)."""
+    row = np.empty(num_words, dtype=np.int32)
+    if not constraint.mask_for_next(row):
+        row[:] = ALL_ALLOWED  # any token (not reached: a refused row is a grammar's)
+    return row

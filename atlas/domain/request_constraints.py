@@ -45,9 +45,10 @@ class GrammarCache:
 
 
 def token_constraint(constraint: OutputConstraint | None, grammars: GrammarCache | None,
-                     end_token_ids: frozenset[int] = frozenset()) -> TokenConstraint | None:
+                     end_token_ids: frozenset[int] = frozenset(), loose_masks: bool = False) -> TokenConstraint | None:
     """The per-sequence constraint of a request, or None when it has none; `end_token_ids`
-    (end-of-sequence) may not end the output inside its reasoning block.
+    (end-of-sequence) may not end the output inside its reasoning block; `loose_masks` allows
+    a grammar's superset masks (`atlas.domain.constraints`).
 
     Raises ValueError when the request has a grammar but the engine has no compiler.
     """
@@ -59,7 +60,7 @@ def token_constraint(constraint: OutputConstraint | None, grammars: GrammarCache
             raise ValueError(f"{constraint.grammar_field}: this engine has no grammar compiler")
         matcher = grammars.compiled(constraint.grammar, constraint.grammar_field).new_matcher()
     return TokenConstraint(matcher, constraint.reasoning, constraint.starts_in_reasoning, constraint.thinking_budget,
-                           end_token_ids)
+                           end_token_ids, loose_masks=loose_masks)
 
 
 def _spec_key(spec: ConstraintSpec, field: str) -> bytes:

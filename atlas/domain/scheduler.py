@@ -238,6 +238,23 @@ class Scheduler:
                 outputs.append(self._append_sampled(seq, result, first_row))
         return outputs
 
+    def resample(self, seq_id: str, step_id: int) -> bool:
+        """The token step `step_id` (the oldest in flight) sampled for `seq_id` may not stand
+        (its loose mask allowed a token the grammar refuses, `atlas.domain.constraints`):
+        forget it and any later token in flight for it (the commits skip them) and compute its
+        last resolved token again, so that the next step samples that position anew. Returns False, changing
+        nothing, when that cannot be done: a sequence not running, one with nothing in flight,
+        drafts to verify, no output token yet (the recompute would rewrite a prompt position
+        other sequences may share), or a model whose cache cannot compute a position again."""
+        seq = self._live.get(seq_id)
+        if (seq is None or seq.status is not SequenceStatus.RUNNING or not seq.pending
+                or seq.pending[0].step_id != step_id or seq.num_draft_tokens
+                or seq.num_resolved_tokens <= seq.num_prompt_tokens or not self.cache.can_recompute_last_token):
+            return False
+        seq.rewind_to_resample()
+        self.cache.trim(seq)
+        return True
+
     def check_invariants(self) -> None:
         """Raise AssertionError if queues, statuses, block tables and the cache disagree.
 

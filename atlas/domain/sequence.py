@@ -234,6 +234,15 @@ class Sequence:
         if self._penalty_counts is not None:
             self._count_for_penalties(token_id)
 
+    def rewind_to_resample(self) -> None:
+        """The oldest step in flight sampled a token that may not stand (`Scheduler.resample`):
+        forget it and any token after it in flight, and count the last resolved token as not
+        computed, so that the next step computes it again and samples the position after it."""
+        if self._num_drafts or not self._pending or self._num_resolved <= self.num_prompt_tokens:
+            raise AssertionError(f"{self.seq_id}: no output token in flight to sample again")
+        self._drop_tentative()
+        self.num_computed_tokens = min(self.num_computed_tokens, self._num_resolved - 1)
+
     def _drop_tentative(self) -> None:
         """Forget pending tokens and drafts (a finished or preempted sequence's)."""
         num_tentative = len(self._pending) + self._num_drafts

@@ -96,6 +96,32 @@ def test_masked_sampler_graphs_keep_every_draw_inside_the_grammar(cuda_backend, 
     assert run(_constrained_engine(cuda_backend, (1, 2, 4, 8, 16))) == first
 
 
+def test_loose_masks_resample_refused_tokens_through_the_graphs(cuda_backend, rng):
+    """Rows sampled under the grammar's superset whose tokens the grammar refuses are sampled
+    again (their last token computed again in a graphed step): every output follows the
+    grammar, every block comes back, and a second engine gives the same tokens."""
+    requests = [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, 96, size=int(rng.integers(2, 40)))),
+                        SamplingParams(temperature=t, max_tokens=20), 7 + i, constraint=residues(12, loose=True))
+                for i, t in enumerate([0.0, 1.0, 0.7] * 4)]
+
+    def run(core):
+        tokens = {r.request_id: [] for r in requests}
+        for request in requests:
+            core.add_request(request)
+        while core.has_unfinished:
+            for output in core.step():
+                assert output.error is None, output.error
+                tokens[output.seq_id].extend(output.new_token_ids)
+        assert core.stats().num_blocks_free == 200
+        return tokens
+
+    core = _constrained_engine(cuda_backend, (1, 2, 4, 8, 16))
+    first = run(core)
+    assert core.num_resampled_tokens > 0
+    assert all(follows_residues(tokens, 12) and tokens[-1] == 96 for tokens in first.values()), first
+    assert run(_constrained_engine(cuda_backend, (1, 2, 4, 8, 16))) == first
+
+
 def test_smollm2_json_schema_answers_at_temperature_one_parse_and_validate(kernel_cache_dir):
     from atlas.app.llm import LLM
     from atlas.ports.grammar import JsonSchema

@@ -237,3 +237,60 @@ def test_a_sequence_preempted_after_its_token_was_accepted_early_stays_on_its_gr
         core.close()
     assert core.stats().num_preemptions and undone
     assert core.stats().num_blocks_free == 24
+
+
+LOOSE_PARAMS = [SAMPLED, SamplingParams(temperature=0.0, max_tokens=20),
+                SamplingParams(temperature=0.8, max_tokens=20, n=2)]
+
+
+@pytest.mark.parametrize("params", LOOSE_PARAMS, ids=["sampled", "greedy", "n2"])
+@pytest.mark.parametrize("graph_sizes", [(), (1, 2, 4, 8)], ids=["eager", "graphs"])
+def test_loose_masks_give_the_exact_masks_tokens(rng, params, graph_sizes):
+    """A grammar whose matchers carry a superset is sampled under the superset's masks; each
+    token the grammar refuses is sampled again under the exact mask after the sequence's last
+    token is computed again. The Gumbel race's scores are fixed by (seed, position, token), so
+    every request gives the very tokens exact masks give, the cache's invariants hold after
+    every step, and every block comes back."""
+    length = 12
+    requests = [Request(f"r{i}", p, params, seed=70 + i) for i, p in enumerate(prompts(6, rng, 3, 30))]
+    exact = run(grammar_core(graph_sizes=graph_sizes), [constrained(r, residues(length)) for r in requests])
+    core = grammar_core(graph_sizes=graph_sizes)
+    loose = run(core, [constrained(r, residues(length, loose=True)) for r in requests])
+    assert loose == exact
+    assert all(follows_residues(tokens, length) for tokens in loose.values())
+    assert core.num_resampled_tokens > 0  # a random model under the loose mask picks wrong residues
+    compiled = core.grammars.compiled(residues(length, loose=True).grammar, "response_format")
+    assert sum(m.superset.num_fills for m in compiled.matchers) > 0
+    assert core.stats().num_blocks_free == 400
+
+
+def test_loose_masks_hold_at_block_boundaries_under_preemption(rng):
+    """Resampling rewinds a sequence across page boundaries (4-token blocks fill every few
+    tokens) while a small pool preempts: the invariants hold after every step (run checks
+    them), and the tokens are those of exact masks."""
+    length = 24
+    params = SamplingParams(temperature=1.0, max_tokens=30)
+    requests = [Request(f"r{i}", p, params, seed=5 + i) for i, p in enumerate(prompts(8, rng, 3, 12))]
+    exact = run(grammar_core(num_blocks=40), [constrained(r, residues(length)) for r in requests])
+    core = grammar_core(num_blocks=40)
+    assert run(core, [constrained(r, residues(length, loose=True)) for r in requests]) == exact
+    assert core.num_resampled_tokens > 0 and core.stats().num_preemptions > 0
+    assert core.stats().num_blocks_free == 40
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12),
+                                    SamplingParams(temperature=1.0, top_k=5, max_tokens=12),
+                                    SamplingParams(temperature=1.0, min_p=0.1, max_tokens=12),
+                                    SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)],
+                         ids=["top_p", "top_k", "min_p", "logprobs"])
+def test_a_cut_before_the_race_or_logprobs_keep_the_exact_masks(rng, params):
+    """A top-p, top-k or min-p cut depends on the mask, and logprobs would be the superset's:
+    such rows never sample under the superset."""
+    length = 8
+    requests = [Request(f"r{i}", p, params, seed=i, constraint=residues(length, loose=True))
+                for i, p in enumerate(prompts(3, rng))]
+    core = grammar_core()
+    tokens = run(core, requests)
+    assert all(follows_residues(t, length) for t in tokens.values())
+    compiled = core.grammars.compiled(residues(length, loose=True).grammar, "response_format")
+    assert sum(m.superset.num_fills for m in compiled.matchers) == 0 and core.num_resampled_tokens == 0

@@ -136,6 +136,14 @@ class CacheManager:
         """Whether blocks are kept for later prompts (caching on, and every group can serve a hit)."""
         return isinstance(self.tree, RadixTree)
 
+    @property
+    def can_recompute_last_token(self) -> bool:
+        """Whether a running sequence's last computed position may be computed again
+        (`Scheduler.resample`): every group holds full-attention KV pages. A recurrent state
+        would advance twice, and a sliding window may have let go of the block the position's
+        window starts in."""
+        return len(self._kv_groups) == len(self.groups) and not self._windowed_groups
+
     def begin_step(self) -> None:
         """A new step is being built: blocks computed by earlier steps are readable now."""
         self._fresh.clear()
