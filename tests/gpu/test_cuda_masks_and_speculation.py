@@ -72,54 +72,46 @@ def _constrained_engine(backend, graph_sizes):
 # its last reference): a fixed small KV cache each, not 90% of the device.
 KV_GB = 2.0
 
+def _residue_requests(rng, loose: bool = False) -> list[Request]:
+    return [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, 96, size=int(rng.integers(2, 40)))),
+                    SamplingParams(temperature=t, max_tokens=20), 7 + i, constraint=residues(12, loose=loose))
+            for i, t in enumerate([0.0, 1.0, 0.7] * 4)]
+
+
+def _run_all(core, requests) -> dict[str, list[int]]:
+    """Every request to the end: {request id: its tokens}; no error, every block back."""
+    tokens = {r.request_id: [] for r in requests}
+    for request in requests:
+        core.add_request(request)
+    while core.has_unfinished:
+        for output in core.step():
+            assert output.error is None, output.error
+            tokens[output.seq_id].extend(output.new_token_ids)
+    assert core.stats().num_blocks_free == 200
+    return tokens
+
+
 def test_masked_sampler_graphs_keep_every_draw_inside_the_grammar(cuda_backend, rng):
     """Overlapped, graphed steps whose masks arrive after the forward: every token follows the
     grammar, eos follows its end, a masked sampler graph ran, and a second engine reproduces."""
-    requests = [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, 96, size=int(rng.integers(2, 40)))),
-                        SamplingParams(temperature=t, max_tokens=20), 7 + i, constraint=residues(12))
-                for i, t in enumerate([0.0, 1.0, 0.7] * 4)]
-
-    def run(core):
-        tokens = {r.request_id: [] for r in requests}
-        for request in requests:
-            core.add_request(request)
-        while core.has_unfinished:
-            for output in core.step():
-                tokens[output.seq_id].extend(output.new_token_ids)
-        assert core.stats().num_blocks_free == 200
-        return tokens
-
+    requests = _residue_requests(rng)
     core = _constrained_engine(cuda_backend, (1, 2, 4, 8, 16))
-    first = run(core)
+    first = _run_all(core, requests)
     assert any(masked for _, masked in core.executor._sampler_graphs)
     assert all(follows_residues(tokens, 12) and tokens[-1] == 96 for tokens in first.values()), first
-    assert run(_constrained_engine(cuda_backend, (1, 2, 4, 8, 16))) == first
+    assert _run_all(_constrained_engine(cuda_backend, (1, 2, 4, 8, 16)), requests) == first
 
 
 def test_loose_masks_resample_refused_tokens_through_the_graphs(cuda_backend, rng):
     """Rows sampled under the grammar's superset whose tokens the grammar refuses are sampled
     again (their last token computed again in a graphed step): every output follows the
     grammar, every block comes back, and a second engine gives the same tokens."""
-    requests = [Request(f"r{i}", tuple(int(t) for t in rng.integers(0, 96, size=int(rng.integers(2, 40)))),
-                        SamplingParams(temperature=t, max_tokens=20), 7 + i, constraint=residues(12, loose=True))
-                for i, t in enumerate([0.0, 1.0, 0.7] * 4)]
-
-    def run(core):
-        tokens = {r.request_id: [] for r in requests}
-        for request in requests:
-            core.add_request(request)
-        while core.has_unfinished:
-            for output in core.step():
-                assert output.error is None, output.error
-                tokens[output.seq_id].extend(output.new_token_ids)
-        assert core.stats().num_blocks_free == 200
-        return tokens
-
+    requests = _residue_requests(rng, loose=True)
     core = _constrained_engine(cuda_backend, (1, 2, 4, 8, 16))
-    first = run(core)
+    first = _run_all(core, requests)
     assert core.num_resampled_tokens > 0
     assert all(follows_residues(tokens, 12) and tokens[-1] == 96 for tokens in first.values()), first
-    assert run(_constrained_engine(cuda_backend, (1, 2, 4, 8, 16))) == first
+    assert _run_all(_constrained_engine(cuda_backend, (1, 2, 4, 8, 16)), requests) == first
 
 
 def test_smollm2_json_schema_answers_at_temperature_one_parse_and_validate(kernel_cache_dir):
