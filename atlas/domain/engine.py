@@ -106,6 +106,7 @@ class EngineStats:
     num_spec_accepted_tokens: int = 0  # of those, accepted
     num_spec_verify_steps: int = 0  # sequence-steps that verified drafts
     spec_accepted_by_position: tuple[int, ...] = ()  # [j]: drafts at position j accepted
+    num_resampled_tokens: int = 0  # tokens sampled under a grammar's superset mask that it refused
 
 
 class EngineCore:
@@ -445,6 +446,7 @@ class EngineCore:
             num_spec_accepted_tokens=spec.num_accepted_tokens,
             num_spec_verify_steps=spec.num_verify_steps,
             spec_accepted_by_position=tuple(spec.accepted_by_position),
+            num_resampled_tokens=self.num_resampled_tokens,
         )
 
 

@@ -261,7 +261,13 @@ def test_loose_masks_give_the_exact_masks_tokens(rng, params, graph_sizes):
     assert core.num_resampled_tokens > 0  # a random model under the loose mask picks wrong residues
     compiled = core.grammars.compiled(residues(length, loose=True).grammar, "response_format")
     assert sum(m.superset.num_fills for m in compiled.matchers) > 0
-    assert core.stats().num_blocks_free == 400
+    stats = core.stats()
+    assert stats.num_blocks_free == 400 and stats.num_resampled_tokens == core.num_resampled_tokens
+    if params is SAMPLED and not graph_sizes:
+        from atlas.adapters.http.server_metrics import ServerMetrics
+
+        text = ServerMetrics(lambda: stats, lambda: True, lambda: 0).render()
+        assert f"atlas_structured_output_resampled_tokens_total {stats.num_resampled_tokens}" in text
 
 
 def test_loose_masks_hold_at_block_boundaries_under_preemption(rng):

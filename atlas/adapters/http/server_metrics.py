@@ -70,6 +70,10 @@ class ServerMetrics:
                          lambda s: s.num_spec_draft_tokens, "counter")
         self._stat_gauge("atlas_spec_decode_num_accepted_tokens_total", "Speculative draft tokens accepted",
                          lambda s: s.num_spec_accepted_tokens, "counter")
+        self._stat_gauge("atlas_structured_output_resampled_tokens_total",
+                         "Tokens sampled under a grammar's cheaper superset mask that the grammar refused "
+                         "(each sampled again under the exact mask)",
+                         lambda s: s.num_resampled_tokens, "counter")
         registry.labeled_gauge(
             "atlas_spec_decode_num_accepted_tokens_per_pos_total",
             "Speculative draft tokens accepted, by their position among a step's drafts (0 first)",
