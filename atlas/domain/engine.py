@@ -253,9 +253,9 @@ class EngineCore:
             raise ParameterError(constraint.grammar_field, "structured output is unavailable: this engine has no "
                                                            "grammar compiler for its model's tokenizer")
         sampling = request.sampling
-        # Sampling from p restricted to the mask, renormalised: greedy or temperature alone (a
-        # top-p, top-k or min-p cut depends on the mask) and no logprobs (they would be a
-        # superset's).
+        # The sampler's race picks the exact mask's token under a superset's mask only when
+        # nothing before the race depends on the mask: greedy or temperature alone (a top-p,
+        # top-k or min-p cut is of the masked distribution), and no logprobs (a superset's).
         plain = sampling.temperature == 0 or (sampling.top_p >= 1 and sampling.top_k <= 0 and sampling.min_p <= 0)
         # A refusal computes the last position again, and drafts would be checked against a
         # superset's mask (taking its word for the grammar's): neither may be in the way.
