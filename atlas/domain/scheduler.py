@@ -242,10 +242,12 @@ class Scheduler:
         """The token step `step_id` (the oldest in flight) sampled for `seq_id` may not stand
         (its loose mask allowed a token the grammar refuses, `atlas.domain.constraints`):
         forget it and any later token in flight for it (the commits skip them) and compute its
-        last resolved token again, so that the next step samples that position anew. Returns False, changing
-        nothing, when that cannot be done: a sequence not running, one with nothing in flight,
-        drafts to verify, no output token yet (the recompute would rewrite a prompt position
-        other sequences may share), or a model whose cache cannot compute a position again."""
+        last resolved token again, so that the next step samples that position anew.
+
+        Returns False, changing nothing, when that cannot be done: a sequence not running, one
+        with nothing in flight, drafts to verify, no output token yet (the recompute would
+        rewrite a prompt position other sequences may share), or a model whose cache cannot
+        compute a position again."""
         seq = self._live.get(seq_id)
         if (seq is None or seq.status is not SequenceStatus.RUNNING or not seq.pending
                 or seq.pending[0].step_id != step_id or seq.num_draft_tokens

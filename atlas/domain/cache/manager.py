@@ -249,9 +249,10 @@ class CacheManager:
                 self._version += 1
 
     def trim(self, seq: Sequence) -> None:
-        """`seq`'s computed count fell (verification rejected drafts): return the pages past it
-        to their pools. They held only drafts, which are never cached, so no sequence and no
-        cache node shares them."""
+        """`seq`'s computed count fell (verification rejected drafts, or `Scheduler.resample`
+        took its last token back): return the pages past it to their pools. They held only
+        drafts, or the last resolved token and the refused one after it: never a full block,
+        so no cache node and no other sequence shares them."""
         holdings = seq.cache
         for group, holding in zip(self.groups, holdings.groups, strict=True):
             num_extra = holding.num_covered - group.num_pages(seq.num_computed_tokens)
