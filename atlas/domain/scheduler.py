@@ -246,12 +246,13 @@ class Scheduler:
 
         Returns False, changing nothing, when that cannot be done: a sequence not running, one
         with nothing in flight, drafts to verify, no output token yet (the recompute would
-        rewrite a prompt position other sequences may share), or a model whose cache cannot
-        compute a position again."""
+        rewrite a prompt position other sequences may share), a model whose cache cannot
+        compute a position again, or a cached block the rewind would give back."""
         seq = self._live.get(seq_id)
         if (seq is None or seq.status is not SequenceStatus.RUNNING or not seq.pending
                 or seq.pending[0].step_id != step_id or seq.num_draft_tokens
-                or seq.num_resolved_tokens <= seq.num_prompt_tokens or not self.cache.can_recompute_last_token):
+                or seq.num_resolved_tokens <= seq.num_prompt_tokens or not self.cache.can_recompute_last_token
+                or not self.cache.trims_only_fresh_pages(seq, seq.num_resolved_tokens - 1)):
             return False
         seq.rewind_to_resample()
         self.cache.trim(seq)

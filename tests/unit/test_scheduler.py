@@ -10,7 +10,7 @@ same tokens, and a wrong block table, position or recompute yields different one
 from __future__ import annotations
 
 import random
-from collections.abc import Collection, Iterable, Sequence as SequenceList
+from collections.abc import Callable, Collection, Iterable, Sequence as SequenceList
 
 import pytest
 from helpers.scheduling import (
@@ -574,3 +574,85 @@ def test_the_priority_policy_resumes_a_preempted_urgent_sequence_before_earlier_
     assert order == ["urgent", "low0", "low1", "low2"]
     assert policy.choose_victim([urgent, *low], urgent) is low[2]
     assert policy.choose_victim([urgent], urgent) is urgent
+
+
+def _overlapped_run(scheduler: Scheduler, worker: PagedFakeWorker, refuse: Callable[[str, int], bool]):
+    """The engine's overlap: step N+1 is scheduled before step N commits; before each commit,
+    `refuse(seq_id, num_output_tokens)` picks the sequences whose token step N sampled is taken
+    back (`Scheduler.resample`). Returns {seq id: output tokens} and how many were taken back."""
+    outputs: dict[str, list[int]] = {}
+    in_flight: list[tuple[ScheduledBatch, StepResult]] = []
+    num_resampled = 0
+    while True:
+        batch = scheduler.schedule()
+        scheduler.check_invariants()
+        if not batch.is_empty:
+            in_flight.append((batch, worker.execute(batch)))
+        if in_flight and (len(in_flight) > 1 or batch.is_empty):
+            oldest, result = in_flight.pop(0)
+            for scheduled in oldest.sequences:
+                seq = scheduler._live.get(scheduled.seq_id)
+                if scheduled.sampling is not None and seq is not None and refuse(seq.seq_id, seq.num_output_tokens):
+                    num_resampled += scheduler.resample(seq.seq_id, oldest.step_id)
+                    scheduler.check_invariants()
+            for output in scheduler.commit(oldest, result):
+                outputs.setdefault(output.seq_id, []).extend(output.new_token_ids)
+            scheduler.check_invariants()
+        if batch.is_empty and not in_flight:
+            return outputs, num_resampled
+
+
+def test_resample_takes_back_a_token_in_flight_at_any_position_and_the_output_is_unchanged() -> None:
+    """Taking back the oldest step's token (and the next step's) rewinds the sequence by its
+    last token across page boundaries, with the prefix cache on and a neighbour running: the
+    invariants hold after every call, every block comes back, and since the fake model is
+    deterministic the outputs are the plain run's."""
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [9, 8, 7]}
+    plain_scheduler, _, plain_worker = make_scheduler(num_blocks=24, budget=16, prefix_caching=True)
+    for seq_id, prompt in prompts.items():
+        plain_scheduler.add(make_seq(seq_id, prompt, max_tokens=14, eos_token_ids=NO_EOS))
+    plain, _ = _overlapped_run(plain_scheduler, plain_worker, lambda seq_id, n: False)
+
+    scheduler, pool, worker = make_scheduler(num_blocks=24, budget=16, prefix_caching=True)
+    for seq_id, prompt in prompts.items():
+        scheduler.add(make_seq(seq_id, prompt, max_tokens=14, eos_token_ids=NO_EOS))
+    seen: set[tuple[str, int]] = set()
+
+    def refuse(seq_id: str, num_output: int) -> bool:  # each position of a's once, b's every third
+        key = (seq_id, num_output)
+        if key in seen or (seq_id == "b" and num_output % 3):
+            return False
+        seen.add(key)
+        return True
+
+    taken_back, num_resampled = _overlapped_run(scheduler, worker, refuse)
+    assert taken_back == plain and num_resampled > 10
+    assert pool.num_free_blocks + scheduler.cache.stats().num_blocks_cached == 24
+
+
+def test_resample_refuses_what_it_cannot_take_back() -> None:
+    """No token in flight, the first output token (its recompute would rewrite the prompt's
+    last position), a step that is not the sequence's oldest in flight, and a block of one
+    token already in the prefix cache: nothing changes."""
+    scheduler, _, worker = make_scheduler(num_blocks=16, budget=16)
+    seq = make_seq("a", [1, 2, 3], max_tokens=8, eos_token_ids=NO_EOS)
+    scheduler.add(seq)
+    assert not scheduler.resample("a", 0)  # waiting: nothing in flight
+    batch = scheduler.schedule()
+    assert not scheduler.resample("a", batch.step_id)  # the first output token
+    scheduler.commit(batch, worker.execute(batch))
+    batch = scheduler.schedule()
+    assert not scheduler.resample("a", batch.step_id + 1) and not scheduler.resample("nobody", batch.step_id)
+    assert scheduler.resample("a", batch.step_id)
+    scheduler.check_invariants()
+
+    pool = BlockPool(num_blocks=32, block_size=1)
+    one_token_blocks = Scheduler(SchedulerConfig(64, 4, 16, 1), full_attention_cache(pool, prefix_caching=True))
+    seq = make_seq("a", [1, 2, 3], max_tokens=8, eos_token_ids=NO_EOS)
+    one_token_blocks.add(seq)
+    for _ in range(3):  # the fake worker's pages are of 4 tokens: sample 5 each time instead
+        batch = one_token_blocks.schedule()
+        one_token_blocks.commit(batch, StepResult(batch.step_id, (5,) * batch.num_sampled))
+    batch = one_token_blocks.schedule()
+    assert not one_token_blocks.resample("a", batch.step_id)  # its last token's block is cached
+    one_token_blocks.check_invariants()

@@ -144,6 +144,12 @@ class CacheManager:
         window starts in."""
         return len(self._kv_groups) == len(self.groups) and not self._windowed_groups
 
+    def trims_only_fresh_pages(self, seq: Sequence, num_computed: int) -> bool:
+        """Whether `trim` after `seq`'s computed count fell to `num_computed` would give back
+        only pages of blocks never offered to the prefix cache (with blocks of a token or two,
+        the last resolved token's block may be full and cached)."""
+        return len(seq.cache.nodes) <= -(-num_computed // self.block_size)
+
     def begin_step(self) -> None:
         """A new step is being built: blocks computed by earlier steps are readable now."""
         self._fresh.clear()
