@@ -654,5 +654,7 @@ def test_resample_refuses_what_it_cannot_take_back() -> None:
         batch = one_token_blocks.schedule()
         one_token_blocks.commit(batch, StepResult(batch.step_id, (5,) * batch.num_sampled))
     batch = one_token_blocks.schedule()
+    assert not one_token_blocks.cache.trims_only_fresh_pages(seq, seq.num_resolved_tokens - 1)
     assert not one_token_blocks.resample("a", batch.step_id)  # its last token's block is cached
     one_token_blocks.check_invariants()
+    assert not one_token_blocks.cache.can_recompute_last_token  # so the engine keeps exact masks

@@ -139,10 +139,11 @@ class CacheManager:
     @property
     def can_recompute_last_token(self) -> bool:
         """Whether a running sequence's last computed position may be computed again
-        (`Scheduler.resample`): every group holds full-attention KV pages. A recurrent state
-        would advance twice, and a sliding window may have let go of the block the position's
-        window starts in."""
-        return len(self._kv_groups) == len(self.groups) and not self._windowed_groups
+        (`Scheduler.resample`): every group holds full-attention KV pages of more than one
+        token. A recurrent state would advance twice, a sliding window may have let go of the
+        block the position's window starts in, and a one-token block of it may be cached
+        (`trims_only_fresh_pages`)."""
+        return len(self._kv_groups) == len(self.groups) and not self._windowed_groups and self.block_size > 1
 
     def trims_only_fresh_pages(self, seq: Sequence, num_computed: int) -> bool:
         """Whether `trim` after `seq`'s computed count fell to `num_computed` would give back
