@@ -12,6 +12,7 @@ models write, and a model cannot loop on whitespace inside a value.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -102,16 +103,18 @@ class LlguidanceMatcher:
 class LlguidanceGrammar:
     """A validated grammar (the `CompiledGrammar` port)."""
 
-    __slots__ = ("_tokenizer", "_grammar", "_field", "_num_words", "_start", "_relaxed")
+    __slots__ = ("_tokenizer", "_grammar", "_field", "_vocab_size", "_start", "_relaxed")
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str, vocab_size: int,
-                 relaxed: LlguidanceGrammar | None = None) -> None:
+                 relaxed: Callable[[], str] | None = None) -> None:
         self._tokenizer = tokenizer
         self._grammar = grammar
         self._field = field
-        self._num_words = (vocab_size + 31) // 32
+        self._vocab_size = vocab_size
         self._start: llguidance.LLMatcher | None = None  # built by the first new_matcher
-        self._relaxed = relaxed  # a looser grammar whose masks are cheaper (`relaxed_schema`)
+        # A looser grammar whose masks are cheaper (`relaxed_schema`): its text's maker until
+        # the first matcher needs it (the API process compiles only to validate), then itself.
+        self._relaxed: Callable[[], str] | LlguidanceGrammar | None = relaxed
 
     def new_matcher(self) -> LlguidanceMatcher:
         """A matcher at the start; GrammarError if llguidance rejects the (validated) grammar.
@@ -127,10 +130,12 @@ class LlguidanceGrammar:
         superset = None
         if self._relaxed is not None:
             try:
+                if not isinstance(self._relaxed, LlguidanceGrammar):
+                    self._relaxed = LlguidanceGrammar(self._tokenizer, self._relaxed(), self._field, self._vocab_size)
                 superset = self._relaxed.new_matcher()
-            except GrammarError:  # exact masks only
+            except (GrammarError, ValueError):  # exact masks only
                 self._relaxed = None
-        return LlguidanceMatcher(self._start.deep_copy(), self._num_words, superset=superset)
+        return LlguidanceMatcher(self._start.deep_copy(), (self._vocab_size + 31) // 32, superset=superset)
 
 
 class LlguidanceCompiler:
@@ -173,11 +178,8 @@ class LlguidanceCompiler:
             raise GrammarError(field, _first_line(messages[0]) if messages else "invalid grammar")
         if isinstance(spec, JsonSchema) and spec.strict and messages:
             raise GrammarError(field, f"strict schema uses unsupported features: {'; '.join(messages)}")
-        relaxed = None
         loose = relaxed_schema(spec.schema) if isinstance(spec, JsonSchema) and isinstance(spec.schema, Mapping) else None
-        if loose is not None:
-            relaxed = LlguidanceGrammar(self._tokenizer, _json_schema_grammar(loose, lenient=not spec.strict), field,
-                                        self._vocab_size)
+        relaxed = None if loose is None else functools.partial(_json_schema_grammar, loose, not spec.strict)
         return LlguidanceGrammar(self._tokenizer, grammar, field, self._vocab_size, relaxed)
 
     def fill_bitmasks(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
