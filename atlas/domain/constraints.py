@@ -174,6 +174,11 @@ class TokenConstraint:
         return GrammarTokens(self._mask_grammar())
 
     @property
+    def may_sample_loosely(self) -> bool:
+        """True when some token of this sequence may be masked by the grammar's superset."""
+        return self._loose and self._grammar is not None and self._grammar.superset is not None
+
+    @property
     def sampled_loosely(self) -> bool:
         """True when the next token is masked by the grammar's superset, not the grammar."""
         return self._state.phase is _Phase.ANSWER and self._grammar is not None and (

@@ -139,6 +139,7 @@ class EngineCore:
         self._in_flight: deque[tuple[ScheduledBatch, PendingResult]] = deque()
         self._masks: Future[np.ndarray | None] | None = None  # of the last step in flight, filling
         self._mask_thread: ThreadPoolExecutor | None = None  # started by the first constrained step
+        self._loose: set[str] = set()  # sequences whose constraint may sample under a superset's mask
         self._void: dict[str, int] = {}  # sequence -> the step in flight whose token for it is void
         # A refused row's exact mask, filled on a thread of its own while the step in flight
         # runs (its token there is void): the step after takes it without waiting on llguidance.
@@ -169,6 +170,8 @@ class EngineCore:
         self._sequences[request.request_id] = sequence
         if constraint is not None:
             self._constraints[request.request_id] = constraint
+            if constraint.may_sample_loosely:
+                self._loose.add(request.request_id)
         self._num_prompt_tokens += num_prompt
 
     def abort(self, request_id: str) -> SequenceOutput | None:
@@ -231,7 +234,7 @@ class EngineCore:
         self._sample_in_flight()  # the step may be the one whose masks are filling
         batch, pending = self._in_flight.popleft()
         result = pending.result()
-        if self._constraints:
+        if self._loose:
             self._resample_refused(batch, result)
         early = self._accept_early(batch, result)
         outputs = self.scheduler.commit(batch, result)
@@ -422,6 +425,7 @@ class EngineCore:
 
     def _forget(self, request_id: str) -> None:
         self._constraints.pop(request_id, None)
+        self._loose.discard(request_id)
         self._exact_masks.pop(request_id, None)
         sequence = self._sequences.pop(request_id, None)
         if sequence is not None:
