@@ -91,6 +91,36 @@ template <> __device__ __forceinline__ float from_float<float>(float x) { return
 template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
 
 // ---------------------------------------------------------------------------------------------
+// Weights read once per step: 16-byte loads that skip L1 (the GEMVs, the MoE expert GEMVs).
+__device__ __forceinline__ uint4 load_streaming(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
+// The same load, issued where it stands: before the wait for the previous grid (volatile asm
+// statements keep their order, so the compiler cannot sink it below griddepcontrol.wait). Only
+// for what the previous kernel does not write.
+__device__ __forceinline__ uint4 load_streaming_early(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// A warp's m16n8 accumulator (rows g and g + 8, columns 2t and 2t + 1, lane 4g + t) into its
+// [16][8] tile of shared memory, where the block's warps then sum.
+__device__ __forceinline__ void store_mma_tile(float (*tile)[8], const float* acc, int g, int t) {
+    tile[g][2 * t] = acc[0];
+    tile[g][2 * t + 1] = acc[1];
+    tile[g + 8][2 * t] = acc[2];
+    tile[g + 8][2 * t + 1] = acc[3];
+}
+
+// ---------------------------------------------------------------------------------------------
 // Eight consecutive elements as one 16-byte (bf16) or two 16-byte (f32) accesses.
 template <typename T> struct Vec8;
 

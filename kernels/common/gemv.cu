@@ -45,24 +45,6 @@
 
 #define GEMV_WARPS 4
 
-__device__ __forceinline__ uint4 load_streaming(const bf16* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
-// The same load, issued where it stands: before the wait for the previous grid (volatile asm
-// statements keep their order, so the compiler cannot sink it below griddepcontrol.wait).
-__device__ __forceinline__ uint4 load_streaming_early(const bf16* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 __device__ __forceinline__ void bf16x8_to_floats(uint4 raw, float* out) {
     const bf16x2* pairs = reinterpret_cast<const bf16x2*>(&raw);
 #pragma unroll
@@ -540,10 +522,7 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     }
     for (; k < inner; k += STEP) multiply(load_streaming(row_a + k), load_streaming(row_b + k), load_x(k));
     // acc: (row g, tokens 2t, 2t + 1) and (row g + 8, tokens 2t, 2t + 1)
-    partial[warp][g][2 * t] = acc[0];
-    partial[warp][g][2 * t + 1] = acc[1];
-    partial[warp][g + 8][2 * t] = acc[2];
-    partial[warp][g + 8][2 * t + 1] = acc[3];
+    store_mma_tile(partial[warp], acc, g, t);
     __syncthreads();
     if (threadIdx.x < FEATURES * 8) {
         const int f = threadIdx.x / 8, n = threadIdx.x % 8;

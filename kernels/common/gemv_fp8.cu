@@ -46,23 +46,6 @@
 #define FP8_MMA_WARPS 8
 #define FP8_LOAD 16  // weights per 16-byte load
 
-__device__ __forceinline__ uint4 fp8_load_streaming(const fp8_e4m3* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
-
-// The same load, issued where it stands: before the wait for the previous grid.
-__device__ __forceinline__ uint4 fp8_load_streaming_early(const fp8_e4m3* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 // Four E4M3 bytes of a word (the lowest-addressed first) as floats, exactly.
 __device__ __forceinline__ void e4m3x4_to_floats(u32 word, float* out) {
     const float2 lo = f16x2_to_floats(fp8x2_to_f16x2(word & 0xffffu));
@@ -196,13 +179,13 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const 
 #pragma unroll
             for (int u = 0; u < BATCH; ++u)
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) raw[u][r] = fp8_load_streaming_early(w_rows[r] + k + u * STEP);
+                for (int r = 0; r < ROWS; ++r) raw[u][r] = load_streaming_early(w_rows[r] + k + u * STEP);
         } else {
 #pragma unroll
             for (int u = 0; u < BATCH; ++u) {
                 if (k + u * STEP < inner) {
 #pragma unroll
-                    for (int r = 0; r < ROWS; ++r) raw[u][r] = fp8_load_streaming_early(w_rows[r] + k + u * STEP);
+                    for (int r = 0; r < ROWS; ++r) raw[u][r] = load_streaming_early(w_rows[r] + k + u * STEP);
                 }
             }
         }
@@ -223,7 +206,7 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const 
 #pragma unroll
         for (int u = 0; u < BATCH; ++u)
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) raw[u][r] = fp8_load_streaming(w_rows[r] + k + u * STEP);
+            for (int r = 0; r < ROWS; ++r) raw[u][r] = load_streaming(w_rows[r] + k + u * STEP);
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) accumulate(raw[u], k + u * STEP);
     }
@@ -235,7 +218,7 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const 
         for (int u = 0; u < BATCH - 1; ++u) {
             if (k + u * STEP < inner) {
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) raw[u][r] = fp8_load_streaming(w_rows[r] + k + u * STEP);
+                for (int r = 0; r < ROWS; ++r) raw[u][r] = load_streaming(w_rows[r] + k + u * STEP);
             }
         }
 #pragma unroll
@@ -333,8 +316,8 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
             if (k + u * STEP < inner) {
-                wa[u] = fp8_load_streaming_early(w_a + k + u * STEP);
-                wb[u] = fp8_load_streaming_early(w_b + k + u * STEP);
+                wa[u] = load_streaming_early(w_a + k + u * STEP);
+                wb[u] = load_streaming_early(w_b + k + u * STEP);
             }
         }
         dependent_launch_entry();
@@ -348,8 +331,8 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
         uint4 wa[BATCH], wb[BATCH];
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
-            wa[u] = fp8_load_streaming(w_a + k + u * STEP);
-            wb[u] = fp8_load_streaming(w_b + k + u * STEP);
+            wa[u] = load_streaming(w_a + k + u * STEP);
+            wb[u] = load_streaming(w_b + k + u * STEP);
         }
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], k + u * STEP);
@@ -359,8 +342,8 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
 #pragma unroll
         for (int u = 0; u < BATCH - 1; ++u) {
             if (k + u * STEP < inner) {
-                wa[u] = fp8_load_streaming(w_a + k + u * STEP);
-                wb[u] = fp8_load_streaming(w_b + k + u * STEP);
+                wa[u] = load_streaming(w_a + k + u * STEP);
+                wb[u] = load_streaming(w_b + k + u * STEP);
             }
         }
 #pragma unroll
@@ -369,10 +352,7 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
         }
     }
     // acc: (row g, tokens 2t, 2t + 1) and (row g + 8, tokens 2t, 2t + 1)
-    partial[warp][g][2 * t] = acc[0];
-    partial[warp][g][2 * t + 1] = acc[1];
-    partial[warp][g + 8][2 * t] = acc[2];
-    partial[warp][g + 8][2 * t + 1] = acc[3];
+    store_mma_tile(partial[warp], acc, g, t);
     __syncthreads();
     if (threadIdx.x < FEATURES * 8) {
         const int f = threadIdx.x / 8, n = threadIdx.x % 8;

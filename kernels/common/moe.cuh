@@ -87,16 +87,6 @@
 // are shifted by moe_shift_ids; the others' pairs are skipped everywhere).
 __device__ __forceinline__ bool held(int e, int num_experts) { return e >= 0 && e < num_experts; }
 
-// A 16-byte weight load issued where it stands: before griddepcontrol.wait (volatile asm keeps
-// its place, as gemv.cu's load_streaming_early). Only for what the previous kernel does not write.
-__device__ __forceinline__ uint4 load_weights_early(const bf16* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 // ---------------------------------------------------------------------------------------------
 // The grouped GEMV's slots. The routing kernel's last block writes a slot table once a step
 // (build_slot_table), so a GEMV block finds its expert and pairs with one read instead of a scan
@@ -321,8 +311,8 @@ __device__ __forceinline__ void moe_route_small_impl(
 #pragma unroll
         for (int r = 0; r < ROUTE_ROWS; ++r)
             early_rows[r].raw =
-                load_weights_early(router + (long long)min(first + r, num_experts - 1) * hidden + first_col);
-        early_scales.raw = load_weights_early(norm_weight + first_col);
+                load_streaming_early(router + (long long)min(first + r, num_experts - 1) * hidden + first_col);
+        early_scales.raw = load_streaming_early(norm_weight + first_col);
     }
     dependent_launch_entry();
     for (int n = 0; n < num_tokens; ++n) {
@@ -514,10 +504,7 @@ __device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed
         const int token = has_column ? token_of_pair(slot_pairs.pairs[tile + g], num_pairs, top_k) : 0;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         grouped_mma_rows<MOE_WARPS>(acc, row_a, row_b, normed + (long long)token * hidden, has_column, hidden, warp);
-        partial[warp][g][2 * t] = acc[0];
-        partial[warp][g][2 * t + 1] = acc[1];
-        partial[warp][g + 8][2 * t] = acc[2];
-        partial[warp][g + 8][2 * t + 1] = acc[3];
+        store_mma_tile(partial[warp], acc, g, t);
         __syncthreads();
         if (threadIdx.x < 64) {
             const int f = threadIdx.x >> 3, n = threadIdx.x & 7;
@@ -624,10 +611,7 @@ __device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         grouped_mma_rows<DOWN_KWARPS>(acc, row_a, row_b, hidden_in + (long long)pair * stride, has_column, reduced,
                                       warp % DOWN_KWARPS);
-        partial[warp][g][2 * t] = acc[0];
-        partial[warp][g][2 * t + 1] = acc[1];
-        partial[warp][g + 8][2 * t] = acc[2];
-        partial[warp][g + 8][2 * t + 1] = acc[3];
+        store_mma_tile(partial[warp], acc, g, t);
         __syncthreads();
         for (int item = threadIdx.x; item < MOE_DOWN_ROWS * 8; item += blockDim.x) {
             const int r = item >> 3, n = item & 7;
@@ -711,10 +695,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
                 float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 grouped_mma_rows<MOE_WARPS>(acc, row_a, row_b, hidden_in + (long long)pair * stride, has_column,
                                             reduced, warp);
-                partial[warp][g][2 * t] = acc[0];
-                partial[warp][g][2 * t + 1] = acc[1];
-                partial[warp][g + 8][2 * t] = acc[2];
-                partial[warp][g + 8][2 * t + 1] = acc[3];
+                store_mma_tile(partial[warp], acc, g, t);
                 __syncthreads();
                 if (threadIdx.x < 128) {
                     const int r = threadIdx.x >> 3, n = threadIdx.x & 7;
