@@ -5,8 +5,9 @@
 Builds the engine as `atlas bench --speculative-config` does (n-gram, k drafts, batch 1, the
 verify graphs), decodes a random prompt to get a plain decode step, then replays it and the
 k-draft verify step in its place (`atlas.app.bench.speculative.verify_over`) under
-torch.profiler (CUPTI sees every kernel) and prints each kernel's mean microseconds per step
-for both, largest difference first. Needs torch on the GPU machine.
+torch.profiler (CUPTI sees every kernel) and prints each kernel's mean wall microseconds per
+step for both (the time it adds after the kernels before it end), largest difference first.
+Needs torch on the GPU machine.
 """
 
 from __future__ import annotations
@@ -27,12 +28,20 @@ from atlas.domain.requests import Request, SamplingParams
 
 
 def kernel_means(run, repeats: int) -> dict[str, float]:
+    """Each kernel's mean wall microseconds per step: the time it adds after the end of the kernels
+    before it (a kernel launched early under programmatic dependent launch waits for the one
+    before; its wait is not its cost)."""
     with profile(activities=[ProfilerActivity.CUDA]) as recording:
         run(repeats)
+    events = sorted(
+        (e for e in recording.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start
+    )
     totals: dict[str, float] = {}
-    for event in recording.events():
-        if event.device_type.name == "CUDA":
-            totals[event.name] = totals.get(event.name, 0.0) + event.device_time_total
+    done = float("-inf")
+    for event in events:
+        start, end = event.time_range.start, event.time_range.end
+        totals[event.name] = totals.get(event.name, 0.0) + max(0.0, end - max(start, done))
+        done = max(done, end)
     return {name: total / (repeats + 1) for name, total in totals.items()}  # + replay_device_time's warm-up
 
 

@@ -445,16 +445,22 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
 //                        logical k 2t+8+i  <-  physical k0 + 8t + 4s + 2 + i        (i = 0, 1)
 //
 // Gated, the 16 rows are the gate rows of 8 features (g) and their up rows (g + 8).
-// The block's 8 warps split K and meet in shared memory. K % 32 == 0 (the host checks).
-#define GEMV_MMA_WARPS 8
+// The block's 16 warps split K and meet in shared memory. K % 32 == 0 (the host checks).
+#define GEMV_MMA_WARPS 16
 
-template <typename OUT, typename EPI, bool NORM = false, typename NW = bf16>
+// FOLDED: x is the raw residual and the norm weight is in w's columns (as gemv_impl's FOLDED). Lane
+// (g, t) loads token g's chunks at k = 32 warp + 8 t + STEP u, so the block's lanes of token g
+// cover its row once: they sum x^2 from the chunks they multiply, and the epilogue scales each
+// token's sums by its inverse RMS. A verify step (k + 1 rows) then runs no norm kernel.
+template <typename OUT, typename EPI, bool NORM = false, typename NW = bf16, bool FOLDED = false>
 __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                               const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
                                               int num_rows, int inner, const NW* __restrict__ norm_weight = nullptr,
                                               float eps = 0.0f) {
+    static_assert(!(NORM && FOLDED), "one way to normalise x");
     constexpr int FEATURES = EPI::gated ? 8 : 16;
     __shared__ float partial[GEMV_MMA_WARPS][16][8];
+    __shared__ float partial_squares[GEMV_MMA_WARPS][8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int first = blockIdx.x * FEATURES;
@@ -463,10 +469,11 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     const bool has_token = g < num_tokens;
     const bf16* x_row = x + (long long)(has_token ? g : 0) * inner;
 
-    // Full steps of four chunks load 8 x 16 bytes of weights per lane before the first mma; the
-    // remaining chunks go one at a time.
+    // One 32-wide chunk at a time per warp (32 bytes of weights in flight a lane), 16 warps a
+    // block: fewer bytes a lane and more warps an SM measured faster than four chunks a lane from
+    // 8 warps (Llama-3.1-8B k = 4 verify step on an H100: 5.71 ms against 6.03; 2 or 4 chunks a
+    // lane from 4, 8, 16 or 32 warps: 5.77 to 6.49 ms; docs/lab/speculative-plan.md).
     constexpr int STEP = GEMV_MMA_WARPS * 32;
-    constexpr int BATCH = 4;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     auto multiply = [&](uint4 wa, uint4 wb, uint4 xs) {
         const u32 a0[4] = {wa.x, wb.x, wa.y, wb.y};
@@ -477,63 +484,66 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
         mma_bf16_16816(acc, a1, b1);
     };
     float inverse_rms = 0.0f;  // of token g's row (NORM)
+    float squares = 0.0f;      // of the chunks of token g's row this lane loads (FOLDED)
     auto load_x = [&](int k) {
-        return has_token ? input_chunk<NORM>(x_row, k, norm_weight, inverse_rms) : make_uint4(0, 0, 0, 0);
+        const uint4 chunk = has_token ? input_chunk<NORM>(x_row, k, norm_weight, inverse_rms) : make_uint4(0, 0, 0, 0);
+        if (FOLDED) {
+            float values[8];
+            bf16x8_to_floats(chunk, values);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) squares = fmaf(values[i], values[i], squares);
+        }
+        return chunk;
     };
     int k = warp * 32 + 8 * t;
-    {
-        // The first step's weights are requested before the previous kernel is waited for (all
-        // BATCH chunks, or those a short row has).
-        uint4 wa[BATCH], wb[BATCH];
-#pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-            if (k + u * STEP < inner) {
-                wa[u] = load_streaming_early(row_a + k + u * STEP);
-                wb[u] = load_streaming_early(row_b + k + u * STEP);
-            }
-        }
-        dependent_launch_entry();
-        if (NORM) {
-            // Warp j sums token j's row (8 warps, at most 8 tokens).
-            __shared__ float row_inverse_rms[GEMV_MMA_WARPS];
-            if (warp < num_tokens) {
-                const float sum = warp_sum(row_sum_squares(x + (long long)warp * inner, inner, lane, 32));
-                if (lane == 0) row_inverse_rms[warp] = inverse_rms_of(sum, inner, eps);
-            }
-            __syncthreads();
-            inverse_rms = has_token ? row_inverse_rms[g] : 0.0f;
-        }
-#pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-            if (k + u * STEP < inner) multiply(wa[u], wb[u], load_x(k + u * STEP));
-        }
-        k += BATCH * STEP;
+    // The first chunk's weights are requested before the previous kernel is waited for.
+    const bool first_chunk = k < inner;
+    uint4 wa = make_uint4(0, 0, 0, 0), wb = wa;
+    if (first_chunk) {
+        wa = load_streaming_early(row_a + k);
+        wb = load_streaming_early(row_b + k);
     }
-    for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
-        uint4 wa[BATCH], wb[BATCH], xs[BATCH];
-#pragma unroll
-        for (int u = 0; u < BATCH; ++u) {
-            wa[u] = load_streaming(row_a + k + u * STEP);
-            wb[u] = load_streaming(row_b + k + u * STEP);
-            xs[u] = load_x(k + u * STEP);
+    dependent_launch_entry();
+    if (NORM) {
+        // Warp j sums token j's row (at most 8 tokens, fewer than the warps).
+        __shared__ float row_inverse_rms[GEMV_MMA_WARPS];
+        if (warp < num_tokens) {
+            const float sum = warp_sum(row_sum_squares(x + (long long)warp * inner, inner, lane, 32));
+            if (lane == 0) row_inverse_rms[warp] = inverse_rms_of(sum, inner, eps);
         }
-#pragma unroll
-        for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], xs[u]);
+        __syncthreads();
+        inverse_rms = has_token ? row_inverse_rms[g] : 0.0f;
     }
+    if (first_chunk) multiply(wa, wb, load_x(k));
+    k += STEP;
     for (; k < inner; k += STEP) multiply(load_streaming(row_a + k), load_streaming(row_b + k), load_x(k));
     // acc: (row g, tokens 2t, 2t + 1) and (row g + 8, tokens 2t, 2t + 1)
     store_mma_tile(partial[warp], acc, g, t);
+    if (FOLDED) {
+        squares += __shfl_xor_sync(0xffffffffu, squares, 1);
+        squares += __shfl_xor_sync(0xffffffffu, squares, 2);
+        if (t == 0) partial_squares[warp][g] = squares;
+    }
     __syncthreads();
     if (threadIdx.x < FEATURES * 8) {
         const int f = threadIdx.x / 8, n = threadIdx.x % 8;
         const int feature = first + f;
         if (feature < num_rows && n < num_tokens) {
-            float total = bias != nullptr ? to_float(bias[feature]) : 0.0f, up = 0.0f;
+            const float biased = bias != nullptr ? to_float(bias[feature]) : 0.0f;
+            float total = FOLDED ? 0.0f : biased, up = 0.0f;
 #pragma unroll
             for (int j = 0; j < GEMV_MMA_WARPS; ++j) total += partial[j][f][n];
             if (EPI::gated) {
 #pragma unroll
                 for (int j = 0; j < GEMV_MMA_WARPS; ++j) up += partial[j][f + 8][n];
+            }
+            if (FOLDED) {
+                float sum = 0.0f;
+#pragma unroll
+                for (int j = 0; j < GEMV_MMA_WARPS; ++j) sum += partial_squares[j][n];
+                const float scale = inverse_rms_of(sum, inner, eps);
+                total = total * scale + biased;
+                up *= scale;
             }
             store_feature<EPI>(out + (long long)n * num_rows + feature, total, up);
         }
@@ -627,6 +637,19 @@ DEFINE_GEMV_FOLDED_ROWS(gated_silu, bf16, Gated<SiluOp>, 2)
 DEFINE_GEMV_FOLDED_ROWS(gated_silu, bf16, Gated<SiluOp>, 4)
 DEFINE_GEMV_FOLDED_ROWS(gated_gelu_tanh, bf16, Gated<GeluTanhOp>, 2)
 DEFINE_GEMV_FOLDED_ROWS(gated_gelu_tanh, bf16, Gated<GeluTanhOp>, 4)
+
+// 2..8 token rows on the tensor cores: gemv_mma_folded_{bf16,f32,gated_<act>} (norm_weight unused).
+#define DEFINE_GEMV_MMA_FOLDED(NAME, OUT, EPI)                                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32) gemv_mma_folded_##NAME(                 \
+        const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens, int num_rows, int inner,    \
+        const bf16* norm_weight, float eps) {                                                                 \
+        gemv_mma_impl<OUT, EPI, false, bf16, true>(x, w, bias, out, num_tokens, num_rows, inner, nullptr, eps); \
+    }
+
+DEFINE_GEMV_MMA_FOLDED(bf16, bf16, Plain)
+DEFINE_GEMV_MMA_FOLDED(f32, float, Plain)
+DEFINE_GEMV_MMA_FOLDED(gated_silu, bf16, Gated<SiluOp>)
+DEFINE_GEMV_MMA_FOLDED(gated_gelu_tanh, bf16, Gated<GeluTanhOp>)
 
 // The rope variants (one token row, the norm inside): gemv_rmsnorm_<norm weight type>_rope_<table
 // type>_r{2,4}_t1. (Without the norm, behind the norm kernel at width 4096, the fusion measured

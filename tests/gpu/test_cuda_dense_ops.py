@@ -14,6 +14,17 @@ from atlas.ports.kernels.host_weights import Activation
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(params=[8, 1], ids=["wide-rows-gemv", "wide-rows-cublaslt"])
+def wide_gemv_rows(request, cuda_backend):
+    """Both routes of 2..8 token rows wider than NORM_IN_GEMV_MAX_WIDTH, whichever one this
+    device picks (`LinearOps.wide_gemv_rows`)."""
+    linear = cuda_backend._linear
+    saved = linear.wide_gemv_rows
+    linear.wide_gemv_rows = request.param
+    yield request.param
+    linear.wide_gemv_rows = saved
+
+
 def test_fill_poisons_every_element_and_rows_view_shares_memory(cuda_backend, rng):
     tensor = cuda_backend.upload(rng.standard_normal((6, 8)).astype(np.float32))
     cuda_backend.fill(tensor.rows(2, 4), float("nan"))
@@ -96,6 +107,7 @@ def test_act_mul(cuda_backend, mock_backend, rng, activation, inner):
         (2, 100, 264, DType.BF16, True),  # K % 32 != 0: the SIMT kernel
         (4, 1000, 4096, DType.BF16, True),  # tensor-core GEMV, a partial 16-row tile
         (7, 4096, 1024, DType.F32, False),
+        (6, 200, 160, DType.BF16, True),  # tensor-core GEMV, K shorter than a block's warps cover
         (9, 1024, 512, DType.BF16, True),
         (64, 4096, 4096, DType.BF16, False),
         (300, 1536, 576, DType.F32, True),
@@ -103,7 +115,7 @@ def test_act_mul(cuda_backend, mock_backend, rng, activation, inner):
         (3, 64, 36, DType.BF16, False),  # K % 8 != 0 goes to cuBLASLt
     ],
 )
-def test_linear(cuda_backend, mock_backend, rng, num_tokens, num_rows, inner, out_dtype, with_bias):
+def test_linear(cuda_backend, wide_gemv_rows, mock_backend, rng, num_tokens, num_rows, inner, out_dtype, with_bias):
     x = bf16(rng.standard_normal((num_tokens, inner)))
     weight = bf16(rng.standard_normal((num_rows, inner)) / np.sqrt(inner))
     bias = bf16(rng.standard_normal(num_rows)) if with_bias else None
@@ -273,6 +285,7 @@ _FUSED_SHAPES = [
     (2, 576, 576),  # tensor-core GEMV
     (8, 4096, 1024),
     (5, 1000, 4096),  # a partial tile
+    (4, 96, 224),  # K shorter than the block's warps cover: idle warps still meet the norm's barrier
     (3, 96, 264),  # K % 32 != 0 with several rows: unfused
     (16, 576, 1536),  # cuBLASLt: unfused
 ]
@@ -386,7 +399,10 @@ _FOLDED_SHAPES = [
     (1, 6144, 4096),  # 4 rows per block
     (1, 1000, 4096),  # 2 rows per block
     (1, 100, 2560),  # 1 row per block, K not a multiple of a full batch of chunks
-    (3, 1000, 4096),  # tensor-core GEMV behind the norm kernel (unit weight)
+    (3, 1000, 4096),  # tensor-core GEMV scaling by each row's RMS (a verify step's rows)
+    (8, 6144, 4096),
+    (2, 100, 2560),
+    (5, 200, 4104),  # K not a multiple of 32: the norm kernel (unit weight), then the GEMV
     (16, 576, 2560),  # cuBLASLt behind the norm kernel
 ]
 
@@ -405,7 +421,7 @@ def _fold_on_cuda(cuda_backend, norm, norm_dtype, weight):
 )
 @pytest.mark.parametrize("num_tokens, rows, inner", _FOLDED_SHAPES)
 def test_folded_rmsnorm_linear(
-    cuda_backend, mock_backend, rng, norm_dtype, with_bias, out_dtype, num_tokens, rows, inner
+    cuda_backend, wide_gemv_rows, mock_backend, rng, norm_dtype, with_bias, out_dtype, num_tokens, rows, inner
 ):
     """A norm weight folded into the projection (`fold_rmsnorm`, then no norm weight) against the
     mock's rmsnorm_linear with the weight apart: one rounding moves (bf16(w g) instead of
@@ -429,9 +445,12 @@ def test_folded_rmsnorm_linear(
 
 @pytest.mark.parametrize("activation", [Activation.SILU, Activation.GELU_TANH])
 @pytest.mark.parametrize(
-    "num_tokens, features, inner", [(1, 2000, 4096), (1, 200, 2560), (4, 300, 4096), (16, 96, 2560)]
+    "num_tokens, features, inner",
+    [(1, 2000, 4096), (1, 200, 2560), (4, 300, 4096), (8, 1000, 4096), (2, 96, 2560), (16, 96, 2560)],
 )
-def test_folded_rmsnorm_gated_linear(cuda_backend, mock_backend, rng, activation, num_tokens, features, inner):
+def test_folded_rmsnorm_gated_linear(
+    cuda_backend, wide_gemv_rows, mock_backend, rng, activation, num_tokens, features, inner
+):
     x, norm, weight = _norm_inputs(rng, num_tokens, 2 * features, inner)
     cw = _fold_on_cuda(cuda_backend, norm, DType.BF16, weight)
     out = poisoned(cuda_backend, (num_tokens, features), DType.BF16)
@@ -496,7 +515,7 @@ def test_fold_rmsnorm_leaves_narrow_rows_and_says_so(cuda_backend, rng):
 
 
 @pytest.mark.parametrize("num_tokens, hidden, inner", _FUSED_SHAPES)
-def test_linear_add_is_linear_then_add(cuda_backend, mock_backend, rng, num_tokens, hidden, inner):
+def test_linear_add_is_linear_then_add(cuda_backend, wide_gemv_rows, mock_backend, rng, num_tokens, hidden, inner):
     x = bf16(rng.standard_normal((num_tokens, inner)))
     weight = bf16(rng.standard_normal((hidden, inner)) / np.sqrt(inner))
     residual = bf16(rng.standard_normal((num_tokens, hidden)) * 4)
@@ -504,8 +523,8 @@ def test_linear_add_is_linear_then_add(cuda_backend, mock_backend, rng, num_toke
     product = poisoned(cuda_backend, (num_tokens, hidden), DType.BF16)
     cuda_backend.linear(cx, cw, product)
     expected_cuda = bf16(residual + cuda_backend.download(product).astype(np.float32))
-    # past the GEMV sizes with `rms_after_product`, cuBLASLt adds the f32 product (one rounding)
-    in_epilogue = num_tokens > 8 and cuda_backend.runtime.features.rms_after_product
+    # past the GEMV sizes (`gemv_rows`) with `rms_after_product`, cuBLASLt adds the f32 product (one rounding)
+    in_epilogue = num_tokens > cuda_backend._linear.gemv_rows(inner) and cuda_backend.runtime.features.rms_after_product
     if in_epilogue:
         product = poisoned(cuda_backend, (num_tokens, hidden), DType.F32)
         cuda_backend.linear(cx, cw, product)

@@ -27,13 +27,20 @@ GEMV_MAX_TOKENS = 8
 SKINNY_MAX_TOKENS = 64
 # The GEMV takes the RMSNorm of its input rows itself (every block re-reading them) up to this
 # width; wider rows have the norm weight folded into the projection (`fold_rmsnorm`), and the
-# one-row GEMV scales its sums by the inverse RMS after the product. Measured on an H200 at one
-# token row: SmolLM2-135M (576) 16 us faster per step with the norm inside, Llama-3.1-8B (4096)
-# 770 us slower (each of ~9000 blocks per layer spends an L2 round trip and a block reduction
-# first), where folding is 80 us faster than the norm kernel.
+# GEMV (one row, or 2..8 on the tensor cores) scales its sums by each row's inverse RMS after the
+# product. Measured on an H200 at one token row: SmolLM2-135M (576) 16 us faster per step with the
+# norm inside, Llama-3.1-8B (4096) 770 us slower (each of ~9000 blocks per layer spends an L2 round
+# trip and a block reduction first), where folding is 80 us faster than the norm kernel.
 NORM_IN_GEMV_MAX_WIDTH = 2048
+# Rows wider than NORM_IN_GEMV_MAX_WIDTH (big models: their norms are folded) take the tensor-core
+# GEMV for 2..GEMV_MAX_TOKENS token rows only on devices with less peak bandwidth per SM than
+# this; past it cuBLASLt's kernels read the weights faster. Llama-3.1-8B, k = 4 verify step
+# over a decode step and batch 2 decode: H100 SXM (25 GB/s an SM) GEMV 1.124x / 5.73 ms against
+# cuBLASLt 1.140x / 5.82 ms; H200 (37 GB/s an SM) GEMV 1.174x / 4.57 ms against cuBLASLt
+# 1.139x / 4.40 ms (docs/lab/speculative-plan.md).
+WIDE_GEMV_MAX_BANDWIDTH_PER_SM = 30e9
 _GEMV_WARPS = 4
-_GEMV_MMA_WARPS = 8
+_GEMV_MMA_WARPS = 16
 # gemm_skinny_<what>_<width> (gemv.cu): one consumer warpgroup and a producer warp per block;
 # tiles of `width` weight rows; K split over clusters of up to 4 blocks.
 _SKINNY_THREADS = 160
@@ -282,6 +289,15 @@ class LinearOp:
         self._unit_norms: dict[int, CudaTensor] = {}
         self._tensor_maps: dict[tuple, TensorMap] = {}  # the skinny GEMM's (`_rows_map`)
         self._skinny_plans: dict[tuple, SkinnyPlan] = {}
+        # At most this many token rows of a row wider than NORM_IN_GEMV_MAX_WIDTH go through the
+        # GEMV kernels (public so that the tests run both paths on any device).
+        per_sm = rt.peak_bandwidth / rt.num_sms
+        self.wide_gemv_rows = 1 if per_sm >= WIDE_GEMV_MAX_BANDWIDTH_PER_SM else GEMV_MAX_TOKENS
+
+    def gemv_rows(self, inner: int) -> int:
+        """The most token rows the GEMV kernels take for rows of `inner` elements; more go to
+        cuBLASLt or the skinny GEMM."""
+        return GEMV_MAX_TOKENS if inner <= NORM_IN_GEMV_MAX_WIDTH else self.wide_gemv_rows
 
     def fold_rmsnorm(self, norm_weight: CudaTensor, weight: CudaTensor) -> bool:
         """Scale the weight's columns by the norm weight in place where that removes the norm
@@ -321,7 +337,7 @@ class LinearOp:
         return (
             norm_weight is None
             and features.rms_after_product
-            and GEMV_MAX_TOKENS < num_tokens <= _MAX_GRID_Y
+            and self.gemv_rows(width) < num_tokens <= _MAX_GRID_Y
             and x.dtype is DType.BF16
             and width % 8 == 0
         )
@@ -330,9 +346,10 @@ class LinearOp:
         num_tokens, num_rows, inner = _check_linear(x, weight, out, bias)
         if num_tokens == 0:
             return
-        if 2 <= num_tokens <= GEMV_MAX_TOKENS and inner % 32 == 0:
+        gemv_rows = self.gemv_rows(inner)
+        if 2 <= num_tokens <= gemv_rows and inner % 32 == 0:
             self._gemv_tensor_cores(x, weight, out, bias, num_tokens, num_rows, inner)
-        elif num_tokens <= GEMV_MAX_TOKENS and inner % 8 == 0:
+        elif num_tokens <= gemv_rows and inner % 8 == 0:
             self._gemv(x, weight, out, bias, num_tokens, num_rows, inner)
         elif not self._skinny(x, weight, out, bias, checks.type_suffix(out.dtype)):
             self._cublas(x, weight, out, bias, num_tokens, num_rows, inner)
@@ -349,7 +366,7 @@ class LinearOp:
         if num_tokens == 0 or self._fused_gemv(x, weight, residual, None, "add", None, 0.0):
             return
         features = self._rt.features
-        if num_tokens > GEMV_MAX_TOKENS and features.rms_after_product:
+        if num_tokens > self.gemv_rows(x.shape[1]) and features.rms_after_product:
             checks.dtype(x, "x", (DType.BF16,))
             self._cublas(x, weight, residual, None, num_tokens, weight.shape[0], weight.shape[1], scratch)
             return
@@ -372,9 +389,9 @@ class LinearOp:
         (rmsnorm(x) up^T) for weight = [gate; up]. For a few narrow token rows one GEMV that
         normalises x as it loads it; else the norm kernel into `normed`, then (a few rows, gated)
         one GEMV that applies the activation to its own rows, or the product (into `scratch`
-        when gated) and act_mul. Without `norm_weight` (folded into `weight`): for one token row
-        one GEMV that scales its row sums by the inverse RMS, else the norm kernel with a unit
-        weight first."""
+        when gated) and act_mul. Without `norm_weight` (folded into `weight`): for up to
+        `gemv_rows` token rows one GEMV that scales its row sums by each row's inverse RMS, else the
+        norm kernel with a unit weight first."""
         if activation is None:
             num_tokens = _check_linear(x, weight, out, bias)[0]
         else:
@@ -485,26 +502,34 @@ class LinearOp:
         eps: float,
         activation: Activation | None,
     ) -> bool:
-        """One token row through `gemv_folded_*` (the norm weight is in `weight`; the caller
-        checked the shapes): returns False where it does not apply (more rows, K not a multiple
-        of the loads, a gated output that is not bf16, `ATLAS_CUDA_DISABLE=gemv_fused`)."""
+        """One token row through `gemv_folded_*`, 2..8 through `gemv_mma_folded_*` (the norm
+        weight is in `weight`; the caller checked the shapes): returns False where it does not
+        apply (more rows, K not a multiple of the loads, a gated output that is not bf16,
+        `ATLAS_CUDA_DISABLE=gemv_fused`). Without the 2..8-row form a k = 4 verify step of the 8B
+        ran 65 norm kernels more than a decode step."""
         num_tokens, inner = x.shape
-        if num_tokens != 1 or inner % 8 or not self._rt.features.gemv_fused:
+        if not self._rt.features.gemv_fused or (activation is not None and out.dtype is not DType.BF16):
             return False
         features = out.shape[1]
-        if activation is None:
-            rows = _rows_per_block(features, self._rt.num_sms)
-            what, grid = checks.type_suffix(out.dtype), -(-features // rows)
+        what = checks.type_suffix(out.dtype) if activation is None else f"gated_{_ACTIVATION_NAMES[activation]}"
+        if 2 <= num_tokens <= self.gemv_rows(inner) and inner % 32 == 0:
+            symbol, threads = f"gemv_mma_folded_{what}", _GEMV_MMA_WARPS * 32
+            grid = -(-features // (16 if activation is None else 8))
+        elif num_tokens == 1 and inner % 8 == 0:
+            if activation is None:
+                rows = _rows_per_block(features, self._rt.num_sms)
+                grid = -(-features // rows)
+            else:
+                rows = 4 if features // 2 >= 2 * self._rt.num_sms else 2
+                grid = -(-features // (rows // 2))
+            symbol, threads = f"gemv_folded_{what}_r{rows}_t1", _GEMV_WARPS * 32
         else:
-            if out.dtype is not DType.BF16:
-                return False
-            rows = 4 if features // 2 >= 2 * self._rt.num_sms else 2
-            what, grid = f"gated_{_ACTIVATION_NAMES[activation]}", -(-features // (rows // 2))
+            return False
         self._rt.launch(
             "gemv",
-            f"gemv_folded_{what}_r{rows}_t1",
+            symbol,
             (grid,),
-            _GEMV_WARPS * 32,
+            threads,
             *_product_args(x, weight, bias, out, features),
             0,
             np.float32(eps),
@@ -530,11 +555,11 @@ class LinearOp:
         features = out.shape[1]
         if not self._rt.features.gemv_fused or out.dtype is not DType.BF16:
             return False
-        if num_tokens > GEMV_MAX_TOKENS:
+        if num_tokens > self.gemv_rows(inner):
             # The skinny GEMM has no norm prologue: the caller runs the norm kernel first.
             unnormed = what == "add" or what.startswith("gated_")
             return unnormed and self._skinny(x, weight, out, bias, what, gated)
-        if 2 <= num_tokens <= GEMV_MAX_TOKENS and inner % 32 == 0:
+        if 2 <= num_tokens and inner % 32 == 0:
             symbol, threads = f"gemv_mma_{what}", _GEMV_MMA_WARPS * 32
             grid = -(-features // (8 if gated else 16))
         elif num_tokens == 1 and inner % 8 == 0:
@@ -590,13 +615,14 @@ class LinearOp:
         what: str,
         gated: bool = False,
     ) -> bool:
-        """Launch `gemm_skinny_<what>_<width>` for 9..SKINNY_MAX_TOKENS token rows and return
-        True, or return False where it does not apply (other row counts, K not a multiple of 8,
-        a weight that is not bf16, a GPU that is not sm_90, `skinny_gemm` off). `skinny_plan` picks the tile width and
-        the split of K; weights and x reach shared memory through TMA (tma.py)."""
+        """Launch `gemm_skinny_<what>_<width>` for more than `gemv_rows` and at most
+        SKINNY_MAX_TOKENS token rows and return True, or return False where it does not apply
+        (other row counts, K not a multiple of 8, a weight that is not bf16, a GPU that is not
+        sm_90, `skinny_gemm` off). `skinny_plan` picks the tile width and the split of K; weights
+        and x reach shared memory through TMA (tma.py)."""
         rt = self._rt
         num_tokens, inner = x.shape
-        if not (rt.features.skinny_gemm and GEMV_MAX_TOKENS < num_tokens <= SKINNY_MAX_TOKENS):
+        if not (rt.features.skinny_gemm and self.gemv_rows(inner) < num_tokens <= SKINNY_MAX_TOKENS):
             return False
         if inner % 8 or weight.dtype is not DType.BF16 or rt.compute_capability != (9, 0):
             return False  # (the kernels are sm_90a's: TMA, wgmma, clusters)

@@ -251,6 +251,12 @@ class CudaRuntime:
         self.max_shared_optin = int(properties.max_shared_memory_per_block_optin)
         self.max_shared_per_sm = int(properties.max_shared_memory_per_multiprocessor)
         self.l2_bytes = int(properties.l2_cache_size)
+        # Peak DRAM bytes/s (double data rate over the bus), 0 where the driver does not say.
+        try:
+            bus_bytes = int(properties.global_memory_bus_width) // 8
+            self.peak_bandwidth = 2 * int(properties.memory_clock_rate) * 1000 * bus_bytes
+        except Exception:  # noqa: BLE001 - an attribute a driver dropped: the choices keyed on it take their defaults
+            self.peak_bandwidth = 0
         self.device_name = str(self.device.name)
         self._stream = self.device.create_stream()
         self._stream_handle = int(self._stream.handle)
