@@ -445,22 +445,30 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
 //                        logical k 2t+8+i  <-  physical k0 + 8t + 4s + 2 + i        (i = 0, 1)
 //
 // Gated, the 16 rows are the gate rows of 8 features (g) and their up rows (g + 8).
-// The block's 16 warps split K and meet in shared memory. K % 32 == 0 (the host checks).
-#define GEMV_MMA_WARPS 16
+// The block's WARPS warps split K and meet in shared memory; each lane has BATCH chunks of loads
+// in flight at a time. K % 32 == 0 (the host checks). Two shapes:
+//   gemv_mma_<what>       8 warps, 4 chunks: rows up to 2048 wide (SmolLM2's verify and batch rows)
+//   gemv_mma_wide_<what>, gemv_mma_folded_<what>   16 warps, 1 chunk: wider rows, where fewer bytes
+//     a lane and more warps an SM measured faster (Llama-3.1-8B k = 4 verify step on an H100:
+//     5.71 ms against 6.03; 2 or 4 chunks a lane from 4, 8, 16 or 32 warps: 5.77 to 6.49 ms;
+//     docs/lab/speculative-plan.md). Keeping the narrow shape keeps SmolLM2's sums in their order.
+#define MMA_NARROW 8, 4
+#define MMA_WIDE 16, 1
 
 // FOLDED: x is the raw residual and the norm weight is in w's columns (as gemv_impl's FOLDED). Lane
 // (g, t) loads token g's chunks at k = 32 warp + 8 t + STEP u, so the block's lanes of token g
 // cover its row once: they sum x^2 from the chunks they multiply, and the epilogue scales each
 // token's sums by its inverse RMS. A verify step (k + 1 rows) then runs no norm kernel.
-template <typename OUT, typename EPI, bool NORM = false, typename NW = bf16, bool FOLDED = false>
+template <int WARPS, int BATCH, typename OUT, typename EPI, bool NORM = false, typename NW = bf16,
+          bool FOLDED = false>
 __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                               const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
                                               int num_rows, int inner, const NW* __restrict__ norm_weight = nullptr,
                                               float eps = 0.0f) {
     static_assert(!(NORM && FOLDED), "one way to normalise x");
     constexpr int FEATURES = EPI::gated ? 8 : 16;
-    __shared__ float partial[GEMV_MMA_WARPS][16][8];
-    __shared__ float partial_squares[GEMV_MMA_WARPS][8];
+    __shared__ float partial[WARPS][16][8];
+    __shared__ float partial_squares[WARPS][8];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int first = blockIdx.x * FEATURES;
@@ -469,11 +477,7 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     const bool has_token = g < num_tokens;
     const bf16* x_row = x + (long long)(has_token ? g : 0) * inner;
 
-    // One 32-wide chunk at a time per warp (32 bytes of weights in flight a lane), 16 warps a
-    // block: fewer bytes a lane and more warps an SM measured faster than four chunks a lane from
-    // 8 warps (Llama-3.1-8B k = 4 verify step on an H100: 5.71 ms against 6.03; 2 or 4 chunks a
-    // lane from 4, 8, 16 or 32 warps: 5.77 to 6.49 ms; docs/lab/speculative-plan.md).
-    constexpr int STEP = GEMV_MMA_WARPS * 32;
+    constexpr int STEP = WARPS * 32;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     auto multiply = [&](uint4 wa, uint4 wb, uint4 xs) {
         const u32 a0[4] = {wa.x, wb.x, wa.y, wb.y};
@@ -496,26 +500,45 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
         return chunk;
     };
     int k = warp * 32 + 8 * t;
-    // The first chunk's weights are requested before the previous kernel is waited for.
-    const bool first_chunk = k < inner;
-    uint4 wa = make_uint4(0, 0, 0, 0), wb = wa;
-    if (first_chunk) {
-        wa = load_streaming_early(row_a + k);
-        wb = load_streaming_early(row_b + k);
-    }
-    dependent_launch_entry();
-    if (NORM) {
-        // Warp j sums token j's row (at most 8 tokens, fewer than the warps).
-        __shared__ float row_inverse_rms[GEMV_MMA_WARPS];
-        if (warp < num_tokens) {
-            const float sum = warp_sum(row_sum_squares(x + (long long)warp * inner, inner, lane, 32));
-            if (lane == 0) row_inverse_rms[warp] = inverse_rms_of(sum, inner, eps);
+    {
+        // The first step's weights are requested before the previous kernel is waited for (all
+        // BATCH chunks, or those a short row has).
+        uint4 wa[BATCH], wb[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            if (k + u * STEP < inner) {
+                wa[u] = load_streaming_early(row_a + k + u * STEP);
+                wb[u] = load_streaming_early(row_b + k + u * STEP);
+            }
         }
-        __syncthreads();
-        inverse_rms = has_token ? row_inverse_rms[g] : 0.0f;
+        dependent_launch_entry();
+        if (NORM) {
+            // Warp j sums token j's row (at most 8 tokens, no more than the warps).
+            __shared__ float row_inverse_rms[WARPS];
+            if (warp < num_tokens) {
+                const float sum = warp_sum(row_sum_squares(x + (long long)warp * inner, inner, lane, 32));
+                if (lane == 0) row_inverse_rms[warp] = inverse_rms_of(sum, inner, eps);
+            }
+            __syncthreads();
+            inverse_rms = has_token ? row_inverse_rms[g] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            if (k + u * STEP < inner) multiply(wa[u], wb[u], load_x(k + u * STEP));
+        }
+        k += BATCH * STEP;
     }
-    if (first_chunk) multiply(wa, wb, load_x(k));
-    k += STEP;
+    for (; k + (BATCH - 1) * STEP < inner; k += BATCH * STEP) {
+        uint4 wa[BATCH], wb[BATCH], xs[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            wa[u] = load_streaming(row_a + k + u * STEP);
+            wb[u] = load_streaming(row_b + k + u * STEP);
+            xs[u] = load_x(k + u * STEP);
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) multiply(wa[u], wb[u], xs[u]);
+    }
     for (; k < inner; k += STEP) multiply(load_streaming(row_a + k), load_streaming(row_b + k), load_x(k));
     // acc: (row g, tokens 2t, 2t + 1) and (row g + 8, tokens 2t, 2t + 1)
     store_mma_tile(partial[warp], acc, g, t);
@@ -532,15 +555,15 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
             const float biased = bias != nullptr ? to_float(bias[feature]) : 0.0f;
             float total = FOLDED ? 0.0f : biased, up = 0.0f;
 #pragma unroll
-            for (int j = 0; j < GEMV_MMA_WARPS; ++j) total += partial[j][f][n];
+            for (int j = 0; j < WARPS; ++j) total += partial[j][f][n];
             if (EPI::gated) {
 #pragma unroll
-                for (int j = 0; j < GEMV_MMA_WARPS; ++j) up += partial[j][f + 8][n];
+                for (int j = 0; j < WARPS; ++j) up += partial[j][f + 8][n];
             }
             if (FOLDED) {
                 float sum = 0.0f;
 #pragma unroll
-                for (int j = 0; j < GEMV_MMA_WARPS; ++j) sum += partial_squares[j][n];
+                for (int j = 0; j < WARPS; ++j) sum += partial_squares[j][n];
                 const float scale = inverse_rms_of(sum, inner, eps);
                 total = total * scale + biased;
                 up *= scale;
@@ -571,15 +594,16 @@ DEFINE_GEMV_TOKENS(f32, float, 1)
 DEFINE_GEMV_TOKENS(f32, float, 2)
 DEFINE_GEMV_TOKENS(f32, float, 4)
 
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
-    gemv_mma_bf16(const bf16* x, const bf16* w, const bf16* bias, bf16* out, int num_tokens, int num_rows, int inner) {
-    gemv_mma_impl<bf16, Plain>(x, w, bias, out, num_tokens, num_rows, inner);
-}
+#define DEFINE_GEMV_MMA(PREFIX, SHAPE, WARPS, NAME, OUT)                                                    \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) PREFIX##NAME(                                   \
+        const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens, int num_rows, int inner) { \
+        gemv_mma_impl<SHAPE, OUT, Plain>(x, w, bias, out, num_tokens, num_rows, inner);                      \
+    }
 
-extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
-    gemv_mma_f32(const bf16* x, const bf16* w, const bf16* bias, float* out, int num_tokens, int num_rows, int inner) {
-    gemv_mma_impl<float, Plain>(x, w, bias, out, num_tokens, num_rows, inner);
-}
+DEFINE_GEMV_MMA(gemv_mma_, MMA_NARROW, 8, bf16, bf16)
+DEFINE_GEMV_MMA(gemv_mma_, MMA_NARROW, 8, f32, float)
+DEFINE_GEMV_MMA(gemv_mma_wide_, MMA_WIDE, 16, bf16, bf16)
+DEFINE_GEMV_MMA(gemv_mma_wide_, MMA_WIDE, 16, f32, float)
 
 // The fused decode variants: one token row on the SIMT kernel, 2..8 on the mma kernel.
 // [rmsnorm_<norm weight type>_]gated_<act>, rmsnorm_<norm weight type>: out = [act-gated]
@@ -592,14 +616,18 @@ extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32)
                                                 eps);                                                         \
     }
 
-#define DEFINE_GEMV_FUSED(NAME, EPI, NORM, NW)                                                                \
-    DEFINE_GEMV_FUSED_ROWS(NAME, EPI, NORM, NW, 2)                                                            \
-    DEFINE_GEMV_FUSED_ROWS(NAME, EPI, NORM, NW, 4)                                                            \
-    extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32) gemv_mma_##NAME(                        \
+#define DEFINE_GEMV_MMA_FUSED(PREFIX, SHAPE, WARPS, NAME, EPI, NORM, NW)                                      \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32) PREFIX##NAME(                                    \
         const bf16* x, const bf16* w, const bf16* bias, bf16* out, int num_tokens, int num_rows, int inner,   \
         const NW* norm_weight, float eps) {                                                                   \
-        gemv_mma_impl<bf16, EPI, NORM, NW>(x, w, bias, out, num_tokens, num_rows, inner, norm_weight, eps);   \
+        gemv_mma_impl<SHAPE, bf16, EPI, NORM, NW>(x, w, bias, out, num_tokens, num_rows, inner, norm_weight,  \
+                                                  eps);                                                       \
     }
+
+#define DEFINE_GEMV_FUSED(NAME, EPI, NORM, NW)                     \
+    DEFINE_GEMV_FUSED_ROWS(NAME, EPI, NORM, NW, 2)                 \
+    DEFINE_GEMV_FUSED_ROWS(NAME, EPI, NORM, NW, 4)                 \
+    DEFINE_GEMV_MMA_FUSED(gemv_mma_, MMA_NARROW, 8, NAME, EPI, NORM, NW)
 
 DEFINE_GEMV_FUSED_ROWS(rmsnorm_bf16, Plain, true, bf16, 1)
 DEFINE_GEMV_FUSED_ROWS(rmsnorm_f32, Plain, true, float, 1)
@@ -613,6 +641,10 @@ DEFINE_GEMV_FUSED(rmsnorm_f32_gated_gelu_tanh, Gated<GeluTanhOp>, true, float)
 DEFINE_GEMV_FUSED(gated_silu, Gated<SiluOp>, false, bf16)
 DEFINE_GEMV_FUSED(gated_gelu_tanh, Gated<GeluTanhOp>, false, bf16)
 DEFINE_GEMV_FUSED(add, AddTo, false, bf16)
+// Rows wider than 2048 (no norm inside: folded, or the norm kernel before).
+DEFINE_GEMV_MMA_FUSED(gemv_mma_wide_, MMA_WIDE, 16, gated_silu, Gated<SiluOp>, false, bf16)
+DEFINE_GEMV_MMA_FUSED(gemv_mma_wide_, MMA_WIDE, 16, gated_gelu_tanh, Gated<GeluTanhOp>, false, bf16)
+DEFINE_GEMV_MMA_FUSED(gemv_mma_wide_, MMA_WIDE, 16, add, AddTo, false, bf16)
 
 // The folded variants (one token row): x is the raw residual and w carries the norm weight in its
 // columns (W diag(g), folded when the model was loaded); out = rmsnorm(x) w^T with no norm
@@ -638,12 +670,14 @@ DEFINE_GEMV_FOLDED_ROWS(gated_silu, bf16, Gated<SiluOp>, 4)
 DEFINE_GEMV_FOLDED_ROWS(gated_gelu_tanh, bf16, Gated<GeluTanhOp>, 2)
 DEFINE_GEMV_FOLDED_ROWS(gated_gelu_tanh, bf16, Gated<GeluTanhOp>, 4)
 
-// 2..8 token rows on the tensor cores: gemv_mma_folded_{bf16,f32,gated_<act>} (norm_weight unused).
-#define DEFINE_GEMV_MMA_FOLDED(NAME, OUT, EPI)                                                                  \
-    extern "C" __global__ void __launch_bounds__(GEMV_MMA_WARPS * 32) gemv_mma_folded_##NAME(                 \
+// 2..8 token rows on the tensor cores, the wide shape (norms are folded only past 2048):
+// gemv_mma_folded_{bf16,f32,gated_<act>} (norm_weight unused).
+#define DEFINE_GEMV_MMA_FOLDED(NAME, OUT, EPI)                                                                \
+    extern "C" __global__ void __launch_bounds__(16 * 32) gemv_mma_folded_##NAME(                             \
         const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens, int num_rows, int inner,    \
         const bf16* norm_weight, float eps) {                                                                 \
-        gemv_mma_impl<OUT, EPI, false, bf16, true>(x, w, bias, out, num_tokens, num_rows, inner, nullptr, eps); \
+        gemv_mma_impl<MMA_WIDE, OUT, EPI, false, bf16, true>(x, w, bias, out, num_tokens, num_rows, inner,    \
+                                                             nullptr, eps);                                   \
     }
 
 DEFINE_GEMV_MMA_FOLDED(bf16, bf16, Plain)

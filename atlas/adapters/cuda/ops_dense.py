@@ -40,7 +40,10 @@ NORM_IN_GEMV_MAX_WIDTH = 2048
 # 1.139x / 4.40 ms (docs/lab/speculative-plan.md).
 WIDE_GEMV_MAX_BANDWIDTH_PER_SM = 30e9
 _GEMV_WARPS = 4
-_GEMV_MMA_WARPS = 16
+# The tensor-core GEMV's two shapes (gemv.cu): warps a block for rows up to NORM_IN_GEMV_MAX_WIDTH
+# wide (`gemv_mma_*`) and past it (`gemv_mma_wide_*`, `gemv_mma_folded_*`).
+_GEMV_MMA_WARPS = 8
+_GEMV_MMA_WIDE_WARPS = 16
 # gemm_skinny_<what>_<width> (gemv.cu): one consumer warpgroup and a producer warp per block;
 # tiles of `width` weight rows; K split over clusters of up to 4 blocks.
 _SKINNY_THREADS = 160
@@ -49,6 +52,13 @@ _SKINNY_SPLITS = (2, 4)
 _SKINNY_STAGE_K = 64
 _ACTIVATION_NAMES = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu_tanh"}
 _MAX_GRID_Y = 65535  # act_mul_rms's token rows are blockIdx.y
+
+
+def _mma_symbol(what: str, inner: int) -> tuple[str, int]:
+    """The tensor-core GEMV kernel of `what` for rows of `inner` elements and its threads a block."""
+    if inner > NORM_IN_GEMV_MAX_WIDTH:
+        return f"gemv_mma_wide_{what}", _GEMV_MMA_WIDE_WARPS * 32
+    return f"gemv_mma_{what}", _GEMV_MMA_WARPS * 32
 
 
 def gather_rows(rt: CudaRuntime, source: CudaTensor, indices: CudaTensor, out: CudaTensor, what: str) -> None:
@@ -513,7 +523,7 @@ class LinearOp:
         features = out.shape[1]
         what = checks.type_suffix(out.dtype) if activation is None else f"gated_{_ACTIVATION_NAMES[activation]}"
         if 2 <= num_tokens <= self.gemv_rows(inner) and inner % 32 == 0:
-            symbol, threads = f"gemv_mma_folded_{what}", _GEMV_MMA_WARPS * 32
+            symbol, threads = f"gemv_mma_folded_{what}", _GEMV_MMA_WIDE_WARPS * 32
             grid = -(-features // (16 if activation is None else 8))
         elif num_tokens == 1 and inner % 8 == 0:
             if activation is None:
@@ -560,7 +570,7 @@ class LinearOp:
             unnormed = what == "add" or what.startswith("gated_")
             return unnormed and self._skinny(x, weight, out, bias, what, gated)
         if 2 <= num_tokens and inner % 32 == 0:
-            symbol, threads = f"gemv_mma_{what}", _GEMV_MMA_WARPS * 32
+            symbol, threads = _mma_symbol(what, inner)
             grid = -(-features // (8 if gated else 16))
         elif num_tokens == 1 and inner % 8 == 0:
             if gated:  # two features (four weight rows) per block while there are two blocks per SM
@@ -597,14 +607,9 @@ class LinearOp:
         )
 
     def _gemv_tensor_cores(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
-        # 16 output features per block of 8 warps; the tokens are the mma's n = 8 columns.
-        self._rt.launch(
-            "gemv",
-            f"gemv_mma_{checks.type_suffix(out.dtype)}",
-            (-(-num_rows // 16),),
-            _GEMV_MMA_WARPS * 32,
-            *_product_args(x, weight, bias, out, num_rows),
-        )
+        # 16 output features per block; the tokens are the mma's n = 8 columns.
+        symbol, threads = _mma_symbol(checks.type_suffix(out.dtype), inner)
+        self._rt.launch("gemv", symbol, (-(-num_rows // 16),), threads, *_product_args(x, weight, bias, out, num_rows))
 
     def _skinny(
         self,
