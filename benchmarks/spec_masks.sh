@@ -16,6 +16,8 @@
 #   json-unbounded   the same without maxLength (masks of ~10 us)
 #   json8b    the Llama-3.1-8B shape (random weights) speaking SmolLM2's tokenizer
 #             (benchmarks/with_tokenizer.py), batch 16, the maxLength schema
+#   ngram-steps   the same prompts, plain and n-gram, every step timed: wall against device ms per
+#             step of each kind (benchmarks/spec_steps.py; where a speculative step's time goes)
 #   check     tests/gpu/test_cuda_masks_and_speculation.py
 # SmolLM2 is read from $SMOLLM2 (default ~/.cache/atlas/models/smollm2, as `atlas pull smollm2`
 # leaves it).
@@ -46,6 +48,7 @@ for step in ${*:-ngram verify8b json table}; do case $step in
   json8b) smollm2 json8b && python3 benchmarks/with_tokenizer.py llama-3.1-8b "$ATLAS_SMOLLM2_DIR" /tmp/llama8b-smollm2-tokenizer \
            && run json8b 200 $ATLAS bench /tmp/llama8b-smollm2-tokenizer --device cuda --batch-sizes 16 --output-len 128 \
            --prefill-lens 512 --json-schema benchmarks/records.schema.json --json "$OUT/json8b.json" ;;
+  ngram-steps) smollm2 ngram-steps && run ngram-steps 200 python3 benchmarks/spec_steps.py "$ATLAS_SMOLLM2_DIR" ;;
   check) run check 240 python3 -m pytest tests/gpu/test_cuda_masks_and_speculation.py -m gpu -q -s ;;
   table) python3 - "$OUT" <<'EOF'
 import json, sys
@@ -77,5 +80,5 @@ for name, value, note in rows:
     print(f"{name:<58} {value:>9}  {note}")
 EOF
   ;;
-  *) echo "unknown step $step (ngram verify8b json json-unbounded json8b check table)"; exit 2 ;;
+  *) echo "unknown step $step (ngram ngram-steps verify8b json json-unbounded json8b check table)"; exit 2 ;;
 esac; done
