@@ -69,7 +69,7 @@ def main() -> int:
     args = parser.parse_args()
     reports = {}
     for tag, config in (("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": args.drafts})):
-        llm = LLM(args.model, device=args.device, max_num_seqs=1, max_batch_size=1, show_progress=False,
+        llm = LLM(args.model, device=args.device, max_num_seqs=1, max_batch_size=1, show_progress=False, kv_cache_gb=4,
                   speculative_config=json.dumps(config) if config else None)
         prompts = [_token_ids(llm.engine, text) for text in load_prompts(args.prompts)]
         run(llm, prompts[:2], 16, f"warm-{tag}")

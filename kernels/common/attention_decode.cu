@@ -34,6 +34,11 @@
 // the cache) finishes. q and the step's own K/V row are read after the wait; that token joins
 // group 0's softmax after the ring. (The RoPE kernel lets this one launch at its own start, so
 // the qkv product may still run too: no kernel of the step writes what is read early.)
+// A verify step breaks the exception: it runs a sequence's k + 1 tokens as consecutive
+// single-token rows over one block table (atlas.domain.worker.decode_rows), so a row after the
+// first also reads the rows before it, which the previous kernel is writing. Such a row waits
+// before its first copies (`reads_step_rows`); read early, those rows held the K/V of the last
+// step's rejected drafts, and SmolLM2 drafting for itself at batch 1 kept 37% of its drafts.
 // With one split the block writes `out`; otherwise it writes its normalised partial output and
 // log2-sum-exp to the workspace, and the last split of its (sequence, head group) to finish
 // (counted in split_counters [S, Hkv x head groups], zero between launches) combines them:
@@ -57,6 +62,17 @@
 
 // The query heads a decode block serves (blockIdx.y = KV head x head group): `count` (<= HEADS)
 // heads of KV head `kv_head`'s GQA group, from `first` on.
+// Whether row `seq` continues the row before it: the same block table and the next position,
+// as the rows of a verify step (or a chunk and the decode rows after it) do. Its context then
+// holds tokens this step writes besides its own (see the file comment). A row of another
+// sequence that shares the first page and ends one token later only waits early for nothing.
+__device__ __forceinline__ bool reads_step_rows(const int* seq_lens, const int* block_tables, int block_table_stride,
+                                                int seq) {
+    return seq > 0 && seq_lens[seq - 1] == seq_lens[seq] - 1 &&
+           __ldg(block_tables + (long long)(seq - 1) * block_table_stride) ==
+               __ldg(block_tables + (long long)seq * block_table_stride);
+}
+
 struct DecodeHeads {
     int kv_head, first, count;
 };
@@ -256,6 +272,7 @@ __device__ __forceinline__ void attention_decode_impl(
             cp_async_16(ring_slot(stage, u, 1), v_plane + offsets[u], true);
         }
     };
+    if (reads_step_rows(seq_lens, block_tables, block_table_stride, seq)) grid_dependency_wait();
     // One commit group per step, empty ones included, so wait_group counts steps exactly.
 #pragma unroll
     for (int step = 0; step < DECODE_STAGES - 1; ++step) {
@@ -547,6 +564,7 @@ __device__ __forceinline__ void attention_decode_mma_impl(
             cp_async_16_hint(slot + Shape::PLANE_CHUNKS + at, v_plane + (valid ? offset : 0), valid, kv_policy);
         }
     };
+    if (reads_step_rows(seq_lens, block_tables, block_table_stride, seq)) grid_dependency_wait();
     // One commit group per tile, empty ones included, so wait_group counts tiles exactly.
 #pragma unroll
     for (int j = 0; j < STAGES - 1; ++j) {

@@ -332,17 +332,20 @@ def test_smollm2_greedy_on_cuda_equals_the_mock(kernel_cache_dir):
     Both round every activation to bf16 at the same points; they differ only in the order of
     float32 sums and in exp/rsqrt approximations. The fourth prompt passes a near-tie at its
     tenth token (four variants of the two backends chose four different tokens there, see
-    scripts/smollm2_tokens.py; the tensor-core decode attention parts there too, at a 0.29% gap): one
-    prompt may part, only at a near-tie (the mock's best logit within `_NEAR_TIE` of CUDA's
-    choice); both backends' best logits where the paths part are printed.
+    scripts/smollm2_tokens.py; the tensor-core decode attention parts there too, at a 0.29% gap),
+    and since the mock's prefill became tiled GEMMs the second and fourth part at 0.38% and 0.14%
+    (H200). So paths may part only at a near-tie (the mock's best logit within `_NEAR_TIE` of
+    CUDA's choice), and at least three prompts must agree throughout; both backends' best logits
+    where the paths part are printed.
     """
     from atlas.app.llm import LLM
 
     folder = str(_smollm2_dir())
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=False)
     conversations = [[{"role": "user", "content": p}] for p in CHAT_PROMPTS]
-    cuda = LLM(folder, device="cuda", show_progress=False, max_seq_len=1024)
-    on_cuda = [r.outputs[0].token_ids for r in cuda.chat(conversations, params)]
+    cuda = LLM(folder, device="cuda", show_progress=False, max_seq_len=1024, kv_cache_gb=2)
+    cuda_results = cuda.chat(conversations, params)
+    on_cuda = [r.outputs[0].token_ids for r in cuda_results]
     mock = LLM(folder, device="mock", dtype="bf16", show_progress=False, max_seq_len=1024)
     on_mock = [r.outputs[0].token_ids for r in mock.chat(conversations, params)]
     parted, gaps = [], []
@@ -351,8 +354,9 @@ def test_smollm2_greedy_on_cuda_equals_the_mock(kernel_cache_dir):
         if got != expected:
             gaps.append(_near_tie_where_paths_part(cuda, mock, conversation, got, expected))
             parted.append(f"{prompt!r} (the mock's best logit {gaps[-1]:.2%} above CUDA's choice)")
-    assert len(parted) <= 1 and all(gap < _NEAR_TIE for gap in gaps), f"CUDA and the mock part on {parted}"
-    assert "Paris" in cuda.chat(conversations[0], params)[0].outputs[0].text
+    assert len(parted) <= 2 and all(gap < _NEAR_TIE for gap in gaps), f"CUDA and the mock part on {parted}"
+    # (not asked again: the probes above wrote their K/V over blocks the prefix cache holds)
+    assert "Paris" in cuda_results[0].outputs[0].text
 
 
 SMALL_LLAMA = dict(
@@ -589,7 +593,7 @@ def test_smollm2_quantized_at_load_computes_what_the_mock_does(kernel_cache_dir)
     for quantization in ("none", "fp8"):
         logits = []
         for device, dtype in (("cuda", "auto"), ("mock", "bf16")):
-            llm = LLM(folder, device=device, dtype=dtype, show_progress=False, max_seq_len=256,
+            llm = LLM(folder, device=device, dtype=dtype, show_progress=False, max_seq_len=256, kv_cache_gb=1,
                       quantization=quantization, enforce_eager=True)
             logits.append(llm.engine.core.executor.compute_logits(batch)[0])
         gaps[quantization] = _relative(logits[0], logits[1])
