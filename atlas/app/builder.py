@@ -82,7 +82,8 @@ class LoadedEngine:
     idle_work: Callable[[], bool] = lambda: False
 
     def close(self) -> None:
-        """Release what the engine holds outside this thread (its mask thread, rank processes)."""
+        """Release what the engine holds outside this thread (its mask thread, rank processes)
+        and its device memory; the engine must not run again."""
         self.core.close()
         self.on_close()
 
@@ -271,6 +272,8 @@ def build_engine(
         num_pages=tuple(num_pages),
         weight_bytes=weight_bytes,
         idle_work=worker.capture_next_graph,
+        # A CUDA backend gives its device memory back (the mock's arrays go with the objects).
+        on_close=getattr(backend, "close", lambda: None),
     )
 
 

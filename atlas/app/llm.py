@@ -78,7 +78,8 @@ class LLM:
 
     def close(self) -> None:
         """Stop what the engine runs outside this process (the rank processes of a model on
-        several devices, which otherwise live until this process exits)."""
+        several devices, which otherwise live until this process exits) and give its device
+        memory back, so another LLM can load in this process. The LLM cannot generate again."""
         self.engine.close()
 
     def __enter__(self) -> LLM:

@@ -71,6 +71,7 @@ class DeviceMemoryPool:
         self._peak_bytes = 0
         self._num_driver_allocations = 0
         self._num_reused = 0
+        self._live: dict[int, int] = {}  # address -> rounded size of every block a tensor holds
         self._closed = False
 
     def allocate(self, num_bytes: int) -> DeviceAllocation:
@@ -86,12 +87,14 @@ class DeviceMemoryPool:
             self._num_driver_allocations += 1
         self._allocated_bytes += rounded
         self._peak_bytes = max(self._peak_bytes, self._allocated_bytes)
+        self._live[address] = rounded
         return DeviceAllocation(address, rounded, self)
 
     def release(self, address: int, rounded: int) -> None:
         """Back onto its free list (called by `DeviceAllocation.__del__`)."""
         if self._closed:
             return
+        del self._live[address]
         self._allocated_bytes -= rounded
         self._free.setdefault(rounded, []).append(address)
 
@@ -116,8 +119,17 @@ class DeviceMemoryPool:
         )
 
     def close(self) -> None:
-        """Free the cached blocks and stop accepting returns (the context is going away)."""
+        """Give every block back to the driver, the ones tensors still hold too, and stop
+        accepting returns: an engine's weights, caches and buffers are freed even while objects
+        that point at them live on (`atlas.LLM.close`; its tensors must not be used again)."""
+        if self._closed:
+            return
         self.empty_cache()
+        for address in self._live:
+            check("cuMemFree", cu.cuMemFree(address))
+        self._reserved_bytes -= sum(self._live.values())
+        self._allocated_bytes = 0
+        self._live.clear()
         self._closed = True
 
     def _driver_allocate(self, rounded: int, asked: int) -> int:

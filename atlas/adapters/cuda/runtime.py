@@ -261,6 +261,7 @@ class CudaRuntime:
         self._stream = self.device.create_stream()
         self._stream_handle = int(self._stream.handle)
         self.pool = DeviceMemoryPool(f"device {device_ordinal} ({self.device_name})")
+        self._closed = False
         self.features = CudaFeatures.for_device(self.compute_capability)
         bulk = None
         if self.features.bulk_upload:
@@ -471,6 +472,10 @@ class CudaRuntime:
         return int(free) + self.pool.stats().cached_bytes, int(total)
 
     def close(self) -> None:
+        """Free the device memory, staging buffers and workspaces (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
         self.kernels.cancel()
         self._workspaces.clear()
         self._retired_workspaces.clear()
