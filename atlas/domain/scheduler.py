@@ -201,11 +201,11 @@ class Scheduler:
         """The next step needs the host to know tokens still in flight: commit before scheduling.
 
         So it does when a sequence in flight has penalties (its next penalty context) or
-        verifies drafts (how many it keeps), and whenever speculation is active (drafts follow
-        final tokens only)."""
+        verifies drafts (how many it keeps), and whenever the next step may draft (drafts
+        follow final tokens only)."""
         if not self._in_flight:
             return False
-        return self.speculation.is_active(len(self._running)) or any(
+        return self.speculation.needs_final_tokens(self._running) or any(
             flight.needs_host_tokens for flight in self._in_flight
         )
 

@@ -103,6 +103,31 @@ def test_speculation_switches_off_above_disable_by_batch_size(rng):
     assert any(drafts for size, drafts, _ in shapes if size <= 3)
 
 
+def test_steps_overlap_while_no_tail_ngram_has_occurred_before(rng):
+    """Without a tail n-gram that occurred before (sizes 3..4, no bias: the random model rarely
+    repeats itself) the steps overlap as plain decoding's do; a sequence whose tail repeats
+    drafts again. Tokens never change."""
+    config = SpeculativeConfig.from_mapping({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 3,
+                                             "prompt_lookup_max": 4})
+    params = [SamplingParams(temperature=0.0, max_tokens=24), SamplingParams(temperature=0.0, max_tokens=24,
+                                                                             logit_bias=REPEATING)]
+    for mix, expect_drafts in ((params[:1], False), (params, True)):
+        requests = [Request(f"r{i}", p, mix[i % len(mix)], seed=i) for i, p in enumerate(prompts(4, rng))]
+        core = build_core(speculative=config)
+        overlapped, drafted = [], []
+        original_submit = core.executor.submit
+
+        def spying_submit(batch, original_submit=original_submit, overlapped=overlapped, drafted=drafted):
+            overlapped.append(any(s.placeholder_row is not None for s in batch.sequences))
+            drafted.append(any(s.num_draft_tokens for s in batch.sequences))
+            return original_submit(batch)
+
+        core.executor.submit = spying_submit
+        assert run(core, requests) == run(build_core(), requests)
+        assert sum(overlapped) > len(overlapped) // 3, overlapped
+        assert any(drafted) == expect_drafts
+
+
 def test_drafts_are_checked_against_each_sequence_grammar(rng):
     """Constrained sequences verify drafts under per-position masks (row j after drafts[:j]):
     the tokens follow the grammar and equal plain constrained decoding."""

@@ -44,6 +44,9 @@ class ScriptedProposer:
     def is_active(self, num_running: int) -> bool:
         return True
 
+    def needs_final_tokens(self, running) -> bool:
+        return True
+
     def prepare(self, running) -> None:
         pass
 
