@@ -1,0 +1,140 @@
+"""Tiny random targets with draft heads (a Qwen3-Next carrying MTP layers), and an engine core
+that drafts with them on the mock backend: the harness of the MTP tests.
+
+The Qwen3-Next here has full-attention layers only (its `layer_types` say so): the engine does
+not roll recurrent state back past rejected drafts, so a DeltaNet target cannot speculate yet.
+Its feed-forwards mix MoE (layer 1, the MTP layer) and a dense GLU (layer 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import ml_dtypes
+import numpy as np
+from fakes import DictWeights
+from helpers.engines import make_cache, make_worker
+
+from atlas.adapters.mock.backend import MockGpuBackend
+from atlas.domain.engine import EngineCore
+from atlas.domain.models.config import ModelConfig
+from atlas.domain.models.draft_heads import HeadWorker, mtp_head
+from atlas.domain.models.families import load_model
+from atlas.domain.models.qwen3_next import load_mtp
+from atlas.domain.scheduler import Scheduler, SchedulerConfig
+from atlas.domain.speculative.config import SpeculativeConfig
+from atlas.domain.speculative.draft_head import DraftHeadProposer
+from atlas.domain.speculative.policy import speculation_policy
+from atlas.domain.worker import WorkerConfig
+
+BLOCK_SIZE = 4
+MAX_LEN = 128
+EOS = frozenset({96})
+
+TINY_QWEN3_NEXT = dict(
+    architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", vocab_size=97, hidden_size=32,
+    intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    layer_types=["full_attention", "full_attention"], linear_num_key_heads=2, linear_num_value_heads=2,
+    linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+    shared_expert_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[0], rms_norm_eps=1e-6,
+    max_position_embeddings=256, rope_theta=10000.0, partial_rotary_factor=0.5, tie_word_embeddings=False,
+)
+
+
+def _layer_shapes(config: Mapping, prefix: str, moe: bool) -> dict[str, tuple[int, ...]]:
+    hidden, heads, kv_heads, dim = (config["hidden_size"], config["num_attention_heads"],
+                                    config["num_key_value_heads"], config["head_dim"])
+    shapes = {
+        f"{prefix}.input_layernorm.weight": (hidden,),
+        f"{prefix}.post_attention_layernorm.weight": (hidden,),
+        f"{prefix}.self_attn.q_proj.weight": (2 * heads * dim, hidden),  # each head's q rows, then its gate rows
+        f"{prefix}.self_attn.k_proj.weight": (kv_heads * dim, hidden),
+        f"{prefix}.self_attn.v_proj.weight": (kv_heads * dim, hidden),
+        f"{prefix}.self_attn.o_proj.weight": (hidden, heads * dim),
+        f"{prefix}.self_attn.q_norm.weight": (dim,),
+        f"{prefix}.self_attn.k_norm.weight": (dim,),
+    }
+    if not moe:
+        inter = config["intermediate_size"]
+        return shapes | {f"{prefix}.mlp.{name}.weight": shape for name, shape in
+                         (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter)))}
+    inter, shared = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+    shapes[f"{prefix}.mlp.gate.weight"] = (config["num_experts"], hidden)
+    for expert in range(config["num_experts"]):
+        p = f"{prefix}.mlp.experts.{expert}"
+        shapes |= {f"{p}.gate_proj.weight": (inter, hidden), f"{p}.up_proj.weight": (inter, hidden),
+                   f"{p}.down_proj.weight": (hidden, inter)}
+    p = f"{prefix}.mlp.shared_expert"
+    return shapes | {f"{p}.gate_proj.weight": (shared, hidden), f"{p}.up_proj.weight": (shared, hidden),
+                     f"{p}.down_proj.weight": (hidden, shared), f"{prefix}.mlp.shared_expert_gate.weight": (1, hidden)}
+
+
+def random_qwen3_next_weights(config: Mapping = TINY_QWEN3_NEXT, seed: int = 0, num_mtp_layers: int = 1,
+                              scale: float = 0.3) -> dict[str, np.ndarray]:
+    """Random bf16 weights with the published checkpoints' names: the model, and `num_mtp_layers`
+    MTP layers (`mtp.layers.N.*`, MoE) with `mtp.fc`, `mtp.pre_fc_norm_*` and `mtp.norm`.
+    Norms are zero-centred (stored w, multiplier 1 + w)."""
+    rng = np.random.default_rng(seed)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+              "lm_head.weight": (vocab, hidden)}
+    for layer in range(config["num_hidden_layers"]):
+        shapes |= _layer_shapes(config, f"model.layers.{layer}", layer not in config["mlp_only_layers"])
+    if num_mtp_layers:
+        shapes |= {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
+                   "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)}
+    for layer in range(num_mtp_layers):
+        shapes |= _layer_shapes(config, f"mtp.layers.{layer}", moe=True)
+    tensors = {}
+    for name, shape in shapes.items():
+        values = rng.standard_normal(shape) * (0.1 if name.endswith("norm.weight") else scale)
+        tensors[name] = values.astype(np.float32).astype(ml_dtypes.bfloat16)
+    return tensors
+
+
+def copying_mtp(tensors: dict[str, np.ndarray], config: Mapping = TINY_QWEN3_NEXT) -> dict[str, np.ndarray]:
+    """`tensors` made into a target whose next token depends on its last token only (every layer
+    adds zero: o_proj and the feed-forwards' down projections are 0) and an MTP head that
+    predicts as the target does from the token it is given (its layer adds zero too, fc is the
+    identity on the token's normalised embedding, its norms those of the target): its greedy
+    drafts are the target's greedy tokens, so every one is accepted."""
+    hidden = config["hidden_size"]
+    out = dict(tensors)
+    for name, value in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = np.zeros_like(value)
+    fc = np.zeros((hidden, 2 * hidden), np.float32)
+    fc[:, :hidden] = np.eye(hidden)
+    out["mtp.fc.weight"] = fc.astype(ml_dtypes.bfloat16)
+    zero = np.zeros(hidden, ml_dtypes.bfloat16)
+    out["mtp.pre_fc_norm_embedding.weight"] = zero  # a multiplier of 1: fc sees rmsnorm(embedding)
+    out["mtp.norm.weight"] = tensors["model.norm.weight"]  # rmsnorm of a unit-rms row is the row
+    return out
+
+
+def build_mtp_core(weights: dict[str, np.ndarray] | None = None, speculative: SpeculativeConfig | None = None,
+                   num_blocks=400, max_num_seqs=32, budget=256, graph_sizes=(), head_blocks=None,
+                   prefix_caching=True) -> EngineCore:
+    """An engine over the tiny Qwen3-Next (`weights`, default: random with one MTP layer),
+    drafting with its MTP head under an mtp `speculative` config (None: plain decoding)."""
+    config = ModelConfig.from_dict(TINY_QWEN3_NEXT)
+    weights = weights if weights is not None else random_qwen3_next_weights()
+    backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
+    model = load_model(config, DictWeights(weights), backend, MAX_LEN)
+    num_drafts = speculative.num_speculative_tokens if speculative is not None else 0
+    rows = min(max_num_seqs * (1 + num_drafts), budget)
+    keep = (config.num_layers - 1,) if speculative is not None else ()
+    worker = make_worker(model, num_blocks, BLOCK_SIZE, WorkerConfig(budget, rows, MAX_LEN, graph_sizes, keep))
+    cache = make_cache(model, num_blocks, BLOCK_SIZE, max_num_seqs, prefix_caching)
+    proposer = None
+    if speculative is not None:
+        mtp = load_mtp(config, DictWeights(weights), backend, MAX_LEN)
+        head, inputs = mtp_head(mtp, backend, max(budget, *graph_sizes, 1), config.vocab_size)
+        head_blocks = head_blocks or num_blocks
+        head_worker = make_worker(head, head_blocks, BLOCK_SIZE,
+                                  WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes, (len(head.layers) - 1,)))
+        proposer = DraftHeadProposer(HeadWorker(head_worker, inputs, config.hidden_size), head_blocks, BLOCK_SIZE,
+                                     budget, config.vocab_size)
+    scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, None,
+                          speculation_policy(speculative, proposer))
+    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)
