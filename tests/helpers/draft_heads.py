@@ -138,3 +138,20 @@ def build_mtp_core(weights: dict[str, np.ndarray] | None = None, speculative: Sp
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, None,
                           speculation_policy(speculative, proposer))
     return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)
+
+
+def write_qwen3_next_folder(folder, weights_of=random_qwen3_next_weights, **weights_kwargs):
+    """A model folder of the tiny Qwen3-Next (MTP layers included unless num_mtp_layers=0) with
+    the tiny Llama's trained tokenizer: `weights_of(config, **weights_kwargs)` gives its tensors."""
+    import json
+    from pathlib import Path
+
+    from atlas.adapters.weights.safetensors import write_safetensors
+    from atlas.app.bench.tiny_model import write_tiny_model
+
+    folder = write_tiny_model(Path(folder))
+    vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
+    config = {**TINY_QWEN3_NEXT, "vocab_size": vocab_size, "torch_dtype": "bfloat16"}
+    (folder / "config.json").write_text(json.dumps(config))
+    write_safetensors(folder / "model.safetensors", weights_of(config, **weights_kwargs))
+    return folder
