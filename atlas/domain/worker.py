@@ -441,7 +441,9 @@ class _KeptLayers:
         if bad:
             raise ValueError(f"keep_hidden_layers {bad}: the model has layers 0 .. {len(model.layers) - 1}")
         self._backend = backend
-        self._slots = {layer: slot for slot, layer in enumerate(layers)}
+        self._slots: dict[int, list[int]] = {}  # a layer may be kept twice (EAGLE-3 of a shallow target)
+        for slot, layer in enumerate(layers):
+            self._slots.setdefault(layer, []).append(slot)
         dtype = backend.capabilities.activation_dtype
         self._buffers = tuple(backend.empty((max_tokens, model.hidden_size), dtype) for _ in layers)
         self._row_ids = backend.upload(np.arange(max_tokens, dtype=np.int32), DType.I32) if layers else None
@@ -456,10 +458,12 @@ class _KeptLayers:
         return tuple(self._backend.begin_download(buffer.rows(0, num_tokens)) for buffer in self._buffers)
 
     def _keep(self, index: int, residual: Tensor) -> None:
-        slot = self._slots.get(index)
-        if slot is not None and self._row_ids is not None:
-            num_tokens = residual.shape[0]
-            self._backend.gather_rows(residual, self._row_ids.rows(0, num_tokens), self._buffers[slot].rows(0, num_tokens))
+        if self._row_ids is None:
+            return
+        num_tokens = residual.shape[0]
+        row_ids = self._row_ids.rows(0, num_tokens)
+        for slot in self._slots.get(index, ()):
+            self._backend.gather_rows(residual, row_ids, self._buffers[slot].rows(0, num_tokens))
 
 
 def decode_rows(batch: ScheduledBatch) -> ScheduledBatch:

@@ -12,13 +12,14 @@ from collections.abc import Mapping
 
 import ml_dtypes
 import numpy as np
-from fakes import DictWeights
+from fakes import TINY_LLAMA, DictWeights
 from helpers.engines import make_cache, make_worker
 
 from atlas.adapters.mock.backend import MockGpuBackend
 from atlas.domain.engine import EngineCore
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.draft_heads import HeadWorker, mtp_head
+from atlas.domain.models.eagle3 import TargetFacts, load_eagle3
 from atlas.domain.models.families import load_model
 from atlas.domain.models.qwen3_next import load_mtp
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
@@ -133,8 +134,8 @@ def build_mtp_core(weights: dict[str, np.ndarray] | None = None, speculative: Sp
         head_blocks = head_blocks or num_blocks
         head_worker = make_worker(head, head_blocks, BLOCK_SIZE,
                                   WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes, (len(head.layers) - 1,)))
-        proposer = DraftHeadProposer(HeadWorker(head_worker, inputs, config.hidden_size), head_blocks, BLOCK_SIZE,
-                                     budget, config.vocab_size)
+        runner = HeadWorker(head_worker, inputs.hidden, config.hidden_size)
+        proposer = DraftHeadProposer(runner, head_blocks, BLOCK_SIZE, budget, config.vocab_size)
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, None,
                           speculation_policy(speculative, proposer))
     return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)
@@ -155,3 +156,119 @@ def write_qwen3_next_folder(folder, weights_of=random_qwen3_next_weights, **weig
     (folder / "config.json").write_text(json.dumps(config))
     write_safetensors(folder / "model.safetensors", weights_of(config, **weights_kwargs))
     return folder
+
+
+# EAGLE-3: a 4-layer tiny Llama target, and a head reading the inputs of its layers 1, 2 and 3
+TARGET_LLAMA = {**TINY_LLAMA, "num_hidden_layers": 4}
+TINY_EAGLE3 = dict(
+    architectures=["LlamaForCausalLMEagle3"], model_type="llama", vocab_size=97, hidden_size=64,
+    intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+    draft_vocab_size=64, eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]},
+)
+
+
+def random_eagle3_weights(config: Mapping = TINY_EAGLE3, seed: int = 5, scale: float = 0.2,
+                          draft_ids: np.ndarray | None = None, spelling: str = "midlayer.") -> dict[str, np.ndarray]:
+    """Random bf16 weights of an EAGLE-3 head as the published checkpoints name them (`midlayer.`,
+    or another `spelling` of the layer's prefix such as "model.layers.0."); `draft_ids`: the
+    target id of each draft id (default: every other id, then the first ones), stored as d2t."""
+    rng = np.random.default_rng(seed)
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    draft_vocab = config["draft_vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = hidden // heads
+    shapes = {"fc.weight": (hidden, 3 * hidden), "norm.weight": (hidden,), "lm_head.weight": (draft_vocab, hidden)}
+    layer = {
+        "input_layernorm.weight": (hidden,), "hidden_norm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (heads * dim, 2 * hidden), "self_attn.k_proj.weight": (kv_heads * dim, 2 * hidden),
+        "self_attn.v_proj.weight": (kv_heads * dim, 2 * hidden), "self_attn.o_proj.weight": (hidden, heads * dim),
+        "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    shapes |= {spelling + name: shape for name, shape in layer.items()}
+    tensors = {}
+    for name, shape in shapes.items():
+        is_norm = name.endswith("norm.weight")
+        values = 1.0 + 0.1 * rng.standard_normal(shape) if is_norm else scale * rng.standard_normal(shape)
+        tensors[name] = values.astype(np.float32).astype(ml_dtypes.bfloat16)
+    if draft_ids is None:
+        draft_ids = np.sort(np.concatenate([np.arange(0, vocab, 2), np.arange(1, vocab, 2)])[:draft_vocab])
+    tensors["d2t"] = (np.asarray(draft_ids) - np.arange(draft_vocab)).astype(np.int64)
+    t2d = np.zeros(vocab, bool)
+    t2d[draft_ids] = True
+    tensors["t2d"] = t2d
+    return tensors
+
+
+def bigram_target(tensors: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """`tensors` (a Llama's) made into a target whose every layer adds zero (o_proj and down_proj
+    are 0): its every layer's output is the token's embedding, its next token a function f of
+    the last one. Returns the weights and f as an array."""
+    out = {name: np.zeros_like(value) if name.endswith(("o_proj.weight", "down_proj.weight")) else value
+           for name, value in tensors.items()}
+    embedding = out["model.embed_tokens.weight"].astype(np.float32)
+    normed = embedding / np.sqrt(np.mean(embedding**2, axis=-1, keepdims=True) + TARGET_LLAMA["rms_norm_eps"])
+    logits = (normed * out["model.norm.weight"].astype(np.float32)) @ out["lm_head.weight"].astype(np.float32).T
+    return out, logits.argmax(axis=-1)
+
+
+def predicting_eagle3(target: dict[str, np.ndarray], follows: np.ndarray, config: Mapping = TINY_EAGLE3
+                      ) -> dict[str, np.ndarray]:
+    """An EAGLE-3 head for `bigram_target`'s target (next token `follows[token]`) that drafts
+    what the target generates next: entry p pairs the target's hidden state at p (the embedding
+    of token p) with token p + 1 = f(token p) and must predict f(f(token p)). fc passes the
+    first aux layer through, the layer adds zero, and lm_head's row of each draft id t is the sum
+    of the unit embeddings of the tokens i with f(f(i)) = t: its largest logit is f(f(i))'s
+    unless random embeddings happen to align (rare at 64 dims). The draft vocabulary holds
+    every f(f(i)) (d2t maps it), then other ids."""
+    hidden, draft_vocab, vocab = config["hidden_size"], config["draft_vocab_size"], config["vocab_size"]
+    twice = follows[follows]
+    needed = sorted(set(twice.tolist()))
+    others = [i for i in range(vocab) if i not in set(needed)]
+    draft_ids = np.array(sorted(needed + others[: draft_vocab - len(needed)]))
+    tensors = random_eagle3_weights(config, draft_ids=draft_ids)
+    for name, value in list(tensors.items()):
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensors[name] = np.zeros_like(value)
+    fc = np.zeros((hidden, 3 * hidden), np.float32)
+    fc[:, :hidden] = np.eye(hidden)
+    tensors["fc.weight"] = fc.astype(ml_dtypes.bfloat16)
+    embedding = target["model.embed_tokens.weight"].astype(np.float32)
+    unit = embedding / np.linalg.norm(embedding, axis=-1, keepdims=True)
+    lm_head = np.zeros((draft_vocab, hidden), np.float32)
+    for token in range(vocab):
+        lm_head[int(np.searchsorted(draft_ids, twice[token]))] += unit[token]
+    tensors["lm_head.weight"] = lm_head.astype(ml_dtypes.bfloat16)
+    tensors["norm.weight"] = np.ones(hidden, ml_dtypes.bfloat16)
+    return tensors
+
+
+def build_eagle3_core(target: dict[str, np.ndarray], head: dict[str, np.ndarray] | None = None,
+                      speculative: SpeculativeConfig | None = None, num_blocks=400, max_num_seqs=32, budget=256,
+                      graph_sizes=(), head_blocks=None, prefix_caching=True) -> EngineCore:
+    """An engine over the 4-layer Llama `target` drafting with the EAGLE-3 `head` under an
+    eagle3 `speculative` config (None: plain decoding)."""
+    config = ModelConfig.from_dict(TARGET_LLAMA)
+    backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
+    model = load_model(config, DictWeights(target), backend, MAX_LEN)
+    num_drafts = speculative.num_speculative_tokens if speculative is not None else 0
+    rows = min(max_num_seqs * (1 + num_drafts), budget)
+    proposer, keep = None, ()
+    if speculative is not None:
+        facts = TargetFacts(config.hidden_size, config.vocab_size, config.num_layers,
+                            lambda: target["model.embed_tokens.weight"])
+        loaded = load_eagle3(ModelConfig.from_dict(TINY_EAGLE3), DictWeights(head), backend, MAX_LEN,
+                             max(budget, *graph_sizes, 1), facts)
+        keep = loaded.target_layers
+        head_blocks = head_blocks or num_blocks
+        head_worker = make_worker(loaded.model, head_blocks, BLOCK_SIZE,
+                                  WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes, (0,)))
+        runner = HeadWorker(head_worker, loaded.buffers.hidden, 3 * config.hidden_size, loaded.fuse, loaded.target_ids)
+        proposer = DraftHeadProposer(runner, head_blocks, BLOCK_SIZE, budget, config.vocab_size)
+    worker = make_worker(model, num_blocks, BLOCK_SIZE, WorkerConfig(budget, rows, MAX_LEN, graph_sizes, keep))
+    cache = make_cache(model, num_blocks, BLOCK_SIZE, max_num_seqs, prefix_caching)
+    scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, None,
+                          speculation_policy(speculative, proposer))
+    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)

@@ -15,8 +15,9 @@ captured decode graph of the head reads each step's rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import msgspec
 import numpy as np
 
 from atlas.domain.batch import ScheduledBatch, StepResult
@@ -73,16 +74,26 @@ def mtp_head(mtp: MtpModule, backend: GpuBackend, max_tokens: int, vocab_size: i
 
 class HeadWorker:
     """Runs a draft head's steps (`atlas.domain.speculative.draft_head.HeadRunner`): stages the
-    step's hidden states, then runs the head's worker (configured to keep its last layer)."""
+    step's hidden states (fused by `fuse` first where the head takes several target layers),
+    then runs the head's worker (configured to keep its last layer), and maps the sampled ids of
+    a head with a vocabulary of its own to the target's (`target_ids`, and back for logit bias)."""
 
-    def __init__(self, worker: Worker, inputs: HiddenInput, target_width: int) -> None:
-        """`target_width`: the width of the target's hidden-state rows (H for MTP). Raises
+    def __init__(self, worker: Worker, hidden: Tensor, target_width: int, fuse: Projection | None = None,
+                 target_ids: np.ndarray | None = None) -> None:
+        """`hidden`: the [max_tokens, H] rows the head's first end reads; `target_width`: the
+        width of the target's rows (H for MTP; fused to H by `fuse` otherwise). Raises
         ValueError for a worker that does not keep the head's last layer output."""
         if worker.config.keep_hidden_layers != (len(worker.model.layers) - 1,):
             raise ValueError("a draft head's worker keeps its last layer's output (keep_hidden_layers)")
         self.worker = worker
-        self._inputs = inputs
+        self._hidden = hidden
         self._target_width = target_width
+        self._fuse = fuse
+        backend = worker.backend
+        self._staging = None if fuse is None else backend.empty((hidden.shape[0], target_width),
+                                                                 backend.capabilities.activation_dtype)
+        self._target_ids = target_ids
+        self._draft_ids = None if target_ids is None else {int(t): d for d, t in enumerate(target_ids.tolist())}
 
     @property
     def target_width(self) -> int:
@@ -91,7 +102,33 @@ class HeadWorker:
     def execute(self, batch: ScheduledBatch, hidden_states: np.ndarray, from_target: bool) -> StepResult:
         """Raises ValueError for rows of another width or count than the batch's tokens."""
         width = self._target_width if from_target else self.worker.model.hidden_size
-        if hidden_states.shape != (batch.num_tokens, width):
-            raise ValueError(f"hidden states {hidden_states.shape} for {batch.num_tokens} tokens of width {width}")
-        self.worker.backend.copy_from_host(self._inputs.hidden.rows(0, batch.num_tokens), hidden_states)
-        return self.worker.execute(batch)
+        num_tokens = batch.num_tokens
+        if hidden_states.shape != (num_tokens, width):
+            raise ValueError(f"hidden states {hidden_states.shape} for {num_tokens} tokens of width {width}")
+        backend = self.worker.backend
+        if from_target and self._staging is not None and self._fuse is not None:
+            staged = self._staging.rows(0, num_tokens)
+            backend.copy_from_host(staged, hidden_states)
+            backend.dense.project(staged, self._fuse, self._hidden.rows(0, num_tokens))
+        else:
+            backend.copy_from_host(self._hidden.rows(0, num_tokens), hidden_states)
+        if self._target_ids is None:
+            return self.worker.execute(batch)
+        result = self.worker.execute(self._in_draft_ids(batch))
+        token_ids = tuple(int(self._target_ids[token_id]) for token_id in result.token_ids)
+        return StepResult(result.step_id, token_ids, result.logprobs, result.hidden_states)
+
+    def _in_draft_ids(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """`batch` with each logit bias on draft ids (a target id the head cannot draft is dropped)."""
+        draft_ids = self._draft_ids or {}
+        sequences = []
+        for seq in batch.sequences:
+            sampling = seq.sampling
+            if sampling is not None and sampling.bias_token_ids:
+                kept = [(draft_ids[i], v) for i, v in zip(sampling.bias_token_ids, sampling.bias_values, strict=True)
+                        if i in draft_ids]
+                ids, values = (tuple(part) for part in zip(*kept, strict=True)) if kept else ((), ())
+                seq = msgspec.structs.replace(seq, sampling=msgspec.structs.replace(
+                    sampling, bias_token_ids=ids, bias_values=values))
+            sequences.append(seq)
+        return replace(batch, sequences=tuple(sequences))

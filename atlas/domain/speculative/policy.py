@@ -151,7 +151,8 @@ class DraftHeadSpeculation:
     def __init__(self, config: SpeculativeConfig, proposer: DraftHeadProposer) -> None:
         """Raises SpeculativeConfigError for a method other than mtp or eagle3."""
         if config.method not in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3):
-            raise SpeculativeConfigError("method", f"{config.method.value} is not a draft-head (mtp, eagle3) configuration")
+            raise SpeculativeConfigError("method",
+                                         f"{config.method.value} is not a draft-head (mtp, eagle3) configuration")
         self.config = config
         self.proposer = proposer
         self._drafts: dict[str, tuple[int, ...]] = {}
