@@ -1,10 +1,10 @@
 """Loading the draft head of `--speculative-config '{"method": "mtp" | "eagle3", ...}'`.
 
 MTP runs the multi-token-prediction layers the target checkpoint carries (Qwen3-Next's `mtp.*`);
-EAGLE-3 a head checkpoint of its own (`atlas.app.eagle3`). Either becomes a `Model` on the
-target's backend that reads the target's kept hidden states (`atlas.domain.models.draft_heads`);
-the builder plans its KV cache with the target's and wires a second `Worker` over it into a
-`DraftHeadProposer`.
+EAGLE-3 a head checkpoint of its own, named by `model` (`atlas.domain.models.eagle3`). Either
+becomes a `Model` on the target's backend that reads the target's kept hidden states
+(`atlas.domain.models.draft_heads`); the builder plans its KV cache with the target's and wires
+a second `Worker` over it into a `DraftHeadProposer`.
 """
 
 from __future__ import annotations
@@ -13,21 +13,28 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
+from atlas.app.model_store import ModelNotFoundError, resolve_model
 from atlas.app.settings import EngineSettings, SettingsError
 from atlas.domain.device_caches import allocate_caches
 from atlas.domain.models import qwen3_next
+from atlas.domain.models.checkpoint import CheckpointReader
 from atlas.domain.models.config import ModelConfig
-from atlas.domain.models.draft_heads import HeadWorker, HiddenInput, mtp_head
+from atlas.domain.models.draft_heads import HeadWorker, mtp_head
+from atlas.domain.models.eagle3 import TargetFacts, load_eagle3
 from atlas.domain.models.model import Model
 from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeMethod
 from atlas.domain.speculative.draft_head import DraftHeadProposer
 from atlas.domain.worker import Worker, WorkerConfig
-from atlas.ports.gpu import DType, GpuBackend
+from atlas.ports.gpu import DType, GpuBackend, Tensor
+from atlas.ports.kernels.dense import Projection
 from atlas.ports.weights import WeightSource
 
 log = logging.getLogger("atlas")
 
 _FLAG = "--speculative-config: speculative_config.method"
+_MODEL = "--speculative-config: speculative_config.model"
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,17 +42,17 @@ class LoadedHead:
     """A draft head on the target's backend, and what the target's worker must keep for it."""
 
     model: Model
-    inputs: HiddenInput
+    hidden: Tensor  # the [max_tokens, H] hidden-state rows its first end reads
     target_layers: tuple[int, ...]  # the target layers whose outputs the head reads, side by side
     target_width: int  # the width of those rows: H x len(target_layers)
     description: str
+    fuse: Projection | None = None  # EAGLE-3's fc: the target's rows into H
+    target_ids: np.ndarray | None = None  # EAGLE-3: each draft id's target id
 
 
 def check_head_target(speculative: SpeculativeConfig, config: ModelConfig) -> None:
     """Before any weight is read: refuse mtp for a target family without MTP layers. Raises
     SettingsError naming the flag."""
-    if speculative.method is SpeculativeMethod.EAGLE3:
-        raise SettingsError(f"{_FLAG}: eagle3 is not supported by the engine yet; use mtp, ngram or draft_model")
     if speculative.method is SpeculativeMethod.MTP and config.architecture not in qwen3_next.ARCHITECTURES:
         raise SettingsError(
             f"{_FLAG}: mtp runs the MTP layers of a Qwen3-Next-family checkpoint; {config.architecture} has none "
@@ -55,16 +62,45 @@ def check_head_target(speculative: SpeculativeConfig, config: ModelConfig) -> No
 
 def load_head(speculative: SpeculativeConfig, config: ModelConfig, weights: WeightSource, target: Model,
               max_model_len: int, max_tokens: int) -> LoadedHead:
-    """The draft head of an mtp configuration, on the target's backend, for steps of up to
-    `max_tokens` tokens. Raises SettingsError when the checkpoint carries no MTP layers."""
+    """The draft head of an mtp or eagle3 configuration, on the target's backend, for steps of
+    up to `max_tokens` tokens. Raises SettingsError naming the field when the checkpoint
+    carries no MTP layers, or the EAGLE-3 head is missing, malformed or does not fit."""
     backend = target.backend
+    if speculative.method is SpeculativeMethod.EAGLE3:
+        spec: str = speculative.model  # type: ignore[assignment]
+        return _load_eagle3(spec, config, weights, target, max_model_len, max_tokens)
     mtp = qwen3_next.load_mtp(config, weights, backend, max_model_len)
     if mtp is None:
         raise SettingsError(f"{_FLAG}: mtp: the checkpoint carries no MTP layers (mtp.* tensors); use ngram or "
                             "draft_model")
     model, inputs = mtp_head(mtp, backend, max_tokens, config.vocab_size)
     last = len(target.layers) - 1
-    return LoadedHead(model, inputs, (last,), config.hidden_size, f"MTP head ({len(mtp.layers)} layers)")
+    return LoadedHead(model, inputs.hidden, (last,), config.hidden_size, f"MTP head ({len(mtp.layers)} layers)")
+
+
+def _load_eagle3(spec: str, config: ModelConfig, weights: WeightSource, target: Model, max_model_len: int,
+                 max_tokens: int) -> LoadedHead:
+    from atlas.app.builder import open_weights, read_model_config  # the builder imports this module
+
+    try:
+        head_dir = resolve_model(spec)
+    except ModelNotFoundError as error:
+        places = "; ".join(line.strip()[2:] for line in str(error).splitlines() if line.strip().startswith("- "))
+        raise SettingsError(f"{_MODEL}: EAGLE-3 head {spec!r} not found (looked in: {places}); pass a folder holding "
+                            "its config.json and weights, a pulled name or an HF repo id") from None
+    try:
+        head_config = read_model_config(head_dir)
+        embedding_name = "model.embed_tokens.weight"
+        facts = TargetFacts(config.hidden_size, config.vocab_size, len(target.layers),
+                            lambda: CheckpointReader(weights).array(embedding_name, (config.vocab_size,
+                                                                                    config.hidden_size)))
+        head = load_eagle3(head_config, open_weights(head_dir, head_config), target.backend, max_model_len,
+                           max_tokens, facts)
+    except ValueError as error:
+        raise SettingsError(f"{_MODEL}: EAGLE-3 head {spec!r}: {' '.join(str(error).split())}") from None
+    layers = ", ".join(str(layer) for layer in head.target_layers)
+    return LoadedHead(head.model, head.buffers.hidden, head.target_layers, len(head.target_layers) * config.hidden_size,
+                      f"EAGLE-3 head {head_dir.name} (target layers {layers})", head.fuse, head.target_ids)
 
 
 def head_proposer(settings: EngineSettings, head: LoadedHead, num_pages: Sequence[int], kv_dtype: DType,
@@ -79,5 +115,5 @@ def head_proposer(settings: EngineSettings, head: LoadedHead, num_pages: Sequenc
     log.info("%s: %d KV blocks of %d tokens", head.description, num_pages[0], settings.block_size)
     worker = Worker(backend, model, caches, config)
     worker.capture_graphs()  # its decode steps (drafts 1 .. k - 1) replay them
-    return DraftHeadProposer(HeadWorker(worker, head.inputs, head.target_width), num_pages[0], settings.block_size,
-                             settings.max_prefill_tokens, vocab_size)
+    runner = HeadWorker(worker, head.hidden, head.target_width, head.fuse, head.target_ids)
+    return DraftHeadProposer(runner, num_pages[0], settings.block_size, settings.max_prefill_tokens, vocab_size)
