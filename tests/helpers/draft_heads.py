@@ -141,9 +141,11 @@ def build_mtp_core(weights: dict[str, np.ndarray] | None = None, speculative: Sp
     return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)
 
 
-def write_qwen3_next_folder(folder, weights_of=random_qwen3_next_weights, **weights_kwargs):
-    """A model folder of the tiny Qwen3-Next (MTP layers included unless num_mtp_layers=0) with
-    the tiny Llama's trained tokenizer: `weights_of(config, **weights_kwargs)` gives its tensors."""
+def write_qwen3_next_folder(folder, weights_of=random_qwen3_next_weights, shape: Mapping = TINY_QWEN3_NEXT,
+                            **weights_kwargs):
+    """A model folder of a Qwen3-Next of `shape` (MTP layers included unless num_mtp_layers=0)
+    with the tiny Llama's trained tokenizer: `weights_of(config, **weights_kwargs)` gives its
+    tensors."""
     import json
     from pathlib import Path
 
@@ -152,7 +154,7 @@ def write_qwen3_next_folder(folder, weights_of=random_qwen3_next_weights, **weig
 
     folder = write_tiny_model(Path(folder))
     vocab_size = json.loads((folder / "config.json").read_text())["vocab_size"]
-    config = {**TINY_QWEN3_NEXT, "vocab_size": vocab_size, "torch_dtype": "bfloat16"}
+    config = {**shape, "vocab_size": vocab_size, "torch_dtype": "bfloat16"}
     (folder / "config.json").write_text(json.dumps(config))
     write_safetensors(folder / "model.safetensors", weights_of(config, **weights_kwargs))
     return folder
@@ -226,6 +228,7 @@ def predicting_eagle3(target: dict[str, np.ndarray], follows: np.ndarray, config
     hidden, draft_vocab, vocab = config["hidden_size"], config["draft_vocab_size"], config["vocab_size"]
     twice = follows[follows]
     needed = sorted(set(twice.tolist()))
+    assert len(needed) <= draft_vocab, f"f(f(i)) takes {len(needed)} ids; raise draft_vocab_size"
     others = [i for i in range(vocab) if i not in set(needed)]
     draft_ids = np.array(sorted(needed + others[: draft_vocab - len(needed)]))
     tensors = random_eagle3_weights(config, draft_ids=draft_ids)
