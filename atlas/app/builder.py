@@ -18,7 +18,7 @@ from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.adapters.weights.safetensors import SafetensorsWeights
 from atlas.app.backends import make_backend
 from atlas.app.chat_features import LazyGrammarCompiler
-from atlas.app.draft_heads import check_head_target, head_proposer, load_head
+from atlas.app.draft_heads import head_proposer, load_head, open_head
 from atlas.app.draft_model import DraftCheckpoint, load_draft_model, open_draft_model
 from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
@@ -180,9 +180,9 @@ def build_engine(
     draft = None
     if speculative is not None and speculative.method is SpeculativeMethod.DRAFT_MODEL:
         draft = open_draft_model(speculative.model, tokenizer)  # type: ignore[arg-type]
-    is_head = speculative is not None and speculative.method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3)
-    if is_head:
-        check_head_target(speculative, config)  # type: ignore[arg-type]
+    head_checkpoint = None
+    if speculative is not None and speculative.method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3):
+        head_checkpoint = open_head(speculative, config)
 
     phases.lap("model files", f"{model_dir.name}: config, tokenizer, weight headers")
     backend = placement.make_backend(settings, config)
@@ -190,6 +190,7 @@ def build_engine(
     free_bytes, total_bytes = backend.memory_info()
     weight_bytes = placement.weight_bytes(checkpoint_bytes(stored, quantize))
     weight_bytes += draft.weight_bytes if draft is not None else 0
+    weight_bytes += head_checkpoint.weight_bytes if head_checkpoint is not None else 0
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
     log.info(
         "loading %s (%s, %.2f GiB%s) on %s", model_dir, config.architecture, weight_bytes / GIB,
@@ -205,9 +206,9 @@ def build_engine(
     model = placement.load(config, weights, backend, max_model_len, limits, progress.update)
     draft_model = load_draft_model(draft, backend, max_model_len) if draft is not None else None
     head = None
-    if is_head:
+    if head_checkpoint is not None:
         head_tokens = max(max_num_tokens, settings.max_num_seqs, max(graph_sizes, default=0))
-        head = load_head(speculative, config, weights, model, max_model_len, head_tokens)  # type: ignore[arg-type]
+        head = load_head(head_checkpoint, config, weights, model, max_model_len, head_tokens)
         draft_model = head.model
     backend.synchronize()  # the copies are in: the phase's rate is the real one
     phases.lap("weights", lambda seconds: f"{weight_bytes / GIB:.2f} GiB, {weight_bytes / seconds / 1e9:.2f} GB/s")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -22,8 +23,9 @@ from atlas.domain.models import qwen3_next
 from atlas.domain.models.checkpoint import CheckpointReader
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.draft_heads import HeadWorker, mtp_head
-from atlas.domain.models.eagle3 import TargetFacts, load_eagle3
+from atlas.domain.models.eagle3 import Eagle3Shape, TargetFacts, load_eagle3
 from atlas.domain.models.model import Model
+from atlas.domain.models.quantization_weights import checkpoint_bytes
 from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeMethod
 from atlas.domain.speculative.draft_head import DraftHeadProposer
 from atlas.domain.worker import Worker, WorkerConfig
@@ -50,25 +52,60 @@ class LoadedHead:
     target_ids: np.ndarray | None = None  # EAGLE-3: each draft id's target id
 
 
-def check_head_target(speculative: SpeculativeConfig, config: ModelConfig) -> None:
-    """Before any weight is read: refuse mtp for a target family without MTP layers. Raises
-    SettingsError naming the flag."""
-    if speculative.method is SpeculativeMethod.MTP and config.architecture not in qwen3_next.ARCHITECTURES:
-        raise SettingsError(
-            f"{_FLAG}: mtp runs the MTP layers of a Qwen3-Next-family checkpoint; {config.architecture} has none "
-            "Atlas can run; use ngram, draft_model or eagle3"
-        )
+@dataclass(frozen=True, slots=True)
+class HeadCheckpoint:
+    """A checked draft head, not loaded yet: the target's own MTP layers (`model_dir` None), or
+    an EAGLE-3 head's folder, config and weights."""
+
+    method: SpeculativeMethod
+    spec: str | None = None  # as `speculative_config.model` names it
+    model_dir: Path | None = None
+    config: ModelConfig | None = None
+    weights: WeightSource | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """What its own checkpoint adds to the target's (MTP layers are counted with the target)."""
+        return checkpoint_bytes(self.weights) if self.weights is not None else 0
 
 
-def load_head(speculative: SpeculativeConfig, config: ModelConfig, weights: WeightSource, target: Model,
-              max_model_len: int, max_tokens: int) -> LoadedHead:
-    """The draft head of an mtp or eagle3 configuration, on the target's backend, for steps of
-    up to `max_tokens` tokens. Raises SettingsError naming the field when the checkpoint
-    carries no MTP layers, or the EAGLE-3 head is missing, malformed or does not fit."""
+def open_head(speculative: SpeculativeConfig, config: ModelConfig) -> HeadCheckpoint:
+    """Check the head of an mtp or eagle3 configuration before any weight is read: mtp needs a
+    Qwen3-Next-family target; an EAGLE-3 head must resolve to a folder whose config.json Atlas
+    can run against this target. Raises SettingsError naming the flag and the key."""
+    if speculative.method is SpeculativeMethod.MTP:
+        if config.architecture not in qwen3_next.ARCHITECTURES:
+            raise SettingsError(
+                f"{_FLAG}: mtp runs the MTP layers of a Qwen3-Next-family checkpoint; {config.architecture} has none "
+                "Atlas can run; use ngram, draft_model or eagle3"
+            )
+        return HeadCheckpoint(SpeculativeMethod.MTP)
+    from atlas.app.builder import open_weights, read_model_config  # the builder imports this module
+
+    spec: str = speculative.model  # type: ignore[assignment]
+    try:
+        head_dir = resolve_model(spec)
+    except ModelNotFoundError as error:
+        places = "; ".join(line.strip()[2:] for line in str(error).splitlines() if line.strip().startswith("- "))
+        raise SettingsError(f"{_MODEL}: EAGLE-3 head {spec!r} not found (looked in: {places}); pass a folder holding "
+                            "its config.json and weights, a pulled name or an HF repo id") from None
+    try:
+        head_config = read_model_config(head_dir)
+        Eagle3Shape.from_config(head_config)
+        weights = open_weights(head_dir, head_config)
+    except ValueError as error:
+        raise SettingsError(f"{_MODEL}: EAGLE-3 head {spec!r}: {' '.join(str(error).split())}") from None
+    return HeadCheckpoint(SpeculativeMethod.EAGLE3, spec, head_dir, head_config, weights)
+
+
+def load_head(head: HeadCheckpoint, config: ModelConfig, weights: WeightSource, target: Model, max_model_len: int,
+              max_tokens: int) -> LoadedHead:
+    """Load a checked head onto the target's backend, for steps of up to `max_tokens` tokens.
+    Raises SettingsError naming the field when the checkpoint carries no MTP layers, or the
+    EAGLE-3 head's tensors are missing or do not fit the target."""
     backend = target.backend
-    if speculative.method is SpeculativeMethod.EAGLE3:
-        spec: str = speculative.model  # type: ignore[assignment]
-        return _load_eagle3(spec, config, weights, target, max_model_len, max_tokens)
+    if head.method is SpeculativeMethod.EAGLE3:
+        return _load_eagle3(head, config, weights, target, max_model_len, max_tokens)
     mtp = qwen3_next.load_mtp(config, weights, backend, max_model_len)
     if mtp is None:
         raise SettingsError(f"{_FLAG}: mtp: the checkpoint carries no MTP layers (mtp.* tensors); use ngram or "
@@ -78,29 +115,20 @@ def load_head(speculative: SpeculativeConfig, config: ModelConfig, weights: Weig
     return LoadedHead(model, inputs.hidden, (last,), config.hidden_size, f"MTP head ({len(mtp.layers)} layers)")
 
 
-def _load_eagle3(spec: str, config: ModelConfig, weights: WeightSource, target: Model, max_model_len: int,
-                 max_tokens: int) -> LoadedHead:
-    from atlas.app.builder import open_weights, read_model_config  # the builder imports this module
-
+def _load_eagle3(checkpoint: HeadCheckpoint, config: ModelConfig, weights: WeightSource, target: Model,
+                 max_model_len: int, max_tokens: int) -> LoadedHead:
+    assert checkpoint.config is not None and checkpoint.weights is not None and checkpoint.model_dir is not None
+    shape = (config.vocab_size, config.hidden_size)
+    facts = TargetFacts(config.hidden_size, config.vocab_size, len(target.layers),
+                        lambda: CheckpointReader(weights).array("model.embed_tokens.weight", shape))
     try:
-        head_dir = resolve_model(spec)
-    except ModelNotFoundError as error:
-        places = "; ".join(line.strip()[2:] for line in str(error).splitlines() if line.strip().startswith("- "))
-        raise SettingsError(f"{_MODEL}: EAGLE-3 head {spec!r} not found (looked in: {places}); pass a folder holding "
-                            "its config.json and weights, a pulled name or an HF repo id") from None
-    try:
-        head_config = read_model_config(head_dir)
-        embedding_name = "model.embed_tokens.weight"
-        facts = TargetFacts(config.hidden_size, config.vocab_size, len(target.layers),
-                            lambda: CheckpointReader(weights).array(embedding_name, (config.vocab_size,
-                                                                                    config.hidden_size)))
-        head = load_eagle3(head_config, open_weights(head_dir, head_config), target.backend, max_model_len,
-                           max_tokens, facts)
+        head = load_eagle3(checkpoint.config, checkpoint.weights, target.backend, max_model_len, max_tokens, facts)
     except ValueError as error:
-        raise SettingsError(f"{_MODEL}: EAGLE-3 head {spec!r}: {' '.join(str(error).split())}") from None
+        raise SettingsError(f"{_MODEL}: EAGLE-3 head {checkpoint.spec!r}: {' '.join(str(error).split())}") from None
     layers = ", ".join(str(layer) for layer in head.target_layers)
-    return LoadedHead(head.model, head.buffers.hidden, head.target_layers, len(head.target_layers) * config.hidden_size,
-                      f"EAGLE-3 head {head_dir.name} (target layers {layers})", head.fuse, head.target_ids)
+    width = len(head.target_layers) * config.hidden_size
+    return LoadedHead(head.model, head.buffers.hidden, head.target_layers, width,
+                      f"EAGLE-3 head {checkpoint.model_dir.name} (target layers {layers})", head.fuse, head.target_ids)
 
 
 def head_proposer(settings: EngineSettings, head: LoadedHead, num_pages: Sequence[int], kv_dtype: DType,
