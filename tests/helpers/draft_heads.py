@@ -115,9 +115,10 @@ def copying_mtp(tensors: dict[str, np.ndarray], config: Mapping = TINY_QWEN3_NEX
 
 def build_mtp_core(weights: dict[str, np.ndarray] | None = None, speculative: SpeculativeConfig | None = None,
                    num_blocks=400, max_num_seqs=32, budget=256, graph_sizes=(), head_blocks=None,
-                   prefix_caching=True) -> EngineCore:
+                   prefix_caching=True, grammars=None) -> EngineCore:
     """An engine over the tiny Qwen3-Next (`weights`, default: random with one MTP layer),
-    drafting with its MTP head under an mtp `speculative` config (None: plain decoding)."""
+    drafting with its MTP head under an mtp `speculative` config (None: plain decoding);
+    `grammars`: a GrammarCache for requests' constraints."""
     config = ModelConfig.from_dict(TINY_QWEN3_NEXT)
     weights = weights if weights is not None else random_qwen3_next_weights()
     backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
@@ -138,7 +139,7 @@ def build_mtp_core(weights: dict[str, np.ndarray] | None = None, speculative: Sp
         proposer = DraftHeadProposer(runner, head_blocks, BLOCK_SIZE, budget, config.vocab_size)
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, None,
                           speculation_policy(speculative, proposer))
-    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)
+    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS, grammars)
 
 
 def write_qwen3_next_folder(folder, weights_of=random_qwen3_next_weights, shape: Mapping = TINY_QWEN3_NEXT,

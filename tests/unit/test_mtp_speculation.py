@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.draft_heads import build_mtp_core, copying_mtp, random_qwen3_next_weights
+from helpers.residue_grammar import follows_residues, residue_grammars, residues
 from helpers.tiny_engine import prompts, run
 from test_engine_speculation import REPEATING, assert_same_outputs, outputs, requests_for
 
@@ -147,4 +148,17 @@ def test_a_prefix_cache_hit_feeds_the_head_zero_hidden_states_and_changes_no_tok
     assert run(core, [second]) == run(plain, [second])
     assert core.stats().num_prefix_cache_hits > 0
     assert core.stats().num_spec_accepted_tokens > accepted_before
+    assert_all_blocks_back(core)
+
+
+def test_constrained_sequences_verify_mtp_drafts_under_their_grammar(rng):
+    bias = {6: 4.0, 9: 4.0, 12: 4.0}
+    requests = [Request(f"r{i}", p, SamplingParams(temperature=t, max_tokens=30, logit_bias=bias), seed=i,
+                        constraint=residues(24))
+                for i, (p, t) in enumerate(zip(prompts(6, rng), (0.0, 0.8) * 3))]
+    core = build_mtp_core(COPYING, MTP, grammars=residue_grammars(97))
+    tokens = run(core, requests)
+    assert tokens == run(build_mtp_core(COPYING, grammars=residue_grammars(97)), requests)
+    assert all(follows_residues(t, 24) for t in tokens.values())
+    assert core.stats().num_spec_accepted_tokens > 0
     assert_all_blocks_back(core)
