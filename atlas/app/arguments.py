@@ -107,7 +107,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seed for requests that bring none (default: a fresh random seed per request)")
     group.add_argument("--speculative-config", metavar="JSON", default=_env("speculative_config", None),
                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-                       "(keys: method, num_speculative_tokens, prompt_lookup_min/max, model, disable_by_batch_size)")
+                       "(methods: ngram, draft_model, mtp, eagle3; keys: method, num_speculative_tokens, "
+                       "prompt_lookup_min/max, model, disable_by_batch_size)")
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=_env("tensor_parallel_size", 1, int),
                        help="split the model over this many GPUs (one process each; default 1); heads, "
                        "feed-forward width and vocabulary must divide by it")

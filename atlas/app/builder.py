@@ -18,6 +18,7 @@ from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.adapters.weights.safetensors import SafetensorsWeights
 from atlas.app.backends import make_backend
 from atlas.app.chat_features import LazyGrammarCompiler
+from atlas.app.draft_heads import head_proposer, load_head, open_head
 from atlas.app.draft_model import DraftCheckpoint, load_draft_model, open_draft_model
 from atlas.app.model_store import resolve_model
 from atlas.app.progress import Progress
@@ -36,6 +37,7 @@ from atlas.domain.request_constraints import GrammarCache
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import POLICIES
 from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeMethod
+from atlas.domain.speculative.draft_head import DraftHeadProposer
 from atlas.domain.speculative.draft_model import DraftModelProposer
 from atlas.domain.speculative.policy import speculation_policy
 from atlas.domain.worker import Worker, WorkerConfig
@@ -179,6 +181,9 @@ def build_engine(
     draft = None
     if speculative is not None and speculative.method is SpeculativeMethod.DRAFT_MODEL:
         draft = open_draft_model(speculative.model, tokenizer)  # type: ignore[arg-type]
+    head_checkpoint = None
+    if speculative is not None and speculative.method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3):
+        head_checkpoint = open_head(speculative, config)
 
     phases.lap("model files", f"{model_dir.name}: config, tokenizer, weight headers")
     backend = placement.make_backend(settings, config)
@@ -186,6 +191,7 @@ def build_engine(
     free_bytes, total_bytes = backend.memory_info()
     weight_bytes = placement.weight_bytes(checkpoint_bytes(stored, quantize))
     weight_bytes += draft.weight_bytes if draft is not None else 0
+    weight_bytes += head_checkpoint.weight_bytes if head_checkpoint is not None else 0
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
     log.info(
         "loading %s (%s, %.2f GiB%s) on %s", model_dir, config.architecture, weight_bytes / GIB,
@@ -200,6 +206,11 @@ def build_engine(
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)
     model = placement.load(config, weights, backend, max_model_len, limits, progress.update)
     draft_model = load_draft_model(draft, backend, max_model_len) if draft is not None else None
+    head = None
+    if head_checkpoint is not None:
+        head_tokens = max(max_num_tokens, settings.max_num_seqs, max(graph_sizes, default=0))
+        head = load_head(head_checkpoint, config, weights, model, max_model_len, head_tokens)
+        draft_model = head.model
     backend.synchronize()  # the copies are in: the phase's rate is the real one
     phases.lap("weights", lambda seconds: f"{weight_bytes / GIB:.2f} GiB, {weight_bytes / seconds / 1e9:.2f} GB/s")
 
@@ -212,6 +223,7 @@ def build_engine(
     # the same block count, so the draft holds as many tokens as the target.
     draft_groups = draft_model.cache_groups if draft_model is not None else ()
     draft_workspace = draft_model.workspace_bytes(max_num_tokens, settings.max_num_seqs) if draft_model else 0
+    keep = head.target_layers if head is not None else ()
     plan = plan_cache(
         free_bytes=free_bytes,
         total_bytes=total_bytes,
@@ -232,10 +244,13 @@ def build_engine(
         backend,
         model,
         caches,
-        WorkerConfig(max_num_tokens, max(settings.max_num_seqs, verify_rows), max_model_len, graph_sizes),
+        WorkerConfig(max_num_tokens, max(settings.max_num_seqs, verify_rows), max_model_len, graph_sizes, keep),
     )
-    proposer = None
-    if draft is not None and draft_model is not None:
+    proposer: DraftModelProposer | DraftHeadProposer | None = None
+    if head is not None:
+        proposer = head_proposer(settings, head, plan.num_pages[len(model.cache_groups):], kv_dtype, max_model_len,
+                                 () if settings.enforce_eager else _graph_sizes(settings, 0), config.vocab_size)
+    elif draft is not None and draft_model is not None:
         proposer = _draft_proposer(settings, draft, draft_model, plan.num_pages[len(model.cache_groups):], kv_dtype,
                                    max_model_len, () if settings.enforce_eager else _graph_sizes(settings, 0),
                                    min(config.vocab_size, draft.config.vocab_size))
@@ -291,11 +306,12 @@ def engine_grammars(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int) ->
 
 def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pages: Sequence[int],
               executor: StepExecutor, max_model_len: int, vocab_size: int, tokenizer: Tokenizer,
-              grammars: GrammarCache | None = None, draft: DraftModelProposer | None = None) -> EngineCore:
+              grammars: GrammarCache | None = None,
+              draft: DraftModelProposer | DraftHeadProposer | None = None) -> EngineCore:
     """The engine core over the model's cache groups, group i with `num_pages[i]` pages,
     driving `executor`, compiling requests' grammars with `grammars` (None: refusing them),
-    drafting with `draft` under a draft_model configuration. Raises SettingsError for a
-    speculative configuration the model cannot run."""
+    drafting with `draft` under a draft_model, mtp or eagle3 configuration. Raises SettingsError
+    for a speculative configuration the model cannot run."""
     speculation = speculation_policy(settings.speculative, draft)
     if settings.speculative is not None and any(group.kind is CacheGroupKind.RECURRENT_STATE for group in groups):
         raise SettingsError(

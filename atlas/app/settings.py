@@ -84,10 +84,10 @@ class EngineSettings:
                 "give --tensor-parallel-size 2 or more"
             )
         speculative = _parse_speculative(self.speculative_config)
-        if speculative is not None and speculative.method is SpeculativeMethod.DRAFT_MODEL and self.is_parallel:
+        if speculative is not None and speculative.method is not SpeculativeMethod.NGRAM and self.is_parallel:
             raise SettingsError(
-                "--speculative-config: speculative_config.method: draft_model runs on one device; drop "
-                "--tensor-parallel-size or use ngram"
+                f"--speculative-config: speculative_config.method: {speculative.method.value} runs on one device; "
+                "drop --tensor-parallel-size or use ngram"
             )
 
     @property
@@ -97,20 +97,13 @@ class EngineSettings:
 
 
 def _parse_speculative(text: str | None) -> SpeculativeConfig | None:
-    """Raises SettingsError naming the flag and the key for a configuration that is invalid, or
-    that the engine cannot run yet (only ngram and draft_model)."""
+    """Raises SettingsError naming the flag and the key for a configuration that is invalid."""
     if text is None:
         return None
     try:
-        config = SpeculativeConfig.from_json(text)
+        return SpeculativeConfig.from_json(text)
     except ParameterError as error:
         raise SettingsError(f"--speculative-config: {error}") from None
-    if config.method not in (SpeculativeMethod.NGRAM, SpeculativeMethod.DRAFT_MODEL):
-        raise SettingsError(
-            f"--speculative-config: speculative_config.method: {config.method.value} is not supported by the "
-            "engine yet; use ngram or draft_model"
-        )
-    return config
 
 
 def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 
 from atlas.domain.requests import FinishReason
 
@@ -156,11 +157,17 @@ class TokenLogprobs(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Sampled ids, one per sampling row (`ScheduledSequence.sampling_rows`), in the batch's order."""
+    """Sampled ids, one per sampling row (`ScheduledSequence.sampling_rows`), in the batch's order.
+
+    `hidden_states`: with a worker that keeps layer outputs (`WorkerConfig.keep_hidden_layers`),
+    float32 [num_tokens, len(kept) * H]: every token of the step in batch order, each kept
+    layer's output side by side (what speculative draft heads are fed); else None.
+    """
 
     step_id: int
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    hidden_states: np.ndarray | None = None
 
 
 class SequenceOutput(msgspec.Struct, frozen=True):

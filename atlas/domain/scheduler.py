@@ -219,6 +219,7 @@ class Scheduler:
         """
         in_flight = check_result(self._in_flight[0] if self._in_flight else None, batch, result)
         self._in_flight.popleft()
+        self.speculation.observe(batch, result)
         outputs: list[SequenceOutput] = []
         live, step_id = self._live, batch.step_id
         row_idx = 0

@@ -18,6 +18,11 @@ wants penalties, logit bias or logprobs samples eagerly instead.
 A sequence verifying k speculative drafts runs as k + 1 single-token rows (`decode_rows`): the
 attention kind treats each as a decode over its own context, and a step of such rows replays
 the decode graphs of its row count (a verify step is a decode step of B x (k + 1) rows).
+
+A worker configured to keep layer outputs (`WorkerConfig.keep_hidden_layers`, what a draft head
+such as MTP or EAGLE-3 is fed) copies, inside the forward (graphs included), the residual stream
+after each of those layers into buffers of its own, and downloads the step's rows of them with
+the sampled ids: `StepResult.hidden_states`.
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ class WorkerConfig:
     max_num_seqs: int  # sequences in one step
     max_model_len: int
     graph_batch_sizes: tuple[int, ...] = ()  # decode batch sizes to capture; empty: always eager
+    # layers whose output (the residual stream after them, before the final norm for the last)
+    # each step hands back in `StepResult.hidden_states`, side by side in this order
+    keep_hidden_layers: tuple[int, ...] = ()
 
 
 _LogprobsDownloads = tuple[PendingDownload, PendingDownload | None, PendingDownload | None]
@@ -72,10 +80,12 @@ class PendingStep:
     A step submitted with `awaits_masks` samples only once `sample` is called.
     """
 
-    def __init__(self, step_id: int, wanted_logprobs: list[int | None], sampler: _Sampler | None = None) -> None:
+    def __init__(self, step_id: int, wanted_logprobs: list[int | None], sampler: _Sampler | None = None,
+                 hidden: tuple[PendingDownload, ...] = ()) -> None:
         self._step_id = step_id
         self._wanted = wanted_logprobs
         self._sampler = sampler  # None once sampled (or for a step without sampling rows)
+        self._hidden = hidden  # the kept layers' rows of the step, one download a layer
         self._token_ids: PendingDownload | None = None
         self._logprobs: _LogprobsDownloads | None = None
         self._result: StepResult | None = None
@@ -100,7 +110,10 @@ class PendingStep:
         if self._result is None:
             token_ids = self._token_ids.wait() if self._token_ids is not None else np.zeros(0, np.int32)
             logprobs = self._collect_logprobs(token_ids) if self._logprobs is not None else None
-            self._result = StepResult(self._step_id, tuple(token_ids.tolist()), logprobs)
+            hidden = None
+            if self._hidden:
+                hidden = np.concatenate([download.wait().astype(np.float32) for download in self._hidden], axis=1)
+            self._result = StepResult(self._step_id, tuple(token_ids.tolist()), logprobs, hidden)
         return self._result
 
     def _collect_logprobs(self, token_ids: np.ndarray) -> tuple[TokenLogprobs | None, ...]:
@@ -166,6 +179,7 @@ class Worker:
         self._graphs: dict[int, tuple[Graph, Tensor]] = {}  # bucket -> (forward graph, its logits)
         self._sampler_graphs: dict[tuple[int, bool], Graph] = {}  # (bucket, masked) -> sampler graph
         self._deferred: list[int] = []  # buckets left to `capture_next_graph`, smallest first
+        self._kept = _KeptLayers(backend, model, config.keep_hidden_layers, max_tokens)
 
     def submit(self, batch: ScheduledBatch) -> PendingStep:
         """Enqueue one step (its sampling too, unless `batch.awaits_masks`). Raises ValueError
@@ -177,10 +191,11 @@ class Worker:
             return PendingStep(batch.step_id, wanted)
         bucket = self._graph_bucket(batch)
         staged = self._pack(rows, bucket)
-        logits = self._forward(batch, bucket, staged)
+        logits = self._forward(batch, bucket, staged, self._kept.observer)
+        hidden = self._kept.begin_downloads(batch.num_tokens)
         if staged is None:
-            return PendingStep(batch.step_id, wanted)
-        pending = PendingStep(batch.step_id, wanted, partial(self._sample, logits, staged, bucket, wanted))
+            return PendingStep(batch.step_id, wanted, hidden=hidden)
+        pending = PendingStep(batch.step_id, wanted, partial(self._sample, logits, staged, bucket, wanted), hidden)
         if not batch.awaits_masks:
             pending.sample(None)
         return pending
@@ -350,7 +365,7 @@ class Worker:
 
         def run_forward() -> None:
             buffers.gather_tokens(bucket)
-            outputs[:] = [self.model.forward(step, self.caches, self.workspace, bucket)]
+            outputs[:] = [self.model.forward(step, self.caches, self.workspace, bucket, self._kept.observer)]
 
         run_forward()  # warm up outside capture: lazy compilation and workspaces settle first
         graph = self.backend.capture(run_forward)
@@ -414,6 +429,41 @@ class Worker:
             backend.begin_download(logprobs_out.top_ids) if num_top else None,
             backend.begin_download(logprobs_out.top_logprobs) if num_top else None,
         )
+
+
+class _KeptLayers:
+    """The outputs of the layers a worker keeps: a buffer [max_tokens, H] per layer, written by
+    a row gather inside the forward (so a captured graph keeps them too) and downloaded per step."""
+
+    def __init__(self, backend: GpuBackend, model: Model, layers: tuple[int, ...], max_tokens: int) -> None:
+        """Raises ValueError for a layer the model does not have."""
+        bad = [layer for layer in layers if not 0 <= layer < len(model.layers)]
+        if bad:
+            raise ValueError(f"keep_hidden_layers {bad}: the model has layers 0 .. {len(model.layers) - 1}")
+        self._backend = backend
+        self._slots: dict[int, list[int]] = {}  # a layer may be kept twice (EAGLE-3 of a shallow target)
+        for slot, layer in enumerate(layers):
+            self._slots.setdefault(layer, []).append(slot)
+        dtype = backend.capabilities.activation_dtype
+        self._buffers = tuple(backend.empty((max_tokens, model.hidden_size), dtype) for _ in layers)
+        self._row_ids = backend.upload(np.arange(max_tokens, dtype=np.int32), DType.I32) if layers else None
+
+    @property
+    def observer(self) -> LayerObserver | None:
+        """What `Model.forward` calls after each layer (None: nothing is kept)."""
+        return self._keep if self._slots else None
+
+    def begin_downloads(self, num_tokens: int) -> tuple[PendingDownload, ...]:
+        """Start downloading the step's `num_tokens` rows of each kept layer."""
+        return tuple(self._backend.begin_download(buffer.rows(0, num_tokens)) for buffer in self._buffers)
+
+    def _keep(self, index: int, residual: Tensor) -> None:
+        if self._row_ids is None:
+            return
+        num_tokens = residual.shape[0]
+        row_ids = self._row_ids.rows(0, num_tokens)
+        for slot in self._slots.get(index, ()):
+            self._backend.gather_rows(residual, row_ids, self._buffers[slot].rows(0, num_tokens))
 
 
 def decode_rows(batch: ScheduledBatch) -> ScheduledBatch:

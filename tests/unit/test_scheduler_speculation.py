@@ -57,6 +57,9 @@ class ScriptedProposer:
             drafts = drafts[: self.wrong_from] + [(t + 1) % VOCAB_SIZE for t in drafts[self.wrong_from :]]
         return tuple(drafts)
 
+    def observe(self, batch, result) -> None:
+        pass
+
     def forget(self, seq_id: str) -> None:
         self.forgotten.append(seq_id)
 

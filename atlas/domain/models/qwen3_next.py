@@ -18,7 +18,8 @@ gated norm inside a DeltaNet layer stores its multiplier itself. The cache group
 DeltaNet layers' state slots and the attention layers' KV pages.
 
 Checkpoints also carry a multi-token-prediction head (`mtp.*`), which transformers drops on
-load; `load_mtp` reads it into an `MtpModule` for speculative decoding (not run yet).
+load; `load_mtp` reads it into an `MtpModule`, which `draft_heads.mtp_head` runs as the draft
+head of `--speculative-config '{"method": "mtp", ...}'`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from atlas.domain.models.model import Model
 from atlas.domain.models.rope import rope_table
 from atlas.ports.gpu import DType, GpuBackend, Kind, Tensor
 from atlas.ports.kernels.attention import AttentionLayer, HeadLayout, HostAttention
-from atlas.ports.kernels.dense import HostProjection, HostVocab, Projection
+from atlas.ports.kernels.dense import HostProjection, HostVocab, Projection, Vocab
 from atlas.ports.kernels.host_weights import Activation, HostLinear, RmsNorm
 from atlas.ports.kernels.moe import HostMoe, HostSharedExpert, Routing, Scoring
 from atlas.ports.kernels.recurrent import DeltaNetLayer, HostDeltaNet
@@ -196,17 +197,17 @@ def load_qwen3_next(
 @dataclass(frozen=True, slots=True)
 class MtpModule:
     """Qwen3-Next's multi-token-prediction head, prepared on a backend, for speculative decoding
-    to run (nothing runs it yet). Given the main model's hidden state h_t (before its final
-    norm) and the embedding of token t + 1, it predicts token t + 2:
+    (`draft_heads.mtp_head`). Given the main model's hidden state h_t (before its final norm)
+    and the embedding of token t + 1, it predicts token t + 2:
 
         x = embedding_projection(embed(t + 1)) + hidden_projection(h_t)
             (fc over [norm_e(embed) | norm_h(h)], split by columns into the two projections)
         x = layers(x)                    full attention + MoE, over its own `cache_groups`
         logits = lm_head(rmsnorm(x, final_norm))     the main model's lm_head
 
-    `final_norm` stays a host norm: the dense kind's head applies the vocabulary's own final
-    norm, so running this head needs either a vocabulary sharing the tables with this norm or
-    the norm applied before the head.
+    `vocab` is the main model's embedding and lm_head with `final_norm` as its final norm (the
+    dense kind's head applies its vocabulary's own norm): a second copy of the tables on the
+    device, until a backend can share them between two vocabularies.
     """
 
     embedding_projection: Projection  # pre_fc_norm_embedding, fc[:, :H]
@@ -215,6 +216,7 @@ class MtpModule:
     cache_groups: tuple[CacheGroupSpec, ...]
     final_norm: RmsNorm
     hidden_size: int
+    vocab: Vocab
 
 
 def load_mtp(config: ModelConfig, weights: WeightSource, backend: GpuBackend, max_positions: int) -> MtpModule | None:
@@ -251,6 +253,7 @@ def load_mtp(config: ModelConfig, weights: WeightSource, backend: GpuBackend, ma
         cache_groups=groups,
         final_norm=builder.norm("mtp.norm"),
         hidden_size=hidden,
+        vocab=dense.prepare_vocab(replace(builder.vocab(), final_norm=builder.norm("mtp.norm"))),
     )
 
 

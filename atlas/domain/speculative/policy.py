@@ -6,13 +6,16 @@
     policy.prepare(running)              once per such step, before any propose: a proposer
                                          that drafts for every sequence at once runs here
     policy.propose(seq, max_drafts)      up to max_drafts drafts for a caught-up sequence
+    policy.observe(batch, result)        a step is being committed: a proposer fed the target's
+                                         hidden states (MTP, EAGLE-3) keeps those it will need
     policy.forget(seq_id)                the sequence finished or was preempted: drop what the
                                          proposer keeps for it
 
 `NoSpeculation` is the null object (the scheduler's default); `NgramSpeculation` drafts with
 prompt lookup (`NgramProposer`), `DraftModelSpeculation` with a small model
-(`DraftModelProposer`); both switch themselves off for steps with more running sequences than
-the config's `disable_by_batch_size`.
+(`DraftModelProposer`), `DraftHeadSpeculation` with a head fed the target's hidden states (MTP,
+EAGLE-3: `DraftHeadProposer`); each switches itself off for steps with more running sequences
+than the config's `disable_by_batch_size`.
 
 Why the draft model's device work sits behind the policy: drafts must exist when the step is
 scheduled (its block reservations and row counts depend on them), and the verify outcome they
@@ -29,8 +32,10 @@ from typing import Protocol
 
 from collections.abc import Sequence as SequenceOf
 
+from atlas.domain.batch import ScheduledBatch, StepResult
 from atlas.domain.sequence import Sequence
 from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeConfigError, SpeculativeMethod
+from atlas.domain.speculative.draft_head import DraftHeadProposer
 from atlas.domain.speculative.draft_model import DraftModelProposer, DraftRequest
 from atlas.domain.speculative.ngram import NgramProposer, TokenHistory
 
@@ -56,6 +61,11 @@ class SpeculationPolicy(Protocol):
         """At most `max_drafts` drafts to follow `history`'s final tokens (possibly none)."""
         ...
 
+    def observe(self, batch: ScheduledBatch, result: StepResult) -> None:
+        """Step `batch` is being committed with `result` (every step, before its tokens are
+        applied): where `result.hidden_states` is set, the target's kept hidden states."""
+        ...
+
     def forget(self, seq_id: str) -> None:
         """`seq_id` finished or was aborted (a no-op for one never seen)."""
         ...
@@ -75,6 +85,9 @@ class NoSpeculation:
 
     def propose(self, seq_id: str, history: TokenHistory, max_drafts: int) -> tuple[int, ...]:
         return ()
+
+    def observe(self, batch: ScheduledBatch, result: StepResult) -> None:
+        pass
 
     def forget(self, seq_id: str) -> None:
         pass
@@ -112,6 +125,9 @@ class NgramSpeculation:
             return ()
         return self._proposer.propose(seq_id, history)[:max_drafts]
 
+    def observe(self, batch: ScheduledBatch, result: StepResult) -> None:
+        pass
+
     def forget(self, seq_id: str) -> None:
         self._proposer.forget(seq_id)
 
@@ -135,39 +151,86 @@ class DraftModelSpeculation:
         return self.is_active(len(running))  # a draft model drafts for every caught-up sequence
 
     def prepare(self, running: SequenceOf[Sequence]) -> None:
-        self._drafts = self.proposer.draft([self._request(seq) for seq in running])
+        self._drafts = self.proposer.draft([draft_request(seq, self.config.num_speculative_tokens) for seq in running])
 
     def propose(self, seq_id: str, history: TokenHistory, max_drafts: int) -> tuple[int, ...]:
         drafts = self._drafts.pop(seq_id, ())
         return drafts[:max_drafts] if max_drafts > 0 else ()
 
+    def observe(self, batch: ScheduledBatch, result: StepResult) -> None:
+        pass  # the draft model reads tokens only
+
     def forget(self, seq_id: str) -> None:
         self._drafts.pop(seq_id, None)
         self.proposer.forget(seq_id)
 
-    def _request(self, seq: Sequence) -> DraftRequest:
-        # The scheduler's rule for a sequence that may verify drafts (`Scheduler._add_drafts`):
-        # caught up with no token in flight, and room for the drafts and the token after them.
-        caught_up = seq.num_uncomputed_tokens == 1 and not seq.pending
-        room = seq.max_total_tokens - seq.num_tokens - 1
-        max_drafts = max(0, min(self.config.num_speculative_tokens, room)) if caught_up else 0
-        bias = seq.sampling.logit_bias or {}
-        return DraftRequest(seq.seq_id, seq, seq.num_computed_tokens, max_drafts,
-                            (tuple(bias), tuple(float(value) for value in bias.values())))
 
 
-def speculation_policy(config: SpeculativeConfig | None, draft: DraftModelProposer | None = None) -> SpeculationPolicy:
+class DraftHeadSpeculation:
+    """Drafts of `config.num_speculative_tokens` from a draft head fed the target's hidden states
+    (MTP, EAGLE-3): the target's kept hidden states go to the proposer as each step commits
+    (while speculation is on), and one round a step drafts for every running sequence."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: DraftHeadProposer) -> None:
+        """Raises SpeculativeConfigError for a method other than mtp or eagle3."""
+        if config.method not in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3):
+            raise SpeculativeConfigError("method",
+                                         f"{config.method.value} is not a draft-head (mtp, eagle3) configuration")
+        self.config = config
+        self.proposer = proposer
+        self._drafts: dict[str, tuple[int, ...]] = {}
+        self._active = False  # whether the step being built (then committed) speculates
+
+    def is_active(self, num_running: int) -> bool:
+        self._active = self.config.speculates_at(num_running)
+        return self._active
+
+    def prepare(self, running: SequenceOf[Sequence]) -> None:
+        self._drafts = self.proposer.draft([draft_request(seq, self.config.num_speculative_tokens) for seq in running])
+
+    def propose(self, seq_id: str, history: TokenHistory, max_drafts: int) -> tuple[int, ...]:
+        drafts = self._drafts.pop(seq_id, ())
+        return drafts[:max_drafts] if max_drafts > 0 else ()
+
+    def observe(self, batch: ScheduledBatch, result: StepResult) -> None:
+        # Not while speculation is off (large batches): nothing would feed the head those rows.
+        if self._active and result.hidden_states is not None:
+            self.proposer.observe(batch, result.hidden_states)
+
+    def forget(self, seq_id: str) -> None:
+        self._drafts.pop(seq_id, None)
+        self.proposer.forget(seq_id)
+
+
+def draft_request(seq: Sequence, num_speculative_tokens: int) -> DraftRequest:
+    """`seq`'s share of a draft round. The scheduler's rule for a sequence that may verify drafts
+    (`Scheduler._add_drafts`): caught up with no token in flight, and room for the drafts and the
+    token after them."""
+    caught_up = seq.num_uncomputed_tokens == 1 and not seq.pending
+    room = seq.max_total_tokens - seq.num_tokens - 1
+    max_drafts = max(0, min(num_speculative_tokens, room)) if caught_up else 0
+    bias = seq.sampling.logit_bias or {}
+    return DraftRequest(seq.seq_id, seq, seq.num_computed_tokens, max_drafts,
+                        (tuple(bias), tuple(float(value) for value in bias.values())))
+
+
+def speculation_policy(config: SpeculativeConfig | None,
+                       draft: DraftModelProposer | DraftHeadProposer | None = None) -> SpeculationPolicy:
     """The policy for a configuration (None: no speculation); `draft` runs a draft_model
-    configuration's model. Raises SpeculativeConfigError naming `method` for a method the
-    engine cannot run yet, and `model` for draft_model without a loaded draft."""
+    configuration's model (a `DraftModelProposer`) or an mtp / eagle3 configuration's head (a
+    `DraftHeadProposer`). Raises SpeculativeConfigError naming `model` when that proposer is
+    missing or of the other kind."""
     if config is None:
         return NoSpeculation()
+    if config.method is SpeculativeMethod.NGRAM:
+        return NgramSpeculation(config)
+    what = "draft model" if config.method is SpeculativeMethod.DRAFT_MODEL else f"{config.method.value} head"
+    if draft is None:
+        raise SpeculativeConfigError("model", f"the {what} is not loaded; the engine builder loads it")
     if config.method is SpeculativeMethod.DRAFT_MODEL:
-        if draft is None:
-            raise SpeculativeConfigError("model", "the draft model is not loaded; the engine builder loads it")
+        if not isinstance(draft, DraftModelProposer):
+            raise SpeculativeConfigError("model", "draft_model drafts with a DraftModelProposer")
         return DraftModelSpeculation(config, draft)
-    if config.method is not SpeculativeMethod.NGRAM:
-        raise SpeculativeConfigError(
-            "method", f"{config.method.value} is not supported by the engine yet; use ngram or draft_model"
-        )
-    return NgramSpeculation(config)
+    if not isinstance(draft, DraftHeadProposer):
+        raise SpeculativeConfigError("model", f"{config.method.value} drafts with a DraftHeadProposer")
+    return DraftHeadSpeculation(config, draft)

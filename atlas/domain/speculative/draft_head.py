@@ -1,0 +1,304 @@
+"""Draft-head proposals (MTP, EAGLE-3): a small head fed the target's hidden states drafts k tokens
+greedily.
+
+A draft head (the MTP layers a checkpoint carries, or an EAGLE-3 head) is a layer or two run on
+the target's backend through a second `Worker` over its own KV cache, like a draft model
+(`draft_model`), but each of its tokens comes with a hidden state: entry p of its cache pairs
+the target's hidden state at position p (`h_p`, the layers the target worker keeps) with the
+token after it, and its row predicts the token after that:
+
+    target computed    t0 .. t(n-2)                  h0 .. h(n-2) kept by `observe`
+    head cache holds   entries 0 .. m-1              entry p = (h_p, t(p+1)) at position p
+    forward 0          entries m .. n-2, one chunk a sequence, from the target's h; row n-2 -> d0
+    forward j (1..k-1) entry n-2+j = (g, d(j-1)), g the head's own output of the row before -> dj
+
+The drafts' entries are made from the head's own hidden states, never the target's, so a round
+ends by dropping them: the cache holds only target-fed entries, each pairing final tokens, and
+the next round keeps those still final (a rewound token aside: all of them), feeds what the
+target computed since and drafts again. As with the draft model, nothing needs to be told how
+verification went.
+
+The target's hidden states arrive with each step it commits (`observe`, rows of every token the
+step computed); a sequence keeps those of the positions its head has not fed yet, and drops
+them as it feeds them. Positions the target computed without the head seeing them (a prefix
+cache hit, steps that did not speculate) are fed a zero hidden state: their drafts get worse,
+never the output, which verification decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+import numpy as np
+
+from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence, StepResult
+from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.speculative.draft_model import DraftRequest
+
+_GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+
+
+class HeadRunner(Protocol):
+    """What runs a draft head's steps (`atlas.domain.models.draft_heads.HeadWorker`, or a fake)."""
+
+    @property
+    def target_width(self) -> int:
+        """Width of the target's hidden-state rows the head takes (H for MTP, 3 H for EAGLE-3)."""
+        ...
+
+    def execute(self, batch: ScheduledBatch, hidden_states: np.ndarray, from_target: bool) -> StepResult:
+        """Run one step: token i of the batch is paired with row i of `hidden_states`, float32
+        [num_tokens, target_width] from the target (`from_target`), else [num_tokens, H], the
+        head's own outputs. Returns the sampled ids as target token ids, and in `hidden_states`
+        the head's own output [num_tokens, H] of every token."""
+        ...
+
+
+@dataclass(slots=True)
+class _HeadState:
+    token_ids: list[int] = field(default_factory=list)  # entry p's token, t(p + 1)
+    block_ids: list[int] = field(default_factory=list)
+    num_final: int = 0  # entries whose tokens were final when fed, so are for good
+
+
+@dataclass(slots=True)
+class _TargetRows:
+    """The target's hidden states of positions start .. start + len(rows) - 1."""
+
+    start: int
+    rows: np.ndarray
+
+
+@dataclass(slots=True)
+class _Row:
+    state: _HeadState
+    request: DraftRequest
+    stop: int  # entries once forward 0 has run
+    drafts: list[int] = field(default_factory=list)
+    hidden: np.ndarray | None = None  # the head's output at the row that sampled the newest draft
+
+
+class DraftHeadProposer:
+    """Per-sequence head caches over one block pool, the target's hidden states they still need,
+    and the rounds that draft with them."""
+
+    def __init__(self, runner: HeadRunner, num_blocks: int, block_size: int, max_num_tokens: int,
+                 vocab_size: int) -> None:
+        """`num_blocks` blocks of `block_size` tokens (the head worker's cache holds them, plus the
+        scratch block); `max_num_tokens`: the head worker's step size; `vocab_size`: the target's
+        (a draft id past it is never accepted, so drafting stops there)."""
+        if max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be at least 1 (got {max_num_tokens})")
+        self._runner = runner
+        self._pool = BlockPool(num_blocks, block_size)
+        self._max_num_tokens = max_num_tokens
+        self._vocab_size = vocab_size
+        self._states: dict[str, _HeadState] = {}
+        self._target: dict[str, _TargetRows] = {}
+        self._next_step_id = 0
+
+    @property
+    def runner(self) -> HeadRunner:
+        return self._runner
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences whose entries the head cache holds, or whose hidden states wait."""
+        return len(self._states.keys() | self._target.keys())
+
+    def observe(self, batch: ScheduledBatch, hidden_states: np.ndarray) -> None:
+        """Keep the target's hidden states of a step being committed: `hidden_states` [num_tokens,
+        target_width], the batch's tokens in order. A row overwrites what was kept at its
+        position and drops what was kept after it (computed again, it follows other tokens)."""
+        row = 0
+        for seq in batch.sequences:
+            rows = hidden_states[row : row + seq.num_tokens]
+            row += seq.num_tokens
+            kept = self._target.get(seq.seq_id)
+            start = seq.start_position
+            if kept is None or start < kept.start or start > kept.start + len(kept.rows):
+                self._target[seq.seq_id] = _TargetRows(start, rows.copy())  # a gap: the positions before are lost
+            else:
+                kept.rows = np.concatenate([kept.rows[: start - kept.start], rows])
+
+    def draft(self, requests: SequenceOf[DraftRequest]) -> dict[str, tuple[int, ...]]:
+        """Run one round (module docstring) over the running sequences (`requests`, oldest first;
+        hidden states kept for any other sequence are dropped): catch every one up, then draft up
+        to `max_drafts` tokens for those caught up. Returns the drafts by sequence id."""
+        running = {request.seq_id for request in requests}
+        for seq_id in [seq_id for seq_id in self._target if seq_id not in running]:
+            del self._target[seq_id]
+        rows = self._plan_catch_up(requests)
+        drafting = self._run_catch_up(rows)
+        for offset in range(1, max((row.request.max_drafts for row in drafting), default=0)):
+            drafting = [row for row in drafting if len(row.drafts) == offset and row.request.max_drafts > offset]
+            if not drafting:
+                break
+            self._run_decode(drafting)
+        for row in rows:
+            self._truncate(row.state, row.stop)  # the drafts' entries, fed the head's own hidden states
+            row.state.num_final = row.stop
+        return {row.request.seq_id: tuple(row.drafts) for row in rows if row.drafts}
+
+    def forget(self, seq_id: str) -> None:
+        """Free a sequence's head blocks and hidden states; a no-op for one never seen."""
+        self._target.pop(seq_id, None)
+        state = self._states.pop(seq_id, None)
+        if state is not None:
+            self._pool.free(state.block_ids)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool disagrees with the sequences' blocks, or a sequence
+        holds blocks past its entries."""
+        self._pool.check_invariants()
+        held = sum(len(state.block_ids) for state in self._states.values())
+        if held != self._pool.num_used_blocks:
+            raise AssertionError(f"sequences hold {held} head blocks, the pool has {self._pool.num_used_blocks} used")
+        for seq_id, state in self._states.items():
+            if len(state.block_ids) != BlockPool.blocks_needed(len(state.token_ids), self._pool.block_size):
+                raise AssertionError(f"{seq_id}: {len(state.block_ids)} head blocks for {len(state.token_ids)} entries")
+
+    def _plan_catch_up(self, requests: SequenceOf[DraftRequest]) -> list[_Row]:
+        """Roll each state back to its entries still valid and reserve the blocks of its catch-up
+        chunk (and of its drafts, when it drafts), oldest first within the token budget."""
+        budget = self._max_num_tokens
+        rows = []
+        for request in requests:
+            if budget == 0:
+                break
+            # entry p needs h_p (computed by the target) and t(p + 1) (final)
+            goal = min(request.num_computed, request.history.num_final_tokens - 1)
+            if goal < 1:
+                continue
+            state = self._states.setdefault(request.seq_id, _HeadState())
+            valid = min(_still_final(state, request), goal - 1 if request.max_drafts else goal)
+            self._truncate(state, valid)
+            num_new = min(goal - valid, budget)
+            if num_new <= 0:
+                continue
+            drafts = request.max_drafts > 0 and valid + num_new == goal
+            extent = valid + num_new + (request.max_drafts - 1 if drafts else 0)
+            if not self._grow(state, extent):
+                if not drafts or not self._grow(state, valid + num_new):
+                    continue
+                drafts = False
+            rows.append(_Row(state, DraftRequest(request.seq_id, request.history, request.num_computed,
+                                                 request.max_drafts if drafts else 0, request.bias), valid + num_new))
+            budget -= num_new
+        return rows
+
+    def _run_catch_up(self, rows: list[_Row]) -> list[_Row]:
+        """Forward 0: every row's catch-up chunk, from the target's hidden states; returns the
+        rows that drafted d0."""
+        sequences, hidden = [], []
+        for row in rows:
+            state, request = row.state, row.request
+            start = len(state.token_ids)
+            token_ids = request.history.tokens_slice(start + 1, row.stop + 1)
+            hidden.append(self._target_rows(request.seq_id, start, row.stop))
+            state.token_ids.extend(token_ids)
+            sequences.append(self._scheduled(row, tuple(token_ids), start, sampled=request.max_drafts > 0))
+        if not sequences:
+            return []
+        drafting = [row for row in rows if row.request.max_drafts > 0]
+        self._sample(sequences, drafting, np.concatenate(hidden), from_target=True)
+        return [row for row in drafting if row.drafts]
+
+    def _run_decode(self, rows: list[_Row]) -> None:
+        """Forward j: each row's newest draft with the head's own output before it."""
+        sequences = []
+        for row in rows:
+            start = len(row.state.token_ids)
+            row.state.token_ids.append(row.drafts[-1])
+            sequences.append(self._scheduled(row, (row.drafts[-1],), start, sampled=True))
+        hidden = np.stack([row.hidden for row in rows])  # type: ignore[misc]
+        self._sample(sequences, rows, hidden, from_target=False)
+
+    def _sample(self, sequences: list[ScheduledSequence], rows: list[_Row], hidden: np.ndarray,
+                from_target: bool) -> None:
+        batch = ScheduledBatch(self._next_step_id, tuple(sequences), self._pool.block_size)
+        self._next_step_id += 1
+        result = self._runner.execute(batch, hidden, from_target)
+        outputs = result.hidden_states
+        # the head's output at each sampled row: the last token of its sequence's chunk
+        last_rows = np.cumsum([seq.num_tokens for seq in sequences]) - 1
+        sampled_rows = [int(last) for seq, last in zip(sequences, last_rows, strict=True) if seq.sampling is not None]
+        for row, token_id, index in zip(rows, result.token_ids, sampled_rows, strict=True):
+            if 0 <= token_id < self._vocab_size:  # an id the target lacks is never accepted
+                row.drafts.append(token_id)
+                row.hidden = outputs[index] if outputs is not None else None
+            else:
+                row.request = DraftRequest(row.request.seq_id, row.request.history, row.request.num_computed, 0)
+
+    def _target_rows(self, seq_id: str, start: int, stop: int) -> np.ndarray:
+        """The target's hidden states of positions start .. stop - 1 (zeros where none was kept),
+        dropping those kept before `stop`: the head has fed them."""
+        out = np.zeros((stop - start, self._runner.target_width), np.float32)
+        kept = self._target.get(seq_id)
+        if kept is None:
+            return out
+        low, high = max(start, kept.start), min(stop, kept.start + len(kept.rows))
+        if low < high:
+            out[low - start : high - start] = kept.rows[low - kept.start : high - kept.start]
+        if stop >= kept.start + len(kept.rows):
+            del self._target[seq_id]
+        elif stop > kept.start:
+            kept.rows, kept.start = kept.rows[stop - kept.start :], stop
+        return out
+
+    def _scheduled(self, row: _Row, token_ids: tuple[int, ...], start: int, sampled: bool) -> ScheduledSequence:
+        sampling = None
+        if sampled:
+            sampling = _GREEDY
+            bias = [(i, v) for i, v in zip(*row.request.bias, strict=True) if i < self._vocab_size]
+            if bias:
+                ids, values = zip(*bias, strict=True)
+                sampling = msgspec.structs.replace(_GREEDY, bias_token_ids=ids, bias_values=values)
+        return ScheduledSequence(row.request.seq_id, token_ids, start, tuple(row.state.block_ids), sampling)
+
+    def _grow(self, state: _HeadState, num_positions: int) -> bool:
+        """Blocks for `num_positions` entries; False (changing nothing) when the pool is short."""
+        missing = BlockPool.blocks_needed(num_positions, self._pool.block_size) - len(state.block_ids)
+        if missing <= 0:
+            return True
+        reservation = self._pool.reserve(missing)
+        if reservation is None:
+            return False
+        state.block_ids.extend(self._pool.commit(reservation))
+        return True
+
+    def _truncate(self, state: _HeadState, num_entries: int) -> None:
+        """Keep the first `num_entries` entries and the blocks they need; free the rest."""
+        del state.token_ids[num_entries:]
+        state.num_final = min(state.num_final, num_entries)
+        keep = BlockPool.blocks_needed(num_entries, self._pool.block_size)
+        if len(state.block_ids) > keep:
+            self._pool.free(state.block_ids[keep:])
+            del state.block_ids[keep:]
+
+
+def _still_final(state: _HeadState, request: DraftRequest) -> int:
+    """How many entries pair tokens that are still the sequence's final tokens, and hidden states
+    the target still holds computed (a prefix)."""
+    stop = min(len(state.token_ids), request.history.num_final_tokens - 1, request.num_computed)
+    start = min(state.num_final, stop)
+    if stop <= start:
+        return stop
+    final = request.history.tokens_slice(start + 1, stop + 1)
+    matched = 0
+    for cached, token_id in zip(state.token_ids[start:stop], final):
+        if cached != token_id:
+            break
+        matched += 1
+    return start + matched
