@@ -185,6 +185,9 @@ class DraftHeadSpeculation:
         self._active = self.config.speculates_at(num_running)
         return self._active
 
+    def needs_final_tokens(self, running: SequenceOf[Sequence]) -> bool:
+        return self.config.speculates_at(len(running))  # a head drafts for every caught-up sequence
+
     def prepare(self, running: SequenceOf[Sequence]) -> None:
         self._drafts = self.proposer.draft([draft_request(seq, self.config.num_speculative_tokens) for seq in running])
 
