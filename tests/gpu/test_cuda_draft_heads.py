@@ -104,13 +104,14 @@ def _compare_with_plain(speculative, folder) -> None:
 
 
 def _spy_graphs(proposer) -> list:
-    """The decode-graph bucket of each all-single-token head step (None: it ran eagerly)."""
+    """The decode-graph bucket of each head step whose rows are all single tokens that sample
+    (None: it ran eagerly; a catch-up row that samples nothing runs eagerly by design)."""
     worker = proposer.runner.worker
     buckets = []
     original = worker.execute
 
     def spying_execute(batch):
-        if all(s.num_tokens == 1 for s in batch.sequences):
+        if all(s.num_tokens == 1 and s.sampling is not None for s in batch.sequences):
             buckets.append(worker._graph_bucket(batch))
         return original(batch)
 
