@@ -254,6 +254,43 @@ def test_attend_reads_only_its_own_sequence(harness, rng):
     np.testing.assert_array_equal(outputs[1][1], outputs[0][1])
 
 
+@pytest.mark.parametrize("heads, hidden, context",
+                         [(HeadLayout(9, 3, 64), 576, 40), (HeadLayout(32, 8, 128), 4096, 70)])
+def test_verify_rows_attend_over_what_project_just_wrote(harness, rng, heads, hidden, context):
+    """A verify step: k + 1 = 5 consecutive single-token rows of one sequence over one block
+    table (`decode_rows`), whose positions hold the last step's rejected drafts. `project`
+    writes the new K/V and `attend` runs right after it: row j must see rows 0 .. j - 1's new
+    K/V. (CUDA's decode attention copied earlier tokens before waiting for the kernel writing
+    the cache, so rows 1-4 read the stale drafts: SmolLM2 drafting for itself kept 37%.)"""
+    backend = harness.backend
+    rows = 5
+    one = paged(rng, [context], [rows])
+    first = context - rows
+    case = Paged(block_size=one.block_size, num_blocks=one.num_blocks,
+                 context_lens=tuple(first + 1 + j for j in range(rows)), query_lens=(1,) * rows,
+                 block_tables=np.repeat(one.block_tables, rows, axis=0), positions=one.positions,
+                 slot_mapping=one.slot_mapping, query_start_loc=np.arange(rows + 1, dtype=np.int32))
+    kv = _cache(harness, case, heads, _kv_dtype(harness))
+    shape = (case.num_slots, heads.num_kv_heads, heads.head_dim)
+    stale = (bf16(rng.standard_normal(shape) * 4) for _ in range(2))  # every slot, the drafts' too
+    harness.write_cache(kv, 0, *(a.astype(_host_dtype(kv.spec.dtype)) for a in stale))
+    width = heads.q_size + 2 * heads.kv_size
+    host = HostAttention(RmsNorm(bf16(1 + 0.3 * rng.standard_normal(hidden)), EPS),
+                         HostLinear(bf16(rng.standard_normal((width, hidden)) / math.sqrt(hidden))))
+    spec = AttentionLayer(heads, 0, heads.head_dim**-0.5, backend.upload(rope_table(512, heads.head_dim), DType.F32))
+    layer = prepared_or_skip(backend.attention.prepare, host, spec)
+    meta = _metadata(backend, case)
+    q_out = harness.poisoned((rows, heads.q_size))
+    out = harness.poisoned((rows, heads.q_size))
+    backend.attention.project(backend.upload(bf16(rng.standard_normal((rows, hidden))), harness.act), layer, meta, kv,
+                              q_out)
+    backend.attention.attend(q_out, layer, meta, kv, out)
+    keys, values = harness.read_cache(kv, 0)  # the new rows, as project left them
+    expected = attention(case, harness.host(q_out).astype(np.float64), keys.astype(np.float64),
+                         values.astype(np.float64), heads, spec.scale)
+    assert rel(harness.host(out), expected) < harness.tolerance
+
+
 def test_a_cache_too_large_says_how_many_blocks_fit(harness):
     _, total = harness.backend.memory_info()
     per_block = KvCacheSpec(32, 1, 16, 8, 128, DType.BF16).bytes_per_block
