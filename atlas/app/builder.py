@@ -224,11 +224,13 @@ def build_engine(
     draft_groups = draft_model.cache_groups if draft_model is not None else ()
     draft_workspace = draft_model.workspace_bytes(max_num_tokens, settings.max_num_seqs) if draft_model else 0
     keep = head.target_layers if head is not None else ()
+    # the worker's copies of the kept layers' rows (allocated after the plan, so counted here)
+    kept_bytes = len(keep) * limits.max_tokens * model.hidden_size * backend.capabilities.activation_dtype.itemsize
     plan = plan_cache(
         free_bytes=free_bytes,
         total_bytes=total_bytes,
         utilization=settings.gpu_memory_utilization,
-        reserved_bytes=model.workspace_bytes(limits.max_tokens, limits.max_rows) + draft_workspace,
+        reserved_bytes=model.workspace_bytes(limits.max_tokens, limits.max_rows) + draft_workspace + kept_bytes,
         groups=(*model.cache_groups, *draft_groups),
         kv_dtype=kv_dtype,
         block_size=settings.block_size,
