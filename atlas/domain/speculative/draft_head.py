@@ -31,14 +31,11 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import msgspec
 import numpy as np
 
-from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence, StepResult
-from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.batch import ScheduledBatch, ScheduledSequence, StepResult
 from atlas.domain.speculative.draft_model import DraftRequest
-
-_GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+from atlas.domain.speculative.draft_pages import DraftCache, DraftPages, greedy_sampling, run_decode_forwards
 
 
 class HeadRunner(Protocol):
@@ -58,13 +55,6 @@ class HeadRunner(Protocol):
 
 
 @dataclass(slots=True)
-class _HeadState:
-    token_ids: list[int] = field(default_factory=list)  # entry p's token, t(p + 1)
-    block_ids: list[int] = field(default_factory=list)
-    num_final: int = 0  # entries whose tokens were final when fed, so are for good
-
-
-@dataclass(slots=True)
 class _TargetRows:
     """The target's hidden states of positions start .. start + len(rows) - 1."""
 
@@ -74,11 +64,15 @@ class _TargetRows:
 
 @dataclass(slots=True)
 class _Row:
-    state: _HeadState
+    state: DraftCache  # token_ids[p]: entry p's token, t(p + 1)
     request: DraftRequest
     stop: int  # entries once forward 0 has run
     drafts: list[int] = field(default_factory=list)
     hidden: np.ndarray | None = None  # the head's output at the row that sampled the newest draft
+
+    @property
+    def max_drafts(self) -> int:
+        return self.request.max_drafts
 
 
 class DraftHeadProposer:
@@ -93,10 +87,9 @@ class DraftHeadProposer:
         if max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be at least 1 (got {max_num_tokens})")
         self._runner = runner
-        self._pool = BlockPool(num_blocks, block_size)
+        self._pages = DraftPages(num_blocks, block_size, "head")
         self._max_num_tokens = max_num_tokens
         self._vocab_size = vocab_size
-        self._states: dict[str, _HeadState] = {}
         self._target: dict[str, _TargetRows] = {}
         self._next_step_id = 0
 
@@ -106,16 +99,16 @@ class DraftHeadProposer:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._pool.num_free_blocks
+        return self._pages.pool.num_free_blocks
 
     @property
     def num_blocks(self) -> int:
-        return self._pool.num_blocks
+        return self._pages.pool.num_blocks
 
     @property
     def num_sequences(self) -> int:
         """Sequences whose entries the head cache holds, or whose hidden states wait."""
-        return len(self._states.keys() | self._target.keys())
+        return len(self._pages.caches.keys() | self._target.keys())
 
     def observe(self, batch: ScheduledBatch, hidden_states: np.ndarray) -> None:
         """Keep the target's hidden states of a step being committed: `hidden_states` [num_tokens,
@@ -140,34 +133,21 @@ class DraftHeadProposer:
         for seq_id in [seq_id for seq_id in self._target if seq_id not in running]:
             del self._target[seq_id]
         rows = self._plan_catch_up(requests)
-        drafting = self._run_catch_up(rows)
-        for offset in range(1, max((row.request.max_drafts for row in drafting), default=0)):
-            drafting = [row for row in drafting if len(row.drafts) == offset and row.request.max_drafts > offset]
-            if not drafting:
-                break
-            self._run_decode(drafting)
+        run_decode_forwards(self._run_catch_up(rows), self._run_decode)
         for row in rows:
-            self._truncate(row.state, row.stop)  # the drafts' entries, fed the head's own hidden states
+            self._pages.truncate(row.state, row.stop)  # the drafts' entries, fed the head's own hidden states
             row.state.num_final = row.stop
         return {row.request.seq_id: tuple(row.drafts) for row in rows if row.drafts}
 
     def forget(self, seq_id: str) -> None:
         """Free a sequence's head blocks and hidden states; a no-op for one never seen."""
         self._target.pop(seq_id, None)
-        state = self._states.pop(seq_id, None)
-        if state is not None:
-            self._pool.free(state.block_ids)
+        self._pages.forget(seq_id)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool disagrees with the sequences' blocks, or a sequence
         holds blocks past its entries."""
-        self._pool.check_invariants()
-        held = sum(len(state.block_ids) for state in self._states.values())
-        if held != self._pool.num_used_blocks:
-            raise AssertionError(f"sequences hold {held} head blocks, the pool has {self._pool.num_used_blocks} used")
-        for seq_id, state in self._states.items():
-            if len(state.block_ids) != BlockPool.blocks_needed(len(state.token_ids), self._pool.block_size):
-                raise AssertionError(f"{seq_id}: {len(state.block_ids)} head blocks for {len(state.token_ids)} entries")
+        self._pages.check_invariants()
 
     def _plan_catch_up(self, requests: SequenceOf[DraftRequest]) -> list[_Row]:
         """Roll each state back to its entries still valid and reserve the blocks of its catch-up
@@ -181,16 +161,16 @@ class DraftHeadProposer:
             goal = min(request.num_computed, request.history.num_final_tokens - 1)
             if goal < 1:
                 continue
-            state = self._states.setdefault(request.seq_id, _HeadState())
+            state = self._pages.cache(request.seq_id)
             valid = min(_still_final(state, request), goal - 1 if request.max_drafts else goal)
-            self._truncate(state, valid)
+            self._pages.truncate(state, valid)
             num_new = min(goal - valid, budget)
             if num_new <= 0:
                 continue
             drafts = request.max_drafts > 0 and valid + num_new == goal
             extent = valid + num_new + (request.max_drafts - 1 if drafts else 0)
-            if not self._grow(state, extent):
-                if not drafts or not self._grow(state, valid + num_new):
+            if not self._pages.grow(state, extent):
+                if not drafts or not self._pages.grow(state, valid + num_new):
                     continue
                 drafts = False
             rows.append(_Row(state, DraftRequest(request.seq_id, request.history, request.num_computed,
@@ -227,7 +207,7 @@ class DraftHeadProposer:
 
     def _sample(self, sequences: list[ScheduledSequence], rows: list[_Row], hidden: np.ndarray,
                 from_target: bool) -> None:
-        batch = ScheduledBatch(self._next_step_id, tuple(sequences), self._pool.block_size)
+        batch = ScheduledBatch(self._next_step_id, tuple(sequences), self._pages.block_size)
         self._next_step_id += 1
         result = self._runner.execute(batch, hidden, from_target)
         outputs = result.hidden_states
@@ -258,37 +238,11 @@ class DraftHeadProposer:
         return out
 
     def _scheduled(self, row: _Row, token_ids: tuple[int, ...], start: int, sampled: bool) -> ScheduledSequence:
-        sampling = None
-        if sampled:
-            sampling = _GREEDY
-            bias = [(i, v) for i, v in zip(*row.request.bias, strict=True) if i < self._vocab_size]
-            if bias:
-                ids, values = zip(*bias, strict=True)
-                sampling = msgspec.structs.replace(_GREEDY, bias_token_ids=ids, bias_values=values)
+        sampling = greedy_sampling(row.request.bias, self._vocab_size) if sampled else None
         return ScheduledSequence(row.request.seq_id, token_ids, start, tuple(row.state.block_ids), sampling)
 
-    def _grow(self, state: _HeadState, num_positions: int) -> bool:
-        """Blocks for `num_positions` entries; False (changing nothing) when the pool is short."""
-        missing = BlockPool.blocks_needed(num_positions, self._pool.block_size) - len(state.block_ids)
-        if missing <= 0:
-            return True
-        reservation = self._pool.reserve(missing)
-        if reservation is None:
-            return False
-        state.block_ids.extend(self._pool.commit(reservation))
-        return True
 
-    def _truncate(self, state: _HeadState, num_entries: int) -> None:
-        """Keep the first `num_entries` entries and the blocks they need; free the rest."""
-        del state.token_ids[num_entries:]
-        state.num_final = min(state.num_final, num_entries)
-        keep = BlockPool.blocks_needed(num_entries, self._pool.block_size)
-        if len(state.block_ids) > keep:
-            self._pool.free(state.block_ids[keep:])
-            del state.block_ids[keep:]
-
-
-def _still_final(state: _HeadState, request: DraftRequest) -> int:
+def _still_final(state: DraftCache, request: DraftRequest) -> int:
     """How many entries pair tokens that are still the sequence's final tokens, and hidden states
     the target still holds computed (a prefix)."""
     stop = min(len(state.token_ids), request.history.num_final_tokens - 1, request.num_computed)

@@ -34,13 +34,9 @@ from collections.abc import Sequence as SequenceOf
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import msgspec
-
-from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence, StepResult
-from atlas.domain.cache.block_pool import BlockPool
+from atlas.domain.batch import ScheduledBatch, ScheduledSequence, StepResult
+from atlas.domain.speculative.draft_pages import DraftCache, DraftPages, greedy_sampling, run_decode_forwards
 from atlas.domain.speculative.ngram import TokenHistory
-
-_GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
 
 
 class StepRunner(Protocol):
@@ -69,18 +65,15 @@ class DraftRequest:
 
 
 @dataclass(slots=True)
-class _DraftState:
-    token_ids: list[int] = field(default_factory=list)  # whose K/V the draft cache holds, in order
-    block_ids: list[int] = field(default_factory=list)
-    num_final: int = 0  # token_ids[:num_final] were final tokens when drafted, so are for good
-
-
-@dataclass(slots=True)
 class _Row:
-    state: _DraftState
+    state: DraftCache  # the tokens whose K/V the draft cache holds
     request: DraftRequest
     stop: int  # forward 0 computes the cached tokens up to here
     drafts: list[int] = field(default_factory=list)
+
+    @property
+    def max_drafts(self) -> int:
+        return self.request.max_drafts
 
 
 class DraftModelProposer:
@@ -95,10 +88,9 @@ class DraftModelProposer:
         if max_num_tokens < 1:
             raise ValueError(f"max_num_tokens must be at least 1 (got {max_num_tokens})")
         self._runner = runner
-        self._pool = BlockPool(num_blocks, block_size)
+        self._pages = DraftPages(num_blocks, block_size, "draft")
         self._max_num_tokens = max_num_tokens
         self._vocab_size = vocab_size
-        self._states: dict[str, _DraftState] = {}
         self._next_step_id = 0
 
     @property
@@ -108,50 +100,37 @@ class DraftModelProposer:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._pool.num_free_blocks
+        return self._pages.pool.num_free_blocks
 
     @property
     def num_blocks(self) -> int:
-        return self._pool.num_blocks
+        return self._pages.pool.num_blocks
 
     @property
     def num_sequences(self) -> int:
         """Sequences whose tokens the draft cache holds."""
-        return len(self._states)
+        return len(self._pages.caches)
 
     def draft(self, requests: SequenceOf[DraftRequest]) -> dict[str, tuple[int, ...]]:
         """Run one round (module docstring): catch every request up, then draft up to
         `max_drafts` tokens for those caught up. Returns the drafts by sequence id (a sequence
         left without blocks or budget gets none; that only costs speed)."""
         rows = self._plan_catch_up(requests)
-        drafting = self._run_catch_up(rows)
-        for offset in range(1, max((row.request.max_drafts for row in drafting), default=0)):
-            drafting = [row for row in drafting if len(row.drafts) == offset and row.request.max_drafts > offset]
-            if not drafting:
-                break
-            self._run_decode(drafting)
+        run_decode_forwards(self._run_catch_up(rows), self._run_decode)
         for row in rows:
-            self._truncate(row.state, len(row.state.token_ids))  # blocks of drafts never fed (a cut)
+            self._pages.truncate(row.state, len(row.state.token_ids))  # blocks of drafts never fed (a cut)
             row.state.num_final = row.stop
         return {row.request.seq_id: tuple(row.drafts) for row in rows if row.drafts}
 
     def forget(self, seq_id: str) -> None:
         """Free a sequence's draft blocks (finished, aborted or preempted); a no-op for one
         never seen."""
-        state = self._states.pop(seq_id, None)
-        if state is not None:
-            self._pool.free(state.block_ids)
+        self._pages.forget(seq_id)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the pool disagrees with the sequences' blocks, or a
         sequence holds blocks past its tokens."""
-        self._pool.check_invariants()
-        held = sum(len(state.block_ids) for state in self._states.values())
-        if held != self._pool.num_used_blocks:
-            raise AssertionError(f"sequences hold {held} draft blocks, the pool has {self._pool.num_used_blocks} used")
-        for seq_id, state in self._states.items():
-            if len(state.block_ids) != BlockPool.blocks_needed(len(state.token_ids), self._pool.block_size):
-                raise AssertionError(f"{seq_id}: {len(state.block_ids)} draft blocks for {len(state.token_ids)} tokens")
+        self._pages.check_invariants()
 
     def _plan_catch_up(self, requests: SequenceOf[DraftRequest]) -> list[_Row]:
         """Roll each state back to its still-final tokens and reserve the blocks of its catch-up
@@ -161,12 +140,12 @@ class DraftModelProposer:
         for request in requests:
             if budget == 0:
                 break
-            state = self._states.setdefault(request.seq_id, _DraftState())
+            state = self._pages.cache(request.seq_id)
             num_final = request.history.num_final_tokens
             valid = _still_final(state, request.history)
             if request.max_drafts:
                 valid = min(valid, num_final - 1)  # the last final token's logits give the first draft
-            self._truncate(state, valid)
+            self._pages.truncate(state, valid)
             goal = num_final if request.max_drafts else min(request.num_computed, num_final)
             num_new = min(goal - valid, budget)
             if num_new <= 0:
@@ -174,8 +153,8 @@ class DraftModelProposer:
             drafts = request.max_drafts > 0 and valid + num_new == num_final
             # positions written: the chunk, then drafts d0 .. d(k-2) (the last draft is never fed)
             extent = valid + num_new + (request.max_drafts - 1 if drafts else 0)
-            if not self._grow(state, extent):
-                if not drafts or not self._grow(state, valid + num_new):
+            if not self._pages.grow(state, extent):
+                if not drafts or not self._pages.grow(state, valid + num_new):
                     continue
                 drafts = False
             rows.append(_Row(state, DraftRequest(request.seq_id, request.history, request.num_computed,
@@ -208,7 +187,7 @@ class DraftModelProposer:
         self._sample(sequences, rows)
 
     def _sample(self, sequences: list[ScheduledSequence], rows: list[_Row]) -> None:
-        batch = ScheduledBatch(self._next_step_id, tuple(sequences), self._pool.block_size)
+        batch = ScheduledBatch(self._next_step_id, tuple(sequences), self._pages.block_size)
         self._next_step_id += 1
         result = self._runner.execute(batch)
         for row, token_id in zip(rows, result.token_ids, strict=True):
@@ -218,37 +197,11 @@ class DraftModelProposer:
                 row.request = DraftRequest(row.request.seq_id, row.request.history, row.request.num_computed, 0)
 
     def _scheduled(self, row: _Row, token_ids: tuple[int, ...], start: int, sampled: bool) -> ScheduledSequence:
-        sampling = None
-        if sampled:
-            sampling = _GREEDY
-            bias = [(i, v) for i, v in zip(*row.request.bias, strict=True) if i < self._vocab_size]
-            if bias:
-                ids, values = zip(*bias, strict=True)
-                sampling = msgspec.structs.replace(_GREEDY, bias_token_ids=ids, bias_values=values)
+        sampling = greedy_sampling(row.request.bias, self._vocab_size) if sampled else None
         return ScheduledSequence(row.request.seq_id, token_ids, start, tuple(row.state.block_ids), sampling)
 
-    def _grow(self, state: _DraftState, num_positions: int) -> bool:
-        """Blocks for `num_positions` positions; False (changing nothing) when the pool is short."""
-        missing = BlockPool.blocks_needed(num_positions, self._pool.block_size) - len(state.block_ids)
-        if missing <= 0:
-            return True
-        reservation = self._pool.reserve(missing)
-        if reservation is None:
-            return False
-        state.block_ids.extend(self._pool.commit(reservation))
-        return True
 
-    def _truncate(self, state: _DraftState, num_tokens: int) -> None:
-        """Keep the first `num_tokens` cached tokens and the blocks they need; free the rest."""
-        del state.token_ids[num_tokens:]
-        state.num_final = min(state.num_final, num_tokens)
-        keep = BlockPool.blocks_needed(num_tokens, self._pool.block_size)
-        if len(state.block_ids) > keep:
-            self._pool.free(state.block_ids[keep:])
-            del state.block_ids[keep:]
-
-
-def _still_final(state: _DraftState, history: TokenHistory) -> int:
+def _still_final(state: DraftCache, history: TokenHistory) -> int:
     """How many of the cached tokens are still the sequence's final tokens (a prefix)."""
     start = state.num_final
     stop = min(len(state.token_ids), history.num_final_tokens)

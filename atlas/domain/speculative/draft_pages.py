@@ -1,0 +1,117 @@
+"""What the draft-model and draft-head proposers share: per-sequence caches over one block pool,
+the greedy sampling row of a draft, and the round's decode forwards.
+
+A drafter's cache holds, per sequence, the tokens (or head entries) whose K/V it has written,
+in order, and the blocks they need; `num_final` of them were final tokens when written, so stay
+valid for good. A round rolls a sequence back to what is still valid (`truncate`), reserves the
+blocks of what it feeds (`grow`, which changes nothing when the pool is short) and frees the
+blocks past what it keeps at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence as SequenceOf
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+
+from atlas.domain.batch import SamplingRow
+from atlas.domain.cache.block_pool import BlockPool
+
+_GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+
+
+@dataclass(slots=True)
+class DraftCache:
+    """One sequence's share of a drafter's cache."""
+
+    token_ids: list[int] = field(default_factory=list)  # what each written position holds, in order
+    block_ids: list[int] = field(default_factory=list)
+    num_final: int = 0  # token_ids[:num_final] were final when written, so are for good
+
+
+class DraftPages:
+    """Every sequence's `DraftCache` over one `BlockPool`; `what` names the blocks in errors
+    ("draft", "head")."""
+
+    def __init__(self, num_blocks: int, block_size: int, what: str) -> None:
+        self.pool = BlockPool(num_blocks, block_size)
+        self.caches: dict[str, DraftCache] = {}
+        self._what = what
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    def cache(self, seq_id: str) -> DraftCache:
+        """`seq_id`'s cache, empty the first time."""
+        return self.caches.setdefault(seq_id, DraftCache())
+
+    def grow(self, cache: DraftCache, num_positions: int) -> bool:
+        """Blocks for `num_positions` positions; False (changing nothing) when the pool is short."""
+        missing = BlockPool.blocks_needed(num_positions, self.pool.block_size) - len(cache.block_ids)
+        if missing <= 0:
+            return True
+        reservation = self.pool.reserve(missing)
+        if reservation is None:
+            return False
+        cache.block_ids.extend(self.pool.commit(reservation))
+        return True
+
+    def truncate(self, cache: DraftCache, num_positions: int) -> None:
+        """Keep the first `num_positions` positions and the blocks they need; free the rest."""
+        del cache.token_ids[num_positions:]
+        cache.num_final = min(cache.num_final, num_positions)
+        keep = BlockPool.blocks_needed(num_positions, self.pool.block_size)
+        if len(cache.block_ids) > keep:
+            self.pool.free(cache.block_ids[keep:])
+            del cache.block_ids[keep:]
+
+    def forget(self, seq_id: str) -> None:
+        """Free a sequence's blocks (finished, aborted or preempted); a no-op for one never seen."""
+        cache = self.caches.pop(seq_id, None)
+        if cache is not None:
+            self.pool.free(cache.block_ids)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool disagrees with the sequences' blocks, or a sequence
+        holds blocks past its positions."""
+        self.pool.check_invariants()
+        held = sum(len(cache.block_ids) for cache in self.caches.values())
+        if held != self.pool.num_used_blocks:
+            raise AssertionError(f"sequences hold {held} {self._what} blocks, the pool has "
+                                 f"{self.pool.num_used_blocks} used")
+        for seq_id, cache in self.caches.items():
+            if len(cache.block_ids) != BlockPool.blocks_needed(len(cache.token_ids), self.pool.block_size):
+                raise AssertionError(f"{seq_id}: {len(cache.block_ids)} {self._what} blocks for "
+                                     f"{len(cache.token_ids)} positions")
+
+
+def greedy_sampling(bias: tuple[tuple[int, ...], tuple[float, ...]], vocab_size: int) -> SamplingRow:
+    """A draft's sampling row: the argmax after the request's logit bias, less the ids past
+    `vocab_size` (the drafter's vocabulary)."""
+    kept = [(i, v) for i, v in zip(*bias, strict=True) if i < vocab_size]
+    if not kept:
+        return _GREEDY
+    ids, values = zip(*kept, strict=True)
+    return msgspec.structs.replace(_GREEDY, bias_token_ids=ids, bias_values=values)
+
+
+class _Drafting(Protocol):
+    @property
+    def drafts(self) -> list[int]: ...
+
+    @property
+    def max_drafts(self) -> int: ...
+
+
+def run_decode_forwards(drafting: SequenceOf[_Drafting], run_decode: Callable[[list], None]) -> None:
+    """Forwards 1 .. k - 1 of a round: each time, the rows that drafted at the last forward and
+    want more feed their newest draft (`run_decode(rows)` appends the next to each row)."""
+    rows = list(drafting)
+    for offset in range(1, max((row.max_drafts for row in rows), default=0)):
+        rows = [row for row in rows if len(row.drafts) == offset and row.max_drafts > offset]
+        if not rows:
+            break
+        run_decode(rows)
