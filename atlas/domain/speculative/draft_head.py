@@ -167,14 +167,12 @@ class DraftHeadProposer:
             num_new = min(goal - valid, budget)
             if num_new <= 0:
                 continue
-            drafts = request.max_drafts > 0 and valid + num_new == goal
-            extent = valid + num_new + (request.max_drafts - 1 if drafts else 0)
-            if not self._pages.grow(state, extent):
-                if not drafts or not self._pages.grow(state, valid + num_new):
-                    continue
-                drafts = False
-            rows.append(_Row(state, DraftRequest(request.seq_id, request.history, request.num_computed,
-                                                 request.max_drafts if drafts else 0, request.bias), valid + num_new))
+            reaches_end = valid + num_new == goal  # drafts follow the last final token only
+            granted = self._pages.reserve_round(state, valid + num_new, request.max_drafts if reaches_end else 0)
+            if granted is None:
+                continue
+            rows.append(_Row(state, DraftRequest(request.seq_id, request.history, request.num_computed, granted,
+                                                 request.bias), valid + num_new))
             budget -= num_new
         return rows
 

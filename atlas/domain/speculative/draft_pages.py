@@ -59,6 +59,15 @@ class DraftPages:
         cache.block_ids.extend(self.pool.commit(reservation))
         return True
 
+    def reserve_round(self, cache: DraftCache, chunk_end: int, max_drafts: int) -> int | None:
+        """Blocks for a round that writes positions up to `chunk_end` (its catch-up chunk), then
+        drafts d0 .. d(max_drafts - 2) (the last draft is never fed). Returns the drafts granted:
+        `max_drafts`, 0 when only the chunk fits, None when not even the chunk does (nothing
+        changed)."""
+        if max_drafts and self.grow(cache, chunk_end + max_drafts - 1):
+            return max_drafts
+        return 0 if self.grow(cache, chunk_end) else None
+
     def truncate(self, cache: DraftCache, num_positions: int) -> None:
         """Keep the first `num_positions` positions and the blocks they need; free the rest."""
         del cache.token_ids[num_positions:]
