@@ -345,12 +345,14 @@ class Worker:
         """Each cache group's view of the step's buffers (`chunks`: the recurrent groups' own,
         as staged)."""
         buffers = self.buffers
+
+        def recurrent(index: int) -> GroupMetadata:
+            if chunks is None:
+                return buffers.recurrent_metadata(index, num_tokens, num_seqs, max_query_len)
+            return buffers.chunk_metadata(index, num_tokens, chunks.num_seqs, chunks.max_query_len)
+
         return tuple(
-            buffers.metadata(index, num_tokens, num_seqs, max_query_len, max_seq_len)
-            if is_kv
-            else buffers.recurrent_metadata(index, num_tokens, num_seqs, max_query_len)
-            if chunks is None
-            else buffers.chunk_metadata(index, num_tokens, chunks.num_seqs, chunks.max_query_len)
+            buffers.metadata(index, num_tokens, num_seqs, max_query_len, max_seq_len) if is_kv else recurrent(index)
             for is_kv, index in self._group_index
         )
 
