@@ -29,7 +29,7 @@ from atlas.domain.engine import EngineCore, StepExecutor
 from atlas.domain.memory_plan import GIB, CacheDemand, CachePlan, check_weights_fit, plan_cache
 from atlas.domain.models.cache_groups import CacheGroupKind, CacheGroupSpec
 from atlas.domain.models.config import ModelConfig, ModelConfigError
-from atlas.domain.models.families import check_supported, kv_cache_scales, load_model
+from atlas.domain.models.families import check_supported, kv_cache_scales, load_model, model_kinds
 from atlas.domain.models.model import Model
 from atlas.domain.models.quantization_config import Fp8Layout, check_quantization, with_quantization
 from atlas.domain.models.quantization_weights import QuantizedOnLoad, checkpoint_bytes
@@ -41,7 +41,7 @@ from atlas.domain.speculative.draft_head import DraftHeadProposer
 from atlas.domain.speculative.draft_model import DraftModelProposer
 from atlas.domain.speculative.policy import speculation_policy
 from atlas.domain.worker import Worker, WorkerConfig
-from atlas.ports.gpu import DType, GpuBackend
+from atlas.ports.gpu import DType, GpuBackend, Kind
 from atlas.ports.startup import PhaseTimer
 from atlas.ports.tokenizer import Tokenizer
 from atlas.ports.weights import WeightSource
@@ -188,6 +188,7 @@ def build_engine(
     phases.lap("model files", f"{model_dir.name}: config, tokenizer, weight headers")
     backend = placement.make_backend(settings, config)
     phases.lap("backend", f"{backend.name}: libraries, device, kernels started")
+    check_speculation_fits(settings, config, backend)
     free_bytes, total_bytes = backend.memory_info()
     weight_bytes = placement.weight_bytes(checkpoint_bytes(stored, quantize))
     weight_bytes += draft.weight_bytes if draft is not None else 0
@@ -234,7 +235,7 @@ def build_engine(
         groups=(*model.cache_groups, *draft_groups),
         kv_dtype=kv_dtype,
         block_size=settings.block_size,
-        demand=CacheDemand(settings.max_num_seqs, max_num_tokens, max_model_len),
+        demand=CacheDemand(settings.max_num_seqs, max_num_tokens, max_model_len, _num_state_snapshots(settings)),
         kv_budget_bytes=int(kv_budget * GIB) if kv_budget is not None else None,
     )
     num_pages = plan.num_pages[: len(model.cache_groups)]
@@ -246,7 +247,8 @@ def build_engine(
         backend,
         model,
         caches,
-        WorkerConfig(max_num_tokens, max(settings.max_num_seqs, verify_rows), max_model_len, graph_sizes, keep),
+        WorkerConfig(max_num_tokens, max(settings.max_num_seqs, verify_rows), max_model_len, graph_sizes, keep,
+                     num_drafts),
     )
     proposer: DraftModelProposer | DraftHeadProposer | None = None
     if head is not None:
@@ -315,11 +317,6 @@ def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pa
     drafting with `draft` under a draft_model, mtp or eagle3 configuration. Raises SettingsError
     for a speculative configuration the model cannot run."""
     speculation = speculation_policy(settings.speculative, draft)
-    if settings.speculative is not None and any(group.kind is CacheGroupKind.RECURRENT_STATE for group in groups):
-        raise SettingsError(
-            "--speculative-config: this model has recurrent layers, whose state the engine cannot roll back "
-            "past rejected drafts yet; drop --speculative-config"
-        )
     cache = CacheManager.for_groups(groups, num_pages, settings.block_size, settings.prefix_caching)
     if settings.prefix_caching and not cache.caches_prefixes:
         log.info("prefix caching is off: the recurrent layers keep no state at block boundaries to start a hit from")
@@ -375,6 +372,31 @@ def _kv_dtype(name: str, backend: GpuBackend) -> DType:
         names = ", ".join(key for key, value in _KV_DTYPES.items() if value in supported)
         raise ValueError(f"--kv-cache-dtype {name} is not supported on {backend.name}; use auto or one of {names}")
     return dtype
+
+
+def check_speculation_fits(settings: EngineSettings, config: ModelConfig, backend: GpuBackend) -> None:
+    """Before any weight is read: refuse --speculative-config for a model with recurrent layers
+    on a backend whose recurrent kind writes no state snapshots (rejected drafts could not be
+    rolled back). Raises SettingsError naming the missing capability."""
+    if settings.speculative is None or Kind.RECURRENT not in model_kinds(config):
+        return
+    if not backend.capabilities.state_snapshots:
+        raise SettingsError(
+            f"--speculative-config: {config.architecture} has recurrent layers and the {backend.name} backend's "
+            f"recurrent kernels write no state snapshots (Capabilities.state_snapshots), so rejected drafts "
+            f"cannot be rolled back; drop --speculative-config"
+        )
+
+
+def _num_state_snapshots(settings: EngineSettings) -> int:
+    """Snapshot slots each recurrent group needs for verification: one per draft of each
+    sequence that may speculate (every running one, within --speculative-config's
+    disable_by_batch_size)."""
+    speculative = settings.speculative
+    if speculative is None:
+        return 0
+    num_seqs = min(settings.max_num_seqs, speculative.disable_by_batch_size or settings.max_num_seqs)
+    return num_seqs * speculative.num_speculative_tokens
 
 
 def _max_verify_rows(settings: EngineSettings, speculative: SpeculativeConfig | None) -> int:

@@ -73,7 +73,8 @@ class ScheduledSequence(msgspec.Struct, frozen=True):
 
     A sequence verifying speculative drafts computes its last token and `num_draft_tokens`
     drafts (the tail of `token_ids`) and samples a row at each of those positions: `sampling`
-    for the first, `draft_rows` for the others (`sampling_rows` lists them all).
+    for the first, `draft_rows` for the others (`sampling_rows` lists them all). With recurrent
+    groups it also names `state_snapshots`, where the states after those tokens go.
     """
 
     seq_id: str
@@ -88,6 +89,10 @@ class ScheduledSequence(msgspec.Struct, frozen=True):
     state_slots: tuple[int, ...] = ()  # every recurrent-state group's slot
     num_draft_tokens: int = 0
     draft_rows: tuple[SamplingRow, ...] = ()  # one per draft: the rows after `sampling`
+    # A verifying sequence's snapshot slots per recurrent-state group (() otherwise): slot j of
+    # a group receives the state after sampling row j's token, the sequence's own slot the
+    # state after its last (`RecurrentMetadata.snapshot_slots`).
+    state_snapshots: tuple[tuple[int, ...], ...] = ()
 
     def decode_row(self, offset: int, sampling: SamplingRow) -> ScheduledSequence:
         """Token `offset` of this chunk alone, at its position, over the same tables, sampled

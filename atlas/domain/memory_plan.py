@@ -8,7 +8,8 @@ The cache budget is split between a model's cache groups (`CacheGroupSpec`), eac
 group's device cache costing `bytes_per_page` (one more page than its pool hands out: the
 scratch page, `atlas.domain.device_caches`):
 
-1. Recurrent-state groups first: one slot per sequence that may run (`--max-num-seqs`).
+1. Recurrent-state groups first: one slot per sequence that may run (`--max-num-seqs`), and
+   with speculation one snapshot slot per draft of each sequence that may verify drafts.
 2. Full-attention groups share the rest with equal block counts N: every sequence holds as many
    blocks in each, so their bytes go as the layers (and page size) each covers.
 3. Sliding-window groups get min(N, what their windows need): the window of every running
@@ -55,11 +56,19 @@ class CachePlan:
 
 @dataclass(frozen=True, slots=True)
 class CacheDemand:
-    """What the engine asks of the cache: S sequences at once, T tokens a step, L tokens long."""
+    """What the engine asks of the cache: S sequences at once, T tokens a step, L tokens long,
+    and the snapshot slots each recurrent group needs besides S for the drafts a step verifies
+    (`StateSlotGroup`: k per sequence that may speculate)."""
 
     max_num_seqs: int
     max_step_tokens: int
     max_model_len: int
+    num_state_snapshots: int = 0
+
+    @property
+    def num_state_slots(self) -> int:
+        """Pages of each recurrent-state group: a slot per sequence, and the snapshots."""
+        return self.max_num_seqs + self.num_state_snapshots
 
 
 def check_weights_fit(weight_bytes: int, free_bytes: int, total_bytes: int, utilization: float) -> None:
@@ -99,13 +108,16 @@ def plan_cache(
         budget = min(int(total_bytes * utilization) - (total_bytes - free_bytes) - reserved_bytes, available)
         flag_hint = "raise --gpu-memory-utilization"
     sizes = tuple(group.bytes_per_page(block_size, kv_dtype) for group in groups)
-    state_bytes = sum(device_pages(demand.max_num_seqs) * size for group, size in zip(groups, sizes) if not group.kind.is_kv)
+    num_slots = demand.num_state_slots
+    state_bytes = sum(device_pages(num_slots) * size for group, size in zip(groups, sizes) if not group.kind.is_kv)
     if state_bytes > budget:
-        per_seq = state_bytes // device_pages(demand.max_num_seqs)
+        per_slot = state_bytes // device_pages(num_slots)
+        snapshots = f" and {demand.num_state_snapshots} snapshot slots for drafts" if demand.num_state_snapshots else ""
+        seqs_fit = max((budget // per_slot - 1) * demand.max_num_seqs // num_slots, 0)
         raise MemoryPlanError(
-            f"the recurrent state of --max-num-seqs {demand.max_num_seqs} sequences needs {state_bytes / GIB:.2f} GiB "
-            f"({per_seq / 2**20:.1f} MiB a sequence) but the cache has {max(budget, 0) / GIB:.2f} GiB; lower "
-            f"--max-num-seqs to {max(budget // per_seq - 1, 0)} or less, or {flag_hint}"
+            f"the recurrent state of --max-num-seqs {demand.max_num_seqs} sequences{snapshots} needs "
+            f"{state_bytes / GIB:.2f} GiB ({per_slot / 2**20:.1f} MiB a slot) but the cache has "
+            f"{max(budget, 0) / GIB:.2f} GiB; lower --max-num-seqs to {seqs_fit} or less, or {flag_hint}"
         )
     bounds = _page_bounds(groups, block_size, demand)
     kv_budget = budget - state_bytes
@@ -131,7 +143,7 @@ def plan_cache(
             f"{max(kv_budget, 0) / GIB:.2f} GiB) but one sequence of --max-seq-len {demand.max_model_len} needs "
             f"{needed} blocks; set --max-seq-len {fits_tokens} or less, or {flag_hint}"
         )
-    counts = tuple(demand.max_num_seqs if n is None else n for n in _pages(bounds, low))
+    counts = tuple(num_slots if n is None else n for n in _pages(bounds, low))
     return CachePlan(num_pages=counts, bytes_per_page=sizes, block_size=block_size)
 
 

@@ -255,8 +255,9 @@ class Scheduler:
                 or seq.num_resolved_tokens <= seq.num_prompt_tokens or not self.cache.can_recompute_last_token
                 or not self.cache.trims_only_fresh_pages(seq, seq.num_resolved_tokens - 1)):
             return False
+        num_computed = seq.num_computed_tokens
         seq.rewind_to_resample()
-        self.cache.trim(seq)
+        self.cache.trim(seq, num_computed - seq.num_computed_tokens)
         return True
 
     def check_invariants(self) -> None:
@@ -314,7 +315,7 @@ class Scheduler:
         drafts = self.speculation.propose(seq.seq_id, seq, min(max_drafts, room))
         if not drafts:
             return 0
-        reservation = self.cache.reserve(seq, 1 + len(drafts))
+        reservation = self.cache.reserve(seq, 1 + len(drafts), num_drafts=len(drafts))
         if reservation is None:
             return 0
         self.cache.commit(seq, reservation)
@@ -405,8 +406,7 @@ class Scheduler:
         self.spec_stats.record(outcome)
         num_kept, reason = first_stop(seq, outcome.token_ids)
         kept = outcome.token_ids[:num_kept]
-        seq.resolve_verified(kept)
-        self.cache.trim(seq)
+        self.cache.trim(seq, seq.resolve_verified(kept))
         if reason is None and not self.cache.fits(seq.num_tokens):
             reason = FinishReason.LENGTH
         if reason is not None:

@@ -6,7 +6,8 @@ arena, laid out so that one copy of a prefix refreshes all of it:
 
     int32 arena: | sampled ids [S] | host tokens [T] | token gather [T] | positions [T] |
                  | slot mapping [G, T] | query start [S+1] | seq lens [S] | sample rows [S] |
-                 | state slots [R, S] | top-k [S] | penalty offsets [S+1] | bias offsets [S+1] |
+                 | state slots [R, S] | chunk query start [S+1] | chunk seq lens [S] |
+                 | snapshot slots [R, S, W] | top-k [S] | penalty offsets [S+1] | bias offsets [S+1] |
                  | f32 params [6, S] | (pad) | i64 params [2, S] (two words each) |
                  | block tables [S, G, W] + (G - 1) W |
                  ^ written by `sample` on the device; the host copy starts after it
@@ -16,7 +17,10 @@ words a row) by one more copy, made when the host has filled them (`stage_mask`)
 without masks never touch it.
 
 A model with G KV cache groups (R recurrent ones) has a slot mapping and a block table per KV
-group (a state slot per recurrent group). The block tables interleave by sequence, so the copy
+group (a state slot per recurrent group). A step verifying drafts of a model with recurrent
+groups gives them their own sequences (`StateChunks`: chunk query start, chunk seq lens, the
+state slots region holding the chunks' slots, W snapshot slots a chunk); those regions are
+empty for a model without recurrent groups or speculation. The block tables interleave by sequence, so the copy
 still ends at the last sequence's row: KV group g's table is the [S, G * W] view that starts g *
 W words in, whose row s begins with sequence s's W entries of group g (the rest of a row is
 other groups' entries, which attention never reads; the (G - 1) W words of padding keep the last
@@ -59,6 +63,7 @@ class _Layout:
 
     def __init__(self, max_tokens: int, max_seqs: int, layout: CacheLayout) -> None:
         num_kv, table_width = layout.num_kv_groups, layout.table_width
+        chunked = layout.num_state_groups > 0 and layout.snapshot_width > 0  # may verify drafts
         sizes = [
             ("sampled_ids", max_seqs),
             ("host_tokens", max_tokens),
@@ -69,6 +74,9 @@ class _Layout:
             ("seq_lens", max_seqs),
             ("sample_indices", max_seqs),
             ("state_slots", layout.num_state_groups * max_seqs),
+            ("chunk_query_start_loc", max_seqs + 1 if chunked else 0),
+            ("chunk_seq_lens", max_seqs if chunked else 0),
+            ("snapshot_slots", layout.num_state_groups * max_seqs * layout.snapshot_width),
             ("top_k", max_seqs),
             ("penalty_offsets", max_seqs + 1),
             ("bias_offsets", max_seqs + 1),
@@ -128,6 +136,11 @@ class StepBuffers:
         row = layout.row_width
         self.slot_mappings = [self._part("slot_mapping", g * max_tokens, max_tokens) for g in range(caches.num_kv_groups)]
         self.state_slots = [self._part("state_slots", g * max_seqs, max_seqs) for g in range(caches.num_state_groups)]
+        self._snapshot_width = width = caches.snapshot_width
+        self.snapshot_slots = [  # [S, W] each
+            self._part("snapshot_slots", g * max_seqs * width, max_seqs * width).view(max_seqs, width)
+            for g in range(caches.num_state_groups if width else 0)
+        ]
         self.block_tables = [  # [S, G * W]: group g's W entries first in each row
             self._part("block_tables", g * caches.table_width, max_seqs * row).view(max_seqs, row)
             for g in range(caches.num_kv_groups)
@@ -166,9 +179,19 @@ class StepBuffers:
         host[layout.region("query_start_loc", num_seqs + 1)] = inputs.query_start_loc
         host[layout.region("seq_lens", num_seqs)] = inputs.seq_lens
         host[layout.region("sample_indices", num_rows)] = inputs.sample_indices
+        chunks = inputs.chunks
+        state_slots, num_state_seqs = (inputs.state_slots, num_seqs) if chunks is None else (
+            chunks.state_slots, chunks.num_seqs)
         states_at = layout.offsets["state_slots"]
-        for group, slots in enumerate(inputs.state_slots):
-            host[states_at + group * self.max_seqs : states_at + group * self.max_seqs + num_seqs] = slots
+        for group, slots in enumerate(state_slots):
+            host[states_at + group * self.max_seqs : states_at + group * self.max_seqs + num_state_seqs] = slots
+        if chunks is not None:
+            host[layout.region("chunk_query_start_loc", num_state_seqs + 1)] = chunks.query_start_loc
+            host[layout.region("chunk_seq_lens", num_state_seqs)] = chunks.seq_lens
+            words, snapshots_at = num_state_seqs * self._snapshot_width, layout.offsets["snapshot_slots"]
+            for group, slots in enumerate(chunks.snapshot_slots):
+                start = snapshots_at + group * self.max_seqs * self._snapshot_width
+                host[start : start + words] = slots.reshape(-1)
         host[layout.region("block_tables", num_seqs * layout.row_width)] = inputs.block_tables.reshape(-1)
         self._num_table_rows = num_seqs
 
@@ -216,6 +239,19 @@ class StepBuffers:
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             max_query_len=max_query_len,
+        )
+
+    def chunk_metadata(self, state_group: int, num_tokens: int, num_seqs: int, max_query_len: int) -> RecurrentMetadata:
+        """The view of recurrent group `state_group` in a step staged with `StateChunks` of
+        `num_seqs` chunks: their own sequences and snapshot slots."""
+        return RecurrentMetadata(
+            query_start_loc=self._region("chunk_query_start_loc", num_seqs + 1),
+            seq_lens=self._region("chunk_seq_lens", num_seqs),
+            state_slots=self.state_slots[state_group].rows(0, num_seqs),
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            max_query_len=max_query_len,
+            snapshot_slots=self.snapshot_slots[state_group].rows(0, num_seqs),
         )
 
     # -- sampling -------------------------------------------------------------------------

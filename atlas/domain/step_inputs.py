@@ -31,6 +31,7 @@ class CacheLayout:
     table_width: int
     kv_scratch_blocks: tuple[int, ...]  # per KV group, in the model's order of groups
     state_scratch_slots: tuple[int, ...] = ()  # per recurrent-state group
+    snapshot_width: int = 0  # snapshot slots a verifying sequence names per recurrent group (its drafts)
 
     @property
     def num_kv_groups(self) -> int:
@@ -59,6 +60,9 @@ class HostStepInputs:
     has_placeholders: bool  # some token ids are the previous step's samples, on the device
     max_query_len: int
     max_seq_len: int
+    # a step verifying drafts of a model with recurrent groups: their own view (`StateChunks`);
+    # None: they see the step's sequences as attention does
+    chunks: StateChunks | None = None
 
     @classmethod
     def empty(cls, layout: CacheLayout) -> HostStepInputs:
@@ -155,6 +159,64 @@ def build_step_inputs(
         has_placeholders=bool(placeholders.any()),
         max_query_len=int(query_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StateChunks:
+    """How the recurrent groups see a step that verifies drafts. Attention runs each verify
+    chunk as single-token decode rows (`worker.decode_rows`); a recurrent state cannot, since
+    each token's state follows from the one before, so here every sequence of the unsplit batch
+    is one chunk continuing from its slot, over the same token rows:
+
+        unsplit batch    a: prefill of 5        b: t d0 d1 (verify, snapshots 8 3)
+        attention rows   [a a a a a]            [t] [d0] [d1]          5 sequences
+        state chunks     [a a a a a]            [t d0 d1]              2 sequences
+        snapshot_slots   [-1 -1]                [8 3]                  states after t, d0
+
+    Per recurrent group r: `state_slots[r]` and `snapshot_slots[r]` (`RecurrentMetadata`)."""
+
+    query_start_loc: np.ndarray  # [S + 1] i32
+    seq_lens: np.ndarray  # [S] i32
+    state_slots: np.ndarray  # [R, S] i32
+    snapshot_slots: np.ndarray  # [R, S, W] i32, -1 = none
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+def state_chunks(batch: ScheduledBatch, layout: CacheLayout) -> StateChunks:
+    """The recurrent groups' view of `batch` (before its verify chunks are split into rows):
+    a chunk per sequence, each verifying one naming its snapshot slots from its first sampling
+    row's token on. Raises ValueError when a verifying sequence names another number of
+    snapshot slots than its drafts in some group, or more than the layout's width."""
+    sequences = batch.sequences
+    num_seqs, width = len(sequences), layout.snapshot_width
+    query_lens = np.fromiter([seq.num_tokens for seq in sequences], np.int32, num_seqs)
+    starts = np.fromiter([seq.start_position for seq in sequences], np.int32, num_seqs)
+    query_start = np.zeros(num_seqs + 1, np.int32)
+    np.cumsum(query_lens, out=query_start[1:])
+    snapshots = np.full((layout.num_state_groups, num_seqs, width), -1, np.int32)
+    for index, seq in enumerate(sequences):
+        if not seq.num_draft_tokens:
+            continue
+        first = seq.num_tokens - 1 - seq.num_draft_tokens  # the token of its first sampling row
+        named = [len(slots) for slots in seq.state_snapshots]
+        if named != [seq.num_draft_tokens] * layout.num_state_groups or first + seq.num_draft_tokens > width:
+            raise ValueError(
+                f"sequence {seq.seq_id!r} verifies {seq.num_draft_tokens} drafts with snapshot slots {named} for "
+                f"{layout.num_state_groups} recurrent groups of snapshot width {width}"
+            )
+        for group, slots in enumerate(seq.state_snapshots):
+            snapshots[group, index, first : first + len(slots)] = slots
+    return StateChunks(
+        query_start_loc=query_start,
+        seq_lens=starts + query_lens,
+        state_slots=_state_slots(sequences, layout),
+        snapshot_slots=snapshots,
+        max_query_len=int(query_lens.max()) if num_seqs else 0,
     )
 
 

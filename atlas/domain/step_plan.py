@@ -96,11 +96,11 @@ def scheduled_sequence(seq: Sequence, num_tokens: int, tables: StepTables) -> Sc
         row, draft_rows = rows[0], rows[1:]
     else:
         row, draft_rows = sampling_row(seq), ()
-    block_ids, kv_block_tables, state_slots = tables
+    block_ids, kv_block_tables, state_slots, state_snapshots = tables
     # positional, as ScheduledSequence lists its fields: one is built per sequence per step
     return ScheduledSequence(
         seq.seq_id, token_ids, start, block_ids, row, placeholder_row, kv_block_tables, state_slots, num_drafts,
-        draft_rows,
+        draft_rows, state_snapshots,
     )
 
 

@@ -17,7 +17,10 @@ wants penalties, logit bias or logprobs samples eagerly instead.
 
 A sequence verifying k speculative drafts runs as k + 1 single-token rows (`decode_rows`): the
 attention kind treats each as a decode over its own context, and a step of such rows replays
-the decode graphs of its row count (a verify step is a decode step of B x (k + 1) rows).
+the decode graphs of its row count (a verify step is a decode step of B x (k + 1) rows). A
+model with recurrent groups cannot run those rows apart (a state follows token by token): its
+recurrent groups see each verify chunk whole, continuing from its slot and writing snapshots
+(`StateChunks`), and such a step runs eagerly.
 
 A worker configured to keep layer outputs (`WorkerConfig.keep_hidden_layers`, what a draft head
 such as MTP or EAGLE-3 is fed) copies, inside the forward (graphs included), the residual stream
@@ -45,9 +48,11 @@ from atlas.domain.step_buffers import StepBuffers
 from atlas.domain.step_inputs import (
     CacheLayout,
     HostStepInputs,
+    StateChunks,
     TableRows,
     build_step_inputs,
     pad_decode_inputs,
+    state_chunks,
     warm_up_inputs,
 )
 from atlas.domain.token_mask import bitmask_width
@@ -67,6 +72,7 @@ class WorkerConfig:
     # layers whose output (the residual stream after them, before the final norm for the last)
     # each step hands back in `StepResult.hidden_states`, side by side in this order
     keep_hidden_layers: tuple[int, ...] = ()
+    max_draft_tokens: int = 0  # drafts a sequence may verify (the snapshot slots of recurrent groups)
 
 
 _LogprobsDownloads = tuple[PendingDownload, PendingDownload | None, PendingDownload | None]
@@ -160,6 +166,7 @@ class Worker:
             table_width=-(-config.max_model_len // self.block_size),
             kv_scratch_blocks=tuple(scratch_page(caches[index]) for index in kv_groups),
             state_scratch_slots=tuple(scratch_page(caches[index]) for index in state_groups),
+            snapshot_width=config.max_draft_tokens if state_groups else 0,
         )
         # each cache group's index among the KV groups, or among the recurrent ones
         self._group_index = tuple(
@@ -184,14 +191,15 @@ class Worker:
     def submit(self, batch: ScheduledBatch) -> PendingStep:
         """Enqueue one step (its sampling too, unless `batch.awaits_masks`). Raises ValueError
         if the batch exceeds the configured sizes."""
+        chunks = self._state_chunks(batch)
         batch = decode_rows(batch)
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
         wanted = [row.num_logprobs for row in rows]
         if batch.is_empty:
             return PendingStep(batch.step_id, wanted)
-        bucket = self._graph_bucket(batch)
+        bucket = self._graph_bucket(batch) if chunks is None else None
         staged = self._pack(rows, bucket)
-        logits = self._forward(batch, bucket, staged, self._kept.observer)
+        logits = self._forward(batch, bucket, staged, self._kept.observer, chunks)
         hidden = self._kept.begin_downloads(batch.num_tokens)
         if staged is None:
             return PendingStep(batch.step_id, wanted, hidden=hidden)
@@ -211,10 +219,11 @@ class Worker:
         """Run one step and return the float32 logits [R, V] of its sampling rows, unsampled.
         With an `observer` the step runs eagerly and the observer sees each layer's residual
         stream (`Model.forward`)."""
+        chunks = self._state_chunks(batch)
         batch = decode_rows(batch)
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
-        bucket = None if observer is not None else self._graph_bucket(batch)
-        logits = self._forward(batch, bucket, self._pack(rows, bucket), observer)
+        bucket = None if observer is not None or chunks is not None else self._graph_bucket(batch)
+        logits = self._forward(batch, bucket, self._pack(rows, bucket), observer, chunks)
         return self.backend.begin_download(logits.rows(0, batch.num_sampled)).wait()
 
     def capture_graphs(self, up_to: int | None = None) -> None:
@@ -287,6 +296,7 @@ class Worker:
         bucket: int | None,
         packed: PackedSampling | None,
         observer: LayerObserver | None = None,
+        chunks: StateChunks | None = None,
     ) -> Tensor:
         if batch.num_tokens > self.config.max_num_tokens or len(batch.sequences) > self.config.max_num_seqs:
             raise ValueError(
@@ -295,6 +305,8 @@ class Worker:
             )
         buffers = self.buffers
         inputs = build_step_inputs(batch, self.cache_layout, buffers.max_seqs, self._table_rows)
+        if chunks is not None:
+            inputs = replace(inputs, chunks=chunks)
         if bucket is not None:
             graph, logits = self._graphs.get(bucket) or self._capture(bucket)  # capturing uses the buffers
             inputs = pad_decode_inputs(inputs, bucket, self.cache_layout, buffers.max_seqs)
@@ -309,11 +321,18 @@ class Worker:
         step = self._step_tensors(inputs)
         return self.model.forward(step, self.caches, self.workspace, inputs.num_sample_rows, observer)
 
+    def _state_chunks(self, batch: ScheduledBatch) -> StateChunks | None:
+        """The recurrent groups' own view of a step that verifies drafts (None otherwise)."""
+        if not self.cache_layout.num_state_groups or not any(seq.num_draft_tokens for seq in batch.sequences):
+            return None
+        return state_chunks(batch, self.cache_layout)
+
     def _step_tensors(self, inputs: HostStepInputs) -> StepTensors:
         buffers = self.buffers
         return StepTensors(
             token_ids=buffers.token_ids.rows(0, inputs.num_tokens),
-            metadata=self._metadata(inputs.num_tokens, inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len),
+            metadata=self._metadata(inputs.num_tokens, inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len,
+                                    inputs.chunks),
             # sample rows are distinct and ascending, so as many as the tokens means all of them
             sample_indices=None
             if inputs.num_sample_rows == inputs.num_tokens
@@ -321,14 +340,19 @@ class Worker:
         )
 
     def _metadata(
-        self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
+        self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int, chunks: StateChunks | None = None
     ) -> tuple[GroupMetadata, ...]:
-        """Each cache group's view of the step's buffers."""
+        """Each cache group's view of the step's buffers (`chunks`: the recurrent groups' own,
+        as staged)."""
         buffers = self.buffers
+
+        def recurrent(index: int) -> GroupMetadata:
+            if chunks is None:
+                return buffers.recurrent_metadata(index, num_tokens, num_seqs, max_query_len)
+            return buffers.chunk_metadata(index, num_tokens, chunks.num_seqs, chunks.max_query_len)
+
         return tuple(
-            buffers.metadata(index, num_tokens, num_seqs, max_query_len, max_seq_len)
-            if is_kv
-            else buffers.recurrent_metadata(index, num_tokens, num_seqs, max_query_len)
+            buffers.metadata(index, num_tokens, num_seqs, max_query_len, max_seq_len) if is_kv else recurrent(index)
             for is_kv, index in self._group_index
         )
 

@@ -146,6 +146,9 @@ class Capabilities:
     kinds: frozenset[Kind]  # the kernel protocols this backend implements
     supports_graphs: bool  # replay is cheaper than eager launches
     device_name: str
+    # the recurrent kind writes the states after a step's inner tokens into the snapshot slots
+    # a step names (`RecurrentMetadata.snapshot_slots`): speculation on a model with recurrent layers
+    state_snapshots: bool = False
 
 
 class MissingKindError(ValueError):

@@ -39,7 +39,7 @@ def _state(harness, layer: DeltaNetLayer, slots: int = 8):
     return harness.backend.recurrent.allocate_state(spec)
 
 
-def _metadata(backend, query_lens, context_lens, slots) -> RecurrentMetadata:
+def _metadata(backend, query_lens, context_lens, slots, snapshots=None) -> RecurrentMetadata:
     return RecurrentMetadata(
         query_start_loc=backend.upload(np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)),
         seq_lens=backend.upload(np.asarray(context_lens, np.int32)),
@@ -47,6 +47,7 @@ def _metadata(backend, query_lens, context_lens, slots) -> RecurrentMetadata:
         num_tokens=int(sum(query_lens)),
         num_seqs=len(query_lens),
         max_query_len=max(query_lens),
+        snapshot_slots=None if snapshots is None else backend.upload(np.asarray(snapshots, np.int32)),
     )
 
 
@@ -87,9 +88,9 @@ class Reference:
         return mixed, out
 
 
-def _run_step(harness, layer, state, projected, query_lens, context_lens, slots):
+def _run_step(harness, layer, state, projected, query_lens, context_lens, slots, snapshots=None):
     backend = harness.backend
-    meta = _metadata(backend, query_lens, context_lens, slots)
+    meta = _metadata(backend, query_lens, context_lens, slots, snapshots)
     projected_tensor = backend.upload(projected, harness.act)
     mixed = harness.poisoned((projected.shape[0], LAYER.conv_dim))
     out = harness.poisoned((projected.shape[0], LAYER.value_dim))
@@ -135,6 +136,48 @@ def test_a_prompt_in_chunks_equals_the_prompt_at_once(harness, rng):
         parts.append(_run_step(harness, layer, state, projected[done : done + length], [length], [done + length], [3])[1])
         done += length
     assert rel(np.concatenate(parts), whole) < harness.tolerance * 10
+
+
+def test_a_verify_chunk_leaves_the_state_after_each_inner_token_in_its_snapshot_slots(harness, rng):
+    """Two sequences after a prompt each verify a chunk of 4 tokens (the last token and 3
+    drafts), naming 3 snapshot slots (one sequence a -1: that state is not wanted). Each
+    snapshot then serves as a slot: continuing from it gives what continuing after the chunk's
+    first j + 1 tokens gives, and the sequences' own slots hold the state after all 4."""
+    import copy
+
+    if not harness.backend.capabilities.state_snapshots:
+        pytest.skip(f"the {harness.name} backend writes no state snapshots (Capabilities.state_snapshots)")
+    backend = harness.backend
+    host = _host(rng, LAYER)
+    layer = prepared_or_skip(backend.recurrent.prepare, host, LAYER)
+    state = _state(harness, LAYER, slots=12)
+    prompt_lens, slots = [9, 70], [4, 1]
+    prompt = bf16(rng.standard_normal((sum(prompt_lens), LAYER.projected_width)))
+    reference = Reference(LAYER, host)
+    _run_step(harness, layer, state, prompt, prompt_lens, prompt_lens, slots)
+    reference.step(prompt, prompt_lens, prompt_lens, slots)
+
+    chunk = bf16(rng.standard_normal((8, LAYER.projected_width)))
+    snapshots = [[7, 0, 10], [3, -1, 11]]
+    contexts = [length + 4 for length in prompt_lens]
+    mixed, out = _run_step(harness, layer, state, chunk, [4, 4], contexts, slots, snapshots)
+    whole = copy.deepcopy(reference)
+    expected_mixed, expected_out = whole.step(chunk, [4, 4], contexts, slots)
+    assert rel(mixed, expected_mixed) < harness.tolerance
+    assert rel(out, expected_out) < harness.tolerance * 10
+
+    after = bf16(rng.standard_normal((4, LAYER.projected_width)))  # two more tokens, from one slot
+    for seq, (length, slot) in enumerate(zip(prompt_lens, slots, strict=True)):
+        rows = chunk[4 * seq : 4 * seq + 4]
+        for token, snapshot in [*enumerate(snapshots[seq][:3]), (3, slot)]:
+            if snapshot < 0:
+                continue
+            partial = copy.deepcopy(reference)
+            partial.step(rows[: token + 1], [token + 1], [length + token + 1], [slot])
+            expected = partial.step(after[2 * seq : 2 * seq + 2], [2], [length + token + 3], [slot])[1]
+            got = _run_step(harness, layer, state, after[2 * seq : 2 * seq + 2], [2], [length + token + 3],
+                            [snapshot])[1]
+            assert rel(got, expected) < harness.tolerance * 10, (seq, token)
 
 
 def test_gated_deltanet_mixer_matches_transformers(harness, rng):

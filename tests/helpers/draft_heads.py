@@ -1,9 +1,10 @@
 """Tiny random targets with draft heads (a Qwen3-Next carrying MTP layers), and an engine core
 that drafts with them on the mock backend: the harness of the MTP tests.
 
-The Qwen3-Next here has full-attention layers only (its `layer_types` say so): the engine does
-not roll recurrent state back past rejected drafts, so a DeltaNet target cannot speculate yet.
-Its feed-forwards mix MoE (layer 1, the MTP layer) and a dense GLU (layer 0).
+`TINY_QWEN3_NEXT` has full-attention layers only; `TINY_HYBRID_QWEN3_NEXT` puts Gated DeltaNet
+layers around its attention layer, as the published models do (their state is rolled back past
+rejected drafts through snapshot slots). Feed-forwards mix MoE (the later layers, the MTP
+layer) and a dense GLU (layer 0).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from atlas.domain.models.eagle3 import TargetFacts, load_eagle3
 from atlas.domain.models.families import load_model
 from atlas.domain.models.qwen3_next import load_mtp
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
-from atlas.domain.speculative.config import SpeculativeConfig
+from atlas.domain.speculative.config import SpeculativeConfig, SpeculativeMethod
 from atlas.domain.speculative.draft_head import DraftHeadProposer
 from atlas.domain.speculative.policy import speculation_policy
 from atlas.domain.worker import WorkerConfig
@@ -42,19 +43,45 @@ TINY_QWEN3_NEXT = dict(
 )
 
 
-def _layer_shapes(config: Mapping, prefix: str, moe: bool) -> dict[str, tuple[int, ...]]:
+# Gated DeltaNet, attention, Gated DeltaNet: most of the state is recurrent
+TINY_HYBRID_QWEN3_NEXT = {**TINY_QWEN3_NEXT, "num_hidden_layers": 3,
+                          "layer_types": ["linear_attention", "full_attention", "linear_attention"]}
+
+
+def _delta_net_shapes(config: Mapping, prefix: str) -> dict[str, tuple[int, ...]]:
+    hidden, key_heads, value_heads = (config["hidden_size"], config["linear_num_key_heads"],
+                                      config["linear_num_value_heads"])
+    key_dim, value_dim = key_heads * config["linear_key_head_dim"], value_heads * config["linear_value_head_dim"]
+    p = f"{prefix}.linear_attn"
+    return {
+        f"{p}.in_proj_qkvz.weight": (2 * key_dim + 2 * value_dim, hidden),
+        f"{p}.in_proj_ba.weight": (2 * value_heads, hidden),
+        f"{p}.conv1d.weight": (2 * key_dim + value_dim, 1, config.get("linear_conv_kernel_dim", 4)),
+        f"{p}.A_log": (value_heads,),
+        f"{p}.dt_bias": (value_heads,),
+        f"{p}.norm.weight": (config["linear_value_head_dim"],),
+        f"{p}.out_proj.weight": (hidden, value_dim),
+    }
+
+
+def _layer_shapes(config: Mapping, prefix: str, moe: bool, linear: bool = False) -> dict[str, tuple[int, ...]]:
     hidden, heads, kv_heads, dim = (config["hidden_size"], config["num_attention_heads"],
                                     config["num_key_value_heads"], config["head_dim"])
     shapes = {
         f"{prefix}.input_layernorm.weight": (hidden,),
         f"{prefix}.post_attention_layernorm.weight": (hidden,),
-        f"{prefix}.self_attn.q_proj.weight": (2 * heads * dim, hidden),  # each head's q rows, then its gate rows
-        f"{prefix}.self_attn.k_proj.weight": (kv_heads * dim, hidden),
-        f"{prefix}.self_attn.v_proj.weight": (kv_heads * dim, hidden),
-        f"{prefix}.self_attn.o_proj.weight": (hidden, heads * dim),
-        f"{prefix}.self_attn.q_norm.weight": (dim,),
-        f"{prefix}.self_attn.k_norm.weight": (dim,),
     }
+    if linear:
+        shapes |= _delta_net_shapes(config, prefix)
+    else:
+        shapes |= {
+            f"{prefix}.self_attn.q_proj.weight": (2 * heads * dim, hidden),  # each head's q rows, then its gate rows
+            f"{prefix}.self_attn.k_proj.weight": (kv_heads * dim, hidden),
+            f"{prefix}.self_attn.v_proj.weight": (kv_heads * dim, hidden),
+            f"{prefix}.self_attn.o_proj.weight": (hidden, heads * dim),
+            f"{prefix}.self_attn.q_norm.weight": (dim,),
+            f"{prefix}.self_attn.k_norm.weight": (dim,),
+        }
     if not moe:
         inter = config["intermediate_size"]
         return shapes | {f"{prefix}.mlp.{name}.weight": shape for name, shape in
@@ -80,7 +107,8 @@ def random_qwen3_next_weights(config: Mapping = TINY_QWEN3_NEXT, seed: int = 0, 
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
               "lm_head.weight": (vocab, hidden)}
     for layer in range(config["num_hidden_layers"]):
-        shapes |= _layer_shapes(config, f"model.layers.{layer}", layer not in config["mlp_only_layers"])
+        linear = config["layer_types"][layer] == "linear_attention"
+        shapes |= _layer_shapes(config, f"model.layers.{layer}", layer not in config["mlp_only_layers"], linear)
     if num_mtp_layers:
         shapes |= {"mtp.fc.weight": (hidden, 2 * hidden), "mtp.pre_fc_norm_embedding.weight": (hidden,),
                    "mtp.pre_fc_norm_hidden.weight": (hidden,), "mtp.norm.weight": (hidden,)}
@@ -89,6 +117,10 @@ def random_qwen3_next_weights(config: Mapping = TINY_QWEN3_NEXT, seed: int = 0, 
     tensors = {}
     for name, shape in shapes.items():
         values = rng.standard_normal(shape) * (0.1 if name.endswith("norm.weight") else scale)
+        if name.endswith("linear_attn.A_log"):  # decay rates 1 .. 16, as the published init draws
+            values = np.log(rng.uniform(1, 16, shape))
+        elif name.endswith("linear_attn.norm.weight"):  # a plain multiplier, not zero-centred
+            values = 1 + values
         tensors[name] = values.astype(np.float32).astype(ml_dtypes.bfloat16)
     return tensors
 
@@ -102,7 +134,7 @@ def copying_mtp(tensors: dict[str, np.ndarray], config: Mapping = TINY_QWEN3_NEX
     hidden = config["hidden_size"]
     out = dict(tensors)
     for name, value in tensors.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
             out[name] = np.zeros_like(value)
     fc = np.zeros((hidden, 2 * hidden), np.float32)
     fc[:, :hidden] = np.eye(hidden)
@@ -115,21 +147,26 @@ def copying_mtp(tensors: dict[str, np.ndarray], config: Mapping = TINY_QWEN3_NEX
 
 def build_mtp_core(weights: dict[str, np.ndarray] | None = None, speculative: SpeculativeConfig | None = None,
                    num_blocks=400, max_num_seqs=32, budget=256, graph_sizes=(), head_blocks=None,
-                   prefix_caching=True, grammars=None) -> EngineCore:
-    """An engine over the tiny Qwen3-Next (`weights`, default: random with one MTP layer),
-    drafting with its MTP head under an mtp `speculative` config (None: plain decoding);
-    `grammars`: a GrammarCache for requests' constraints."""
-    config = ModelConfig.from_dict(TINY_QWEN3_NEXT)
-    weights = weights if weights is not None else random_qwen3_next_weights()
+                   prefix_caching=True, grammars=None, shape: Mapping = TINY_QWEN3_NEXT) -> EngineCore:
+    """An engine over the tiny Qwen3-Next of `shape` (`weights`, default: random with one MTP
+    layer), drafting with its MTP head under an mtp `speculative` config, with n-grams under
+    an ngram one (None: plain decoding); `grammars`: a GrammarCache for requests'
+    constraints. A shape with DeltaNet layers gets a state slot per sequence and a snapshot
+    slot per draft of each."""
+    config = ModelConfig.from_dict(shape)
+    weights = weights if weights is not None else random_qwen3_next_weights(shape)
+    uses_head = speculative is not None and speculative.method is SpeculativeMethod.MTP
     backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
     model = load_model(config, DictWeights(weights), backend, MAX_LEN)
     num_drafts = speculative.num_speculative_tokens if speculative is not None else 0
     rows = min(max_num_seqs * (1 + num_drafts), budget)
-    keep = (config.num_layers - 1,) if speculative is not None else ()
-    worker = make_worker(model, num_blocks, BLOCK_SIZE, WorkerConfig(budget, rows, MAX_LEN, graph_sizes, keep))
-    cache = make_cache(model, num_blocks, BLOCK_SIZE, max_num_seqs, prefix_caching)
+    keep = (config.num_layers - 1,) if uses_head else ()
+    worker_config = WorkerConfig(budget, rows, MAX_LEN, graph_sizes, keep, num_drafts)
+    num_slots = max_num_seqs * (1 + num_drafts)
+    worker = make_worker(model, num_blocks, BLOCK_SIZE, worker_config, num_slots=num_slots)
+    cache = make_cache(model, num_blocks, BLOCK_SIZE, num_slots, prefix_caching)
     proposer = None
-    if speculative is not None:
+    if uses_head:
         mtp = load_mtp(config, DictWeights(weights), backend, MAX_LEN)
         head, inputs = mtp_head(mtp, backend, max(budget, *graph_sizes, 1), config.vocab_size)
         head_blocks = head_blocks or num_blocks
@@ -234,7 +271,7 @@ def predicting_eagle3(target: dict[str, np.ndarray], follows: np.ndarray, config
     draft_ids = np.array(sorted(needed + others[: draft_vocab - len(needed)]))
     tensors = random_eagle3_weights(config, draft_ids=draft_ids)
     for name, value in list(tensors.items()):
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
             tensors[name] = np.zeros_like(value)
     fc = np.zeros((hidden, 3 * hidden), np.float32)
     fc[:, :hidden] = np.eye(hidden)
@@ -271,8 +308,10 @@ def build_eagle3_core(target: dict[str, np.ndarray], head: dict[str, np.ndarray]
                                   WorkerConfig(budget, max_num_seqs, MAX_LEN, graph_sizes, (0,)))
         runner = HeadWorker(head_worker, loaded.buffers.hidden, 3 * config.hidden_size, loaded.fuse, loaded.target_ids)
         proposer = DraftHeadProposer(runner, head_blocks, BLOCK_SIZE, budget, config.vocab_size)
-    worker = make_worker(model, num_blocks, BLOCK_SIZE, WorkerConfig(budget, rows, MAX_LEN, graph_sizes, keep))
-    cache = make_cache(model, num_blocks, BLOCK_SIZE, max_num_seqs, prefix_caching)
+    worker_config = WorkerConfig(budget, rows, MAX_LEN, graph_sizes, keep, num_drafts)
+    num_slots = max_num_seqs * (1 + num_drafts)
+    worker = make_worker(model, num_blocks, BLOCK_SIZE, worker_config, num_slots=num_slots)
+    cache = make_cache(model, num_blocks, BLOCK_SIZE, num_slots, prefix_caching)
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, None,
                           speculation_policy(speculative, proposer))
     return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS)

@@ -22,10 +22,11 @@ def make_worker(
     config: WorkerConfig,
     kv_dtype: DType = DType.F32,
     kv_scales: tuple[tuple[float, float], ...] = (),
+    num_slots: int | None = None,
 ) -> Worker:
-    """A worker over caches of `num_blocks` usable blocks per KV group (and `config.max_num_seqs`
-    state slots per recurrent group), each with its scratch page."""
-    pages = page_counts(model, num_blocks, config.max_num_seqs)
+    """A worker over caches of `num_blocks` usable blocks per KV group (and `num_slots`, default
+    `config.max_num_seqs`, state slots per recurrent group), each with its scratch page."""
+    pages = page_counts(model, num_blocks, num_slots if num_slots is not None else config.max_num_seqs)
     caches = allocate_caches(model.backend, model.cache_groups, pages, block_size, kv_dtype, kv_scales)
     return Worker(model.backend, model, caches, config)
 

@@ -69,17 +69,25 @@ class PagedFakeWorker:
             assert min(token_ids) >= 0
             tables = scheduled.block_tables
             views = [self._write_and_read(group, table, scheduled, token_ids) for group, table in enumerate(tables)]
-            for slot in scheduled.state_slots:
+            first_row = len(token_ids) - 1 - scheduled.num_draft_tokens  # the token of the first sampling row
+            befores = []
+            for group, slot in enumerate(scheduled.state_slots):
                 state = () if scheduled.start_position == 0 else self.states[slot]
                 assert state is not None and len(state) == scheduled.start_position, "a state slot lost its sequence"
+                befores.append(state)
                 self.states[slot] = state + tuple(token_ids)
                 views.append(self.states[slot])
+                # a verify chunk: the states after its tokens but the last, as the kind writes them
+                for row, snapshot in enumerate(scheduled.state_snapshots[group] if scheduled.state_snapshots else ()):
+                    assert snapshot not in scheduled.state_slots
+                    self.states[snapshot] = state + tuple(token_ids[: first_row + row + 1])
             if scheduled.sampling is not None and scheduled.num_draft_tokens:
                 # a row per position of the verify chunk, each reading every group's view up to it
-                assert not scheduled.state_slots, "recurrent state cannot verify drafts"
+                assert len(scheduled.state_snapshots) == len(scheduled.state_slots)
                 for row in range(1 + scheduled.num_draft_tokens):
                     end = scheduled.context_len - scheduled.num_draft_tokens + row
                     row_views = [self._read(group, table, end) for group, table in enumerate(tables)]
+                    row_views += [state + tuple(token_ids[: first_row + row + 1]) for state in befores]
                     sampled.append(greedy_next_token(tuple(itertools.chain.from_iterable(row_views))))
             elif scheduled.sampling is not None:
                 assert scheduled.sampling.is_greedy

@@ -32,9 +32,9 @@ def record_buckets(worker) -> list[int | None]:
     buckets: list[int | None] = []
     forward = worker._forward
 
-    def recording(batch, bucket, packed, observer=None):
+    def recording(batch, bucket, packed, observer=None, chunks=None):
         buckets.append(bucket)
-        return forward(batch, bucket, packed, observer)
+        return forward(batch, bucket, packed, observer, chunks)
 
     worker._forward = recording
     return buckets

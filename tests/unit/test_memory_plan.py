@@ -76,3 +76,16 @@ def test_weights_that_cannot_fit_are_refused_before_loading():
     check_weights_fit(10 * GIB, free_bytes=40 * GIB, total_bytes=80 * GIB, utilization=0.9)
     with pytest.raises(MemoryPlanError, match="weights need 16.00 GiB"):
         check_weights_fit(16 * GIB, free_bytes=15 * GIB, total_bytes=80 * GIB, utilization=0.9)
+
+
+def test_speculation_adds_snapshot_slots_to_each_state_group_before_the_kv_blocks():
+    """8 sequences that may verify 3 drafts each: 8 + 24 slots (and the scratch slot), taken
+    from the budget before the full-attention blocks share what is left."""
+    plain = plan([FULL, STATE], CacheDemand(8, 64, 4096), kv_budget_bytes=GIB)
+    speculating = plan([FULL, STATE], CacheDemand(8, 64, 4096, num_state_snapshots=24), kv_budget_bytes=GIB)
+    assert plain.num_pages[1] == 8 and speculating.num_pages[1] == 32
+    slot_bytes, block_bytes = speculating.bytes_per_page[1], speculating.bytes_per_page[0]
+    assert speculating.num_pages[0] == (GIB - 33 * slot_bytes) // block_bytes - 1
+    assert plain.num_pages[0] > speculating.num_pages[0]
+    with pytest.raises(MemoryPlanError, match="and 9000 snapshot slots for drafts"):
+        plan([FULL, STATE], CacheDemand(8, 64, 4096, num_state_snapshots=9000), kv_budget_bytes=GIB)

@@ -21,7 +21,6 @@ import atlas  # noqa: E402
 from atlas.adapters.mock.backend import MockGpuBackend  # noqa: E402
 from atlas.adapters.mock.dense import rmsnorm  # noqa: E402
 from atlas.adapters.weights.safetensors import SafetensorsWeights  # noqa: E402
-from atlas.app.settings import SettingsError  # noqa: E402
 from atlas.domain.engine import EngineCore  # noqa: E402
 from atlas.domain.models import qwen3_next  # noqa: E402
 from atlas.domain.models.cache_groups import CacheGroupKind  # noqa: E402
@@ -182,11 +181,21 @@ def test_a_reused_state_slot_starts_from_zero_whatever_it_held(checkpoint, rng):
     np.testing.assert_array_equal(reused, fresh)
 
 
-def test_speculative_decoding_is_refused_naming_the_flag_since_the_state_cannot_roll_back(checkpoint):
-    folder, _ = checkpoint
-    with pytest.raises(SettingsError, match="--speculative-config: this model has recurrent layers"):
-        atlas.LLM(str(folder), device="mock", show_progress=False, max_seq_len=128, max_num_seqs=2, kv_cache_gb=0.01,
-                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+def test_ngram_speculation_through_the_builder_gives_plain_decodings_tokens_with_snapshot_slots_planned(checkpoint):
+    """The memory plan gives the state group a slot per sequence and one per draft of each
+    (2 + 2 x 3); the tokens are plain decoding's; drafts are verified."""
+    folder, reference = checkpoint
+    settings = dict(device="mock", show_progress=False, max_seq_len=128, max_num_seqs=2, kv_cache_gb=0.01)
+    plain = atlas.LLM(str(folder), **settings)
+    speculating = atlas.LLM(str(folder), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                             "prompt_lookup_min": 1}, **settings)
+    assert plain.engine.num_pages[0] == 2 and speculating.engine.num_pages[0] == 2 + 2 * 3
+    prompts = [[5, 6, 7, 8] * 6, _prompts(reference.config.vocab_size, lengths=(19,), seed=2)[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [output.outputs[0].token_ids for output in plain.generate(prompts, params)]
+    assert [output.outputs[0].token_ids for output in speculating.generate(prompts, params)] == expected
+    stats = speculating.engine.core.stats()
+    assert stats.num_spec_verify_steps > 0 and stats.num_blocks_free == stats.num_blocks_total
 
 
 def test_a_backend_without_the_recurrent_and_moe_kinds_is_refused_naming_them(checkpoint):

@@ -8,6 +8,7 @@ reference), except where told to draft wrong ones, so every acceptance count is 
 
 from __future__ import annotations
 
+import pytest
 from helpers.scheduling import (
     BLOCK_SIZE,
     FULL_ATTENTION,
@@ -23,9 +24,9 @@ from helpers.scheduling import (
 )
 
 from atlas.domain.cache.block_pool import BlockPool
-from atlas.domain.cache.groups import KvGroup
+from atlas.domain.cache.groups import KvGroup, StateSlotGroup
 from atlas.domain.cache.manager import CacheManager
-from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape
+from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, StateShape
 
 
 class ScriptedProposer:
@@ -33,9 +34,9 @@ class ScriptedProposer:
     `wrong_from`-th draft on shifted to a wrong id."""
 
     def __init__(self, prompts: dict[str, list[int]], num_tokens: int, num_drafts: int, wrong_from: int | None = None,
-                 windows=(None,)):
+                 windows=(None,), num_states=0):
         self.prompt_lens = {seq_id: len(prompt) for seq_id, prompt in prompts.items()}
-        self.references = {seq_id: greedy_reference(p, num_tokens + num_drafts + 1, windows)
+        self.references = {seq_id: greedy_reference(p, num_tokens + num_drafts + 1, windows, num_states)
                            for seq_id, p in prompts.items()}
         self.num_drafts = num_drafts
         self.wrong_from = wrong_from
@@ -183,3 +184,84 @@ def test_a_sliding_window_group_keeps_what_rejected_drafts_leave_it_to_read() ->
     stats = scheduler.spec_stats
     assert stats.num_verify_steps > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert full_pool.num_free_blocks == 16 and window_pool.num_free_blocks == 8
+
+
+STATE = CacheGroupSpec(StateShape(conv_dim=8, conv_kernel=4, num_heads=1, key_dim=4, value_dim=4))
+
+
+def hybrid_setup(prompts, num_drafts, wrong_from, num_slots, num_tokens=12, budget=32):
+    proposer = scripted(prompts, num_tokens, num_drafts, wrong_from=wrong_from, num_states=1)
+    full_pool, slot_pool = BlockPool(16, BLOCK_SIZE), BlockPool(num_slots, 1)
+    cache = CacheManager.build([KvGroup(FULL_ATTENTION, full_pool), StateSlotGroup(STATE, slot_pool)], False)
+    scheduler = scheduler_over(cache, budget, speculation=proposer)
+    return scheduler, full_pool, slot_pool, PagedFakeWorker(16, num_state_slots=num_slots)
+
+
+def test_a_recurrent_state_keeps_the_snapshot_after_the_last_accepted_draft() -> None:
+    """Slot pool of 8: the sequence holds slot 0; verifying 3 drafts (the second wrong) takes
+    snapshot slots 1 2 3 for the states after its last token, d0 and d1. One draft accepted:
+    the state after it (snapshot 2) becomes the sequence's slot; 0, 1 and 3 go back."""
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    scheduler, _, slot_pool, worker = hybrid_setup({"a": prompt}, 3, wrong_from=1, num_slots=8)
+    seq = make_seq("a", prompt, max_tokens=12, eos_token_ids=NO_EOS)
+    scheduler.add(seq)
+    step(scheduler, worker)
+    assert seq.cache.groups[1].block_ids == (0,)
+    batch = scheduler.schedule()
+    scheduler.check_invariants()
+    [verify] = batch.sequences
+    assert verify.state_slots == (0,) and verify.state_snapshots == ((1, 2, 3),) and slot_pool.num_free_blocks == 4
+    [output] = scheduler.commit(batch, worker.execute(batch))
+    scheduler.check_invariants()
+    assert len(output.new_token_ids) == 2 and seq.num_computed_tokens == 9
+    assert seq.cache.groups[1].block_ids == (2,) and slot_pool.num_free_blocks == 7
+    batch = scheduler.schedule()  # the next verify continues from slot 2's state
+    assert batch.sequences[0].state_slots == (2,)
+    scheduler.commit(batch, worker.execute(batch))
+    scheduler.check_invariants()
+
+
+def test_every_draft_accepted_keeps_the_slot_and_frees_the_snapshots() -> None:
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    scheduler, _, slot_pool, worker = hybrid_setup({"a": prompt}, 3, wrong_from=None, num_slots=4)
+    seq = make_seq("a", prompt, max_tokens=12, eos_token_ids=NO_EOS)
+    scheduler.add(seq)
+    step(scheduler, worker)
+    batch, [output] = step(scheduler, worker)
+    assert batch.sequences[0].state_snapshots == ((1, 2, 3),) and len(output.new_token_ids) == 4
+    assert seq.cache.groups[1].block_ids == (0,) and slot_pool.num_free_blocks == 3
+
+
+def test_drafts_wait_for_snapshot_slots_rather_than_preempting() -> None:
+    """Three sequences over 5 slots: each holds one, so two are left for snapshots, and a
+    sequence drafting 3 needs 3: nobody drafts, nobody is preempted."""
+    prompts = {"a": [5, 6, 7], "b": [8, 9, 10, 11], "c": [12, 13]}
+    scheduler, _, slot_pool, worker = hybrid_setup(prompts, 3, wrong_from=None, num_slots=5)
+    for seq_id, prompt in prompts.items():
+        scheduler.add(make_seq(seq_id, prompt, max_tokens=12, eos_token_ids=NO_EOS))
+    step(scheduler, worker)
+    batch, _ = step(scheduler, worker)
+    assert not any(s.num_draft_tokens for s in batch.sequences) and scheduler.spec_stats.num_verify_steps == 0
+
+
+@pytest.mark.parametrize("wrong_from", [None, 0, 1, 2])
+@pytest.mark.parametrize("budget", [32, 5])
+def test_a_hybrid_cache_speculates_to_the_reference_tokens_and_every_slot_comes_back(wrong_from, budget) -> None:
+    """Full attention beside recurrent state, 3 sequences, drafts of 3 right up to `wrong_from`:
+    the tokens are the reference's (the fake state absorbs exactly the kept tokens, or a slot
+    loses its sequence), with chunked prompts too (budget 5); every block and slot comes back."""
+    prompts = {"a": list(range(10, 21)), "b": [30, 31, 32], "c": [40, 41, 42, 43, 44, 45]}
+    scheduler, full_pool, slot_pool, worker = hybrid_setup(prompts, 3, wrong_from, num_slots=12, num_tokens=14,
+                                                            budget=budget)
+    for seq_id, prompt in prompts.items():
+        scheduler.add(make_seq(seq_id, prompt, max_tokens=14, eos_token_ids=NO_EOS))
+    finished = run_to_completion(scheduler, worker)
+    for seq_id, prompt in prompts.items():
+        assert finished[seq_id].token_ids == greedy_reference(prompt, 14, num_states=1)
+    stats = scheduler.spec_stats
+    assert stats.num_verify_steps > 0
+    if wrong_from is None:
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
+    assert full_pool.num_free_blocks == 16 and slot_pool.num_free_blocks == 12

@@ -7,7 +7,14 @@ import pytest
 
 from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence
 from atlas.domain.sequence import PLACEHOLDER_TOKEN
-from atlas.domain.step_inputs import CacheLayout, HostStepInputs, TableRows, build_step_inputs, pad_decode_inputs
+from atlas.domain.step_inputs import (
+    CacheLayout,
+    HostStepInputs,
+    TableRows,
+    build_step_inputs,
+    pad_decode_inputs,
+    state_chunks,
+)
 
 BLOCK_SIZE = 16
 TABLE_WIDTH = 16
@@ -194,3 +201,21 @@ def test_a_full_bucket_pads_to_itself():
     assert padded.sample_indices.tolist() == list(range(len(decodes)))
     for name, expected in expected_inputs(ScheduledBatch(1, decodes, BLOCK_SIZE), HYBRID).items():
         np.testing.assert_array_equal(getattr(padded, name), expected, err_msg=name)
+
+
+def test_the_recurrent_groups_see_each_verify_chunk_whole_with_its_snapshot_slots():
+    """A prefill chunk of 5 and a verify chunk of the last token and 2 drafts: attention's rows
+    split the verify chunk into 3 decode rows; the state chunks keep 2 sequences, the verify
+    one naming its 2 snapshot slots per recurrent group (width 3: the last column unused)."""
+    layout = CacheLayout(BLOCK_SIZE, TABLE_WIDTH, (SCRATCH_BLOCK,), state_scratch_slots=(128, 129), snapshot_width=3)
+    prefill = ScheduledSequence("a", (1, 2, 3, 4, 5), 0, (0,), None, kv_block_tables=(BlockTable((0,)),),
+                                state_slots=(4, 14))
+    verify = ScheduledSequence("b", (7, 8, 9), 10, (1,), ROW, kv_block_tables=(BlockTable((1,)),), state_slots=(5, 15),
+                               num_draft_tokens=2, draft_rows=(ROW, ROW), state_snapshots=((6, 7), (16, 17)))
+    chunks = state_chunks(ScheduledBatch(3, (prefill, verify), BLOCK_SIZE), layout)
+    assert chunks.query_start_loc.tolist() == [0, 5, 8] and chunks.seq_lens.tolist() == [5, 13]
+    assert chunks.state_slots.tolist() == [[4, 5], [14, 15]] and chunks.max_query_len == 5
+    assert chunks.snapshot_slots.tolist() == [[[-1, -1, -1], [6, 7, -1]], [[-1, -1, -1], [16, 17, -1]]]
+    narrow = CacheLayout(BLOCK_SIZE, TABLE_WIDTH, (SCRATCH_BLOCK,), state_scratch_slots=(128, 129), snapshot_width=1)
+    with pytest.raises(ValueError, match=r"'b' verifies 2 drafts with snapshot slots \[2, 2\]"):
+        state_chunks(ScheduledBatch(3, (prefill, verify), BLOCK_SIZE), narrow)

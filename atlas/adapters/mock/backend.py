@@ -79,6 +79,7 @@ class MockGpuBackend:
             kinds=frozenset(Kind),
             supports_graphs=self._emulate_graphs,
             device_name=f"numpy on {os.cpu_count()} CPU cores",
+            state_snapshots=True,
         )
 
     @property

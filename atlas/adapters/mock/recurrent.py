@@ -2,7 +2,9 @@
 
 A sequence with several tokens in the step goes through the chunkwise form of the delta rule
 (chunks of `CHUNK` tokens, each a few small matrix products and one triangular solve); a
-sequence with one token takes the plain recurrence. Both are the same math:
+sequence with one token, or one whose step names snapshot slots (a verify chunk: the states
+after each token are wanted, and token by token they are bit for bit those of plain decoding),
+takes the plain recurrence. Both are the same math:
 
     S_t = e^{g_t} S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - e^{g_t} S_{t-1}^T k_t),   o_t = S_t^T q_t
 
@@ -126,7 +128,7 @@ class MockRecurrent:
         rounded = self._backend.dense.rounded
         kernel = layer.conv_weight.shape[1]
         result = np.empty_like(x)
-        for rows, fresh, slot in _sequences(meta):
+        for rows, fresh, slot, snapshots in _sequences(meta):
             history = state.conv[shape.state_layer, slot]
             if fresh:
                 history = np.zeros_like(history)
@@ -135,6 +137,8 @@ class MockRecurrent:
             mixed = rounded(sum(inputs[j : j + length] * layer.conv_weight[:, j] for j in range(kernel)))
             result[rows] = mixed / (1.0 + np.exp(-mixed))
             state.conv[shape.state_layer, slot] = inputs[length:]
+            for token, snapshot in snapshots:  # the K - 1 inputs up to and including the token
+                state.conv[shape.state_layer, snapshot] = inputs[token + 1 : token + kernel]
         out.data[...] = rounded(result)
 
     def gated_delta_rule(
@@ -164,25 +168,36 @@ class MockRecurrent:
         q = _l2_normalize(q) * np.float32(shape.key_head_dim**-0.5)
         k = _l2_normalize(k)
         core = np.empty_like(v)
-        for rows, fresh, slot in _sequences(meta):
+        for rows, fresh, slot, snapshots in _sequences(meta):
             start = state.recurrent[shape.state_layer, slot]
             if fresh:
                 start = np.zeros_like(start)
+            inputs = (q[rows], k[rows], v[rows], beta[rows], decay[rows], start)
+            if snapshots:
+                states: list[np.ndarray] = []
+                core[rows], state.recurrent[shape.state_layer, slot] = _delta_rule_recurrent(*inputs, states)
+                for token, snapshot in snapshots:
+                    state.recurrent[shape.state_layer, snapshot] = states[token]
+                continue
             step = _delta_rule_chunked if rows.stop - rows.start > 1 else _delta_rule_recurrent
-            core[rows], state.recurrent[shape.state_layer, slot] = step(
-                q[rows], k[rows], v[rows], beta[rows], decay[rows], start
-            )
+            core[rows], state.recurrent[shape.state_layer, slot] = step(*inputs)
         gated = rmsnorm(rounded(core), layer.norm.weight, layer.norm.eps) * (z / (1.0 + np.exp(-z)))
         out.data[...] = gated.reshape(meta.num_tokens, value_dim)
 
 
 def _sequences(meta: RecurrentMetadata):
-    """(token rows, whether it starts fresh, state slot) of each sequence with tokens."""
+    """(token rows, whether it starts fresh, state slot, [(token, snapshot slot)]) of each
+    sequence with tokens."""
     query_start, seq_lens, slots = meta.query_start_loc.data, meta.seq_lens.data, meta.state_slots.data
+    snapshot_slots = meta.snapshot_slots.data if meta.snapshot_slots is not None else None
     for seq in range(meta.num_seqs):
         start, stop = int(query_start[seq]), int(query_start[seq + 1])
         if stop > start:
-            yield slice(start, stop), int(seq_lens[seq]) == stop - start, int(slots[seq])
+            snapshots = []
+            if snapshot_slots is not None:
+                row = snapshot_slots[seq]
+                snapshots = [(int(token), int(row[token])) for token in np.flatnonzero(row[: stop - start] >= 0)]
+            yield slice(start, stop), int(seq_lens[seq]) == stop - start, int(slots[seq]), snapshots
 
 
 def _heads(x: np.ndarray, head_dim: int, group: int) -> np.ndarray:
@@ -194,8 +209,9 @@ def _l2_normalize(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True) + _L2_EPS)
 
 
-def _delta_rule_recurrent(q, k, v, beta, decay, state):
-    """Token by token. q, k [L, H, dk]; v [L, H, dv]; beta, decay [L, H]; state [H, dk, dv]."""
+def _delta_rule_recurrent(q, k, v, beta, decay, state, states=None):
+    """Token by token. q, k [L, H, dk]; v [L, H, dv]; beta, decay [L, H]; state [H, dk, dv];
+    `states`: a list that receives the state after each token."""
     outputs = np.empty_like(v)
     for t in range(q.shape[0]):
         state = state * np.exp(decay[t])[:, None, None]
@@ -203,6 +219,8 @@ def _delta_rule_recurrent(q, k, v, beta, decay, state):
         update = (v[t] - predicted) * beta[t][:, None]
         state = state + k[t][:, :, None] * update[:, None, :]
         outputs[t] = np.einsum("hkv,hk->hv", state, q[t])
+        if states is not None:
+            states.append(state)
     return outputs, state
 
 

@@ -10,7 +10,8 @@ blocks a prefix hit needs, and how long a sequence can ever get.
     full attention   blocks 0 .. ceil(n / B) - 1, all kept
     sliding window   blocks that hold the last `window` positions; earlier ones are released
                        window 8, B 4, next position 13: reads 6 .. 13 -> blocks 1 .. 3; block 0 goes
-    recurrent state  one slot, whatever n (no prefix hits: see `StateSlotGroup`)
+    recurrent state  one slot, whatever n (no prefix hits: see `StateSlotGroup`), and while a
+                     sequence verifies k drafts, k snapshot slots besides
 """
 
 from __future__ import annotations
@@ -50,6 +51,18 @@ class CacheGroup(Protocol):
 
     def num_pages(self, num_tokens: int) -> int:
         """Pages covering a sequence of `num_tokens` tokens, released ones included."""
+        ...
+
+    def num_draft_pages(self, num_drafts: int) -> int:
+        """Pages a sequence holds besides `num_pages` while a step verifies `num_drafts` of its
+        tokens as drafts (they come after the pages of its tokens)."""
+        ...
+
+    def trim(self, holding: GroupHolding, num_tokens: int, num_rolled_back: int) -> tuple[int, ...]:
+        """Cut `holding` back to a sequence of `num_tokens` computed tokens that just gave up
+        its last `num_rolled_back` computed positions (rejected drafts; 0 when every draft was
+        kept): returns the pages it no longer holds, for the pool. Raises AssertionError when
+        the holding cannot roll back that far."""
         ...
 
     def first_needed_block(self, position: int) -> int:
@@ -105,6 +118,16 @@ class KvGroup:
     def num_pages(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def num_draft_pages(self, num_drafts: int) -> int:
+        return 0  # drafts are tokens: `num_pages` covers them
+
+    def trim(self, holding: GroupHolding, num_tokens: int, num_rolled_back: int) -> tuple[int, ...]:
+        num_extra = holding.num_covered - self.num_pages(num_tokens)
+        if num_extra <= 0:
+            return ()
+        freed, holding.block_ids = holding.block_ids[-num_extra:], holding.block_ids[:-num_extra]
+        return freed
+
     def first_needed_block(self, position: int) -> int:
         if self.spec.window is None:
             return 0
@@ -147,6 +170,16 @@ class StateSlotGroup:
     here: a sequence computing from its first token starts from zero (`RecurrentMetadata`), so
     a new or preempted sequence never reads what a slot held before.
 
+    A state cannot be rolled back, so a sequence verifying k drafts also holds k snapshot
+    slots, into which the step writes the states after its last token and each draft but the
+    last (`RecurrentMetadata.snapshot_slots`); its slot gets the state after the last draft.
+    Once the drafts are judged, the state after the last kept position becomes its slot by
+    swapping ids (nothing is copied) and the other slots go back to the pool:
+
+        holding while verifying 3 drafts    (slot 5, snapshots 8 2 6): after t, d0, d1 | d2
+        2 accepted (1 position rolled back)  -> (6,)     frees 5 8 2
+        all 3 accepted                       -> (5,)     frees 8 2 6
+
     Prefix hits would need the state at the hit's last block boundary, which is not kept, so
     this group serves no hit and a model with recurrent layers computes every prompt in full.
     Keeping it needs the recurrent kinds to write the state at block boundaries inside a step
@@ -176,6 +209,19 @@ class StateSlotGroup:
 
     def num_pages(self, num_tokens: int) -> int:
         return 1 if num_tokens > 0 else 0
+
+    def num_draft_pages(self, num_drafts: int) -> int:
+        return num_drafts  # the snapshots after the last token and each draft but the last
+
+    def trim(self, holding: GroupHolding, num_tokens: int, num_rolled_back: int) -> tuple[int, ...]:
+        slot, snapshots = holding.block_ids[0], holding.block_ids[1:]
+        if num_rolled_back > len(snapshots):
+            raise AssertionError(f"a state with {len(snapshots)} snapshots cannot roll back {num_rolled_back} positions")
+        if not snapshots:
+            return ()
+        kept = snapshots[len(snapshots) - num_rolled_back] if num_rolled_back else slot
+        holding.block_ids = (kept,)
+        return tuple(page for page in (slot, *snapshots) if page != kept)
 
     def first_needed_block(self, position: int) -> int:
         return 0

@@ -7,7 +7,10 @@
                 release_unread(seqs)             once the step is built: releases the blocks that
                                                  left a sliding window
     growth      r = reserve(seq, n); commit(seq, r)
-    rollback    trim(seq)                        rejected drafts: the pages past the computed count
+    drafts      r = reserve(seq, 1 + k, num_drafts=k)   also the pages verifying k drafts needs
+                                                 (a recurrent group's snapshot slots)
+    rollback    trim(seq, r)                     rejected drafts: the pages past the computed count,
+                                                 the state after the last kept token made the slot
     the end     release(seq)                     finish, abort or preemption: full blocks stay
                                                  cached (evictable), the rest goes back to the pools
 
@@ -41,9 +44,9 @@ from atlas.domain.sequence import Sequence
 
 
 # What a step's ScheduledSequence carries of a sequence's cache (`CacheManager.step_tables`):
-# the first KV group's block ids, every KV group's table (none for a lone full-attention group)
-# and every state group's slot.
-StepTables = tuple[tuple[int, ...], tuple[BlockTable, ...], tuple[int, ...]]
+# the first KV group's block ids, every KV group's table (none for a lone full-attention group),
+# every state group's slot, and every state group's snapshot slots (none without drafts).
+StepTables = tuple[tuple[int, ...], tuple[BlockTable, ...], tuple[int, ...], tuple[tuple[int, ...], ...]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +81,8 @@ class CacheManager:
     """Per-sequence cache pages in every group, and the prefix cache over them."""
 
     __slots__ = (
-        "groups", "block_size", "tree", "_kv_groups", "_windowed_groups", "_lone_full_group", "_no_pages",
-        "_max_tokens", "_fresh", "_version", "_num_queried", "_num_hit",
+        "groups", "block_size", "tree", "_kv_groups", "_state_groups", "_windowed_groups", "_lone_full_group",
+        "_no_pages", "_max_tokens", "_fresh", "_version", "_num_queried", "_num_hit",
     )
 
     def __init__(self, groups: SequenceList[CacheGroup], tree: RadixTree | NoPrefixCache) -> None:
@@ -97,6 +100,7 @@ class CacheManager:
         self.block_size = block_sizes.pop()
         self.tree = tree
         self._kv_groups = tuple(kv_groups)
+        self._state_groups = tuple(idx for idx in range(len(groups)) if idx not in kv_groups)
         self._windowed_groups = tuple(idx for idx, group in enumerate(groups) if group.spec.window is not None)
         self._no_pages = (0,) * len(groups)
         limits = [limit for group in groups if (limit := group.max_tokens()) is not None]
@@ -172,19 +176,26 @@ class CacheManager:
         group (most steps of a running sequence): reserving them would hand out nothing."""
         return seq.num_computed_tokens + num_tokens <= seq.cache.num_tokens_covered
 
-    def reserve(self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None) -> CacheReservation | None:
+    def reserve(
+        self, seq: Sequence, num_tokens: int, hit: PrefixHit | None = None, num_drafts: int = 0
+    ) -> CacheReservation | None:
         """Check that `seq` can hold `num_tokens` more tokens: from its computed ones when
-        running, or from `hit` when it is being admitted (pass the hit, even an empty one).
+        running, or from `hit` when it is being admitted (pass the hit, even an empty one);
+        `num_drafts` of them drafts a step verifies (a running sequence's last ones), which may
+        need pages of their own (`CacheGroup.num_draft_pages`: a recurrent group's snapshots).
         Returns None, changing nothing, when some group is short of pages even after evicting.
-        Raises ValueError for a running sequence given a hit, or a waiting one given none."""
+        Raises ValueError for a running sequence given a hit, or a waiting one given none or
+        drafts."""
         holdings = seq.cache
-        if (hit is None) != bool(holdings.groups):
-            raise ValueError(f"{seq.seq_id!r}: a hit is given exactly when a waiting sequence is admitted")
+        if (hit is None) != bool(holdings.groups) or (hit is not None and num_drafts):
+            raise ValueError(f"{seq.seq_id!r}: a hit is given exactly when a waiting sequence is admitted, "
+                             f"without drafts")
         if hit is None:
             end = seq.num_computed_tokens + num_tokens
-            if end <= holdings.num_tokens_covered:  # most steps of a running sequence: keep it short
-                return CacheReservation(seq.seq_id, None, self._no_pages, self._version)
-            needs = tuple([g.num_pages(end) - h.num_covered for g, h in zip(self.groups, holdings.groups)])
+            if end <= holdings.num_tokens_covered and not (num_drafts and self._state_groups):
+                return CacheReservation(seq.seq_id, None, self._no_pages, self._version)  # most steps: keep it short
+            needs = tuple([g.num_pages(end) + g.num_draft_pages(num_drafts) - h.num_covered
+                           for g, h in zip(self.groups, holdings.groups)])
             newly_pinned = self._no_pages
         else:
             end = hit.num_tokens + num_tokens
@@ -255,17 +266,18 @@ class CacheManager:
                 self.groups[idx].pool.free([holding.release_first()])
                 self._version += 1
 
-    def trim(self, seq: Sequence) -> None:
-        """`seq`'s computed count fell (verification rejected drafts, or `Scheduler.resample`
-        took its last token back): return the pages past it to their pools. They held only
-        drafts, or the last resolved token and the refused one after it: never a full block,
-        so no cache node and no other sequence shares them."""
+    def trim(self, seq: Sequence, num_rolled_back: int) -> None:
+        """`seq`'s computed count fell by `num_rolled_back` (verification rejected drafts, or
+        `Scheduler.resample` took its last token back), or a verify step kept every draft (0):
+        return the pages past it to their pools. They held only drafts, or the last resolved
+        token and the refused one after it: never a full block, so no cache node and no other
+        sequence shares them. A recurrent group keeps the state after the last kept token as
+        its slot (`StateSlotGroup`) and frees the other snapshots."""
         holdings = seq.cache
         for group, holding in zip(self.groups, holdings.groups, strict=True):
-            num_extra = holding.num_covered - group.num_pages(seq.num_computed_tokens)
-            if num_extra > 0:
-                group.pool.free(holding.block_ids[-num_extra:])
-                holding.block_ids = holding.block_ids[:-num_extra]
+            freed = group.trim(holding, seq.num_computed_tokens, num_rolled_back)
+            if freed:
+                group.pool.free(freed)
         holdings.num_tokens_covered = min(
             self.groups[idx].pool.block_size * holdings.groups[idx].num_covered for idx in self._kv_groups
         )
@@ -308,10 +320,11 @@ class CacheManager:
         holdings = seq.cache.groups
         first = holdings[self._kv_groups[0]]
         if self._lone_full_group:
-            return first.block_ids, (), ()
+            return first.block_ids, (), (), ()
         tables = tuple(BlockTable(holdings[i].block_ids, holdings[i].first_block_idx) for i in self._kv_groups)
-        slots = tuple(holding.block_ids[0] for i, holding in enumerate(holdings) if i not in self._kv_groups)
-        return tables[0].block_ids, tables, slots
+        states = [holdings[i].block_ids for i in self._state_groups]
+        snapshots = tuple(ids[1:] for ids in states) if seq.num_draft_tokens and states else ()
+        return tables[0].block_ids, tables, tuple(ids[0] for ids in states), snapshots
 
     def check_prompt_fits(self, num_prompt_tokens: int) -> None:
         """Raises ParameterError("prompt", ...) when the whole cache cannot hold the prompt."""
@@ -379,8 +392,9 @@ class CacheManager:
         pins: Counter[int] = Counter()  # id(node) -> sequences pinning it
         for seq in running:
             holding = seq.cache.groups[idx]
-            if holding.num_covered != group.num_pages(seq.num_computed_tokens):
-                raise AssertionError(f"{seq!r}: group {idx} covers {holding.num_covered} pages")
+            expected = group.num_pages(seq.num_computed_tokens) + group.num_draft_pages(seq.num_draft_tokens)
+            if holding.num_covered != expected:
+                raise AssertionError(f"{seq!r}: group {idx} covers {holding.num_covered} pages, not {expected}")
             # drafts in flight may be rolled back: the window of their first one is kept
             if holding.first_block_idx != group.first_needed_block(seq.num_computed_tokens - seq.num_draft_tokens):
                 raise AssertionError(f"{seq!r}: group {idx} released a block it still reads, or keeps one it does not")

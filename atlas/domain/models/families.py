@@ -46,6 +46,13 @@ def check_supported(config: ModelConfig) -> None:
         )
 
 
+def model_kinds(config: ModelConfig) -> frozenset[Kind]:
+    """The kernel kinds a model of `config` calls, known before any weight is read (sampling
+    aside). Raises `UnsupportedArchitectureError` like `check_supported`."""
+    check_supported(config)
+    return _FAMILIES[config.architecture].kinds(config)
+
+
 def load_model(
     config: ModelConfig,
     weights: WeightSource,

@@ -10,6 +10,13 @@ A step mixes sequences that start fresh, continue a prompt in chunks and decode 
 member carries every sequence's state from its slot and leaves it there. Chunkwise (prefill) or
 token-by-token (decode) is the backend's choice per sequence, as prefill and decode attention
 kernels are. Mamba-2 fits as another mixer of this kind over the same slots.
+
+Speculative verification needs the state after each of a sequence's tokens, not only its last:
+a verify chunk (the last token and k drafts) runs as one sequence continuing from its slot, and
+names snapshot slots (`RecurrentMetadata.snapshot_slots`) for the states after its first k
+tokens; once the drafts are judged the cache manager makes the snapshot after the last kept one
+the sequence's slot (ids swap on the host, nothing is copied). A backend that writes snapshots
+says so in `Capabilities.state_snapshots`; without it a hybrid model cannot speculate.
 """
 
 from __future__ import annotations
@@ -65,6 +72,20 @@ class RecurrentMetadata:
     recomputes from its first token, start from zero whatever a slot held before; the chunks of
     a long prompt carry the state from one step to the next. A captured graph's padding rows are
     one-token fresh sequences in a scratch slot, so they read no state either.
+
+    Snapshots (only from a backend with `Capabilities.state_snapshots`; None: none this step):
+    where snapshot_slots[s, j] >= 0, that slot afterwards also holds sequence s's whole state
+    (conv and recurrent, every layer of the group) after its token j of the step (row
+    query_start_loc[s] + j), as its own slot would had the sequence ended there. -1: no
+    snapshot. A verify chunk of the last token and k drafts names k of them, one after each
+    token but the last, whose state its slot keeps:
+
+        rows         t    d0   d1   d2        (k = 3, positions P .. P+3)
+        state after  t    d0   d1   d2
+        written to   s0   s1   s2   slot      snapshot_slots[s] = [s0, s1, s2]
+
+    Snapshot slots are distinct from every slot the step reads or writes otherwise; a sequence
+    still reads only its own slot, so the snapshots of a step change nothing it computes.
     """
 
     query_start_loc: Tensor  # [S + 1] i32
@@ -73,6 +94,7 @@ class RecurrentMetadata:
     num_tokens: int
     num_seqs: int
     max_query_len: int
+    snapshot_slots: Tensor | None = None  # [S, W] i32, -1 = none
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +168,8 @@ class RecurrentKernels(Protocol):
         """out[t, c] = silu(sum over j < K of conv_weight[c, j] * x[t - K + 1 + j, c]) for the
         conv channels x = projected[:, :conv_dim], where the inputs before a sequence's first
         token of the step come from its slot's conv state (zeros for a fresh sequence); the
-        slot then keeps its last K - 1 inputs. projected [N, projected_width] (only read),
+        slot then keeps its last K - 1 inputs, and each snapshot slot (`meta.snapshot_slots`)
+        the K - 1 inputs up to its token. projected [N, projected_width] (only read),
         out [N, conv_dim]."""
         ...
 
@@ -167,5 +190,6 @@ class RecurrentKernels(Protocol):
             out = rmsnorm(o, norm) * silu(z), per value head
 
         mixed [N, conv_dim] (`causal_conv1d`'s out), projected [N, projected_width], out
-        [N, Hv dv]; the slot keeps the state after the sequence's last token."""
+        [N, Hv dv]; the slot keeps the state after the sequence's last token, and each
+        snapshot slot (`meta.snapshot_slots`) the state after its token."""
         ...
