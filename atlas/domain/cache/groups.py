@@ -17,7 +17,6 @@ blocks a prefix hit needs, and how long a sequence can ever get.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 from atlas.domain.cache.block_pool import BlockPool
