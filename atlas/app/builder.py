@@ -201,7 +201,12 @@ def build_engine(
     max_num_tokens = settings.max_prefill_tokens
     verify_rows = _max_verify_rows(settings, speculative)
     num_drafts = speculative.num_speculative_tokens if speculative is not None else 0
-    graph_sizes = () if settings.enforce_eager else _graph_sizes(settings, verify_rows, num_drafts)
+    if Kind.RECURRENT in model_kinds(config):
+        # a verify step of a model with recurrent layers runs eagerly (its recurrent groups see
+        # each verify chunk whole): graphs of verify sizes would never replay
+        graph_sizes = () if settings.enforce_eager else _graph_sizes(settings, 0)
+    else:
+        graph_sizes = () if settings.enforce_eager else _graph_sizes(settings, verify_rows, num_drafts)
     max_rows = max(settings.max_num_seqs, verify_rows, max(graph_sizes, default=0))
     limits = StepLimits(max(max_num_tokens, max_rows), max_rows)
     progress = Progress(f"loading {config.architecture} weights", enabled=show_progress)

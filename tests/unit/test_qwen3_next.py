@@ -190,6 +190,9 @@ def test_ngram_speculation_through_the_builder_gives_plain_decodings_tokens_with
     speculating = atlas.LLM(str(folder), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                              "prompt_lookup_min": 1}, **settings)
     assert plain.engine.num_pages[0] == 2 and speculating.engine.num_pages[0] == 2 + 2 * 3
+    # its verify steps run eagerly (the recurrent groups see each chunk whole): no verify-sized graphs
+    graph_sizes = [llm.engine.core.executor.config.graph_batch_sizes for llm in (plain, speculating)]
+    assert graph_sizes[1] == graph_sizes[0] == (1, 2)
     prompts = [[5, 6, 7, 8] * 6, _prompts(reference.config.vocab_size, lengths=(19,), seed=2)[0]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     expected = [output.outputs[0].token_ids for output in plain.generate(prompts, params)]
