@@ -40,6 +40,8 @@ def run_engine_bench(args: argparse.Namespace, settings: EngineSettings) -> int:
     if args.random:  # an FP8 random checkpoint is written as FP8 (the per-channel layout), not quantized at load
         settings = dataclasses.replace(settings, quantization="none")
     batch_sizes = _sizes(args.batch_sizes, "--batch-sizes")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds needs a positive integer (got {args.rounds})")
     reference = _run_reference(model, args) if args.reference != "none" else None
     prefill_lens = _sizes(args.prefill_lens, "--prefill-lens") if args.prefill_lens else _default_prefill(settings)
     settings = dataclasses.replace(
@@ -79,7 +81,8 @@ def _bench(engine, args: argparse.Namespace, model, batch_sizes: list[int], pref
     if engine.settings.speculative_config:
         from atlas.app.bench.speculative import run_speculative_bench
 
-        report = {"device": device, **run_speculative_bench(engine, args.prompts, batch_sizes, args.decode_tokens)}
+        report = {"device": device,
+                  **run_speculative_bench(engine, args.prompts, batch_sizes, args.decode_tokens, args.rounds)}
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
         return 0

@@ -1,12 +1,14 @@
 """`atlas bench MODEL --speculative-config JSON`: speculative decoding against the plain engine.
 
-One loaded engine runs the same prompts twice at each batch size, greedy, in one process: with
-its speculation policy switched off (the plain engine) and on. Each run is a closed loop of
-`batch` concurrent requests over the prompt set (the next prompt starts when one finishes);
-the figures are output tokens/s of each, the speed-up, the mean acceptance length (tokens a
+One loaded engine runs the same prompts at each batch size, greedy, in one process: with its
+speculation policy switched off (the plain engine) and on, in `rounds` alternating pairs. Each
+run is a closed loop of `batch` concurrent requests over the prompt set (the next prompt starts
+when one finishes); the figures are output tokens/s of each (medians over the rounds), the
+speed-up (the median of the rounds' paired ratios: a small model's step is host-bound, and one
+pair on one machine gave 1.05x where the next gave 1.28x), the mean acceptance length (tokens a
 verifying sequence-step yields: accepted drafts + 1) and acceptance by draft position, and
-whether the outputs were identical (they must be: drafts are verified against the target's own
-draws). Then the device time of one verify step with k drafts at batch 1 against one plain
+whether the outputs were identical in every round (they must be: drafts are verified against
+the target's own draws). Then the device time of one verify step with k drafts at batch 1 against one plain
 decode step at the same context, both replayed back to back (`verify_over`).
 
 The default prompts (package data) are 24 edit-and-repeat requests: rewrite this code with a
@@ -17,6 +19,7 @@ prompt, which is where n-gram drafts are accepted.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -132,8 +135,11 @@ def run_loop(engine: LoadedEngine, prompts: list[tuple[int, ...]], batch: int, m
 
 
 def run_speculative_bench(engine: LoadedEngine, prompts_path: str | None, batch_sizes: list[int],
-                          max_tokens: int) -> dict:
-    """Plain against speculative at each batch size; prints a table and returns the figures."""
+                          max_tokens: int, rounds: int = 3) -> dict:
+    """Plain against speculative at each batch size, `rounds` pairs each; prints a table and
+    returns the figures. Raises ValueError for fewer than one round."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1 (got {rounds})")
     scheduler = engine.core.scheduler
     policy = scheduler.speculation
     config = engine.settings.speculative
@@ -143,27 +149,39 @@ def run_speculative_bench(engine: LoadedEngine, prompts_path: str | None, batch_
     try:
         run_loop(engine, prompts[:_WARMUP_PROMPTS], 1, max_tokens, "warmup")  # compile, tune, capture
         for batch in batch_sizes:
-            print(f"plain and speculative decoding at batch {batch} ...", file=sys.stderr)
-            scheduler.speculation = NoSpeculation()
-            plain = run_loop(engine, prompts, batch, max_tokens, "plain", decode_steps if batch == 1 else None)
-            scheduler.speculation = policy
-            spec = run_loop(engine, prompts, batch, max_tokens, "spec")
-            rows.append({
-                "batch": batch, "prompts": len(prompts), "output_tokens": spec.num_tokens,
-                "plain_tokens_per_s": plain.num_tokens / plain.seconds,
-                "speculative_tokens_per_s": spec.num_tokens / spec.seconds,
-                "speedup": (spec.num_tokens / spec.seconds) / (plain.num_tokens / plain.seconds),
-                "mean_acceptance_length": spec.mean_acceptance_length,
-                "acceptance_rate": spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else 0.0,
-                "accepted_by_position": list(spec.accepted_by_position),
-                "identical_outputs": spec.outputs == plain.outputs,
-            })
+            print(f"plain and speculative decoding at batch {batch}, {rounds} rounds ...", file=sys.stderr)
+            pairs = []
+            for index in range(rounds):
+                scheduler.speculation = NoSpeculation()
+                record = decode_steps if batch == 1 and index == 0 else None
+                plain = run_loop(engine, prompts, batch, max_tokens, f"plain{index}", record)
+                scheduler.speculation = policy
+                pairs.append((plain, run_loop(engine, prompts, batch, max_tokens, f"spec{index}")))
+            rows.append(_row(batch, len(prompts), pairs))
     finally:
         scheduler.speculation = policy
     report = {"speculative_config": engine.settings.speculative_config, "model_dir": str(engine.model_dir),
               "speculative": rows, **_verify_step_cost(engine, decode_steps, config.num_speculative_tokens)}
     _print(report)
     return report
+
+
+def _row(batch: int, num_prompts: int, pairs: list[tuple[LoopRun, LoopRun]]) -> dict:
+    """One batch size's figures from its (plain, speculative) rounds."""
+    plain_rates = [plain.num_tokens / plain.seconds for plain, _ in pairs]
+    spec_rates = [spec.num_tokens / spec.seconds for _, spec in pairs]
+    speedups = [spec_rate / plain_rate for plain_rate, spec_rate in zip(plain_rates, spec_rates, strict=True)]
+    spec = pairs[0][1]  # greedy: every round drafts and accepts the same
+    return {
+        "batch": batch, "prompts": num_prompts, "output_tokens": spec.num_tokens, "rounds": len(pairs),
+        "plain_tokens_per_s": statistics.median(plain_rates),
+        "speculative_tokens_per_s": statistics.median(spec_rates),
+        "speedup": statistics.median(speedups), "speedups": speedups,
+        "mean_acceptance_length": spec.mean_acceptance_length,
+        "acceptance_rate": spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else 0.0,
+        "accepted_by_position": list(spec.accepted_by_position),
+        "identical_outputs": all(spec_run.outputs == plain.outputs == pairs[0][0].outputs for plain, spec_run in pairs),
+    }
 
 
 def _verify_step_cost(engine: LoadedEngine, decode_steps: list[ScheduledBatch], num_drafts: int) -> dict:
@@ -202,6 +220,8 @@ def _print(report: dict) -> None:
         print(f"{row['batch']:>5} {row['plain_tokens_per_s']:>12.1f} {row['speculative_tokens_per_s']:>11.1f} "
               f"{row['speedup']:>7.2f}x {row['mean_acceptance_length']:>10.2f} "
               f"{'yes' if row['identical_outputs'] else 'NO':>9}")
+        if row["rounds"] > 1:
+            print(f"      speed-up of each round: {', '.join(f'{x:.2f}x' for x in row['speedups'])} (median above)")
         print(f"      drafts accepted by position: {row['accepted_by_position']} "
               f"({100 * row['acceptance_rate']:.1f}% of drafts)")
     if report["verify_over_decode"] is not None:
