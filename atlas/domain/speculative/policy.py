@@ -132,14 +132,18 @@ class NgramSpeculation:
         self._proposer.forget(seq_id)
 
 
-class DraftModelSpeculation:
-    """Drafts of `config.num_speculative_tokens` from a draft model, one round per step for
-    every running sequence (`DraftModelProposer.draft`), handed out by `propose`."""
+class _RoundSpeculation:
+    """Drafts of `config.num_speculative_tokens` from a proposer that runs one round a step for
+    every running sequence (`draft`), handed out by `propose`: what a draft model and a draft
+    head share."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: DraftModelProposer) -> None:
-        """Raises SpeculativeConfigError for a method other than draft_model."""
-        if config.method is not SpeculativeMethod.DRAFT_MODEL:
-            raise SpeculativeConfigError("method", f"{config.method.value} is not a draft_model configuration")
+    _METHODS: tuple[SpeculativeMethod, ...] = ()
+
+    def __init__(self, config: SpeculativeConfig, proposer: DraftModelProposer | DraftHeadProposer) -> None:
+        """Raises SpeculativeConfigError for a method the subclass does not run."""
+        if config.method not in self._METHODS:
+            names = " or ".join(method.value for method in self._METHODS)
+            raise SpeculativeConfigError("method", f"{type(self).__name__} runs {names}, not {config.method.value}")
         self.config = config
         self.proposer = proposer
         self._drafts: dict[str, tuple[int, ...]] = {}
@@ -148,7 +152,7 @@ class DraftModelSpeculation:
         return self.config.speculates_at(num_running)
 
     def needs_final_tokens(self, running: SequenceOf[Sequence]) -> bool:
-        return self.is_active(len(running))  # a draft model drafts for every caught-up sequence
+        return self.config.speculates_at(len(running))  # a round drafts for every caught-up sequence
 
     def prepare(self, running: SequenceOf[Sequence]) -> None:
         self._drafts = self.proposer.draft([draft_request(seq, self.config.num_speculative_tokens) for seq in running])
@@ -158,51 +162,40 @@ class DraftModelSpeculation:
         return drafts[:max_drafts] if max_drafts > 0 else ()
 
     def observe(self, batch: ScheduledBatch, result: StepResult) -> None:
-        pass  # the draft model reads tokens only
+        pass
 
     def forget(self, seq_id: str) -> None:
         self._drafts.pop(seq_id, None)
         self.proposer.forget(seq_id)
 
 
+class DraftModelSpeculation(_RoundSpeculation):
+    """Drafts from a draft model (`DraftModelProposer`), which reads tokens only."""
 
-class DraftHeadSpeculation:
-    """Drafts of `config.num_speculative_tokens` from a draft head fed the target's hidden states
-    (MTP, EAGLE-3): the target's kept hidden states go to the proposer as each step commits
-    (while speculation is on), and one round a step drafts for every running sequence."""
+    _METHODS = (SpeculativeMethod.DRAFT_MODEL,)
+    proposer: DraftModelProposer
+
+
+class DraftHeadSpeculation(_RoundSpeculation):
+    """Drafts from a draft head fed the target's hidden states (MTP, EAGLE-3: `DraftHeadProposer`):
+    the target's kept hidden states go to the proposer as each step commits (while speculation is
+    on)."""
+
+    _METHODS = (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3)
+    proposer: DraftHeadProposer
 
     def __init__(self, config: SpeculativeConfig, proposer: DraftHeadProposer) -> None:
-        """Raises SpeculativeConfigError for a method other than mtp or eagle3."""
-        if config.method not in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3):
-            raise SpeculativeConfigError("method",
-                                         f"{config.method.value} is not a draft-head (mtp, eagle3) configuration")
-        self.config = config
-        self.proposer = proposer
-        self._drafts: dict[str, tuple[int, ...]] = {}
+        super().__init__(config, proposer)
         self._active = False  # whether the step being built (then committed) speculates
 
     def is_active(self, num_running: int) -> bool:
         self._active = self.config.speculates_at(num_running)
         return self._active
 
-    def needs_final_tokens(self, running: SequenceOf[Sequence]) -> bool:
-        return self.config.speculates_at(len(running))  # a head drafts for every caught-up sequence
-
-    def prepare(self, running: SequenceOf[Sequence]) -> None:
-        self._drafts = self.proposer.draft([draft_request(seq, self.config.num_speculative_tokens) for seq in running])
-
-    def propose(self, seq_id: str, history: TokenHistory, max_drafts: int) -> tuple[int, ...]:
-        drafts = self._drafts.pop(seq_id, ())
-        return drafts[:max_drafts] if max_drafts > 0 else ()
-
     def observe(self, batch: ScheduledBatch, result: StepResult) -> None:
         # Not while speculation is off (large batches): nothing would feed the head those rows.
         if self._active and result.hidden_states is not None:
             self.proposer.observe(batch, result.hidden_states)
-
-    def forget(self, seq_id: str) -> None:
-        self._drafts.pop(seq_id, None)
-        self.proposer.forget(seq_id)
 
 
 def draft_request(seq: Sequence, num_speculative_tokens: int) -> DraftRequest:
