@@ -35,7 +35,7 @@ import numpy as np
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence, StepResult
 from atlas.domain.speculative.draft_model import DraftRequest
-from atlas.domain.speculative.draft_pages import DraftCache, DraftPages, greedy_sampling, run_decode_forwards
+from atlas.domain.speculative.draft_pages import DraftCache, RoundDrafter, greedy_sampling, run_decode_forwards
 
 
 class HeadRunner(Protocol):
@@ -75,35 +75,19 @@ class _Row:
         return self.request.max_drafts
 
 
-class DraftHeadProposer:
+class DraftHeadProposer(RoundDrafter):
     """Per-sequence head caches over one block pool, the target's hidden states they still need,
     and the rounds that draft with them."""
 
     def __init__(self, runner: HeadRunner, num_blocks: int, block_size: int, max_num_tokens: int,
                  vocab_size: int) -> None:
-        """`num_blocks` blocks of `block_size` tokens (the head worker's cache holds them, plus the
-        scratch block); `max_num_tokens`: the head worker's step size; `vocab_size`: the target's
-        (a draft id past it is never accepted, so drafting stops there)."""
-        if max_num_tokens < 1:
-            raise ValueError(f"max_num_tokens must be at least 1 (got {max_num_tokens})")
-        self._runner = runner
-        self._pages = DraftPages(num_blocks, block_size, "head")
-        self._max_num_tokens = max_num_tokens
-        self._vocab_size = vocab_size
+        """See `RoundDrafter`; `vocab_size` is the target's."""
+        super().__init__(runner, num_blocks, block_size, max_num_tokens, vocab_size, "head")
         self._target: dict[str, _TargetRows] = {}
-        self._next_step_id = 0
 
     @property
     def runner(self) -> HeadRunner:
         return self._runner
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self._pages.pool.num_free_blocks
-
-    @property
-    def num_blocks(self) -> int:
-        return self._pages.pool.num_blocks
 
     @property
     def num_sequences(self) -> int:
@@ -142,12 +126,7 @@ class DraftHeadProposer:
     def forget(self, seq_id: str) -> None:
         """Free a sequence's head blocks and hidden states; a no-op for one never seen."""
         self._target.pop(seq_id, None)
-        self._pages.forget(seq_id)
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the pool disagrees with the sequences' blocks, or a sequence
-        holds blocks past its entries."""
-        self._pages.check_invariants()
+        super().forget(seq_id)
 
     def _plan_catch_up(self, requests: SequenceOf[DraftRequest]) -> list[_Row]:
         """Roll each state back to its entries still valid and reserve the blocks of its catch-up
@@ -205,9 +184,7 @@ class DraftHeadProposer:
 
     def _sample(self, sequences: list[ScheduledSequence], rows: list[_Row], hidden: np.ndarray,
                 from_target: bool) -> None:
-        batch = ScheduledBatch(self._next_step_id, tuple(sequences), self._pages.block_size)
-        self._next_step_id += 1
-        result = self._runner.execute(batch, hidden, from_target)
+        result = self._runner.execute(self._batch(sequences), hidden, from_target)
         outputs = result.hidden_states
         # the head's output at each sampled row: the last token of its sequence's chunk
         last_rows = np.cumsum([seq.num_tokens for seq in sequences]) - 1

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence, StepResult
-from atlas.domain.speculative.draft_pages import DraftCache, DraftPages, greedy_sampling, run_decode_forwards
+from atlas.domain.speculative.draft_pages import DraftCache, RoundDrafter, greedy_sampling, run_decode_forwards
 from atlas.domain.speculative.ngram import TokenHistory
 
 
@@ -76,35 +76,19 @@ class _Row:
         return self.request.max_drafts
 
 
-class DraftModelProposer:
+class DraftModelProposer(RoundDrafter):
     """Per-sequence draft caches over one block pool, and the rounds that draft with them."""
 
     def __init__(self, runner: StepRunner, num_blocks: int, block_size: int, max_num_tokens: int,
                  vocab_size: int) -> None:
-        """`num_blocks` blocks of `block_size` tokens (the draft worker's caches hold them, plus
-        the scratch block); `max_num_tokens`: the draft worker's step size; `vocab_size`: the
-        smaller of the two models' (a draft id past the target's is never accepted, so drafting
-        stops there; a logit bias past the draft's is dropped)."""
-        if max_num_tokens < 1:
-            raise ValueError(f"max_num_tokens must be at least 1 (got {max_num_tokens})")
-        self._runner = runner
-        self._pages = DraftPages(num_blocks, block_size, "draft")
-        self._max_num_tokens = max_num_tokens
-        self._vocab_size = vocab_size
-        self._next_step_id = 0
+        """See `RoundDrafter`; `vocab_size` is the smaller of the two models' (a logit bias past
+        the draft's is dropped too)."""
+        super().__init__(runner, num_blocks, block_size, max_num_tokens, vocab_size, "draft")
 
     @property
     def runner(self) -> StepRunner:
         """What runs the draft model's steps (its worker)."""
         return self._runner
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self._pages.pool.num_free_blocks
-
-    @property
-    def num_blocks(self) -> int:
-        return self._pages.pool.num_blocks
 
     @property
     def num_sequences(self) -> int:
@@ -121,16 +105,6 @@ class DraftModelProposer:
             self._pages.truncate(row.state, len(row.state.token_ids))  # blocks of drafts never fed (a cut)
             row.state.num_final = row.stop
         return {row.request.seq_id: tuple(row.drafts) for row in rows if row.drafts}
-
-    def forget(self, seq_id: str) -> None:
-        """Free a sequence's draft blocks (finished, aborted or preempted); a no-op for one
-        never seen."""
-        self._pages.forget(seq_id)
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the pool disagrees with the sequences' blocks, or a
-        sequence holds blocks past its tokens."""
-        self._pages.check_invariants()
 
     def _plan_catch_up(self, requests: SequenceOf[DraftRequest]) -> list[_Row]:
         """Roll each state back to its still-final tokens and reserve the blocks of its catch-up
@@ -184,9 +158,7 @@ class DraftModelProposer:
         self._sample(sequences, rows)
 
     def _sample(self, sequences: list[ScheduledSequence], rows: list[_Row]) -> None:
-        batch = ScheduledBatch(self._next_step_id, tuple(sequences), self._pages.block_size)
-        self._next_step_id += 1
-        result = self._runner.execute(batch)
+        result = self._runner.execute(self._batch(sequences))
         for row, token_id in zip(rows, result.token_ids, strict=True):
             if 0 <= token_id < self._vocab_size:  # an id the target lacks is never accepted
                 row.drafts.append(token_id)

@@ -1,5 +1,6 @@
 """What the draft-model and draft-head proposers share: per-sequence caches over one block pool,
-the greedy sampling row of a draft, and the round's decode forwards.
+the greedy sampling row of a draft, the round's decode forwards, and the proposers' common
+skeleton (`RoundDrafter`).
 
 A drafter's cache holds, per sequence, the tokens (or head entries) whose K/V it has written,
 in order, and the blocks they need; `num_final` of them were final tokens when written, so stay
@@ -16,7 +17,7 @@ from typing import Protocol
 
 import msgspec
 
-from atlas.domain.batch import SamplingRow
+from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence
 from atlas.domain.cache.block_pool import BlockPool
 
 _GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
@@ -124,3 +125,46 @@ def run_decode_forwards(drafting: SequenceOf[_Drafting], run_decode: Callable[[l
         if not rows:
             break
         run_decode(rows)
+
+
+class RoundDrafter:
+    """The skeleton of a proposer that drafts in rounds through a second worker: its pages, its
+    step budget and vocabulary, and the step ids of the batches it runs. Subclasses plan and run
+    the rounds."""
+
+    def __init__(self, runner, num_blocks: int, block_size: int, max_num_tokens: int, vocab_size: int,
+                 what: str) -> None:
+        """`num_blocks` blocks of `block_size` tokens (the drafter's worker's cache holds them,
+        plus the scratch block); `max_num_tokens`: that worker's step size; `vocab_size`: the
+        ids a draft may take (one past the target's is never accepted, so drafting stops
+        there); `what` names the blocks in errors. Raises ValueError for a step size below 1."""
+        if max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be at least 1 (got {max_num_tokens})")
+        self._runner = runner
+        self._pages = DraftPages(num_blocks, block_size, what)
+        self._max_num_tokens = max_num_tokens
+        self._vocab_size = vocab_size
+        self._next_step_id = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pages.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self._pages.pool.num_blocks
+
+    def forget(self, seq_id: str) -> None:
+        """Free a sequence's blocks (finished, aborted or preempted); a no-op for one never seen."""
+        self._pages.forget(seq_id)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool disagrees with the sequences' blocks, or a sequence
+        holds blocks past its positions."""
+        self._pages.check_invariants()
+
+    def _batch(self, sequences: list[ScheduledSequence]) -> ScheduledBatch:
+        """The next step of the drafter's worker."""
+        batch = ScheduledBatch(self._next_step_id, tuple(sequences), self._pages.block_size)
+        self._next_step_id += 1
+        return batch
