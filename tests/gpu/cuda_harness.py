@@ -19,6 +19,7 @@ import numpy as np
 from atlas.adapters.mock.attention import MockAttentionLayer, _quantize, _rotate
 from atlas.adapters.mock.backend import MockGpuBackend
 from atlas.adapters.mock.dense import gated_activation, rmsnorm
+from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence
 from atlas.domain.sampling import PackedSampling
 from atlas.ports.gpu import DType
 from atlas.ports.kernels.attention import AttentionLayer, AttentionMetadata, HeadLayout, KvCacheSpec
@@ -390,3 +391,18 @@ class MockReference(MockGpuBackend):
 
     def kv_to_host(self, kv, layer: int):
         return kv.to_host(layer)
+
+
+def gap_where_paths_part(llm, prompt_ids, got, expected, block_size: int) -> float:
+    """Where two greedy paths of `llm`'s engine over `prompt_ids` first part (`got` against
+    `expected`): the relative gap between the best logit there and the one of `got`'s token.
+    The probe writes its K/V into blocks 0 .. n: ask the engine nothing after it that could
+    read them from its prefix cache."""
+    index = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+    context = tuple(prompt_ids) + tuple(got[:index])
+    greedy = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+    blocks = tuple(range(-(-len(context) // block_size)))
+    batch = ScheduledBatch(0, (ScheduledSequence("probe", context, 0, blocks, greedy),), block_size)
+    logits = llm.engine.core.executor.compute_logits(batch)[0]
+    best = int(np.argmax(logits))
+    return float((logits[best] - logits[got[index]]) / abs(logits[best]))

@@ -21,6 +21,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the unit tests' fakes
 
+from cuda_harness import gap_where_paths_part  # noqa: E402
 from fakes import random_llama_weights  # noqa: E402
 from helpers.draft_heads import (  # noqa: E402
     TINY_EAGLE3,
@@ -35,7 +36,6 @@ from helpers.draft_heads import (  # noqa: E402
 
 from atlas.adapters.weights.safetensors import write_safetensors  # noqa: E402
 from atlas.app.bench.tiny_model import TinyModelShape, write_tiny_model  # noqa: E402
-from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
 from atlas.domain.requests import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -98,7 +98,7 @@ def _compare_with_plain(speculative, folder) -> None:
     parted = []
     for prompt, got, expected in zip(PROMPTS, with_drafts, without):
         if got != expected:
-            parted.append(_gap_where_paths_part(plain, prompt, got, expected))
+            parted.append(gap_where_paths_part(plain, prompt, got, expected, BLOCK_SIZE))
             print(f"paths part: the plain engine's best logit {parted[-1]:.2%} above the speculative choice")
     assert all(gap < _NEAR_TIE for gap in parted) and len(parted) <= 1, parted
 
@@ -138,14 +138,3 @@ def test_an_eagle3_head_drafts_on_cuda_and_matches_plain_decoding(folders, head)
     stats = speculative.engine.core.stats()
     if head == "predicting":  # its first draft is the target's next token (the later ones are not)
         assert stats.spec_accepted_by_position[0] >= 0.8 * stats.num_spec_verify_steps
-
-
-def _gap_where_paths_part(llm, prompt, got, expected) -> float:
-    index = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
-    context = tuple(prompt) + tuple(got[:index])
-    greedy = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
-    blocks = tuple(range(-(-len(context) // BLOCK_SIZE)))
-    batch = ScheduledBatch(0, (ScheduledSequence("probe", context, 0, blocks, greedy),), BLOCK_SIZE)
-    logits = llm.engine.core.executor.compute_logits(batch)[0]
-    best = int(np.argmax(logits))
-    return float((logits[best] - logits[got[index]]) / abs(logits[best]))

@@ -13,17 +13,16 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))  # the unit tests' fakes
 
+from cuda_harness import gap_where_paths_part  # noqa: E402
 from fakes import DictWeights, random_llama_weights  # noqa: E402
 from helpers.engines import make_cache, make_worker  # noqa: E402
 from helpers.json_schema_check import schema_errors  # noqa: E402
 from helpers.residue_grammar import follows_residues, residue_grammars, residues  # noqa: E402
 
-from atlas.domain.batch import ScheduledBatch, ScheduledSequence, SamplingRow  # noqa: E402
 from atlas.domain.engine import EngineCore  # noqa: E402
 from atlas.domain.models.config import ModelConfig  # noqa: E402
 from atlas.domain.models.families import load_model  # noqa: E402
@@ -164,7 +163,7 @@ def test_smollm2_verify_steps_replay_decode_graphs_and_greedy_matches_plain_deco
     parted = []
     for conversation, got, expected in zip(conversations, with_drafts, without):
         if got != expected:
-            gap = _gap_where_paths_part(plain, conversation, got, expected)
+            gap = gap_where_paths_part(plain, _prompt_ids(plain, conversation), got, expected, BLOCK_SIZE)
             parted.append(gap)
             print(f"paths part: the plain engine's best logit {gap:.2%} above the speculative choice")
     assert all(gap < _NEAR_TIE for gap in parted) and len(parted) <= 1, parted
@@ -219,20 +218,11 @@ def test_smollm2_as_its_own_draft_model_replays_graphs_and_matches_plain_decodin
     parted = []
     for conversation, got, expected in zip(conversations, with_drafts, without):
         if got != expected:
-            gap = _gap_where_paths_part(plain, conversation, got, expected)
+            gap = gap_where_paths_part(plain, _prompt_ids(plain, conversation), got, expected, BLOCK_SIZE)
             parted.append(gap)
             print(f"paths part: the plain engine's best logit {gap:.2%} above the speculative choice")
     assert all(gap < _NEAR_TIE for gap in parted) and len(parted) <= 1, parted
 
 
-def _gap_where_paths_part(llm, conversation, got, expected) -> float:
-    index = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
-    prompt_ids = llm.tokenizer.encode(llm.render_chat(conversation), add_special_tokens=False)
-    context = tuple(prompt_ids) + tuple(got[:index])
-    greedy = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
-    blocks = tuple(range(-(-len(context) // BLOCK_SIZE)))
-    batch = ScheduledBatch(0, (ScheduledSequence("probe", context, 0, blocks, greedy),), BLOCK_SIZE)
-    logits = llm.engine.core.executor.compute_logits(batch)[0]
-    best = int(np.argmax(logits))
-    return float((logits[best] - logits[got[index]]) / abs(logits[best]))
-
+def _prompt_ids(llm, conversation) -> list[int]:
+    return llm.tokenizer.encode(llm.render_chat(conversation), add_special_tokens=False)
