@@ -8,6 +8,9 @@
 //   recurrent state of a layer [slots][Hv][dk][dv] f32: S of each value head
 //   A sequence whose step holds its whole context (seq_lens[s] == its token count) starts from
 //   zeros and never reads its slot.
+//   snapshots [S, W] i32 (nullptr: none): where snapshots[s, t] >= 0 (t < W), that slot also gets
+//   the state after token t of sequence s (a verify chunk's states after its inner tokens, so
+//   rejected drafts roll back by taking a snapshot's slot; RecurrentMetadata.snapshot_slots).
 //
 // causal_conv1d: a thread per (channel, sequence) walks the sequence's tokens in order with the
 // last K - 1 inputs in registers (history from the slot, zeros when fresh), out = silu(sum_j
@@ -53,6 +56,11 @@
 #define GDN_ROWS (GDN_MAX_KEY_DIM / 4)  // state rows a thread holds at most
 #define GDN_TOKENS 16                   // tokens staged in shared memory at a time
 
+// The slot that gets sequence `seq`'s state after its token `t`, or -1.
+__device__ __forceinline__ int snapshot_slot(const int* snapshots, int width, int seq, int t) {
+    return snapshots != nullptr && t < width ? snapshots[(long long)seq * width + t] : -1;
+}
+
 // The step's rows and the slot of sequence `seq`, and whether it starts from zeros.
 struct SequenceRows {
     int first, count, slot;
@@ -72,7 +80,7 @@ __device__ __forceinline__ SequenceRows sequence_rows(const int* query_start_loc
 extern "C" __global__ void __launch_bounds__(CONV_THREADS)
     causal_conv1d(const bf16* projected, int projected_width, const float* conv_weight, const int* query_start_loc,
                   const int* seq_lens, const int* state_slots, float* conv_state, bf16* out, int conv_dim,
-                  int kernel_size) {
+                  int kernel_size, const int* snapshots, int snapshot_width) {
     dependent_launch_entry();
     const int channel = blockIdx.x * CONV_THREADS + threadIdx.x;
     if (channel >= conv_dim) return;
@@ -116,6 +124,13 @@ extern "C" __global__ void __launch_bounds__(CONV_THREADS)
             }
             acc = round_bf16(acc);  // as transformers' bf16 conv: its sum rounded, then silu's output
             y[(long long)(t0 + u) * conv_dim] = from_float<bf16>(acc / (1.0f + expf(-acc)));
+            const int snapshot = snapshot_slot(snapshots, snapshot_width, blockIdx.y, t0 + u);
+            if (snapshot >= 0) {
+                float* to = conv_state + (long long)snapshot * history_len * conv_dim + channel;
+#pragma unroll
+                for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
+                    if (j < history_len) to[(long long)j * conv_dim] = history[j];
+            }
         }
     }
 #pragma unroll
@@ -132,7 +147,8 @@ __device__ __forceinline__ void gated_delta_rule_impl(
     const bf16* mixed, const bf16* projected, const float* decay_rate, const float* dt_bias,
     const int* query_start_loc, const int* seq_lens, const int* state_slots, float* state, float* core,
     int num_key_heads, int num_value_heads, int key_dim, int value_dim, int conv_dim, int projected_width,
-    int fuse_norm, const bf16* norm_weight, float eps, bf16* out, unsigned* counters) {
+    int fuse_norm, const bf16* norm_weight, float eps, bf16* out, unsigned* counters, const int* snapshots,
+    int snapshot_width) {
     __shared__ __align__(16) float k_staged[GDN_TOKENS][GDN_MAX_KEY_DIM];
     __shared__ __align__(16) float q_staged[GDN_TOKENS][GDN_MAX_KEY_DIM];
     __shared__ float v_staged[GDN_TOKENS][GDN_COLUMNS];
@@ -275,6 +291,16 @@ __device__ __forceinline__ void gated_delta_rule_impl(
             if (warp == 0 && has_column)
                 core[(rows.first + base + i) * (long long)num_value_heads * value_dim + (long long)head * value_dim +
                      column] = round_bf16(sq + u * kq_staged[i]);  // o in bf16, as the gated norm reads it there
+            const int snapshot = snapshot_slot(snapshots, snapshot_width, blockIdx.z, base + i);
+            if (snapshot >= 0) {
+                float* to = state + ((long long)snapshot * num_value_heads + head) * key_dim * value_dim;
+#pragma unroll
+                for (int j = 0; j < GDN_ROWS; ++j) {
+                    const int row = row0 + j;
+                    if (j < rows_per_warp && row < key_dim && has_column)
+                        to[(long long)row * value_dim + column] = s[j];
+                }
+            }
         }
     }
 #pragma unroll
@@ -308,12 +334,13 @@ __device__ __forceinline__ void gated_delta_rule_impl(
         const bf16* mixed, const bf16* projected, const float* decay_rate, const float* dt_bias,              \
         const int* query_start_loc, const int* seq_lens, const int* state_slots, float* state, float* core,   \
         int num_key_heads, int num_value_heads, int key_dim, int value_dim, int conv_dim, int projected_width, \
-        int fuse_norm, const bf16* norm_weight, float eps, bf16* out, unsigned* counters) {                   \
+        int fuse_norm, const bf16* norm_weight, float eps, bf16* out, unsigned* counters,                    \
+        const int* snapshots, int snapshot_width) {                                                           \
         dependent_launch_entry();                                                                             \
         gated_delta_rule_impl<FULL>(mixed, projected, decay_rate, dt_bias, query_start_loc, seq_lens,         \
                                     state_slots, state, core, num_key_heads, num_value_heads, key_dim,        \
                                     value_dim, conv_dim, projected_width, fuse_norm, norm_weight, eps, out,   \
-                                    counters);                                                                \
+                                    counters, snapshots, snapshot_width);                                     \
     }
 
 DEFINE_GATED_DELTA_RULE(gated_delta_rule, false)

@@ -60,7 +60,7 @@ class CudaGpuBackend:
             kinds=KINDS,
             supports_graphs=True,
             device_name=self._rt.device_name,
-            state_snapshots=False,  # the gated-delta and conv kernels write no per-token snapshots yet
+            state_snapshots=True,  # gated_delta.cu writes the states after a chunk's named tokens
         )
         self._dense = CudaDense(self._rt, self._linear, self._fp8, self.upload)
         self._attention = CudaAttention(self._rt, self._linear, self._dense, kv_dtypes, self.upload)

@@ -130,6 +130,17 @@ class CudaRecurrent:
         )
 
     @staticmethod
+    def _snapshots(meta: RecurrentMetadata) -> tuple[int, np.int32]:
+        """The kernels' (snapshots, width) arguments: `meta.snapshot_slots` [S, W] i32, or none."""
+        snapshots = meta.snapshot_slots
+        if snapshots is None:
+            return 0, np.int32(0)
+        checks.dtype(snapshots, "meta.snapshot_slots", (DType.I32,))
+        if len(snapshots.shape) != 2 or snapshots.shape[0] < meta.num_seqs:
+            raise ValueError(f"meta.snapshot_slots {list(snapshots.shape)}: not [>= {meta.num_seqs}, W]")
+        return checks.address(snapshots, "meta.snapshot_slots"), np.int32(snapshots.shape[1])
+
+    @staticmethod
     def _state(state: object, layer: DeltaNetLayer) -> CudaRecurrentState:
         if not isinstance(state, CudaRecurrentState):
             raise ValueError(f"state: expected a CudaRecurrentState, got {type(state).__name__}")
@@ -158,6 +169,7 @@ class CudaRecurrent:
             "gated_delta", "causal_conv1d", (-(-shape.conv_dim // _CONV_THREADS), meta.num_seqs), _CONV_THREADS,
             projected.address, np.int32(shape.projected_width), layer.conv_weight.address, *metadata,
             slots.conv_plane(shape.state_layer), out.address, np.int32(shape.conv_dim), np.int32(shape.conv_kernel),
+            *self._snapshots(meta),
         )
 
     def gated_delta_rule(
@@ -187,7 +199,7 @@ class CudaRecurrent:
             slots.recurrent_plane(shape.state_layer), core, np.int32(shape.num_key_heads), np.int32(heads),
             np.int32(shape.key_head_dim), np.int32(value_dim), np.int32(shape.conv_dim),
             np.int32(shape.projected_width), np.int32(fused), layer.norm.address, np.float32(layer.eps),
-            out.address, counters,
+            out.address, counters, *self._snapshots(meta),
         )
         if fused:
             return
