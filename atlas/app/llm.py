@@ -91,18 +91,19 @@ class LLM:
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: int = 0,
         constraint: OutputConstraint | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (text, or a list of token ids); outputs in prompt order.
+        `sampling_params` is one for every prompt or a list with one per prompt (as vLLM's).
         `priority` (lower first) needs `scheduling_policy="priority"`. `constraint` binds every
         choice's tokens (`OutputConstraint(JsonSchema(schema))`: structured output; a
         thinking budget); an invalid grammar raises ParameterError."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        params = sampling_params or SamplingParams()
+        params = _per_prompt(sampling_params, len(prompts))  # type: ignore[arg-type]
         items = []
         for prompt in prompts:  # type: ignore[union-attr]
             if isinstance(prompt, str):
@@ -114,7 +115,7 @@ class LLM:
     def chat(
         self,
         messages: Sequence[Message] | Sequence[Sequence[Message]],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
@@ -122,13 +123,13 @@ class LLM:
         constraint: OutputConstraint | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several, with the chat template;
-        `constraint` as for `generate`."""
+        `sampling_params` and `constraint` as for `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
         items = []
         for conversation in conversations:
             prompt = self.render_chat(conversation, tools=tools, **(chat_template_kwargs or {}))  # type: ignore[arg-type]
             items.append((prompt, self.tokenizer.encode(prompt, add_special_tokens=False)))
-        return self._run(items, sampling_params or SamplingParams(), priority, constraint)
+        return self._run(items, _per_prompt(sampling_params, len(items)), priority, constraint)
 
     def render_chat(self, messages: Sequence[Message], tools=None, **template_kwargs: Any) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools, **template_kwargs)
@@ -143,7 +144,7 @@ class LLM:
                 yield delta.text
 
     def _run(
-        self, items: list[tuple[str | None, list[int]]], params: SamplingParams, priority: int,
+        self, items: list[tuple[str | None, list[int]]], per_prompt: list[SamplingParams], priority: int,
         constraint: OutputConstraint | None = None,
     ) -> list[RequestOutput]:
         results: list[RequestOutput] = []
@@ -151,7 +152,7 @@ class LLM:
         owners: dict[str, RequestOutput] = {}
         cached: dict[str, int] = {}
         requests: list[Request] = []
-        for prompt, token_ids in items:
+        for (prompt, token_ids), params in zip(items, per_prompt, strict=True):
             request_id = _new_id()
             fanned = fan_out(request_id, token_ids, params, self._seeds, priority=priority)
             if constraint is not None:
@@ -211,3 +212,14 @@ def _new_id() -> str:
 
 def _fresh_seed() -> int:
     return secrets.randbits(64)
+
+
+def _per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: the one given for all, or a list of exactly `count`."""
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        return [sampling_params or SamplingParams()] * count
+    per_prompt = list(sampling_params)
+    if len(per_prompt) != count or not all(isinstance(p, SamplingParams) for p in per_prompt):
+        raise ValueError(f"sampling_params is a list of {len(per_prompt)}: give one SamplingParams, "
+                         f"or a list of one per prompt ({count})")
+    return per_prompt

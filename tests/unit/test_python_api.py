@@ -38,6 +38,18 @@ def test_generate_keeps_prompt_order_and_counts(llm):
         assert choice.text == llm.tokenizer.decode(choice.token_ids)
 
 
+def test_one_sampling_params_per_prompt_as_vllm_takes_them(llm):
+    short = atlas.SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    long = atlas.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    results = llm.generate([[5, 6, 7], [5, 6, 7], "a"], [short, long, short])
+    assert [len(r.outputs[0].token_ids) for r in results] == [2, 5, 2]
+    assert results[1].outputs[0].token_ids[:2] == results[0].outputs[0].token_ids
+    (answer,) = llm.chat([{"role": "user", "content": "hi"}], [long])
+    assert len(answer.outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match=r"one per prompt \(3\)"):
+        llm.generate([[5], [6], [7]], [short, long])
+
+
 def test_n_choices_with_a_seed_reproduce_and_differ(llm):
     params = atlas.SamplingParams(n=3, temperature=1.5, max_tokens=8, seed=11, ignore_eos=True)
     first = [c.token_ids for c in llm.generate("hello", params)[0].outputs]
