@@ -76,7 +76,9 @@ class EmulatedExecutor:
         self.device, self.documents, self.eos = device, documents, eos
         self.position: dict[str, int] = {}
 
-    def submit(self, batch: ScheduledBatch) -> EmulatedStep:
+    def submit(self, batch: ScheduledBatch, before_launch=None) -> EmulatedStep:
+        if before_launch is not None:
+            before_launch()
         token_ids = []
         for seq in batch.sequences:
             for _ in range(len(seq.sampling_rows)):

@@ -21,6 +21,7 @@ import functools
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -62,7 +63,9 @@ class RankExecutor:
         self._encode = msgspec.msgpack.Encoder().encode
         self._in_flight: deque[PendingRankStep] = deque()
 
-    def submit(self, batch: ScheduledBatch) -> PendingRankStep:
+    def submit(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> PendingRankStep:
+        if before_launch is not None:  # the ranks build the step's inputs themselves, after this
+            before_launch()
         self._group.send(self._encode(RunStep(batch)))
         pending = PendingRankStep(self, batch.step_id)
         self._in_flight.append(pending)

@@ -16,12 +16,13 @@ constrained sampling row is submitted with `awaits_masks`, so the device runs it
 while the core reads the previous step's sampled ids and advances each constraint past them.
 The masks are then filled on a helper thread (llguidance computes them in native code
 without the GIL) while this thread commits the previous step in the scheduler, returns the
-outputs and, at the next `step`, schedules the step after; the step samples just before that
-one is enqueued behind it:
+outputs and, at the next `step`, schedules the step after and builds its inputs; the step
+samples just before that one is launched behind it:
 
     step k:    schedule N+1, submit N+1 (forward only), read N's ids, accept them into the
                constraints, start filling N+1's masks, commit N in the scheduler
-    step k+1:  schedule N+2, wait for N+1's masks and sample N+1, submit N+2, read N+1's ids, ...
+    step k+1:  schedule N+2, build and stage N+2's inputs, wait for N+1's masks and sample
+               N+1, launch N+2, read N+1's ids, ...
 
 The engine thread plans each row's rule (forced tokens, all-but-end rows, which grammar rows to
 fill) and hands the GIL to the mask thread, which spends the fill in llguidance's native code;
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -82,10 +84,12 @@ class PendingResult(Protocol):
 class StepExecutor(Protocol):
     """Runs scheduled batches (the worker, in this process or behind a transport)."""
 
-    def submit(self, batch: ScheduledBatch) -> PendingResult:
+    def submit(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> PendingResult:
         """Enqueue the step and return at once; steps run in submission order. A batch that
         `awaits_masks` samples when its `PendingResult.sample` is called, before any later
-        step is submitted."""
+        step is submitted. `before_launch` is called once before the step reaches the device,
+        after whatever host work may run first (building and staging its inputs): the core
+        samples the step in flight there, so that work hides behind the masks' fill."""
         ...
 
 
@@ -198,12 +202,16 @@ class EngineCore:
         if self._in_flight and self.scheduler.needs_commit_first:
             outputs += self._commit_oldest()
         batch = self.scheduler.schedule()  # while the last step's masks fill
-        self._sample_in_flight()  # before the next step is enqueued behind it
         if not batch.is_empty:
             if self._is_constrained(batch):
                 batch = replace(batch, awaits_masks=True)
-            self._in_flight.append((batch, self.executor.submit(batch)))
+            # the step in flight samples before this one is enqueued behind it, once this one's
+            # inputs are built: the fill runs on beside that work too
+            pending = self.executor.submit(batch, before_launch=self._sample_in_flight)
+            self._in_flight.append((batch, pending))
             self._num_steps += 1
+        else:
+            self._sample_in_flight()
         if self._in_flight and (len(self._in_flight) > 1 or batch.is_empty):
             outputs += self._commit_oldest()
         if batch.awaits_masks and self._masks is None:  # the commit did not start them early

@@ -188,18 +188,22 @@ class Worker:
         self._deferred: list[int] = []  # buckets left to `capture_next_graph`, smallest first
         self._kept = _KeptLayers(backend, model, config.keep_hidden_layers, max_tokens)
 
-    def submit(self, batch: ScheduledBatch) -> PendingStep:
-        """Enqueue one step (its sampling too, unless `batch.awaits_masks`). Raises ValueError
-        if the batch exceeds the configured sizes."""
+    def submit(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> PendingStep:
+        """Enqueue one step (its sampling too, unless `batch.awaits_masks`). `before_launch` is
+        called once, after the step's inputs are built and staged on the host and before
+        anything of the step is enqueued. Raises ValueError if the batch exceeds the
+        configured sizes."""
         chunks = self._state_chunks(batch)
         batch = decode_rows(batch)
         rows = [seq.sampling for seq in batch.sequences if seq.sampling is not None]
         wanted = [row.num_logprobs for row in rows]
         if batch.is_empty:
+            if before_launch is not None:
+                before_launch()
             return PendingStep(batch.step_id, wanted)
         bucket = self._graph_bucket(batch) if chunks is None else None
         staged = self._pack(rows, bucket)
-        logits = self._forward(batch, bucket, staged, self._kept.observer, chunks)
+        logits = self._forward(batch, bucket, staged, self._kept.observer, chunks, before_launch)
         hidden = self._kept.begin_downloads(batch.num_tokens)
         if staged is None:
             return PendingStep(batch.step_id, wanted, hidden=hidden)
@@ -297,6 +301,7 @@ class Worker:
         packed: PackedSampling | None,
         observer: LayerObserver | None = None,
         chunks: StateChunks | None = None,
+        before_launch: Callable[[], None] | None = None,
     ) -> Tensor:
         if batch.num_tokens > self.config.max_num_tokens or len(batch.sequences) > self.config.max_num_seqs:
             raise ValueError(
@@ -308,11 +313,20 @@ class Worker:
         if chunks is not None:
             inputs = replace(inputs, chunks=chunks)
         if bucket is not None:
-            graph, logits = self._graphs.get(bucket) or self._capture(bucket)  # capturing uses the buffers
+            graph_and_logits = self._graphs.get(bucket)
+            if graph_and_logits is None:  # a capture runs forwards on the buffers the step in flight reads
+                if before_launch is not None:
+                    before_launch()
+                    before_launch = None
+                graph_and_logits = self._capture(bucket)
+            graph, logits = graph_and_logits
             inputs = pad_decode_inputs(inputs, bucket, self.cache_layout, buffers.max_seqs)
+        # staged on the host only: the step in flight may still sample (`before_launch`) first
         buffers.stage_inputs(inputs)
         if packed is not None:
             buffers.stage_sampling(packed)
+        if before_launch is not None:
+            before_launch()
         buffers.send()
         if bucket is not None:
             graph.replay()

@@ -56,7 +56,7 @@ def main(name: str, memory_utilization: float, max_seq_len: int) -> None:
     core.add_request(Request("r", prompt, SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True), seed=0))
     recorded = []
     original = worker.submit
-    worker.submit = lambda batch: (recorded.append(batch), original(batch))[1]
+    worker.submit = lambda batch, before_launch=None: (recorded.append(batch), original(batch, before_launch))[1]
     for _ in range(8):
         core.step()
     del worker.submit

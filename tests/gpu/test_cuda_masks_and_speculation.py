@@ -144,12 +144,12 @@ def test_smollm2_verify_steps_replay_decode_graphs_and_greedy_matches_plain_deco
     verify_buckets = []
     original_submit = worker.submit
 
-    def spying_submit(batch):
+    def spying_submit(batch, before_launch=None):
         rows = decode_rows(batch)
         # (a step that also prefills another sequence's chunk runs eagerly, as every mixed step)
         if any(s.num_draft_tokens for s in batch.sequences) and all(s.num_tokens == 1 for s in rows.sequences):
             verify_buckets.append(worker._graph_bucket(rows))
-        return original_submit(batch)
+        return original_submit(batch, before_launch)
 
     worker.submit = spying_submit
     with_drafts = [r.outputs[0].token_ids for r in speculative.chat(conversations, params)]

@@ -32,9 +32,9 @@ def record_buckets(worker) -> list[int | None]:
     buckets: list[int | None] = []
     forward = worker._forward
 
-    def recording(batch, bucket, packed, observer=None, chunks=None):
+    def recording(batch, bucket, packed, observer=None, chunks=None, before_launch=None):
         buckets.append(bucket)
-        return forward(batch, bucket, packed, observer, chunks)
+        return forward(batch, bucket, packed, observer, chunks, before_launch)
 
     worker._forward = recording
     return buckets

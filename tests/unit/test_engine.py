@@ -103,9 +103,9 @@ def test_the_pipelined_engine_matches_a_strictly_synchronous_loop(rng, mixes, ov
     placeholders_used = []
     original_submit = core.executor.submit
 
-    def spying_submit(batch):
+    def spying_submit(batch, before_launch=None):
         placeholders_used.append(any(s.placeholder_row is not None for s in batch.sequences))
-        return original_submit(batch)
+        return original_submit(batch, before_launch)
 
     core.executor.submit = spying_submit
     assert run(core, requests) == expected
@@ -151,9 +151,9 @@ def test_decode_graphs_padded_to_buckets_give_the_eager_tokens(rng, mixes, sampl
         worker._sampler_graphs[(bucket, masked)] = graph
         return graph
 
-    def spying_submit(batch):
+    def spying_submit(batch, before_launch=None):
         replays_before = len(sampler_replays)
-        pending = original_submit(batch)
+        pending = original_submit(batch, before_launch)
         if worker._graph_bucket(batch) is not None:
             placeholders = any(s.placeholder_row is not None for s in batch.sequences)
             graph_steps.append((placeholders, len(sampler_replays) == replays_before))
@@ -232,9 +232,9 @@ def test_the_n_choices_of_a_request_compute_its_prompt_once(rng):
     steps = []
     original_submit = cached_core.executor.submit
 
-    def recording_submit(batch):
+    def recording_submit(batch, before_launch=None):
         steps.append({s.seq_id: s.start_position for s in batch.sequences if s.start_position == 0 or s.num_tokens > 1})
-        return original_submit(batch)
+        return original_submit(batch, before_launch)
 
     cached_core.executor.submit = recording_submit
     cached = run(cached_core, choices)

@@ -9,6 +9,8 @@ tokens only end-of-sequence: a random model follows it only through the mask.
 
 from __future__ import annotations
 
+import functools
+
 import msgspec
 import pytest
 from helpers.residue_grammar import EOS_ID, follows_residues, residue_grammars, residues
@@ -49,10 +51,10 @@ def test_masks_bind_every_draw_and_keep_the_steps_overlapping(rng):
     awaiting_with_placeholders = []
     original_submit = core.executor.submit
 
-    def spying_submit(batch):
+    def spying_submit(batch, before_launch=None):
         if batch.awaits_masks:
             awaiting_with_placeholders.append(any(s.placeholder_row is not None for s in batch.sequences))
-        return original_submit(batch)
+        return original_submit(batch, before_launch)
 
     core.executor.submit = spying_submit
     together = run(core, requests)
@@ -148,8 +150,8 @@ def test_the_output_cannot_end_inside_the_reasoning_block(rng):
 def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, monkeypatch):
     """The masks of a step fill on the mask thread, started once the step before's sampled ids
     are read and before the scheduler commits them (the fill runs beside the commit); the next
-    `step` schedules before waiting for them and samples the step before submitting the next
-    one behind it."""
+    `step` schedules and stages the next step's inputs before waiting for them, and samples the
+    step before sending the next one behind it."""
     import threading
 
     from atlas.domain.constraints import GrammarRows
@@ -171,8 +173,8 @@ def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, 
         events.append("filled")
         return mask
 
-    def submit(batch):
-        pending = real_submit(batch)
+    def submit(batch, before_launch=None):
+        pending = real_submit(batch, before_launch)
         real_sample = pending.sample
 
         def sample(bitmask):
@@ -195,17 +197,23 @@ def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, 
     monkeypatch.setattr(Scheduler, "schedule", schedule)
     monkeypatch.setattr(Scheduler, "commit", commit)
     core.executor.submit = submit
+    buffers = core.executor.buffers
+    for name in ("stage_inputs", "send"):
+        monkeypatch.setattr(buffers, name, functools.partial(
+            lambda real, name, *args: (events.append(name), real(*args))[1], getattr(buffers, name), name))
     try:
         assert run(core, requests) == alone
     finally:
         core.close()
     assert fill_threads and all(name.startswith("atlas-masks") for name in fill_threads)
-    order = [e for e in events if e in ("schedule", "sample", "submit")]
+    order = [e for e in events if e in ("schedule", "stage_inputs", "sample", "send", "submit")]
     samples = [i for i, e in enumerate(order) if e == "sample"]
     assert samples
-    for index in samples:  # scheduled the next step first, then sampled, then submitted it behind
-        assert order[index - 1] == "schedule" and "submit" in order[:index]
-        assert index + 1 == len(order) or order[index + 1] in ("submit", "schedule")
+    for index in samples:  # the next step scheduled and staged first, then this one sampled, then that one sent
+        if index + 1 < len(order) and order[index + 1] == "send":
+            assert order[index - 2 : index] == ["schedule", "stage_inputs"], order[index - 3 : index + 2]
+        else:  # the last step: nothing was scheduled behind it
+            assert order[index - 1] == "schedule" and index + 1 == len(order) or order[index + 1] == "schedule"
     assert "commit-with-fill-started" in events
     assert core.stats().num_blocks_free == 400
 

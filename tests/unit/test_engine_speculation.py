@@ -91,10 +91,10 @@ def test_speculation_switches_off_above_disable_by_batch_size(rng):
     shapes = []
     original_submit = core.executor.submit
 
-    def spying_submit(batch):
+    def spying_submit(batch, before_launch=None):
         shapes.append((len(batch.sequences), any(s.num_draft_tokens for s in batch.sequences),
                        any(s.placeholder_row is not None for s in batch.sequences)))
-        return original_submit(batch)
+        return original_submit(batch, before_launch)
 
     core.executor.submit = spying_submit
     assert run(core, requests) == run(build_core(), requests)
@@ -117,10 +117,11 @@ def test_steps_overlap_while_no_tail_ngram_has_occurred_before(rng):
         overlapped, drafted = [], []
         original_submit = core.executor.submit
 
-        def spying_submit(batch, original_submit=original_submit, overlapped=overlapped, drafted=drafted):
+        def spying_submit(batch, before_launch=None, original_submit=original_submit, overlapped=overlapped,
+                          drafted=drafted):
             overlapped.append(any(s.placeholder_row is not None for s in batch.sequences))
             drafted.append(any(s.num_draft_tokens for s in batch.sequences))
-            return original_submit(batch)
+            return original_submit(batch, before_launch)
 
         core.executor.submit = spying_submit
         assert run(core, requests) == run(build_core(), requests)

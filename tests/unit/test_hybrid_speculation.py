@@ -79,7 +79,7 @@ def test_a_verify_step_gives_the_recurrent_layers_one_chunk_with_snapshot_slots(
     seen = []
     original_submit = core.executor.submit
 
-    def spying_submit(batch):
+    def spying_submit(batch, before_launch=None):
         slots = [slot for seq in batch.sequences for slot in seq.state_slots]
         for seq in batch.sequences:
             if seq.num_draft_tokens:
@@ -88,7 +88,7 @@ def test_a_verify_step_gives_the_recurrent_layers_one_chunk_with_snapshot_slots(
                 seen.append(snapshots)
             else:
                 assert seq.state_snapshots == ()
-        return original_submit(batch)
+        return original_submit(batch, before_launch)
 
     core.executor.submit = spying_submit
     params = SamplingParams(temperature=0.0, max_tokens=20, logit_bias=REPEATING)

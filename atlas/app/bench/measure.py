@@ -204,9 +204,9 @@ def measure_decode(engine: LoadedEngine, batch: int, context_len: int, decode_to
     recorded: list[ScheduledBatch] = []
     original_submit = worker.submit
 
-    def recording_submit(step_batch: ScheduledBatch):
+    def recording_submit(step_batch: ScheduledBatch, before_launch=None):
         recorded.append(step_batch)
-        return original_submit(step_batch)
+        return original_submit(step_batch, before_launch)
 
     worker.submit = recording_submit
     try:

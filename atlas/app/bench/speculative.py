@@ -101,9 +101,9 @@ def run_loop(engine: LoadedEngine, prompts: list[tuple[int, ...]], batch: int, m
     if recorded is not None:
         original_submit = worker.submit
 
-        def recording_submit(step_batch: ScheduledBatch):
+        def recording_submit(step_batch: ScheduledBatch, before_launch=None):
             recorded.append(step_batch)
-            return original_submit(step_batch)
+            return original_submit(step_batch, before_launch)
 
         worker.submit = recording_submit
     core.reset_prefix_cache()  # each run computes its prompts: no run reuses another's
