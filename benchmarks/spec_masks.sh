@@ -41,9 +41,11 @@ for step in ${*:-ngram verify8b json table}; do case $step in
            --max-batch-size 1 --output-len 24 --prefill-lens 512 --max-seq-len 2048 \
            --speculative-config "$NGRAM" --json "$OUT/verify8b.json" ;;
   json) smollm2 json && run json 120 $ATLAS bench "$ATLAS_SMOLLM2_DIR" --device cuda --batch-sizes 1,16 \
-           --output-len 128 --prefill-lens 512 --json-schema benchmarks/records.schema.json --json "$OUT/json.json" ;;
+           --output-len 256 --prefill-lens 512 --rounds 5 --json-schema benchmarks/records.schema.json \
+           --json "$OUT/json.json" ;;
   json-unbounded) smollm2 json-unbounded && run json-unbounded 120 $ATLAS bench "$ATLAS_SMOLLM2_DIR" --device cuda \
-           --batch-sizes 1,16 --output-len 128 --prefill-lens 512 --json-schema benchmarks/records-unbounded.schema.json \
+           --batch-sizes 1,16 --output-len 256 --prefill-lens 512 --rounds 5 \
+           --json-schema benchmarks/records-unbounded.schema.json \
            --json "$OUT/json-unbounded.json" ;;
   json8b) smollm2 json8b && python3 benchmarks/with_tokenizer.py llama-3.1-8b "$ATLAS_SMOLLM2_DIR" /tmp/llama8b-smollm2-tokenizer \
            && run json8b 200 $ATLAS bench /tmp/llama8b-smollm2-tokenizer --device cuda --batch-sizes 16 --output-len 128 \
@@ -74,8 +76,9 @@ for name, label in (("json", "SmolLM2, records"), ("json-unbounded", "SmolLM2, r
     structured = load(name)
     for row in structured["structured"] if structured else ():
         target = " (>= 90%)" if row["batch"] == 16 else ""
+        rounds = " (rounds " + ", ".join(f"{100 * r:.1f}" for r in row["ratios"]) + ")" if "ratios" in row else ""
         rows.append((f"{label} b{row['batch']}, json / free{target}", f"{100 * row['ratio']:.1f}%",
-                     f"{row['free_tokens_per_s']:.0f} free, {row['json_schema_tokens_per_s']:.0f} json tok/s"))
+                     f"{row['free_tokens_per_s']:.0f} free, {row['json_schema_tokens_per_s']:.0f} json tok/s{rounds}"))
 for name, value, note in rows:
     print(f"{name:<58} {value:>9}  {note}")
 EOF

@@ -84,9 +84,28 @@ def test_the_bench_decodes_the_same_batch_under_the_schema_and_free(llm, tmp_pat
 
     schema = tmp_path / "records.schema.json"
     schema.write_text(json.dumps({"type": "array", "minItems": 50, "items": PERSON}))
-    [row] = run_structured_bench(llm.engine, str(schema), [2], steps=3)["structured"]
+    [row] = run_structured_bench(llm.engine, str(schema), [2], steps=3, rounds=2)["structured"]
     assert row["batch"] == 2 and row["json_schema_tokens_per_s"] > 0 and row["free_tokens_per_s"] > 0
+    assert row["rounds"] == 2 and len(row["ratios"]) == 2 and min(row["ratios"]) <= row["ratio"] <= max(row["ratios"])
     assert row["json_schema_replaced"] == 0  # a 50-item array outlasts the window
     stats = llm.engine.core.stats()
     assert stats.num_running == 0
     assert stats.num_blocks_free == stats.num_blocks_total
+
+
+def test_the_bench_stops_free_sequences_where_the_documents_ended(llm, tmp_path):
+    """Short documents finish inside the window: the free loop's k-th sequence stops at the k-th
+    document's length, so both loops replace (and prefill) as many sequences."""
+    from atlas.app.bench.structured import json_schema_constraint, measure_closed_loop, schema_prompt
+
+    schema = tmp_path / "flag.schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                                  "additionalProperties": False}))
+    engine = llm.engine
+    constraint, prompt = json_schema_constraint(engine, str(schema)), schema_prompt(engine, str(schema))
+    constrained = measure_closed_loop(engine, prompt, 2, 12, constraint, "json")
+    free = measure_closed_loop(engine, prompt, 2, 12, None, "free", constrained.lengths)
+    assert constrained.num_replaced >= 2 and abs(free.num_replaced - constrained.num_replaced) <= 1
+    shared = constrained.lengths.keys() & free.lengths.keys()
+    assert len(shared) >= 2 and all(free.lengths[k] == constrained.lengths[k] for k in shared)
+    assert llm.engine.core.stats().num_running == 0

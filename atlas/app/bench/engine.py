@@ -89,7 +89,8 @@ def _bench(engine, args: argparse.Namespace, model, batch_sizes: list[int], pref
     if args.json_schema:
         from atlas.app.bench.structured import run_structured_bench
 
-        report = {"device": device, **run_structured_bench(engine, args.json_schema, batch_sizes, args.decode_tokens)}
+        report = {"device": device,
+                  **run_structured_bench(engine, args.json_schema, batch_sizes, args.decode_tokens, args.rounds)}
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
         return 0

@@ -32,7 +32,8 @@ def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --speculative-config: the prompts (a JSON list of strings; default: the 24 "
                         "edit-and-repeat prompts shipped with Atlas)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="with --speculative-config: plain and speculative runs alternate this many times "
-                        "at each batch size; tokens/s are medians, the speed-up the median paired ratio")
+                        help="with --speculative-config or --json-schema: the plain (free) and speculative "
+                        "(constrained) runs alternate this many times at each batch size; tokens/s are medians, "
+                        "the speed-up (ratio) the median paired one")
     parser.add_argument("--json", dest="json_path", help="write every figure to this JSON file")
     parser.add_argument("--plot", dest="plot_path", help="write tokens/s vs batch with the roofline to this PNG")

@@ -1,22 +1,26 @@
 """`atlas bench MODEL --json-schema FILE`: structured-output decode against free decode.
 
-The same batch runs twice in one process on one loaded engine: every sequence under the JSON
-schema (token masks from llguidance, filled while the device runs each forward), then every
-sequence free, each as a closed loop of `batch` sequences sampled at temperature 1 where a
-sequence that finishes is replaced at once, timed over the same number of engine steps. The
-figure is tokens/s of each and their ratio (the host's mask work is the only difference; a
-schema whose documents outlast the window keeps replacements, and their prefills, out of it;
-free sequences ignore end-of-sequence for the same reason).
+The same batch runs in pairs in one process on one loaded engine, `rounds` times: every
+sequence under the JSON schema (token masks from llguidance, filled while the device runs each
+forward), then every sequence free, each as a closed loop of `batch` sequences sampled at
+temperature 1 where a sequence that finishes is replaced at once, timed over the same number of
+engine steps. The free loop's k-th sequence ignores end-of-sequence and stops at the length
+the constrained loop's k-th document had, so both loops replace (and prefill) the same
+sequences at the same steps and the host's mask work is the only difference. The figures are
+tokens/s of each (medians over the rounds) and the median of the rounds' paired ratios (a
+small model's step is host-bound, so one round can catch the host busy).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from atlas.app.builder import LoadedEngine
@@ -36,6 +40,7 @@ class LoopResult:
     num_tokens: int  # generated in the timed steps
     seconds: float
     num_replaced: int  # sequences that finished inside the window and were replaced
+    lengths: dict[int, int]  # the k-th sequence started -> its output tokens, for those that finished
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,28 +86,37 @@ def schema_prompt(engine: LoadedEngine, path: str) -> tuple[int, ...]:
 
 
 def measure_closed_loop(engine: LoadedEngine, prompt: tuple[int, ...], batch: int, steps: int,
-                        constraint: OutputConstraint | None, tag: str) -> LoopResult:
+                        constraint: OutputConstraint | None, tag: str,
+                        lengths: dict[int, int] | None = None) -> LoopResult:
     """`batch` sequences (under `constraint`, None: free), replaced as they finish, over
-    `steps` timed engine steps after every one has its first token."""
+    `steps` timed engine steps after every one has its first token. `lengths`: the k-th
+    sequence stops after lengths[k] tokens (another loop's `LoopResult.lengths`)."""
     core = engine.core
     # Free sequences ignore end-of-sequence: a model that stops early would otherwise fill the
     # free loop's window with its replacements' prefills (seen: 2 of 16 at SmolLM2 batch 16, the
-    # ratio 1.63), and the figure is of decode steps.
+    # ratio 1.63), and the figure is of decode steps; they stop where `lengths` says instead.
     params = SamplingParams(temperature=1.0, max_tokens=4 * steps + 64, ignore_eos=constraint is None)
-    live: set[str] = set()
+    live: dict[str, int] = {}  # request -> its index
+    produced: dict[str, int] = {}
+    finished_lengths: dict[int, int] = {}
     counter = iter(range(1 << 62))
 
     def start() -> None:
         index = next(counter)
         request_id = f"{tag}-{batch}-{index}"
-        core.add_request(Request(request_id, prompt, params, seed=index, constraint=constraint))
-        live.add(request_id)
+        length = (lengths or {}).get(index)
+        sampling = params if length is None else msgspec.structs.replace(params, max_tokens=length)
+        core.add_request(Request(request_id, prompt, sampling, seed=index, constraint=constraint))
+        live[request_id] = index
+        produced[request_id] = 0
 
     def step() -> tuple[int, int]:
         outputs = core.step()
+        for output in outputs:
+            produced[output.seq_id] += len(output.new_token_ids)
         finished = [o.seq_id for o in outputs if o.finish_reason is not None]
         for seq_id in finished:
-            live.discard(seq_id)
+            finished_lengths[live.pop(seq_id)] = produced.pop(seq_id)
             start()
         return sum(len(o.new_token_ids) for o in outputs), len(finished)
 
@@ -110,8 +124,11 @@ def measure_closed_loop(engine: LoadedEngine, prompt: tuple[int, ...], batch: in
         for _ in range(batch):
             start()
         started_ids: set[str] = set()
-        while not live <= started_ids:  # prefill until every sequence has its first token
-            started_ids.update(o.seq_id for o in core.step() if o.new_token_ids)
+        while not live.keys() <= started_ids:  # prefill until every sequence has its first token
+            outputs = core.step()
+            for output in outputs:
+                produced[output.seq_id] += len(output.new_token_ids)
+            started_ids.update(o.seq_id for o in outputs if o.new_token_ids)
         for _ in range(_WARMUP_STEPS):
             step()
         num_tokens = num_replaced = 0
@@ -126,26 +143,39 @@ def measure_closed_loop(engine: LoadedEngine, prompt: tuple[int, ...], batch: in
             core.abort(request_id)
         while core.has_unfinished:
             core.step()
-    return LoopResult(batch, steps, num_tokens, seconds, num_replaced)
+    return LoopResult(batch, steps, num_tokens, seconds, num_replaced, finished_lengths)
 
 
-def run_structured_bench(engine: LoadedEngine, schema_path: str, batch_sizes: list[int], steps: int) -> dict:
-    """Both loops at each batch size; prints a table and returns the figures."""
+def run_structured_bench(engine: LoadedEngine, schema_path: str, batch_sizes: list[int], steps: int,
+                         rounds: int = 3) -> dict:
+    """Both loops at each batch size, `rounds` pairs each; prints a table and returns the
+    figures. Raises ValueError for fewer than one round."""
+    if rounds < 1:
+        raise ValueError(f"--rounds must be at least 1 (got {rounds})")
     constraint = json_schema_constraint(engine, schema_path)
     prompt = schema_prompt(engine, schema_path)
     rows = []
     for batch in batch_sizes:
-        print(f"json_schema against free decode at batch {batch} ...", file=sys.stderr)
-        constrained = measure_closed_loop(engine, prompt, batch, steps, constraint, "json")
-        free = measure_closed_loop(engine, prompt, batch, steps, None, "free")
+        print(f"json_schema against free decode at batch {batch}, {rounds} rounds ...", file=sys.stderr)
+        pairs = []
+        for index in range(rounds):
+            constrained = measure_closed_loop(engine, prompt, batch, steps, constraint, f"json{index}")
+            free = measure_closed_loop(engine, prompt, batch, steps, None, f"free{index}", constrained.lengths)
+            pairs.append((constrained, free))
+        ratios = [constrained.tokens_per_s / free.tokens_per_s for constrained, free in pairs]
         rows.append({
-            "batch": batch, "steps": steps,
-            "free_tokens_per_s": free.tokens_per_s, "json_schema_tokens_per_s": constrained.tokens_per_s,
-            "ratio": constrained.tokens_per_s / free.tokens_per_s,
-            "free_replaced": free.num_replaced, "json_schema_replaced": constrained.num_replaced,
+            "batch": batch, "steps": steps, "rounds": rounds,
+            "free_tokens_per_s": statistics.median(free.tokens_per_s for _, free in pairs),
+            "json_schema_tokens_per_s": statistics.median(constrained.tokens_per_s for constrained, _ in pairs),
+            "ratio": statistics.median(ratios), "ratios": ratios,
+            "free_replaced": sum(free.num_replaced for _, free in pairs),
+            "json_schema_replaced": sum(constrained.num_replaced for constrained, _ in pairs),
         })
     print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'json/free':>9} {'replaced':>9}")
     for row in rows:
         print(f"{row['batch']:>5} {row['free_tokens_per_s']:>11.1f} {row['json_schema_tokens_per_s']:>11.1f} "
               f"{100 * row['ratio']:>8.1f}% {row['free_replaced']:>4}/{row['json_schema_replaced']:<4}")
+        if rounds > 1:
+            each = ", ".join(f"{100 * ratio:.1f}%" for ratio in row["ratios"])
+            print(f"      json/free of each round: {each} (median above)")
     return {"json_schema": schema_path, "model_dir": str(engine.model_dir), "structured": rows}
