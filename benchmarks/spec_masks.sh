@@ -66,7 +66,8 @@ if ngram:
     rows.append(("SmolLM2 batch 1, n-gram k=4 / plain tokens/s (>= 2x)", f"{row['speedup']:.2f}x",
                  f"{row['plain_tokens_per_s']:.0f} -> {row['speculative_tokens_per_s']:.0f} tok/s, acceptance length "
                  f"{row['mean_acceptance_length']:.2f}, {row['prompts']} prompts, "
-                 f"identical: {row['identical_outputs']}"))
+                 f"identical: {row['identical_outputs']}, undrafted tokens "
+                 f"{row.get('undrafted_tokens', '?')} of {row['output_tokens']}"))
 verify = load("verify8b")
 if verify and verify.get("verify_over_decode"):
     rows.append(("8B batch 1, k=4 verify step / decode step (<= 1.15x)", f"{verify['verify_over_decode']:.3f}x",

@@ -50,6 +50,10 @@ def test_the_speculative_bench_reports_both_runs_and_the_verify_step_cost(tmp_pa
     for row in report["speculative"]:
         assert row["identical_outputs"] and row["prompts"] == 3 and row["plain_tokens_per_s"] > 0
         assert len(row["speedups"]) == row["rounds"] == 3 and row["speedup"] == sorted(row["speedups"])[1]
+        # every token came from a verify step (accepted drafts + 1 each) or a step without drafts
+        accepted = sum(row["accepted_by_position"])
+        assert row["verify_steps"] > 0 and 0 <= row["undrafted_tokens"] < row["output_tokens"]
+        assert row["undrafted_tokens"] + accepted + row["verify_steps"] == row["output_tokens"]
     assert report["verify_step_ms"] > 0 and report["decode_step_ms"] > 0
 
 

@@ -55,6 +55,12 @@ class LoopRun:
     def mean_acceptance_length(self) -> float:
         return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
+    @property
+    def undrafted_tokens(self) -> int:
+        """Tokens of steps that verified no drafts (each gives one): the share speculation
+        cannot speed up, whatever a verify step costs."""
+        return self.num_tokens - self.accepted_tokens - self.verify_steps
+
 
 def load_prompts(path: str | None) -> list[str]:
     """The prompt set: a JSON list of strings in `path`, else the shipped edit-and-repeat set.
@@ -178,6 +184,7 @@ def _row(batch: int, num_prompts: int, pairs: list[tuple[LoopRun, LoopRun]]) -> 
         "speculative_tokens_per_s": statistics.median(spec_rates),
         "speedup": statistics.median(speedups), "speedups": speedups,
         "mean_acceptance_length": spec.mean_acceptance_length,
+        "verify_steps": spec.verify_steps, "undrafted_tokens": spec.undrafted_tokens,
         "acceptance_rate": spec.accepted_tokens / spec.draft_tokens if spec.draft_tokens else 0.0,
         "accepted_by_position": list(spec.accepted_by_position),
         "identical_outputs": all(spec_run.outputs == plain.outputs == pairs[0][0].outputs for plain, spec_run in pairs),
@@ -224,6 +231,9 @@ def _print(report: dict) -> None:
             print(f"      speed-up of each round: {', '.join(f'{x:.2f}x' for x in row['speedups'])} (median above)")
         print(f"      drafts accepted by position: {row['accepted_by_position']} "
               f"({100 * row['acceptance_rate']:.1f}% of drafts)")
+        undrafted = row["undrafted_tokens"] / row["output_tokens"] if row["output_tokens"] else 0.0
+        print(f"      {row['verify_steps']} verify steps; {row['undrafted_tokens']} tokens ({100 * undrafted:.0f}%) "
+              f"from steps without drafts")
     if report["verify_over_decode"] is not None:
         print(f"batch-1 verify step {report['verify_step_ms']:.3f} ms, decode step {report['decode_step_ms']:.3f} ms: "
               f"{report['verify_over_decode']:.2f}x")
