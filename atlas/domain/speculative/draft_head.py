@@ -35,7 +35,7 @@ import numpy as np
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence, StepResult
 from atlas.domain.speculative.draft_model import DraftRequest
-from atlas.domain.speculative.draft_pages import DraftCache, RoundDrafter, greedy_sampling, run_decode_forwards
+from atlas.domain.speculative.draft_pages import DraftCache, RoundDrafter, common_prefix
 
 
 class HeadRunner(Protocol):
@@ -116,44 +116,27 @@ class DraftHeadProposer(RoundDrafter):
         running = {request.seq_id for request in requests}
         for seq_id in [seq_id for seq_id in self._target if seq_id not in running]:
             del self._target[seq_id]
-        rows = self._plan_catch_up(requests)
-        run_decode_forwards(self._run_catch_up(rows), self._run_decode)
-        for row in rows:
-            self._pages.truncate(row.state, row.stop)  # the drafts' entries, fed the head's own hidden states
-            row.state.num_final = row.stop
-        return {row.request.seq_id: tuple(row.drafts) for row in rows if row.drafts}
+        return self._round(requests)
 
     def forget(self, seq_id: str) -> None:
         """Free a sequence's head blocks and hidden states; a no-op for one never seen."""
         self._target.pop(seq_id, None)
         super().forget(seq_id)
 
-    def _plan_catch_up(self, requests: SequenceOf[DraftRequest]) -> list[_Row]:
-        """Roll each state back to its entries still valid and reserve the blocks of its catch-up
-        chunk (and of its drafts, when it drafts), oldest first within the token budget."""
-        budget = self._max_num_tokens
-        rows = []
-        for request in requests:
-            if budget == 0:
-                break
-            # entry p needs h_p (computed by the target) and t(p + 1) (final)
-            goal = min(request.num_computed, request.history.num_final_tokens - 1)
-            if goal < 1:
-                continue
-            state = self._pages.cache(request.seq_id)
-            valid = min(_still_final(state, request), goal - 1 if request.max_drafts else goal)
-            self._pages.truncate(state, valid)
-            num_new = min(goal - valid, budget)
-            if num_new <= 0:
-                continue
-            reaches_end = valid + num_new == goal  # drafts follow the last final token only
-            granted = self._pages.reserve_round(state, valid + num_new, request.max_drafts if reaches_end else 0)
-            if granted is None:
-                continue
-            rows.append(_Row(state, DraftRequest(request.seq_id, request.history, request.num_computed, granted,
-                                                 request.bias), valid + num_new))
-            budget -= num_new
-        return rows
+    def _catch_up_span(self, request: DraftRequest) -> tuple[DraftCache, int, int] | None:
+        """Entry p needs h_p (computed by the target) and t(p + 1) (final): the entries still
+        valid stay, and when drafting the last one is fed again (its output gives d0)."""
+        goal = min(request.num_computed, request.history.num_final_tokens - 1)
+        if goal < 1:
+            return None
+        state = self._pages.cache(request.seq_id)
+        return state, min(_still_final(state, request), goal - 1 if request.max_drafts else goal), goal
+
+    def _new_row(self, state: DraftCache, request: DraftRequest, stop: int) -> _Row:
+        return _Row(state, request, stop)
+
+    def _kept_entries(self, row: _Row) -> int:
+        return row.stop  # the drafts' entries, fed the head's own hidden states, go
 
     def _run_catch_up(self, rows: list[_Row]) -> list[_Row]:
         """Forward 0: every row's catch-up chunk, from the target's hidden states; returns the
@@ -174,11 +157,7 @@ class DraftHeadProposer(RoundDrafter):
 
     def _run_decode(self, rows: list[_Row]) -> None:
         """Forward j: each row's newest draft with the head's own output before it."""
-        sequences = []
-        for row in rows:
-            start = len(row.state.token_ids)
-            row.state.token_ids.append(row.drafts[-1])
-            sequences.append(self._scheduled(row, (row.drafts[-1],), start, sampled=True))
+        sequences = self._feed_newest_drafts(rows)
         hidden = np.stack([row.hidden for row in rows])  # type: ignore[misc]
         self._sample(sequences, rows, hidden, from_target=False)
 
@@ -212,9 +191,6 @@ class DraftHeadProposer(RoundDrafter):
             kept.rows, kept.start = kept.rows[stop - kept.start :], stop
         return out
 
-    def _scheduled(self, row: _Row, token_ids: tuple[int, ...], start: int, sampled: bool) -> ScheduledSequence:
-        sampling = greedy_sampling(row.request.bias, self._vocab_size) if sampled else None
-        return ScheduledSequence(row.request.seq_id, token_ids, start, tuple(row.state.block_ids), sampling)
 
 
 def _still_final(state: DraftCache, request: DraftRequest) -> int:
@@ -225,9 +201,4 @@ def _still_final(state: DraftCache, request: DraftRequest) -> int:
     if stop <= start:
         return stop
     final = request.history.tokens_slice(start + 1, stop + 1)
-    matched = 0
-    for cached, token_id in zip(state.token_ids[start:stop], final):
-        if cached != token_id:
-            break
-        matched += 1
-    return start + matched
+    return start + common_prefix(state.token_ids[start:stop], final)

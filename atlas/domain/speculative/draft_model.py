@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence, StepResult
-from atlas.domain.speculative.draft_pages import DraftCache, RoundDrafter, greedy_sampling, run_decode_forwards
+from atlas.domain.speculative.draft_pages import DraftCache, RoundDrafter, common_prefix
 from atlas.domain.speculative.ngram import TokenHistory
 
 
@@ -99,39 +99,23 @@ class DraftModelProposer(RoundDrafter):
         """Run one round (module docstring): catch every request up, then draft up to
         `max_drafts` tokens for those caught up. Returns the drafts by sequence id (a sequence
         left without blocks or budget gets none; that only costs speed)."""
-        rows = self._plan_catch_up(requests)
-        run_decode_forwards(self._run_catch_up(rows), self._run_decode)
-        for row in rows:
-            self._pages.truncate(row.state, len(row.state.token_ids))  # blocks of drafts never fed (a cut)
-            row.state.num_final = row.stop
-        return {row.request.seq_id: tuple(row.drafts) for row in rows if row.drafts}
+        return self._round(requests)
 
-    def _plan_catch_up(self, requests: SequenceOf[DraftRequest]) -> list[_Row]:
-        """Roll each state back to its still-final tokens and reserve the blocks of its catch-up
-        chunk (and of its drafts, when it drafts), oldest first within the token budget."""
-        budget = self._max_num_tokens
-        rows = []
-        for request in requests:
-            if budget == 0:
-                break
-            state = self._pages.cache(request.seq_id)
-            num_final = request.history.num_final_tokens
-            valid = _still_final(state, request.history)
-            if request.max_drafts:
-                valid = min(valid, num_final - 1)  # the last final token's logits give the first draft
-            self._pages.truncate(state, valid)
-            goal = num_final if request.max_drafts else min(request.num_computed, num_final)
-            num_new = min(goal - valid, budget)
-            if num_new <= 0:
-                continue
-            reaches_end = valid + num_new == num_final  # drafts follow the last final token only
-            granted = self._pages.reserve_round(state, valid + num_new, request.max_drafts if reaches_end else 0)
-            if granted is None:
-                continue
-            rows.append(_Row(state, DraftRequest(request.seq_id, request.history, request.num_computed, granted,
-                                                 request.bias), valid + num_new))
-            budget -= num_new
-        return rows
+    def _catch_up_span(self, request: DraftRequest) -> tuple[DraftCache, int, int]:
+        """The cache holds tokens: those still final stay, and the catch-up reaches the last
+        final token when drafting (its logits give the first draft, so it is fed again)."""
+        state = self._pages.cache(request.seq_id)
+        num_final = request.history.num_final_tokens
+        valid = _still_final(state, request.history)
+        if request.max_drafts:
+            return state, min(valid, num_final - 1), num_final
+        return state, valid, min(request.num_computed, num_final)
+
+    def _new_row(self, state: DraftCache, request: DraftRequest, stop: int) -> _Row:
+        return _Row(state, request, stop)
+
+    def _kept_entries(self, row: _Row) -> int:
+        return len(row.state.token_ids)  # frees the blocks of drafts never fed (a cut)
 
     def _run_catch_up(self, rows: list[_Row]) -> list[_Row]:
         """Forward 0: every row's catch-up chunk; returns the rows that drafted d0."""
@@ -150,11 +134,7 @@ class DraftModelProposer(RoundDrafter):
 
     def _run_decode(self, rows: list[_Row]) -> None:
         """Forward j: each row's newest draft at its position, sampling the next."""
-        sequences = []
-        for row in rows:
-            start = len(row.state.token_ids)
-            row.state.token_ids.append(row.drafts[-1])
-            sequences.append(self._scheduled(row, (row.drafts[-1],), start, sampled=True))
+        sequences = self._feed_newest_drafts(rows)
         self._sample(sequences, rows)
 
     def _sample(self, sequences: list[ScheduledSequence], rows: list[_Row]) -> None:
@@ -165,9 +145,6 @@ class DraftModelProposer(RoundDrafter):
             else:
                 row.request = DraftRequest(row.request.seq_id, row.request.history, row.request.num_computed, 0)
 
-    def _scheduled(self, row: _Row, token_ids: tuple[int, ...], start: int, sampled: bool) -> ScheduledSequence:
-        sampling = greedy_sampling(row.request.bias, self._vocab_size) if sampled else None
-        return ScheduledSequence(row.request.seq_id, token_ids, start, tuple(row.state.block_ids), sampling)
 
 
 def _still_final(state: DraftCache, history: TokenHistory) -> int:
@@ -177,9 +154,4 @@ def _still_final(state: DraftCache, history: TokenHistory) -> int:
     if stop <= start:
         return stop
     final = history.tokens_slice(start, stop)
-    matched = 0
-    for cached, token_id in zip(state.token_ids[start:stop], final):
-        if cached != token_id:
-            break
-        matched += 1
-    return start + matched
+    return start + common_prefix(state.token_ids[start:stop], final)

@@ -12,7 +12,7 @@ blocks past what it keeps at the end.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence as SequenceOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import msgspec
@@ -108,6 +108,16 @@ def greedy_sampling(bias: tuple[tuple[int, ...], tuple[float, ...]], vocab_size:
     return msgspec.structs.replace(_GREEDY, bias_token_ids=ids, bias_values=values)
 
 
+def common_prefix(cached: SequenceOf[int], final: SequenceOf[int]) -> int:
+    """How many leading tokens of `cached` equal `final`'s (a cache's entries still valid)."""
+    matched = 0
+    for cached_id, final_id in zip(cached, final):
+        if cached_id != final_id:
+            break
+        matched += 1
+    return matched
+
+
 class _Drafting(Protocol):
     @property
     def drafts(self) -> list[int]: ...
@@ -162,6 +172,71 @@ class RoundDrafter:
         """Raise AssertionError if the pool disagrees with the sequences' blocks, or a sequence
         holds blocks past its positions."""
         self._pages.check_invariants()
+
+    def _round(self, requests) -> dict[str, tuple[int, ...]]:
+        """One round: plan every request's catch-up (`_catch_up_span`), run forward 0
+        (`_run_catch_up`) and the decode forwards (`_run_decode`), then keep each row's entries
+        up to `_kept_entries` as the next round's start. Returns the drafts by sequence id (a
+        sequence left without blocks or budget gets none; that only costs speed)."""
+        rows = self._plan_catch_up(requests)
+        run_decode_forwards(self._run_catch_up(rows), self._run_decode)
+        for row in rows:
+            self._pages.truncate(row.state, self._kept_entries(row))
+            row.state.num_final = row.stop
+        return {row.request.seq_id: tuple(row.drafts) for row in rows if row.drafts}
+
+    def _plan_catch_up(self, requests) -> list:
+        """Roll each state back to what is still valid and reserve the blocks of its catch-up
+        chunk (and of its drafts, when the chunk reaches its goal and it drafts), oldest first
+        within the token budget."""
+        budget = self._max_num_tokens
+        rows = []
+        for request in requests:
+            if budget == 0:
+                break
+            span = self._catch_up_span(request)
+            if span is None:
+                continue
+            state, valid, goal = span
+            self._pages.truncate(state, valid)
+            num_new = min(goal - valid, budget)
+            if num_new <= 0:
+                continue
+            reaches_end = valid + num_new == goal  # drafts follow the last final token only
+            granted = self._pages.reserve_round(state, valid + num_new, request.max_drafts if reaches_end else 0)
+            if granted is None:
+                continue
+            rows.append(self._new_row(state, replace(request, max_drafts=granted), valid + num_new))
+            budget -= num_new
+        return rows
+
+    def _catch_up_span(self, request) -> tuple[DraftCache, int, int] | None:
+        """A request's cache, how much of it is still valid, and how far its catch-up goes (the
+        end of its entries when it drafts); None: nothing to do this round."""
+        raise NotImplementedError
+
+    def _new_row(self, state: DraftCache, request, stop: int):
+        """The round's row of a request whose catch-up ends at entry `stop`."""
+        raise NotImplementedError
+
+    def _kept_entries(self, row) -> int:
+        """How many of a row's entries stay cached after the round."""
+        raise NotImplementedError
+
+    def _feed_newest_drafts(self, rows: list) -> list[ScheduledSequence]:
+        """A decode forward's sequences: each row's newest draft at its next entry, sampled."""
+        sequences = []
+        for row in rows:
+            start = len(row.state.token_ids)
+            row.state.token_ids.append(row.drafts[-1])
+            sequences.append(self._scheduled(row, (row.drafts[-1],), start, sampled=True))
+        return sequences
+
+    def _scheduled(self, row, token_ids: tuple[int, ...], start: int, sampled: bool) -> ScheduledSequence:
+        """A row's chunk of `token_ids` from entry `start` (its last one sampled greedily when
+        `sampled`)."""
+        sampling = greedy_sampling(row.request.bias, self._vocab_size) if sampled else None
+        return ScheduledSequence(row.request.seq_id, token_ids, start, tuple(row.state.block_ids), sampling)
 
     def _batch(self, sequences: list[ScheduledSequence]) -> ScheduledBatch:
         """The next step of the drafter's worker."""
