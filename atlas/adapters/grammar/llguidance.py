@@ -19,6 +19,7 @@ from typing import Any
 import llguidance
 import numpy as np
 
+from atlas.adapters.grammar.counted_strings import CountedString, counts_strings, StringTables
 from atlas.adapters.grammar.relaxed_schema import relaxed_schema
 from atlas.adapters.grammar.tool_call_grammars import JSON_STYLE, tool_call_lark
 from atlas.ports.grammar import (
@@ -36,16 +37,19 @@ from atlas.ports.grammar import (
 
 class LlguidanceMatcher:
     """One sequence's llguidance matcher (the `GrammarMatcher` port), with the matcher of its
-    schema's relaxed grammar kept in step where it has one (`superset`)."""
+    schema's relaxed grammar kept in step where it has one (`superset`). A superset may count
+    down the string being written (`counted`, `atlas.adapters.grammar.counted_strings`): its
+    masks then drop the tokens too long for what the string has left."""
 
-    __slots__ = ("_matcher", "_num_words", "_num_accepted", "_superset")
+    __slots__ = ("_matcher", "_num_words", "_num_accepted", "_superset", "_counted")
 
     def __init__(self, matcher: llguidance.LLMatcher, num_words: int, num_accepted: int = 0,
-                 superset: LlguidanceMatcher | None = None) -> None:
+                 superset: LlguidanceMatcher | None = None, counted: CountedString | None = None) -> None:
         self._matcher = matcher
         self._num_words = num_words  # ceil(V / 32)
         self._num_accepted = num_accepted
         self._superset = superset
+        self._counted = counted
 
     @property
     def native(self) -> llguidance.LLMatcher:
@@ -63,6 +67,12 @@ class LlguidanceMatcher:
             raise ValueError(f"bitmask_row: expected C-contiguous int32 [{self._num_words}], got "
                              f"{bitmask_row.dtype} {list(bitmask_row.shape)}")
         self._matcher.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)
+        if self._counted is not None and (keep := self._counted.keep) is not None:
+            np.bitwise_and(bitmask_row, keep, out=bitmask_row)
+
+    @property
+    def counted(self) -> CountedString | None:
+        return self._counted
 
     def allows(self, token_id: int) -> bool:
         return self._matcher.validate_tokens([token_id]) == 1
@@ -73,8 +83,11 @@ class LlguidanceMatcher:
             return False
         self._num_accepted += 1
         superset = self._superset
-        if superset is not None and not superset.accept_token(token_id):
-            self._superset = None  # not looser after all here: exact masks from now on
+        if superset is not None:
+            if not superset.accept_token(token_id):
+                self._superset = None  # not looser after all here: exact masks from now on
+            elif superset._counted is not None:
+                superset._counted.advance(token_id, self._matcher, superset._matcher)
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -86,10 +99,13 @@ class LlguidanceMatcher:
         self._num_accepted -= num_tokens
         if self._superset is not None:
             self._superset.rollback(num_tokens)
+        if self._counted is not None:
+            self._counted.rollback(num_tokens)
 
     def fork(self) -> LlguidanceMatcher:
         superset = self._superset.fork() if self._superset is not None else None
-        return LlguidanceMatcher(self._matcher.deep_copy(), self._num_words, self._num_accepted, superset)
+        counted = self._counted.copy() if self._counted is not None else None
+        return LlguidanceMatcher(self._matcher.deep_copy(), self._num_words, self._num_accepted, superset, counted)
 
     @property
     def is_accepting(self) -> bool:
@@ -103,10 +119,11 @@ class LlguidanceMatcher:
 class LlguidanceGrammar:
     """A validated grammar (the `CompiledGrammar` port)."""
 
-    __slots__ = ("_tokenizer", "_grammar", "_field", "_vocab_size", "_start", "_relaxed")
+    __slots__ = ("_tokenizer", "_grammar", "_field", "_vocab_size", "_start", "_relaxed", "_counter")
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str, vocab_size: int,
-                 relaxed: Callable[[], str] | None = None) -> None:
+                 relaxed: Callable[[], str] | None = None,
+                 counter: Callable[[], CountedString | None] | None = None) -> None:
         self._tokenizer = tokenizer
         self._grammar = grammar
         self._field = field
@@ -115,6 +132,7 @@ class LlguidanceGrammar:
         # A looser grammar whose masks are cheaper (`relaxed_schema`): its text's maker until
         # the first matcher needs it (the API process compiles only to validate), then itself.
         self._relaxed: Callable[[], str] | LlguidanceGrammar | None = relaxed
+        self._counter = counter  # a new superset's string counter (None: its masks as they are)
 
     def new_matcher(self) -> LlguidanceMatcher:
         """A matcher at the start; GrammarError if llguidance rejects the (validated) grammar.
@@ -133,6 +151,7 @@ class LlguidanceGrammar:
                 if not isinstance(self._relaxed, LlguidanceGrammar):
                     self._relaxed = LlguidanceGrammar(self._tokenizer, self._relaxed(), self._field, self._vocab_size)
                 superset = self._relaxed.new_matcher()
+                superset._counted = self._counter() if self._counter is not None else None
             except (GrammarError, ValueError):  # exact masks only
                 self._relaxed = None
         return LlguidanceMatcher(self._start.deep_copy(), (self._vocab_size + 31) // 32, superset=superset)
@@ -165,6 +184,7 @@ class LlguidanceCompiler:
         # two threads 132-150 and 236-264 (benchmarks/host_masks.py's notes, docs/lab).
         self._num_threads = num_threads if num_threads is not None else 2
         self._executor: llguidance.LLExecutor | None = None
+        self._string_tables: StringTables | None = None  # built by the first schema with counted strings
 
     @property
     def vocab_size(self) -> int:
@@ -180,7 +200,17 @@ class LlguidanceCompiler:
             raise GrammarError(field, f"strict schema uses unsupported features: {'; '.join(messages)}")
         loose = relaxed_schema(spec.schema) if isinstance(spec, JsonSchema) and isinstance(spec.schema, Mapping) else None
         relaxed = None if loose is None else functools.partial(_json_schema_grammar, loose, not spec.strict)
-        return LlguidanceGrammar(self._tokenizer, grammar, field, self._vocab_size, relaxed)
+        longest = counts_strings(spec.schema) if loose is not None else None
+        counter = None if longest is None else functools.partial(self._new_counter, longest)
+        return LlguidanceGrammar(self._tokenizer, grammar, field, self._vocab_size, relaxed, counter)
+
+    def _new_counter(self, longest_bound: int) -> CountedString | None:
+        tables = self._string_tables
+        if tables is None:
+            tokenizer = self._tokenizer
+            tables = self._string_tables = StringTables(tokenizer.decode_bytes, tokenizer.is_special_token,
+                                                   self._vocab_size, (self._vocab_size + 31) // 32)
+        return CountedString(tables, longest_bound) if tables.probe_token is not None else None
 
     def fill_bitmasks(self, rows: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         """Fill the named rows of an int32 [R, W] bitmask on llguidance's thread pool."""
@@ -201,6 +231,10 @@ class LlguidanceCompiler:
                 raise ValueError(f"fill_bitmasks: row {row} outside the bitmask's {bitmask.shape[0]} rows")
             native.append((matcher.native, row))
         self._executor.unsafe_compute_mask_ptr(native, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
+        for matcher, row in rows:
+            counted = matcher.counted
+            if counted is not None and (keep := counted.keep) is not None:
+                np.bitwise_and(bitmask[row], keep, out=bitmask[row])
 
     # -- specs to llguidance grammars ----------------------------------------------------------
 
