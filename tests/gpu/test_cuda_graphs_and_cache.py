@@ -4,6 +4,9 @@ included); a warm start compiles no kernel."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -365,3 +368,31 @@ def test_closing_an_llm_gives_its_device_memory_back(kernel_cache_dir, tmp_path)
     second = LLM(str(tmp_path), device="cuda", show_progress=False, max_seq_len=256)
     assert second.generate("the quick brown fox", params)[0].outputs[0].token_ids == expected
     second.close()
+
+
+_NEVER_CLOSED = """
+import sys
+from atlas.app.bench.tiny_model import TinyModelShape, write_tiny_model
+from atlas.app.builder import build_engine
+from atlas.app.long_running import freeze_startup_objects
+from atlas.app.settings import EngineSettings
+from atlas.domain.requests import Request, SamplingParams
+path = write_tiny_model(sys.argv[1], shape=TinyModelShape(hidden_size=256, intermediate_size=512))
+engine = build_engine(EngineSettings(model=str(path), device="cuda", max_seq_len=256, kv_cache_gb=0.25),
+                      show_progress=False)
+freeze_startup_objects()
+for i in range(4):
+    engine.core.add_request(Request(f"r{i}", (1, 2, 3, 4), SamplingParams(max_tokens=16, temperature=0.0), seed=i))
+while engine.core.has_unfinished:
+    engine.core.step()
+"""
+
+
+def test_an_engine_never_closed_exits_without_a_traceback(kernel_cache_dir, tmp_path):
+    """Graphs still alive at interpreter exit (a script that never closes its engine) are
+    destroyed quietly: once, 22 "Exception ignored" tracebacks, the driver module gone first."""
+    env = {**os.environ, "ATLAS_KERNEL_CACHE": str(kernel_cache_dir)}
+    done = subprocess.run([sys.executable, "-c", _NEVER_CLOSED, str(tmp_path / "tiny")], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]

@@ -30,13 +30,15 @@ class CudaGraph:
         self._rt.ensure_current()
         check("cuGraphLaunch", cu.cuGraphLaunch(self._executable, self._rt.stream_handle))
 
-    def __del__(self) -> None:
+    # The driver's functions bound here: a graph collected at interpreter exit (an engine never
+    # closed) may outlive this module's globals, and must not print a traceback then.
+    def __del__(self, _destroy_exec=cu.cuGraphExecDestroy, _destroy=cu.cuGraphDestroy) -> None:
         executable, graph = self._executable, self._graph
         self._executable = self._graph = None
         if executable is not None:
-            cu.cuGraphExecDestroy(executable)
+            _destroy_exec(executable)
         if graph is not None:
-            cu.cuGraphDestroy(graph)
+            _destroy(graph)
 
 
 def capture(rt: CudaRuntime, fn: Callable[[], None]) -> CudaGraph:
