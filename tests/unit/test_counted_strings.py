@@ -13,8 +13,6 @@ import pytest
 from helpers.checkpoints import smollm2_folder
 
 from atlas.adapters.grammar.counted_strings import counts_strings
-from atlas.adapters.grammar.llguidance import LlguidanceCompiler
-from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.domain.token_mask import allowed_bits
 from atlas.ports.grammar import JsonSchema
 
@@ -44,17 +42,6 @@ SCHEMAS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer() -> HfTokenizer:
-    return HfTokenizer.from_folder(FOLDER)
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: HfTokenizer) -> LlguidanceCompiler:
-    return LlguidanceCompiler((FOLDER / "tokenizer.json").read_text(), tokenizer.vocab_size, tokenizer.eos_token_ids,
-                              tokenizer.token_id)
-
-
 def masks(matcher, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
     """(exact, superset) allowed flags [V] at the matcher's position."""
     width = (vocab_size + 31) // 32
@@ -72,13 +59,13 @@ def test_which_schemas_count_their_strings() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_the_counted_mask_never_drops_a_token_the_schema_allows(compiler, tokenizer, name) -> None:
+def test_the_counted_mask_never_drops_a_token_the_schema_allows(smollm2_compiler, smollm2_tokenizer, name) -> None:
     """Walks drawn from the counted superset's mask, refused draws replaced from the exact mask
     (as the engine's redraw does), with heavy weight on long, non-ASCII and escaping tokens:
     at every position the exact mask is inside the counted one, and the batched fill agrees."""
-    grammar = compiler.compile(JsonSchema(SCHEMAS[name]), "response_format")
-    vocab = compiler.vocab_size
-    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in range(vocab)]
+    grammar = smollm2_compiler.compile(JsonSchema(SCHEMAS[name]), "response_format")
+    vocab = smollm2_compiler.vocab_size
+    texts = [smollm2_tokenizer.decode([t], skip_special_tokens=False) for t in range(vocab)]
     weights = np.array([1.0 + len(text) + 20 * ("\\" in text or '"' in text or not text.isascii()) for text in texts])
     rng = np.random.default_rng(0)
     width = (vocab + 31) // 32
@@ -90,7 +77,7 @@ def test_the_counted_mask_never_drops_a_token_the_schema_allows(compiler, tokeni
         for _ in range(120):
             exact, loose = masks(matcher, vocab)
             assert not (exact & ~loose).any(), f"{name}: the counted mask dropped an allowed token"
-            compiler.fill_bitmasks([(matcher.superset, 1)], batch)
+            smollm2_compiler.fill_bitmasks([(matcher.superset, 1)], batch)
             assert np.array_equal(allowed_bits(batch[1:], vocab)[0], loose)
             steps += 1
             choices = np.flatnonzero(loose)
@@ -99,42 +86,42 @@ def test_the_counted_mask_never_drops_a_token_the_schema_allows(compiler, tokeni
                 dropped += 1
                 choices = np.flatnonzero(exact)
                 token = int(rng.choice(choices, p=weights[choices] / weights[choices].sum()))
-            if token in tokenizer.eos_token_ids or not matcher.accept_token(token):
+            if token in smollm2_tokenizer.eos_token_ids or not matcher.accept_token(token):
                 break
     assert steps >= 40
 
 
-def test_a_name_at_its_bound_keeps_only_what_fits(compiler, tokenizer) -> None:
+def test_a_name_at_its_bound_keeps_only_what_fits(smollm2_compiler, smollm2_tokenizer) -> None:
     """Inside a name with 2 characters left, no plain ASCII token longer than 2 remains in the
     superset's mask, though the twin alone allows them; the count follows rollback and fork."""
-    grammar = compiler.compile(JsonSchema(RECORDS), "response_format")
-    vocab = compiler.vocab_size
+    grammar = smollm2_compiler.compile(JsonSchema(RECORDS), "response_format")
+    vocab = smollm2_compiler.vocab_size
     matcher = grammar.new_matcher()
-    for token_id in tokenizer.encode('[{"name": "Annie Smi', add_special_tokens=False):  # 9 characters
+    for token_id in smollm2_tokenizer.encode('[{"name": "Annie Smi', add_special_tokens=False):  # 9 characters
         assert matcher.accept_token(token_id)
-    [long_tail] = tokenizer.encode(" Johnson", add_special_tokens=False)  # 8 characters
+    [long_tail] = smollm2_tokenizer.encode(" Johnson", add_special_tokens=False)  # 8 characters
     exact, loose = masks(matcher, vocab)
-    texts = {t: tokenizer.decode([t], skip_special_tokens=False) for t in np.flatnonzero(loose).tolist()}
+    texts = {t: smollm2_tokenizer.decode([t], skip_special_tokens=False) for t in np.flatnonzero(loose).tolist()}
     plain = [t for t, text in texts.items() if text.isascii() and text.isprintable() and not {'"', "\\"} & set(text)]
     assert plain and all(len(texts[t]) <= 3 for t in plain)
     assert not loose[long_tail] and matcher.superset.allows(long_tail)  # the twin alone allows it
     assert all(exact[t] for t in plain)  # what is left of the plain ones, the schema allows
     fork = matcher.fork()
-    for token_id in tokenizer.encode('th", "age": 3}, {"name": "', add_special_tokens=False):
+    for token_id in smollm2_tokenizer.encode('th", "age": 3}, {"name": "', add_special_tokens=False):
         assert matcher.accept_token(token_id)
     after = masks(matcher, vocab)[1]
     assert after.sum() > loose.sum()  # a new name: room for long tokens again
     for twin in (fork, matcher.fork()):
         if twin is not fork:
-            twin.rollback(len(tokenizer.encode('th", "age": 3}, {"name": "', add_special_tokens=False)))
+            twin.rollback(len(smollm2_tokenizer.encode('th", "age": 3}, {"name": "', add_special_tokens=False)))
         assert np.array_equal(masks(twin, vocab)[1], loose)
 
 
-def test_a_rollback_past_the_kept_history_stops_counting(compiler, tokenizer) -> None:
-    grammar = compiler.compile(JsonSchema(RECORDS), "response_format")
+def test_a_rollback_past_the_kept_history_stops_counting(smollm2_compiler, smollm2_tokenizer) -> None:
+    grammar = smollm2_compiler.compile(JsonSchema(RECORDS), "response_format")
     matcher = grammar.new_matcher()
     counted = matcher.superset.counted
-    for token_id in tokenizer.encode('[{"name": "Annie Smi', add_special_tokens=False):
+    for token_id in smollm2_tokenizer.encode('[{"name": "Annie Smi', add_special_tokens=False):
         assert matcher.accept_token(token_id)
     assert counted.keep is not None
     counted.rollback(10_000)  # as a history cut short would

@@ -66,14 +66,13 @@ NO_ARGS = FunctionTool("now")
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> HfTokenizer:
-    return HfTokenizer.from_folder(FOLDER)
+def tokenizer(smollm2_tokenizer: HfTokenizer) -> HfTokenizer:
+    return smollm2_tokenizer  # tests/unit/conftest.py
 
 
 @pytest.fixture(scope="module")
-def compiler(tokenizer: HfTokenizer) -> LlguidanceCompiler:
-    return LlguidanceCompiler((FOLDER / "tokenizer.json").read_text(), tokenizer.vocab_size, tokenizer.eos_token_ids,
-                              tokenizer.token_id)
+def compiler(smollm2_compiler: LlguidanceCompiler) -> LlguidanceCompiler:
+    return smollm2_compiler
 
 
 @pytest.fixture(scope="module")
