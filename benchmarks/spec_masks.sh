@@ -77,7 +77,9 @@ for name, label in (("json", "SmolLM2, records"), ("json-unbounded", "SmolLM2, r
     structured = load(name)
     for row in structured["structured"] if structured else ():
         target = " (>= 90%)" if row["batch"] == 16 else ""
-        rounds = " (rounds " + ", ".join(f"{100 * r:.1f}" for r in row["ratios"]) + ")" if "ratios" in row else ""
+        host = row.get("host_loop_ms") or [None] * len(row.get("ratios", ()))
+        rounds = (" (rounds" + (", host loop ms" if any(host) else "") + ": " + ", ".join(f"{100 * r:.1f}" + (f" @{ms:.0f}" if ms else "")
+                  for r, ms in zip(row["ratios"], host)) + ")") if "ratios" in row else ""
         rows.append((f"{label} b{row['batch']}, json / free{target}", f"{100 * row['ratio']:.1f}%",
                      f"{row['free_tokens_per_s']:.0f} free, {row['json_schema_tokens_per_s']:.0f} json tok/s{rounds}"))
 for name, value, note in rows:

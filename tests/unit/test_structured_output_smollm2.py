@@ -88,6 +88,7 @@ def test_the_bench_decodes_the_same_batch_under_the_schema_and_free(llm, tmp_pat
     assert row["batch"] == 2 and row["json_schema_tokens_per_s"] > 0 and row["free_tokens_per_s"] > 0
     assert row["rounds"] == 2 and len(row["ratios"]) == 2 and min(row["ratios"]) <= row["ratio"] <= max(row["ratios"])
     assert row["json_schema_replaced"] == 0  # a 50-item array outlasts the window
+    assert len(row["host_loop_ms"]) == 2 and all(ms > 0 for ms in row["host_loop_ms"])
     stats = llm.engine.core.stats()
     assert stats.num_running == 0
     assert stats.num_blocks_free == stats.num_blocks_total

@@ -146,6 +146,18 @@ def measure_closed_loop(engine: LoadedEngine, prompt: tuple[int, ...], batch: in
     return LoopResult(batch, steps, num_tokens, seconds, num_replaced, finished_lengths)
 
 
+def host_loop_ms() -> float:
+    """Milliseconds a fixed Python loop takes now: the host's single-thread speed at that
+    moment. A small model's json loop is host bound and its free loop is not, so the ratio
+    follows this figure (26-32 ms against 47-55 ms seen on one shared GPU machine within a
+    run; docs/lab/structured-output.md)."""
+    began = time.perf_counter()
+    total = 0
+    for i in range(300_000):
+        total += i * 3 % 7
+    return (time.perf_counter() - began) * 1e3
+
+
 def run_structured_bench(engine: LoadedEngine, schema_path: str, batch_sizes: list[int], steps: int,
                          rounds: int = 3) -> dict:
     """Both loops at each batch size, `rounds` pairs each; prints a table and returns the
@@ -159,7 +171,9 @@ def run_structured_bench(engine: LoadedEngine, schema_path: str, batch_sizes: li
         print(f"json_schema against free decode at batch {batch}, {rounds} rounds ...", file=sys.stderr)
         pairs = []
         resampled_before = engine.core.num_resampled_tokens
+        host_ms = []
         for index in range(rounds):
+            host_ms.append(host_loop_ms())
             constrained = measure_closed_loop(engine, prompt, batch, steps, constraint, f"json{index}")
             free = measure_closed_loop(engine, prompt, batch, steps, None, f"free{index}", constrained.lengths)
             pairs.append((constrained, free))
@@ -168,7 +182,7 @@ def run_structured_bench(engine: LoadedEngine, schema_path: str, batch_sizes: li
             "batch": batch, "steps": steps, "rounds": rounds,
             "free_tokens_per_s": statistics.median(free.tokens_per_s for _, free in pairs),
             "json_schema_tokens_per_s": statistics.median(constrained.tokens_per_s for constrained, _ in pairs),
-            "ratio": statistics.median(ratios), "ratios": ratios,
+            "ratio": statistics.median(ratios), "ratios": ratios, "host_loop_ms": host_ms,
             "free_replaced": sum(free.num_replaced for _, free in pairs),
             "json_schema_replaced": sum(constrained.num_replaced for constrained, _ in pairs),
             # tokens the schema refused under its superset's mask, drawn again (rounds' warm-ups included)
@@ -180,6 +194,7 @@ def run_structured_bench(engine: LoadedEngine, schema_path: str, batch_sizes: li
               f"{100 * row['ratio']:>8.1f}% {row['free_replaced']:>4}/{row['json_schema_replaced']:<4} "
               f"{row['json_schema_resampled']:>9}")
         if rounds > 1:
-            each = ", ".join(f"{100 * ratio:.1f}%" for ratio in row["ratios"])
-            print(f"      json/free of each round: {each} (median above)")
+            rounds_and_host = zip(row["ratios"], row["host_loop_ms"])
+            each = ", ".join(f"{100 * ratio:.1f}% ({ms:.0f} ms)" for ratio, ms in rounds_and_host)
+            print(f"      json/free of each round (the host loop before it): {each} (median above)")
     return {"json_schema": schema_path, "model_dir": str(engine.model_dir), "structured": rows}
