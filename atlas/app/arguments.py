@@ -81,6 +81,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest decode batch captured as a CUDA graph (default: --max-num-seqs)")
     group.add_argument("--max-prefill-tokens", type=int, default=_env("max_prefill_tokens", 2048, int),
                        help="tokens computed per step; longer prompts are prefilled in chunks (default 2048)")
+    group.add_argument("--max-admitted-tokens", type=int, default=_env("max_admitted_tokens", None, int),
+                       help="once the requests a step admits hold this many prompt tokens and number 4 and a "
+                       "quarter of the queue, the others wait for the next step: a burst of short prompts gets its "
+                       "first tokens over a few short steps (default: a sixteenth of --max-prefill-tokens)")
     group.add_argument("--block-size", type=int, default=_env("block_size", 16, int),
                        help="tokens per KV cache block (default 16)")
     group.add_argument("--gpu-memory-utilization", type=float, default=_env("gpu_memory_utilization", 0.90, float),
@@ -127,6 +131,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         max_num_seqs=args.max_num_seqs,
         max_batch_size=args.max_batch_size,
         max_prefill_tokens=args.max_prefill_tokens,
+        max_admitted_tokens=args.max_admitted_tokens,
         block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_cache_gb=args.kv_cache_gb,

@@ -331,6 +331,7 @@ def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pa
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_prefill_tokens,
             block_size=settings.block_size,
+            max_admitted_tokens=settings.admitted_tokens,
         ),
         cache,
         POLICIES[settings.scheduling_policy](),

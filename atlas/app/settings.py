@@ -29,6 +29,8 @@ class EngineSettings:
     max_num_seqs: int = 128  # sequences running at once
     max_batch_size: int | None = None  # largest decode batch captured as a graph (default: max_num_seqs)
     max_prefill_tokens: int = 2048  # token budget of one step; longer prompts are chunked
+    # prompt tokens the requests a step admits may hold (None: a sixteenth of max_prefill_tokens)
+    max_admitted_tokens: int | None = None
     block_size: int = 16
     gpu_memory_utilization: float = 0.90
     kv_cache_gb: float | None = None  # fixed KV size instead of the utilisation rule (mock default: 2)
@@ -41,6 +43,13 @@ class EngineSettings:
     tensor_parallel_size: int = 1  # ranks (devices) the model splits over, one process each
     enable_expert_parallel: bool = False  # MoE: place whole experts on ranks instead of splitting each
     speculative_config: str | None = None  # --speculative-config JSON (SpeculativeConfig); None: off
+
+    @property
+    def admitted_tokens(self) -> int:
+        """The cap on the prompt tokens of the requests one step admits."""
+        if self.max_admitted_tokens is not None:
+            return self.max_admitted_tokens
+        return max(self.max_prefill_tokens // 16, 1)
 
     @property
     def expert_parallel_size(self) -> int:
@@ -66,6 +75,8 @@ class EngineSettings:
             raise SettingsError(f"--max-batch-size must be at least 1 (got {self.max_batch_size})")
         if self.max_prefill_tokens < 16:
             raise SettingsError(f"--max-prefill-tokens must be at least 16 (got {self.max_prefill_tokens})")
+        if self.max_admitted_tokens is not None and self.max_admitted_tokens < 1:
+            raise SettingsError(f"--max-admitted-tokens must be at least 1 (got {self.max_admitted_tokens})")
         if self.block_size not in (8, 16, 32, 64):
             raise SettingsError(f"--block-size must be 8, 16, 32 or 64 (got {self.block_size})")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:

@@ -7,7 +7,14 @@ There are no prefill or decode phases. A sequence's `num_computed_tokens` catche
    left), one that is caught up gets 1 (a decode). A long prompt therefore runs in chunks over
    several steps, and prefill chunks and decodes share one batch.
 2. If nothing was preempted, waiting sequences in the policy's order, while the budget,
-   `max_num_seqs` and free blocks allow; the first that does not fit stops admission. A
+   `max_num_seqs` and free blocks allow; the first that does not fit stops admission. Once
+   the sequences a step admitted hold `max_admitted_tokens` and number `BURST_SEQUENCES` and
+   a `BURST_STEPS`th of the queue, the rest wait for the next step: a burst of short prompts
+   starts over a few short steps, whose first tokens come out step by step, instead of one long
+   step that answers them all at its end (and clients that send their next request when one
+   ends stop arriving in synchronised waves). A few long prompts are not split so (their step
+   costs the same either way, and an extra step costs every running sequence a step's fixed
+   time), and a long queue shrinks by a `BURST_STEPS`th or more a step. A
    sequence starts from the longest prefix the prefix cache holds, so it costs only its new
    tokens and blocks; one whose hit would reach blocks this very step computes (the other forks
    of its prompt, say) stops admission too, and hits them in full next step.
@@ -54,6 +61,11 @@ from atlas.domain.speculative.verify import verify_drafts
 from atlas.domain.step_plan import InFlightStep, StepPlan, check_result, sequence_output
 from atlas.domain.stopping import ends_by_length, first_stop, stop_reason
 
+# How many sequences one step admits before `max_admitted_tokens` may stop admission: at least
+# BURST_SEQUENCES, and at least a BURST_STEPS-th of the queue.
+BURST_SEQUENCES = 4
+BURST_STEPS = 4
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -63,12 +75,16 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # sequences running at once
     max_num_batched_tokens: int = 2048  # token budget of one step (bounds prefill chunks)
     block_size: int = 16
+    # tokens the sequences admitted in one step may hold before admission stops (None: the budget)
+    max_admitted_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be at least 1 (got {value})")
+        if self.max_admitted_tokens is not None and self.max_admitted_tokens < 1:
+            raise ValueError(f"SchedulerConfig.max_admitted_tokens must be at least 1 (got {self.max_admitted_tokens})")
 
 
 class Scheduler:
@@ -351,10 +367,17 @@ class Scheduler:
         return True
 
     def _admit_waiting(self, plan: StepPlan) -> None:
-        """Start waiting sequences in policy order while budget, seats and blocks last."""
+        """Start waiting sequences in policy order while budget, seats, blocks and the
+        admission cap last."""
         admitted: list[Sequence] = []
+        config = self.config
+        cap = config.max_admitted_tokens if config.max_admitted_tokens is not None else config.max_num_batched_tokens
+        at_least = max(BURST_SEQUENCES, -(-len(self._waiting) // BURST_STEPS))
+        admitted_tokens = 0
         for seq in self.policy.admission_order(self._waiting):
-            if plan.budget_left == 0 or len(self._running) >= self.config.max_num_seqs:
+            if plan.budget_left == 0 or len(self._running) >= config.max_num_seqs:
+                break
+            if admitted_tokens >= cap and len(admitted) >= at_least:
                 break
             if self._live.get(seq.seq_id) is not seq or seq.status is not SequenceStatus.WAITING:
                 raise ValueError(f"the policy admitted {seq.seq_id!r}, which is not waiting")
@@ -369,6 +392,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self._running.append(seq)
             admitted.append(seq)
+            admitted_tokens += num_tokens
             self._plan(plan, seq, num_tokens)
         for seq in admitted:
             self._waiting.remove(seq)

@@ -145,20 +145,24 @@ def make_scheduler(
     max_model_len: int = 64,
     policy: SchedulingPolicy | None = None,
     prefix_caching: bool = False,
+    max_admitted_tokens: int | None = None,
 ) -> tuple[Scheduler, BlockPool, PagedFakeWorker]:
     """One full-attention group over `num_blocks` blocks; without prefix caching unless asked,
     so block ids are the pool's order alone."""
     pool = BlockPool(num_blocks=num_blocks, block_size=BLOCK_SIZE)
-    scheduler = scheduler_over(full_attention_cache(pool, prefix_caching), budget, max_num_seqs, max_model_len, policy)
+    scheduler = scheduler_over(full_attention_cache(pool, prefix_caching), budget, max_num_seqs, max_model_len, policy,
+                               max_admitted_tokens=max_admitted_tokens)
     return scheduler, pool, PagedFakeWorker(num_blocks)
 
 
 def scheduler_over(
     cache: CacheManager, budget: int, max_num_seqs: int = 8, max_model_len: int = 64,
     policy: SchedulingPolicy | None = None, speculation: SpeculationPolicy | None = None,
+    max_admitted_tokens: int | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
-        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=BLOCK_SIZE
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, block_size=BLOCK_SIZE,
+        max_admitted_tokens=max_admitted_tokens,
     )
     return Scheduler(config, cache, policy, speculation)
 

@@ -34,7 +34,8 @@ from atlas.domain.batch import ScheduledBatch, StepResult, TokenLogprobs
 from atlas.domain.cache.block_pool import BlockPool
 from atlas.domain.requests import FinishReason, ParameterError, SequenceStatus
 from atlas.domain.sampling import sampling_row
-from atlas.domain.scheduler import Scheduler, SchedulerConfig
+from atlas.domain import scheduler as scheduler_module
+from atlas.domain.scheduler import BURST_SEQUENCES, BURST_STEPS, Scheduler, SchedulerConfig
 from atlas.domain.scheduling_policy import FifoPolicy, PriorityPolicy
 from atlas.domain.sequence import Sequence
 
@@ -128,6 +129,39 @@ def test_max_num_batched_tokens_bounds_every_batch() -> None:
     # Without preemption each token is computed once, except the last sampled one, never fed back.
     num_outputs = sum(len(record.token_ids) for record in finished.values())
     assert sum(sizes) == sum(len(p) for p in PROMPTS.values()) + num_outputs - len(PROMPTS)
+
+
+def test_a_burst_of_short_prompts_is_admitted_over_several_steps() -> None:
+    """Once a step's admitted sequences hold max_admitted_tokens and number BURST_SEQUENCES (and
+    a BURST_STEPS-th of the queue), the rest wait a step; a few long prompts are not split."""
+    scheduler, _, worker = make_scheduler(num_blocks=256, budget=128, max_num_seqs=64, max_admitted_tokens=2)
+    for idx in range(BURST_SEQUENCES + 3):
+        scheduler.add(make_seq(f"s{idx}", [10 + idx, 20 + idx], eos_token_ids=NO_EOS, max_tokens=8))
+    first, _ = step(scheduler, worker)
+    assert [(s.seq_id, len(s.token_ids)) for s in first.sequences] == [(f"s{i}", 2) for i in range(BURST_SEQUENCES)]
+    assert scheduler.num_waiting == 3
+    second, _ = step(scheduler, worker)  # the first ones decode and do not count against the cap
+    assert [(s.seq_id, len(s.token_ids)) for s in second.sequences] == [
+        *((f"s{i}", 1) for i in range(BURST_SEQUENCES)),
+        *((f"s{i}", 2) for i in range(BURST_SEQUENCES, BURST_SEQUENCES + 3)),
+    ]
+
+    # each step admits at least a BURST_STEPS-th of a long queue
+    burst = 10 * BURST_SEQUENCES * BURST_STEPS
+    scheduler, _, worker = make_scheduler(num_blocks=512, budget=1024, max_num_seqs=burst, max_admitted_tokens=2)
+    for idx in range(burst):
+        scheduler.add(make_seq(f"b{idx}", [10, idx % 50 + 1], eos_token_ids=NO_EOS, max_tokens=8))
+    while scheduler.num_waiting:
+        waiting = scheduler.num_waiting
+        batch, _ = step(scheduler, worker)
+        admitted = sum(len(s.token_ids) == 2 for s in batch.sequences)
+        assert admitted == min(waiting, max(BURST_SEQUENCES, -(-waiting // BURST_STEPS)))
+
+    scheduler, _, worker = make_scheduler(num_blocks=128, budget=64, max_num_seqs=32, max_admitted_tokens=2)
+    for idx in range(3):
+        scheduler.add(make_seq(f"long{idx}", list(range(30, 44)), eos_token_ids=NO_EOS))
+    batch, _ = step(scheduler, worker)
+    assert [(s.seq_id, len(s.token_ids)) for s in batch.sequences] == [("long0", 14), ("long1", 14), ("long2", 14)]
 
 
 def unconstrained_run(max_tokens: int) -> dict[str, Finished]:
@@ -492,12 +526,16 @@ def expected_greedy_run(seq: Sequence) -> Finished:
 
 @pytest.mark.parametrize("pipelined", [False, True], ids=["sync", "pipelined"])
 @pytest.mark.parametrize("seed", range(8))
-def test_random_workloads_with_arrivals_and_aborts_match_the_reference(seed: int, pipelined: bool) -> None:
+def test_random_workloads_with_arrivals_and_aborts_match_the_reference(
+    seed: int, pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Pipelined: step N+1 is scheduled (and run) before step N is committed, as the engine does."""
     rng = random.Random(seed)
+    monkeypatch.setattr(scheduler_module, "BURST_SEQUENCES", rng.choice([1, 2, 8]))
     num_blocks = rng.randint(10, 16)  # at least max_model_len slots
     scheduler, pool, worker = make_scheduler(
-        num_blocks=num_blocks, budget=rng.randint(3, 12), max_num_seqs=rng.randint(2, 5), max_model_len=40
+        num_blocks=num_blocks, budget=rng.randint(3, 12), max_num_seqs=rng.randint(2, 5), max_model_len=40,
+        max_admitted_tokens=rng.choice([None, 1, 4]),
     )
     sequences = [
         make_seq(
