@@ -28,16 +28,95 @@ __device__ __forceinline__ u32 tile_chunk_offset(int rows, int row, int chunk) {
     return (u32)((chunk >> 3) * rows * 128) + swizzled_panel_offset(row, chunk & 7);
 }
 
+// The `_split` kernels' context split (flash-decoding for short query chunks over long
+// contexts): grid.z = num_splits; block z of a (tile, KV head) reads its z-th share of the
+// tile's key tiles (`used` shares of whole BLOCK_N tiles, used <= num_splits, computed from
+// the tile's own keys, so a graph may bake in a count for its longest context; blocks past
+// `used` leave at once, uncounted). With one share the block writes `out` as the unsplit
+// kernel does. Otherwise each writes its rows' normalised partial outputs and log2-sum-exps,
+// slot ((token * Hq + head) * num_splits + z):
+//     partial_out [num_tokens, Hq, num_splits, D] f32, partial_lse [num_tokens, Hq, num_splits] f32
+// and the last of the tile's blocks to finish (counters [tiles, Hkv], zero between launches,
+// last_block_done) merges them into `out`: out = sum_z 2^(lse_z - max) o_z / sum_z 2^(lse_z - max).
+struct PrefillSplit {
+    float* partial_out;
+    float* partial_lse;
+    unsigned* counters;
+    int num_splits;
+};
+
+// A `_split` block's end (see PrefillSplit): its rows' normalised partial outputs and
+// log2-sum-exps to the workspace; the tile's last block to finish merges every share into `out`.
+template <int HEAD_DIM>
+__device__ __forceinline__ void split_prefill_finish(const float* o, const float* row_max, const float* row_sum,
+                                                     const PrefillSplit& split, bf16* __restrict__ out,
+                                                     long long q_row_stride, int first_token, int first_row,
+                                                     int num_rows, int group, int kv_head, int num_q_heads,
+                                                     int warp_row, int t, int tile_id, int used_splits) {
+    const int num_splits = split.num_splits;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float total = row_sum[half];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        const int row = first_row + warp_row + half * 8;
+        if (row >= num_rows) continue;
+        const int token = row / group, head = kv_head * group + row % group;
+        const long long slot = ((long long)(first_token + token) * num_q_heads + head) * num_splits + blockIdx.z;
+        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        float* dst = split.partial_out + slot * HEAD_DIM;
+#pragma unroll
+        for (int d = 0; d < HEAD_DIM / 8; ++d) {
+            *reinterpret_cast<float2*>(dst + d * 8 + 2 * t) =
+                make_float2(o[4 * d + 2 * half] * inverse, o[4 * d + 2 * half + 1] * inverse);
+        }
+        if (t == 0) split.partial_lse[slot] = total > 0.0f ? row_max[half] + log2f(total) : -ATLAS_INF;
+    }
+    if (!last_block_done(split.counters + (long long)tile_id * gridDim.y + kv_head, used_splits)) return;
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    const int rows_here = min(WG_BLOCK_M, num_rows - first_row);
+    for (int item = threadIdx.x; item < rows_here * CHUNKS; item += blockDim.x) {
+        const int row = first_row + item / CHUNKS, chunk = item % CHUNKS;
+        const int token = row / group, head = kv_head * group + row % group;
+        const long long first_slot = ((long long)(first_token + token) * num_q_heads + head) * num_splits;
+        float best = -ATLAS_INF;
+        for (int z = 0; z < used_splits; ++z) best = fmaxf(best, __ldcg(split.partial_lse + first_slot + z));
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        float weights = 0.0f;
+        if (best != -ATLAS_INF) {
+            for (int z = 0; z < used_splits; ++z) {
+                const float lse = __ldcg(split.partial_lse + first_slot + z);
+                if (lse == -ATLAS_INF) continue;
+                const float weight = exp2f(lse - best);
+                weights += weight;
+                const float4* part = reinterpret_cast<const float4*>(split.partial_out + (first_slot + z) * HEAD_DIM + chunk * 8);
+                const float4 lo = __ldcg(part), hi = __ldcg(part + 1);
+                acc[0] += weight * lo.x; acc[1] += weight * lo.y; acc[2] += weight * lo.z; acc[3] += weight * lo.w;
+                acc[4] += weight * hi.x; acc[5] += weight * hi.y; acc[6] += weight * hi.z; acc[7] += weight * hi.w;
+            }
+        }
+        const float inverse = weights > 0.0f ? 1.0f / weights : 0.0f;
+        uint4 packed;
+        packed.x = pack_bf16x2(acc[0] * inverse, acc[1] * inverse);
+        packed.y = pack_bf16x2(acc[2] * inverse, acc[3] * inverse);
+        packed.z = pack_bf16x2(acc[4] * inverse, acc[5] * inverse);
+        packed.w = pack_bf16x2(acc[6] * inverse, acc[7] * inverse);
+        *reinterpret_cast<uint4*>(out + (first_token + token) * q_row_stride + (long long)head * HEAD_DIM + chunk * 8) = packed;
+    }
+}
+
 // KV = bf16, or unsigned char for FP8 (E4M3) K/V with v_scale (see the file comment). EXTRAS: the
-// `_x` kernels' sinks, soft-capping and gated output (attention_extras.cuh).
-template <int HEAD_DIM, int BLOCK_N, typename KV, bool EXTRAS = false>
+// `_x` kernels' sinks, soft-capping and gated output (attention_extras.cuh). SPLIT: the `_split`
+// kernels' context split (PrefillSplit; neither FP8 nor EXTRAS).
+template <int HEAD_DIM, int BLOCK_N, typename KV, bool EXTRAS = false, bool SPLIT = false>
 __device__ __forceinline__ void attention_prefill_wgmma_impl(
     const bf16* __restrict__ q, const KV* __restrict__ k_plane, const KV* __restrict__ v_plane,
     bf16* __restrict__ out, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int block_table_stride, int num_seqs, int num_q_heads, int num_kv_heads,
     int block_size, float scale_log2, int sliding_window, int skip_single_token, float v_scale,
-    AttentionExtras extras = AttentionExtras{0, 0.0f, nullptr, 0}) {
+    AttentionExtras extras = AttentionExtras{0, 0.0f, nullptr, 0}, PrefillSplit split = PrefillSplit{nullptr, nullptr, nullptr, 1}) {
     constexpr bool FP8 = sizeof(KV) == 1;
+    static_assert(!SPLIT || (!FP8 && !EXTRAS), "the split kernels are bf16 without extras");
     using Tile = WgmmaTile<HEAD_DIM, BLOCK_N>;
     constexpr int S_REGS = BLOCK_N / 2;  // m64nBLOCK_N accumulators per thread
     constexpr int O_REGS = HEAD_DIM / 2;
@@ -169,18 +248,29 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
     };
     const int num_kv_tiles = (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N;
     const int highest_position = kv_end - 1;
-    if (num_kv_tiles > 0) {
+    int first_kv_tile = 0, end_kv_tile = num_kv_tiles, used_splits = 1;
+    if constexpr (SPLIT) {
+        const int share = max(1, (num_kv_tiles + split.num_splits - 1) / split.num_splits);
+        used_splits = max(1, (num_kv_tiles + share - 1) / share);
+        if ((int)blockIdx.z >= used_splits) {
+            cp_async_wait<0>();  // the Q tile's copies
+            return;
+        }
+        first_kv_tile = blockIdx.z * share;
+        end_kv_tile = min(num_kv_tiles, first_kv_tile + share);
+    }
+    if (end_kv_tile > first_kv_tile) {
         if constexpr (FP8) {
-            load_fp8_tile(kv_begin, 0);
+            load_fp8_tile(kv_begin + first_kv_tile * BLOCK_N, 0);
         } else {
-            load_tile(kv_begin, 0);
+            load_tile(kv_begin + first_kv_tile * BLOCK_N, 0);
         }
     }
 
-    for (int tile = 0; tile < num_kv_tiles; ++tile) {
+    for (int tile = first_kv_tile; tile < end_kv_tile; ++tile) {
         const int kv_start = kv_begin + tile * BLOCK_N;
-        const int stage = tile & 1;
-        if (tile + 1 < num_kv_tiles) {
+        const int stage = (tile - first_kv_tile) & 1;
+        if (tile + 1 < end_kv_tile) {
             if constexpr (FP8) {
                 load_fp8_tile(kv_start + BLOCK_N, stage ^ 1);
             } else {
@@ -300,6 +390,14 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
     }
     cp_async_wait<0>();
 
+    if constexpr (SPLIT) {
+        if (used_splits > 1) {
+            split_prefill_finish<HEAD_DIM>(o, row_max, row_sum, split, out, q_row_stride, first_token, first_row, num_rows,
+                                           group, kv_head, num_q_heads, warp_row, t, tile_id, used_splits);
+            return;
+        }
+    }
+
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float total = row_sum[half];
@@ -378,4 +476,19 @@ __device__ __forceinline__ void attention_prefill_wgmma_impl(
             q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables, block_table_stride, num_seqs,   \
             num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, skip_single_token, 1.0f,        \
             AttentionExtras{q_stride, softcap_log2, sinks, gated});                                            \
+    }
+
+// The `_split` twins (PrefillSplit): bf16, no extras.
+#define DEFINE_PREFILL_WGMMA_SPLIT(HEAD_DIM, BLOCK_N, MIN_BLOCKS)                                             \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, MIN_BLOCKS)                                      \
+        attention_prefill_wgmma_d##HEAD_DIM##_n##BLOCK_N##_split(                                              \
+            const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, const int* query_start_loc,    \
+            const int* seq_lens, const int* block_tables, int block_table_stride, int num_seqs,                \
+            int num_q_heads, int num_kv_heads, int block_size, float scale_log2, int sliding_window,           \
+            int skip_single_token, float* partial_out, float* partial_lse, unsigned* counters, int num_splits) { \
+        dependent_launch_entry();                                                                              \
+        attention_prefill_wgmma_impl<HEAD_DIM, BLOCK_N, bf16, false, true>(                                    \
+            q, k_plane, v_plane, out, query_start_loc, seq_lens, block_tables, block_table_stride, num_seqs,   \
+            num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, skip_single_token, 1.0f,        \
+            AttentionExtras{0, 0.0f, nullptr, 0}, PrefillSplit{partial_out, partial_lse, counters, num_splits}); \
     }

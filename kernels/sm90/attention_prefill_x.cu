@@ -3,8 +3,9 @@
 // attention_extras.cuh) of head dims 64, 128 and 256, the same code as kernels/sm90/
 // attention_prefill.cu (attention_prefill_wgmma.cuh) in a module of their own, so that adding them
 // leaves that module's kernels compiled as they were (one more instantiation there gave the Llama
-// kernel d128_n64 4 bytes of spill). Only Hopper has this module; elsewhere the host takes the
-// mma.sync kernels.
+// kernel d128_n64 4 bytes of spill). Also the `_split` twins of head dims 64 and 128 (PrefillSplit:
+// short query chunks over long contexts, split along the context). Only Hopper has this module;
+// elsewhere the host takes the mma.sync kernels.
 #include "attention_prefill_wgmma.cuh"
 
 // Head dim 256: 64-key tiles, one block an SM (Q 64 KB + two stages of K and V 128 KB of shared
@@ -13,3 +14,5 @@ DEFINE_PREFILL_WGMMA(256, 64, 1)
 DEFINE_PREFILL_WGMMA_X(64, 64, 2)
 DEFINE_PREFILL_WGMMA_X(128, 64, 2)
 DEFINE_PREFILL_WGMMA_X(256, 64, 1)
+DEFINE_PREFILL_WGMMA_SPLIT(64, 64, 2)
+DEFINE_PREFILL_WGMMA_SPLIT(128, 64, 2)

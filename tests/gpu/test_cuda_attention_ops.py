@@ -425,6 +425,37 @@ def test_wgmma_prefill_tiles_against_float64(cuda_backend, rng, monkeypatch, key
         assert rel_l2(actual, expected) < BF16_TOLERANCE
 
 
+@pytest.mark.parametrize(
+    "heads, context_lens, query_lens, window",
+    [
+        # a serving step: chunks after a cached 2,048-token prefix beside long decodes
+        (HeadLayout(32, 8, 128), [2080, 2080, 2080, 2080, 2100, 1500, 3000], [32, 32, 32, 32, 1, 1, 1], None),
+        (HeadLayout(9, 3, 64), [1800, 600, 1200], [40, 17, 1], None),  # GQA 3, head dim 64
+        (HeadLayout(8, 2, 128), [2500, 2000, 1100], [64, 1, 200], 700),  # a sliding window
+        (HeadLayout(8, 8, 128), [4097, 1030], [300, 129], None),  # tiles past a 64-key edge, MHA
+    ],
+)
+def test_wgmma_prefill_split_along_the_context_against_float64(cuda_backend, rng, heads, context_lens, query_lens,
+                                                               window):
+    """The `_split` twins: a few query tokens over long contexts run as several blocks a tile,
+    merged by the last (prefill_split_count > 1 for each case)."""
+    from atlas.adapters.cuda import ops_attention
+
+    rt = cuda_backend.runtime
+    if rt.compute_capability != (9, 0):
+        pytest.skip("the wgmma kernels are built for sm_90a")
+    group = heads.num_q_heads // heads.num_kv_heads
+    num_tokens = sum(query_lens)
+    assert ops_attention.prefill_split_count(rt.num_sms, num_tokens, max(context_lens), group, heads.num_kv_heads) > 1
+    symbol = ops_attention.prefill_kernel(rt, heads.head_dim).symbol + "_split"
+    assert rt.kernels.provides(ops_attention.WGMMA_X_MODULE, symbol)
+    for _ in range(2):  # the counters are back at zero for the second launch
+        case = paged_case(rng, heads, context_lens, query_lens, block_size=16)
+        scale = 1 / math.sqrt(heads.head_dim)
+        actual, expected = _attention_pair(cuda_backend, None, case, scale, window, use_mock=False)
+        assert rel_l2(actual, expected) < BF16_TOLERANCE
+
+
 def test_wgmma_prefill_of_head_dim_256_against_float64(cuda_backend, rng):
     """Head dim 256 (Qwen3-Next, Gemma 3) on wgmma (module attention_prefill_x, Hopper): GQA 8 and
     4, a prompt continuing a cached context, a sliding window."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -374,10 +374,24 @@ def _prefill(
     num_tiles = (meta.num_tokens * group) // kernel.rows + meta.num_seqs
     query_start_loc, seq_lens, block_tables, table_stride = common
     fp8_arguments = (np.float32(v_scale),) if kv_fp8 else ()
+    splits = prefill_split_count(rt.num_sms, meta.num_tokens, meta.max_seq_len, group, heads.num_kv_heads)
+    split_symbol = f"{kernel.symbol}_split"
+    plain_wgmma = not kv_fp8 and extra_arguments is None and kernel.symbol.startswith("attention_prefill_wgmma")
+    if splits > 1 and rt.features.prefill_split and plain_wgmma and rt.kernels.provides(WGMMA_X_MODULE, split_symbol):
+        slots = meta.num_tokens * heads.num_q_heads * splits
+        split_arguments = (
+            rt.workspace("attention_prefill_partial_out", slots * heads.head_dim * 4),
+            rt.workspace("attention_prefill_partial_lse", slots * 4),
+            rt.counters("attention_prefill_split_counters", num_tiles * heads.num_kv_heads),
+            np.int32(splits),
+        )
+        kernel = replace(kernel, symbol=split_symbol, module=WGMMA_X_MODULE)
+    else:
+        splits, split_arguments = 1, ()
     rt.launch(
         kernel.module,
         kernel.symbol,
-        (num_tiles, heads.num_kv_heads),
+        (num_tiles, heads.num_kv_heads, splits),
         kernel.threads,
         q.address,
         planes[0],
@@ -396,8 +410,29 @@ def _prefill(
         np.int32(1),  # single-token queries go to the decode kernel, launched next
         *fp8_arguments,
         *(extra_arguments or ()),
+        *split_arguments,
         shared_bytes=kernel.shared_bytes,
     )
+
+
+# The prefill kernel splits a step's contexts (its `_split` twin) only for steps of at most this
+# many tokens (the partial outputs take tokens x Hq x splits x D floats), into at most
+# PREFILL_MAX_SPLITS parts of at least PREFILL_MIN_SPLIT_KEYS keys each.
+PREFILL_SPLIT_MAX_TOKENS = 512
+PREFILL_MAX_SPLITS = 4
+PREFILL_MIN_SPLIT_KEYS = 512
+
+
+def prefill_split_count(num_sms: int, num_tokens: int, max_seq_len: int, group: int, num_kv_heads: int) -> int:
+    """Parts of the context per (128-row tile, KV head) for the prefill kernel: a few query
+    tokens over long contexts (a chat turn after a cached history, chunks beside decodes) give
+    a few tiles that each walk the whole context on one SM, while the others idle. Splitting
+    fills about two blocks an SM, each part reading at least PREFILL_MIN_SPLIT_KEYS keys; 1
+    for larger steps or short contexts."""
+    if num_tokens > PREFILL_SPLIT_MAX_TOKENS:
+        return 1
+    working_blocks = (num_tokens * group // 128 + 1) * num_kv_heads  # the tiles' blocks, roughly
+    return max(1, min(PREFILL_MAX_SPLITS, max_seq_len // PREFILL_MIN_SPLIT_KEYS, 2 * num_sms // working_blocks))
 
 
 def decode_split_count(

@@ -52,12 +52,15 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
-    `launch_order`, `moe_wgmma`, `bulk_upload`) turns some off, for debugging and A/B timings.
+    `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`) turns some off, for
+    debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
         atlas_common.cuh).
     wgmma_attention: prefill attention through the wgmma kernels where the loaded module has them.
+    prefill_split: a step of a few query tokens over long contexts runs the wgmma prefill
+        kernel's `_split` twin (ops_attention.prefill_split_count), several blocks a tile.
     gemm_tuning: cuBLASLt times its top algorithms once per shape and keeps the fastest.
     gemv_fused: at decode sizes the dense kind's `project` (a norm, a gated activation) and
         `project_add` are each one GEMV (the norm taken as x is loaded, or after the product where
@@ -97,6 +100,7 @@ class CudaFeatures:
 
     programmatic_launch: bool = True
     wgmma_attention: bool = True
+    prefill_split: bool = True
     gemm_tuning: bool = True
     gemv_fused: bool = True
     gemv_rope: bool = True
@@ -125,6 +129,7 @@ class CudaFeatures:
             "moe_wgmma",
             "bulk_upload",
             "file_reads",
+            "prefill_split",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -134,6 +139,7 @@ class CudaFeatures:
         return cls(
             programmatic_launch=programmatic,
             wgmma_attention="wgmma" not in disabled,
+            prefill_split="prefill_split" not in disabled,
             gemm_tuning="gemm_tuning" not in disabled,
             gemv_fused="gemv_fused" not in disabled,
             gemv_rope="gemv_rope" not in disabled,
