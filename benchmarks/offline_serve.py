@@ -5,7 +5,8 @@
 A closed loop of `--concurrency` requests on the engine core in this process: a request that
 finishes is replaced by the next in the same step, as a client with no network and no front end
 would. The workloads are `atlas bench serve`'s (issue 29): mixed 16:900 tokens in, 16:256 out;
-fixed 512/128; temperature 0.8, EOS ignored, random prompt ids. Prints output tokens/s per run.
+fixed 512/128; prefix: a 2,048-token prefix shared by every request, 32 tokens of its own, 128
+out; temperature 0.8, EOS ignored, random prompt ids. Prints output tokens/s per run.
 Set beside `benchmarks/serve_gpu_run.sh`'s figures of the same machine, the gap is what the
 HTTP front end and the client cost; the engine's own figure is what the scheduler and the
 kernels give. `--profile` (needs torch on the GPU machine) also records every kernel through
@@ -23,7 +24,8 @@ from pathlib import Path
 from atlas.app.llm import LLM
 from atlas.domain.requests import Request, SamplingParams
 
-WORKLOADS = {"mixed": ((16, 900), (16, 256)), "fixed": ((512, 512), (128, 128))}
+WORKLOADS = {"mixed": ((16, 900), (16, 256)), "fixed": ((512, 512), (128, 128)), "prefix": ((32, 32), (128, 128))}
+SHARED_PREFIX = {"prefix": 2048}  # tokens every request of the workload opens with
 
 
 def run(llm: LLM, name: str, num: int, concurrency: int, seed: int) -> tuple[float, int, int, int]:
@@ -31,9 +33,10 @@ def run(llm: LLM, name: str, num: int, concurrency: int, seed: int) -> tuple[flo
     (in_lo, in_hi), (out_lo, out_hi) = WORKLOADS[name]
     rng = random.Random(seed)
     vocab = llm.tokenizer.vocab_size
+    shared = tuple(rng.randrange(100, vocab - 100) for _ in range(SHARED_PREFIX.get(name, 0)))
     requests = []
     for index in range(num):
-        prompt = tuple(rng.randrange(100, vocab - 100) for _ in range(rng.randint(in_lo, in_hi)))
+        prompt = shared + tuple(rng.randrange(100, vocab - 100) for _ in range(rng.randint(in_lo, in_hi)))
         params = SamplingParams(max_tokens=rng.randint(out_lo, out_hi), temperature=0.8, ignore_eos=True)
         requests.append(Request(f"{name}-{index}", prompt, params, seed=index))
     core = llm.engine.core
