@@ -120,6 +120,25 @@ def test_engine_flag_values_are_checked(tiny_model, capsys):
     assert "--gpu-memory-utilization" in error_line(err)
 
 
+def test_the_admission_cap_is_checked_and_reaches_the_scheduler(tiny_model, capsys):
+    code, _, err = run_cli(capsys, "generate", str(tiny_model), "--prompt", "x", "--device", "mock",
+                           "--max-admitted-tokens", "0")
+    assert code != 0
+    assert "--max-admitted-tokens must be at least 1 (got 0)" in error_line(err)
+
+    from atlas.app.builder import build_engine
+    from atlas.app.settings import EngineSettings
+
+    for flag, expected in ((None, 2048 // 16), (48, 48)):
+        settings = EngineSettings(model=str(tiny_model), device="mock", max_prefill_tokens=2048,
+                                  max_admitted_tokens=flag)
+        engine = build_engine(settings, show_progress=False)
+        try:
+            assert engine.core.scheduler.config.max_admitted_tokens == expected
+        finally:
+            engine.close()
+
+
 def test_the_installed_command_prints_no_traceback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "atlas", "chat", str(tmp_path / "missing"), "--device", "mock", "-m", "hi"],
