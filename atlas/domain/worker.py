@@ -263,11 +263,13 @@ class Worker:
         (the backend remembers warm-ups under it across restarts). Call it with no step in
         flight.
 
-        The sizes are 16, 32, .. tokens up to the worker's `max_num_tokens`: the token buckets
-        a backend tunes by, each forward sampling as many rows as a step can (the LM head's
-        sizes). A restart whose backend recorded them all runs none.
+        The sizes are 16, 32, .. tokens up to the most a step can hold: the worker's
+        `max_num_tokens`, or fewer where its sequences are too few and short to fill that
+        (`max_seqs` of `max_model_len`). They are the token buckets a backend tunes by, each
+        forward sampling as many rows as a step can (the LM head's sizes). A restart whose
+        backend recorded them all runs none.
         """
-        max_tokens = self.config.max_num_tokens
+        max_tokens = min(self.config.max_num_tokens, self.buffers.max_seqs * self.config.max_model_len)
         buckets = (1 << exponent for exponent in range(4, max_tokens.bit_length() + 2))
         sizes = tuple(sorted({min(bucket, max_tokens) for bucket in buckets}))
         key = f"{key}/{self.buffers.max_seqs}"  # the LM head's sizes go up to it

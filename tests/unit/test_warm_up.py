@@ -37,10 +37,10 @@ class TuningBackend(MockGpuBackend):
         self.recorded |= {(key, n) for n in token_counts}
 
 
-def build(backend: MockGpuBackend):
+def build(backend: MockGpuBackend, max_seqs: int = 8):
     config = ModelConfig.from_dict(TINY_LLAMA)
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, 0)), backend, MAX_LEN)
-    worker = make_worker(model, NUM_BLOCKS, BLOCK_SIZE, WorkerConfig(MAX_TOKENS, 8, MAX_LEN))
+    worker = make_worker(model, NUM_BLOCKS, BLOCK_SIZE, WorkerConfig(MAX_TOKENS, max_seqs, MAX_LEN))
     forwards: list[int] = []
     forward = worker._warm_up_forward
 
@@ -78,6 +78,16 @@ def test_warm_up_runs_the_sizes_the_backend_has_no_record_of():
     assert forwards == [64]
     assert worker.warm_up("llama") == () and forwards == [64]  # all recorded: nothing runs
     assert worker.warm_up("qwen") == (16, 32, 64, 100)  # another model's products
+
+
+@pytest.mark.parametrize("max_seqs, sizes", [(1, (16, 32, 40)), (2, (16, 32, 64, 80))])
+def test_warm_up_sizes_stop_at_what_the_step_buffers_hold(max_seqs, sizes):
+    # max_seqs sequences of MAX_LEN (40) tokens hold fewer than MAX_TOKENS (100): a step can
+    # never be larger, and a larger warm-up would need more sequences than the buffers have
+    backend = TuningBackend()
+    worker, _, forwards = build(backend, max_seqs)
+    assert worker.warm_up("llama") == sizes
+    assert forwards == list(sizes)
 
 
 def test_a_backend_that_tunes_nothing_gets_no_forward():
