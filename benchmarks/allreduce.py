@@ -60,14 +60,14 @@ def report_timings(rows, world_size: int) -> None:
         key = (row.num_bytes, row.path)
         slowest[key] = max(slowest[key], row.us_per_call)
     print(f"\nall-reduce of bf16 on {world_size} GPUs, us per call inside a CUDA graph (slowest rank)")
-    print(f"{'bytes':>8} {'one-shot':>9} {'two-shot':>9} {'NCCL':>8} {'NCCL/ours':>10}")
+    ours_paths = ("ll", "one_shot", "two_shot")
+    print(f"{'bytes':>8} {'LL':>9} {'one-shot':>9} {'two-shot':>9} {'NCCL':>8} {'NCCL/ours':>10}")
     for num_bytes in sorted({key[0] for key in slowest}):
-        ours = [slowest[(num_bytes, path)] for path in ("one_shot", "two_shot") if (num_bytes, path) in slowest]
+        ours = [slowest[(num_bytes, path)] for path in ours_paths if (num_bytes, path) in slowest]
         nccl = slowest.get((num_bytes, "nccl"), float("nan"))
-        cells = [f"{slowest[(num_bytes, p)]:9.2f}" if (num_bytes, p) in slowest else f"{'-':>9}"
-                 for p in ("one_shot", "two_shot")]
+        cells = [f"{slowest[(num_bytes, p)]:9.2f}" if (num_bytes, p) in slowest else f"{'-':>9}" for p in ours_paths]
         ratio = f"{nccl / min(ours):10.1f}" if ours else f"{'-':>10}"
-        print(f"{num_bytes:>8} {cells[0]} {cells[1]} {nccl:8.2f} {ratio}")
+        print(f"{num_bytes:>8} {' '.join(cells)} {nccl:8.2f} {ratio}")
 
 
 if __name__ == "__main__":

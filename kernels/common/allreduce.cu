@@ -9,7 +9,8 @@
 //
 // Every rank owns one region that every other rank has mapped (CUDA IPC), laid out as
 //
-//     [ AllreduceSignals (ALLREDUCE_SIGNAL_BYTES) | slot 0 (slot_bytes) | slot 1 (slot_bytes) ]
+//     [ AllreduceSignals (ALLREDUCE_SIGNAL_BYTES) | slot 0 (slot_bytes) | slot 1 (slot_bytes)
+//       | lines 0 (line_slot_bytes) | lines 1 (line_slot_bytes) ]   (the lines: allreduce_ll below)
 //
 //     arrive[b][p], reduced[b][p]   written by rank p's block b (st.release.sys over NVLink):
 //                                   the call number it has reached in each barrier
@@ -35,6 +36,21 @@
 //     (units/N, rounded up) from every peer's slot into our slot; barrier (reduced); gather every
 //     chunk q from rank q's slot. Bytes per rank over NVLink: 2 (N-1)/N S. Bound: NVLink
 //     bandwidth at mid sizes, at the price of one more barrier.
+//
+// allreduce_ll_<T>_w<N>: push, no barrier (NCCL's "LL" protocol). Every 16-byte unit goes to
+//     each peer as two 16-byte lines {w0, flag, w1, flag} {w2, flag, w3, flag}: each 8-byte half
+//     carries 4 bytes of data beside the call's flag and lands in one piece, so a reader that
+//     sees the flag in both halves of both lines holds the data, with no fence and no flag
+//     word of its own. Each rank then polls the lines its peers pushed into its own region (an
+//     L2 hit until they land) and sums. A call costs one NVLink crossing, where one_shot pays a
+//     fence, a barrier's crossing, and the read of every peer's slot over NVLink afterwards.
+//     Twice the bytes on the wire, so it wins only for small messages. The lines live in their
+//     own two slots after the plain ones ([ signals | slot 0 | slot 1 | lines 0 | lines 1 ]),
+//     rank p's lines at [p * units * 2, ...) of slot `number % 2`; the reader zeroes what it
+//     consumed, so a later call never takes a stale line for its own (the flag is the call
+//     number mod 2^32 - 1, plus 1: never zero, and a line's content is either zero or the
+//     current call's once the writer of call e + 2 may write it, which as above it does only
+//     after every rank has finished call e).
 //
 // A peer that never arrives (it died) would leave a block spinning for ever: a barrier that
 // waits longer than `timeout_ns` traps instead, which fails this rank's context, so the rank's
@@ -229,6 +245,83 @@ __device__ __forceinline__ void two_shot(const uint4* in, uint4* out, const u64*
     finish_call(regions, rank, number);
 }
 
+// One 16-byte line as a single access (st/ld.volatile: each 8-byte half is single-copy atomic,
+// which the LL protocol needs; never cached in L1).
+__device__ __forceinline__ void store_line(uint4* p, uint4 v) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
+}
+
+__device__ __forceinline__ uint4 load_line(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ uint4* lines_of(u64 base, u64 number, long long slot_bytes, long long line_slot_bytes) {
+    return reinterpret_cast<uint4*>(base + ALLREDUCE_SIGNAL_BYTES + 2 * (u64)slot_bytes +
+                                    (number & 1) * (u64)line_slot_bytes);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void ll(const uint4* in, uint4* out, const u64* regions, int rank, long long units,
+                                   long long slot_bytes, long long line_slot_bytes, long long timeout_ns) {
+    constexpr int C = Unit<T>::count;
+    const u64 number = call_number(regions, rank);
+    const unsigned flag = 1u + (unsigned)(number % 0xFFFFFFFFull);
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long k = first; k < units; k += stride) {
+        const uint4 raw = in[k];
+        const uint4 low = make_uint4(raw.x, flag, raw.y, flag), high = make_uint4(raw.z, flag, raw.w, flag);
+#pragma unroll
+        for (int p = 0; p < N; ++p) {
+            if (p == rank) continue;
+            uint4* line = lines_of(regions[p], number, slot_bytes, line_slot_bytes) + 2 * (rank * units + k);
+            store_line(line, low);
+            store_line(line + 1, high);
+        }
+    }
+    uint4* mine = lines_of(regions[rank], number, slot_bytes, line_slot_bytes);
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    for (long long k = first; k < units; k += stride) {
+        float total[C];
+        float part[C];
+#pragma unroll
+        for (int p = 0; p < N; ++p) {
+            uint4 raw;
+            if (p == rank) {
+                raw = in[k];
+            } else {
+                uint4* line = mine + 2 * (p * units + k);
+                uint4 low = load_line(line), high = load_line(line + 1);
+                if (low.y != flag || low.w != flag || high.y != flag || high.w != flag) {
+                    const u64 started = global_timer_ns();
+                    do {
+                        if (global_timer_ns() - started > (u64)timeout_ns) __trap();  // peer `p` is gone
+                        low = load_line(line);
+                        high = load_line(line + 1);
+                    } while (low.y != flag || low.w != flag || high.y != flag || high.w != flag);
+                }
+                store_line(line, zero);
+                store_line(line + 1, zero);
+                raw = make_uint4(low.x, low.z, high.x, high.z);
+            }
+            Unit<T>::to_floats(raw, p == 0 ? total : part);
+            if (p > 0) {
+#pragma unroll
+                for (int i = 0; i < C; ++i) total[i] += part[i];
+            }
+        }
+        out[k] = Unit<T>::from_floats(total);
+    }
+    finish_call(regions, rank, number);
+}
+
 #define ALLREDUCE_KERNELS(NAME, T, N)                                                                            \
     extern "C" __global__ void __launch_bounds__(ALLREDUCE_THREADS)                                              \
         allreduce_one_shot_##NAME##_w##N(const uint4* in, uint4* out, const u64* regions, int rank,               \
@@ -241,6 +334,12 @@ __device__ __forceinline__ void two_shot(const uint4* in, uint4* out, const u64*
                                          long long units, long long slot_bytes, long long timeout_ns) {          \
         dependent_launch_entry();                                                                                \
         two_shot<T, N>(in, out, regions, rank, units, slot_bytes, timeout_ns);                                   \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(ALLREDUCE_THREADS)                                              \
+        allreduce_ll_##NAME##_w##N(const uint4* in, uint4* out, const u64* regions, int rank, long long units,     \
+                                   long long slot_bytes, long long line_slot_bytes, long long timeout_ns) {      \
+        dependent_launch_entry();                                                                                \
+        ll<T, N>(in, out, regions, rank, units, slot_bytes, line_slot_bytes, timeout_ns);                        \
     }
 
 ALLREDUCE_KERNELS(bf16, bf16, 2)

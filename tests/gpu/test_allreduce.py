@@ -45,7 +45,7 @@ def test_p2p_all_reduce_matches_the_reference_bit_for_bit_and_nccl_within_roundi
     failed = [row for row in rows if not row.ok]
     assert not failed, "\n".join(map(str, failed[:20]))
     paths = {row.path for row in rows}
-    assert {"one_shot", "two_shot", "nccl", "auto", "graph 2"} <= paths  # the P2P kernels did run
+    assert {"ll", "one_shot", "two_shot", "nccl", "auto", "graph 2"} <= paths  # the P2P kernels did run
     assert {row.rank for row in rows} == set(range(ranks.world_size))
 
 
@@ -54,7 +54,7 @@ def test_timings_come_back_from_every_rank_for_every_path(ranks):
 
     rows = run_timings(ranks, DECODE_SIZES[:2])
     assert {(row.num_bytes, row.path) for row in rows} >= {(DECODE_SIZES[0], path)
-                                                            for path in ("one_shot", "two_shot", "nccl")}
+                                                            for path in ("ll", "one_shot", "two_shot", "nccl")}
     assert all(row.us_per_call > 0 for row in rows)
 
 

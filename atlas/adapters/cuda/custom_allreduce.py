@@ -1,10 +1,11 @@
 """The fast small all-reduce: our peer-to-peer kernels below a size, NCCL above it.
 
 Batch-1 decode makes two all-reduces of a few KB per layer; NCCL spends ~10-20 us on each in
-protocol and launch. `kernels/common/allreduce.cu` does them in one kernel that reads the
-peers' buffers directly over NVLink (one-shot for the smallest, reduce-scatter + all-gather
-"two-shot" for mid sizes), with barriers on flags in peer-mapped memory advanced by the kernel
-itself, so a captured graph replays them with no host work.
+protocol and launch. `kernels/common/allreduce.cu` does them in one kernel over NVLink: for the
+smallest, each rank pushes its data, a flag beside every 4 bytes, into its peers' memory ("LL",
+no barrier); then one-shot (read every peer's buffer after a barrier), then reduce-scatter +
+all-gather ("two-shot") for mid sizes. The barriers' flags live in peer-mapped memory and the
+kernel itself advances them, so a captured graph replays them with no host work.
 
 Setup, once per rank and collective over the group:
 
@@ -41,6 +42,13 @@ MODULE = "allreduce"
 SIGNAL_BYTES = 16384  # ALLREDUCE_SIGNAL_BYTES
 THREADS = 512  # ALLREDUCE_THREADS
 MAX_BLOCKS = 64  # ALLREDUCE_MAX_BLOCKS
+# Threads a block of the LL kernels: 2 NVIDIA H200s, us per all-reduce of 8 / 64 / 256 KB with
+# blocks of 512 threads (up to 32) 3.92 / 3.41 / 5.62, of 128 (up to 64) 2.65 / 3.29 / 5.59, of 64
+# 2.57 / 2.82 / 4.08, of 32 6.18 / 3.08 / 6.69 (one-shot 5.28 / 4.49 / 4.87).
+LL_THREADS = 64
+# The largest message the LL kernels take: each rank's region holds two slots of lines for it
+# from every rank, at twice the message's bytes (world_size x 2 x 2 x this, 1-4 MB).
+LL_CAPACITY_BYTES = 256 << 10
 WORLD_SIZES = (2, 4, 8)
 _UNIT_BYTES = 16
 _IPC_HANDLE_BYTES = 64
@@ -51,22 +59,34 @@ Exchange = Callable[[bytes], list[bytes]]  # every rank's bytes (same length), i
 
 @dataclass(frozen=True, slots=True)
 class AllReduceSizes:
-    """Which path takes an all-reduce of `num_bytes`: one-shot up to `one_shot_max_bytes`,
-    two-shot up to `two_shot_max_bytes` (at most the slot size), NCCL above. One-shot reads
-    (N-1) messages over NVLink, two-shot 2 (N-1)/N of one plus a second barrier, so one-shot's
-    reach shrinks as N grows; `benchmarks/allreduce.py` measures where each crossover lies."""
+    """Which path takes an all-reduce of `num_bytes`: LL up to `ll_max_bytes` (at most
+    LL_CAPACITY_BYTES; 0: never), one-shot up to `one_shot_max_bytes`, two-shot up to
+    `two_shot_max_bytes` (at most the slot size), NCCL above. LL crosses NVLink once but sends
+    twice the bytes; one-shot reads (N-1) messages over NVLink after a barrier, two-shot 2 (N-1)/N
+    of one plus a second barrier, so each one's reach shrinks as N grows; `benchmarks/allreduce.py`
+    measures where each crossover lies."""
 
     one_shot_max_bytes: int
     two_shot_max_bytes: int
     max_blocks: int = 32
+    ll_max_bytes: int = 0
 
     @classmethod
-    def default(cls, world_size: int) -> AllReduceSizes:
+    def default(cls, world_size: int, ll: bool = True) -> AllReduceSizes:
+        """`ll`: whether the LL kernels take the smallest messages (`ATLAS_CUDA_DISABLE=allreduce_ll`
+        turns them off)."""
         one_shot = {2: 512 << 10, 4: 256 << 10, 8: 128 << 10}[world_size]
-        return cls(one_shot_max_bytes=one_shot, two_shot_max_bytes=8 << 20)
+        # 2 H200s: LL takes the 8B's batch-1 all-reduces (8 KB; TP=2 step 2.608 -> 2.425 ms), but
+        # inside Qwen3-30B-A3B's expert-parallel batch-64 step its 256 KB all-reduces cost more than
+        # one-shot (11.869 against 11.542 ms), though faster alone (4.09 against 4.92 us): its 64
+        # blocks polling beside the next kernel. On 4 and 8 GPUs the LL kernels have not run yet.
+        ll_max = {2: 32 << 10, 4: 0, 8: 0}[world_size] if ll else 0
+        return cls(one_shot_max_bytes=one_shot, two_shot_max_bytes=8 << 20, ll_max_bytes=ll_max)
 
     def path(self, num_bytes: int) -> str | None:
-        """"one_shot", "two_shot", or None for NCCL."""
+        """"ll", "one_shot", "two_shot", or None for NCCL."""
+        if num_bytes <= self.ll_max_bytes:
+            return "ll"
         if num_bytes <= self.one_shot_max_bytes:
             return "one_shot"
         if num_bytes <= self.two_shot_max_bytes:
@@ -97,13 +117,17 @@ class P2PAllReduce:
         self._rank = rank
         self._world_size = world_size
         self._exchange = exchange
-        self.sizes = sizes or AllReduceSizes.default(world_size)
+        self.sizes = sizes or AllReduceSizes.default(world_size, ll=runtime.features.allreduce_ll)
         if not 0 < self.sizes.max_blocks <= MAX_BLOCKS:
             raise ValueError(f"max_blocks must be in 1..{MAX_BLOCKS} (got {self.sizes.max_blocks})")
+        if self.sizes.ll_max_bytes > LL_CAPACITY_BYTES:
+            raise ValueError(f"ll_max_bytes must be at most {LL_CAPACITY_BYTES} (got {self.sizes.ll_max_bytes})")
         self._slot_bytes = _round_up(self.sizes.two_shot_max_bytes, _UNIT_BYTES)
+        self._line_slot_bytes = world_size * 2 * LL_CAPACITY_BYTES
+        self._region_bytes = SIGNAL_BYTES + 2 * self._slot_bytes + 2 * self._line_slot_bytes
         self._timeout_ns = np.int64(int(timeout_s * 1e9))
         runtime.ensure_current()
-        self._region = int(check("cuMemAlloc", cu.cuMemAlloc(SIGNAL_BYTES + 2 * self._slot_bytes)))
+        self._region = int(check("cuMemAlloc", cu.cuMemAlloc(self._region_bytes)))
         self._peers: list[int] = []
         self._table = 0
         try:
@@ -114,7 +138,10 @@ class P2PAllReduce:
 
     def _open_peers(self) -> None:
         stream = self._runtime.stream_handle
+        # the flags, and the LL lines (a line is either zero or its call's)
         check("cuMemsetD8Async", cu.cuMemsetD8Async(self._region, 0, SIGNAL_BYTES, stream))
+        lines = self._region + SIGNAL_BYTES + 2 * self._slot_bytes
+        check("cuMemsetD8Async", cu.cuMemsetD8Async(lines, 0, 2 * self._line_slot_bytes, stream))
         check("cuStreamSynchronize", cu.cuStreamSynchronize(stream))
         handle = check("cuIpcGetMemHandle", cu.cuIpcGetMemHandle(self._region))
         handles = self._exchange(ctypes.string_at(handle.getPtr(), _IPC_HANDLE_BYTES))
@@ -153,17 +180,31 @@ class P2PAllReduce:
             raise ValueError(f"the P2P all-reduce does not take {tensor!r}; use NCCL")
         self.launch(tensor, self.sizes.path(tensor.num_bytes) or "two_shot")
 
+    def paths(self, tensor: Tensor) -> tuple[str, ...]:
+        """The paths `launch` takes this tensor by (none unless `takes`)."""
+        if not self.takes(tensor):
+            return ()
+        return ("ll", "one_shot", "two_shot") if tensor.num_bytes <= LL_CAPACITY_BYTES else ("one_shot", "two_shot")
+
     def launch(self, tensor: CudaTensor, path: str) -> None:
-        """One kernel of `path` ("one_shot" or "two_shot") over `tensor`, in place; the
+        """One kernel of `path` (one of `paths(tensor)`) over `tensor`, in place; the
         benchmark forces a path with it, `all_reduce` picks one."""
+        if path not in self.paths(tensor):
+            raise ValueError(f"the P2P all-reduce's {path!r} path does not take {tensor!r}")
         units = tensor.num_bytes // _UNIT_BYTES
-        spread = units if path == "one_shot" else math.ceil(units / self._world_size)
-        blocks = max(1, min(math.ceil(spread / THREADS), self.sizes.max_blocks))
+        spread = math.ceil(units / self._world_size) if path == "two_shot" else units
+        if path == "ll":  # small blocks: more SMs push and poll
+            threads, cap = LL_THREADS, MAX_BLOCKS
+        else:
+            threads, cap = THREADS, self.sizes.max_blocks
+        blocks = max(1, min(math.ceil(spread / threads), cap))
         symbol = f"allreduce_{path}_{_DTYPE_NAMES[tensor.dtype]}_w{self._world_size}"
+        slots = (np.int64(self._slot_bytes), np.int64(self._line_slot_bytes)) if path == "ll" else (
+            np.int64(self._slot_bytes),)
         self._runtime.launch(
-            MODULE, symbol, (blocks,), THREADS,
-            tensor.address, tensor.address, self._table, np.int32(self._rank),
-            np.int64(units), np.int64(self._slot_bytes), self._timeout_ns,
+            MODULE, symbol, (blocks,), threads,
+            tensor.address, tensor.address, self._table, np.int32(self._rank), np.int64(units), *slots,
+            self._timeout_ns,
         )
 
     def close(self) -> None:

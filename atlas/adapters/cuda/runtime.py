@@ -52,8 +52,8 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
-    `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`) turns some off, for
-    debugging and A/B timings.
+    `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`) turns
+    some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -92,6 +92,8 @@ class CudaFeatures:
         `BulkUploads` (upload_ring.py), a ring of page-locked slots filled by up to 12 threads
         (a memory-mapped checkpoint's tensors read from the file with preadv) while the earlier
         slots' DMAs run, instead of the driver's pageable copy.
+    allreduce_ll: the P2P all-reduce takes its smallest messages with the LL kernels (a flag
+        beside every 4 bytes pushed to each peer, no barrier; custom_allreduce.AllReduceSizes).
     file_reads: with bulk_upload, a memory-mapped checkpoint's tensors are read from their
         files with preadv into the slots, and such an upload is only queued on return so the
         threads read across tensors (the stream's users flush it first); off: copied out of
@@ -111,6 +113,7 @@ class CudaFeatures:
     skinny_gemm: bool = False
     bulk_upload: bool = True
     file_reads: bool = True
+    allreduce_ll: bool = True
 
     @classmethod
     def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
@@ -130,6 +133,7 @@ class CudaFeatures:
             "bulk_upload",
             "file_reads",
             "prefill_split",
+            "allreduce_ll",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -149,6 +153,7 @@ class CudaFeatures:
             moe_wgmma="moe_wgmma" not in disabled,
             bulk_upload="bulk_upload" not in disabled,
             file_reads="file_reads" not in disabled,
+            allreduce_ll="allreduce_ll" not in disabled,
         )
 
 

@@ -31,7 +31,7 @@ CHECK_SIZES = (48, 1 * KIB, 1 * KIB + 16, 1000, 8 * KIB, 64 * KIB, 256 * KIB, 1 
                64 * MIB)
 # The 8B's decode all-reduces: hidden 4096 x batch 1..32 x bf16.
 DECODE_SIZES = (8 * KIB, 16 * KIB, 32 * KIB, 64 * KIB, 128 * KIB, 256 * KIB)
-PATHS = ("one_shot", "two_shot", "nccl")
+PATHS = ("ll", "one_shot", "two_shot", "nccl")
 # max |result - exact| / max |exact| allowed: ours and the reference round once from an f32
 # sum; NCCL may round bf16 at each of its hops.
 TOLERANCE = {("bf16", "ours"): 2.0**-7, ("bf16", "nccl"): 2.0**-5, ("f32", "ours"): 1e-5, ("f32", "nccl"): 1e-5}
@@ -53,7 +53,7 @@ class CheckRow(msgspec.Struct):
     rank: int
     num_bytes: int
     dtype: str
-    path: str  # one_shot | two_shot | nccl | auto (what FastAllReduceComm chose) | graph
+    path: str  # ll | one_shot | two_shot | nccl | auto (what FastAllReduceComm chose) | graph
     relative_error: float
     bitwise: bool | None  # equals the reference sum bit for bit (None: not required of NCCL)
     ok: bool
@@ -139,8 +139,8 @@ class AllReduceRank:
         tensor = self._empty(count, dtype)
         runs: list[tuple[str, object]] = []
         fast = self.comm.fast
-        if fast is not None and fast.takes(tensor):
-            runs += [(path, functools.partial(fast.launch, tensor, path)) for path in ("one_shot", "two_shot")]
+        if fast is not None:
+            runs += [(path, functools.partial(fast.launch, tensor, path)) for path in fast.paths(tensor)]
         runs.append(("nccl", functools.partial(self.comm.nccl.all_reduce, tensor)))
         runs.append(("auto", functools.partial(self.comm.all_reduce, tensor)))
         rows = []
@@ -179,7 +179,7 @@ class AllReduceRank:
             tensor = self._empty(num_bytes // 2, DType.BF16)
             self._upload(tensor, np.zeros(num_bytes // 2, NUMPY_DTYPES[DType.BF16]))  # sums stay finite
             for path in PATHS:
-                if path != "nccl" and (self.comm.fast is None or not self.comm.fast.takes(tensor)):
+                if path != "nccl" and (self.comm.fast is None or path not in self.comm.fast.paths(tensor)):
                     continue
                 if path == "nccl":
                     call = functools.partial(self.comm.nccl.all_reduce, tensor)
