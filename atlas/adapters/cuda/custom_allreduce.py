@@ -178,7 +178,7 @@ class P2PAllReduce:
         check_all_reduce(tensor)
         if not self.takes(tensor):
             raise ValueError(f"the P2P all-reduce does not take {tensor!r}; use NCCL")
-        self.launch(tensor, self.sizes.path(tensor.num_bytes) or "two_shot")
+        self._launch(tensor, self.sizes.path(tensor.num_bytes) or "two_shot")
 
     def paths(self, tensor: Tensor) -> tuple[str, ...]:
         """The paths `launch` takes this tensor by (none unless `takes`)."""
@@ -191,6 +191,9 @@ class P2PAllReduce:
         benchmark forces a path with it, `all_reduce` picks one."""
         if path not in self.paths(tensor):
             raise ValueError(f"the P2P all-reduce's {path!r} path does not take {tensor!r}")
+        self._launch(tensor, path)
+
+    def _launch(self, tensor: CudaTensor, path: str) -> None:
         units = tensor.num_bytes // _UNIT_BYTES
         spread = math.ceil(units / self._world_size) if path == "two_shot" else units
         if path == "ll":  # small blocks: more SMs push and poll
