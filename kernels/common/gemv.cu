@@ -231,8 +231,14 @@ __device__ __forceinline__ void rope_store(const RopeArgs<TABLE>& args, int f, f
 // x is normalised on the way in (norm_weight [K], eps). With FOLDED, x is the raw residual and
 // the norm weight is already in w's columns (folded at load): the block sums x^2 over the chunks
 // it multiplies (its 128 lanes cover K once) and scales its row sums by the inverse RMS.
+//
+// WARPS (default GEMV_WARPS) split K. The `_w2` entry points take 2: at K <= 2048 a 4-warp block's
+// lanes cover K before using half of their BATCH chunks of loads, so a block of 2 warps keeps
+// the same bytes in flight with half the threads and registers, and twice as many blocks fit
+// an SM (a TP=2 rank of the 8B: o_proj's 1024 blocks of 4 rows at K = 2048 take one wave
+// instead of two, every one of them loading its weights before the attention before it ends).
 template <typename OUT, int ROWS, int TOKENS, typename EPI, bool NORM = false, typename NW = bf16,
-          bool FOLDED = false>
+          bool FOLDED = false, int WARPS = GEMV_WARPS>
 __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                           const bf16* __restrict__ bias, OUT* __restrict__ out, int num_tokens,
                                           int num_rows, int inner, const NW* __restrict__ norm_weight = nullptr,
@@ -241,8 +247,8 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
     static_assert(!(NORM && FOLDED), "one way to normalise x");
     static_assert(!(EPI::rope && FOLDED), "the rope epilogue takes unscaled sums (measured slower folded)");
     constexpr int FEATURES = EPI::gated ? ROWS / 2 : ROWS;
-    __shared__ float partial[GEMV_WARPS][ROWS][TOKENS];
-    __shared__ float partial_squares[GEMV_WARPS][TOKENS];
+    __shared__ float partial[WARPS][ROWS][TOKENS];
+    __shared__ float partial_squares[WARPS][TOKENS];
     float squares[TOKENS];
 #pragma unroll
     for (int n = 0; n < TOKENS; ++n) squares[n] = 0.0f;
@@ -268,7 +274,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
 
     // Full steps of BATCH chunks issue all their loads before the first FMA (BATCH * ROWS * 16
     // bytes of weights in flight per lane); the remaining chunks go one at a time.
-    constexpr int STEP = GEMV_WARPS * 32 * 8;
+    constexpr int STEP = WARPS * 32 * 8;
     constexpr int BATCH = TOKENS <= 2 ? 4 : 2;
     auto accumulate = [&](const uint4* weights_raw, const uint4* x_raw) {
         float weights[ROWS][8];
@@ -390,7 +396,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
         if (!FOLDED) return 1.0f;
         float sum = 0.0f;
 #pragma unroll
-        for (int j = 0; j < GEMV_WARPS; ++j) sum += partial_squares[j][n];
+        for (int j = 0; j < WARPS; ++j) sum += partial_squares[j][n];
         return inverse_rms_of(sum, inner, eps);
     };
     if constexpr (EPI::rope) {
@@ -401,7 +407,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
                 const long long row = rope_weight_row(first + r, rope_rows, args.head_dim);
                 float total = bias != nullptr ? to_float(bias[row]) : 0.0f;
 #pragma unroll
-                for (int j = 0; j < GEMV_WARPS; ++j) total += partial[j][r][0];
+                for (int j = 0; j < WARPS; ++j) total += partial[j][r][0];
                 return to_float(from_float<bf16>(total));
             };
             const int f = first + threadIdx.x;
@@ -417,10 +423,10 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ x, const bf16
             const float biased = bias != nullptr ? to_float(bias[feature]) : 0.0f;
             float total = FOLDED ? 0.0f : biased, up = 0.0f;
 #pragma unroll
-            for (int j = 0; j < GEMV_WARPS; ++j) total += partial[j][f][n];
+            for (int j = 0; j < WARPS; ++j) total += partial[j][f][n];
             if (EPI::gated) {
 #pragma unroll
-                for (int j = 0; j < GEMV_WARPS; ++j) up += partial[j][f + FEATURES][n];
+                for (int j = 0; j < WARPS; ++j) up += partial[j][f + FEATURES][n];
             }
             if (FOLDED) {
                 const float scale = row_scale(n);
@@ -587,6 +593,15 @@ __device__ __forceinline__ void gemv_mma_impl(const bf16* __restrict__ x, const 
     DEFINE_GEMV(OUT_NAME, OUT, ROWS, 4)         \
     DEFINE_GEMV(OUT_NAME, OUT, ROWS, 8)
 
+// One token row, 4 rows, 2 warps (see gemv_impl): gemv_{bf16,f32}_r4_w2_t1.
+#define DEFINE_GEMV_W2(OUT_NAME, OUT)                                                                          \
+    extern "C" __global__ void __launch_bounds__(2 * 32) gemv_##OUT_NAME##_r4_w2_t1(                           \
+        const bf16* x, const bf16* w, const bf16* bias, OUT* out, int num_tokens, int num_rows, int inner) {   \
+        gemv_impl<OUT, 4, 1, Plain, false, bf16, false, 2>(x, w, bias, out, num_tokens, num_rows, inner);      \
+    }
+
+DEFINE_GEMV_W2(bf16, bf16)
+DEFINE_GEMV_W2(f32, float)
 DEFINE_GEMV_TOKENS(bf16, bf16, 1)
 DEFINE_GEMV_TOKENS(bf16, bf16, 2)
 DEFINE_GEMV_TOKENS(bf16, bf16, 4)
@@ -629,6 +644,18 @@ DEFINE_GEMV_MMA(gemv_mma_wide_, MMA_WIDE, 16, f32, float)
     DEFINE_GEMV_FUSED_ROWS(NAME, EPI, NORM, NW, 4)                 \
     DEFINE_GEMV_MMA_FUSED(gemv_mma_, MMA_NARROW, 8, NAME, EPI, NORM, NW)
 
+// gemv_{add,rmsnorm_bf16,rmsnorm_f32}_r4_w2_t1: 2 warps a block (see gemv_impl).
+#define DEFINE_GEMV_FUSED_W2(NAME, EPI, NORM, NW)                                                             \
+    extern "C" __global__ void __launch_bounds__(2 * 32) gemv_##NAME##_r4_w2_t1(                              \
+        const bf16* x, const bf16* w, const bf16* bias, bf16* out, int num_tokens, int num_rows, int inner,   \
+        const NW* norm_weight, float eps) {                                                                   \
+        gemv_impl<bf16, 4, 1, EPI, NORM, NW, false, 2>(x, w, bias, out, num_tokens, num_rows, inner,          \
+                                                       norm_weight, eps);                                     \
+    }
+
+DEFINE_GEMV_FUSED_W2(add, AddTo, false, bf16)
+DEFINE_GEMV_FUSED_W2(rmsnorm_bf16, Plain, true, bf16)
+DEFINE_GEMV_FUSED_W2(rmsnorm_f32, Plain, true, float)
 DEFINE_GEMV_FUSED_ROWS(rmsnorm_bf16, Plain, true, bf16, 1)
 DEFINE_GEMV_FUSED_ROWS(rmsnorm_f32, Plain, true, float, 1)
 DEFINE_GEMV_FUSED_ROWS(add, AddTo, false, bf16, 1)

@@ -101,6 +101,8 @@ def test_act_mul(cuda_backend, mock_backend, rng, activation, inner):
     [
         (1, 4096, 4096, DType.BF16, False),
         (1, 11008, 4096, DType.BF16, False),  # rows per warp > 1
+        (1, 4096, 2048, DType.BF16, True),  # 2-warp blocks (K of 1025..2048, 4 rows a block)
+        (1, 4098, 1032, DType.F32, False),  # the same, a partial block of rows and of K
         (3, 576, 576, DType.BF16, True),
         (5, 1536, 576, DType.F32, False),
         (8, 49152, 576, DType.F32, True),  # a logits projection
@@ -280,6 +282,7 @@ def test_memory_pool_reuses_freed_blocks_and_reports_oom(cuda_backend):
 # but for the norm's sum of squares, which the GEMV reduces in its own order) and match the mock.
 _FUSED_SHAPES = [
     (1, 4096, 4096),  # SIMT GEMV, four rows per block
+    (1, 4096, 2048),  # four rows per block in blocks of 2 warps
     (1, 576, 1536),  # SmolLM2: two rows per block
     (1, 100, 264),
     (2, 576, 576),  # tensor-core GEMV

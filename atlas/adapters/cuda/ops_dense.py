@@ -205,6 +205,17 @@ def _check_linear(x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: Cuda
     return num_tokens, num_rows, inner
 
 
+def _narrow_warps(rows: int, inner: int, blocks: int, num_sms: int) -> bool:
+    """Whether a one-token SIMT GEMV of `rows` rows a block takes its 2-warp form
+    (`gemv_*_r4_w2_t1`, gemv.cu's gemv_impl): K over 1024 and up to 2048, where 4 warps leave
+    half their loads unused, and a grid that 2 warps bring from two waves into one (4 blocks of
+    4 warps fit an SM at their ~127 registers a thread, 8 of 2 warps). On an H200 the 8B's
+    o_proj at TP=2 (1,024 blocks) went from 7.4 to 3.3 us of wall time a layer; grids of many
+    waves (Qwen3-30B-A3B's lm_head) gain nothing, so they keep 4 warps."""
+    fits_once = 4 * num_sms < blocks <= 8 * num_sms
+    return rows == 4 and 1024 < inner <= _GEMV_WARPS * 32 * 8 * 4 // 2 and fits_once
+
+
 def _rows_per_block(num_rows: int, num_sms: int) -> int:
     """Output features per block of the SIMT GEMV: more while there are still two blocks per SM
     (each lane then keeps more 16-byte loads in flight and x is reread from L1 less often)."""
@@ -580,6 +591,8 @@ class LinearOp:
                 rows = _rows_per_block(features, self._rt.num_sms)
                 grid = -(-features // rows)
             symbol, threads = f"gemv_{what}_r{rows}_t1", _GEMV_WARPS * 32
+            if not gated and self._rt.features.gemv_narrow and _narrow_warps(rows, inner, grid, self._rt.num_sms):
+                symbol, threads = f"gemv_{what}_r{rows}_w2_t1", 2 * 32
         else:
             return False
         self._rt.launch(
@@ -598,11 +611,16 @@ class LinearOp:
         rows_per_block = _rows_per_block(num_rows, self._rt.num_sms)
         tokens = next(t for t in (1, 2, 4, 8) if t >= num_tokens)
         symbol = f"gemv_{checks.type_suffix(out.dtype)}_r{rows_per_block}_t{tokens}"
+        threads = _GEMV_WARPS * 32
+        blocks = -(-num_rows // rows_per_block)
+        narrow = _narrow_warps(rows_per_block, inner, blocks, self._rt.num_sms)
+        if tokens == 1 and self._rt.features.gemv_narrow and narrow:
+            symbol, threads = f"gemv_{checks.type_suffix(out.dtype)}_r{rows_per_block}_w2_t1", 2 * 32
         self._rt.launch(
             "gemv",
             symbol,
-            (-(-num_rows // rows_per_block),),
-            _GEMV_WARPS * 32,
+            (blocks,),
+            threads,
             *_product_args(x, weight, bias, out, num_rows),
         )
 

@@ -52,8 +52,8 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
-    `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`) turns
-    some off, for debugging and A/B timings.
+    `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`,
+    `gemv_narrow`) turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -66,6 +66,8 @@ class CudaFeatures:
         `project_add` are each one GEMV (the norm taken as x is loaded, or after the product where
         `fold_rmsnorm` folded its weight at `prepare`; the activation or residual add applied to
         the block's own rows).
+    gemv_narrow: a one-token SIMT GEMV of 4 rows a block over K of 1025..2048 (plain, add, norm
+        inside) runs blocks of 2 warps, twice as many an SM (gemv.cu's gemv_impl).
     gemv_rope: a one-token attention `project` on rows up to 2048 wide is one GEMV that also
         rotates q and k and writes the cache (needs gemv_fused too).
     mma_decode: decode attention on tensor cores (mma.sync; the SIMT kernel without it).
@@ -106,6 +108,7 @@ class CudaFeatures:
     gemm_tuning: bool = True
     gemv_fused: bool = True
     gemv_rope: bool = True
+    gemv_narrow: bool = True
     mma_decode: bool = True
     rms_after_product: bool = True
     launch_order_edges: bool = True
@@ -134,6 +137,7 @@ class CudaFeatures:
             "file_reads",
             "prefill_split",
             "allreduce_ll",
+            "gemv_narrow",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -147,6 +151,7 @@ class CudaFeatures:
             gemm_tuning="gemm_tuning" not in disabled,
             gemv_fused="gemv_fused" not in disabled,
             gemv_rope="gemv_rope" not in disabled,
+            gemv_narrow="gemv_narrow" not in disabled,
             mma_decode="mma_decode" not in disabled,
             rms_after_product="rms_after_product" not in disabled,
             launch_order_edges=programmatic and "launch_order" not in disabled,
