@@ -28,7 +28,7 @@ bench() { local name=$1 limit=$2 model=$3 batch=$4; shift 4
 DEFAULT="check llama8b allreduce table"
 [ "$GPUS" -ge 4 ] && DEFAULT="check llama70b allreduce table"
 for step in ${*:-$DEFAULT}; do case $step in
-  check) filter="tp2 or ep2"; [ "$GPUS" -ge 4 ] && filter="tp4"
+  check) filter="tp2 or ep2"; [ "$GPUS" -ge 4 ] && filter="tp4 or ep4"
          run check 240 python3 -m pytest tests/gpu/test_parallel_models.py -m gpu -q -s -k "$filter" ;;
   llama8b) bench llama8b-tp1 120 llama-3.1-8b 1
            bench llama8b-tp2 150 llama-3.1-8b 1 --tensor-parallel-size 2 ;;

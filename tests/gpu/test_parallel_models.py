@@ -114,8 +114,10 @@ def _hf_last_logits(model, tokens: list[int]) -> np.ndarray:
 
 
 @pytest.mark.parametrize(("name", "world", "expert_parallel"), [
-    ("llama", 2, 1), ("llama", 4, 1), ("qwen3_moe", 2, 2), ("qwen3_moe", 2, 1),
-], ids=["llama8b-tp2", "llama8b-tp4", "qwen3-30b-a3b-ep2", "qwen3-30b-a3b-tp2"])
+    ("llama", 2, 1), ("llama", 4, 1), ("qwen3_moe", 2, 2), ("qwen3_moe", 2, 1), ("qwen3_moe", 4, 4),
+    ("qwen3_moe", 4, 1),
+], ids=["llama8b-tp2", "llama8b-tp4", "qwen3-30b-a3b-ep2", "qwen3-30b-a3b-tp2", "qwen3-30b-a3b-ep4",
+        "qwen3-30b-a3b-tp4"])
 def test_ranks_match_transformers_within_its_bf16_error_and_graphs_replay_eager_bits(
     name, world, expert_parallel, kernel_cache_dir, tmp_path_factory, rng
 ):
