@@ -89,3 +89,19 @@ def test_a_hybrid_moe_engine_reads_its_active_experts_and_its_state(tmp_path):
         assert result.roofline_step_s == pytest.approx(read.step_bytes(2, 2 * result.mean_context) / 1e9)
     finally:
         engine.close()
+
+
+def test_the_ceiling_probes_fit_what_the_loaded_engine_left_free():
+    """With the KV cache holding all but a little of the device (--gpu-memory-utilization
+    0.95 on an 80 GB card left 1.5 GB), the 2 GB copy probe shrinks to the free memory instead
+    of failing the bench after the engine loaded; it still gives a positive rate."""
+    from atlas.adapters.mock.backend import MockGpuBackend
+    from atlas.app.bench.measure import measure_ceilings
+    from atlas.ports.gpu import DType
+
+    backend = MockGpuBackend(memory_bytes=400 << 20)
+    hold = backend.empty((100 << 20,), DType.U8)  # the "KV cache": 300 MB stay free
+    ceilings = measure_ceilings(backend, copy_bytes=2 << 30, gemm_size=256, repeats=1)
+    assert ceilings.copy_bytes_per_s > 0 and ceilings.gemm_flops_per_s > 0
+    assert backend.memory_info()[0] == 300 << 20  # the probes' buffers are freed again
+    del hold

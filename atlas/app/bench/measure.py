@@ -93,9 +93,21 @@ class PrefillResult:
         return self.num_tokens / self.seconds
 
 
+_PROBE_SHARE = 0.8  # of the free memory the probes may take (allocator rounding, the runtime's own)
+_MIN_COPY_BYTES = 128 << 20  # still well past L2 (50 MB on an H100 or H200)
+
+
 def measure_ceilings(backend: GpuBackend, copy_bytes: int, gemm_size: int, repeats: int = 10) -> Ceilings:
-    """Copy bandwidth (gather_rows over `copy_bytes`, counting read + write) and GEMM rate."""
+    """Copy bandwidth (gather_rows over `copy_bytes`, counting read + write) and GEMM rate.
+
+    The engine is loaded by then and its KV cache holds most of the device (all but 5% with
+    --gpu-memory-utilization 0.95), so each probe shrinks to what is free: the copy (a source
+    and a target) to 80% of it, at least 128 MB; the GEMM (x, weight, out) by halving its size."""
     rng = np.random.default_rng(0)
+    budget = int(backend.memory_info()[0] * _PROBE_SHARE)
+    copy_bytes = max(min(copy_bytes, budget // 2), _MIN_COPY_BYTES)
+    while gemm_size > 1024 and 3 * gemm_size * gemm_size * 2 > budget:
+        gemm_size //= 2
     return Ceilings(_copy_rate(backend, rng, copy_bytes, repeats), _gemm_rate(backend, rng, gemm_size, repeats))
 
 
