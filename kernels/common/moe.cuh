@@ -51,6 +51,8 @@
 // block of each row tile, its shared gates taken by moe_gate_up's shared slot):
 // residual[t] += bf16(sum_j w_tj y[t k + j] + sigmoid(normed[t] . gate) y[P0 + t])
 // (the unpermute is the pair order of y; the shared gate is a dot product the block takes itself).
+// With accumulate 0 (the three kernels that write the residual take it) the sum replaces the row
+// unread: a tensor-parallel rank that does not carry the residual stream writes its share there.
 // Bytes N (k + 1) H 4 + 4 N H.
 //
 // Expert parallelism: a rank holds E of the routed experts, from first_expert on. moe_shift_ids
@@ -542,7 +544,8 @@ __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in
                                               int top_k, int num_experts, int hidden, int inner, int shared_inner,
                                               int stride, int routed_slots, const float* __restrict__ expert_weights,
                                               const float* shared_gate_values, int has_shared,
-                                              bf16* __restrict__ residual, unsigned* __restrict__ counters) {
+                                              bf16* __restrict__ residual, unsigned* __restrict__ counters,
+                                              int accumulate) {
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
     const int num_pairs = num_tokens * top_k;
@@ -582,7 +585,7 @@ __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in
             total = fmaf(gate, __ldcg(y + ((long long)num_pairs + token) * hidden + row), total);
         }
         bf16* at = residual + (long long)token * hidden + row;
-        *at = from_float<bf16>(to_float(*at) + round_bf16(total));
+        *at = from_float<bf16>((accumulate ? to_float(*at) : 0.0f) + round_bf16(total));
     }
 }
 
@@ -649,10 +652,10 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
     moe_down(const bf16* hidden_in, const int* slot_table, const int* expert_ids, int first_expert, const bf16* down,
              const bf16* down_bias, const bf16* shared_down, float* y, int num_tokens, int top_k, int num_experts,
              int hidden, int inner, int shared_inner, int stride, int routed_slots, const float* expert_weights,
-             const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters) {
+             const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters, int accumulate) {
     moe_down_impl(hidden_in, slot_table, expert_ids, first_expert, down, down_bias, shared_down, y, num_tokens, top_k,
                   num_experts, hidden, inner, shared_inner, stride, routed_slots, expert_weights, shared_gate_values,
-                  has_shared, residual, counters);
+                  has_shared, residual, counters, accumulate);
 }
 
 // moe_down_looped: the down GEMV past ROUTE_MAX_TOKENS tokens, where a step touches most experts
@@ -669,7 +672,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
                     const bf16* __restrict__ shared_down, float* __restrict__ partial_out, int num_tokens, int top_k,
                     int num_experts, int hidden, int inner, int shared_inner, int stride, int routed_slots,
                     int slots, const float* __restrict__ expert_weights, const float* shared_gate_values,
-                    bf16* __restrict__ residual, unsigned* __restrict__ counters) {
+                    bf16* __restrict__ residual, unsigned* __restrict__ counters, int accumulate) {
     dependent_launch_entry();
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
@@ -729,7 +732,7 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
         for (int group = 0; group < gridDim.y; ++group)
             total += __ldcg(partial_out + ((long long)group * num_tokens + token) * hidden + row);
         bf16* at = residual + (long long)token * hidden + row;
-        *at = from_float<bf16>(to_float(*at) + round_bf16(total));
+        *at = from_float<bf16>((accumulate ? to_float(*at) : 0.0f) + round_bf16(total));
     }
 }
 
@@ -1015,7 +1018,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
 extern "C" __global__ void __launch_bounds__(256)
     moe_combine(const float* y, const int* expert_ids, const float* expert_weights, const bf16* normed,
                 const bf16* shared_gate, int has_shared, bf16* residual, int num_tokens, int top_k, int num_experts,
-                int hidden) {
+                int hidden, int accumulate) {
     dependent_launch_entry();
     __shared__ float scratch[32];
     const int token = blockIdx.x;
@@ -1049,9 +1052,9 @@ extern "C" __global__ void __launch_bounds__(256)
 #pragma unroll
             for (int i = 0; i < 8; ++i) total[i] = fmaf(gate, values[i], total[i]);
         }
-        float stream[8];
+        float stream[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
         bf16* row = residual + (long long)token * hidden + col;
-        load8(row, stream);
+        if (accumulate) load8(row, stream);
 #pragma unroll
         for (int i = 0; i < 8; ++i) stream[i] += round_bf16(total[i]);
         store8(row, stream);

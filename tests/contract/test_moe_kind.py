@@ -149,6 +149,37 @@ def test_an_expert_parallel_share_adds_only_the_experts_it_holds(harness, rng, n
     assert rel(residual - x, expected - x) < harness.tolerance * 2
 
 
+@pytest.mark.parametrize("num_tokens", [3, 23, 70])  # CUDA: moe_down, moe_down_looped, moe_combine
+@pytest.mark.parametrize("shared", [False, True])
+def test_experts_without_accumulate_write_their_sum_in_place_of_the_rows(harness, rng, num_tokens, shared):
+    """`accumulate=False` (a tensor-parallel rank that does not carry the residual): the rows
+    become the held experts' sum, their old values unread (NaN here), bit for bit what the same
+    call adds to rows of zeros."""
+    hidden, inner, routing = 64, 48, Routing(8, 2, renormalize=True)
+    whole = _host_moe(rng, hidden, inner, routing, biases=True, shared=shared)
+    held = range(3, 6)
+    share = dataclasses.replace(
+        whole, first_expert=held.start,
+        gate_up=HostLinear(whole.gate_up.weight[held.start : held.stop], whole.gate_up.bias[held.start : held.stop]),
+        down=HostLinear(whole.down.weight[held.start : held.stop], whole.down.bias[held.start : held.stop]),
+    )
+    backend = harness.backend
+    moe = prepared_or_skip(backend.moe.prepare, share)
+    x = bf16(rng.standard_normal((num_tokens, hidden)) * 2)
+    residual = backend.upload(x, harness.act)
+    normed = harness.poisoned(x.shape)
+    ids, weights = harness.poisoned((num_tokens, 2), DType.I32), harness.poisoned((num_tokens, 2), DType.F32)
+    outputs = []
+    for accumulate in (True, False):
+        out = backend.upload(np.zeros_like(x), harness.act) if accumulate else harness.poisoned(x.shape)
+        backend.moe.route(residual, moe, normed, ids, weights)  # experts follow their own route call
+        backend.moe.experts(normed, moe, ids, weights, out, accumulate=accumulate)
+        outputs.append(harness.host(out))
+    added, written = outputs
+    assert np.isfinite(written).all() and np.abs(added).max() > 0
+    np.testing.assert_array_equal(written, added)
+
+
 # -- against transformers ------------------------------------------------------------------------
 
 

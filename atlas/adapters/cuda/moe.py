@@ -142,6 +142,7 @@ class CudaMoe:
         expert_ids: CudaTensor,
         expert_weights: CudaTensor,
         residual: CudaTensor,
+        accumulate: bool = True,
     ) -> None:
         checks.rank(normed, "normed", 2)
         checks.dtype(normed, "normed", (DType.BF16,))
@@ -150,4 +151,4 @@ class CudaMoe:
         if normed.shape[1] != moe.experts.hidden:
             raise ValueError(f"normed: width {normed.shape[1]} is not the experts' {moe.experts.hidden}")
         ops_moe.check_routing_outputs(expert_ids, expert_weights, normed.shape[0], moe.routing.top_k)
-        ops_moe.experts(self._rt, moe.experts, normed, expert_ids, expert_weights, residual)
+        ops_moe.experts(self._rt, moe.experts, normed, expert_ids, expert_weights, residual, accumulate)

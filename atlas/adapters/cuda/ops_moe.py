@@ -211,8 +211,10 @@ def experts(
     expert_ids: CudaTensor,
     expert_weights: CudaTensor,
     residual: CudaTensor,
+    accumulate: bool = True,
 ) -> None:
-    """residual += the held experts' weighted outputs + the (gated) shared expert's. The grouped
+    """residual += the held experts' weighted outputs + the (gated) shared expert's (= where
+    `accumulate` is False: the kernels that write the residual then leave its old rows unread). The grouped
     GEMV up to GEMV_MAX_TOKENS tokens (its down kernel's last blocks add into the residual; past
     ROUTE_SMALL_MAX_TOKENS the looped down kernel, whose blocks each take a share of the slots),
     else the alignment, the grouped GEMM and the combine."""
@@ -252,7 +254,7 @@ def experts(
                 hidden_rows, table, weights.down.address, _address(weights.down_bias),
                 _address(weights.shared_down), partials, *head, *dims, np.int32(routed), np.int32(slots),
                 expert_weights.address, gate_values, residual.address,
-                rt.counters("moe_down_looped_counters", row_tiles),
+                rt.counters("moe_down_looped_counters", row_tiles), np.int32(accumulate),
             )
             return
         # the last block of each row tile adds the tile's rows into the residual (the combine)
@@ -262,6 +264,7 @@ def experts(
             _address(weights.down_bias), _address(weights.shared_down), outputs, *head, *dims, np.int32(routed),
             expert_weights.address,
             gate_values, np.int32(has_shared), residual.address, rt.counters("moe_down_counters", row_tiles),
+            np.int32(accumulate),
         )
         return
     if weights.first_expert:
@@ -303,7 +306,7 @@ def experts(
         "moe", "moe_combine", (num_tokens,), 256,
         outputs, expert_ids.address, expert_weights.address, normed.address, _address(weights.shared_gate),
         np.int32(has_shared), residual.address, np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count),
-        np.int32(hidden),
+        np.int32(hidden), np.int32(accumulate),
     )
 
 

@@ -105,6 +105,7 @@ class MockMoe:
         expert_ids: MockTensor,
         expert_weights: MockTensor,
         residual: MockTensor,
+        accumulate: bool = True,
     ) -> None:
         self._backend.enter("moe.experts")
         dense = self._backend.dense
@@ -134,4 +135,4 @@ class MockMoe:
             if moe.shared.gate is not None:
                 shared = shared / (1.0 + np.exp(-moe.shared.gate.apply(x)))
             total += shared
-        residual.data[...] = residual.as_f32() + dense.rounded(total)
+        residual.data[...] = (residual.as_f32() if accumulate else 0.0) + dense.rounded(total)

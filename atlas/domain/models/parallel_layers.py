@@ -8,7 +8,7 @@ value it no longer needs once the layer's first member has read it); the all-red
 gives every rank residual + the sum of all parts, bit for bit the same everywhere:
 
     rank 0:  residual = residual + part_0          (project_add, as on one device)
-    rank r:  residual = part_r                     (project; or zeros, then the experts' add)
+    rank r:  residual = part_r                     (project; the experts with accumulate off)
     all:     all_reduce(residual)                  -> residual + part_0 + ... + part_{t-1}
 
 One collective per mixer and per feed-forward, enqueued on the device's stream with the layer's
@@ -20,52 +20,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from atlas.domain.models.layers import LayerStep, WorkspaceNeeds
 from atlas.domain.models.mixers import delta_net_heads, delta_net_needs
 from atlas.ports.comm import CommBackend
-from atlas.ports.gpu import DType, GpuBackend, Kind, Tensor
+from atlas.ports.gpu import Kind, Tensor
 from atlas.ports.kernels.attention import AttentionLayer, PreparedAttention
 from atlas.ports.kernels.dense import DenseKernels, Projection
 from atlas.ports.kernels.moe import PreparedMoe
 from atlas.ports.kernels.recurrent import DeltaNetLayer, PreparedDeltaNet
 
 
-class ZeroRows:
-    """Writes zeros into the leading rows of a buffer of `width` columns: a gather of one zero
-    row (the device protocol's `gather_rows`, capturable like any op)."""
-
-    def __init__(self, backend: GpuBackend, width: int, max_rows: int, dtype: DType) -> None:
-        self._row = backend.upload(np.zeros((1, width), np.float32), dtype)
-        self._indices = backend.upload(np.zeros(max_rows, np.int32))
-
-    def fill(self, backend: GpuBackend, out: Tensor) -> None:
-        """out[:] = 0; out [N, width] with N at most `max_rows`."""
-        backend.gather_rows(self._row, self._indices.rows(0, out.shape[0]), out)
-
-
 @dataclass(frozen=True, slots=True)
 class PartialSums:
-    """How this rank's part of a layer's output joins the residual stream (module docstring).
-    `zeros` is None on the rank that carries the residual."""
+    """How this rank's part of a layer's output joins the residual stream (module docstring)."""
 
     comm: CommBackend
-    zeros: ZeroRows | None
+    carries_residual: bool
 
     def add_projection(self, dense: DenseKernels, x: Tensor, projection: Projection, residual: Tensor) -> None:
         """residual += the sum over ranks of each rank's product of x."""
-        if self.zeros is None:
+        if self.carries_residual:
             dense.project_add(x, projection, residual)
         else:
             dense.project(x, projection, residual)
         self.comm.all_reduce(residual)
-
-    def clear(self, backend: GpuBackend, residual: Tensor) -> None:
-        """Before a member that adds its part into the residual: zeros on the ranks that do not
-        carry it."""
-        if self.zeros is not None:
-            self.zeros.fill(backend, residual)
 
     def reduce(self, residual: Tensor) -> None:
         self.comm.all_reduce(residual)
@@ -184,6 +162,6 @@ class ParallelMoeFeedForward:
         normed = step.scratch(0, self.hidden_size)
         expert_ids, expert_weights = step.routing(self.top_k)
         moe.route(residual, self.moe, normed, expert_ids, expert_weights)
-        self.sums.clear(step.backend, residual)
-        moe.experts(normed, self.moe, expert_ids, expert_weights, residual)
+        # the rank that carries the residual adds its experts' share; the others write theirs
+        moe.experts(normed, self.moe, expert_ids, expert_weights, residual, accumulate=self.sums.carries_residual)
         self.sums.reduce(residual)

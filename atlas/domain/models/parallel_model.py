@@ -32,7 +32,6 @@ from atlas.domain.models.parallel_layers import (
     ParallelDenseFeedForward,
     ParallelMoeFeedForward,
     PartialSums,
-    ZeroRows,
 )
 from atlas.domain.models.parallel_vocab import ParallelVocab
 from atlas.domain.models.shard_reads import DeferredWeights
@@ -57,13 +56,10 @@ from atlas.ports.weights import WeightSource
 class _Rank:
     """What every layer's cut needs: the backend, the placement and the partial-sum rule."""
 
-    def __init__(self, backend: GpuBackend, comm: CommBackend, placement: RankPlacement, hidden: int,
-                 max_tokens: int) -> None:
+    def __init__(self, backend: GpuBackend, comm: CommBackend, placement: RankPlacement) -> None:
         self.backend = backend
         self.placement = placement
-        dtype = backend.capabilities.activation_dtype
-        zeros = None if placement.carries_residual else ZeroRows(backend, hidden, max_tokens, dtype)
-        self.sums = PartialSums(comm, zeros)
+        self.sums = PartialSums(comm, placement.carries_residual)
 
 
 def shard_model(
@@ -81,7 +77,7 @@ def shard_model(
     for layer in described.layers:
         _mixer_cut(layer.mixer)
         _feed_forward_cut(layer.feed_forward)
-    rank = _Rank(backend, comm, placement, described.hidden_size, max_tokens)
+    rank = _Rank(backend, comm, placement)
     layers = [
         Layer(_mixer_cut(layer.mixer)(layer.mixer, rank),
               _feed_forward_cut(layer.feed_forward)(layer.feed_forward, rank))

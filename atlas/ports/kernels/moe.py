@@ -108,12 +108,20 @@ class MoeKernels(Protocol):
         ...
 
     def experts(
-        self, normed: Tensor, moe: PreparedMoe, expert_ids: Tensor, expert_weights: Tensor, residual: Tensor
+        self,
+        normed: Tensor,
+        moe: PreparedMoe,
+        expert_ids: Tensor,
+        expert_weights: Tensor,
+        residual: Tensor,
+        accumulate: bool = True,
     ) -> None:
         """residual[t] += sum over k of expert_weights[t, k] * E_{expert_ids[t, k]}(normed[t])
         + the shared expert of normed[t], where E_e(x) = (act(x @ gate_up[e].T + b) @ down[e].T + b).
         normed [N, H], residual [N, H]; ids and weights as `route` wrote them, and the call
         follows that `route` call on the same stream with no other MoE call between (a backend
         may hand what routing learned to the experts: CUDA's slot table). Only the experts held
-        (`HostMoe.first_expert`) contribute; ids of others are skipped."""
+        (`HostMoe.first_expert`) contribute; ids of others are skipped. With `accumulate` False
+        the sum replaces residual[t], whose old value is not read (a tensor-parallel rank that
+        does not carry the residual stream writes its share in place of it)."""
         ...
