@@ -213,8 +213,8 @@ def experts(
     residual: CudaTensor,
     accumulate: bool = True,
 ) -> None:
-    """residual += the held experts' weighted outputs + the (gated) shared expert's (= where
-    `accumulate` is False: the kernels that write the residual then leave its old rows unread). The grouped
+    """residual += the held experts' weighted outputs + the (gated) shared expert's; with
+    `accumulate` False, residual = that sum (its old rows unread). The grouped
     GEMV up to GEMV_MAX_TOKENS tokens (its down kernel's last blocks add into the residual; past
     ROUTE_SMALL_MAX_TOKENS the looped down kernel, whose blocks each take a share of the slots),
     else the alignment, the grouped GEMM and the combine."""
