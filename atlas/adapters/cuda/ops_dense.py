@@ -205,6 +205,11 @@ def _check_linear(x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: Cuda
     return num_tokens, num_rows, inner
 
 
+# A 4-warp block's first round of loads covers 4 x 1024 of K (gemv.cu's BATCH x STEP); up to half
+# of that, 2 warps keep the same bytes in flight.
+_NARROW_MAX_INNER = _GEMV_WARPS * 32 * 8 * 4 // 2
+
+
 def _narrow_warps(rows: int, inner: int, blocks: int, num_sms: int) -> bool:
     """Whether a one-token SIMT GEMV of `rows` rows a block takes its 2-warp form
     (`gemv_*_r4_w2_t1`, gemv.cu's gemv_impl): K over 1024 and up to 2048, where 4 warps leave
@@ -213,7 +218,7 @@ def _narrow_warps(rows: int, inner: int, blocks: int, num_sms: int) -> bool:
     o_proj at TP=2 (1,024 blocks) went from 7.4 to 3.3 us of wall time a layer; grids of many
     waves (Qwen3-30B-A3B's lm_head) gain nothing, so they keep 4 warps."""
     fits_once = 4 * num_sms < blocks <= 8 * num_sms
-    return rows == 4 and 1024 < inner <= _GEMV_WARPS * 32 * 8 * 4 // 2 and fits_once
+    return rows == 4 and 1024 < inner <= _NARROW_MAX_INNER and fits_once
 
 
 def _rows_per_block(num_rows: int, num_sms: int) -> int:
@@ -591,7 +596,7 @@ class LinearOp:
                 rows = _rows_per_block(features, self._rt.num_sms)
                 grid = -(-features // rows)
             symbol, threads = f"gemv_{what}_r{rows}_t1", _GEMV_WARPS * 32
-            if not gated and self._rt.features.gemv_narrow and _narrow_warps(rows, inner, grid, self._rt.num_sms):
+            if not gated and self._narrow(rows, inner, grid):
                 symbol, threads = f"gemv_{what}_r{rows}_w2_t1", 2 * 32
         else:
             return False
@@ -606,6 +611,10 @@ class LinearOp:
         )
         return True
 
+    def _narrow(self, rows: int, inner: int, blocks: int) -> bool:
+        """`_narrow_warps` where the `gemv_narrow` feature is on."""
+        return self._rt.features.gemv_narrow and _narrow_warps(rows, inner, blocks, self._rt.num_sms)
+
     def _gemv(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
         # A block per ROWS output features (its warps split K).
         rows_per_block = _rows_per_block(num_rows, self._rt.num_sms)
@@ -613,8 +622,7 @@ class LinearOp:
         symbol = f"gemv_{checks.type_suffix(out.dtype)}_r{rows_per_block}_t{tokens}"
         threads = _GEMV_WARPS * 32
         blocks = -(-num_rows // rows_per_block)
-        narrow = _narrow_warps(rows_per_block, inner, blocks, self._rt.num_sms)
-        if tokens == 1 and self._rt.features.gemv_narrow and narrow:
+        if tokens == 1 and self._narrow(rows_per_block, inner, blocks):
             symbol, threads = f"gemv_{checks.type_suffix(out.dtype)}_r{rows_per_block}_w2_t1", 2 * 32
         self._rt.launch(
             "gemv",

@@ -67,7 +67,8 @@ class CudaFeatures:
         `fold_rmsnorm` folded its weight at `prepare`; the activation or residual add applied to
         the block's own rows).
     gemv_narrow: a one-token SIMT GEMV of 4 rows a block over K of 1025..2048 (plain, add, norm
-        inside) runs blocks of 2 warps, twice as many an SM (gemv.cu's gemv_impl).
+        inside) runs blocks of 2 warps, twice as many an SM (gemv.cu's gemv_impl), where that
+        brings its grid from two waves into one (`ops_dense._narrow_warps`).
     gemv_rope: a one-token attention `project` on rows up to 2048 wide is one GEMV that also
         rotates q and k and writes the cache (needs gemv_fused too).
     mma_decode: decode attention on tensor cores (mma.sync; the SIMT kernel without it).
