@@ -497,7 +497,7 @@ def test_fp8_checkpoints_match_transformers_on_their_dequantized_weights(config,
     model = load_model(model_config, DictWeights(stored), cuda_backend, max_positions=2048)
     spec = KvCacheSpec(model_config.num_layers, 129, BLOCK_SIZE, model_config.num_kv_heads, model_config.head_dim,
                        DType.BF16)
-    worker = Worker(cuda_backend, model, cuda_backend.attention.allocate_cache(spec), WorkerConfig(1024, 8, 2048))
+    worker = Worker(cuda_backend, model, (cuda_backend.attention.allocate_cache(spec),), WorkerConfig(1024, 8, 2048))
     exact_model, bf16_model = _hf_model(reference, torch.float32), _hf_model(reference, torch.bfloat16)
     free_blocks = [int(b) for b in rng.permutation(128)]
 
@@ -554,8 +554,8 @@ def test_an_fp8_batch_decodes_the_same_from_its_graph(layout, cuda_backend, rng)
     spec = KvCacheSpec(model_config.num_layers, 2 * num_seqs + 1, BLOCK_SIZE, model_config.num_kv_heads,
                        model_config.head_dim, DType.BF16)
     kv = cuda_backend.attention.allocate_cache(spec)
-    eager_worker = Worker(cuda_backend, model, kv, WorkerConfig(2048, num_seqs, 2048))
-    graph_worker = Worker(cuda_backend, model, kv, WorkerConfig(2048, num_seqs, 2048, graph_batch_sizes=(num_seqs,)))
+    eager_worker = Worker(cuda_backend, model, (kv,), WorkerConfig(2048, num_seqs, 2048))
+    graph_worker = Worker(cuda_backend, model, (kv,), WorkerConfig(2048, num_seqs, 2048, graph_batch_sizes=(num_seqs,)))
     prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=int(n))]
                for n in rng.integers(5, 2 * BLOCK_SIZE - 2, size=num_seqs)]
     tables = [(2 * i, 2 * i + 1) for i in range(num_seqs)]
