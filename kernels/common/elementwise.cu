@@ -186,6 +186,21 @@ extern "C" __global__ void fill_u64(u64* dst, long long count, u64 pattern) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Reads `count` 16-byte words, so that the L2 afterwards holds them (clean) instead of what it held:
+// the GEMM tuner times a weight smaller than the L2 after this, as a decode step meets it, streamed
+// from HBM (cublaslt.py). Stores only if the words' XOR equals `never`, which keeps the loads.
+extern "C" __global__ void read_through_l2(const uint4* data, long long count, unsigned never, unsigned* sink) {
+    dependent_launch_entry();
+    unsigned folded = 0;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
+         i += (long long)gridDim.x * blockDim.x) {
+        const uint4 word = data[i];
+        folded ^= word.x ^ word.y ^ word.z ^ word.w;
+    }
+    if (folded == never) *sink = folded;
+}
+
+// ---------------------------------------------------------------------------------------------
 // The cache is one allocation of planes [num_layers][2 (K, V)][num_blocks][page]: each page
 // (block_size x num_kv_heads x head_dim elements) is contiguous, so a page copy is a flat copy.
 //   grid.x = pair i, grid.y = plane (layer * 2 + K|V).

@@ -137,14 +137,30 @@ class CandidateTimer:
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT
         self._start = check("cuEventCreate", cu.cuEventCreate(flags))
         self._stop = check("cuEventCreate", cu.cuEventCreate(flags))
+        self._evict_time: float | None = None
 
-    def seconds(self, run: Callable[[], None]) -> float:
-        """Median seconds of one `run` after a warm-up; `run` must only enqueue work."""
+    def seconds(self, run: Callable[[], None], evict: Callable[[], None] | None = None) -> float:
+        """Median seconds of one `run` after a warm-up; `run` must only enqueue work. `evict`
+        (enqueue-only too) runs before every timed `run` and its own time is taken out: the L2
+        eviction of a product whose weight would otherwise stay in the L2 from run to run."""
         run()
-        single = self._elapsed(run)
+        single = self._elapsed(run, evict)
         if single >= _EAGER_ENOUGH_S:
-            return statistics.median([single] + [self._elapsed(run) for _ in range(_TIMED_RUNS - 1)])
-        return self._graph_seconds(run)
+            return statistics.median([single] + [self._elapsed(run, evict) for _ in range(_TIMED_RUNS - 1)])
+        if evict is None:
+            return self._graph_seconds(run)
+
+        def evicted_run() -> None:
+            evict()
+            run()
+
+        return max(self._graph_seconds(evicted_run) - self._evict_seconds(evict), 0.0)
+
+    def _evict_seconds(self, evict: Callable[[], None]) -> float:
+        """`evict`'s own time in the graphs `seconds` times (measured once a timer)."""
+        if self._evict_time is None:
+            self._evict_time = self._graph_seconds(evict)
+        return self._evict_time
 
     def _graph_seconds(self, run: Callable[[], None]) -> float:
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
@@ -169,7 +185,9 @@ class CandidateTimer:
             cu.cuGraphDestroy(graph)
         return statistics.median(samples) / _GRAPH_RUNS
 
-    def _elapsed(self, run: Callable[[], None]) -> float:
+    def _elapsed(self, run: Callable[[], None], evict: Callable[[], None] | None = None) -> float:
+        if evict is not None:
+            evict()
         check("cuEventRecord", cu.cuEventRecord(self._start, self._stream))
         run()
         check("cuEventRecord", cu.cuEventRecord(self._stop, self._stream))

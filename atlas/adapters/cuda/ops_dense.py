@@ -309,7 +309,8 @@ class LinearOp:
             folder = rt.kernels.compiler.cache_dir
             tuning = GemmTuningStore(GemmTuningStore.file_for(folder, rt.device_name, CublasLtGemm.library_version()))
         workspace = rt.workspace("cublaslt", WORKSPACE_BYTES)
-        self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, workspace, tuning, rt.l2_bytes)
+        evict = rt.evict_l2 if rt.features.hbm_tuning else None
+        self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, workspace, tuning, rt.l2_bytes, evict)
         # Ones of each width whose norms are folded: the norm kernel's weight where a folded
         # projection still runs it (more token rows than the GEMV takes).
         self._unit_norms: dict[int, CudaTensor] = {}

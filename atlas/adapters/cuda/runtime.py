@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from cuda.bindings import driver as cu
 from cuda.core import Device, Kernel, LaunchConfig, ObjectCode, launch
 
@@ -53,7 +54,7 @@ class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
     `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`,
-    `gemv_narrow`) turns some off, for debugging and A/B timings.
+    `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`) turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -62,6 +63,11 @@ class CudaFeatures:
     prefill_split: a step of a few query tokens over long contexts runs the wgmma prefill
         kernel's `_split` twin (ops_attention.prefill_split_count), several blocks a tile.
     gemm_tuning: cuBLASLt times its top algorithms once per shape and keeps the fastest.
+    hbm_tuning: with gemm_tuning, a weight smaller than the L2 is timed after an L2 eviction
+        (`evict_l2`), as a decode step streams it from HBM, and races the tile variants as larger
+        weights do (cublaslt.py); off, its candidates race from the L2 without those variants.
+    fp8_gemv_norm: a one-token product over FP8 weights with an input norm normalises inside the
+        GEMV (gemv_fp8.cu) instead of running the norm kernel before it.
     gemv_fused: at decode sizes the dense kind's `project` (a norm, a gated activation) and
         `project_add` are each one GEMV (the norm taken as x is loaded, or after the product where
         `fold_rmsnorm` folded its weight at `prepare`; the activation or residual add applied to
@@ -118,6 +124,8 @@ class CudaFeatures:
     bulk_upload: bool = True
     file_reads: bool = True
     allreduce_ll: bool = True
+    hbm_tuning: bool = True
+    fp8_gemv_norm: bool = True
 
     @classmethod
     def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
@@ -139,6 +147,8 @@ class CudaFeatures:
             "prefill_split",
             "allreduce_ll",
             "gemv_narrow",
+            "hbm_tuning",
+            "fp8_gemv_norm",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -160,6 +170,8 @@ class CudaFeatures:
             bulk_upload="bulk_upload" not in disabled,
             file_reads="file_reads" not in disabled,
             allreduce_ll="allreduce_ll" not in disabled,
+            hbm_tuning="hbm_tuning" not in disabled,
+            fp8_gemv_norm="fp8_gemv_norm" not in disabled,
         )
 
 
@@ -461,6 +473,16 @@ class CudaRuntime:
         """A tensor of `shape` over workspace `name`: where a member keeps an intermediate that
         its fused kernels may skip (a norm's output, a product before its epilogue)."""
         return CudaTensor(self.workspace(name, math.prod(shape) * dtype.itemsize), tuple(shape), dtype, self)
+
+    def evict_l2(self) -> None:
+        """Enqueue reads of twice the L2's bytes of a workspace of its own (allocated at the first
+        call), so that the next kernel finds none of its operands in the L2: the GEMM tuner's
+        races of a weight smaller than the L2 (cublaslt.py), which a decode step streams from HBM
+        but back-to-back replays would serve from the L2."""
+        words = 2 * max(self.l2_bytes, 1 << 20) // 16
+        data = self.workspace("l2_eviction", 16 * words + 16)
+        self.launch("elementwise", "read_through_l2", (4 * self.num_sms,), 512, data, np.int64(words),
+                    np.uint32(0x9E3779B9), data + 16 * words)
 
     def counters(self, name: str, count: int) -> int:
         """Address of `count` u32 counters, all zero, for kernels whose last block to finish does
