@@ -29,6 +29,15 @@
 //     block b: rows b * ROWS .. (gated: features b * ROWS / 2 .., gate then up rows)
 //     warp w, lane l: k = (w * 32 + l) * 16, then + 2 * 32 * 16, ...
 //
+// SIMT with the RMSNorm inside (gemv_fp8_rmsnorm_<nw>_<what>): x is the raw residual row and
+// out = rmsnorm(x) W^T with no norm kernel before it, as gemv.cu's folded forms (E4M3 columns
+// cannot carry the norm weight, so it is applied to x instead). Each lane multiplies the x chunk
+// it converts by norm_weight there (f32, never rounded to bf16) and sums the raw x^2 of it; the
+// block's lanes convert every chunk of K once, so the warps' sums meet in shared memory as the
+// row's sum of squares, and each row sum (gated: gate and up) is scaled by 1 / sqrt(mean + eps)
+// before its scale, bias and epilogue. Exact for _blk too: the 16-wide partial sums are linear
+// in x. Extra: K * sizeof(nw) bytes of norm weight a block (L2) and 2 FLOPs a value of x.
+//
 // mma (2..8 token rows, gemv_fp8_mma_<what>): as gemv_mma_impl, a warp owns 16 weight rows and
 // feeds mma.sync m16n8k16 (bf16, f32 accumulators) with the tokens as n = 8 columns. Lane
 // (g = lane / 4, t = lane % 4) loads 16 bytes of rows g and g + 8 and 32 bytes of token g's x at
@@ -121,17 +130,20 @@ __device__ __forceinline__ float fp8_block_scale(const float* scales, int scale_
     return __ldg(scales + (row >> 7) * scale_stride + (k >> 7));
 }
 
-// num_rows counts output features: the weight's rows, or half of them when gated.
-template <typename OUT, int ROWS, typename EPI, bool BLOCK>
+// num_rows counts output features: the weight's rows, or half of them when gated. With NORM, x
+// is the raw residual row, normalised by norm_weight [K] and eps inside (see the header).
+template <typename OUT, int ROWS, typename EPI, bool BLOCK, bool NORM = false, typename NW = bf16>
 __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const fp8_e4m3* __restrict__ w,
                                               const float* __restrict__ scales, int scale_stride,
                                               const bf16* __restrict__ bias, OUT* __restrict__ out, int num_rows,
-                                              int inner) {
+                                              int inner, const NW* __restrict__ norm_weight = nullptr,
+                                              float eps = 0.0f) {
 #if ATLAS_HAS_FP8
     constexpr int FEATURES = EPI::gated ? ROWS / 2 : ROWS;
     constexpr int STEP = FP8_GEMV_WARPS * 32 * FP8_LOAD;
     constexpr int BATCH = 4;
     __shared__ float partial[FP8_GEMV_WARPS][ROWS];
+    __shared__ float partial_squares[FP8_GEMV_WARPS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int first = blockIdx.x * FEATURES;
     long long rows[ROWS];
@@ -144,11 +156,22 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const 
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+    float squares = 0.0f;  // of the raw x chunks this lane converts (NORM)
 
     auto accumulate = [&](const uint4* raw, int k) {
         float xs[FP8_LOAD];
         bf16x8_to_floats(*reinterpret_cast<const uint4*>(x + k), xs);
         bf16x8_to_floats(*reinterpret_cast<const uint4*>(x + k + 8), xs + 8);
+        if constexpr (NORM) {
+            float gains[FP8_LOAD];
+            load8(norm_weight + k, gains);
+            load8(norm_weight + k + 8, gains + 8);
+#pragma unroll
+            for (int i = 0; i < FP8_LOAD; ++i) {
+                squares = fmaf(xs[i], xs[i], squares);
+                xs[i] *= gains[i];
+            }
+        }
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const u32 words[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
@@ -232,6 +255,10 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const 
         const float total = warp_sum(acc[r]);
         if (lane == 0) partial[warp][r] = total;
     }
+    if constexpr (NORM) {
+        const float total = warp_sum(squares);
+        if (lane == 0) partial_squares[warp] = total;
+    }
     __syncthreads();
     if (threadIdx.x < FEATURES) {
         const int f = threadIdx.x, feature = first + f;
@@ -242,6 +269,14 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const 
             if constexpr (EPI::gated) {
 #pragma unroll
                 for (int j = 0; j < FP8_GEMV_WARPS; ++j) up += partial[j][f + FEATURES];
+            }
+            if constexpr (NORM) {  // the row's inverse RMS, from the warps' sums of squares
+                float sum_squares = 0.0f;
+#pragma unroll
+                for (int j = 0; j < FP8_GEMV_WARPS; ++j) sum_squares += partial_squares[j];
+                const float inverse_rms = 1.0f / sqrtf(sum_squares / inner + eps);
+                total *= inverse_rms;
+                up *= inverse_rms;
             }
             if constexpr (!BLOCK) {
                 total *= __ldg(scales + feature);
@@ -384,11 +419,25 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
 // W^T + bias), gated_<act> (W = [gate; up], out = act(x gate^T) * (x up^T), no bias), add (out +=
 // x W^T, no bias). num_rows: W's rows, or (gated) half of them. scale_stride: the block scales'
 // row stride (unused per channel).
+//
+// With the RMSNorm inside (one token row; x the raw residual): gemv_fp8_rmsnorm_<nw>_bf16[_blk]_r
+// {1,2,4} and gemv_fp8_rmsnorm_<nw>_gated_<act>[_blk]_r{2,4}, <nw> the norm weight's type (bf16,
+// f32), out = <what>(rmsnorm(x) W^T): the same parameters, then norm_weight [K] and eps.
 #define DEFINE_FP8_GEMV(NAME, OUT, EPI, BLOCK, SUFFIX, ROWS)                                                    \
     extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32) gemv_fp8_##NAME##SUFFIX##_r##ROWS(        \
         const bf16* x, const fp8_e4m3* w, const float* scales, int scale_stride, const bf16* bias, OUT* out,   \
         int num_rows, int inner) {                                                                           \
         gemv_fp8_impl<OUT, ROWS, EPI, BLOCK>(x, w, scales, scale_stride, bias, out, num_rows, inner);         \
+    }
+
+#define DEFINE_FP8_GEMV_NORM(NW_NAME, NW, NAME, OUT, EPI, BLOCK, SUFFIX, ROWS)                                  \
+    extern "C" __global__ void __launch_bounds__(FP8_GEMV_WARPS * 32)                                         \
+        gemv_fp8_rmsnorm_##NW_NAME##_##NAME##SUFFIX##_r##ROWS(const bf16* x, const fp8_e4m3* w,                \
+                                                              const float* scales, int scale_stride,           \
+                                                              const bf16* bias, OUT* out, int num_rows,        \
+                                                              int inner, const NW* norm_weight, float eps) {   \
+        gemv_fp8_impl<OUT, ROWS, EPI, BLOCK, true, NW>(x, w, scales, scale_stride, bias, out, num_rows, inner, \
+                                                       norm_weight, eps);                                     \
     }
 
 #define DEFINE_FP8_MMA(NAME, OUT, EPI, BLOCK, SUFFIX)                                                            \
@@ -418,5 +467,18 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
     DEFINE_FP8_MMA(gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX)            \
     DEFINE_FP8_MMA(gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX)
 
+#define DEFINE_FP8_NORM_FORMS(NW_NAME, NW, SUFFIX, BLOCK)                                               \
+    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, bf16, bf16, Fp8Plain, BLOCK, SUFFIX, 1)                             \
+    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, bf16, bf16, Fp8Plain, BLOCK, SUFFIX, 2)                             \
+    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, bf16, bf16, Fp8Plain, BLOCK, SUFFIX, 4)                             \
+    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX, 2)               \
+    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX, 4)               \
+    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 2)      \
+    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 4)
+
 DEFINE_FP8_FORMS(, false)
 DEFINE_FP8_FORMS(_blk, true)
+DEFINE_FP8_NORM_FORMS(bf16, bf16, , false)
+DEFINE_FP8_NORM_FORMS(bf16, bf16, _blk, true)
+DEFINE_FP8_NORM_FORMS(f32, float, , false)
+DEFINE_FP8_NORM_FORMS(f32, float, _blk, true)

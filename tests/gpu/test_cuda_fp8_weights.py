@@ -86,7 +86,10 @@ def reference(x: np.ndarray, host: HostProjection, quantize_x: bool = False) -> 
 FORMS = ["plain", "f32_bias", "gated", "add"]
 
 
-def run_form(cuda_backend, rng, form: str, num_tokens: int, rows: int, inner: int, block: bool, norm: bool):
+def run_form(
+    cuda_backend, rng, form: str, num_tokens: int, rows: int, inner: int, block: bool, norm: bool,
+    norm_type: DType = DType.BF16,
+):
     """(CUDA output, the float64 reference without and with x rounded to E4M3) of one form."""
     dense = cuda_backend.dense
     norm_weight = RmsNorm(bf16(1 + 0.3 * rng.standard_normal(inner)), EPS) if norm else None
@@ -94,6 +97,9 @@ def run_form(cuda_backend, rng, form: str, num_tokens: int, rows: int, inner: in
     linear = fp8_linear(rng, 2 * rows if gated else rows, inner, block, bias=form == "f32_bias")
     host_projection = HostProjection(linear, norm_weight, Activation.SILU if gated else None)
     prepared = dense.prepare(host_projection)
+    if norm_weight is not None and norm_type is not DType.BF16:  # prepare uploads bf16 norm weights
+        norm_tensor = cuda_backend.upload(norm_weight.weight.astype(np.float32), norm_type)
+        prepared = dense.projection(prepared.weight, prepared.bias, norm_tensor, EPS, host_projection.activation)
     x = bf16(rng.standard_normal((num_tokens, inner)) * 2)
     x[0] *= 8  # rows of very different size: the per-token scales must follow them
     x_tensor = cuda_backend.upload(x, DType.BF16)
@@ -120,6 +126,13 @@ DECODE_SHAPES = [(1, 4096, 4096), (1, 1000, 4096), (1, 200, 320), (2, 1536, 4096
 def test_the_decode_gemvs_read_e4m3_weights_exactly(cuda_backend, rng, num_tokens, rows, inner, form, block):
     got, exact, _ = run_form(cuda_backend, rng, form, num_tokens, rows, inner, block, norm=form != "add")
     assert rel_l2(got, exact) < BF16_TOLERANCE, (form, num_tokens, rows, inner)
+
+
+@pytest.mark.parametrize("form", ["plain", "gated"])
+def test_the_one_row_gemv_takes_an_f32_norm_weight_too(cuda_backend, rng, form):
+    """One row normalises x inside the GEMV; its `_f32` norm-weight forms (block scales here)."""
+    got, exact, _ = run_form(cuda_backend, rng, form, 1, 1000, 4096, True, norm=True, norm_type=DType.F32)
+    assert rel_l2(got, exact) < BF16_TOLERANCE, form
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])

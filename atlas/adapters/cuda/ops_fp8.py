@@ -11,8 +11,9 @@ Where the activations are rounded:
     per group of 128): a relative error of at most 2^-4 per value of x (3 mantissa bits), about
     2^-4 / sqrt(3) ~ 3.6% of each product's typical size, the same order as the weights' own
     rounding. The RMSNorm before a projection is taken in the quantizing kernel.
-Norm weights are never folded into E4M3 columns: the norm kernel runs before a decode GEMV, the
-quantizing kernel takes it before a GEMM.
+Norm weights are never folded into E4M3 columns: the one-row GEMV (bf16 out) applies the norm to
+x itself, the norm kernel runs before the other decode GEMVs, the quantizing kernel takes it
+before a GEMM.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ class Fp8LinearOp:
             name = f"{rt.device_name} fp8"
             tuning = GemmTuningStore(GemmTuningStore.file_for(folder, name, CublasLtGemm.library_version()))
         workspace = rt.workspace("cublaslt_fp8", WORKSPACE_BYTES)
-        self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, workspace, tuning, rt.l2_bytes)
+        evict = rt.evict_l2 if rt.features.hbm_tuning else None
+        self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, workspace, tuning, rt.l2_bytes, evict)
         self._no_accumulate: set[tuple[int, int, bool]] = set()  # weight shapes cuBLASLt cannot add into
 
     # -- the three forms ------------------------------------------------------------------
@@ -120,9 +122,10 @@ class Fp8LinearOp:
         num_tokens = self._check(x, matrix, out, matrix.shape[0])
         if num_tokens == 0:
             return
-        if num_tokens <= GEMV_MAX_TOKENS and self._gemv(self._input(x, norm, eps), matrix, out, bias,
-                                                        checks.type_suffix(out.dtype)):
-            return
+        if num_tokens <= GEMV_MAX_TOKENS:
+            source, inside = self._gemv_input(x, norm, eps, out)
+            if self._gemv(source, matrix, out, bias, checks.type_suffix(out.dtype), norm=inside, eps=eps):
+                return
         product = self._gemm_product(x, matrix, norm, eps, out)
         if product.address != out.address:
             check("cuMemcpyDtoDAsync",
@@ -143,8 +146,10 @@ class Fp8LinearOp:
         if num_tokens == 0:
             return
         what = f"gated_{_ACTIVATION_NAMES[activation]}"
-        if num_tokens <= GEMV_MAX_TOKENS and self._gemv(self._input(x, norm, eps), matrix, out, None, what, True):
-            return
+        if num_tokens <= GEMV_MAX_TOKENS:
+            source, inside = self._gemv_input(x, norm, eps, out)
+            if self._gemv(source, matrix, out, None, what, True, norm=inside, eps=eps):
+                return
         act_mul(self._rt, self._gemm_product(x, matrix, norm, eps, None), activation, out)
 
     def project_add(
@@ -205,15 +210,31 @@ class Fp8LinearOp:
         rmsnorm(self._rt, x, None, norm, eps, normed)
         return normed
 
+    def _gemv_input(
+        self, x: CudaTensor, norm: CudaTensor | None, eps: float, out: CudaTensor
+    ) -> tuple[CudaTensor, CudaTensor | None]:
+        """(x, norm) where the GEMV normalises x itself, saving the norm kernel before it: one row,
+        bf16 out, `fp8_gemv_norm` on; else (`_input`'s x, None)."""
+        if norm is not None and x.shape[0] == 1 and out.dtype is DType.BF16 and self._rt.features.fp8_gemv_norm:
+            return x, norm
+        return self._input(x, norm, eps), None
+
     def _gemv(
         self, x: CudaTensor, matrix: Fp8Matrix, out: CudaTensor, bias: CudaTensor | None, what: str,
-        gated: bool = False,
+        gated: bool = False, norm: CudaTensor | None = None, eps: float = 0.0,
     ) -> bool:
         """Launch `gemv_fp8_<what>` (one row) or `gemv_fp8_mma_<what>` (2..8 rows, K % 64 == 0);
-        False where neither applies (the caller takes the GEMM)."""
+        with `norm` (one row only) `gemv_fp8_rmsnorm_<nw>_<what>`, out = <what>(rmsnorm(x) W^T).
+        False where none applies (the caller takes the GEMM)."""
         num_tokens, inner = x.shape
         features = out.shape[1]
         suffix = "_blk" if matrix.block else ""
+        norm_args: tuple = ()
+        if norm is not None:
+            checks.dtype(norm, "norm", (DType.BF16, DType.F32))
+            checks.shape(norm, "norm", (inner,))
+            what = f"rmsnorm_{checks.type_suffix(norm.dtype)}_{what}"
+            norm_args = (norm.address, np.float32(eps))
         if num_tokens == 1:
             if gated:  # two features (four weight rows) per block while there are two blocks per SM
                 rows = 4 if features // 2 >= 2 * self._rt.num_sms else 2
@@ -241,6 +262,7 @@ class Fp8LinearOp:
             *counts,
             np.int32(features),
             np.int32(inner),
+            *norm_args,
         )
         return True
 
