@@ -26,8 +26,9 @@ Algorithm choice: at a shape's first call the plan takes the stored winner of it
 when the heuristic's candidates hold it (gemm_tuning.py); otherwise, when the call may
 synchronise (not while a graph is captured), the heuristic's top `_HEURISTIC_CANDIDATES` (plus
 split-K variants of its first two picks when N <= `_SPLIT_K_MAX_TOKENS`, for decode batches, and
-for those of weights larger than the L2 its first pick with other tiles and clusters) are
-timed and the fastest is kept and stored. Otherwise, and with tuning off, the heuristic's first
+for those its first pick with other tiles and clusters: always for weights larger than the L2,
+for smaller ones where the L2 is evicted before each timed run, `CublasLtGemm`) are timed and
+the fastest is kept and stored. Otherwise, and with tuning off, the heuristic's first
 pick runs. A plan never changes its choice afterwards, so every call of a shape in a process
 computes the same rounding (a graph captured cold and an eager call agree bit for bit); an eager
 call of a shape before its capture, or a store from an earlier run, puts tuned algorithms into
