@@ -147,6 +147,36 @@ def test_the_fp8_gemm_rounds_x_to_e4m3_and_nothing_else(cuda_backend, rng, num_t
     assert rel_l2(got, exact) < FP8_ACTIVATION_TOLERANCE, (form, num_tokens, rows, inner)
 
 
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+def test_every_decode_candidate_of_the_fp8_gemm_applies_the_scales(cuda_backend, rng, block):
+    """At decode sizes the tuner races the heuristic's picks, their split-K copies and the tile
+    variants for E4M3 products too (weights smaller than the L2 as well, `hbm_tuning`), and keeps
+    whichever is fastest: every candidate must compute the product with the scales applied, as
+    the heuristic's pick does."""
+    from atlas.adapters.cuda import cublaslt
+
+    fp8 = cuda_backend.dense.fp8
+    gemm = fp8._gemm
+    if gemm._tuning is None:
+        pytest.skip("cuBLASLt tuning is off (ATLAS_CUDA_DISABLE=gemm_tuning)")
+    num_tokens, rows, inner = 40, 1024, 4096
+    linear = fp8_linear(rng, rows, inner, block)
+    matrix = cuda_backend.dense.prepare(HostProjection(linear)).weight
+    x = bf16(rng.standard_normal((num_tokens, inner)))
+    quantized, scales, padded = fp8._quantize(cuda_backend.upload(x, DType.BF16), matrix, None, 0.0)
+    assert padded == num_tokens
+    expected = round_e4m3(x.astype(np.float64), 128 if block else None) @ linear.values().astype(np.float64).T
+    plan = gemm._build(padded, rows, inner, DType.FP8_E4M3, DType.BF16, False, False, scales.modes,
+                       (scales.weight_address, scales.x_address))
+    heuristic = gemm._heuristic(plan.descriptor, plan.layouts, cublaslt._HEURISTIC_CANDIDATES)
+    variants = gemm._tile_variants(plan.descriptor, plan.layouts, heuristic[0], padded, heuristic)
+    plan.candidates = np.concatenate([plan.candidates, variants])
+    for index in range(len(plan.candidates)):
+        out = poisoned(cuda_backend, (padded, rows), DType.BF16)
+        gemm._enqueue(plan, index, (quantized.address, matrix.data.address, out.address))
+        assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE, f"candidate {index}"
+
+
 def test_an_fp8_projection_captured_in_a_graph_replays_the_eager_bits(cuda_backend, rng):
     """Decode GEMV and FP8 GEMM (with its quantizing kernel and cuBLASLt's scale pointers), in one
     graph: replays equal the eager calls bit for bit."""
