@@ -367,10 +367,11 @@ class CublasLtGemm:
                 f"cuBLASLt has no algorithm for x [{num_tokens}, {inner}] @ w [{num_rows}, {inner}]^T "
                 f"({in_dtype.value} -> {out_dtype.value})"
             )
-        l2_resident = num_rows * inner * in_dtype.itemsize <= self._l2_bytes and self._evict_l2 is not None
+        fits_l2 = num_rows * inner * in_dtype.itemsize <= self._l2_bytes
+        l2_resident = fits_l2 and self._evict_l2 is not None
         if self._tuning is not None and num_tokens <= _SPLIT_K_MAX_TOKENS:
             variants = [self._split_k_variants(descriptor, layouts, candidates[:2])]
-            if l2_resident or num_rows * inner * in_dtype.itemsize > self._l2_bytes:
+            if l2_resident or not fits_l2:
                 variants.append(self._tile_variants(descriptor, layouts, candidates[0], num_tokens, candidates))
             candidates = np.concatenate([candidates, *variants])
         key = f"{token_bucket(num_tokens)},{num_rows},{inner},{in_dtype.value},{out_dtype.value},{int(with_bias)}"
