@@ -115,7 +115,8 @@ class CublasLtGemm:
     the L2 after the first run (the ranking would then be of L2 reads, not of the HBM stream a
     decode step sees): with `evict_l2` (enqueues reads that push everything else out of the L2)
     such a weight's candidates are timed after it, and race the tile variants (`_tile_variants`)
-    as larger weights do; without it they do not. On an H200 at 64 tokens the FP8 o and down
+    as larger weights do; without it they do not. Block-scaled FP8 products never race tile
+    variants (one computed wrong results on an H200). On an H200 at 64 tokens the FP8 o and down
     projections of Llama-3.1-8B ran 13.8 and 36.6 us with the heuristic's pick against 8.1 and
     19.0 with a tile variant, timed from HBM (docs/lab/cuda-runs.md).
     """
@@ -371,7 +372,11 @@ class CublasLtGemm:
         l2_resident = fits_l2 and self._evict_l2 is not None
         if self._tuning is not None and num_tokens <= _SPLIT_K_MAX_TOKENS:
             variants = [self._split_k_variants(descriptor, layouts, candidates[:2])]
-            if l2_resident or not fits_l2:
+            # Tile variants of block-scaled products are not raced: on an H200 (cuBLASLt 13), one that
+            # matmul_algo_check accepted returned 0.34 relative error with 128 x 128 weight scales
+            # (tests/gpu/test_cuda_fp8_weights.py, every decode candidate applies the scales).
+            block_scaled = scale_modes is not None and scale_modes[0] == int(lt.MatmulMatrixScale.BLK128x128_32F)
+            if (l2_resident or not fits_l2) and not block_scaled:
                 variants.append(self._tile_variants(descriptor, layouts, candidates[0], num_tokens, candidates))
             candidates = np.concatenate([candidates, *variants])
         key = f"{token_bucket(num_tokens)},{num_rows},{inner},{in_dtype.value},{out_dtype.value},{int(with_bias)}"
