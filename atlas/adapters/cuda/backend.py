@@ -175,6 +175,9 @@ class CudaGpuBackend:
         elif dst.dtype is DType.F32:
             bits = int(np.array([value], dtype=np.float32).view(np.uint32)[0])
             check("cuMemsetD32Async", cu.cuMemsetD32Async(dst.address, bits, count, stream))
+        elif dst.dtype is DType.FP8_E4M3:  # NaN is 0x7f; values past 448 are refused by the cast
+            byte = int(np.array([value], dtype=NUMPY_DTYPES[dst.dtype]).view(np.uint8)[0])
+            check("cuMemsetD8Async", cu.cuMemsetD8Async(dst.address, byte, count, stream))
         else:
             if not math.isfinite(value) or value != int(value):
                 raise ValueError(f"fill: {value} is not an integer for a {dst.dtype.value} tensor")
