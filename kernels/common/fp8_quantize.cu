@@ -38,7 +38,70 @@ __device__ __forceinline__ float quant_weight(const NW* norm_weight, int k) {
     return norm_weight == nullptr ? 1.0f : to_float(norm_weight[k]);
 }
 
-template <typename NW>
+// One token row of at most QUANT_THREADS * 8 * CHUNKS columns, read from memory once: every thread
+// issues its chunk loads together and keeps them in registers (4 a chunk) for the RMS, the amax
+// and the write (`quantize_e4m3_token*_r<CHUNKS>`, CHUNKS the fewest of 1, 2, 4, 8 that hold the
+// row, so the registers and the occupancy follow the row's width). Wider rows take
+// quantize_token_impl's three passes over the row. The sums run in the same order as those
+// passes', so both give the same bits. On an H200 the
+// passes' quantize_e4m3_token_norm took 63 us a call on 8,192 rows of 4,096 against ~25 us of
+// bytes, and at 64 rows (a block a row, half the SMs idle) each block's 21 dependent loads
+// bounded it (docs/lab/cuda-runs.md).
+template <typename NW, int CHUNKS>
+__device__ __forceinline__ void quantize_row_resident(const bf16* __restrict__ x_row, const NW* __restrict__ norm_weight,
+                                                      float eps, fp8_e4m3* __restrict__ q_row, float* __restrict__ scale,
+                                                      int inner, float* scratch) {
+    Vec8<bf16> chunks[CHUNKS];
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int k = (c * QUANT_THREADS + threadIdx.x) * 8;
+        if (k < inner) chunks[c].load(x_row + k);
+    }
+    float inverse_rms = 1.0f;
+    if (norm_weight != nullptr) {
+        float sum_squares = 0.0f;
+#pragma unroll
+        for (int c = 0; c < CHUNKS; ++c) {
+            if ((c * QUANT_THREADS + threadIdx.x) * 8 >= inner) break;
+            float v[8];
+            chunks[c].to_floats(v);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sum_squares += v[i] * v[i];
+        }
+        inverse_rms = 1.0f / sqrtf(block_sum(sum_squares, scratch) / inner + eps);
+    }
+    auto values = [&](int c, float* v) {
+        const int k = (c * QUANT_THREADS + threadIdx.x) * 8;
+        chunks[c].to_floats(v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = v[i] * inverse_rms * quant_weight(norm_weight, k + i);
+    };
+    float amax = 0.0f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        if ((c * QUANT_THREADS + threadIdx.x) * 8 >= inner) break;
+        float v[8];
+        values(c, v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    }
+    amax = block_max(amax, scratch);
+    const float inverse = amax > 0.0f ? 448.0f / amax : 0.0f;
+#pragma unroll
+    for (int c = 0; c < CHUNKS; ++c) {
+        const int k = (c * QUANT_THREADS + threadIdx.x) * 8;
+        if (k >= inner) break;
+        float v[8];
+        values(c, v);
+        uint2 packed;
+        packed.x = (u32)pack_fp8x2(v[0] * inverse, v[1] * inverse) | ((u32)pack_fp8x2(v[2] * inverse, v[3] * inverse) << 16);
+        packed.y = (u32)pack_fp8x2(v[4] * inverse, v[5] * inverse) | ((u32)pack_fp8x2(v[6] * inverse, v[7] * inverse) << 16);
+        *reinterpret_cast<uint2*>(q_row + k) = packed;
+    }
+    if (threadIdx.x == 0) *scale = amax / 448.0f;
+}
+
+template <typename NW, int CHUNKS>
 __device__ __forceinline__ void quantize_token_impl(const bf16* __restrict__ x, const NW* __restrict__ norm_weight,
                                                     float eps, fp8_e4m3* __restrict__ q, float* __restrict__ scales,
                                                     int num_tokens, int inner) {
@@ -54,6 +117,10 @@ __device__ __forceinline__ void quantize_token_impl(const bf16* __restrict__ x, 
         return;
     }
     const bf16* x_row = x + (long long)row * inner;
+    if constexpr (CHUNKS > 0) {
+        quantize_row_resident<NW, CHUNKS>(x_row, norm_weight, eps, q_row, scales + row, inner, scratch);
+        return;
+    }
     const float inverse_rms = quant_inverse_rms(x_row, inner, norm_weight, eps, scratch);
     auto values = [&](int k, float* v) {
         load8(x_row + k, v);
@@ -125,11 +192,21 @@ __device__ __forceinline__ void quantize_group_impl(const bf16* __restrict__ x, 
 
 // quantize_e4m3_{token,group}[_norm_{bf16,f32}]: a grid of `num_rows` (>= num_tokens) blocks of
 // QUANT_THREADS. norm_weight [K] (the _norm forms; null otherwise), eps.
-#define DEFINE_QUANTIZE(SUFFIX, NW)                                                                               \
-    extern "C" __global__ void __launch_bounds__(QUANT_THREADS) quantize_e4m3_token##SUFFIX(                       \
+#define DEFINE_QUANTIZE_RESIDENT(SUFFIX, NW, CHUNKS)                                                             \
+    extern "C" __global__ void __launch_bounds__(QUANT_THREADS) quantize_e4m3_token##SUFFIX##_r##CHUNKS(           \
         const bf16* x, const NW* norm_weight, float eps, fp8_e4m3* q, float* scales, int num_tokens, int inner) {  \
-        quantize_token_impl<NW>(x, norm_weight, eps, q, scales, num_tokens, inner);                               \
+        quantize_token_impl<NW, CHUNKS>(x, norm_weight, eps, q, scales, num_tokens, inner);                       \
+    }
+
+#define DEFINE_QUANTIZE(SUFFIX, NW)                                                                               \
+    extern "C" __global__ void __launch_bounds__(QUANT_THREADS) quantize_e4m3_token##SUFFIX(                    \
+        const bf16* x, const NW* norm_weight, float eps, fp8_e4m3* q, float* scales, int num_tokens, int inner) {  \
+        quantize_token_impl<NW, 0>(x, norm_weight, eps, q, scales, num_tokens, inner);                            \
     }                                                                                                             \
+    DEFINE_QUANTIZE_RESIDENT(SUFFIX, NW, 1)                                                                       \
+    DEFINE_QUANTIZE_RESIDENT(SUFFIX, NW, 2)                                                                       \
+    DEFINE_QUANTIZE_RESIDENT(SUFFIX, NW, 4)                                                                       \
+    DEFINE_QUANTIZE_RESIDENT(SUFFIX, NW, 8)                                                                       \
     extern "C" __global__ void __launch_bounds__(QUANT_THREADS) quantize_e4m3_group##SUFFIX(                       \
         const bf16* x, const NW* norm_weight, float eps, fp8_e4m3* q, float* scales, int num_tokens, int num_rows, \
         int inner) {                                                                                              \

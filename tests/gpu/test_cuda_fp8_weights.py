@@ -147,6 +147,42 @@ def test_the_fp8_gemm_rounds_x_to_e4m3_and_nothing_else(cuda_backend, rng, num_t
     assert rel_l2(got, exact) < FP8_ACTIVATION_TOLERANCE, (form, num_tokens, rows, inner)
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("num_tokens, inner", [(5, 2048), (64, 6144), (62, 14336), (7, 16384)])
+def test_the_register_resident_quantizer_gives_the_three_pass_kernels_bits(cuda_backend, rng, num_tokens, inner,
+                                                                            norm):
+    """The token quantizer that keeps a row in registers (`_r1` .. `_r8`, by width) writes the
+    same E4M3 bytes and scales as the kernel that reads the row three times, the scale is the
+    row's amax / 448 and the padding rows are zeros."""
+    from atlas.adapters.cuda.ops_fp8 import _QUANT_THREADS, _resident_suffix
+
+    rt = cuda_backend.dense.fp8._rt
+    rows = -(-num_tokens // 4) * 4
+    x = bf16(rng.standard_normal((num_tokens, inner)) * 2)
+    x[0] *= 8
+    weight = bf16(1 + 0.3 * rng.standard_normal(inner))
+    x_tensor = cuda_backend.upload(x, DType.BF16)
+    weight_tensor = cuda_backend.upload(weight, DType.BF16)
+    suffix = "_norm_bf16" if norm else ""
+    results = []
+    for name in (f"quantize_e4m3_token{suffix}{_resident_suffix(inner)}", f"quantize_e4m3_token{suffix}"):
+        quantized = poisoned(cuda_backend, (rows, inner), DType.FP8_E4M3)
+        scales = poisoned(cuda_backend, (rows,), DType.F32)
+        rt.launch("fp8_quantize", name, (rows,), _QUANT_THREADS, x_tensor.address,
+                  weight_tensor.address if norm else 0, np.float32(EPS), quantized.address, scales.address,
+                  np.int32(num_tokens), np.int32(inner))
+        results.append((host(cuda_backend, quantized).view(np.uint8), host(cuda_backend, scales)))
+    (resident, resident_scales), (passes, passes_scales) = results
+    assert _resident_suffix(inner) != ""
+    np.testing.assert_array_equal(resident, passes)
+    np.testing.assert_array_equal(resident_scales, passes_scales)
+    values = x.astype(np.float32)
+    if norm:
+        values = values / np.sqrt(np.mean(values**2, axis=1, keepdims=True) + EPS) * weight.astype(np.float32)
+    np.testing.assert_allclose(resident_scales[:num_tokens], np.abs(values).max(axis=1) / 448, rtol=1e-3)
+    assert not resident[num_tokens:].any() and not resident_scales[num_tokens:].any()
+
+
 @pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
 def test_every_decode_candidate_of_the_fp8_gemm_applies_the_scales(cuda_backend, rng, block):
     """At decode sizes the tuner races the heuristic's picks, their split-K copies and, for

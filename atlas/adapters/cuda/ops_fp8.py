@@ -91,6 +91,14 @@ def upload_fp8(rt: CudaRuntime, upload, host: HostLinear, what: str) -> Fp8Matri
     return Fp8Matrix(upload(weight, DType.FP8_E4M3), upload(padded, DType.F32), True)
 
 
+def _resident_suffix(inner: int) -> str:
+    """The token quantizer that holds a row of `inner` columns in registers (`_r<chunks>`, chunks
+    of 8 columns a thread: the fewest of 1, 2, 4, 8 that hold it), or "" for the kernel that reads
+    a wider row three times (fp8_quantize.cu)."""
+    chunks = -(-inner // (8 * _QUANT_THREADS))
+    return next((f"_r{c}" for c in (1, 2, 4, 8) if chunks <= c), "")
+
+
 def _rows_per_block(num_rows: int, num_sms: int) -> int:
     """Output rows per block of the one-token GEMV: more while there are still two blocks per SM."""
     return next((r for r in (4, 2) if num_rows // r >= 2 * num_sms), 1)
@@ -335,8 +343,8 @@ class Fp8LinearOp:
             rt.launch("fp8_quantize", f"quantize_e4m3_group{norm_suffix}", (rows,), _QUANT_THREADS, *common,
                       np.int32(rows), np.int32(inner))
         else:
-            rt.launch("fp8_quantize", f"quantize_e4m3_token{norm_suffix}", (rows,), _QUANT_THREADS, *common,
-                      np.int32(inner))
+            rt.launch("fp8_quantize", f"quantize_e4m3_token{norm_suffix}{_resident_suffix(inner)}", (rows,),
+                      _QUANT_THREADS, *common, np.int32(inner))
         return quantized, Fp8Scales(matrix.block, matrix.scales.address, scales.address), rows
 
     def _add_bias(self, out: CudaTensor, bias: CudaTensor) -> None:
