@@ -208,6 +208,8 @@ def test_every_decode_candidate_of_the_fp8_gemm_applies_the_scales(cuda_backend,
     heuristic = gemm._heuristic(plan.descriptor, plan.layouts, cublaslt._HEURISTIC_CANDIDATES)
     if not block and gemm._evict_l2 is not None:
         assert len(plan.candidates) > len(heuristic)  # split-K copies and tile variants join the race
+    # per-channel products accumulate without promotion (`fp8_fast_accum`), block-scaled ones never
+    assert (",fast" in plan.tuning_key) == (not block and cuda_backend.dense.fp8._rt.features.fp8_fast_accum)
     for index in range(len(plan.candidates)):
         out = poisoned(cuda_backend, (padded, rows), DType.BF16)
         gemm._enqueue(plan, index, (quantized.address, matrix.data.address, out.address))

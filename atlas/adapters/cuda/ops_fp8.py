@@ -118,7 +118,8 @@ class Fp8LinearOp:
             tuning = GemmTuningStore(GemmTuningStore.file_for(folder, name, CublasLtGemm.library_version()))
         workspace = rt.workspace("cublaslt_fp8", WORKSPACE_BYTES)
         evict = rt.evict_l2 if rt.features.hbm_tuning else None
-        self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, workspace, tuning, rt.l2_bytes, evict)
+        self._gemm: CublasLtGemm | None = CublasLtGemm(rt.stream_handle, workspace, tuning, rt.l2_bytes, evict,
+                                                       fast_accum=rt.features.fp8_fast_accum)
         self._no_accumulate: set[tuple[int, int, bool]] = set()  # weight shapes cuBLASLt cannot add into
 
     # -- the three forms ------------------------------------------------------------------

@@ -54,7 +54,7 @@ class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
     `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`,
-    `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`) turns some off, for debugging and A/B timings.
+    `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`, `fp8_fast_accum`) turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -68,6 +68,8 @@ class CudaFeatures:
         weights do (cublaslt.py); off, its candidates race from the L2 without those variants.
     fp8_gemv_norm: a one-token product over FP8 weights with an input norm normalises inside the
         GEMV (gemv_fp8.cu) instead of running the norm kernel before it.
+    fp8_fast_accum: cuBLASLt's FP8 products over per-channel scales accumulate without fp32
+        promotion (FAST_ACCUM, cublaslt.py); block-scaled ones always promote.
     gemv_fused: at decode sizes the dense kind's `project` (a norm, a gated activation) and
         `project_add` are each one GEMV (the norm taken as x is loaded, or after the product where
         `fold_rmsnorm` folded its weight at `prepare`; the activation or residual add applied to
@@ -126,6 +128,7 @@ class CudaFeatures:
     allreduce_ll: bool = True
     hbm_tuning: bool = True
     fp8_gemv_norm: bool = True
+    fp8_fast_accum: bool = True
 
     @classmethod
     def for_device(cls, compute_capability: tuple[int, int]) -> CudaFeatures:
@@ -149,6 +152,7 @@ class CudaFeatures:
             "gemv_narrow",
             "hbm_tuning",
             "fp8_gemv_norm",
+            "fp8_fast_accum",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -172,6 +176,7 @@ class CudaFeatures:
             allreduce_ll="allreduce_ll" not in disabled,
             hbm_tuning="hbm_tuning" not in disabled,
             fp8_gemv_norm="fp8_gemv_norm" not in disabled,
+            fp8_fast_accum="fp8_fast_accum" not in disabled,
         )
 
 
