@@ -38,18 +38,26 @@ __device__ __forceinline__ float quant_weight(const NW* norm_weight, int k) {
     return norm_weight == nullptr ? 1.0f : to_float(norm_weight[k]);
 }
 
+// 8 values times `inverse`, stored as E4M3 bytes.
+__device__ __forceinline__ void store_e4m3x8(fp8_e4m3* q, const float* v, float inverse) {
+    uint2 packed;
+    packed.x = (u32)pack_fp8x2(v[0] * inverse, v[1] * inverse) | ((u32)pack_fp8x2(v[2] * inverse, v[3] * inverse) << 16);
+    packed.y = (u32)pack_fp8x2(v[4] * inverse, v[5] * inverse) | ((u32)pack_fp8x2(v[6] * inverse, v[7] * inverse) << 16);
+    *reinterpret_cast<uint2*>(q) = packed;
+}
+
 // One token row of at most QUANT_THREADS * 8 * CHUNKS columns, read from memory once: every thread
 // issues its chunk loads together and keeps them in registers (4 a chunk) for the RMS, the amax
 // and the write (`quantize_e4m3_token*_r<CHUNKS>`, CHUNKS the fewest of 1, 2, 4, 8 that hold the
 // row, so the registers and the occupancy follow the row's width). Wider rows take
 // quantize_token_impl's three passes over the row. The sums run in the same order as those
-// passes', so both give the same bits. On an H200 the
-// passes' quantize_e4m3_token_norm took 63 us a call on 8,192 rows of 4,096 against ~25 us of
-// bytes, and at 64 rows (a block a row, half the SMs idle) each block's 21 dependent loads
-// bounded it (docs/lab/cuda-runs.md).
+// passes', so both give the same bits. On an H200 the passes' quantize_e4m3_token_norm took 63 us
+// a call on 8,192 rows of 4,096 against ~25 us of bytes, and at 64 rows (a block a row, half the
+// SMs idle) each block's 21 dependent loads bounded it (docs/lab/cuda-runs.md).
 template <typename NW, int CHUNKS>
-__device__ __forceinline__ void quantize_row_resident(const bf16* __restrict__ x_row, const NW* __restrict__ norm_weight,
-                                                      float eps, fp8_e4m3* __restrict__ q_row, float* __restrict__ scale,
+__device__ __forceinline__ void quantize_row_resident(const bf16* __restrict__ x_row,
+                                                      const NW* __restrict__ norm_weight, float eps,
+                                                      fp8_e4m3* __restrict__ q_row, float* __restrict__ scale,
                                                       int inner, float* scratch) {
     Vec8<bf16> chunks[CHUNKS];
 #pragma unroll
@@ -93,10 +101,7 @@ __device__ __forceinline__ void quantize_row_resident(const bf16* __restrict__ x
         if (k >= inner) break;
         float v[8];
         values(c, v);
-        uint2 packed;
-        packed.x = (u32)pack_fp8x2(v[0] * inverse, v[1] * inverse) | ((u32)pack_fp8x2(v[2] * inverse, v[3] * inverse) << 16);
-        packed.y = (u32)pack_fp8x2(v[4] * inverse, v[5] * inverse) | ((u32)pack_fp8x2(v[6] * inverse, v[7] * inverse) << 16);
-        *reinterpret_cast<uint2*>(q_row + k) = packed;
+        store_e4m3x8(q_row + k, v, inverse);
     }
     if (threadIdx.x == 0) *scale = amax / 448.0f;
 }
@@ -139,10 +144,7 @@ __device__ __forceinline__ void quantize_token_impl(const bf16* __restrict__ x, 
     for (int k = threadIdx.x * 8; k < inner; k += QUANT_THREADS * 8) {
         float v[8];
         values(k, v);
-        uint2 packed;
-        packed.x = (u32)pack_fp8x2(v[0] * inverse, v[1] * inverse) | ((u32)pack_fp8x2(v[2] * inverse, v[3] * inverse) << 16);
-        packed.y = (u32)pack_fp8x2(v[4] * inverse, v[5] * inverse) | ((u32)pack_fp8x2(v[6] * inverse, v[7] * inverse) << 16);
-        *reinterpret_cast<uint2*>(q_row + k) = packed;
+        store_e4m3x8(q_row + k, v, inverse);
     }
     if (threadIdx.x == 0) scales[row] = amax / 448.0f;
 #else

@@ -66,7 +66,9 @@ _TILE_ROWS = frozenset(range(32, 257, 16))
 _TILE_CLUSTERS = (lt.ClusterShape.SHAPE_1x1x1, lt.ClusterShape.SHAPE_2x1x1, lt.ClusterShape.SHAPE_4x1x1)
 _MIN_GAIN = 0.97  # another candidate must be 3% faster than the heuristic's pick to replace it
 _HEURISTIC_DTYPE = np.dtype(lt.matmul_heuristic_result_dtype)
+# The weight's scale modes (Fp8Scales.modes): one scale a row, or one a 128 x 128 tile.
 _PER_CHANNEL = int(lt.MatmulMatrixScale.OUTER_VEC_32F)
+_BLOCK_SCALED = int(lt.MatmulMatrixScale.BLK128x128_32F)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +85,8 @@ class Fp8Scales:
     def modes(self) -> tuple[int, int]:
         """(A's, B's) `MatmulMatrixScale`: A is the weight, B is x."""
         if self.block:
-            return int(lt.MatmulMatrixScale.BLK128x128_32F), int(lt.MatmulMatrixScale.VEC128_32F)
-        return int(lt.MatmulMatrixScale.OUTER_VEC_32F), int(lt.MatmulMatrixScale.OUTER_VEC_32F)
+            return _BLOCK_SCALED, int(lt.MatmulMatrixScale.VEC128_32F)
+        return _PER_CHANNEL, _PER_CHANNEL
 
 
 @dataclass(slots=True)
@@ -127,8 +129,8 @@ class CublasLtGemm:
     them). On an H200 the 8B's 8k FP8 prefill took 0.1661 s against 0.1766 with it off (0.164-0.166
     against 0.172 in another call), batch 64 4.267 against 4.311 ms a step; its error against
     transformers stayed within what E4M3 activations cost (tests/gpu/test_models.py, 500-token
-    prefills: 7.50 against 7.25 times transformers-bf16's error for the 8B cut, the bound 12). Block-scaled products keep
-    the promotion (DeepSeek-V3's recipe relies on it).
+    prefills: 7.50 against 7.25 times transformers-bf16's error for the 8B cut, the bound 12).
+    Block-scaled products keep the promotion (DeepSeek-V3's recipe relies on it).
     """
 
     def __init__(
@@ -389,7 +391,7 @@ class CublasLtGemm:
             # Tile variants of block-scaled products are not raced: on an H200 (cuBLASLt 13), one that
             # matmul_algo_check accepted returned 0.34 relative error with 128 x 128 weight scales
             # (tests/gpu/test_cuda_fp8_weights.py, every decode candidate applies the scales).
-            block_scaled = scale_modes is not None and scale_modes[0] == int(lt.MatmulMatrixScale.BLK128x128_32F)
+            block_scaled = scale_modes is not None and scale_modes[0] == _BLOCK_SCALED
             if (l2_resident or not fits_l2) and not block_scaled:
                 variants.append(self._tile_variants(descriptor, layouts, candidates[0], num_tokens, candidates))
             candidates = np.concatenate([candidates, *variants])

@@ -54,7 +54,8 @@ class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
     `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`,
-    `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`, `fp8_fast_accum`) turns some off, for debugging and A/B timings.
+    `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`, `fp8_fast_accum`) turns some off, for debugging
+    and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
