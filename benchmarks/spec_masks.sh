@@ -8,6 +8,8 @@
 #   ngram     real SmolLM2 at batch 1 over the 24 shipped edit-and-repeat prompts, plain and with
 #             n-gram drafts (k = 4) in one run: tokens/s of each, speed-up (issue 31: >= 2x),
 #             acceptance length, identical outputs
+#   ngram-inv the same with --batch-invariant (CUDA computes a verify row as a one-row step would):
+#             the outputs must be identical; plain and speculative both pay its batch-1 cost
 #   verify8b  Llama-3.1-8B shape (random weights) at batch 1: a k = 4 verify step's device time
 #             against a plain decode step's at the same context (issue 31: <= 1.15x)
 #   json      real SmolLM2 at batch 1 and 16: json_schema decode against free decode in one run
@@ -37,6 +39,9 @@ smollm2() {
 for step in ${*:-ngram verify8b json table}; do case $step in
   ngram) smollm2 ngram && run ngram 150 $ATLAS bench "$ATLAS_SMOLLM2_DIR" --device cuda --batch-sizes 1 \
            --output-len 256 --prefill-lens 512 --speculative-config "$NGRAM" --json "$OUT/ngram.json" ;;
+  ngram-inv) smollm2 ngram-inv && run ngram-inv 150 $ATLAS bench "$ATLAS_SMOLLM2_DIR" --device cuda --batch-sizes 1 \
+           --output-len 256 --prefill-lens 512 --batch-invariant --speculative-config "$NGRAM" \
+           --json "$OUT/ngram-inv.json" ;;
   verify8b) run verify8b 240 $ATLAS bench --random llama-3.1-8b --device cuda --batch-sizes 1 --max-num-seqs 1 \
            --max-batch-size 1 --output-len 24 --prefill-lens 512 --max-seq-len 2048 \
            --speculative-config "$NGRAM" --json "$OUT/verify8b.json" ;;
@@ -68,6 +73,12 @@ if ngram:
                  f"{row['mean_acceptance_length']:.2f}, {row['prompts']} prompts, "
                  f"identical: {row['identical_outputs']}, undrafted tokens "
                  f"{row.get('undrafted_tokens', '?')} of {row['output_tokens']}"))
+invariant = load("ngram-inv")
+if invariant:
+    row = invariant["speculative"][0]
+    rows.append(("SmolLM2 batch 1, n-gram k=4, --batch-invariant", f"{row['speedup']:.2f}x",
+                 f"{row['plain_tokens_per_s']:.0f} -> {row['speculative_tokens_per_s']:.0f} tok/s, acceptance length "
+                 f"{row['mean_acceptance_length']:.2f}, identical: {row['identical_outputs']}"))
 verify = load("verify8b")
 if verify and verify.get("verify_over_decode"):
     rows.append(("8B batch 1, k=4 verify step / decode step (<= 1.15x)", f"{verify['verify_over_decode']:.3f}x",

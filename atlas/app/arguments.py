@@ -107,6 +107,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="recompute every prompt instead of reusing the KV of cached prefixes")
     group.add_argument("--enforce-eager", action="store_true", default=_env("enforce_eager", False, bool),
                        help="never capture CUDA graphs")
+    group.add_argument("--batch-invariant", action="store_true", default=_env("batch_invariant", False, bool),
+                       help="CUDA: compute every token row of a decode-sized step (up to 8 rows) as it would be "
+                       "computed alone, so that greedy output with --speculative-config (k <= 7 at batch 1) is "
+                       "bit for bit the output without it; products of one row take the tensor-core GEMV, "
+                       "a little slower than the one-row kernel")
     group.add_argument("--seed", type=int, default=_env("seed", None, int),
                        help="seed for requests that bring none (default: a fresh random seed per request)")
     group.add_argument("--speculative-config", metavar="JSON", default=_env("speculative_config", None),
@@ -140,6 +145,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         scheduling_policy=args.scheduling_policy,
         prefix_caching=args.prefix_caching,
         enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant,
         seed=args.seed,
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,

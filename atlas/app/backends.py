@@ -19,11 +19,13 @@ def cuda_available() -> bool:
     return cuda.available()
 
 
-def make_backend(device: str, model_type: str | None = None, dtype: str = "auto") -> GpuBackend:
+def make_backend(device: str, model_type: str | None = None, dtype: str = "auto",
+                 batch_invariant: bool = False) -> GpuBackend:
     """`mock`, `cuda`, or `auto` (CUDA when a GPU and the `cuda` extra are present).
 
     `dtype` is the activation type: the mock computes in f32 by default and rounds like a GPU
-    with bf16; CUDA runs bf16 only.
+    with bf16; CUDA runs bf16 only. `batch_invariant` (CUDA only; see
+    `CudaFeatures.batch_invariant`): a token row's bits do not depend on the other rows of its step.
     """
     if device == "mock" or (device == "auto" and not cuda_available()):
         from atlas.adapters.mock.backend import MockGpuBackend
@@ -40,4 +42,4 @@ def make_backend(device: str, model_type: str | None = None, dtype: str = "auto"
         )
     from atlas.adapters.cuda import CudaGpuBackend
 
-    return CudaGpuBackend(model_hint=model_type)
+    return CudaGpuBackend(model_hint=model_type, batch_invariant=batch_invariant)

@@ -121,7 +121,7 @@ class OneDevice:
     """The whole model on one device."""
 
     def make_backend(self, settings: EngineSettings, config: ModelConfig) -> GpuBackend:
-        return make_backend(settings.device, config.model_type, settings.dtype)
+        return make_backend(settings.device, config.model_type, settings.dtype, settings.batch_invariant)
 
     def weight_bytes(self, checkpoint_bytes: int) -> int:
         return checkpoint_bytes

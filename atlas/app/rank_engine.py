@@ -130,7 +130,8 @@ class RankPart:
         from atlas.adapters.cuda import CudaGpuBackend
         from atlas.adapters.cuda.custom_allreduce import FastAllReduceComm
 
-        backend = CudaGpuBackend(device_ordinal=context.device_ordinal, model_hint=config.model_type)
+        backend = CudaGpuBackend(device_ordinal=context.device_ordinal, model_hint=config.model_type,
+                                 batch_invariant=settings.batch_invariant)
         self.comm = FastAllReduceComm.connect(backend.runtime, context.rank, context.world_size, context.comm_id)
         self.release = backend.close
         return backend

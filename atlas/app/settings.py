@@ -39,6 +39,9 @@ class EngineSettings:
     scheduling_policy: str = "fifo"  # or "priority": lower Request.priority first
     prefix_caching: bool = True  # reuse the KV of cached prompt prefixes (--no-prefix-caching)
     enforce_eager: bool = False  # never capture graphs
+    # a token row's bits independent of its step's other rows (CUDA, up to 8 rows a step): greedy
+    # output with a speculative proposer is then the output without one
+    batch_invariant: bool = False
     seed: int | None = None  # seeds requests that bring none (None: a fresh random seed each)
     tensor_parallel_size: int = 1  # ranks (devices) the model splits over, one process each
     enable_expert_parallel: bool = False  # MoE: place whole experts on ranks instead of splitting each

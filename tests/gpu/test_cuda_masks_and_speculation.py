@@ -127,8 +127,9 @@ def test_smollm2_json_schema_answers_at_temperature_one_parse_and_validate(kerne
 
 def test_smollm2_verify_steps_replay_decode_graphs_and_greedy_matches_plain_decoding(kernel_cache_dir):
     """Verify steps (B x (k + 1) single-token rows) replay the decode graphs. CUDA's kernels are
-    not batch-invariant (a 5-row GEMV sums in another order than a 1-row one), so greedy paths
-    with and without drafts may part, but only at a near-tie; the parting logits are printed."""
+    not batch-invariant by default (a 5-row GEMV sums in another order than a 1-row one), so
+    greedy paths with and without drafts may part, but only at a near-tie; the parting logits are
+    printed. (`--batch-invariant` makes them identical: the test after this one.)"""
     from atlas.app.bench.speculative import load_prompts
     from atlas.app.llm import LLM
 
@@ -167,6 +168,32 @@ def test_smollm2_verify_steps_replay_decode_graphs_and_greedy_matches_plain_deco
             parted.append(gap)
             print(f"paths part: the plain engine's best logit {gap:.2%} above the speculative choice")
     assert all(gap < _NEAR_TIE for gap in parted) and len(parted) <= 1, parted
+
+
+@pytest.mark.parametrize("num_drafts", [4, 7])
+def test_smollm2_greedy_with_ngram_drafts_is_bit_identical_under_batch_invariant(kernel_cache_dir, num_drafts):
+    """With `--batch-invariant` a verify row is computed as the one-row step would compute it, so
+    the 24 edit-and-repeat prompts (the speculative bench's), greedy to 256 tokens, give exactly
+    the tokens of an engine without a proposer."""
+    from atlas.app.bench.speculative import load_prompts
+    from atlas.app.llm import LLM
+
+    folder = _smollm2_dir()
+    conversations = [[{"role": "user", "content": prompt}] for prompt in load_prompts(None)]
+    params = SamplingParams(temperature=0.0, max_tokens=256)
+    ngram = {"method": "ngram", "num_speculative_tokens": num_drafts}
+    outputs = []
+    for config in (ngram, None):
+        llm = LLM(str(folder), device="cuda", show_progress=False, max_seq_len=1024, kv_cache_gb=KV_GB,
+                  speculative_config=config, batch_invariant=True)
+        outputs.append([r.outputs[0].token_ids for r in llm.chat(conversations, params)])
+        if config is not None:
+            stats = llm.engine.core.stats()
+            assert 0 < stats.num_spec_accepted_tokens < stats.num_spec_draft_tokens
+        llm.close()
+    with_drafts, without = outputs
+    assert sum(map(len, without)) > 24 * 32
+    assert with_drafts == without
 
 
 def test_smollm2_as_its_own_draft_model_replays_graphs_and_matches_plain_decoding(kernel_cache_dir):

@@ -10,6 +10,8 @@ attention.py, moe.py, recurrent.py, ops_sampling.py).
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,7 +39,9 @@ KINDS = frozenset({Kind.DENSE, Kind.ATTENTION, Kind.MOE, Kind.RECURRENT, Kind.SA
 
 
 class CudaGpuBackend:
-    """One NVIDIA GPU. `model_hint` (an HF model_type) and `quant` pick tuned kernels."""
+    """One NVIDIA GPU. `model_hint` (an HF model_type) and `quant` pick tuned kernels;
+    `batch_invariant` makes a token row's bits independent of its step's rows (see
+    `CudaFeatures.batch_invariant`)."""
 
     def __init__(
         self,
@@ -45,9 +49,12 @@ class CudaGpuBackend:
         kernel_cache_dir: Path | str | None = None,
         model_hint: str | None = None,
         quant: str = "bf16",
+        batch_invariant: bool = False,
     ) -> None:
         cache_dir = Path(kernel_cache_dir) if kernel_cache_dir is not None else None
         self._rt = CudaRuntime(device_ordinal, cache_dir, model_hint, quant)
+        if batch_invariant:
+            self._rt.features = dataclasses.replace(self._rt.features, batch_invariant=True)
         self._linear = ops_dense.LinearOp(self._rt)
         self._fp8 = Fp8LinearOp(self._rt)
         self._init_kinds(DType.BF16)

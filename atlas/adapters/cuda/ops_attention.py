@@ -515,14 +515,18 @@ def _decode(
     if mma:
         heads_per_block = 8
     else:
-        heads_per_block = decode_heads_per_block(group, meta.num_seqs, heads.num_kv_heads, rt.num_sms)
+        num_seqs = 1 if rt.features.batch_invariant else meta.num_seqs
+        heads_per_block = decode_heads_per_block(group, num_seqs, heads.num_kv_heads, rt.num_sms)
     head_groups = -(-group // heads_per_block)
     num_blocks = meta.num_seqs * heads.num_kv_heads * head_groups
+    # Batch invariant: the warps (a split's tiles go round them) and the split count (each row
+    # then splits its own context as it would alone) of one sequence, whatever the step's rows.
+    shape_blocks = heads.num_kv_heads * head_groups if rt.features.batch_invariant else num_blocks
     if mma:
         kind, waves = "mma", 1
         kv_bytes = 1 if kv_fp8 else 2
         warps, stages, blocks_per_sm = decode_mma_shape(
-            heads.head_dim, num_blocks, rt.num_sms, rt.max_shared_per_sm, kv_bytes
+            heads.head_dim, shape_blocks, rt.num_sms, rt.max_shared_per_sm, kv_bytes
         )
         symbol, threads = f"attention_decode_mma_d{heads.head_dim}_w{warps}_s{stages}", warps * 32
         symbol += "_fp8" if kv_fp8 else ""
@@ -535,7 +539,7 @@ def _decode(
     # a tensor-core split gives each warp at least one 16-token tile: Qwen3-30B-A3B's 4 KV heads
     # at batch 1 (H200, 512 tokens) step in 2959 us with 4 splits of 128 against 3012 with 8 of 64
     min_tokens = max(MIN_TOKENS_PER_SPLIT[kind], 16 * warps) if mma else MIN_TOKENS_PER_SPLIT[kind]
-    splits = decode_split_count(rt.num_sms, num_blocks, meta.max_seq_len, blocks_per_sm, min_tokens, waves)
+    splits = decode_split_count(rt.num_sms, shape_blocks, meta.max_seq_len, blocks_per_sm, min_tokens, waves)
     partial_out = partial_lse = counters = 0
     if splits > 1:
         slots = meta.num_seqs * heads.num_q_heads * splits

@@ -324,7 +324,14 @@ class LinearOp:
     def gemv_rows(self, inner: int) -> int:
         """The most token rows the GEMV kernels take for rows of `inner` elements; more go to
         cuBLASLt or the skinny GEMM."""
-        return GEMV_MAX_TOKENS if inner <= NORM_IN_GEMV_MAX_WIDTH else self.wide_gemv_rows
+        if inner <= NORM_IN_GEMV_MAX_WIDTH or self._rt.features.batch_invariant:
+            return GEMV_MAX_TOKENS
+        return self.wide_gemv_rows
+
+    def _first_mma_rows(self) -> int:
+        """The fewest token rows the tensor-core GEMV takes: 2, or 1 where the step's rows must
+        not change a row's bits (`batch_invariant`: the one-row SIMT kernels sum in another order)."""
+        return 1 if self._rt.features.batch_invariant else 2
 
     def fold_rmsnorm(self, norm_weight: CudaTensor, weight: CudaTensor) -> bool:
         """Scale the weight's columns by the norm weight in place where that removes the norm
@@ -374,7 +381,7 @@ class LinearOp:
         if num_tokens == 0:
             return
         gemv_rows = self.gemv_rows(inner)
-        if 2 <= num_tokens <= gemv_rows and inner % 32 == 0:
+        if self._first_mma_rows() <= num_tokens <= gemv_rows and inner % 32 == 0:
             self._gemv_tensor_cores(x, weight, out, bias, num_tokens, num_rows, inner)
         elif num_tokens <= gemv_rows and inner % 8 == 0:
             self._gemv(x, weight, out, bias, num_tokens, num_rows, inner)
@@ -485,7 +492,8 @@ class LinearOp:
         was with the norm folded into the weight (no norm weight: 4208 against 4062 us)."""
         heads = rope.heads
         features = heads.q_size + 2 * heads.kv_size
-        if not (self._rt.features.gemv_fused and self._rt.features.gemv_rope) or norm_weight is None:
+        flags = self._rt.features
+        if not (flags.gemv_fused and flags.gemv_rope) or flags.batch_invariant or norm_weight is None:
             return False
         if x.shape[0] != 1 or x.shape[1] % 8 or x.shape[1] > NORM_IN_GEMV_MAX_WIDTH or weight.shape[0] != features:
             return False
@@ -539,7 +547,7 @@ class LinearOp:
             return False
         features = out.shape[1]
         what = checks.type_suffix(out.dtype) if activation is None else f"gated_{_ACTIVATION_NAMES[activation]}"
-        if 2 <= num_tokens <= self.gemv_rows(inner) and inner % 32 == 0:
+        if self._first_mma_rows() <= num_tokens <= self.gemv_rows(inner) and inner % 32 == 0:
             symbol, threads = f"gemv_mma_folded_{what}", _GEMV_MMA_WIDE_WARPS * 32
             grid = -(-features // (16 if activation is None else 8))
         elif num_tokens == 1 and inner % 8 == 0:
@@ -586,7 +594,7 @@ class LinearOp:
             # The skinny GEMM has no norm prologue: the caller runs the norm kernel first.
             unnormed = what == "add" or what.startswith("gated_")
             return unnormed and self._skinny(x, weight, out, bias, what, gated)
-        if 2 <= num_tokens and inner % 32 == 0:
+        if self._first_mma_rows() <= num_tokens and inner % 32 == 0:
             symbol, threads = _mma_symbol(what, inner)
             grid = -(-features // (8 if gated else 16))
         elif num_tokens == 1 and inner % 8 == 0:
@@ -613,8 +621,10 @@ class LinearOp:
         return True
 
     def _narrow(self, rows: int, inner: int, blocks: int) -> bool:
-        """`_narrow_warps` where the `gemv_narrow` feature is on."""
-        return self._rt.features.gemv_narrow and _narrow_warps(rows, inner, blocks, self._rt.num_sms)
+        """`_narrow_warps` where the `gemv_narrow` feature is on (and rows need not be batch invariant:
+        2 warps split K otherwise than the kernels of more token rows)."""
+        flags = self._rt.features
+        return flags.gemv_narrow and not flags.batch_invariant and _narrow_warps(rows, inner, blocks, self._rt.num_sms)
 
     def _gemv(self, x, weight, out, bias, num_tokens: int, num_rows: int, inner: int) -> None:
         # A block per ROWS output features (its warps split K).

@@ -224,7 +224,9 @@ class Fp8LinearOp:
     ) -> tuple[CudaTensor, CudaTensor | None]:
         """(x, norm) where the GEMV normalises x itself, saving the norm kernel before it: one row,
         bf16 out, `fp8_gemv_norm` on; else (`_input`'s x, None)."""
-        if norm is not None and x.shape[0] == 1 and out.dtype is DType.BF16 and self._rt.features.fp8_gemv_norm:
+        flags = self._rt.features
+        if (norm is not None and x.shape[0] == 1 and out.dtype is DType.BF16 and flags.fp8_gemv_norm
+                and not flags.batch_invariant):
             return x, norm
         return self._input(x, norm, eps), None
 
@@ -244,7 +246,8 @@ class Fp8LinearOp:
             checks.shape(norm, "norm", (inner,))
             what = f"rmsnorm_{checks.type_suffix(norm.dtype)}_{what}"
             norm_args = (norm.address, np.float32(eps))
-        if num_tokens == 1:
+        # Batch invariant: one row takes the tensor-core kernel too (the SIMT kernel sums in another order).
+        if num_tokens == 1 and not (self._rt.features.batch_invariant and inner % 64 == 0):
             if gated:  # two features (four weight rows) per block while there are two blocks per SM
                 rows = 4 if features // 2 >= 2 * self._rt.num_sms else 2
                 grid = -(-features // (rows // 2))
