@@ -167,6 +167,7 @@ def run_speculative_bench(engine: LoadedEngine, prompts_path: str | None, batch_
     finally:
         scheduler.speculation = policy
     report = {"speculative_config": engine.settings.speculative_config, "model_dir": str(engine.model_dir),
+              "batch_invariant": engine.settings.batch_invariant,
               "speculative": rows, **_verify_step_cost(engine, decode_steps, config.num_speculative_tokens)}
     _print(report)
     return report
@@ -221,7 +222,8 @@ def verify_over(decode: ScheduledBatch, num_drafts: int) -> ScheduledBatch:
 
 
 def _print(report: dict) -> None:
-    print(f"speculative decoding {report['speculative_config']} against the plain engine, greedy")
+    mode = ", --batch-invariant" if report.get("batch_invariant") else ""
+    print(f"speculative decoding {report['speculative_config']}{mode} against the plain engine, greedy")
     print(f"{'batch':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speed-up':>8} {'accept len':>10} {'identical':>9}")
     for row in report["speculative"]:
         print(f"{row['batch']:>5} {row['plain_tokens_per_s']:>12.1f} {row['speculative_tokens_per_s']:>11.1f} "
