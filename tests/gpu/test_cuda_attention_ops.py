@@ -622,3 +622,21 @@ def test_attention_extras_against_float64(cuda_backend, rng, heads, context_lens
                             upload_metadata(cuda_backend, case), heads, scale, out, window, extras)
     expected = _reference_with_extras(case, scale, window, sinks, softcap, gate)
     assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE
+
+
+def test_a_lone_sequences_chunk_launches_no_decode_kernel(cuda_backend, rng):
+    """One sequence of several query tokens (a request's prefill step) runs the prefill kernel
+    alone; with a decode row beside it the decode kernel runs too. Both match the reference."""
+    heads = HeadLayout(9, 3, 64)
+    scale = heads.head_dim**-0.5
+    for context_lens, query_lens, decode_runs in (([300], [300], False), ([77], [13], False),
+                                                  ([77, 40], [13, 1], True)):
+        case = paged_case(rng, heads, context_lens=context_lens, query_lens=query_lens)
+        kv = cuda_cache_with(cuda_backend, case)
+        meta = upload_metadata(cuda_backend, case)
+        out = poisoned(cuda_backend, (case.num_tokens, heads.q_size), DType.BF16)
+        q = cuda_backend.upload(case.query, DType.BF16)
+        symbols = launched_symbols(cuda_backend,
+                                   lambda: cuda_backend.paged_attention(q, kv, 0, meta, heads, scale, out))
+        assert any(symbol.startswith("attention_decode") for symbol in symbols) == decode_runs, symbols
+        assert rel_l2(host(cuda_backend, out), reference_attention(case, scale, None)) < BF16_TOLERANCE

@@ -298,6 +298,10 @@ def attention(
     if meta.max_query_len > 1:
         _prefill(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale,
                  extra_arguments)
+        if meta.num_seqs == 1:
+            # A lone sequence's chunk: no single-token row for the decode kernel, whose blocks would
+            # all leave at once. (A request's prefill step: its launch and ~25 us of host work a layer.)
+            return
     _decode(rt, q, out, planes, common, meta, heads, block_size, scale_log2, window, kv_fp8, v_scale,
             extra_arguments)
 
