@@ -11,7 +11,6 @@ attention.py, moe.py, recurrent.py, ops_sampling.py).
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path

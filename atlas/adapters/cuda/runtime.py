@@ -73,12 +73,13 @@ class CudaFeatures:
         promotion (FAST_ACCUM, cublaslt.py); block-scaled ones always promote.
     batch_invariant: off by default and not in `ATLAS_CUDA_DISABLE`: the engine's
         `--batch-invariant` turns it on. A token row's bits then do not depend on how many rows
-        its step has, up to the GEMV sizes (8 rows): bf16 products of 1..8 rows all take the
-        tensor-core GEMV (each token is its own mma column and the k order is the kernel's), no
-        one-row-only fusion runs (the RoPE epilogue, the 2-warp narrow blocks), and decode
-        attention takes the warps and the split count a lone sequence would, so a row's splits
-        are its own context's. A batch-1 step and a verify step of k <= 7 drafts then agree bit
-        for bit, and greedy output with a proposer is the output without one.
+        its step has, up to the GEMV sizes (8 rows): bf16 and FP8 products of 1..8 rows all take
+        the tensor-core GEMV (each token is its own mma column, the k order is the kernel's), no
+        one-row-only fusion runs (the RoPE epilogue, the 2-warp narrow blocks, the FP8 norm
+        inside the GEMV), and decode attention takes the warps and the split count a lone
+        sequence would, so a row's splits are its own context's. A batch-1 step and a verify
+        step of k <= 7 drafts then agree bit for bit, and greedy output with a proposer is the
+        output without one.
     gemv_fused: at decode sizes the dense kind's `project` (a norm, a gated activation) and
         `project_add` are each one GEMV (the norm taken as x is loaded, or after the product where
         `fold_rmsnorm` folded its weight at `prepare`; the activation or residual add applied to
