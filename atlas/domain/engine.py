@@ -48,7 +48,6 @@ this object; they decide when to call `step` and where outputs go.
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +59,7 @@ import numpy as np
 
 from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
 from atlas.domain.constraints import ConstraintViolation, TokenConstraint, fill_step_bitmask, plan_batch_bitmask
+from atlas.domain.handoff import Handoff, HandoffThread
 from atlas.domain.request_constraints import GrammarCache, token_constraint
 from atlas.domain.requests import FinishReason, ParameterError, Request
 from atlas.domain.sequence import Sequence
@@ -141,8 +141,8 @@ class EngineCore:
         self._num_generated_tokens = 0
         self._num_finished_preemptions = 0
         self._in_flight: deque[tuple[ScheduledBatch, PendingResult]] = deque()
-        self._masks: Future[np.ndarray | None] | None = None  # of the last step in flight, filling
-        self._mask_thread: ThreadPoolExecutor | None = None  # started by the first constrained step
+        self._masks: Handoff[np.ndarray | None] | None = None  # of the last step in flight, filling
+        self._mask_thread: HandoffThread | None = None  # started by the first constrained step
         self._loose: set[str] = set()  # sequences whose constraint may sample under a superset's mask
         self._void: dict[str, int] = {}  # sequence -> the step in flight whose token for it is void
         # A refused row's exact mask, filled on a thread of its own while the step in flight
@@ -229,9 +229,10 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop the mask threads (a later constrained step starts them again)."""
-        for thread in (self._mask_thread, self._exact_thread):
-            if thread is not None:
-                thread.shutdown(wait=True)
+        if self._mask_thread is not None:
+            self._mask_thread.close()
+        if self._exact_thread is not None:
+            self._exact_thread.shutdown(wait=True)
         self._mask_thread = self._exact_thread = None
 
     def reset_prefix_cache(self) -> int:
@@ -414,15 +415,10 @@ class EngineCore:
                 return bitmask if fill_step_bitmask(rows, bitmask, compiler) else None
 
         if self._mask_thread is None:
-            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-masks")
-        started = threading.Event()
-
-        def fill_started() -> np.ndarray | None:
-            started.set()  # the mask thread holds the GIL; llguidance's fill lets it go at once
-            return fill()
-
-        self._masks = self._mask_thread.submit(fill_started)
-        started.wait()  # hand the GIL over now, else the fill starts when this thread next blocks
+            self._mask_thread = HandoffThread("atlas-masks")
+        # returns once the thread runs the fill (it holds the GIL; llguidance's fill lets it go at
+        # once), else the fill would start when this thread next blocks
+        self._masks = self._mask_thread.submit(fill)
 
     def _sample_in_flight(self) -> None:
         """Sample the last step in flight with its masks once they are filled (a no-op when no
