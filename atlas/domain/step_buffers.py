@@ -5,7 +5,8 @@ replays over the same addresses with new contents. Every per-step value lives in
 arena, laid out so that one copy of a prefix refreshes all of it:
 
     int32 arena: | sampled ids [S] | host tokens [T] | token gather [T] | positions [T] |
-                 | slot mapping [G, T] | query start [S+1] | seq lens [S] | sample rows [S] |
+                 | slot mapping [G, T] | query start [S+1] | seq lens [S] | shared prefix [G, S+2] |
+                 | sample rows [S] |
                  | state slots [R, S] | chunk query start [S+1] | chunk seq lens [S] |
                  | snapshot slots [R, S, W] | top-k [S] | penalty offsets [S+1] | bias offsets [S+1] |
                  | f32 params [6, S] | (pad) | i64 params [2, S] (two words each) |
@@ -72,6 +73,7 @@ class _Layout:
             ("slot_mapping", num_kv * max_tokens),
             ("query_start_loc", max_seqs + 1),
             ("seq_lens", max_seqs),
+            ("shared_prefix", num_kv * (max_seqs + 2)),
             ("sample_indices", max_seqs),
             ("state_slots", layout.num_state_groups * max_seqs),
             ("chunk_query_start_loc", max_seqs + 1 if chunked else 0),
@@ -113,6 +115,7 @@ class StepBuffers:
         self.max_tokens = max_tokens
         layout = _Layout(max_tokens, max_seqs, caches)
         self._layout = layout
+        self._num_kv_groups = caches.num_kv_groups
         self._arena = backend.empty((layout.total,), DType.I32)
         self._host_arena = np.zeros(layout.total, np.int32)
         self._num_table_rows = 0
@@ -135,6 +138,9 @@ class StepBuffers:
         self.sample_indices = self._region("sample_indices", max_seqs)
         row = layout.row_width
         self.slot_mappings = [self._part("slot_mapping", g * max_tokens, max_tokens) for g in range(caches.num_kv_groups)]
+        self.shared_prefixes = [
+            self._part("shared_prefix", g * (max_seqs + 2), max_seqs + 2) for g in range(caches.num_kv_groups)
+        ]
         self.state_slots = [self._part("state_slots", g * max_seqs, max_seqs) for g in range(caches.num_state_groups)]
         self._snapshot_width = width = caches.snapshot_width
         self.snapshot_slots = [  # [S, W] each
@@ -178,6 +184,13 @@ class StepBuffers:
             host[slots_at + group * tokens : slots_at + group * tokens + num_tokens] = slots
         host[layout.region("query_start_loc", num_seqs + 1)] = inputs.query_start_loc
         host[layout.region("seq_lens", num_seqs)] = inputs.seq_lens
+        shared_at, width = layout.offsets["shared_prefix"], self.max_seqs + 2
+        for group in range(self._num_kv_groups):
+            start = shared_at + group * width
+            if inputs.shared_prefix is None:
+                host[start] = 0  # no prefix: the kernels read no more of the group's words
+            else:
+                host[start : start + num_seqs + 2] = inputs.shared_prefix[group]
         host[layout.region("sample_indices", num_rows)] = inputs.sample_indices
         chunks = inputs.chunks
         state_slots, num_state_seqs = (inputs.state_slots, num_seqs) if chunks is None else (
@@ -213,9 +226,12 @@ class StepBuffers:
         )
 
     def metadata(
-        self, kv_group: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int
+        self, kv_group: int, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int,
+        shared_prefix_len: int = 0,
     ) -> AttentionMetadata:
-        """The step's view for KV group `kv_group` (its index among the KV groups)."""
+        """The step's view for KV group `kv_group` (its index among the KV groups);
+        `shared_prefix_len` > 0: its decode rows share a prefix of at least that many tokens
+        (`AttentionMetadata.shared_prefix`)."""
         return AttentionMetadata(
             positions=self.positions.rows(0, num_tokens),
             slot_mapping=self.slot_mappings[kv_group].rows(0, num_tokens),
@@ -226,6 +242,8 @@ class StepBuffers:
             num_seqs=num_seqs,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            shared_prefix=self.shared_prefixes[kv_group].rows(0, num_seqs + 2) if shared_prefix_len else None,
+            shared_prefix_len=shared_prefix_len,
         )
 
     def recurrent_metadata(

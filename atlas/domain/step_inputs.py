@@ -63,6 +63,13 @@ class HostStepInputs:
     # a step verifying drafts of a model with recurrent groups: their own view (`StateChunks`);
     # None: they see the step's sequences as attention does
     chunks: StateChunks | None = None
+    # [G, 2 + S] i32 per KV group: the prefix its decode rows share (`shared_prefix`); None: none
+    shared_prefix: np.ndarray | None = None
+
+    def shared_prefix_len(self, group: int) -> int:
+        """Tokens of KV group `group` that its sharing decode rows read from the same pages (0:
+        no such prefix this step)."""
+        return 0 if self.shared_prefix is None else int(self.shared_prefix[group, 0])
 
     @classmethod
     def empty(cls, layout: CacheLayout) -> HostStepInputs:
@@ -143,6 +150,7 @@ def build_step_inputs(
     for group in range(layout.num_kv_groups):
         table = block_tables[:, group]
         slot_mapping[group] = table[token_seq, positions // block_size] * block_size + positions % block_size
+    shared = shared_prefixes(block_tables, query_lens, seq_lens, layout)
     token_gather = np.arange(num_sample_slots, num_sample_slots + num_tokens, dtype=np.int32)
     placeholders = placeholder_rows >= 0  # last token rows sampled by the previous step, on the device
     token_gather[query_start[1:][placeholders] - 1] = placeholder_rows[placeholders]
@@ -159,7 +167,60 @@ def build_step_inputs(
         has_placeholders=bool(placeholders.any()),
         max_query_len=int(query_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+        shared_prefix=shared,
     )
+
+
+# A step's decode rows read a shared prefix together (cascade attention) when at least
+# SHARED_PREFIX_MIN_ROWS of them open with the same SHARED_PREFIX_MIN_TOKENS or more (vLLM's
+# thresholds for its cascade attention): below them the extra kernel costs more than it saves.
+SHARED_PREFIX_MIN_ROWS = 8
+SHARED_PREFIX_MIN_TOKENS = 256
+
+
+def shared_prefixes(
+    block_tables: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, layout: CacheLayout
+) -> np.ndarray | None:
+    """Per KV group, the prefix that decode rows of the step read from the same pages, as
+    [G, 2 + S] i32: (prefix length in tokens, anchor row, then 1 for each row that shares it);
+    None when no group has one.
+
+    A row's shareable blocks are the full ones before its newest token's (nothing writes them
+    this step), up to the anchor's: the decode row with the most of them. A row shares the
+    anchor's leading blocks up to its first differing entry (a scratch entry, as a sliding
+    window leaves, never counts). The length L is the one that saves the most page reads,
+    (rows sharing L - 1) x L, among lengths of at least SHARED_PREFIX_MIN_TOKENS that
+    SHARED_PREFIX_MIN_ROWS rows share; rows sharing more than L share L.
+    """
+    decode = np.flatnonzero(query_lens == 1)
+    if len(decode) < SHARED_PREFIX_MIN_ROWS:
+        return None
+    block_size = layout.block_size
+    caps = (seq_lens[decode] - 1) // block_size  # full blocks before each row's newest token
+    min_blocks = -(-SHARED_PREFIX_MIN_TOKENS // block_size)
+    if np.count_nonzero(caps >= min_blocks) < SHARED_PREFIX_MIN_ROWS:
+        return None
+    anchor = int(np.argmax(caps))
+    width = int(caps[anchor])
+    result = np.zeros((layout.num_kv_groups, 2 + len(seq_lens)), np.int32)
+    found = False
+    for group in range(layout.num_kv_groups):
+        tables = block_tables[decode, group, :width]
+        same = (tables == tables[anchor]) & (tables != layout.kv_scratch_blocks[group])
+        leads = np.where(same.all(axis=1), width, np.argmin(same, axis=1))
+        leads = np.minimum(leads, caps)
+        ranked = np.sort(leads)[::-1]
+        counts = np.arange(1, len(ranked) + 1)
+        saving = np.where((counts >= SHARED_PREFIX_MIN_ROWS) & (ranked >= min_blocks), (counts - 1) * ranked, 0)
+        best = int(np.argmax(saving))
+        if saving[best] <= 0:
+            continue
+        length = int(ranked[best])
+        result[group, 0] = length * block_size
+        result[group, 1] = decode[anchor]
+        result[group, 2 + decode[leads >= length]] = 1
+        found = True
+    return result if found else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -405,4 +466,7 @@ def pad_decode_inputs(
         has_placeholders=inputs.has_placeholders,
         max_query_len=1,
         max_seq_len=inputs.max_seq_len,
+        shared_prefix=None
+        if inputs.shared_prefix is None
+        else np.pad(inputs.shared_prefix, ((0, 0), (0, extra))),
     )

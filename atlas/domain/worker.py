@@ -46,6 +46,8 @@ from atlas.domain.models.model import LayerObserver, Model, StepTensors
 from atlas.domain.sampling import PackedSampling, RowPacker
 from atlas.domain.step_buffers import StepBuffers
 from atlas.domain.step_inputs import (
+    SHARED_PREFIX_MIN_ROWS,
+    SHARED_PREFIX_MIN_TOKENS,
     CacheLayout,
     HostStepInputs,
     StateChunks,
@@ -184,8 +186,13 @@ class Worker:
         self.workspace = model.allocate_workspace(max_tokens, max_seqs)
         self.graph_batch_sizes = tuple(sorted(config.graph_batch_sizes)) if backend.capabilities.supports_graphs else ()
         self._graphs: dict[int, tuple[Graph, Tensor]] = {}  # bucket -> (forward graph, its logits)
+        # the same for steps whose decode rows share a prefix (captured when first needed; the
+        # logits are the same rows of the workspace, so the samplers serve both)
+        self._shared_prefix_graphs: dict[int, tuple[Graph, Tensor]] = {}
         self._sampler_graphs: dict[tuple[int, bool], Graph] = {}  # (bucket, masked) -> sampler graph
         self._deferred: list[int] = []  # buckets left to `capture_next_graph`, smallest first
+        # then their shared-prefix variants; until captured, such steps replay the plain graph
+        self._deferred_shared: list[int] = []
         self._kept = _KeptLayers(backend, model, config.keep_hidden_layers, max_tokens)
 
     def submit(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> PendingStep:
@@ -237,24 +244,38 @@ class Worker:
         `up_to` None: every bucket. Otherwise only the buckets of at most `up_to` sequences;
         the larger ones are *deferred*: steps of their size run eagerly until
         `capture_next_graph` (the server's idle time) captures them, so a server answers its
-        first request sooner and no capture runs between two steps of live traffic."""
+        first request sooner and no capture runs between two steps of live traffic.
+
+        The variants for steps whose decode rows share a prefix (cascade attention) are
+        captured on first use with `up_to` None; otherwise they are deferred after the
+        buckets (those of at least SHARED_PREFIX_MIN_ROWS sequences: smaller steps never name
+        a prefix), and such steps replay the plain graph until then."""
         for bucket in self.graph_batch_sizes:
             if up_to is not None and bucket > up_to:
                 self._deferred.append(bucket)
                 continue
             self._capture_bucket(bucket)
+        if up_to is not None:
+            self._deferred_shared = [size for size in self.graph_batch_sizes if size >= SHARED_PREFIX_MIN_ROWS]
 
     @property
     def num_deferred_graphs(self) -> int:
         return len(self._deferred)
 
     def capture_next_graph(self) -> bool:
-        """Capture the smallest deferred bucket's graphs; False when none is left. Call it
-        only with no step in flight (the capture runs its forward on the step buffers)."""
-        if not self._deferred:
-            return False
-        self._capture_bucket(self._deferred.pop(0))
-        return True
+        """Capture the smallest deferred bucket's graphs, then the shared-prefix variants;
+        False when none is left. Call it only with no step in flight (the capture runs its
+        forward on the step buffers)."""
+        if self._deferred:
+            self._capture_bucket(self._deferred.pop(0))
+            return True
+        if self._deferred_shared:
+            bucket = self._deferred_shared[0]
+            if bucket not in self._shared_prefix_graphs:
+                self._capture(bucket, shared_prefix=True)
+            self._deferred_shared.pop(0)
+            return True
+        return False
 
     def warm_up(self, key: str) -> tuple[int, ...]:
         """Run eager forwards of the step sizes whose first step may still make the backend
@@ -315,12 +336,14 @@ class Worker:
         if chunks is not None:
             inputs = replace(inputs, chunks=chunks)
         if bucket is not None:
-            graph_and_logits = self._graphs.get(bucket)
+            # a deferred shared-prefix variant: the plain graph (its kernels read no prefix)
+            shared_prefix = inputs.shared_prefix is not None and bucket not in self._deferred_shared
+            graph_and_logits = (self._shared_prefix_graphs if shared_prefix else self._graphs).get(bucket)
             if graph_and_logits is None:  # a capture runs forwards on the buffers the step in flight reads
                 if before_launch is not None:
                     before_launch()
                     before_launch = None
-                graph_and_logits = self._capture(bucket)
+                graph_and_logits = self._capture(bucket, shared_prefix)
             graph, logits = graph_and_logits
             inputs = pad_decode_inputs(inputs, bucket, self.cache_layout, buffers.max_seqs)
         # staged on the host only: the step in flight may still sample (`before_launch`) first
@@ -348,7 +371,7 @@ class Worker:
         return StepTensors(
             token_ids=buffers.token_ids.rows(0, inputs.num_tokens),
             metadata=self._metadata(inputs.num_tokens, inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len,
-                                    inputs.chunks),
+                                    inputs.chunks, inputs.shared_prefix_len),
             # sample rows are distinct and ascending, so as many as the tokens means all of them
             sample_indices=None
             if inputs.num_sample_rows == inputs.num_tokens
@@ -356,10 +379,16 @@ class Worker:
         )
 
     def _metadata(
-        self, num_tokens: int, num_seqs: int, max_query_len: int, max_seq_len: int, chunks: StateChunks | None = None
+        self,
+        num_tokens: int,
+        num_seqs: int,
+        max_query_len: int,
+        max_seq_len: int,
+        chunks: StateChunks | None = None,
+        shared_prefix_len: Callable[[int], int] = lambda group: 0,
     ) -> tuple[GroupMetadata, ...]:
         """Each cache group's view of the step's buffers (`chunks`: the recurrent groups' own,
-        as staged)."""
+        as staged; `shared_prefix_len(g)`: KV group g's shared prefix, 0 none)."""
         buffers = self.buffers
 
         def recurrent(index: int) -> GroupMetadata:
@@ -368,7 +397,9 @@ class Worker:
             return buffers.chunk_metadata(index, num_tokens, chunks.num_seqs, chunks.max_query_len)
 
         return tuple(
-            buffers.metadata(index, num_tokens, num_seqs, max_query_len, max_seq_len) if is_kv else recurrent(index)
+            buffers.metadata(index, num_tokens, num_seqs, max_query_len, max_seq_len, shared_prefix_len(index))
+            if is_kv
+            else recurrent(index)
             for is_kv, index in self._group_index
         )
 
@@ -383,9 +414,11 @@ class Worker:
         bucket = self.graph_batch_sizes[index]
         return None if self._deferred and bucket in self._deferred else bucket
 
-    def _capture(self, bucket: int) -> tuple[Graph, Tensor]:
+    def _capture(self, bucket: int, shared_prefix: bool = False) -> tuple[Graph, Tensor]:
         """Capture the decode forward for `bucket` sequences: token gather and model, on the
-        buffers, into logits [bucket, V] (sampled by `_capture_sampler`'s graphs).
+        buffers, into logits [bucket, V] (sampled by `_capture_sampler`'s graphs);
+        `shared_prefix`: the variant for steps whose decode rows share a prefix (each KV group
+        may read one; the graph reads its length and rows from the buffers).
 
         Captured with the longest context so the kernels it bakes in cover every step; the
         buffers' current contents only need to be valid (padding rows are).
@@ -393,7 +426,10 @@ class Worker:
         buffers = self.buffers
         step = StepTensors(
             token_ids=buffers.token_ids.rows(0, bucket),
-            metadata=self._metadata(bucket, bucket, 1, self.config.max_model_len),
+            metadata=self._metadata(
+                bucket, bucket, 1, self.config.max_model_len, None,
+                (lambda group: SHARED_PREFIX_MIN_TOKENS) if shared_prefix else (lambda group: 0),
+            ),
             sample_indices=None,  # every row of a decode bucket is sampled, in order
         )
         # valid inputs for the warm-up run: every row a padding row in the scratch pages
@@ -409,8 +445,9 @@ class Worker:
 
         run_forward()  # warm up outside capture: lazy compilation and workspaces settle first
         graph = self.backend.capture(run_forward)
-        self._graphs[bucket] = (graph, outputs[0])
-        return self._graphs[bucket]
+        graphs = self._shared_prefix_graphs if shared_prefix else self._graphs
+        graphs[bucket] = (graph, outputs[0])
+        return graphs[bucket]
 
     def _capture_sampler(self, bucket: int, masked: bool) -> Graph:
         """Capture the sampling of `bucket` rows of the bucket's logits (see

@@ -63,6 +63,8 @@ def test_deferred_buckets_run_eagerly_until_captured_when_idle():
     while worker.capture_next_graph():  # the server's idle time
         pass
     assert worker.num_deferred_graphs == 0 and not worker.capture_next_graph()
+    # then the variant of bucket 8 for decode rows over a shared prefix (none below 8 rows)
+    assert set(worker._shared_prefix_graphs) == {8}
     buckets.clear()
     _, reference = build(up_to=None)
     assert run(core) == deferred_tokens  # the same core again, now from the graphs

@@ -134,9 +134,9 @@ def test_decode_graphs_padded_to_buckets_give_the_eager_tokens(rng, mixes, sampl
         worker._capture, worker._capture_sampler, worker.submit
     )
 
-    def counting_capture(bucket):
+    def counting_capture(bucket, shared_prefix=False):
         captures.append(bucket)
-        return original_capture(bucket)
+        return original_capture(bucket, shared_prefix)
 
     class CountingGraph:
         def __init__(self, graph):

@@ -101,9 +101,16 @@ class AttentionMetadata:
     group's table may point entries its window no longer reads at any page, and a row may be
     wider than the blocks it names: only entries of positions in the context are read).
 
+    Decode rows whose contexts open with the same pages may be named in `shared_prefix`
+    ([2 + num_seqs] i32: prefix length in tokens, anchor row, then 1 for each row that shares
+    the anchor's first `prefix length` tokens; written like the rest). A backend may read those
+    pages once for all of them (cascade attention); the result is the same attention. The
+    prefix holds only full pages before each sharing row's newest token.
+
     The tensors are device buffers the runner updates in place, so a captured graph replays
     with new contents. The integers are host-side bounds the backend may use to pick kernels;
-    a graph captured with given bounds is only replayed for steps within them.
+    a graph captured with given bounds is only replayed for steps within them
+    (`shared_prefix_len` > 0: the step has a shared prefix, of at least that many tokens).
     """
 
     positions: Tensor  # [N] i32
@@ -115,6 +122,8 @@ class AttentionMetadata:
     num_seqs: int
     max_query_len: int
     max_seq_len: int
+    shared_prefix: Tensor | None = None  # [num_seqs + 2] i32, see above
+    shared_prefix_len: int = 0
 
 
 @dataclass(frozen=True, slots=True)

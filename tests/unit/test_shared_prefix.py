@@ -1,0 +1,202 @@
+"""The shared prefix a step's decode rows name for cascade attention (`shared_prefixes`), against a
+brute-force reading of its rule, and how it reaches the step's inputs and buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from atlas.adapters.mock.backend import MockGpuBackend
+from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence
+from atlas.domain.step_inputs import (
+    SHARED_PREFIX_MIN_ROWS,
+    SHARED_PREFIX_MIN_TOKENS,
+    CacheLayout,
+    build_step_inputs,
+    pad_decode_inputs,
+    shared_prefixes,
+)
+from atlas.domain.step_buffers import StepBuffers
+
+BLOCK_SIZE = 16
+WIDTH = 200
+SCRATCH = 9999
+LAYOUT = CacheLayout(BLOCK_SIZE, WIDTH, (SCRATCH,))
+ROW = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
+
+
+def brute_force(tables: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, scratch: int):
+    """(length in tokens, anchor, sharing rows) by trying every length: the anchor is the first
+    decode row with the most full blocks before its newest token; a row shares L blocks if it is
+    a decode row, L blocks lie before its newest token's and its first L entries are the
+    anchor's (none the scratch block); the length kept saves the most reads, (sharers - 1) L."""
+    decode = [s for s in range(len(seq_lens)) if query_lens[s] == 1]
+    if len(decode) < SHARED_PREFIX_MIN_ROWS:
+        return None
+    caps = {s: (int(seq_lens[s]) - 1) // BLOCK_SIZE for s in decode}
+    anchor = max(decode, key=lambda s: (caps[s], -s))
+    best = (0, 0, [])
+    for length in range(1, caps[anchor] + 1):
+        if length * BLOCK_SIZE < SHARED_PREFIX_MIN_TOKENS:
+            continue
+        sharing = [
+            s for s in decode
+            if caps[s] >= length
+            and all(tables[s, i] == tables[anchor, i] != scratch for i in range(length))
+        ]
+        if len(sharing) < SHARED_PREFIX_MIN_ROWS:
+            continue
+        saving = (len(sharing) - 1) * length
+        if saving > best[0]:
+            best = (saving, length, sharing)
+    if not best[0]:
+        return None
+    return best[1] * BLOCK_SIZE, anchor, best[2]
+
+
+def random_step(rng: np.random.Generator, num_seqs: int):
+    """Tables over a few prompts of shared pages (sharing more or fewer of them), other rows,
+    prefill chunks, scratch entries, contexts ending inside or past the shared pages."""
+    prompts = [rng.permutation(5000)[:120] for _ in range(3)]
+    tables = np.full((num_seqs, WIDTH), SCRATCH, np.int32)
+    query_lens = np.ones(num_seqs, np.int32)
+    seq_lens = np.zeros(num_seqs, np.int32)
+    fresh = iter(range(6000, 6000 + num_seqs * WIDTH))
+    for s in range(num_seqs):
+        prompt = prompts[int(rng.integers(0, 3))]
+        shared = int(rng.integers(0, 120))
+        seq_lens[s] = int(rng.integers(1, 130 * BLOCK_SIZE))
+        blocks = -(-int(seq_lens[s]) // BLOCK_SIZE)
+        row = [int(prompt[i]) if i < shared else next(fresh) for i in range(blocks)]
+        if rng.random() < 0.1:  # a released block (a sliding window's scratch entry)
+            row[int(rng.integers(0, blocks))] = SCRATCH
+        tables[s, :blocks] = row
+        if rng.random() < 0.15:
+            query_lens[s] = int(rng.integers(2, min(64, int(seq_lens[s])) + 2))
+    return tables, query_lens, seq_lens
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_prefix_is_the_one_that_saves_the_most_reads(seed):
+    rng = np.random.default_rng(seed)
+    num_seqs = int(rng.integers(1, 48))
+    tables, query_lens, seq_lens = random_step(rng, num_seqs)
+    got = shared_prefixes(tables[:, None, :], query_lens, seq_lens, LAYOUT)
+    expected = brute_force(tables, query_lens, seq_lens, SCRATCH)
+    if expected is None:
+        assert got is None
+        return
+    length, anchor, sharing = expected
+    assert got is not None and got.shape == (1, num_seqs + 2)
+    assert got[0, 0] == length
+    assert got[0, 1] == anchor
+    assert np.flatnonzero(got[0, 2:]).tolist() == sharing
+
+
+def _sequence(index, block_ids, context_len, query_len=1):
+    return ScheduledSequence(
+        seq_id=f"s{index}",
+        token_ids=tuple(range(query_len)),
+        start_position=context_len - query_len,
+        block_ids=tuple(block_ids),
+        sampling=ROW,
+    )
+
+
+def _serving_step():
+    """20 decode rows after a 2,048-token system prompt (128 shared pages), 3 decode rows of
+    other prompts and a prefill chunk over the same system prompt."""
+    system = list(range(1000, 1128))
+    sequences, fresh = [], iter(range(2000, 9000))
+    for i in range(20):
+        context = 2048 + 32 + 7 * i
+        pages = system + [next(fresh) for _ in range(-(-context // BLOCK_SIZE) - 128)]
+        sequences.append(_sequence(len(sequences), pages, context))
+    for _ in range(3):
+        sequences.append(_sequence(len(sequences), [next(fresh) for _ in range(140)], 2200))
+    sequences.append(_sequence(len(sequences), system + [next(fresh), next(fresh)], 2080, query_len=32))
+    return ScheduledBatch(step_id=1, sequences=tuple(sequences), block_size=BLOCK_SIZE)
+
+
+def test_a_serving_steps_decode_rows_name_their_system_prompt():
+    inputs = build_step_inputs(_serving_step(), LAYOUT, 32)
+    assert inputs.shared_prefix_len(0) == 2048
+    flags = inputs.shared_prefix[0, 2:]
+    assert flags.tolist() == [1] * 20 + [0] * 4  # not the other prompts, not the chunk
+    assert flags[inputs.shared_prefix[0, 1]] == 1  # the anchor shares
+
+
+def test_too_few_rows_or_too_short_a_prefix_names_none():
+    batch = _serving_step()
+    few = ScheduledBatch(step_id=1, sequences=batch.sequences[: SHARED_PREFIX_MIN_ROWS - 1], block_size=BLOCK_SIZE)
+    assert build_step_inputs(few, LAYOUT, 32).shared_prefix is None
+    short = [_sequence(i, [7, 8, 9, 100 + i, 200 + i], 60 + i) for i in range(12)]  # 48 shared tokens
+    batch = ScheduledBatch(step_id=1, sequences=tuple(short), block_size=BLOCK_SIZE)
+    inputs = build_step_inputs(batch, LAYOUT, 32)
+    assert inputs.shared_prefix is None and inputs.shared_prefix_len(0) == 0
+
+
+def test_the_page_of_a_rows_newest_token_is_never_shared():
+    """Rows whose contexts end inside the shared pages share only the full pages before their
+    newest token's: the one page they write this step is not in the prefix."""
+    pages = list(range(100, 140))
+    sequences = [_sequence(i, pages[: -(-(600 + i) // BLOCK_SIZE)], 600 + i) for i in range(10)]
+    inputs = build_step_inputs(ScheduledBatch(1, tuple(sequences), BLOCK_SIZE), LAYOUT, 32)
+    length = inputs.shared_prefix_len(0)
+    assert length == (600 - 1) // BLOCK_SIZE * BLOCK_SIZE  # 37 pages: the 38th holds row 0's token 600
+    assert all(length <= seq.start_position for seq in sequences)
+
+
+def test_a_verify_steps_rows_share_only_pages_no_row_writes():
+    """Speculation's verify rows (one sequence's k + 1 single-token rows over one table) write
+    positions P..P+k; the prefix ends before the page of the first of them."""
+    pages = list(range(300, 340))
+    start = 31 * BLOCK_SIZE + 14  # the drafts cross into page 32
+    rows = [_sequence(j, pages, start + j + 1) for j in range(9)]
+    inputs = build_step_inputs(ScheduledBatch(1, tuple(rows), BLOCK_SIZE), LAYOUT, 32)
+    assert inputs.shared_prefix_len(0) == 31 * BLOCK_SIZE
+    assert inputs.shared_prefix_len(0) <= start
+
+
+def test_padding_rows_of_a_graph_share_nothing():
+    sequences = [_sequence(i, list(range(50, 70)) + [200 + i], 20 * BLOCK_SIZE + 3) for i in range(9)]
+    inputs = build_step_inputs(ScheduledBatch(1, tuple(sequences), BLOCK_SIZE), LAYOUT, 16)
+    padded = pad_decode_inputs(inputs, 16, LAYOUT, 16)
+    assert padded.shared_prefix.shape == (1, 18)
+    assert padded.shared_prefix[0, 2:].tolist() == [1] * 9 + [0] * 7
+    assert padded.shared_prefix_len(0) == 20 * BLOCK_SIZE
+
+
+def test_each_kv_group_names_its_own_prefix():
+    """A second group (a sliding window's) released its early pages to the scratch block: they
+    are shared by nobody there, while the full-attention group shares them."""
+    layout = CacheLayout(BLOCK_SIZE, WIDTH, (SCRATCH, 8888))
+    sequences = []
+    for i in range(10):
+        full = list(range(100, 130)) + [500 + i]
+        window = BlockTable(tuple([600 + 2 * i, 601 + 2 * i]), 29)
+        sequences.append(ScheduledSequence(
+            seq_id=f"s{i}", token_ids=(1,), start_position=30 * BLOCK_SIZE + 2, block_ids=tuple(full),
+            sampling=ROW, kv_block_tables=(BlockTable(tuple(full)), window),
+        ))
+    inputs = build_step_inputs(ScheduledBatch(1, tuple(sequences), BLOCK_SIZE), layout, 16)
+    assert inputs.shared_prefix_len(0) == 30 * BLOCK_SIZE
+    assert inputs.shared_prefix_len(1) == 0
+    assert not inputs.shared_prefix[1, 2:].any()
+
+
+def test_the_buffers_carry_the_prefix_and_clear_it():
+    mock_backend = MockGpuBackend()
+    buffers = StepBuffers(mock_backend, max_tokens=64, max_seqs=32, caches=LAYOUT)
+    inputs = build_step_inputs(_serving_step(), LAYOUT, 32)
+    buffers.stage_inputs(inputs)
+    buffers.send()
+    meta = buffers.metadata(0, inputs.num_tokens, inputs.num_seqs, inputs.max_query_len, inputs.max_seq_len,
+                            inputs.shared_prefix_len(0))
+    assert meta.shared_prefix_len == 2048
+    np.testing.assert_array_equal(mock_backend.download(meta.shared_prefix), inputs.shared_prefix[0])
+    plain = build_step_inputs(ScheduledBatch(2, _serving_step().sequences[:3], BLOCK_SIZE), LAYOUT, 32)
+    buffers.stage_inputs(plain)
+    buffers.send()
+    assert buffers.metadata(0, 3, 3, 1, 2200).shared_prefix is None
+    assert mock_backend.download(buffers.shared_prefixes[0])[0] == 0  # a graph replaying it reads no prefix
