@@ -86,6 +86,74 @@ __device__ __forceinline__ DecodeHeads decode_heads(int num_q_heads, int num_kv_
     return {kv_head, first, min(HEADS, kv_head * group_size + group_size - first)};
 }
 
+// ---------------------------------------------------------------------------------------------
+// Cascade attention: decode rows whose contexts open with the same pages (a shared system
+// prompt, a few-shot preamble, the prompt of n > 1 forks) read those pages once for all of them
+// instead of once per row. The step's metadata names the shared prefix (`shared_prefix`, i32,
+// written by the host with the step's other inputs, so a captured graph replays new ones):
+//
+//     shared_prefix [2 + S] = { prefix_len, anchor, row 0 shares?, row 1 shares?, ... }
+//
+// prefix_len tokens (whole pages, short of every sharing row's newest token) of the anchor row's
+// block table are the first prefix_len of every sharing row's table. Two kernels then split
+// each sharing row's softmax at prefix_len (FlashInfer's cascade, vLLM's cascade attention):
+//
+//     attention_cascade_d*   the prefix for every sharing row at once: a FlashAttention-2 tile of
+//                            64 query rows (row R = s G + h, G the GQA group) against the
+//                            prefix's keys, in `parts` pieces along the keys; each piece writes
+//                            its normalised output and log2-sum-exp:
+//                                cascade_out [S, Hq, parts, D] f32, cascade_lse [S, Hq, parts]
+//     attention_decode_mma_*_cascade   the decode kernel over keys [prefix_len, context) of a
+//                            sharing row; where it writes the row's output it first folds in
+//                            the prefix pieces (the split merge's rule), so `out` is the softmax
+//                            over the whole context.
+//
+// A prefix of P keys read by B rows then costs P (B G / 64 tiles) key reads a KV head instead of
+// P B. Rows that do not share (another prompt, a graph's padding rows) are skipped by the first
+// kernel and decoded whole by the second. The pieces: parts (grid z, the host's, so that a tile's
+// KV heads and pieces about fill the GPU) pieces of at least CASCADE_MIN_PART_KEYS keys, whole
+// 64-key tiles; both kernels derive the pieces in use from prefix_len the same way.
+#define CASCADE_ROWS 64  // query rows (sequence x head of the group) a block of the prefix kernel serves
+#define CASCADE_MIN_PART_KEYS 256
+
+struct CascadeParts {
+    int used, keys;  // pieces in use, keys a piece (a multiple of 64)
+};
+
+__device__ __forceinline__ CascadeParts cascade_parts(int prefix_len, int parts) {
+    if (prefix_len <= 0) return {0, 64};
+    const int wanted = max(1, min(parts, prefix_len / CASCADE_MIN_PART_KEYS));
+    const int keys = ((prefix_len + wanted - 1) / wanted + 63) / 64 * 64;
+    return {(prefix_len + keys - 1) / keys, keys};
+}
+
+// What the `_cascade` decode kernels read of the prefix kernel's work.
+struct CascadeInput {
+    const int* shared_prefix;  // [2 + S], see above
+    const float* out;          // [S, Hq, parts, D]
+    const float* lse;          // [S, Hq, parts]
+    int parts;
+};
+
+// Fold row `seq`'s prefix pieces into a softmax state over the rest of its context: `best`
+// (log2 max), `total` and `value` (sum of exp2(score - best) and of its products with V at dim d).
+__device__ __forceinline__ void absorb_cascade(const CascadeInput& cascade, int seq, int head, int num_q_heads, int d,
+                                               int head_dim, float& best, float& total, float& value) {
+    const CascadeParts pieces = cascade_parts(cascade.shared_prefix[0], cascade.parts);
+    const long long first = ((long long)seq * num_q_heads + head) * cascade.parts;
+    for (int i = 0; i < pieces.used; ++i) {
+        const float lse = __ldcg(cascade.lse + first + i);
+        if (lse == -ATLAS_INF) continue;
+        const float part = __ldcg(cascade.out + (first + i) * head_dim + d);
+        const float new_best = fmaxf(best, lse);
+        const float rescale = exp2f(best - new_best);  // 0 while best is -inf
+        const float weight = exp2f(lse - new_best);
+        total = total * rescale + weight;
+        value = value * rescale + weight * part;
+        best = new_best;
+    }
+}
+
 // Where a decode block's result goes, and what it needs to get there.
 struct DecodeOutput {
     bf16* out;
@@ -97,6 +165,7 @@ struct DecodeOutput {
     float v_scale;  // what the block's sums of stored V values are multiplied by (FP8 caches)
     const bf16* gate;     // EXTRAS: the token's gate heads (gated layers), or null
     const float* sinks;   // EXTRAS: [Hq] sink logits, or null
+    CascadeInput cascade = {nullptr, nullptr, nullptr, 0};  // CASCADE: the prefix kernel's pieces
 };
 
 // Where value (row, d) of the merge buffer [PARTS x HEADS rows][HEAD_DIM] lies. The tensor-core
@@ -121,9 +190,12 @@ __device__ __forceinline__ int merge_index(int row, int d) {
 // split of the (sequence, head group) to finish merge every split (see the file comment).
 // EXTRAS: a head's sink joins the final denominator, and a gated layer's output is multiplied
 // by sigmoid of its gate (attention_extras.cuh).
-template <int HEAD_DIM, int HEADS, int PARTS, MergeLayout LAYOUT = MERGE_PLAIN, bool EXTRAS = false>
+// CASCADE: a row that shares the step's prefix folds in its pieces where it writes `out`.
+template <int HEAD_DIM, int HEADS, int PARTS, MergeLayout LAYOUT = MERGE_PLAIN, bool EXTRAS = false,
+          bool CASCADE = false>
 __device__ __forceinline__ void finish_decode(const float* merge_max, const float* merge_sum, const float* merge_out,
                                               const DecodeOutput& to) {
+    const bool cascaded = CASCADE && to.cascade.shared_prefix[0] > 0 && to.cascade.shared_prefix[2 + to.seq] != 0;
     for (int item = threadIdx.x; item < to.num_heads * HEAD_DIM; item += blockDim.x) {
         const int h = item / HEAD_DIM, d = item % HEAD_DIM;
         float best = -ATLAS_INF;
@@ -139,6 +211,8 @@ __device__ __forceinline__ void finish_decode(const float* merge_max, const floa
             }
         }
         const int head = to.first_head + h;
+        if (cascaded && to.num_splits == 1)
+            absorb_cascade(to.cascade, to.seq, head, to.num_q_heads, d, HEAD_DIM, best, total, value);
         float normalised = total > 0.0f ? value / total * to.v_scale : 0.0f;
         if (to.num_splits == 1) {
             if constexpr (EXTRAS) {
@@ -186,6 +260,7 @@ __device__ __forceinline__ void finish_decode(const float* merge_max, const floa
             }
             best = new_best;
         }
+        if (cascaded) absorb_cascade(to.cascade, to.seq, head, to.num_q_heads, d, HEAD_DIM, best, total, value);
         float merged = total > 0.0f ? value / total : 0.0f;
         if constexpr (EXTRAS) {
             merged = total > 0.0f ? value / (total + sink_term(to.sinks, head, best)) : 0.0f;
@@ -488,14 +563,14 @@ __device__ __forceinline__ int kv_chunk(int row, int chunk) {
     else return swizzled_chunk<HEAD_DIM>(row, chunk);
 }
 
-template <int HEAD_DIM, int WARPS, int STAGES, typename KV, bool EXTRAS = false>
+template <int HEAD_DIM, int WARPS, int STAGES, typename KV, bool EXTRAS = false, bool CASCADE = false>
 __device__ __forceinline__ void attention_decode_mma_impl(
     const bf16* __restrict__ q, const KV* __restrict__ k_plane, const KV* __restrict__ v_plane,
     bf16* __restrict__ out, float* __restrict__ partial_out, float* __restrict__ partial_lse,
     unsigned* __restrict__ split_counters, const int* __restrict__ query_start_loc, const int* __restrict__ seq_lens,
     const int* __restrict__ block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size,
     float scale_log2, int sliding_window, int num_splits, int min_split_tokens, float v_scale,
-    AttentionExtras extras = AttentionExtras{0, 0.0f, nullptr, 0}) {
+    AttentionExtras extras = AttentionExtras{0, 0.0f, nullptr, 0}, CascadeInput cascade = {nullptr, nullptr, nullptr, 0}) {
     constexpr int KV_BYTES = sizeof(KV);
     constexpr bool FP8 = KV_BYTES == 1;
     constexpr MergeLayout LAYOUT = FP8 ? MERGE_FP8 : MERGE_BF16;
@@ -515,7 +590,12 @@ __device__ __forceinline__ void attention_decode_mma_impl(
 
     const int context_len = seq_lens[seq];
     const int newest = context_len - 1;
-    const int lo = sliding_window > 0 ? max(0, newest - sliding_window + 1) : 0;
+    int lo = sliding_window > 0 ? max(0, newest - sliding_window + 1) : 0;
+    // A row sharing the step's prefix reads only what follows it (the prefix kernel did the rest).
+    if constexpr (CASCADE) {
+        if (cascade.shared_prefix[0] > 0 && cascade.shared_prefix[2 + seq])
+            lo = min(max(lo, cascade.shared_prefix[0]), newest);
+    }
     // Splits are whole tiles; a graph bakes in the split count of its longest context and a
     // shorter one uses fewer (each at least min_split_tokens long); the blocks of the others
     // leave at once, uncounted.
@@ -810,8 +890,9 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     __syncthreads();
     const bf16* gate = EXTRAS && extras.gated ? q + q_row + (long long)num_q_heads * HEAD_DIM : nullptr;
     DecodeOutput out_to{out, partial_out, partial_lse, split_counters, out_row, seq, num_q_heads, first_head,
-                        num_heads, split, num_splits, used_splits, v_scale, gate, EXTRAS ? extras.sinks : nullptr};
-    finish_decode<HEAD_DIM, DECODE_MMA_HEADS, WARPS, LAYOUT, EXTRAS>(merge_max, merge_sum, merge_out, out_to);
+                        num_heads, split, num_splits, used_splits, v_scale, gate, EXTRAS ? extras.sinks : nullptr,
+                        cascade};
+    finish_decode<HEAD_DIM, DECODE_MMA_HEADS, WARPS, LAYOUT, EXTRAS, CASCADE>(merge_max, merge_sum, merge_out, out_to);
 }
 
 #define DEFINE_DECODE(HEAD_DIM, HEADS)                                                                          \
@@ -906,3 +987,233 @@ DEFINE_DECODE_MMA_X(128, 4, 3, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
 DEFINE_DECODE_MMA_X(128, 4, 6, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
 DEFINE_DECODE_MMA_X(128, 8, 4, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
 DEFINE_DECODE_MMA_X(256, 4, 4, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+
+
+// ---------------------------------------------------------------------------------------------
+// The cascade's prefix kernel (see "Cascade attention" above). grid = (ceil(S G / 64), Hkv,
+// parts), 4 warps of 16 query rows. Per 64-key tile of its piece, as the prefill kernel's loop
+// (attention_prefill_mma.cuh) but with no causal mask (every key of the prefix lies before every
+// sharing row's token) and P in two bf16 terms, as the decode kernel's (its rows are decode rows):
+//     S = Q K^T (mma.sync m16n8k16), online softmax, O += P_hi V + P_lo V
+// K/V tiles stream through two cp.async stages (one at head dim 256), all after griddepcontrol.wait.
+template <int HEAD_DIM, int STAGES>
+__device__ __forceinline__ void attention_cascade_impl(
+    const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
+    float* __restrict__ cascade_out, float* __restrict__ cascade_lse, const int* __restrict__ query_start_loc,
+    const int* __restrict__ shared_prefix, const int* __restrict__ block_tables, int block_table_stride, int num_seqs,
+    int num_q_heads, int num_kv_heads, int block_size, float scale_log2) {
+    constexpr int BLOCK_N = 64;
+    constexpr int STRIDE = HEAD_DIM + 8;  // padded rows: conflict-free ldmatrix
+    constexpr int CHUNKS = HEAD_DIM / 8;
+    constexpr int DIM_TILES = HEAD_DIM / 8;
+    constexpr int THREADS = CASCADE_ROWS / 16 * 32;
+    extern __shared__ uint4 cascade_shared[];
+    bf16* q_tile = reinterpret_cast<bf16*>(cascade_shared);  // [64][STRIDE]
+    bf16* kv_tiles = q_tile + CASCADE_ROWS * STRIDE;        // [STAGES][K | V][64][STRIDE]
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int group = num_q_heads / num_kv_heads, kv_head = blockIdx.y;
+    const int prefix_len = shared_prefix[0];
+    const CascadeParts pieces = cascade_parts(prefix_len, gridDim.z);
+    const int part = blockIdx.z;
+    if (prefix_len <= 0 || part >= pieces.used) return;
+    const int first_row = blockIdx.x * CASCADE_ROWS;
+    const int* sharing = shared_prefix + 2;
+    // A row is (sequence, head of the group); it counts if its sequence shares the prefix and is
+    // a decode row (a sharing sequence is one by the host's rule; checked all the same).
+    auto row_shares = [&](int row) {
+        const int seq = row / group;
+        return row < num_seqs * group && sharing[seq] && query_start_loc[seq + 1] - query_start_loc[seq] == 1;
+    };
+    bool mine = false;
+    for (int r = tid; r < CASCADE_ROWS; r += THREADS) mine |= row_shares(first_row + r);
+    if (!__syncthreads_or(mine)) return;
+
+    const int kv_begin = part * pieces.keys, kv_end = min(prefix_len, kv_begin + pieces.keys);
+    const int* table = block_tables + (long long)shared_prefix[1] * block_table_stride;
+    auto load_tile = [&](int kv_start, int stage) {
+        bf16* k_dst = kv_tiles + stage * 2 * BLOCK_N * STRIDE;
+        bf16* v_dst = k_dst + BLOCK_N * STRIDE;
+        for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
+            const int r = c / CHUNKS, chunk = c % CHUNKS;
+            const int key = kv_start + r;
+            const bool valid = key < kv_end;
+            long long offset = 0;
+            if (valid) {
+                const long long page = __ldg(table + key / block_size);
+                offset = ((page * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 8;
+            }
+            cp_async_16(k_dst + r * STRIDE + chunk * 8, k_plane + offset, valid);
+            cp_async_16(v_dst + r * STRIDE + chunk * 8, v_plane + offset, valid);
+        }
+        cp_async_commit();
+    };
+    const int num_kv_tiles = (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N;
+    // After the wait: q comes from the previous kernel, and a verify step's rows (single-token
+    // rows of one sequence) may share a page that an earlier row of theirs writes.
+    dependent_launch_entry();
+    load_tile(kv_begin, 0);
+    for (int c = tid; c < CASCADE_ROWS * CHUNKS; c += THREADS) {
+        const int r = c / CHUNKS, chunk = c % CHUNKS, row = first_row + r;
+        const bool valid = row_shares(row);
+        const int seq = valid ? row / group : 0;
+        const bf16* src = q + (long long)query_start_loc[seq] * num_q_heads * HEAD_DIM +
+                          (long long)(kv_head * group + row % group) * HEAD_DIM + chunk * 8;
+        cp_async_16(q_tile + r * STRIDE + chunk * 8, valid ? src : q, valid);
+    }
+    cp_async_commit();
+
+    float o[DIM_TILES][4];
+#pragma unroll
+    for (int d = 0; d < DIM_TILES; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
+    float row_max[2] = {-ATLAS_INF, -ATLAS_INF}, row_sum[2] = {0.0f, 0.0f};
+
+    for (int tile = 0; tile < num_kv_tiles; ++tile) {
+        const int kv_start = kv_begin + tile * BLOCK_N;
+        const int stage = STAGES == 2 ? tile & 1 : 0;
+        if (STAGES == 2 && tile + 1 < num_kv_tiles) {
+            load_tile(kv_start + BLOCK_N, stage ^ 1);
+            cp_async_wait<1>();  // all but the tile just issued have landed
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const bf16* k_tile = kv_tiles + stage * 2 * BLOCK_N * STRIDE;
+        const bf16* v_tile = k_tile + BLOCK_N * STRIDE;
+
+        float s[BLOCK_N / 8][4];
+#pragma unroll
+        for (int n = 0; n < BLOCK_N / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+        const bf16* q_lane = q_tile + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
+        const bf16* k_lane = k_tile + ((lane & 7) + (lane >> 4) * 8) * STRIDE + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int k = 0; k < HEAD_DIM / 16; ++k) {
+            u32 a[4];
+            ldmatrix_x4(a, q_lane + k * 16);
+#pragma unroll
+            for (int n = 0; n < BLOCK_N / 8; n += 2) {
+                u32 b[4];
+                ldmatrix_x4(b, k_lane + n * 8 * STRIDE + k * 16);
+                mma_bf16_16816(s[n], a, b);
+                mma_bf16_16816(s[n + 1], a, b + 2);
+            }
+        }
+        const bool full = kv_start + BLOCK_N <= kv_end;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float tile_max = -ATLAS_INF;
+#pragma unroll
+            for (int n = 0; n < BLOCK_N / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int key = kv_start + n * 8 + 2 * t + e;
+                    const float value = full || key < kv_end ? s[n][half * 2 + e] * scale_log2 : -ATLAS_INF;
+                    s[n][half * 2 + e] = value;
+                    tile_max = fmaxf(tile_max, value);
+                }
+            }
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const float new_max = fmaxf(row_max[half], tile_max);
+            const float reference = new_max == -ATLAS_INF ? 0.0f : new_max;
+            const float rescale = exp2f(row_max[half] - reference);
+            float tile_sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < BLOCK_N / 8; ++n) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float p = exp2f(s[n][half * 2 + e] - reference);
+                    s[n][half * 2 + e] = p;
+                    tile_sum += p;
+                }
+            }
+            row_sum[half] = row_sum[half] * rescale + tile_sum;
+            row_max[half] = new_max;
+#pragma unroll
+            for (int d = 0; d < DIM_TILES; ++d) {
+                o[d][half * 2] *= rescale;
+                o[d][half * 2 + 1] *= rescale;
+            }
+        }
+        // O += P V with P = hi + lo, two bf16 terms (~16 bits of p, as the decode kernel keeps).
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+            u32 hi[4], lo[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float* pair = s[2 * kk + (i >> 1)] + (i & 1) * 2;
+                hi[i] = pack_bf16x2(pair[0], pair[1]);
+                const float2 rounded = __bfloat1622float2(*reinterpret_cast<const bf16x2*>(&hi[i]));
+                lo[i] = pack_bf16x2(pair[0] - rounded.x, pair[1] - rounded.y);
+            }
+            const int key_row = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+            for (int dd = 0; dd < HEAD_DIM / 16; ++dd) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, v_tile + key_row * STRIDE + dd * 16 + (lane >> 4) * 8);
+                mma_bf16_16816(o[2 * dd], hi, b);
+                mma_bf16_16816(o[2 * dd + 1], hi, b + 2);
+                mma_bf16_16816(o[2 * dd], lo, b);
+                mma_bf16_16816(o[2 * dd + 1], lo, b + 2);
+            }
+        }
+        __syncthreads();  // every warp is done with this stage before a later load overwrites it
+        if (STAGES == 1 && tile + 1 < num_kv_tiles) load_tile(kv_start + BLOCK_N, 0);
+    }
+    cp_async_wait<0>();
+
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float total = row_sum[half];
+        total += __shfl_xor_sync(0xffffffffu, total, 1);
+        total += __shfl_xor_sync(0xffffffffu, total, 2);
+        const int row = first_row + warp * 16 + g + half * 8;
+        if (!row_shares(row)) continue;
+        const int seq = row / group, head = kv_head * group + row % group;
+        const long long slot = ((long long)seq * num_q_heads + head) * gridDim.z + part;
+        const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+        float* dst = cascade_out + slot * HEAD_DIM;
+#pragma unroll
+        for (int d = 0; d < DIM_TILES; ++d)
+            *reinterpret_cast<float2*>(dst + d * 8 + 2 * t) =
+                make_float2(o[d][half * 2] * inverse, o[d][half * 2 + 1] * inverse);
+        if (t == 0) cascade_lse[slot] = total > 0.0f ? row_max[half] + log2f(total) : -ATLAS_INF;
+    }
+}
+
+#define DEFINE_CASCADE(HEAD_DIM, STAGES)                                                                        \
+    extern "C" __global__ void __launch_bounds__(CASCADE_ROWS / 16 * 32, 2) attention_cascade_d##HEAD_DIM(      \
+        const bf16* q, const bf16* k_plane, const bf16* v_plane, float* cascade_out, float* cascade_lse,        \
+        const int* query_start_loc, const int* shared_prefix, const int* block_tables, int block_table_stride,  \
+        int num_seqs, int num_q_heads, int num_kv_heads, int block_size, float scale_log2) {                    \
+        attention_cascade_impl<HEAD_DIM, STAGES>(q, k_plane, v_plane, cascade_out, cascade_lse,                \
+                                                 query_start_loc, shared_prefix, block_tables,                  \
+                                                 block_table_stride, num_seqs, num_q_heads, num_kv_heads,       \
+                                                 block_size, scale_log2);                                       \
+    }
+
+// The decode kernels' `_cascade` twins (bf16 caches, no extras): a sharing row decodes past the
+// prefix and folds in the prefix kernel's pieces.
+#define DEFINE_DECODE_MMA_CASCADE(HEAD_DIM, WARPS, STAGES)                                                      \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
+        attention_decode_mma_d##HEAD_DIM##_w##WARPS##_s##STAGES##_cascade(                                       \
+            const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, float* partial_out,             \
+            float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,      \
+            const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, \
+            float scale_log2, int sliding_window, int num_splits, int min_split_tokens,                         \
+            const int* shared_prefix, const float* cascade_out, const float* cascade_lse, int cascade_parts) {  \
+        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES, bf16, false, true>(                                   \
+            q, k_plane, v_plane, out, partial_out, partial_lse, split_counters, query_start_loc, seq_lens,       \
+            block_tables, block_table_stride, num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, \
+            num_splits, min_split_tokens, 1.0f, AttentionExtras{0, 0.0f, nullptr, 0},                            \
+            CascadeInput{shared_prefix, cascade_out, cascade_lse, cascade_parts});                               \
+    }
+
+DEFINE_CASCADE(64, 2)
+DEFINE_CASCADE(128, 2)
+DEFINE_CASCADE(256, 1)
+DEFINE_DECODE_MMA_CASCADE(64, 4, 3)
+DEFINE_DECODE_MMA_CASCADE(128, 4, 3)
+DEFINE_DECODE_MMA_CASCADE(128, 8, 2)
+DEFINE_DECODE_MMA_CASCADE(256, 4, 2)

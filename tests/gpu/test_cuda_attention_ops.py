@@ -640,3 +640,90 @@ def test_a_lone_sequences_chunk_launches_no_decode_kernel(cuda_backend, rng):
                                    lambda: cuda_backend.paged_attention(q, kv, 0, meta, heads, scale, out))
         assert any(symbol.startswith("attention_decode") for symbol in symbols) == decode_runs, symbols
         assert rel_l2(host(cuda_backend, out), reference_attention(case, scale, None)) < BF16_TOLERANCE
+
+
+CASCADE_CASES = [
+    # (heads, context lens, query lens, rows sharing the first row's pages, shared pages, block size)
+    # a serving step: 52 decodes after a 2,048-token system prompt, 4 decodes of other prompts, 4
+    # chunks over the same system prompt (not decode rows: never in the cascade)
+    (HeadLayout(32, 8, 128), [2080 + 7 * i for i in range(52)] + [2200] * 4 + [2080] * 4, [1] * 56 + [32] * 4,
+     list(range(52)) + list(range(56, 60)), 128, 16),
+    (HeadLayout(9, 3, 64), [300 + 5 * i for i in range(12)], [1] * 12, list(range(12)), 9, 32),  # SmolLM2, 288
+    (HeadLayout(16, 2, 256), [1000 + i for i in range(10)], [1] * 10, list(range(10)), 62, 16),  # head dim 256
+    # MHA at block size 8, and a row whose context goes on 3,360 tokens past the prefix (split decode)
+    (HeadLayout(8, 8, 128), [700] * 8 + [4000], [1] * 9, list(range(9)), 80, 8),
+]
+
+
+@pytest.mark.parametrize("heads, context_lens, query_lens, sharing, pages, block_size", CASCADE_CASES,
+                         ids=["serving", "smollm2", "d256", "mha_b8_split"])
+def test_cascade_attention_against_float64(cuda_backend, rng, heads, context_lens, query_lens, sharing, pages,
+                                           block_size):
+    """Decode rows that open with the same pages read them once (attention_cascade_* and the
+    `_cascade` decode kernel): each row's output is its attention over its whole context, as
+    the float64 reference and the plain kernels give it; rows outside the prefix (other
+    prompts, prefill chunks) are untouched by it."""
+    from dataclasses import replace
+
+    from atlas.domain.step_inputs import CacheLayout, shared_prefixes
+
+    case = paged_case(rng, heads, context_lens, query_lens, block_size=block_size)
+    tables = case.block_tables.copy()
+    for row in sharing:
+        tables[row, :pages] = tables[0, :pages]
+    case = replace(case, block_tables=tables)
+    layout = CacheLayout(block_size, tables.shape[1], (case.num_blocks + 1000,))
+    prefix = shared_prefixes(tables[:, None, :], np.asarray(query_lens), case.seq_lens, layout)
+    assert prefix is not None and prefix[0, 0] == pages * block_size
+    decode_sharing = [row for row in sharing if query_lens[row] == 1]
+    assert np.flatnonzero(prefix[0, 2:]).tolist() == decode_sharing
+
+    scale = 1 / math.sqrt(heads.head_dim)
+    kv = cuda_cache_with(cuda_backend, case)
+    q = cuda_backend.upload(case.query, DType.BF16)
+    plain_meta = upload_metadata(cuda_backend, case)
+    meta = replace(plain_meta, shared_prefix=cuda_backend.upload(prefix[0]), shared_prefix_len=int(prefix[0, 0]))
+    expected = reference_attention(case, scale, None)
+    outputs = []
+    for metadata in (meta, plain_meta, meta):  # twice: the split counters are back at zero
+        out = poisoned(cuda_backend, (case.num_tokens, heads.q_size), DType.BF16)
+        symbols = launched_symbols(
+            cuda_backend, lambda: cuda_backend.paged_attention(q, kv, 0, metadata, heads, scale, out))  # noqa: B023
+        assert (f"attention_cascade_d{heads.head_dim}" in symbols) == (metadata is meta), symbols
+        outputs.append(host(cuda_backend, out))
+        assert rel_l2(outputs[-1], expected) < BF16_TOLERANCE
+    cascaded, plain, again = outputs
+    np.testing.assert_array_equal(cascaded, again)
+    group = heads.num_q_heads // heads.num_kv_heads
+    rows = case.query_start_loc[:-1]
+    untouched = [row for row in range(len(context_lens)) if row not in decode_sharing]
+    for row in untouched:  # the same kernels, the same bits
+        np.testing.assert_array_equal(cascaded[rows[row] : rows[row] + query_lens[row]],
+                                      plain[rows[row] : rows[row] + query_lens[row]])
+    for row in decode_sharing:
+        assert rel_l2(cascaded[rows[row]], expected[rows[row]]) < BF16_TOLERANCE, (row, group)
+
+
+def test_cascade_is_off_where_it_does_not_apply(cuda_backend, rng):
+    """An FP8 cache, a sliding window, `_x` extras, batch invariance and
+    ATLAS_CUDA_DISABLE=cascade_attention decode each row whole."""
+    from dataclasses import replace
+
+    from atlas.adapters.cuda import ops_attention
+
+    rt = cuda_backend.runtime
+    heads = HeadLayout(8, 2, 128)
+    meta = replace(upload_metadata(cuda_backend, paged_case(rng, heads, [400] * 8, [1] * 8)),
+                   shared_prefix=cuda_backend.upload(np.array([384, 0] + [1] * 8, np.int32)), shared_prefix_len=384)
+    assert ops_attention._cascades(rt, meta, False, np.int32(0), None)
+    assert not ops_attention._cascades(rt, meta, True, np.int32(0), None)
+    assert not ops_attention._cascades(rt, meta, False, np.int32(128), None)
+    assert not ops_attention._cascades(rt, meta, False, np.int32(0), (np.int32(0),))
+    assert not ops_attention._cascades(rt, replace(meta, shared_prefix_len=0), False, np.int32(0), None)
+    saved = rt.features
+    try:
+        for off in (replace(saved, batch_invariant=True), replace(saved, cascade_attention=False)):
+            rt.features = off
+            assert not ops_attention._cascades(rt, meta, False, np.int32(0), None)
+    finally:
+        rt.features = saved

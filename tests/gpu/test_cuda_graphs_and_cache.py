@@ -14,6 +14,7 @@ from cuda_harness import (
     bf16,
     cuda_cache_with,
     cuda_test_backend,
+    launched_symbols,
     paged_case,
     poisoned,
     rel_l2,
@@ -396,3 +397,50 @@ def test_an_engine_never_closed_exits_without_a_traceback(kernel_cache_dir, tmp_
                           text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr[-2000:]
+
+
+SHARED_LLAMA = {**DECODE_LLAMA, "max_position_embeddings": 1024}
+
+
+def test_decode_rows_over_a_shared_prompt_read_it_once_in_graphs_and_eagerly(cuda_backend, rng):
+    """Ten sequences continue one cached 320-token prompt (its 20 pages in each table): their
+    decode step names the prefix, runs the cascade kernels (graphed: the bucket's shared-prefix
+    variant, captured on first use) and gives the logits the plain kernels give."""
+    from dataclasses import replace
+
+    from fakes import DictWeights, random_llama_weights
+
+    config = ModelConfig.from_dict(SHARED_LLAMA)
+    model = load_model(config, DictWeights(random_llama_weights(SHARED_LLAMA, seed=4, scale=0.1)), cuda_backend, 512)
+    spec = KvCacheSpec(config.num_layers, 40, DECODE_BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
+    cache = (cuda_backend.attention.allocate_cache(spec),)
+    prompt = tuple(int(t) for t in rng.integers(0, 512, size=320))
+    shared = tuple(range(20))
+    Worker(cuda_backend, model, cache, WorkerConfig(512, 16, 512)).execute(
+        ScheduledBatch(0, (ScheduledSequence("p", prompt, 0, shared, None),), DECODE_BLOCK_SIZE))
+    owns = [tuple(int(t) for t in rng.integers(0, 512, size=2 + i)) for i in range(10)]
+    chunks = ScheduledBatch(1, tuple(
+        ScheduledSequence(f"s{i}", own, 320, shared + (20 + i,), GREEDY) for i, own in enumerate(owns)),
+        DECODE_BLOCK_SIZE)
+    first = Worker(cuda_backend, model, cache, WorkerConfig(512, 16, 512)).execute(chunks).token_ids
+    decode = ScheduledBatch(2, tuple(
+        ScheduledSequence(f"s{i}", (first[i],), 320 + len(own), shared + (20 + i,), GREEDY)
+        for i, own in enumerate(owns)), DECODE_BLOCK_SIZE)
+
+    rt = cuda_backend.runtime
+    saved = rt.features
+    logits = {}
+    try:
+        for name, graphs, cascade in (("graph", (16,), True), ("eager", (), True), ("plain", (16,), False)):
+            rt.features = replace(saved, cascade_attention=cascade)
+            worker = Worker(cuda_backend, model, cache, WorkerConfig(512, 16, 512, graphs))
+            symbols = launched_symbols(
+                cuda_backend, lambda: logits.__setitem__(name, worker.compute_logits(decode)))  # noqa: B023
+            if name == "graph":
+                assert 16 in worker._shared_prefix_graphs and 16 not in worker._graphs
+            if name == "eager":
+                assert "attention_cascade_d64" in symbols
+    finally:
+        rt.features = saved
+    assert rel_l2(logits["graph"], logits["plain"]) < 1e-2
+    assert rel_l2(logits["eager"], logits["plain"]) < 1e-2

@@ -45,13 +45,13 @@ def test_shipped_tree_has_every_generic_module_and_headers():
 
 
 # Kernels that read before waiting only what the previous kernel does not write (weights; step
-# inputs, the RoPE table, decode attention's earlier tokens' K/V; the residual row whose RMS
-# RoPE and act_mul_rms take after the product that reads it; the MoE slot table, which the
-# routing wrote two kernels before moe_down): their impl calls dependent_launch_entry() itself
-# once those loads are issued.
+# inputs, the cascade's shared prefix among them; the RoPE table, decode attention's earlier
+# tokens' K/V; the residual row whose RMS RoPE and act_mul_rms take after the product that reads
+# it; the MoE slot table, which the routing wrote two kernels before moe_down): their impl calls
+# dependent_launch_entry() itself once those loads are issued.
 _WAIT_INSIDE = {
     "gemv.cu": ("gemv_impl<", "gemv_mma_impl<", "skinny_impl<"),
-    "attention_decode.cu": ("attention_decode_impl<", "attention_decode_mma_impl<"),
+    "attention_decode.cu": ("attention_decode_impl<", "attention_decode_mma_impl<", "attention_cascade_impl<"),
     "rope_cache.cu": ("rope_and_cache_impl<",),
     "elementwise.cu": ("act_mul_rms_vec8<",),
     "gemv_fp8.cu": ("gemv_fp8_impl<", "gemv_fp8_mma_impl<"),

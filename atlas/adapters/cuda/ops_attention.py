@@ -551,6 +551,14 @@ def _decode(
         partial_lse = rt.workspace("attention_partial_lse", slots * 4)
         counters = rt.counters("attention_split_counters", num_blocks)
     query_start_loc, seq_lens, block_tables, table_stride = common
+    cascade = ()
+    if (
+        mma
+        and _cascades(rt, meta, kv_fp8, window, extra_arguments)
+        and cascade_shared_bytes(heads.head_dim) <= rt.max_shared_optin
+    ):
+        cascade = _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2)
+        symbol += "_cascade"
     rt.launch(
         "attention_decode",
         symbol,
@@ -576,6 +584,76 @@ def _decode(
         np.int32(min_tokens),
         *((np.float32(v_scale),) if kv_fp8 else ()),
         *(extra_arguments or ()),
+        *cascade,
         shared_bytes=shared_bytes,
     )
+
+
+# The cascade's prefix kernel (attention_decode.cu, "Cascade attention"): 64 query rows a block,
+# 4 warps, the prefill kernel's shared-memory layout (Q and K/V tiles of 64 keys, rows of D + 8).
+_CASCADE_ROWS = 64
+_CASCADE_THREADS = 128
+_CASCADE_MAX_PARTS = 16
+
+
+def _cascades(rt: CudaRuntime, meta: AttentionMetadata, kv_fp8: bool, window: np.int32, extra_arguments) -> bool:
+    """Whether this step's decode rows read their shared prefix once (CudaFeatures.cascade_attention)."""
+    return (
+        meta.shared_prefix is not None
+        and meta.shared_prefix_len > 0
+        and rt.features.cascade_attention
+        and not rt.features.batch_invariant
+        and not kv_fp8
+        and not window
+        and extra_arguments is None
+    )
+
+
+def cascade_shared_bytes(head_dim: int) -> int:
+    """Shared memory of attention_cascade_d{head_dim}: Q [64 rows] and two stages of K and V
+    tiles of 64 keys (one at head dim 256), rows of D + 8 bf16."""
+    stages = 2 if head_dim <= 128 else 1
+    return (_CASCADE_ROWS + stages * 2 * _PREFILL_BLOCK_N) * (head_dim + 8) * 2
+
+
+def cascade_parts(num_sms: int, num_seqs: int, group: int, num_kv_heads: int) -> int:
+    """Pieces of the prefix (grid z of the prefix kernel): enough that its blocks (64-row tiles
+    x KV heads x pieces) fill two an SM; the kernel uses fewer on a short prefix (pieces of at
+    least 256 keys)."""
+    blocks = -(-num_seqs * group // _CASCADE_ROWS) * num_kv_heads
+    return max(1, min(_CASCADE_MAX_PARTS, -(-2 * num_sms // blocks)))
+
+
+def _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2) -> tuple:
+    """Launch the prefix kernel over the step's sharing rows; the `_cascade` decode kernel's
+    extra arguments."""
+    group = heads.num_q_heads // heads.num_kv_heads
+    parts = cascade_parts(rt.num_sms, meta.num_seqs, group, heads.num_kv_heads)
+    slots = meta.num_seqs * heads.num_q_heads * parts
+    cascade_out = rt.workspace("attention_cascade_out", slots * heads.head_dim * 4)
+    cascade_lse = rt.workspace("attention_cascade_lse", slots * 4)
+    shared_prefix = checks.address(meta.shared_prefix, "meta.shared_prefix")
+    query_start_loc, _, block_tables, table_stride = common
+    rt.launch(
+        "attention_decode",
+        f"attention_cascade_d{heads.head_dim}",
+        (-(-meta.num_seqs * group // _CASCADE_ROWS), heads.num_kv_heads, parts),
+        _CASCADE_THREADS,
+        q.address,
+        planes[0],
+        planes[1],
+        cascade_out,
+        cascade_lse,
+        query_start_loc,
+        shared_prefix,
+        block_tables,
+        table_stride,
+        np.int32(meta.num_seqs),
+        np.int32(heads.num_q_heads),
+        np.int32(heads.num_kv_heads),
+        np.int32(block_size),
+        scale_log2,
+        shared_bytes=cascade_shared_bytes(heads.head_dim),
+    )
+    return (shared_prefix, cascade_out, cascade_lse, np.int32(parts))
 

@@ -54,8 +54,8 @@ class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
     `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`,
-    `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`, `fp8_fast_accum`) turns some off, for debugging
-    and A/B timings.
+    `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`, `fp8_fast_accum`, `cascade_attention`) turns some
+    off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -90,6 +90,10 @@ class CudaFeatures:
     gemv_rope: a one-token attention `project` on rows up to 2048 wide is one GEMV that also
         rotates q and k and writes the cache (needs gemv_fused too).
     mma_decode: decode attention on tensor cores (mma.sync; the SIMT kernel without it).
+    cascade_attention: decode rows that share a prefix (`AttentionMetadata.shared_prefix`) read
+        it once for all of them (attention_cascade_* then the decode kernel's `_cascade` twin,
+        attention_decode.cu) on a bf16 cache without a window or the `_x` extras; needs
+        mma_decode, and batch_invariant turns it off (a row's sums would depend on its step).
     rms_after_product: past the GEMV sizes, a norm folded into its projection (`fold_rmsnorm`)
         runs no norm kernel: the projection reads the residual as it is and the kernel after the
         product scales each token's row by its inverse RMS (RoPE + cache write after qkv, act_mul
@@ -139,6 +143,7 @@ class CudaFeatures:
     hbm_tuning: bool = True
     fp8_gemv_norm: bool = True
     fp8_fast_accum: bool = True
+    cascade_attention: bool = True
     batch_invariant: bool = False
 
     @classmethod
@@ -164,6 +169,7 @@ class CudaFeatures:
             "hbm_tuning",
             "fp8_gemv_norm",
             "fp8_fast_accum",
+            "cascade_attention",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -188,6 +194,7 @@ class CudaFeatures:
             hbm_tuning="hbm_tuning" not in disabled,
             fp8_gemv_norm="fp8_gemv_norm" not in disabled,
             fp8_fast_accum="fp8_fast_accum" not in disabled,
+            cascade_attention="cascade_attention" not in disabled,
         )
 
 
