@@ -12,6 +12,8 @@
 # `bash benchmarks/serve_gpu_run.sh prefix-on prefix-off` gives only the shared-prefix pair
 # (~2 minutes). STEP_TRACE=1 makes each server write its engine steps to
 # $OUT/<server>.steps.jsonl (ATLAS_STEP_TRACE; read them with benchmarks/step_trace_table.py).
+# SETTLE=15 lets each server idle 15 s once ready, as a server up for a while has: it captures
+# the decode graphs it deferred (the larger buckets, the shared-prefix variants) in that time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,6 +29,7 @@ PREFIX=${PREFIX:-2048}; SUFFIX=${SUFFIX:-32}; PREFIX_OUT=${PREFIX_OUT:-128}
 CHATS=${CHATS:-32}; TURNS=${TURNS:-10}; CHAT_IN=${CHAT_IN:-16:128}; CHAT_OUT=${CHAT_OUT:-16:128}
 SERVE_ARGS=${SERVE_ARGS:-"--max-seq-len 4096 --max-num-seqs $CONC"}
 RUNS=${*:-${RUNS:-mixed fixed prefix-on chat prefix-off}}
+SETTLE=${SETTLE:-0}  # seconds a ready server idles before the runs (its deferred graphs get captured)
 t0=$SECONDS
 
 device_name=$DEVICE
@@ -47,7 +50,7 @@ start_server() {  # $1: log name; the rest: extra serve flags
     > "$OUT/$name.log" 2>&1 &
   server=$!
   for _ in $(seq 400); do
-    curl -sf "$URL/health" > /dev/null && { echo "=== $name ready at $((SECONDS - t0))s"; return 0; }
+    curl -sf "$URL/health" > /dev/null && { echo "=== $name ready at $((SECONDS - t0))s"; sleep "$SETTLE"; return 0; }
     kill -0 "$server" 2> /dev/null || break
     sleep 1
   done
