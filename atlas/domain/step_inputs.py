@@ -32,6 +32,8 @@ class CacheLayout:
     kv_scratch_blocks: tuple[int, ...]  # per KV group, in the model's order of groups
     state_scratch_slots: tuple[int, ...] = ()  # per recurrent-state group
     snapshot_width: int = 0  # snapshot slots a verifying sequence names per recurrent group (its drafts)
+    # per KV group, the K and V bytes of one token in one layer (empty: unknown)
+    kv_token_bytes: tuple[int, ...] = ()
 
     @property
     def num_kv_groups(self) -> int:
@@ -173,9 +175,13 @@ def build_step_inputs(
 
 # A step's decode rows read a shared prefix together (cascade attention) when at least
 # SHARED_PREFIX_MIN_ROWS of them open with the same SHARED_PREFIX_MIN_TOKENS or more (vLLM's
-# thresholds for its cascade attention): below them the extra kernel costs more than it saves.
+# thresholds for its cascade attention), and reading it once saves at least
+# SHARED_PREFIX_MIN_SAVED_BYTES a layer (where the layout knows a token's bytes): below them the
+# extra kernel a layer costs more than it saves (a launch is a few microseconds, about what 8 MB
+# take at 3 TB/s; a small model's verify step of 17 rows over 600 tokens saves ~7 MB).
 SHARED_PREFIX_MIN_ROWS = 8
 SHARED_PREFIX_MIN_TOKENS = 256
+SHARED_PREFIX_MIN_SAVED_BYTES = 8 << 20
 
 
 def shared_prefixes(
@@ -186,11 +192,14 @@ def shared_prefixes(
     None when no group has one.
 
     A row's shareable blocks are the full ones before its newest token's (nothing writes them
-    this step), up to the anchor's: the decode row with the most of them. A row shares the
-    anchor's leading blocks up to its first differing entry (a scratch entry, as a sliding
-    window leaves, never counts). The length L is the one that saves the most page reads,
-    (rows sharing L - 1) x L, among lengths of at least SHARED_PREFIX_MIN_TOKENS that
-    SHARED_PREFIX_MIN_ROWS rows share; rows sharing more than L share L.
+    this step). The anchor is, of the decode rows whose first block is the one most of them
+    open with (the smallest id of a tie; never the scratch block), the first with the most
+    shareable blocks; a row shares the anchor's leading blocks up to its first differing entry
+    (a scratch entry, as a sliding window leaves, never counts) and its own shareable blocks.
+    The length L is the one that saves the most page reads, (rows sharing L - 1) x L, among
+    lengths of at least SHARED_PREFIX_MIN_TOKENS that SHARED_PREFIX_MIN_ROWS rows share and that
+    save SHARED_PREFIX_MIN_SAVED_BYTES a layer (`layout.kv_token_bytes`); rows sharing more than
+    L share L.
     """
     decode = np.flatnonzero(query_lens == 1)
     if len(decode) < SHARED_PREFIX_MIN_ROWS:
@@ -200,18 +209,26 @@ def shared_prefixes(
     min_blocks = -(-SHARED_PREFIX_MIN_TOKENS // block_size)
     if np.count_nonzero(caps >= min_blocks) < SHARED_PREFIX_MIN_ROWS:
         return None
-    anchor = int(np.argmax(caps))
-    width = int(caps[anchor])
     result = np.zeros((layout.num_kv_groups, 2 + len(seq_lens)), np.int32)
     found = False
     for group in range(layout.num_kv_groups):
+        scratch = layout.kv_scratch_blocks[group]
+        firsts = block_tables[decode, group, 0]
+        opened, counts = np.unique(firsts[(firsts != scratch) & (caps > 0)], return_counts=True)
+        if not len(opened) or counts.max() < SHARED_PREFIX_MIN_ROWS:
+            continue
+        anchor = int(np.argmax(np.where(firsts == opened[np.argmax(counts)], caps, -1)))
+        width = int(caps[anchor])
         tables = block_tables[decode, group, :width]
-        same = (tables == tables[anchor]) & (tables != layout.kv_scratch_blocks[group])
+        same = (tables == tables[anchor]) & (tables != scratch)
         leads = np.where(same.all(axis=1), width, np.argmin(same, axis=1))
         leads = np.minimum(leads, caps)
         ranked = np.sort(leads)[::-1]
-        counts = np.arange(1, len(ranked) + 1)
-        saving = np.where((counts >= SHARED_PREFIX_MIN_ROWS) & (ranked >= min_blocks), (counts - 1) * ranked, 0)
+        sharers = np.arange(1, len(ranked) + 1)
+        saving = np.where((sharers >= SHARED_PREFIX_MIN_ROWS) & (ranked >= min_blocks), (sharers - 1) * ranked, 0)
+        if layout.kv_token_bytes:
+            saved_bytes = saving.astype(np.int64) * block_size * layout.kv_token_bytes[group]
+            saving = np.where(saved_bytes >= SHARED_PREFIX_MIN_SAVED_BYTES, saving, 0)
         best = int(np.argmax(saving))
         if saving[best] <= 0:
             continue

@@ -169,6 +169,10 @@ class Worker:
             kv_scratch_blocks=tuple(scratch_page(caches[index]) for index in kv_groups),
             state_scratch_slots=tuple(scratch_page(caches[index]) for index in state_groups),
             snapshot_width=config.max_draft_tokens if state_groups else 0,
+            kv_token_bytes=tuple(
+                caches[index].spec.bytes_per_block // (caches[index].spec.num_layers * self.block_size)
+                for index in kv_groups
+            ),
         )
         # each cache group's index among the KV groups, or among the recurrent ones
         self._group_index = tuple(

@@ -230,6 +230,46 @@ def test_attend_with_logit_softcap_and_a_gated_output(harness, rng):
     assert rel(out, expected) < harness.tolerance
 
 
+@pytest.mark.parametrize("heads, block_size", [(HeadLayout(8, 2, 128), 16), (HeadLayout(9, 3, 64), 32)])
+def test_attend_with_a_shared_prefix_named_is_the_same_attention(harness, rng, heads, block_size):
+    """Metadata may name the pages a step's decode rows share (`shared_prefix`, as
+    step_inputs.shared_prefixes does); a backend may read them once for all of those rows
+    (CUDA's cascade attention), but every row's output is still its attention over its context:
+    here 12 decode rows over a shared 25-page prompt, 2 rows of other prompts and a prefill
+    chunk over the same prompt."""
+    from dataclasses import replace
+
+    from atlas.domain.step_inputs import CacheLayout, shared_prefixes
+
+    backend = harness.backend
+    pages = 800 // block_size
+    context_lens = [800 + 3 + 5 * i for i in range(12)] + [500, 900, 820]
+    query_lens = [1] * 14 + [20]
+    case = paged(rng, context_lens, query_lens, block_size)
+    tables = case.block_tables.copy()
+    for row in list(range(12)) + [14]:
+        tables[row, :pages] = tables[0, :pages]
+    case = replace(case, block_tables=tables)
+    layout = CacheLayout(block_size, tables.shape[1], (case.num_blocks + 1000,))
+    prefix = shared_prefixes(tables[:, None, :], np.asarray(query_lens), np.asarray(context_lens, np.int32), layout)
+    assert prefix is not None and prefix[0, 0] == 800 and prefix[0, 2:].tolist() == [1] * 12 + [0] * 3
+    kv = _cache(harness, case, heads, _kv_dtype(harness))
+    shape = (case.num_slots, heads.num_kv_heads, heads.head_dim)
+    keys, values = bf16(rng.standard_normal(shape)), bf16(rng.standard_normal(shape))
+    dtype = _host_dtype(kv.spec.dtype)
+    harness.write_cache(kv, 0, keys.astype(dtype), values.astype(dtype))
+    spec = AttentionLayer(heads, 0, heads.head_dim**-0.5, None)
+    layer = prepared_or_skip(backend.attention.prepare, HostAttention(
+        RmsNorm(np.ones(8, np.float32), EPS), HostLinear(np.zeros((heads.q_size + 2 * heads.kv_size, 8), np.float32))), spec)
+    q = bf16(rng.standard_normal((case.num_tokens, heads.q_size)))
+    meta = replace(_metadata(backend, case), shared_prefix=backend.upload(prefix[0]), shared_prefix_len=800)
+    out = harness.poisoned((case.num_tokens, heads.q_size))
+    backend.attention.attend(backend.upload(q, harness.act), layer, meta, kv, out)
+    expected = attention(case, q, keys.astype(dtype).astype(np.float64), values.astype(dtype).astype(np.float64), heads,
+                         spec.scale)
+    assert rel(harness.host(out), expected) < harness.tolerance
+
+
 def test_attend_reads_only_its_own_sequence(harness, rng):
     """Changing one cached value of one sequence moves only that sequence's rows."""
     backend = harness.backend

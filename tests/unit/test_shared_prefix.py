@@ -26,15 +26,24 @@ ROW = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counte
 
 
 def brute_force(tables: np.ndarray, query_lens: np.ndarray, seq_lens: np.ndarray, scratch: int):
-    """(length in tokens, anchor, sharing rows) by trying every length: the anchor is the first
-    decode row with the most full blocks before its newest token; a row shares L blocks if it is
-    a decode row, L blocks lie before its newest token's and its first L entries are the
-    anchor's (none the scratch block); the length kept saves the most reads, (sharers - 1) L."""
+    """(length in tokens, anchor, sharing rows) by trying every length: the anchor is, of the
+    decode rows opening with the first block most decode rows open with (of those with a full
+    block; the smallest id of a tie; not the scratch block), the first with the most full blocks
+    before its newest token; a row shares L blocks if it is a decode row, L blocks lie before its
+    newest token's and its first L entries are the anchor's (none the scratch block); the length
+    kept saves the most reads, (sharers - 1) L."""
     decode = [s for s in range(len(seq_lens)) if query_lens[s] == 1]
     if len(decode) < SHARED_PREFIX_MIN_ROWS:
         return None
     caps = {s: (int(seq_lens[s]) - 1) // BLOCK_SIZE for s in decode}
-    anchor = max(decode, key=lambda s: (caps[s], -s))
+    opened: dict[int, int] = {}
+    for s in decode:
+        if tables[s, 0] != scratch and caps[s] > 0:
+            opened[int(tables[s, 0])] = opened.get(int(tables[s, 0]), 0) + 1
+    if not opened:
+        return None
+    first = min(opened, key=lambda block: (-opened[block], block))
+    anchor = max((s for s in decode if tables[s, 0] == first), key=lambda s: (caps[s], -s))
     best = (0, 0, [])
     for length in range(1, caps[anchor] + 1):
         if length * BLOCK_SIZE < SHARED_PREFIX_MIN_TOKENS:
@@ -200,3 +209,21 @@ def test_the_buffers_carry_the_prefix_and_clear_it():
     buffers.send()
     assert buffers.metadata(0, 3, 3, 1, 2200).shared_prefix is None
     assert mock_backend.download(buffers.shared_prefixes[0])[0] == 0  # a graph replaying it reads no prefix
+
+
+def test_a_prefix_too_small_to_pay_for_its_kernel_is_not_named():
+    """Reading the prefix once must save SHARED_PREFIX_MIN_SAVED_BYTES a layer where the layout
+    knows a token's bytes: a small model's verify rows (17 rows over 600 tokens, 768 bytes a
+    token) do not; an 8B's (4 KB a token) do, as do 64 rows of the small model over 2,048."""
+    from dataclasses import replace
+
+    pages = list(range(300, 345))
+    verify = [_sequence(j, pages, 600 + j + 1) for j in range(17)]
+    batch = ScheduledBatch(1, tuple(verify), BLOCK_SIZE)
+    assert build_step_inputs(batch, LAYOUT, 32).shared_prefix_len(0) == 592
+    assert build_step_inputs(batch, replace(LAYOUT, kv_token_bytes=(768,)), 32).shared_prefix is None
+    assert build_step_inputs(batch, replace(LAYOUT, kv_token_bytes=(4096,)), 32).shared_prefix_len(0) == 592
+    system = list(range(1000, 1128))
+    rows = [_sequence(i, system + [2000 + i], 2049 + i % 8) for i in range(64)]
+    served = ScheduledBatch(1, tuple(rows), BLOCK_SIZE)
+    assert build_step_inputs(served, replace(LAYOUT, kv_token_bytes=(768,)), 64).shared_prefix_len(0) == 2048
