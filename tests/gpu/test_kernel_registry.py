@@ -328,6 +328,10 @@ def test_decode_attention_fills_one_wave_with_the_roomiest_shape():
         **{batch: (4, 3, 2) for batch in (17, 33, 34, 128)},  # 136 .. 264, and more than a wave
     }
     assert decode_mma_shape(64, 8, 132, smem) == (4, 3, 4)  # the only shape of head dim 64
+    # sm_120 (99 KB a block, 100 KB an SM): (8, 2)'s 128 KB never launch there
+    assert decode_mma_shape(128, 8, 132, 100 * 1024, max_shared_per_block=99 * 1024) == (4, 3, 1)
+    with pytest.raises(ValueError, match="mma_decode"):
+        decode_mma_shape(256, 8, 132, 100 * 1024, max_shared_per_block=32 * 1024)
     # one wave: batch 1's 8 blocks split 8 ways (64-token splits of 512), batch 8's 64 blocks 2 ways
     assert [decode_split_count(132, b, 512, 1, 64, waves=1) for b in (8, 64, 128, 132)] == [8, 2, 1, 1]
     assert decode_split_count(132, 8, 100_000, 1, 64, waves=1) == 16

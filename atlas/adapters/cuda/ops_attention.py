@@ -462,18 +462,30 @@ def decode_split_count(
 
 
 def decode_mma_shape(
-    head_dim: int, num_blocks: int, num_sms: int, max_shared_per_sm: int, kv_bytes: int = 2
+    head_dim: int, num_blocks: int, num_sms: int, max_shared_per_sm: int, kv_bytes: int = 2,
+    max_shared_per_block: int | None = None,
 ) -> tuple[int, int, int]:
     """(warps, stages, blocks per SM) of the tensor-core decode kernel for `num_blocks` blocks
-    before splitting (see DECODE_MMA_SHAPES; DECODE_MMA_SHAPES_FP8 for 1-byte K/V)."""
+    before splitting (see DECODE_MMA_SHAPES; DECODE_MMA_SHAPES_FP8 for 1-byte K/V), of the shapes
+    whose shared memory a block may have (`max_shared_per_block`: sm_120 gives 99 KB, which
+    head dim 128's (8, 2) outgrows)."""
     table = DECODE_MMA_SHAPES_FP8 if kv_bytes == 1 else DECODE_MMA_SHAPES
+    fitting = [
+        (warps, stages)
+        for warps, stages in table[head_dim]
+        if max_shared_per_block is None
+        or decode_mma_shared_bytes(head_dim, warps, stages, kv_bytes) <= max_shared_per_block
+    ]
+    if not fitting:
+        raise ValueError(f"heads.head_dim: {head_dim}: no decode attention shape fits {max_shared_per_block} bytes of "
+                         "shared memory a block; set ATLAS_CUDA_DISABLE=mma_decode")
     shapes = [
         (
             warps,
             stages,
             max(1, max_shared_per_sm // (decode_mma_shared_bytes(head_dim, warps, stages, kv_bytes) + 1024)),
         )
-        for warps, stages in table[head_dim]
+        for warps, stages in fitting
     ]
     holding = [shape for shape in shapes if shape[2] * num_sms >= num_blocks]
     if not holding:
@@ -530,7 +542,7 @@ def _decode(
         kind, waves = "mma", 1
         kv_bytes = 1 if kv_fp8 else 2
         warps, stages, blocks_per_sm = decode_mma_shape(
-            heads.head_dim, shape_blocks, rt.num_sms, rt.max_shared_per_sm, kv_bytes
+            heads.head_dim, shape_blocks, rt.num_sms, rt.max_shared_per_sm, kv_bytes, rt.max_shared_optin
         )
         symbol, threads = f"attention_decode_mma_d{heads.head_dim}_w{warps}_s{stages}", warps * 32
         symbol += "_fp8" if kv_fp8 else ""
