@@ -996,6 +996,10 @@ DEFINE_DECODE_MMA_X(256, 4, 4, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
 // sharing row's token) and P in two bf16 terms, as the decode kernel's (its rows are decode rows):
 //     S = Q K^T (mma.sync m16n8k16), online softmax, O += P_hi V + P_lo V
 // K/V tiles stream through two cp.async stages (one at head dim 256), all after griddepcontrol.wait.
+// The tile load, S = Q K^T, the online softmax and O += P V repeat the prefill kernel's loop on
+// purpose: folded into functions both call, the prefill kernels' code changed (the load alone as
+// a shared function moved the _x kernels' registers and spills, nvcc 13.0, sm_90a), and those are
+// tuned; this kernel differs in its mask (none but the piece's end), P's two terms and its output.
 template <int HEAD_DIM, int STAGES>
 __device__ __forceinline__ void attention_cascade_impl(
     const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
