@@ -1,6 +1,7 @@
 """The serving bench's workloads run on the engine alone, with no HTTP in between:
 
-    python3 benchmarks/offline_serve.py [--model PATH] [--device cuda] [--runs mixed,fixed] [--profile]
+    python3 benchmarks/offline_serve.py [--model PATH] [--device cuda] [--runs mixed,fixed] [--kv-cache-dtype fp8]
+                                        [--profile]
 
 A closed loop of `--concurrency` requests on the engine core in this process: a request that
 finishes is replaced by the next in the same step, as a client with no network and no front end
@@ -80,9 +81,11 @@ def main() -> int:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, max_num_seqs=args.concurrency, max_seq_len=args.max_seq_len)
+    llm = LLM(args.model, device=args.device, max_num_seqs=args.concurrency, max_seq_len=args.max_seq_len,
+              kv_cache_dtype=args.kv_cache_dtype)
     run(llm, "fixed", args.concurrency, args.concurrency, seed=99)  # warm-up: graphs, cuBLASLt plans
     print(f"{'run':>6} {'seconds':>8} {'out tok/s':>10} {'total tok/s':>11} {'steps':>6} {'tokens/step':>11}")
     tables = []

@@ -137,14 +137,16 @@ struct CascadeInput {
 
 // Fold row `seq`'s prefix pieces into a softmax state over the rest of its context: `best`
 // (log2 max), `total` and `value` (sum of exp2(score - best) and of its products with V at dim d).
+// `scale` multiplies the pieces' outputs (sums of stored V values): 1 where `value` is of stored
+// values too, an FP8 cache's v_scale where it is of values already scaled (the split merge's).
 __device__ __forceinline__ void absorb_cascade(const CascadeInput& cascade, int seq, int head, int num_q_heads, int d,
-                                               int head_dim, float& best, float& total, float& value) {
+                                               int head_dim, float scale, float& best, float& total, float& value) {
     const CascadeParts pieces = cascade_parts(cascade.shared_prefix[0], cascade.parts);
     const long long first = ((long long)seq * num_q_heads + head) * cascade.parts;
     for (int i = 0; i < pieces.used; ++i) {
         const float lse = __ldcg(cascade.lse + first + i);
         if (lse == -ATLAS_INF) continue;
-        const float part = __ldcg(cascade.out + (first + i) * head_dim + d);
+        const float part = __ldcg(cascade.out + (first + i) * head_dim + d) * scale;
         const float new_best = fmaxf(best, lse);
         const float rescale = exp2f(best - new_best);  // 0 while best is -inf
         const float weight = exp2f(lse - new_best);
@@ -212,7 +214,7 @@ __device__ __forceinline__ void finish_decode(const float* merge_max, const floa
         }
         const int head = to.first_head + h;
         if (cascaded && to.num_splits == 1)
-            absorb_cascade(to.cascade, to.seq, head, to.num_q_heads, d, HEAD_DIM, best, total, value);
+            absorb_cascade(to.cascade, to.seq, head, to.num_q_heads, d, HEAD_DIM, 1.0f, best, total, value);
         float normalised = total > 0.0f ? value / total * to.v_scale : 0.0f;
         if (to.num_splits == 1) {
             if constexpr (EXTRAS) {
@@ -260,7 +262,7 @@ __device__ __forceinline__ void finish_decode(const float* merge_max, const floa
             }
             best = new_best;
         }
-        if (cascaded) absorb_cascade(to.cascade, to.seq, head, to.num_q_heads, d, HEAD_DIM, best, total, value);
+        if (cascaded) absorb_cascade(to.cascade, to.seq, head, to.num_q_heads, d, HEAD_DIM, to.v_scale, best, total, value);
         float merged = total > 0.0f ? value / total : 0.0f;
         if constexpr (EXTRAS) {
             merged = total > 0.0f ? value / (total + sink_term(to.sinks, head, best)) : 0.0f;
@@ -1000,9 +1002,28 @@ DEFINE_DECODE_MMA_X(256, 4, 4, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
 // purpose: folded into functions both call, the prefill kernels' code changed (the load alone as
 // a shared function moved the _x kernels' registers and spills, nvcc 13.0, sm_90a), and those are
 // tuned; this kernel differs in its mask (none but the piece's end), P's two terms and its output.
-template <int HEAD_DIM, int STAGES>
+// Sixteen E4M3 bytes (element i in byte i) as sixteen bf16 at `dst`, exactly (through f16).
+__device__ __forceinline__ void store_fp8x16_as_bf16(bf16* dst, const uint4& raw) {
+    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+    u32 pairs[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float2 pair = f16x2_to_floats(fp8x2_to_f16x2(words[i] >> (16 * h)));
+            pairs[2 * i + h] = pack_bf16x2(pair.x, pair.y);
+        }
+    }
+    *reinterpret_cast<uint4*>(dst) = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+    *reinterpret_cast<uint4*>(dst + 8) = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
+}
+
+// KV: bf16, or fp8_e4m3 (an FP8 cache: one stage, each tile loaded to registers and stored
+// converted to bf16; the host folds k_scale into scale_log2, and the pieces are of stored V
+// values, which the decode kernel scales by v_scale with its own).
+template <int HEAD_DIM, int STAGES, typename KV>
 __device__ __forceinline__ void attention_cascade_impl(
-    const bf16* __restrict__ q, const bf16* __restrict__ k_plane, const bf16* __restrict__ v_plane,
+    const bf16* __restrict__ q, const KV* __restrict__ k_plane, const KV* __restrict__ v_plane,
     float* __restrict__ cascade_out, float* __restrict__ cascade_lse, const int* __restrict__ query_start_loc,
     const int* __restrict__ shared_prefix, const int* __restrict__ block_tables, int block_table_stride, int num_seqs,
     int num_q_heads, int num_kv_heads, int block_size, float scale_log2) {
@@ -1039,19 +1060,37 @@ __device__ __forceinline__ void attention_cascade_impl(
     auto load_tile = [&](int kv_start, int stage) {
         bf16* k_dst = kv_tiles + stage * 2 * BLOCK_N * STRIDE;
         bf16* v_dst = k_dst + BLOCK_N * STRIDE;
-        for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
-            const int r = c / CHUNKS, chunk = c % CHUNKS;
-            const int key = kv_start + r;
-            const bool valid = key < kv_end;
-            long long offset = 0;
-            if (valid) {
-                const long long page = __ldg(table + key / block_size);
-                offset = ((page * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 8;
+        if constexpr (sizeof(KV) == 1) {
+            constexpr int FP8_CHUNKS = HEAD_DIM / 16;  // 16-byte chunks of a row of E4M3 bytes
+            for (int c = tid; c < BLOCK_N * FP8_CHUNKS; c += THREADS) {
+                const int r = c / FP8_CHUNKS, chunk = c % FP8_CHUNKS;
+                const int key = kv_start + r;
+                uint4 k_raw = make_uint4(0u, 0u, 0u, 0u), v_raw = k_raw;
+                if (key < kv_end) {
+                    const long long page = __ldg(table + key / block_size);
+                    const long long offset =
+                        ((page * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 16;
+                    k_raw = __ldg(reinterpret_cast<const uint4*>(k_plane + offset));
+                    v_raw = __ldg(reinterpret_cast<const uint4*>(v_plane + offset));
+                }
+                store_fp8x16_as_bf16(k_dst + r * STRIDE + chunk * 16, k_raw);
+                store_fp8x16_as_bf16(v_dst + r * STRIDE + chunk * 16, v_raw);
             }
-            cp_async_16(k_dst + r * STRIDE + chunk * 8, k_plane + offset, valid);
-            cp_async_16(v_dst + r * STRIDE + chunk * 8, v_plane + offset, valid);
+        } else {
+            for (int c = tid; c < BLOCK_N * CHUNKS; c += THREADS) {
+                const int r = c / CHUNKS, chunk = c % CHUNKS;
+                const int key = kv_start + r;
+                const bool valid = key < kv_end;
+                long long offset = 0;
+                if (valid) {
+                    const long long page = __ldg(table + key / block_size);
+                    offset = ((page * num_kv_heads + kv_head) * block_size + key % block_size) * HEAD_DIM + chunk * 8;
+                }
+                cp_async_16(k_dst + r * STRIDE + chunk * 8, k_plane + offset, valid);
+                cp_async_16(v_dst + r * STRIDE + chunk * 8, v_plane + offset, valid);
+            }
+            cp_async_commit();
         }
-        cp_async_commit();
     };
     const int num_kv_tiles = (kv_end - kv_begin + BLOCK_N - 1) / BLOCK_N;
     // After the wait: q comes from the previous kernel, and a verify step's rows (single-token
@@ -1186,15 +1225,15 @@ __device__ __forceinline__ void attention_cascade_impl(
     }
 }
 
-#define DEFINE_CASCADE(HEAD_DIM, STAGES)                                                                        \
-    extern "C" __global__ void __launch_bounds__(CASCADE_ROWS / 16 * 32, 2) attention_cascade_d##HEAD_DIM(      \
-        const bf16* q, const bf16* k_plane, const bf16* v_plane, float* cascade_out, float* cascade_lse,        \
+#define DEFINE_CASCADE(HEAD_DIM, STAGES, SUFFIX, KV)                                                            \
+    extern "C" __global__ void __launch_bounds__(CASCADE_ROWS / 16 * 32, 2) attention_cascade_d##HEAD_DIM##SUFFIX( \
+        const bf16* q, const KV* k_plane, const KV* v_plane, float* cascade_out, float* cascade_lse,            \
         const int* query_start_loc, const int* shared_prefix, const int* block_tables, int block_table_stride,  \
         int num_seqs, int num_q_heads, int num_kv_heads, int block_size, float scale_log2) {                    \
-        attention_cascade_impl<HEAD_DIM, STAGES>(q, k_plane, v_plane, cascade_out, cascade_lse,                \
-                                                 query_start_loc, shared_prefix, block_tables,                  \
-                                                 block_table_stride, num_seqs, num_q_heads, num_kv_heads,       \
-                                                 block_size, scale_log2);                                       \
+        attention_cascade_impl<HEAD_DIM, STAGES, KV>(q, k_plane, v_plane, cascade_out, cascade_lse,            \
+                                                     query_start_loc, shared_prefix, block_tables,              \
+                                                     block_table_stride, num_seqs, num_q_heads, num_kv_heads,   \
+                                                     block_size, scale_log2);                                   \
     }
 
 // The decode kernels' `_cascade` twins (bf16 caches, no extras): a sharing row decodes past the
@@ -1214,10 +1253,34 @@ __device__ __forceinline__ void attention_cascade_impl(
             CascadeInput{shared_prefix, cascade_out, cascade_lse, cascade_parts});                               \
     }
 
-DEFINE_CASCADE(64, 2)
-DEFINE_CASCADE(128, 2)
-DEFINE_CASCADE(256, 1)
+// FP8 caches: the E4M3 twins of both (one stage of K/V tiles in the prefix kernel).
+#define DEFINE_DECODE_MMA_FP8_CASCADE(HEAD_DIM, WARPS, STAGES)                                                  \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
+        attention_decode_mma_d##HEAD_DIM##_w##WARPS##_s##STAGES##_fp8_cascade(                                   \
+            const bf16* q, const fp8_e4m3* k_plane, const fp8_e4m3* v_plane, bf16* out, float* partial_out,     \
+            float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,      \
+            const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, \
+            float scale_log2, int sliding_window, int num_splits, int min_split_tokens, float v_scale,          \
+            const int* shared_prefix, const float* cascade_out, const float* cascade_lse, int cascade_parts) {  \
+        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES, fp8_e4m3, false, true>(                               \
+            q, k_plane, v_plane, out, partial_out, partial_lse, split_counters, query_start_loc, seq_lens,       \
+            block_tables, block_table_stride, num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, \
+            num_splits, min_split_tokens, v_scale, AttentionExtras{0, 0.0f, nullptr, 0},                         \
+            CascadeInput{shared_prefix, cascade_out, cascade_lse, cascade_parts});                               \
+    }
+
+DEFINE_CASCADE(64, 2, , bf16)
+DEFINE_CASCADE(128, 2, , bf16)
+DEFINE_CASCADE(256, 1, , bf16)
+DEFINE_CASCADE(64, 1, _fp8, fp8_e4m3)
+DEFINE_CASCADE(128, 1, _fp8, fp8_e4m3)
+DEFINE_CASCADE(256, 1, _fp8, fp8_e4m3)
 DEFINE_DECODE_MMA_CASCADE(64, 4, 3)
 DEFINE_DECODE_MMA_CASCADE(128, 4, 3)
 DEFINE_DECODE_MMA_CASCADE(128, 8, 2)
 DEFINE_DECODE_MMA_CASCADE(256, 4, 2)
+DEFINE_DECODE_MMA_FP8_CASCADE(64, 4, 6)
+DEFINE_DECODE_MMA_FP8_CASCADE(128, 4, 3)
+DEFINE_DECODE_MMA_FP8_CASCADE(128, 4, 6)
+DEFINE_DECODE_MMA_FP8_CASCADE(128, 8, 4)
+DEFINE_DECODE_MMA_FP8_CASCADE(256, 4, 4)

@@ -230,13 +230,15 @@ def test_attend_with_logit_softcap_and_a_gated_output(harness, rng):
     assert rel(out, expected) < harness.tolerance
 
 
-@pytest.mark.parametrize("heads, block_size", [(HeadLayout(8, 2, 128), 16), (HeadLayout(9, 3, 64), 32)])
-def test_attend_with_a_shared_prefix_named_is_the_same_attention(harness, rng, heads, block_size):
+@pytest.mark.parametrize("heads, block_size, fp8",
+                         [(HeadLayout(8, 2, 128), 16, False), (HeadLayout(9, 3, 64), 32, False),
+                          (HeadLayout(8, 2, 128), 16, True)], ids=["gqa4", "smollm2", "fp8"])
+def test_attend_with_a_shared_prefix_named_is_the_same_attention(harness, rng, heads, block_size, fp8):
     """Metadata may name the pages a step's decode rows share (`shared_prefix`, as
     step_inputs.shared_prefixes does); a backend may read them once for all of those rows
     (CUDA's cascade attention), but every row's output is still its attention over its context:
-    here 12 decode rows over a shared 25-page prompt, 2 rows of other prompts and a prefill
-    chunk over the same prompt."""
+    here 12 decode rows over a shared 800-token prompt, 2 rows of other prompts and a prefill
+    chunk over the same prompt; also over an FP8 cache (stored values times its scales)."""
     from dataclasses import replace
 
     from atlas.domain.step_inputs import CacheLayout, shared_prefixes
@@ -253,11 +255,16 @@ def test_attend_with_a_shared_prefix_named_is_the_same_attention(harness, rng, h
     layout = CacheLayout(block_size, tables.shape[1], (case.num_blocks + 1000,))
     prefix = shared_prefixes(tables[:, None, :], np.asarray(query_lens), np.asarray(context_lens, np.int32), layout)
     assert prefix is not None and prefix[0, 0] == 800 and prefix[0, 2:].tolist() == [1] * 12 + [0] * 3
-    kv = _cache(harness, case, heads, _kv_dtype(harness))
+    if fp8 and DType.FP8_E4M3 not in backend.capabilities.kv_dtypes:
+        pytest.skip("no FP8 KV cache on this backend")
+    k_scale, v_scale = (0.75, 1.5) if fp8 else (1.0, 1.0)
+    kv = _cache(harness, case, heads, DType.FP8_E4M3 if fp8 else _kv_dtype(harness),
+                ((k_scale, v_scale),) if fp8 else ())
     shape = (case.num_slots, heads.num_kv_heads, heads.head_dim)
-    keys, values = bf16(rng.standard_normal(shape)), bf16(rng.standard_normal(shape))
     dtype = _host_dtype(kv.spec.dtype)
-    harness.write_cache(kv, 0, keys.astype(dtype), values.astype(dtype))
+    keys = (bf16(rng.standard_normal(shape)) / k_scale).astype(dtype)
+    values = (bf16(rng.standard_normal(shape)) / v_scale).astype(dtype)
+    harness.write_cache(kv, 0, keys, values)
     spec = AttentionLayer(heads, 0, heads.head_dim**-0.5, None)
     layer = prepared_or_skip(backend.attention.prepare, HostAttention(
         RmsNorm(np.ones(8, np.float32), EPS), HostLinear(np.zeros((heads.q_size + 2 * heads.kv_size, 8), np.float32))), spec)
@@ -265,7 +272,7 @@ def test_attend_with_a_shared_prefix_named_is_the_same_attention(harness, rng, h
     meta = replace(_metadata(backend, case), shared_prefix=backend.upload(prefix[0]), shared_prefix_len=800)
     out = harness.poisoned((case.num_tokens, heads.q_size))
     backend.attention.attend(backend.upload(q, harness.act), layer, meta, kv, out)
-    expected = attention(case, q, keys.astype(dtype).astype(np.float64), values.astype(dtype).astype(np.float64), heads,
+    expected = attention(case, q, keys.astype(np.float64) * k_scale, values.astype(np.float64) * v_scale, heads,
                          spec.scale)
     assert rel(harness.host(out), expected) < harness.tolerance
 

@@ -567,9 +567,9 @@ def _decode(
     if (
         mma
         and _cascades(rt, meta, kv_fp8, window, extra_arguments)
-        and cascade_shared_bytes(heads.head_dim) <= rt.max_shared_optin
+        and cascade_shared_bytes(heads.head_dim, kv_fp8) <= rt.max_shared_optin
     ):
-        cascade = _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2)
+        cascade = _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2, kv_fp8)
         symbol += "_cascade"
     rt.launch(
         "attention_decode",
@@ -615,16 +615,16 @@ def _cascades(rt: CudaRuntime, meta: AttentionMetadata, kv_fp8: bool, window: np
         and meta.shared_prefix_len > 0
         and rt.features.cascade_attention
         and not rt.features.batch_invariant
-        and not kv_fp8
         and not window
         and extra_arguments is None
     )
 
 
-def cascade_shared_bytes(head_dim: int) -> int:
-    """Shared memory of attention_cascade_d{head_dim}: Q [64 rows] and two stages of K and V
-    tiles of 64 keys (one at head dim 256), rows of D + 8 bf16."""
-    stages = 2 if head_dim <= 128 else 1
+def cascade_shared_bytes(head_dim: int, kv_fp8: bool = False) -> int:
+    """Shared memory of attention_cascade_d{head_dim}[_fp8]: Q [64 rows] and two stages of K and
+    V tiles of 64 keys (one at head dim 256 and for an FP8 cache, whose bytes are converted into
+    them), rows of D + 8 bf16."""
+    stages = 2 if head_dim <= 128 and not kv_fp8 else 1
     return (_CASCADE_ROWS + stages * 2 * _PREFILL_BLOCK_N) * (head_dim + 8) * 2
 
 
@@ -636,9 +636,10 @@ def cascade_parts(num_sms: int, num_seqs: int, group: int, num_kv_heads: int) ->
     return max(1, min(_CASCADE_MAX_PARTS, -(-2 * num_sms // blocks)))
 
 
-def _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2) -> tuple:
+def _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2, kv_fp8=False) -> tuple:
     """Launch the prefix kernel over the step's sharing rows; the `_cascade` decode kernel's
-    extra arguments."""
+    extra arguments. With `kv_fp8` the `_fp8` kernel (scale_log2 has the K scale folded in; the
+    pieces are of stored V values, which the decode kernel scales)."""
     group = heads.num_q_heads // heads.num_kv_heads
     parts = cascade_parts(rt.num_sms, meta.num_seqs, group, heads.num_kv_heads)
     slots = meta.num_seqs * heads.num_q_heads * parts
@@ -648,7 +649,7 @@ def _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2) 
     query_start_loc, _, block_tables, table_stride = common
     rt.launch(
         "attention_decode",
-        f"attention_cascade_d{heads.head_dim}",
+        f"attention_cascade_d{heads.head_dim}{'_fp8' if kv_fp8 else ''}",
         (-(-meta.num_seqs * group // _CASCADE_ROWS), heads.num_kv_heads, parts),
         _CASCADE_THREADS,
         q.address,
@@ -665,7 +666,7 @@ def _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2) 
         np.int32(heads.num_kv_heads),
         np.int32(block_size),
         scale_log2,
-        shared_bytes=cascade_shared_bytes(heads.head_dim),
+        shared_bytes=cascade_shared_bytes(heads.head_dim, kv_fp8),
     )
     return (shared_prefix, cascade_out, cascade_lse, np.int32(parts))
 
