@@ -227,3 +227,81 @@ def test_a_prefix_too_small_to_pay_for_its_kernel_is_not_named():
     rows = [_sequence(i, system + [2000 + i], 2049 + i % 8) for i in range(64)]
     served = ScheduledBatch(1, tuple(rows), BLOCK_SIZE)
     assert build_step_inputs(served, replace(LAYOUT, kv_token_bytes=(768,)), 64).shared_prefix_len(0) == 2048
+
+
+def _tiny_core(max_len: int = 512, num_blocks: int = 400):
+    from fakes import TINY_LLAMA, DictWeights, random_llama_weights
+    from helpers.engines import make_cache, make_worker
+
+    from atlas.domain.engine import EngineCore
+    from atlas.domain.models.config import ModelConfig
+    from atlas.domain.models.families import load_model
+    from atlas.domain.scheduler import Scheduler, SchedulerConfig
+    from atlas.domain.worker import WorkerConfig
+
+    config = ModelConfig.from_dict({**TINY_LLAMA, "max_position_embeddings": max_len})
+    model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, 1)), MockGpuBackend(), max_len)
+    worker = make_worker(model, num_blocks, BLOCK_SIZE, WorkerConfig(1024, 16, max_len))
+    scheduler = Scheduler(SchedulerConfig(max_len, 16, 1024, BLOCK_SIZE), make_cache(model, num_blocks, BLOCK_SIZE, 16))
+    return EngineCore(scheduler, worker, max_len, config.vocab_size, frozenset())
+
+
+def test_the_mock_reads_a_named_prefix_through_the_anchors_pages():
+    """The mock honours the name as CUDA does (the anchor's pages for the prefix), so a row named
+    wrongly reads another prompt's pages and its output moves: the engine tests below then check
+    the names the scheduler's steps carry, on the CPU."""
+    from atlas.adapters.mock.attention import _tables_through_shared_prefix
+    from atlas.ports.kernels.attention import AttentionMetadata
+
+    backend = MockGpuBackend()
+    tables = np.array([[1, 2, 3], [1, 2, 4], [5, 6, 7]], np.int32)
+    meta = AttentionMetadata(
+        positions=backend.upload(np.zeros(3, np.int32)), slot_mapping=backend.upload(np.zeros(3, np.int32)),
+        query_start_loc=backend.upload(np.arange(4, dtype=np.int32)),
+        seq_lens=backend.upload(np.full(3, 40, np.int32)), block_tables=backend.upload(tables),
+        num_tokens=3, num_seqs=3, max_query_len=1, max_seq_len=40,
+        shared_prefix=backend.upload(np.array([32, 0, 1, 1, 1], np.int32)), shared_prefix_len=32,
+    )
+    read = _tables_through_shared_prefix(meta, BLOCK_SIZE)
+    assert read.tolist() == [[1, 2, 3], [1, 2, 4], [1, 2, 7]]  # the last row was named wrongly
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_greedy_output_is_the_same_with_the_prefix_named(monkeypatch, n):
+    """Ten requests (and n > 1 forks) over one 300-token prompt beside three of other prompts,
+    prefix caching on: their decode steps name the prompt's pages (the tiny model's bytes lifted past the rule's bar), the mock
+    reads them through the anchor's table, and every token is what the steps without names give."""
+    from atlas.domain import step_inputs
+    from atlas.domain.requests import Request, SamplingParams
+
+    rng = np.random.default_rng(n)
+    system = tuple(int(t) for t in rng.integers(0, 97, 300))
+    prompts = [system + tuple(int(t) for t in rng.integers(0, 97, int(rng.integers(1, 30)))) for _ in range(10)]
+    prompts[3:3] = [tuple(int(t) for t in rng.integers(0, 97, 320)) for _ in range(3)]  # other prompts
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=n)
+
+    def run() -> tuple[dict[str, list[int]], int]:
+        core = _tiny_core()
+        named = []
+        build = step_inputs.shared_prefixes
+
+        def spying(*args):
+            found = build(*args)
+            named.append(found is not None)
+            return found
+
+        monkeypatch.setattr(step_inputs, "shared_prefixes", spying)
+        for index, prompt in enumerate(prompts):
+            core.add_request(Request(f"r{index}", prompt, params, seed=index))
+        tokens: dict[str, list[int]] = {}
+        while core.has_unfinished:
+            for output in core.step():
+                tokens.setdefault(output.seq_id, []).extend(output.new_token_ids)
+        return tokens, sum(named)
+
+    monkeypatch.setattr(step_inputs, "SHARED_PREFIX_MIN_SAVED_BYTES", 0)
+    named_tokens, named_steps = run()
+    monkeypatch.setattr(step_inputs, "SHARED_PREFIX_MIN_ROWS", 10**6)
+    plain_tokens, plain_steps = run()
+    assert named_steps >= 8 and plain_steps == 0
+    assert named_tokens == plain_tokens

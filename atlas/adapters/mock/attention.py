@@ -125,19 +125,20 @@ class MockAttention:
             )
         block_size = cache.spec.block_size
         k_scale, v_scale = cache.spec.layer_scales(spec.cache_layer)
-        query_start, seq_lens, block_tables = meta.query_start_loc.data, meta.seq_lens.data, meta.block_tables.data
+        query_start, seq_lens = meta.query_start_loc.data, meta.seq_lens.data
         group = heads.num_q_heads // heads.num_kv_heads
         values = q.as_f32()
         queries = values[:, : heads.q_size].reshape(-1, heads.num_kv_heads, group, heads.head_dim)
         result = np.zeros(queries.shape, np.float32)
         sinks = None if layer.sinks is None else layer.sinks.reshape(heads.num_kv_heads, group)
+        tables = _tables_through_shared_prefix(meta, block_size)
         for seq in range(meta.num_seqs):
             start, stop = int(query_start[seq]), int(query_start[seq + 1])
             context_len = int(seq_lens[seq])
             if stop == start:
                 continue
             num_blocks = -(-context_len // block_size)
-            slots = (block_tables[seq, :num_blocks, None] * block_size + np.arange(block_size)).reshape(-1)
+            slots = (tables[seq, :num_blocks, None] * block_size + np.arange(block_size)).reshape(-1)
             slots = slots[:context_len]
             keys = gather_f32(cache.keys[spec.cache_layer], slots, k_scale)  # [L, Hkv, D]
             vals = gather_f32(cache.values[spec.cache_layer], slots, v_scale)
@@ -147,6 +148,25 @@ class MockAttention:
         if spec.gated_output:
             attended = attended / (1.0 + np.exp(-values[:, heads.q_size :]))
         out.data[...] = attended
+
+
+def _tables_through_shared_prefix(meta: AttentionMetadata, block_size: int) -> np.ndarray:
+    """The step's block tables, with each decode row that shares the named prefix
+    (`meta.shared_prefix`) reading its first pages through the anchor row's table, as CUDA's
+    cascade kernel does: a prefix named wrongly then changes the mock's output too."""
+    tables = meta.block_tables.data
+    if meta.shared_prefix is None or not meta.shared_prefix_len:
+        return tables
+    named = meta.shared_prefix.data
+    length, anchor, sharing = int(named[0]), int(named[1]), np.flatnonzero(named[2 : 2 + meta.num_seqs])
+    query_lens = np.diff(meta.query_start_loc.data[: meta.num_seqs + 1])
+    sharing = sharing[query_lens[sharing] == 1]
+    if length <= 0 or not len(sharing):
+        return tables
+    tables = tables.copy()
+    pages = -(-length // block_size)
+    tables[sharing, :pages] = tables[anchor, :pages]
+    return tables
 
 
 def _quantize(x: np.ndarray, scale: float, dtype: DType) -> np.ndarray:
