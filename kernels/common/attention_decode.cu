@@ -1021,12 +1021,14 @@ __device__ __forceinline__ void store_fp8x16_as_bf16(bf16* dst, const uint4& raw
 // KV: bf16, or fp8_e4m3 (an FP8 cache: one stage, each tile loaded to registers and stored
 // converted to bf16; the host folds k_scale into scale_log2, and the pieces are of stored V
 // values, which the decode kernel scales by v_scale with its own).
-template <int HEAD_DIM, int STAGES, typename KV>
+// EXTRAS (the `_x` twins): q rows `q_stride` apart and soft-capped scores; a layer's sinks and
+// gate are the decode kernel's, where it writes the row (after folding the pieces in).
+template <int HEAD_DIM, int STAGES, typename KV, bool EXTRAS = false>
 __device__ __forceinline__ void attention_cascade_impl(
     const bf16* __restrict__ q, const KV* __restrict__ k_plane, const KV* __restrict__ v_plane,
     float* __restrict__ cascade_out, float* __restrict__ cascade_lse, const int* __restrict__ query_start_loc,
     const int* __restrict__ shared_prefix, const int* __restrict__ block_tables, int block_table_stride, int num_seqs,
-    int num_q_heads, int num_kv_heads, int block_size, float scale_log2) {
+    int num_q_heads, int num_kv_heads, int block_size, float scale_log2, int q_stride = 0, float softcap_log2 = 0.0f) {
     constexpr int BLOCK_N = 64;
     constexpr int STRIDE = HEAD_DIM + 8;  // padded rows: conflict-free ldmatrix
     constexpr int CHUNKS = HEAD_DIM / 8;
@@ -1101,7 +1103,7 @@ __device__ __forceinline__ void attention_cascade_impl(
         const int r = c / CHUNKS, chunk = c % CHUNKS, row = first_row + r;
         const bool valid = row_shares(row);
         const int seq = valid ? row / group : 0;
-        const bf16* src = q + (long long)query_start_loc[seq] * num_q_heads * HEAD_DIM +
+        const bf16* src = q + (long long)query_start_loc[seq] * (EXTRAS ? q_stride : num_q_heads * HEAD_DIM) +
                           (long long)(kv_head * group + row % group) * HEAD_DIM + chunk * 8;
         cp_async_16(q_tile + r * STRIDE + chunk * 8, valid ? src : q, valid);
     }
@@ -1151,7 +1153,9 @@ __device__ __forceinline__ void attention_cascade_impl(
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     const int key = kv_start + n * 8 + 2 * t + e;
-                    const float value = full || key < kv_end ? s[n][half * 2 + e] * scale_log2 : -ATLAS_INF;
+                    float value = s[n][half * 2 + e] * scale_log2;
+                    if constexpr (EXTRAS) value = capped_log2(value, softcap_log2);
+                    value = full || key < kv_end ? value : -ATLAS_INF;
                     s[n][half * 2 + e] = value;
                     tile_max = fmaxf(tile_max, value);
                 }
@@ -1269,6 +1273,37 @@ __device__ __forceinline__ void attention_cascade_impl(
             CascadeInput{shared_prefix, cascade_out, cascade_lse, cascade_parts});                               \
     }
 
+// The `_x` twins of both (sinks, soft-capping, gated outputs; attention_extras.cuh).
+#define DEFINE_CASCADE_X(HEAD_DIM, STAGES, SUFFIX, KV)                                                          \
+    extern "C" __global__ void __launch_bounds__(CASCADE_ROWS / 16 * 32, 2)                                     \
+        attention_cascade_d##HEAD_DIM##SUFFIX##_x(                                                               \
+            const bf16* q, const KV* k_plane, const KV* v_plane, float* cascade_out, float* cascade_lse,        \
+            const int* query_start_loc, const int* shared_prefix, const int* block_tables,                      \
+            int block_table_stride, int num_seqs, int num_q_heads, int num_kv_heads, int block_size,            \
+            float scale_log2, int q_stride, float softcap_log2) {                                               \
+        attention_cascade_impl<HEAD_DIM, STAGES, KV, true>(q, k_plane, v_plane, cascade_out, cascade_lse,      \
+                                                           query_start_loc, shared_prefix, block_tables,        \
+                                                           block_table_stride, num_seqs, num_q_heads,           \
+                                                           num_kv_heads, block_size, scale_log2, q_stride,      \
+                                                           softcap_log2);                                       \
+    }
+
+#define DEFINE_DECODE_MMA_X_CASCADE(HEAD_DIM, WARPS, STAGES, SUFFIX, KV, V_SCALE_PARAM, V_SCALE)                \
+    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
+        attention_decode_mma_d##HEAD_DIM##_w##WARPS##_s##STAGES##SUFFIX##_x_cascade(                             \
+            const bf16* q, const KV* k_plane, const KV* v_plane, bf16* out, float* partial_out,                 \
+            float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,      \
+            const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, \
+            float scale_log2, int sliding_window, int num_splits, int min_split_tokens V_SCALE_PARAM,           \
+            int q_stride, float softcap_log2, const float* sinks, int gated, const int* shared_prefix,          \
+            const float* cascade_out, const float* cascade_lse, int cascade_parts) {                            \
+        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES, KV, true, true>(                                      \
+            q, k_plane, v_plane, out, partial_out, partial_lse, split_counters, query_start_loc, seq_lens,       \
+            block_tables, block_table_stride, num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, \
+            num_splits, min_split_tokens, V_SCALE, AttentionExtras{q_stride, softcap_log2, sinks, gated},        \
+            CascadeInput{shared_prefix, cascade_out, cascade_lse, cascade_parts});                               \
+    }
+
 DEFINE_CASCADE(64, 2, , bf16)
 DEFINE_CASCADE(128, 2, , bf16)
 DEFINE_CASCADE(256, 1, , bf16)
@@ -1284,3 +1319,18 @@ DEFINE_DECODE_MMA_FP8_CASCADE(128, 4, 3)
 DEFINE_DECODE_MMA_FP8_CASCADE(128, 4, 6)
 DEFINE_DECODE_MMA_FP8_CASCADE(128, 8, 4)
 DEFINE_DECODE_MMA_FP8_CASCADE(256, 4, 4)
+DEFINE_CASCADE_X(64, 2, , bf16)
+DEFINE_CASCADE_X(128, 2, , bf16)
+DEFINE_CASCADE_X(256, 1, , bf16)
+DEFINE_CASCADE_X(64, 1, _fp8, fp8_e4m3)
+DEFINE_CASCADE_X(128, 1, _fp8, fp8_e4m3)
+DEFINE_CASCADE_X(256, 1, _fp8, fp8_e4m3)
+DEFINE_DECODE_MMA_X_CASCADE(64, 4, 3, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_X_CASCADE(128, 4, 3, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_X_CASCADE(128, 8, 2, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_X_CASCADE(256, 4, 2, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_X_CASCADE(64, 4, 6, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_X_CASCADE(128, 4, 3, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_X_CASCADE(128, 4, 6, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_X_CASCADE(128, 8, 4, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_X_CASCADE(256, 4, 4, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)

@@ -230,15 +230,18 @@ def test_attend_with_logit_softcap_and_a_gated_output(harness, rng):
     assert rel(out, expected) < harness.tolerance
 
 
-@pytest.mark.parametrize("heads, block_size, fp8",
-                         [(HeadLayout(8, 2, 128), 16, False), (HeadLayout(9, 3, 64), 32, False),
-                          (HeadLayout(8, 2, 128), 16, True)], ids=["gqa4", "smollm2", "fp8"])
-def test_attend_with_a_shared_prefix_named_is_the_same_attention(harness, rng, heads, block_size, fp8):
+@pytest.mark.parametrize("heads, block_size, fp8, extras",
+                         [(HeadLayout(8, 2, 128), 16, False, False), (HeadLayout(9, 3, 64), 32, False, False),
+                          (HeadLayout(8, 2, 128), 16, True, False), (HeadLayout(8, 2, 64), 16, False, True),
+                          (HeadLayout(8, 2, 64), 16, True, True)],
+                         ids=["gqa4", "smollm2", "fp8", "extras", "fp8_extras"])
+def test_attend_with_a_shared_prefix_named_is_the_same_attention(harness, rng, heads, block_size, fp8, extras):
     """Metadata may name the pages a step's decode rows share (`shared_prefix`, as
     step_inputs.shared_prefixes does); a backend may read them once for all of those rows
     (CUDA's cascade attention), but every row's output is still its attention over its context:
     here 12 decode rows over a shared 800-token prompt, 2 rows of other prompts and a prefill
-    chunk over the same prompt; also over an FP8 cache (stored values times its scales)."""
+    chunk over the same prompt; also over an FP8 cache (stored values times its scales), and
+    with sinks, soft-capped scores and a gated output."""
     from dataclasses import replace
 
     from atlas.domain.step_inputs import CacheLayout, shared_prefixes
@@ -265,15 +268,18 @@ def test_attend_with_a_shared_prefix_named_is_the_same_attention(harness, rng, h
     keys = (bf16(rng.standard_normal(shape)) / k_scale).astype(dtype)
     values = (bf16(rng.standard_normal(shape)) / v_scale).astype(dtype)
     harness.write_cache(kv, 0, keys, values)
-    spec = AttentionLayer(heads, 0, heads.head_dim**-0.5, None)
+    sinks = (rng.standard_normal(heads.num_q_heads) * 2).astype(np.float32) if extras else None
+    softcap = 0.5 if extras else None
+    spec = AttentionLayer(heads, 0, heads.head_dim**-0.5, None, None, softcap, extras)
     layer = prepared_or_skip(backend.attention.prepare, HostAttention(
-        RmsNorm(np.ones(8, np.float32), EPS), HostLinear(np.zeros((heads.q_size + 2 * heads.kv_size, 8), np.float32))), spec)
-    q = bf16(rng.standard_normal((case.num_tokens, heads.q_size)))
+        RmsNorm(np.ones(8, np.float32), EPS), HostLinear(np.zeros((spec.q_width + 2 * heads.kv_size, 8), np.float32)),
+        sinks=sinks), spec)
+    q = bf16(rng.standard_normal((case.num_tokens, spec.q_width)))
     meta = replace(_metadata(backend, case), shared_prefix=backend.upload(prefix[0]), shared_prefix_len=800)
     out = harness.poisoned((case.num_tokens, heads.q_size))
     backend.attention.attend(backend.upload(q, harness.act), layer, meta, kv, out)
     expected = attention(case, q, keys.astype(np.float64) * k_scale, values.astype(np.float64) * v_scale, heads,
-                         spec.scale)
+                         spec.scale, None, softcap, sinks, q[:, heads.q_size :] if extras else None)
     assert rel(harness.host(out), expected) < harness.tolerance
 
 

@@ -705,8 +705,8 @@ def test_cascade_attention_against_float64(cuda_backend, rng, heads, context_len
 
 
 def test_cascade_is_off_where_it_does_not_apply(cuda_backend, rng):
-    """A sliding window, `_x` extras, batch invariance and ATLAS_CUDA_DISABLE=cascade_attention
-    decode each row whole; an FP8 cache cascades (its `_fp8` twins)."""
+    """A sliding window, batch invariance and ATLAS_CUDA_DISABLE=cascade_attention decode each
+    row whole (an FP8 cache and the `_x` extras cascade through their twins)."""
     from dataclasses import replace
 
     from atlas.adapters.cuda import ops_attention
@@ -715,15 +715,13 @@ def test_cascade_is_off_where_it_does_not_apply(cuda_backend, rng):
     heads = HeadLayout(8, 2, 128)
     meta = replace(upload_metadata(cuda_backend, paged_case(rng, heads, [400] * 8, [1] * 8)),
                    shared_prefix=cuda_backend.upload(np.array([384, 0] + [1] * 8, np.int32)), shared_prefix_len=384)
-    assert ops_attention._cascades(rt, meta, False, np.int32(0), None)
-    assert ops_attention._cascades(rt, meta, True, np.int32(0), None)
-    assert not ops_attention._cascades(rt, meta, False, np.int32(128), None)
-    assert not ops_attention._cascades(rt, meta, False, np.int32(0), (np.int32(0),))
-    assert not ops_attention._cascades(rt, replace(meta, shared_prefix_len=0), False, np.int32(0), None)
+    assert ops_attention._cascades(rt, meta, np.int32(0))
+    assert not ops_attention._cascades(rt, meta, np.int32(128))
+    assert not ops_attention._cascades(rt, replace(meta, shared_prefix_len=0), np.int32(0))
     saved = rt.features
     try:
         for off in (replace(saved, batch_invariant=True), replace(saved, cascade_attention=False)):
             rt.features = off
-            assert not ops_attention._cascades(rt, meta, False, np.int32(0), None)
+            assert not ops_attention._cascades(rt, meta, np.int32(0))
     finally:
         rt.features = saved

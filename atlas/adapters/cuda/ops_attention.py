@@ -566,10 +566,11 @@ def _decode(
     cascade = ()
     if (
         mma
-        and _cascades(rt, meta, kv_fp8, window, extra_arguments)
+        and _cascades(rt, meta, window)
         and cascade_shared_bytes(heads.head_dim, kv_fp8) <= rt.max_shared_optin
     ):
-        cascade = _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2, kv_fp8)
+        cascade = _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2, kv_fp8,
+                                  extra_arguments)
         symbol += "_cascade"
     rt.launch(
         "attention_decode",
@@ -608,7 +609,7 @@ _CASCADE_THREADS = 128
 _CASCADE_MAX_PARTS = 16
 
 
-def _cascades(rt: CudaRuntime, meta: AttentionMetadata, kv_fp8: bool, window: np.int32, extra_arguments) -> bool:
+def _cascades(rt: CudaRuntime, meta: AttentionMetadata, window: np.int32) -> bool:
     """Whether this step's decode rows read their shared prefix once (CudaFeatures.cascade_attention)."""
     return (
         meta.shared_prefix is not None
@@ -616,7 +617,6 @@ def _cascades(rt: CudaRuntime, meta: AttentionMetadata, kv_fp8: bool, window: np
         and rt.features.cascade_attention
         and not rt.features.batch_invariant
         and not window
-        and extra_arguments is None
     )
 
 
@@ -636,10 +636,13 @@ def cascade_parts(num_sms: int, num_seqs: int, group: int, num_kv_heads: int) ->
     return max(1, min(_CASCADE_MAX_PARTS, -(-2 * num_sms // blocks)))
 
 
-def _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2, kv_fp8=False) -> tuple:
+def _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2, kv_fp8=False,
+                    extra_arguments=None) -> tuple:
     """Launch the prefix kernel over the step's sharing rows; the `_cascade` decode kernel's
     extra arguments. With `kv_fp8` the `_fp8` kernel (scale_log2 has the K scale folded in; the
-    pieces are of stored V values, which the decode kernel scales)."""
+    pieces are of stored V values, which the decode kernel scales); with `extra_arguments`
+    (AttentionExtras.arguments) the `_x` kernel, which takes the q stride and the soft-cap (the
+    sinks and the gate are the decode kernel's)."""
     group = heads.num_q_heads // heads.num_kv_heads
     parts = cascade_parts(rt.num_sms, meta.num_seqs, group, heads.num_kv_heads)
     slots = meta.num_seqs * heads.num_q_heads * parts
@@ -649,7 +652,7 @@ def _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2, 
     query_start_loc, _, block_tables, table_stride = common
     rt.launch(
         "attention_decode",
-        f"attention_cascade_d{heads.head_dim}{'_fp8' if kv_fp8 else ''}",
+        f"attention_cascade_d{heads.head_dim}{'_fp8' if kv_fp8 else ''}{'_x' if extra_arguments else ''}",
         (-(-meta.num_seqs * group // _CASCADE_ROWS), heads.num_kv_heads, parts),
         _CASCADE_THREADS,
         q.address,
@@ -666,6 +669,7 @@ def _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2, 
         np.int32(heads.num_kv_heads),
         np.int32(block_size),
         scale_log2,
+        *(extra_arguments[:2] if extra_arguments is not None else ()),
         shared_bytes=cascade_shared_bytes(heads.head_dim, kv_fp8),
     )
     return (shared_prefix, cascade_out, cascade_lse, np.int32(parts))

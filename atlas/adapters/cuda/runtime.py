@@ -92,7 +92,7 @@ class CudaFeatures:
     mma_decode: decode attention on tensor cores (mma.sync; the SIMT kernel without it).
     cascade_attention: decode rows that share a prefix (`AttentionMetadata.shared_prefix`) read
         it once for all of them (attention_cascade_* then the decode kernel's `_cascade` twin,
-        attention_decode.cu; bf16 or FP8 caches) for layers without a window or the `_x` extras; needs
+        attention_decode.cu; bf16 or FP8 caches, the `_x` extras too) for layers without a window; needs
         mma_decode, and batch_invariant turns it off (a row's sums would depend on its step).
     rms_after_product: past the GEMV sizes, a norm folded into its projection (`fold_rmsnorm`)
         runs no norm kernel: the projection reads the residual as it is and the kernel after the
