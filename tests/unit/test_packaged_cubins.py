@@ -252,7 +252,10 @@ def _attention_symbols(arch: str) -> dict[str, set[str]]:
         for head_dim, shapes in table.items():
             for warps, stages in shapes:
                 name = f"attention_decode_mma_d{head_dim}_w{warps}_s{stages}{suffix}"
-                decode |= {name, name + "_x"}
+                decode |= {name, name + "_x", name + "_cascade", name + "_x_cascade"}
+    # the cascade's prefix kernels (shared prefixes), each cache dtype, with and without the extras
+    decode |= {f"attention_cascade_d{d}{fp8}{x}" for d in ops["SUPPORTED_HEAD_DIMS"] for fp8 in ("", "_fp8")
+               for x in ("", "_x")}
     twins = [f"{fp8}{x}" for fp8 in ("", "_fp8") for x in ("", "_x")]
     prefill = {f"attention_prefill_d{d}_m{rows}{twin}" for d, rows in ops["_PREFILL_VARIANTS"] for twin in twins}
     wanted = {"attention_decode": decode, "attention_prefill": set(prefill)}
