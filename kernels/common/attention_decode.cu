@@ -1240,36 +1240,20 @@ __device__ __forceinline__ void attention_cascade_impl(
                                                      block_size, scale_log2);                                   \
     }
 
-// The decode kernels' `_cascade` twins (bf16 caches, no extras): a sharing row decodes past the
-// prefix and folds in the prefix kernel's pieces.
-#define DEFINE_DECODE_MMA_CASCADE(HEAD_DIM, WARPS, STAGES)                                                      \
+// The decode kernels' `_cascade` twins (no extras; an FP8 cache's with its v_scale): a sharing
+// row decodes past the prefix and folds in the prefix kernel's pieces.
+#define DEFINE_DECODE_MMA_CASCADE(HEAD_DIM, WARPS, STAGES, SUFFIX, KV, V_SCALE_PARAM, V_SCALE)                  \
     extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
-        attention_decode_mma_d##HEAD_DIM##_w##WARPS##_s##STAGES##_cascade(                                       \
-            const bf16* q, const bf16* k_plane, const bf16* v_plane, bf16* out, float* partial_out,             \
+        attention_decode_mma_d##HEAD_DIM##_w##WARPS##_s##STAGES##SUFFIX##_cascade(                               \
+            const bf16* q, const KV* k_plane, const KV* v_plane, bf16* out, float* partial_out,                 \
             float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,      \
             const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, \
-            float scale_log2, int sliding_window, int num_splits, int min_split_tokens,                         \
+            float scale_log2, int sliding_window, int num_splits, int min_split_tokens V_SCALE_PARAM,           \
             const int* shared_prefix, const float* cascade_out, const float* cascade_lse, int cascade_parts) {  \
-        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES, bf16, false, true>(                                   \
+        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES, KV, false, true>(                                     \
             q, k_plane, v_plane, out, partial_out, partial_lse, split_counters, query_start_loc, seq_lens,       \
             block_tables, block_table_stride, num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, \
-            num_splits, min_split_tokens, 1.0f, AttentionExtras{0, 0.0f, nullptr, 0},                            \
-            CascadeInput{shared_prefix, cascade_out, cascade_lse, cascade_parts});                               \
-    }
-
-// FP8 caches: the E4M3 twins of both (one stage of K/V tiles in the prefix kernel).
-#define DEFINE_DECODE_MMA_FP8_CASCADE(HEAD_DIM, WARPS, STAGES)                                                  \
-    extern "C" __global__ void __launch_bounds__(WARPS * 32)                                                     \
-        attention_decode_mma_d##HEAD_DIM##_w##WARPS##_s##STAGES##_fp8_cascade(                                   \
-            const bf16* q, const fp8_e4m3* k_plane, const fp8_e4m3* v_plane, bf16* out, float* partial_out,     \
-            float* partial_lse, unsigned* split_counters, const int* query_start_loc, const int* seq_lens,      \
-            const int* block_tables, int block_table_stride, int num_q_heads, int num_kv_heads, int block_size, \
-            float scale_log2, int sliding_window, int num_splits, int min_split_tokens, float v_scale,          \
-            const int* shared_prefix, const float* cascade_out, const float* cascade_lse, int cascade_parts) {  \
-        attention_decode_mma_impl<HEAD_DIM, WARPS, STAGES, fp8_e4m3, false, true>(                               \
-            q, k_plane, v_plane, out, partial_out, partial_lse, split_counters, query_start_loc, seq_lens,       \
-            block_tables, block_table_stride, num_q_heads, num_kv_heads, block_size, scale_log2, sliding_window, \
-            num_splits, min_split_tokens, v_scale, AttentionExtras{0, 0.0f, nullptr, 0},                         \
+            num_splits, min_split_tokens, V_SCALE, AttentionExtras{0, 0.0f, nullptr, 0},                         \
             CascadeInput{shared_prefix, cascade_out, cascade_lse, cascade_parts});                               \
     }
 
@@ -1310,15 +1294,15 @@ DEFINE_CASCADE(256, 1, , bf16)
 DEFINE_CASCADE(64, 1, _fp8, fp8_e4m3)
 DEFINE_CASCADE(128, 1, _fp8, fp8_e4m3)
 DEFINE_CASCADE(256, 1, _fp8, fp8_e4m3)
-DEFINE_DECODE_MMA_CASCADE(64, 4, 3)
-DEFINE_DECODE_MMA_CASCADE(128, 4, 3)
-DEFINE_DECODE_MMA_CASCADE(128, 8, 2)
-DEFINE_DECODE_MMA_CASCADE(256, 4, 2)
-DEFINE_DECODE_MMA_FP8_CASCADE(64, 4, 6)
-DEFINE_DECODE_MMA_FP8_CASCADE(128, 4, 3)
-DEFINE_DECODE_MMA_FP8_CASCADE(128, 4, 6)
-DEFINE_DECODE_MMA_FP8_CASCADE(128, 8, 4)
-DEFINE_DECODE_MMA_FP8_CASCADE(256, 4, 4)
+DEFINE_DECODE_MMA_CASCADE(64, 4, 3, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_CASCADE(128, 4, 3, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_CASCADE(128, 8, 2, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_CASCADE(256, 4, 2, , bf16, DECODE_NO_V_SCALE, 1.0f)
+DEFINE_DECODE_MMA_CASCADE(64, 4, 6, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_CASCADE(128, 4, 3, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_CASCADE(128, 4, 6, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_CASCADE(128, 8, 4, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
+DEFINE_DECODE_MMA_CASCADE(256, 4, 4, _fp8, fp8_e4m3, DECODE_V_SCALE_PARAM, v_scale)
 DEFINE_CASCADE_X(64, 2, , bf16)
 DEFINE_CASCADE_X(128, 2, , bf16)
 DEFINE_CASCADE_X(256, 1, , bf16)
