@@ -80,6 +80,9 @@ def _check_metadata(meta: AttentionMetadata) -> None:
         ("block_tables", meta.block_tables),
     ):
         checks.dtype(value, f"meta.{name}", (DType.I32,))
+    if meta.shared_prefix is not None:
+        checks.at_least_rows(meta.shared_prefix, "meta.shared_prefix", meta.num_seqs + 2)
+        checks.dtype(meta.shared_prefix, "meta.shared_prefix", (DType.I32,))
 
 
 @dataclass(frozen=True, slots=True)
