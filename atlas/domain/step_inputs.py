@@ -209,6 +209,10 @@ def shared_prefixes(
     min_blocks = -(-SHARED_PREFIX_MIN_TOKENS // block_size)
     if np.count_nonzero(caps >= min_blocks) < SHARED_PREFIX_MIN_ROWS:
         return None
+    if layout.kv_token_bytes:  # what every row sharing every full page would save, at most
+        most = (len(decode) - 1) * int(caps.max()) * block_size * max(layout.kv_token_bytes)
+        if most < SHARED_PREFIX_MIN_SAVED_BYTES:
+            return None
     result = np.zeros((layout.num_kv_groups, 2 + len(seq_lens)), np.int32)
     found = False
     for group in range(layout.num_kv_groups):
