@@ -115,7 +115,6 @@ class StepBuffers:
         self.max_tokens = max_tokens
         layout = _Layout(max_tokens, max_seqs, caches)
         self._layout = layout
-        self._num_kv_groups = caches.num_kv_groups
         self._arena = backend.empty((layout.total,), DType.I32)
         self._host_arena = np.zeros(layout.total, np.int32)
         self._num_table_rows = 0
@@ -185,7 +184,7 @@ class StepBuffers:
         host[layout.region("query_start_loc", num_seqs + 1)] = inputs.query_start_loc
         host[layout.region("seq_lens", num_seqs)] = inputs.seq_lens
         shared_at, width = layout.offsets["shared_prefix"], self.max_seqs + 2
-        for group in range(self._num_kv_groups):
+        for group in range(len(self.shared_prefixes)):
             start = shared_at + group * width
             if inputs.shared_prefix is None:
                 host[start] = 0  # no prefix: the kernels read no more of the group's words
