@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import ml_dtypes
 import numpy as np
@@ -149,6 +149,9 @@ class Capabilities:
     # the recurrent kind writes the states after a step's inner tokens into the snapshot slots
     # a step names (`RecurrentMetadata.snapshot_slots`): speculation on a model with recurrent layers
     state_snapshots: bool = False
+    # `capture_pieces` replays a forward's pieces with eager calls between them faster than the
+    # forward's own launches: the worker then captures steps with prompt tokens per token bucket
+    piecewise_graphs: bool = False
 
 
 class MissingKindError(ValueError):
@@ -183,6 +186,13 @@ class PendingDownload(Protocol):
 class Graph(Protocol):
     def replay(self) -> None:
         """Run the captured work again, reading the current contents of its buffers."""
+        ...
+
+
+class PiecewiseGraph(Protocol):
+    def replay(self, arg: Any) -> None:
+        """Run the captured pieces again in order, calling each cut's function with `arg`
+        between them (see `Device.capture_pieces`)."""
         ...
 
 
@@ -233,6 +243,16 @@ class Device(Protocol):
 
         `fn` may only enqueue work on tensors that outlive the graph; it must not download,
         upload or allocate. Backends without graphs run `fn` on every replay.
+        """
+        ...
+
+    def capture_pieces(self, fn: Callable[[Callable[[Callable[[Any], None]], None]], None]) -> PiecewiseGraph:
+        """Capture `fn(cut)` as pieces: the work enqueued before each `cut(call)` and after the
+        last is a piece of its own, and `replay(arg)` replays the pieces in order with each cut's
+        `call(arg)` run eagerly between them (what a graph cannot hold: work sized by the step's
+        host-side metadata, such as prefill attention). `fn` obeys `capture`'s rules outside its
+        cuts; each `call` may enqueue anything. Backends without graphs run `fn` with its cuts'
+        calls on every replay.
         """
         ...
 

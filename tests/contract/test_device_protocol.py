@@ -71,6 +71,37 @@ def test_a_graph_replays_on_the_buffers_new_contents(harness, rng):
     backend.synchronize()
 
 
+def test_pieces_replay_in_order_with_their_cuts_between(harness, rng):
+    """Each piece replays on the buffers' new contents; each cut's call runs between its
+    pieces with the replay's argument and may enqueue work the next piece reads."""
+    backend = harness.backend
+    source = backend.upload(rng.standard_normal((8, 16)).astype(np.float32))
+    reverse = backend.upload(np.arange(8, dtype=np.int32)[::-1].copy())
+    middle = backend.upload(np.zeros((8, 16), np.float32))
+    out = backend.upload(np.zeros((8, 16), np.float32))
+    seen: list[object] = []
+
+    def between(rows: object) -> None:  # eager: picks the rows the second piece gathers from
+        seen.append(rows)
+        backend.copy_from_host(middle, np.asarray(harness.fetch(middle))[np.asarray(rows)])
+
+    def run(cut):
+        backend.gather_rows(source, reverse, middle)
+        cut(between)
+        backend.gather_rows(middle, reverse, out)
+
+    pieces = backend.capture_pieces(run)
+    assert seen == []  # capturing runs no cut
+    for shift in (1, 3):
+        values = rng.standard_normal((8, 16)).astype(np.float32)
+        backend.copy_from_host(source, values)
+        order = np.roll(np.arange(8), shift)
+        pieces.replay(order)
+        np.testing.assert_array_equal(harness.fetch(out), values[::-1][order][::-1])
+    assert [list(rows) for rows in seen] == [list(np.roll(np.arange(8), 1)), list(np.roll(np.arange(8), 3))]
+    backend.synchronize()
+
+
 def test_memory_info_and_an_allocation_too_large(harness):
     free, total = harness.backend.memory_info()
     assert 0 < free <= total

@@ -14,6 +14,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -67,6 +68,7 @@ class CudaGpuBackend:
             supports_graphs=True,
             device_name=self._rt.device_name,
             state_snapshots=True,  # gated_delta.cu writes the states after a chunk's named tokens
+            piecewise_graphs=self._rt.features.piecewise_graphs and not self._rt.features.batch_invariant,
         )
         self._dense = CudaDense(self._rt, self._linear, self._fp8, self.upload)
         self._attention = CudaAttention(self._rt, self._linear, self._dense, kv_dtypes, self.upload)
@@ -229,6 +231,9 @@ class CudaGpuBackend:
     # -- execution ----------------------------------------------------------------------
     def capture(self, fn: Callable[[], None]) -> graphs.CudaGraph:
         return graphs.capture(self._rt, fn)
+
+    def capture_pieces(self, fn: Callable[[Callable[[Callable[[Any], None]], None]], None]) -> graphs.CudaPieces:
+        return graphs.capture_pieces(self._rt, fn)
 
     def synchronize(self) -> None:
         self._rt.synchronize()

@@ -8,6 +8,7 @@ sampling parameters) in persistent device buffers and refreshes them with small 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from cuda.bindings import driver as cu
 
@@ -48,6 +49,53 @@ def capture(rt: CudaRuntime, fn: Callable[[], None]) -> CudaGraph:
     propagates. `empty`, uploads and downloads raise `CaptureError` inside; workspaces the ops
     need may be created during capture, so no eager warm-up is required.
     """
+    _begin(rt)
+    try:
+        fn()
+    except BaseException:
+        _abandon(rt)
+        raise
+    return _end(rt)
+
+
+class CudaPieces:
+    """Graphs with eager calls between them (`capture_pieces`)."""
+
+    def __init__(self, graphs: list[CudaGraph], calls: list[Callable[[Any], None]]) -> None:
+        self._graphs = graphs  # one more than the calls
+        self._calls = calls
+
+    def replay(self, arg: Any) -> None:
+        for graph, call in zip(self._graphs, self._calls):
+            graph.replay()
+            call(arg)
+        self._graphs[-1].replay()
+
+
+def capture_pieces(rt: CudaRuntime, fn: Callable[[Callable[[Callable[[Any], None]], None]], None]) -> CudaPieces:
+    """Capture `fn(cut)` piece by piece: each `cut(call)` ends the capture running (a piece,
+    instantiated) and begins the next; `call` runs at every replay between the two pieces
+    (the port's `Device.capture_pieces`). A piece that enqueued nothing is an empty graph."""
+    graphs: list[CudaGraph] = []
+    calls: list[Callable[[Any], None]] = []
+
+    def cut(call: Callable[[Any], None]) -> None:
+        graphs.append(_end(rt))
+        calls.append(call)
+        _begin(rt)
+
+    _begin(rt)
+    try:
+        fn(cut)
+    except BaseException:
+        if rt.capturing:
+            _abandon(rt)
+        raise
+    graphs.append(_end(rt))
+    return CudaPieces(graphs, calls)
+
+
+def _begin(rt: CudaRuntime) -> None:
     rt.ensure_current()
     if rt.capturing:
         raise RuntimeError("capture: already capturing (captures do not nest)")
@@ -56,14 +104,18 @@ def capture(rt: CudaRuntime, fn: Callable[[], None]) -> CudaGraph:
     mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
     check("cuStreamBeginCapture", cu.cuStreamBeginCapture(rt.stream_handle, mode))
     rt.capturing = True
-    try:
-        fn()
-    except BaseException:
-        rt.capturing = False
-        result, graph = cu.cuStreamEndCapture(rt.stream_handle)
-        if result == cu.CUresult.CUDA_SUCCESS and graph is not None:
-            cu.cuGraphDestroy(graph)
-        raise
+
+
+def _abandon(rt: CudaRuntime) -> None:
+    """End the capture running and discard what it recorded."""
+    rt.capturing = False
+    result, graph = cu.cuStreamEndCapture(rt.stream_handle)
+    if result == cu.CUresult.CUDA_SUCCESS and graph is not None:
+        cu.cuGraphDestroy(graph)
+
+
+def _end(rt: CudaRuntime) -> CudaGraph:
+    """End the capture running and instantiate its graph."""
     rt.capturing = False
     graph = check("cuStreamEndCapture", cu.cuStreamEndCapture(rt.stream_handle))
     try:

@@ -54,8 +54,8 @@ class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
     `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`,
-    `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`, `fp8_fast_accum`, `cascade_attention`) turns some
-    off, for debugging and A/B timings.
+    `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`, `fp8_fast_accum`, `cascade_attention`,
+    `piecewise_graphs`) turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -94,6 +94,10 @@ class CudaFeatures:
         it once for all of them (attention_cascade_* then the decode kernel's `_cascade` twin,
         attention_decode.cu; bf16 or FP8 caches, the `_x` extras too) for layers without a window; needs
         mma_decode, and batch_invariant turns it off (a row's sums would depend on its step).
+    piecewise_graphs: steps with prompt tokens of up to the worker's limit replay their layers as
+        graphs captured per token bucket, with attention launched eagerly between them
+        (`capture_pieces`; `Capabilities.piecewise_graphs`); batch_invariant turns it off (a
+        padded bucket's products would take other kernels than the step's own size).
     rms_after_product: past the GEMV sizes, a norm folded into its projection (`fold_rmsnorm`)
         runs no norm kernel: the projection reads the residual as it is and the kernel after the
         product scales each token's row by its inverse RMS (RoPE + cache write after qkv, act_mul
@@ -144,6 +148,7 @@ class CudaFeatures:
     fp8_gemv_norm: bool = True
     fp8_fast_accum: bool = True
     cascade_attention: bool = True
+    piecewise_graphs: bool = True
     batch_invariant: bool = False
 
     @classmethod
@@ -170,6 +175,7 @@ class CudaFeatures:
             "fp8_gemv_norm",
             "fp8_fast_accum",
             "cascade_attention",
+            "piecewise_graphs",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -195,6 +201,7 @@ class CudaFeatures:
             fp8_gemv_norm="fp8_gemv_norm" not in disabled,
             fp8_fast_accum="fp8_fast_accum" not in disabled,
             cascade_attention="cascade_attention" not in disabled,
+            piecewise_graphs="piecewise_graphs" not in disabled,
         )
 
 

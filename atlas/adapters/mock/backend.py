@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -47,16 +48,33 @@ class _MockGraph:
         self._fn()
 
 
+class _MockPieces:
+    """Replay re-runs the captured function, each cut's call taking the replay's argument."""
+
+    def __init__(self, fn: Callable[[Callable[[Callable[[Any], None]], None]], None]) -> None:
+        self._fn = fn
+
+    def replay(self, arg: Any) -> None:
+        self._fn(lambda call: call(arg))
+
+
 class MockGpuBackend:
     """The numpy backend. `memory_bytes` caps what it may allocate (default: 80% of free RAM)."""
 
     def __init__(
-        self, activation_dtype: DType = DType.F32, memory_bytes: int | None = None, emulate_graphs: bool = False
+        self,
+        activation_dtype: DType = DType.F32,
+        memory_bytes: int | None = None,
+        emulate_graphs: bool = False,
+        emulate_pieces: bool = False,
     ) -> None:
         """`emulate_graphs` reports graph support so the worker's graph path (padding, capture,
-        replay over persistent buffers) runs on the CPU; replay re-runs the captured function."""
+        replay over persistent buffers) runs on the CPU; replay re-runs the captured function.
+        `emulate_pieces` does the same for steps with prompt tokens (`Capabilities.piecewise_graphs`:
+        token rows padded to a bucket, the layers' pieces captured and replayed)."""
         self._activation_dtype = activation_dtype
         self._emulate_graphs = emulate_graphs
+        self._emulate_pieces = emulate_pieces
         self._total_bytes = memory_bytes if memory_bytes is not None else _default_memory_bytes()
         self._allocated_bytes = 0
         self._faults: dict[str, Exception] = {}
@@ -78,6 +96,7 @@ class MockGpuBackend:
             kv_dtypes=(DType.F32, DType.BF16, DType.F16, DType.FP8_E4M3),
             kinds=frozenset(Kind),
             supports_graphs=self._emulate_graphs,
+            piecewise_graphs=self._emulate_pieces,
             device_name=f"numpy on {os.cpu_count()} CPU cores",
             state_snapshots=True,
         )
@@ -192,6 +211,9 @@ class MockGpuBackend:
     # -- execution ----------------------------------------------------------------------
     def capture(self, fn: Callable[[], None]) -> _MockGraph:
         return _MockGraph(fn)
+
+    def capture_pieces(self, fn: Callable[[Callable[[Callable[[Any], None]], None]], None]) -> _MockPieces:
+        return _MockPieces(fn)
 
     def synchronize(self) -> None:
         self.enter("synchronize")
