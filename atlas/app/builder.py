@@ -54,6 +54,11 @@ log = logging.getLogger("atlas")
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # a server captures these at startup (an interactive user's batches) and the rest when idle
 STARTUP_GRAPH_BATCH = 8
+# Steps with prompt tokens up to this many replay their layers' pieces where the backend has
+# them (`WorkerConfig.piece_max_tokens`): on an H100 the 8B's eager step costs the host ~6.5 ms
+# of launches at any size, as long as the device's own work up to a few hundred tokens
+# (benchmarks/eager_host.py); past that the device dominates and padding would only add work.
+PIECE_MAX_TOKENS = 512
 MOCK_KV_CACHE_GB = 2.0
 _KV_DTYPES = {"bf16": DType.BF16, "f16": DType.F16, "f32": DType.F32, "fp8": DType.FP8_E4M3, "fp8_e4m3": DType.FP8_E4M3}
 
@@ -253,7 +258,7 @@ def build_engine(
         model,
         caches,
         WorkerConfig(max_num_tokens, max(settings.max_num_seqs, verify_rows), max_model_len, graph_sizes, keep,
-                     num_drafts),
+                     num_drafts, 0 if settings.enforce_eager else PIECE_MAX_TOKENS),
     )
     proposer: DraftModelProposer | DraftHeadProposer | None = None
     if head is not None:
@@ -277,6 +282,9 @@ def build_engine(
     if worker.num_deferred_graphs:
         captured = (f"{len(sizes) - worker.num_deferred_graphs} of {captured}, "
                     f"{worker.num_deferred_graphs} more when idle")
+    if worker.piece_buckets:
+        captured += (f"; layer pieces for steps of up to {worker.piece_buckets[-1]} tokens "
+                     f"{'when idle' if up_to is not None else 'on first use'}")
     if warmed:
         captured += f"; warm-up forwards of {', '.join(map(str, warmed))} tokens"
     phases.lap("graphs", f"{captured}; {tuning}" if tuning else captured)

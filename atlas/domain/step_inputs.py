@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -449,6 +449,42 @@ def _state_slots(sequences: Sequence[ScheduledSequence], layout: CacheLayout) ->
         return np.zeros((0, num_seqs), np.int32)
     slots = np.fromiter(itertools.chain.from_iterable(seq.state_slots for seq in sequences), np.int32)
     return np.ascontiguousarray(slots.reshape(num_seqs, num_groups).T)
+
+
+def piece_buckets(max_tokens: int) -> tuple[int, ...]:
+    """The token counts a worker captures its layers' pieces for, up to `max_tokens`: every 16
+    up to 128, then every 64 (a step pads to the next one: at most 63 rows of waste)."""
+    small = range(16, min(max_tokens, 128) + 1, 16)
+    return tuple(small) + tuple(range(192, max_tokens + 1, 64))
+
+
+def pad_prefill_inputs(
+    inputs: HostStepInputs, num_tokens: int, layout: CacheLayout, num_sample_slots: int
+) -> HostStepInputs:
+    """Pad a step's token rows to `num_tokens` for its layers' captured pieces
+    (`Model.capture_layers`). Padding tokens are id 0 at position 0 whose K/V go to each KV
+    group's scratch page; they belong to no sequence, so everything per sequence (the tables,
+    the query starts, the sampled rows) stays as it is and attention never reads them. Steps of
+    models with recurrent groups, and steps verifying drafts for them, are not padded."""
+    extra = num_tokens - inputs.num_tokens
+    if extra < 0:
+        raise ValueError(f"pad_prefill_inputs: {inputs.num_tokens} tokens do not fit {num_tokens}")
+    if layout.num_state_groups or inputs.chunks is not None:
+        raise ValueError("pad_prefill_inputs: recurrent groups read every token row of their sequences")
+    if extra == 0:
+        return inputs
+    scratch_slots = np.asarray(layout.kv_scratch_blocks, np.int32)[:, None] * layout.block_size
+    return replace(
+        inputs,
+        token_ids=np.concatenate([inputs.token_ids, np.zeros(extra, np.int32)]),
+        positions=np.concatenate([inputs.positions, np.zeros(extra, np.int32)]),
+        slot_mapping=np.concatenate(
+            [inputs.slot_mapping, np.broadcast_to(scratch_slots, (layout.num_kv_groups, extra))], axis=1
+        ),
+        token_gather=np.concatenate(
+            [inputs.token_gather, num_sample_slots + np.arange(inputs.num_tokens, num_tokens, dtype=np.int32)]
+        ),
+    )
 
 
 def pad_decode_inputs(

@@ -6,6 +6,13 @@ that size, or eagerly) and the start of the ids' download — and returns at onc
 can schedule the next step while the device runs this one. `PendingStep.result()` waits for
 the ids. The worker never calls back into the scheduler.
 
+A step that no decode graph covers (prompt tokens in it) runs eagerly, Python launching every
+kernel of every layer, unless it has at most `WorkerConfig.piece_max_tokens` tokens and the
+backend has piecewise graphs: its token rows are then padded to the next of `piece_buckets`
+and the layers replay the pieces captured for that count (`Model.capture_layers`), attention
+launched between them for the step's own sequences. Such a step costs the host a graph launch
+and an attention launch a layer instead of a dozen launches.
+
 A step whose batch `awaits_masks` stops after the forward: its rows' allowed-token masks depend
 on tokens the host is still committing, so the engine fills them while the device runs the
 forward and hands them over with `PendingStep.sample(bitmask)`, which uploads them and
@@ -54,11 +61,13 @@ from atlas.domain.step_inputs import (
     TableRows,
     build_step_inputs,
     pad_decode_inputs,
+    pad_prefill_inputs,
+    piece_buckets,
     state_chunks,
     warm_up_inputs,
 )
 from atlas.domain.token_mask import bitmask_width
-from atlas.ports.gpu import DType, GpuBackend, Graph, PendingDownload, Tensor
+from atlas.ports.gpu import DType, GpuBackend, Graph, PendingDownload, PiecewiseGraph, Tensor
 from atlas.ports.kernels.sampling import LogprobsOut
 
 # What a graph's padding rows sample with: greedy, no filters (their ids are never read).
@@ -75,6 +84,9 @@ class WorkerConfig:
     # each step hands back in `StepResult.hidden_states`, side by side in this order
     keep_hidden_layers: tuple[int, ...] = ()
     max_draft_tokens: int = 0  # drafts a sequence may verify (the snapshot slots of recurrent groups)
+    # steps of up to this many tokens that no decode graph covers replay their layers' pieces
+    # (where the backend and the model have them); 0: such steps run eagerly
+    piece_max_tokens: int = 0
 
 
 _LogprobsDownloads = tuple[PendingDownload, PendingDownload | None, PendingDownload | None]
@@ -198,6 +210,12 @@ class Worker:
         # then their shared-prefix variants; until captured, such steps replay the plain graph
         self._deferred_shared: list[int] = []
         self._kept = _KeptLayers(backend, model, config.keep_hidden_layers, max_tokens)
+        piecewise = backend.capabilities.piecewise_graphs and model.has_pieces  # (attention only: no state groups)
+        # token counts whose layers replay pieces (`Model.capture_layers`), captured on first use
+        # or, left to `capture_next_graph`, in idle time (such steps run eagerly until then)
+        self.piece_buckets = piece_buckets(min(config.piece_max_tokens, max_tokens)) if piecewise else ()
+        self._pieces: dict[int, PiecewiseGraph] = {}
+        self._deferred_pieces: list[int] = []
 
     def submit(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> PendingStep:
         """Enqueue one step (its sampling too, unless `batch.awaits_masks`). `before_launch` is
@@ -261,10 +279,16 @@ class Worker:
             self._capture_bucket(bucket)
         if up_to is not None:
             self._deferred_shared = [size for size in self.graph_batch_sizes if size >= SHARED_PREFIX_MIN_ROWS]
+            self._deferred_pieces = list(self.piece_buckets)
 
     @property
     def num_deferred_graphs(self) -> int:
         return len(self._deferred)
+
+    @property
+    def num_piece_graphs(self) -> int:
+        """Token counts whose layers' pieces are captured."""
+        return len(self._pieces)
 
     def capture_next_graph(self) -> bool:
         """Capture the smallest deferred bucket's graphs, then the shared-prefix variants;
@@ -278,6 +302,12 @@ class Worker:
             if bucket not in self._shared_prefix_graphs:
                 self._capture(bucket, shared_prefix=True)
             self._deferred_shared.pop(0)
+            return True
+        if self._deferred_pieces:
+            num_tokens = self._deferred_pieces[0]
+            if num_tokens not in self._pieces:
+                self._capture_pieces(num_tokens)
+            self._deferred_pieces.pop(0)
             return True
         return False
 
@@ -350,6 +380,19 @@ class Worker:
                 graph_and_logits = self._capture(bucket, shared_prefix)
             graph, logits = graph_and_logits
             inputs = pad_decode_inputs(inputs, bucket, self.cache_layout, buffers.max_seqs)
+        pieces, step = None, None
+        if bucket is None and observer is None and chunks is None:
+            num_rows = self._piece_bucket(inputs.num_tokens)
+            if num_rows is not None:
+                pieces = self._pieces.get(num_rows)
+                if pieces is None:  # its warm-up forward runs on the buffers the step in flight reads
+                    if before_launch is not None:
+                        before_launch()
+                        before_launch = None
+                    pieces = self._capture_pieces(num_rows)
+                step = self._step_tensors(inputs)  # the sequences' own metadata, for attention
+                step = replace(step, token_ids=buffers.token_ids.rows(0, num_rows))
+                inputs = pad_prefill_inputs(inputs, num_rows, self.cache_layout, buffers.max_seqs)
         # staged on the host only: the step in flight may still sample (`before_launch`) first
         buffers.stage_inputs(inputs)
         if packed is not None:
@@ -361,8 +404,31 @@ class Worker:
             graph.replay()
             return logits
         buffers.gather_tokens(inputs.num_tokens)
+        if step is None:
+            step = self._step_tensors(inputs)
+        return self.model.forward(step, self.caches, self.workspace, inputs.num_sample_rows, observer, pieces)
+
+    def _piece_bucket(self, num_tokens: int) -> int | None:
+        """The token count whose pieces a step of `num_tokens` replays (None: it runs eagerly)."""
+        index = bisect.bisect_left(self.piece_buckets, num_tokens)
+        if index == len(self.piece_buckets):
+            return None
+        num_rows = self.piece_buckets[index]
+        return None if num_rows in self._deferred_pieces else num_rows
+
+    def _capture_pieces(self, num_tokens: int) -> PiecewiseGraph:
+        """Capture the layers' pieces for steps of `num_tokens` token rows, after a forward of
+        that size on warm-up inputs (lazy compilation and workspaces settle first; it writes
+        only the scratch pages). The capture itself runs nothing."""
+        buffers = self.buffers
+        inputs = warm_up_inputs(num_tokens, self.cache_layout, buffers.max_seqs, self.config.max_model_len)
+        buffers.stage_inputs(inputs)
+        buffers.send()
+        buffers.gather_tokens(num_tokens)
         step = self._step_tensors(inputs)
-        return self.model.forward(step, self.caches, self.workspace, inputs.num_sample_rows, observer)
+        self.model.forward(step, self.caches, self.workspace, inputs.num_sample_rows)
+        pieces = self._pieces[num_tokens] = self.model.capture_layers(step, self.caches, self.workspace)
+        return pieces
 
     def _state_chunks(self, batch: ScheduledBatch) -> StateChunks | None:
         """The recurrent groups' own view of a step that verifies drafts (None otherwise)."""

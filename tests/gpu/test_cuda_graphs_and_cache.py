@@ -449,3 +449,34 @@ def test_decode_rows_over_a_shared_prompt_read_it_once_in_graphs_and_eagerly(cud
         rt.features = saved
     assert rel_l2(logits["graph"], logits["plain"]) < 1e-2
     assert rel_l2(logits["eager"], logits["plain"]) < 1e-2
+
+
+def test_prompt_steps_replay_the_layers_pieces_as_eager_steps_compute(cuda_backend, rng):
+    """A step with prompt tokens, padded to its bucket and replayed as the layers' captured
+    pieces with attention launched between them for its own sequences, gives the eager step's
+    logits: two prompts alone, then a decode row beside a new prompt. Once captured, a replay
+    launches none of the layers' own kernels but attention."""
+    from fakes import DictWeights, random_llama_weights
+
+    config = ModelConfig.from_dict(SHARED_LLAMA)
+    model = load_model(config, DictWeights(random_llama_weights(SHARED_LLAMA, seed=5, scale=0.1)), cuda_backend, 512)
+    spec = KvCacheSpec(config.num_layers, 40, DECODE_BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
+    cache = (cuda_backend.attention.allocate_cache(spec),)
+    eager = Worker(cuda_backend, model, cache, WorkerConfig(512, 16, 512))
+    pieces = Worker(cuda_backend, model, cache, WorkerConfig(512, 16, 512, piece_max_tokens=512))
+    assert pieces.piece_buckets and not eager.piece_buckets
+    a, b, c = (tuple(int(t) for t in rng.integers(0, 512, size=n)) for n in (37, 70, 20))
+    prompts = ScheduledBatch(0, (
+        ScheduledSequence("a", a, 0, (0, 1, 2), GREEDY), ScheduledSequence("b", b, 0, (3, 4, 5, 6, 7), GREEDY),
+    ), DECODE_BLOCK_SIZE)  # fmt: skip
+    mixed = ScheduledBatch(1, (
+        ScheduledSequence("a", (7,), 37, (0, 1, 2), GREEDY), ScheduledSequence("c", c, 0, (8, 9), GREEDY),
+    ), DECODE_BLOCK_SIZE)  # fmt: skip
+    for batch, rows in ((prompts, 112), (mixed, 32)):
+        reference = eager.compute_logits(batch)
+        replayed = pieces.compute_logits(batch)  # captures the bucket's pieces first
+        assert rows in pieces._pieces
+        assert rel_l2(replayed, reference) < 1e-2
+        symbols = launched_symbols(cuda_backend, lambda: pieces.compute_logits(batch))  # noqa: B023
+        assert not any(symbol.startswith("rope_and_cache") for symbol in symbols), symbols  # inside the pieces
+        assert any(symbol.startswith("attention_") for symbol in symbols), symbols

@@ -11,7 +11,7 @@ needs, and issues its members in `forward`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,13 +58,28 @@ class Workspace:
 @dataclass(frozen=True, slots=True)
 class LayerStep:
     """What a layer reads in one step: the backend, the step's metadata and the cache of every
-    cache group (both in `Model.cache_groups` order) and the workspace."""
+    cache group (both in `Model.cache_groups` order) and the workspace.
+
+    `cut` is set while the layers are captured in pieces (`Model.capture_layers`): `eager`
+    then hands its call to it, to run between the pieces of each replay with the replayed
+    step's `LayerStep`."""
 
     backend: GpuBackend
     num_tokens: int
     metadata: Sequence[GroupMetadata]
     caches: Sequence[object]
     workspace: Workspace
+    cut: Callable[[Callable[[LayerStep], None]], None] | None = None
+
+    def eager(self, call: Callable[[LayerStep], None]) -> None:
+        """Run `call(self)` now; while captured in pieces, at each replay instead, between the
+        pieces, with the replayed step. For work a captured graph cannot hold: kernels sized by
+        the step's host-side metadata (prefill attention), with their inputs and outputs in
+        buffers captured around them."""
+        if self.cut is None:
+            call(self)
+        else:
+            self.cut(call)
 
     def attention(self, group: int) -> tuple[AttentionMetadata, KvCache]:
         """KV group `group`'s metadata and cache; ValueError if it is a recurrent group."""

@@ -39,7 +39,15 @@ class AttentionMixer:
         queries = step.scratch(0, self.spec.q_width)
         attended = step.scratch(1, self.spec.heads.q_size)
         attention.project(residual, self.attention, meta, cache, queries)
-        attention.attend(queries, self.attention, meta, cache, attended)
+        prepared, group = self.attention, self.group
+
+        def attend(now: LayerStep) -> None:  # a replay's step may have fewer tokens than the rows
+            now_meta, now_cache = now.attention(group)
+            rows = now_meta.num_tokens
+            q, out = (queries, attended) if rows == queries.shape[0] else (queries.rows(0, rows), attended.rows(0, rows))
+            now.backend.attention.attend(q, prepared, now_meta, now_cache, out)
+
+        step.eager(attend)
         dense.project_add(attended, self.output, residual)
 
 

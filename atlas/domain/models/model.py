@@ -23,8 +23,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from atlas.domain.models.cache_groups import CacheGroupSpec
+from atlas.domain.models.feed_forward import DenseFeedForward
 from atlas.domain.models.layers import GroupMetadata, Layer, LayerStep, Workspace
-from atlas.ports.gpu import DType, GpuBackend, Kind, Tensor
+from atlas.domain.models.mixers import AttentionMixer
+from atlas.ports.gpu import DType, GpuBackend, Kind, PiecewiseGraph, Tensor
 from atlas.ports.kernels.dense import Vocab
 
 # Called after layer i with the residual stream [N, H] it left (a view the next layer
@@ -132,10 +134,13 @@ class Model:
         workspace: Workspace,
         num_sample_rows: int,
         observer: LayerObserver | None = None,
+        layers: PiecewiseGraph | None = None,
     ) -> Tensor:
         """Run every layer over the step's tokens; return logits [num_sample_rows, V] (a view).
         `caches`: one per cache group, in `cache_groups` order (as `step.metadata`); ValueError
-        for another count. `observer` sees the residual stream after each layer."""
+        for another count. `observer` sees the residual stream after each layer. `layers`: the
+        layers captured for the step's token count (`capture_layers`), replayed with the step's
+        metadata in place of running them (then no observer)."""
         if len(caches) != len(self.cache_groups) or len(step.metadata) != len(self.cache_groups):
             raise ValueError(
                 f"{len(caches)} caches and {len(step.metadata)} metadata for {len(self.cache_groups)} cache groups"
@@ -145,7 +150,11 @@ class Model:
         residual = workspace.residual.rows(0, num_tokens)
         self.ends.embed(backend, step.token_ids, residual)
         layer_step = LayerStep(backend, num_tokens, step.metadata, caches, workspace)
-        for index, layer in enumerate(self.layers):
+        if layers is not None:
+            if observer is not None:
+                raise ValueError("an observer sees the layers run, not a replay of their pieces")
+            layers.replay(layer_step)
+        for index, layer in enumerate(self.layers if layers is None else ()):
             layer.mixer.forward(layer_step, residual)
             layer.feed_forward.forward(layer_step, residual)
             if observer is not None:
@@ -158,6 +167,35 @@ class Model:
             backend.gather_rows(residual, step.sample_indices, sample_hidden)
         self.ends.logits(backend, sample_hidden, logits)
         return logits
+
+    @property
+    def has_pieces(self) -> bool:
+        """Whether `capture_layers` applies: every layer is attention over a dense feed-forward,
+        whose work besides attention depends on a step's token count alone."""
+        return all(
+            isinstance(layer.mixer, AttentionMixer) and isinstance(layer.feed_forward, DenseFeedForward)
+            for layer in self.layers
+        )
+
+    def capture_layers(self, step: StepTensors, caches: Sequence[object], workspace: Workspace) -> PiecewiseGraph:
+        """Capture the layers over `step`'s tokens as pieces (`Device.capture_pieces`), cut at
+        each attention (`LayerStep.eager`). A replay in `forward` then does what the layers do
+        for any step of as many token rows (real tokens first, the rest padding that writes
+        only scratch slots): the pieces run the projections, norms and feed-forwards over every
+        row, and each attention runs eagerly between them, sized by the replayed step's metadata
+        (its real tokens). ValueError unless `has_pieces`."""
+        if not self.has_pieces:
+            raise ValueError("only layers of attention over dense feed-forwards are captured in pieces")
+        backend, num_tokens = self.backend, step.num_tokens
+        residual = workspace.residual.rows(0, num_tokens)
+
+        def run(cut: Callable[[Callable[[LayerStep], None]], None]) -> None:
+            layer_step = LayerStep(backend, num_tokens, step.metadata, caches, workspace, cut)
+            for layer in self.layers:
+                layer.mixer.forward(layer_step, residual)
+                layer.feed_forward.forward(layer_step, residual)
+
+        return backend.capture_pieces(run)
 
     def _needs(self) -> tuple[list[int], int, int]:
         """(scratch widths, routed experts per token, widest intermediate) over every layer."""

@@ -1,0 +1,132 @@
+"""Steps with prompt tokens replayed as the layers' pieces: token rows padded to a bucket, the
+projections and feed-forwards captured per bucket, attention run between them for the step's
+own sequences. On the mock (`emulate_pieces`) a replay re-runs the capture-time code with each
+cut's attention taking the replayed step, so what is checked here is the worker's plumbing:
+padding, buckets, deferral, and outputs equal to eager steps'."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fakes import TINY_LLAMA, DictWeights, random_llama_weights
+from helpers.engines import make_cache, make_worker
+
+from atlas.adapters.mock.backend import MockGpuBackend
+from atlas.domain.engine import EngineCore
+from atlas.domain.models.config import ModelConfig
+from atlas.domain.models.families import load_model
+from atlas.domain.requests import Request, SamplingParams
+from atlas.domain.scheduler import Scheduler, SchedulerConfig
+from atlas.domain.step_inputs import CacheLayout, HostStepInputs, pad_prefill_inputs, piece_buckets, warm_up_inputs
+from atlas.domain.worker import WorkerConfig
+
+NUM_BLOCKS, BLOCK_SIZE, MAX_LEN = 96, 4, 64
+
+
+def build(pieces: bool, piece_max_tokens: int = 64, up_to: int | None = None):
+    config = ModelConfig.from_dict(TINY_LLAMA)
+    backend = MockGpuBackend(emulate_graphs=True, emulate_pieces=pieces)
+    model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, 0)), backend, MAX_LEN)
+    worker_config = WorkerConfig(64, 8, MAX_LEN, graph_batch_sizes=(1, 2, 4, 8), piece_max_tokens=piece_max_tokens)
+    worker = make_worker(model, NUM_BLOCKS, BLOCK_SIZE, worker_config)
+    worker.capture_graphs(up_to)
+    scheduler = Scheduler(SchedulerConfig(MAX_LEN, 8, 64, BLOCK_SIZE), make_cache(model, NUM_BLOCKS, BLOCK_SIZE, 8))
+    return worker, EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, frozenset())
+
+
+def record_pieces(worker) -> list[int | None]:
+    """The token rows of each step that replays pieces (None: a step that did not)."""
+    replays: list[int | None] = []
+    forward = worker.model.forward
+
+    def recording(step, caches, workspace, num_sample_rows, observer=None, layers=None):
+        replays.append(step.num_tokens if layers is not None else None)
+        return forward(step, caches, workspace, num_sample_rows, observer, layers)
+
+    worker.model.forward = recording
+    return replays
+
+
+def run(core: EngineCore, staggered: bool = True, first: int = 3) -> dict[str, list[int]]:
+    """Greedy tokens of six requests of different prompt lengths (ids from `first`: a second
+    run with other ids misses the prefix cache); `staggered` adds two after the first steps,
+    so their prompts share steps with the others' decodes."""
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = [tuple(range(first + index, first + index + 5 + 4 * index)) for index in range(6)]
+    for index, prompt in enumerate(prompts[:4] if staggered else prompts):
+        core.add_request(Request(f"r{index}", prompt, params, seed=index))
+    tokens: dict[str, list[int]] = {}
+    steps = 0
+    while core.has_unfinished:
+        for output in core.step():
+            tokens.setdefault(output.seq_id, []).extend(output.new_token_ids)
+        steps += 1
+        if staggered and steps == 3:
+            for index in (4, 5):
+                core.add_request(Request(f"r{index}", prompts[index], params, seed=index))
+    return tokens
+
+
+def test_piece_buckets_pad_by_16_then_by_64():
+    assert piece_buckets(512) == (16, 32, 48, 64, 80, 96, 112, 128, 192, 256, 320, 384, 448, 512)
+    assert piece_buckets(100) == (16, 32, 48, 64, 80, 96)
+    assert piece_buckets(8) == ()
+
+
+def test_padding_rows_write_only_scratch_slots_and_join_no_sequence():
+    layout = CacheLayout(block_size=4, table_width=16, kv_scratch_blocks=(90, 91), state_scratch_slots=(),
+                         snapshot_width=0, kv_token_bytes=(8, 8))
+    inputs = warm_up_inputs(13, layout, num_sample_slots=8, max_seq_len=64)
+    padded = pad_prefill_inputs(inputs, 32, layout, num_sample_slots=8)
+    assert padded.num_tokens == 32 and padded.num_seqs == inputs.num_seqs
+    np.testing.assert_array_equal(padded.token_ids[13:], 0)
+    np.testing.assert_array_equal(padded.positions[13:], 0)
+    np.testing.assert_array_equal(padded.slot_mapping[:, 13:], [[90 * 4] * 19, [91 * 4] * 19])
+    np.testing.assert_array_equal(padded.token_gather, np.arange(8, 8 + 32))
+    for name in ("query_start_loc", "seq_lens", "block_tables", "sample_indices"):
+        np.testing.assert_array_equal(getattr(padded, name), getattr(inputs, name))
+    assert pad_prefill_inputs(inputs, 13, layout, 8) is inputs
+    with pytest.raises(ValueError):
+        pad_prefill_inputs(inputs, 12, layout, 8)
+    recurrent = CacheLayout(block_size=4, table_width=16, kv_scratch_blocks=(90,), state_scratch_slots=(5,),
+                            snapshot_width=0, kv_token_bytes=(8,))
+    with pytest.raises(ValueError):
+        pad_prefill_inputs(HostStepInputs.empty(recurrent), 16, recurrent, 8)
+
+
+def test_prompt_steps_replay_pieces_and_give_the_eager_steps_tokens():
+    worker, core = build(pieces=True)
+    replays = record_pieces(worker)
+    piecewise = run(core)
+    _, eager = build(pieces=False)
+    assert piecewise == run(eager)
+    replayed = [rows for rows in replays if rows is not None]
+    assert replayed and set(replayed) <= set(worker.piece_buckets)
+    # the staggered prompts shared steps with decodes: some replays padded a mixed step
+    assert worker.num_piece_graphs == len(set(replayed))
+
+
+def test_a_server_defers_the_pieces_to_idle_time_and_runs_eagerly_until_then():
+    worker, core = build(pieces=True, up_to=2)
+    replays = record_pieces(worker)
+    before = run(core, staggered=False)
+    assert worker.num_piece_graphs == 0 and set(replays) == {None}
+    while worker.capture_next_graph():
+        pass
+    assert worker.num_piece_graphs == len(worker.piece_buckets)
+    replays.clear()
+    after = run(core, staggered=False, first=40)
+    assert any(rows is not None for rows in replays)
+    _, eager = build(pieces=False)
+    assert run(eager, staggered=False) == before and run(eager, staggered=False, first=40) == after
+
+
+def test_steps_past_the_limit_and_models_without_pieces_run_eagerly():
+    worker, core = build(pieces=True, piece_max_tokens=16)
+    replays = record_pieces(worker)
+    core.add_request(Request("long", tuple(range(3, 43)), SamplingParams(temperature=0.0, max_tokens=2), seed=0))
+    while core.has_unfinished:
+        core.step()
+    assert replays[0] is None  # 40 prompt tokens: past the 16 rows the worker captures
+    worker, _ = build(pieces=False)
+    assert worker.piece_buckets == ()
