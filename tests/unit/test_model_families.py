@@ -27,11 +27,14 @@ NUM_BLOCKS = 200
 GREEDY = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
 
 
-def make_worker(config_dict, tensors):
+def make_worker(config_dict, tensors, pieces: bool = False):
+    """`pieces`: steps with prompt tokens replay the layers' pieces (padded to a bucket,
+    attention between them; `Worker.piece_buckets`) where the family's layers allow it."""
     config = ModelConfig.from_dict(config_dict)
-    backend = MockGpuBackend()
+    backend = MockGpuBackend(emulate_pieces=pieces)
     model = load_model(config, DictWeights(tensors), backend, max_positions=config.max_position_embeddings)
-    return worker_over(model, NUM_BLOCKS, BLOCK_SIZE, WorkerConfig(512, 16, config.max_position_embeddings))
+    worker_config = WorkerConfig(512, 16, config.max_position_embeddings, piece_max_tokens=512 if pieces else 0)
+    return worker_over(model, NUM_BLOCKS, BLOCK_SIZE, worker_config)
 
 
 class BlockAllocator:
@@ -60,10 +63,11 @@ def relative_error(ours, reference):
 @pytest.mark.parametrize(
     "family", ["llama3", "smollm2", "mistral", "qwen2", "qwen3", "yarn", "linear", "qwen3_moe", "gemma3", "gpt_oss"]
 )
-def test_mixed_batch_matches_transformers(family, rng):
+@pytest.mark.parametrize("pieces", [False, True], ids=["eager", "pieces"])
+def test_mixed_batch_matches_transformers(family, pieces, rng):
     config = tiny_config(family)
     reference, tensors = build_reference(config)
-    worker = make_worker(config, tensors)
+    worker = make_worker(config, tensors, pieces)
     blocks = BlockAllocator(rng)
     prompts = [list(rng.integers(0, config["vocab_size"], size=n)) for n in (1, 7, 100)]
     sequences = []
@@ -71,17 +75,19 @@ def test_mixed_batch_matches_transformers(family, rng):
         block_ids = blocks.take(-(-len(prompt) // BLOCK_SIZE))
         sequences.append(scheduled(worker, f"s{index}", [int(t) for t in prompt], 0, block_ids, GREEDY))
     logits = worker.compute_logits(ScheduledBatch(0, tuple(sequences), BLOCK_SIZE))
+    assert worker.num_piece_graphs == (1 if pieces and worker.model.has_pieces else 0)
     for row, prompt in enumerate(prompts):
         expected = reference_logits(reference, [int(t) for t in prompt])[-1]
         assert relative_error(logits[row], expected) < 1e-4, (family, len(prompt))
 
 
 @pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"])
-def test_chunked_prefill_then_decode_matches_transformers(family, rng):
+@pytest.mark.parametrize("pieces", [False, True], ids=["eager", "pieces"])
+def test_chunked_prefill_then_decode_matches_transformers(family, pieces, rng):
     """A prompt computed in three chunks, then decodes, each step in a batch with a stranger."""
     config = tiny_config(family)
     reference, tensors = build_reference(config, seed=1)
-    worker = make_worker(config, tensors)
+    worker = make_worker(config, tensors, pieces)
     blocks = BlockAllocator(rng)
     tokens = [int(t) for t in rng.integers(0, config["vocab_size"], size=103)]
     expected = reference_logits(reference, tokens)
@@ -99,6 +105,7 @@ def test_chunked_prefill_then_decode_matches_transformers(family, rng):
         logits = worker.compute_logits(batch)
         if samples:
             assert relative_error(logits[1], expected[stop - 1]) < 1e-4, (family, start, stop)
+    assert bool(worker.num_piece_graphs) == (pieces and worker.model.has_pieces)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
