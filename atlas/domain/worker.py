@@ -213,7 +213,9 @@ class Worker:
         piecewise = backend.capabilities.piecewise_graphs and model.has_pieces  # (attention only: no state groups)
         # token counts whose layers replay pieces (`Model.capture_layers`), captured on first use
         # or, left to `capture_next_graph`, in idle time (such steps run eagerly until then)
-        self.piece_buckets = piece_buckets(min(config.piece_max_tokens, max_tokens)) if piecewise else ()
+        # (no bucket holds more tokens than a step can: its warm-up forward would not fit the rows)
+        most = min(config.piece_max_tokens, max_tokens, max_seqs * config.max_model_len)
+        self.piece_buckets = piece_buckets(most) if piecewise else ()
         self._pieces: dict[int, PiecewiseGraph] = {}
         self._deferred_pieces: list[int] = []
 

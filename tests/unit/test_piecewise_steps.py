@@ -121,6 +121,20 @@ def test_a_server_defers_the_pieces_to_idle_time_and_runs_eagerly_until_then():
     assert run(eager, staggered=False) == before and run(eager, staggered=False, first=40) == after
 
 
+def test_no_bucket_holds_more_tokens_than_a_step_can():
+    """8 sequences of at most 20 tokens: a server's idle capture of every bucket stops at 160."""
+    config = ModelConfig.from_dict(TINY_LLAMA)
+    backend = MockGpuBackend(emulate_graphs=True, emulate_pieces=True)
+    model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, 0)), backend, 20)
+    worker = make_worker(model, NUM_BLOCKS, BLOCK_SIZE, WorkerConfig(512, 8, 20, graph_batch_sizes=(1, 2),
+                                                                      piece_max_tokens=512))
+    assert worker.piece_buckets[-1] == 128  # 160 tokens at most: buckets of 16 to 128
+    worker.capture_graphs(up_to=1)
+    while worker.capture_next_graph():
+        pass
+    assert worker.num_piece_graphs == len(worker.piece_buckets)
+
+
 def test_steps_past_the_limit_and_models_without_pieces_run_eagerly():
     worker, core = build(pieces=True, piece_max_tokens=16)
     replays = record_pieces(worker)
