@@ -210,10 +210,10 @@ class Worker:
         # then their shared-prefix variants; until captured, such steps replay the plain graph
         self._deferred_shared: list[int] = []
         self._kept = _KeptLayers(backend, model, config.keep_hidden_layers, max_tokens)
-        piecewise = backend.capabilities.piecewise_graphs and model.has_pieces  # (attention only: no state groups)
-        # token counts whose layers replay pieces (`Model.capture_layers`), captured on first use
-        # or, left to `capture_next_graph`, in idle time (such steps run eagerly until then)
-        # (no bucket holds more tokens than a step can: its warm-up forward would not fit the rows)
+        # The token counts whose steps replay the layers' pieces (`Model.capture_layers`),
+        # captured on first use or, left to `capture_next_graph`, in idle time (such steps run
+        # eagerly until then). None holds more tokens than a step can: its warm-up would not fit.
+        piecewise = backend.capabilities.piecewise_graphs and model.has_pieces
         most = min(config.piece_max_tokens, max_tokens, max_seqs * config.max_model_len)
         self.piece_buckets = piece_buckets(most) if piecewise else ()
         self._pieces: dict[int, PiecewiseGraph] = {}
