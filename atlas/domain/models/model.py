@@ -150,15 +150,16 @@ class Model:
         residual = workspace.residual.rows(0, num_tokens)
         self.ends.embed(backend, step.token_ids, residual)
         layer_step = LayerStep(backend, num_tokens, step.metadata, caches, workspace)
-        if layers is not None:
-            if observer is not None:
-                raise ValueError("an observer sees the layers run, not a replay of their pieces")
+        if layers is None:
+            for index, layer in enumerate(self.layers):
+                layer.mixer.forward(layer_step, residual)
+                layer.feed_forward.forward(layer_step, residual)
+                if observer is not None:
+                    observer(index, residual)
+        elif observer is not None:
+            raise ValueError("an observer sees the layers run, not a replay of their pieces")
+        else:
             layers.replay(layer_step)
-        for index, layer in enumerate(self.layers if layers is None else ()):
-            layer.mixer.forward(layer_step, residual)
-            layer.feed_forward.forward(layer_step, residual)
-            if observer is not None:
-                observer(index, residual)
         logits = workspace.logits.rows(0, num_sample_rows)
         if step.sample_indices is None:  # a decode step samples every row: no gather
             sample_hidden = residual.rows(0, num_sample_rows)
