@@ -116,7 +116,7 @@ class TokenConstraint:
     """
 
     __slots__ = ("_grammar", "_markers", "_budget", "_end_ids", "_state", "_history", "_loose", "_exact_next",
-                 "_num_grammar_tokens")
+                 "_num_grammar_tokens", "_rule")
 
     def __init__(
         self,
@@ -134,6 +134,7 @@ class TokenConstraint:
         self._loose = loose_masks and grammar is not None
         self._exact_next = False  # a loosely sampled token was refused: this position goes exact
         self._num_grammar_tokens = 0
+        self._rule: GrammarTokens | None = None  # the answer's rule, kept while it masks with the same matcher
         self._markers = markers
         self._budget = thinking_budget
         self._end_ids = frozenset(end_token_ids)
@@ -162,39 +163,48 @@ class TokenConstraint:
     def next_token_rule(self) -> NextTokenRule:
         """What the next token must satisfy."""
         state = self._state
+        if state.phase is _Phase.ANSWER:  # every step of a grammar's rows: no new rule object
+            if self._grammar is None:
+                return None
+            matcher = self._mask_grammar()
+            rule = self._rule
+            if rule is None or rule.matcher is not matcher:
+                rule = self._rule = GrammarTokens(matcher)
+            return rule
         if state.phase is _Phase.CLOSING:
             return ForcedToken(state.forced_token_ids[state.num_forced])
         if state.phase is _Phase.REASONING:
             return AnyTokenBut(self._end_ids) if self._end_ids else None
         if self._grammar is None:
             return None
-        if state.phase is _Phase.OPENING:
-            assert self._markers is not None
-            return GrammarTokens(self._grammar, (self._markers.start_token_id,))
-        return GrammarTokens(self._mask_grammar())
+        assert self._markers is not None  # OPENING
+        return GrammarTokens(self._grammar, (self._markers.start_token_id,))
 
     @property
     def may_sample_loosely(self) -> bool:
         """True when some token of this sequence may be masked by the grammar's superset."""
         return self._loose and self._grammar is not None and self._grammar.superset is not None
 
-    @property
-    def sampled_loosely(self) -> bool:
-        """True when the next token is masked by the grammar's superset, not the grammar."""
-        return self._state.phase is _Phase.ANSWER and self._grammar is not None and (
-            self._mask_grammar() is not self._grammar)
-
     def admits(self, token_id: int) -> bool:
         """Whether the token sampled under the current mask may be accepted: always under an
         exact mask; under a superset's, when the grammar allows it. A refused token is not
         accepted, and the next mask of this position is the exact one (module doc)."""
-        if not self.sampled_loosely:
+        grammar = self._grammar
+        if self._state.phase is not _Phase.ANSWER or grammar is None or self._mask_grammar() is grammar:
             return True
-        assert self._grammar is not None
-        if self._grammar.allows(token_id):
+        if grammar.allows(token_id):
             return True
         self._exact_next = True
         return False
+
+    def accept_sampled(self, token_id: int) -> bool:
+        """`admits` then `accept` in one call, for a step's sampled token: False, accepting
+        nothing, when the grammar refuses a token sampled under its superset's mask; raises
+        ConstraintViolation as `accept` does."""
+        if not self.admits(token_id):
+            return False
+        self.accept(token_id)
+        return True
 
     def _mask_grammar(self) -> GrammarMatcher:
         grammar = self._grammar
@@ -229,6 +239,10 @@ class TokenConstraint:
         except a grammar that rejected the token stays broken).
         """
         before = self._state
+        if before.phase is _Phase.ANSWER:  # the common case first
+            self._history.append((before, self._answer(token_id)))
+            self._exact_next = False
+            return
         consumed_by_grammar = False
         if before.phase is _Phase.OPENING:
             assert self._markers is not None
@@ -246,8 +260,6 @@ class TokenConstraint:
             num_forced = before.num_forced + 1
             done = num_forced == len(before.forced_token_ids)
             self._state = _State(_Phase.ANSWER) if done else replace(before, num_forced=num_forced)
-        else:
-            consumed_by_grammar = self._answer(token_id)
         self._history.append((before, consumed_by_grammar))
         self._exact_next = False
 

@@ -243,15 +243,15 @@ class EngineCore:
         self._sample_in_flight()  # the step may be the one whose masks are filling
         batch, pending = self._in_flight.popleft()
         result = pending.result()
-        if self._loose:
+        early = self._accept_early(batch, result)  # checks the loose rows' tokens too
+        if early is None and self._loose:
             self._resample_refused(batch, result)
-        early = self._accept_early(batch, result)
         outputs = self.scheduler.commit(batch, result)
         if self._void:
             self._void = {seq_id: step for seq_id, step in self._void.items() if step > batch.step_id}
         self._num_generated_tokens += sum([len(output.new_token_ids) for output in outputs])
         if self._constraints or early:
-            outputs = self._advance_constraints(outputs, early)
+            outputs = self._advance_constraints(outputs, early or {})
         for output in outputs:
             if output.finish_reason is not None:
                 self._forget(output.seq_id)
@@ -285,53 +285,65 @@ class EngineCore:
 
     def _resample_refused(self, batch: ScheduledBatch, result: StepResult) -> None:
         """Before `batch` commits: each row it sampled under a superset's mask whose token the
-        grammar refuses has its sequence sample that position again (`Scheduler.resample`);
-        the token its sequence has in the step in flight after `batch` is void (no mask is
-        filled for it, and that step's commit skips it). A refusal the scheduler cannot take
-        back is left to the commit's path, which ends the request."""
+        grammar refuses has its sequence sample that position again (`_resample`). A refusal
+        the scheduler cannot take back is left to the commit's path, which ends the request."""
         sampled = [s for s in batch.sequences if s.sampling is not None]
         if len(sampled) != len(result.token_ids):  # drafts: exact masks only
             return
         newest = self._in_flight[-1][0].step_id if self._in_flight else batch.step_id
-        void = self._void
+        constraints, void = self._constraints, self._void
         for seq, token_id in zip(sampled, result.token_ids):
-            constraint = self._constraints.get(seq.seq_id)
+            constraint = constraints.get(seq.seq_id)
             if constraint is None or void.get(seq.seq_id) == batch.step_id or constraint.admits(token_id):
                 continue
-            if self.scheduler.resample(seq.seq_id, batch.step_id):
-                void[seq.seq_id] = newest
-                self.num_resampled_tokens += 1
-                if self._exact_thread is None:
-                    self._exact_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-exact-masks")
-                self._exact_masks[seq.seq_id] = self._exact_thread.submit(_exact_mask, constraint,
-                                                                          self._bitmask.shape[1])
+            self._resample(seq.seq_id, constraint, batch.step_id, newest)
 
-    def _accept_early(self, batch: ScheduledBatch, result: StepResult) -> dict[str, int]:
+    def _resample(self, seq_id: str, constraint: TokenConstraint, step_id: int, newest: int) -> bool:
+        """Have `seq_id`, whose token of step `step_id` its grammar refused, sample that position
+        again (`Scheduler.resample`): its token in the step in flight after (`newest`) is void
+        (no mask is filled for it, and that step's commit skips it), and its exact mask is
+        filled on a thread of its own meanwhile. False when the scheduler cannot take it back."""
+        if not self.scheduler.resample(seq_id, step_id):
+            return False
+        self._void[seq_id] = newest
+        self.num_resampled_tokens += 1
+        if self._exact_thread is None:
+            self._exact_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="atlas-exact-masks")
+        self._exact_masks[seq_id] = self._exact_thread.submit(_exact_mask, constraint, self._bitmask.shape[1])
+        return True
+
+    def _accept_early(self, batch: ScheduledBatch, result: StepResult) -> dict[str, int] | None:
         """Accept the sampled ids of `batch` (being committed) into their constraints before
         the scheduler's commit, and start the next step's masks, so llguidance's fill runs
-        beside the commit's Python instead of after it. Only when the step in flight after it
-        waits for masks not yet started, and `batch` verified no drafts (its ids are then the
-        tokens the commit appends, one a sequence). Returns {sequence: token accepted}; {}
-        when it did nothing, or when a sampled id broke a constraint (the commit then takes
-        the usual path, which ends that request)."""
+        beside the commit's Python instead of after it; a token sampled under a superset's mask
+        that the grammar refuses is resampled instead (`_resample`). Only when the step in
+        flight after it waits for masks not yet started, and `batch` verified no drafts (its
+        ids are then the tokens the commit appends, one a sequence). Returns {sequence: token
+        accepted}; None when it did not run; {} when a sampled id broke a constraint (the
+        commit then takes the usual path, which ends that request)."""
         if not (self._constraints and self._in_flight and self._masks is None):
-            return {}
+            return None
         newest = self._in_flight[-1][0]
         sampled = [s for s in batch.sequences if s.sampling is not None]
         if not newest.awaits_masks or len(sampled) != len(result.token_ids):
-            return {}
+            return None
+        constraints, void, step_id = self._constraints, self._void, batch.step_id
         accepted: dict[str, int] = {}
         for seq, token_id in zip(sampled, result.token_ids):
-            constraint = self._constraints.get(seq.seq_id)
-            if constraint is None or seq.seq_id in self._void:  # void: sampled again later
+            seq_id = seq.seq_id
+            constraint = constraints.get(seq_id)
+            if constraint is None or seq_id in void:  # void: sampled again later
                 continue
             try:
-                constraint.accept(token_id)
+                if constraint.accept_sampled(token_id):
+                    accepted[seq_id] = token_id
+                elif not self._resample(seq_id, constraint, step_id, newest.step_id):
+                    constraint.accept(token_id)  # raises: the grammar refused it
             except ConstraintViolation:  # undo the others; the commit's path ends the request
-                for seq_id, token in accepted.items():
-                    self._constraints[seq_id].rollback(1)
+                for accepted_id in accepted:
+                    constraints[accepted_id].rollback(1)
+                self._resample_refused(batch, result)  # the rows after this one
                 return {}
-            accepted[seq.seq_id] = token_id
         self._start_masks(newest)
         return accepted
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers.residue_grammar import ResidueGrammar
 
 from atlas.domain.constraints import ConstraintViolation, TokenConstraint, fill_batch_bitmask
 from atlas.domain.reasoning_budget import ReasoningMarkers
@@ -190,3 +191,18 @@ def test_the_batch_uses_the_compilers_parallel_fill() -> None:
     fill_batch_bitmask(constraints, bitmask, Compiler())
     assert calls == [[0, 2]]
     assert np.flatnonzero(allowed_bits(bitmask[2], VOCAB)).tolist() == [4, THINK]
+
+
+def test_a_loosely_sampled_token_the_grammar_refuses_is_not_accepted_and_the_position_goes_exact() -> None:
+    grammar = ResidueGrammar(9, loose=True)  # position i: ids below 90 that are i mod 3; superset: any
+    constraint = TokenConstraint(grammar, loose_masks=True)
+    assert constraint.next_token_rule().matcher is grammar  # the first token is always exact
+    assert constraint.accept_sampled(3)
+    assert constraint.next_token_rule().matcher is grammar.superset
+    assert not constraint.accept_sampled(6)  # 6 is 0 mod 3, position 1 wants 1 mod 3
+    assert grammar.position == 1 and not grammar.broken
+    assert constraint.next_token_rule().matcher is grammar  # the redraw is masked exactly
+    assert constraint.accept_sampled(4)
+    assert grammar.position == 2 and constraint.next_token_rule().matcher is grammar.superset
+    with pytest.raises(ConstraintViolation):
+        TokenConstraint(ResidueGrammar(9), loose_masks=True).accept_sampled(4)  # an exact mask forbade it
