@@ -223,18 +223,22 @@ class LlguidanceCompiler:
             return
         if self._executor is None:
             self._executor = llguidance.LLExecutor(self._num_threads)
-        native = []
+        # One pass before the native fill and as little as can be after it: a mask thread runs
+        # this, and the engine thread waits for its Python on both sides.
+        num_rows = bitmask.shape[0]
+        native, keeps = [], []
         for matcher, row in rows:
             if not isinstance(matcher, LlguidanceMatcher):
                 raise TypeError("fill_bitmasks: matchers must come from this compiler")
-            if not 0 <= row < bitmask.shape[0]:
-                raise ValueError(f"fill_bitmasks: row {row} outside the bitmask's {bitmask.shape[0]} rows")
+            if not 0 <= row < num_rows:
+                raise ValueError(f"fill_bitmasks: row {row} outside the bitmask's {num_rows} rows")
             native.append((matcher.native, row))
-        self._executor.unsafe_compute_mask_ptr(native, bitmask.ctypes.data, bitmask.shape[1] * 4, bitmask.shape[0])
-        for matcher, row in rows:
             counted = matcher.counted
             if counted is not None and (keep := counted.keep) is not None:
-                np.bitwise_and(bitmask[row], keep, out=bitmask[row])
+                keeps.append((row, keep))
+        self._executor.unsafe_compute_mask_ptr(native, bitmask.ctypes.data, bitmask.shape[1] * 4, num_rows)
+        for row, keep in keeps:
+            np.bitwise_and(bitmask[row], keep, out=bitmask[row])
 
     # -- specs to llguidance grammars ----------------------------------------------------------
 
