@@ -114,6 +114,10 @@ def build_step_inputs(
     """
     block_size = layout.block_size
     sequences = batch.sequences
+    if rows is not None:
+        lone = _one_sequence_rows(sequences, layout, num_sample_slots, rows)
+        if lone is not None:
+            return lone
     num_seqs = len(sequences)
     # One pass of Python over the sequences gathers their numbers, then numpy: at batch 64 a
     # step builds these every millisecond or two, and each pass over the batch costs more
@@ -170,6 +174,51 @@ def build_step_inputs(
         max_query_len=int(query_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
         shared_prefix=shared,
+    )
+
+
+def _one_sequence_rows(
+    sequences: Sequence[ScheduledSequence], layout: CacheLayout, num_sample_slots: int, rows: TableRows
+) -> HostStepInputs | None:
+    """`build_step_inputs` of a step whose rows are consecutive single tokens of one sequence
+    over one block table, each sampled and none a placeholder: a batch-1 decode step, or a
+    sequence verifying drafts (`worker.decode_rows`) alone. The same arrays from a handful of
+    numpy calls: this runs between a verify step's result and the next launch, where the device
+    waits for it. None for any other step (or a table that does not cover the rows: the general
+    path raises)."""
+    first = sequences[0] if sequences else None
+    if first is None or first.kv_block_tables or first.state_slots or layout.num_state_groups:
+        return None
+    seq_id, block_ids, start = first.seq_id, first.block_ids, first.start_position
+    for offset, seq in enumerate(sequences):
+        if (seq.block_ids is not block_ids or seq.start_position != start + offset or len(seq.token_ids) != 1
+                or seq.sampling is None or seq.placeholder_row is not None or seq.seq_id != seq_id):
+            return None
+    num_rows = len(sequences)
+    block_size, num_blocks = layout.block_size, len(block_ids)
+    if num_blocks > layout.table_width or num_blocks * block_size < start + num_rows:
+        return None
+    positions = np.arange(start, start + num_rows, dtype=np.int32)
+    seq_lens = positions + 1
+    query_start = np.arange(num_rows + 1, dtype=np.int32)
+    block_tables = rows.fill_one(block_ids, num_rows)
+    first_block, last_block = start // block_size, (start + num_rows - 1) // block_size
+    pages = np.array(block_ids[first_block : last_block + 1], np.int32)
+    slot_mapping = (pages[positions // block_size - first_block] * block_size + positions % block_size)[None]
+    return HostStepInputs(
+        token_ids=np.array([seq.token_ids[0] for seq in sequences], np.int32),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        state_slots=np.zeros((0, num_rows), np.int32),
+        sample_indices=np.arange(num_rows, dtype=np.int32),
+        token_gather=np.arange(num_sample_slots, num_sample_slots + num_rows, dtype=np.int32),
+        has_placeholders=False,
+        max_query_len=1,
+        max_seq_len=start + num_rows,
+        shared_prefix=shared_prefixes(block_tables, np.ones(num_rows, np.int32), seq_lens, layout),
     )
 
 
@@ -440,6 +489,17 @@ class TableRows:
                 table[index, : len(block_ids)] = block_ids
                 written_from[index] = block_ids
         return self._table[:num_seqs]
+
+    def fill_one(self, block_ids: tuple[int, ...], num_rows: int) -> np.ndarray:
+        """The tables [num_rows, 1, W] of `num_rows` rows that all read `block_ids` (one
+        sequence's decode rows; it fits the width), as a view of the buffer."""
+        written_from = self._written_from
+        if any([written_from[index] is not block_ids for index in range(num_rows)]):
+            table = self._table[:num_rows, 0]
+            table[:, len(block_ids) :] = self._scratch
+            table[:, : len(block_ids)] = block_ids
+            written_from[:num_rows] = [block_ids] * num_rows
+        return self._table[:num_rows]
 
 
 def _state_slots(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -> np.ndarray:

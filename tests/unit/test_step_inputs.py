@@ -219,3 +219,35 @@ def test_the_recurrent_groups_see_each_verify_chunk_whole_with_its_snapshot_slot
     narrow = CacheLayout(BLOCK_SIZE, TABLE_WIDTH, (SCRATCH_BLOCK,), state_scratch_slots=(128, 129), snapshot_width=1)
     with pytest.raises(ValueError, match=r"'b' verifies 2 drafts with snapshot slots \[2, 2\]"):
         state_chunks(ScheduledBatch(3, (prefill, verify), BLOCK_SIZE), narrow)
+
+
+def test_one_sequence_alone_builds_what_the_general_path_builds_as_its_rows_and_tables_change():
+    """A batch of one sequence (a decode, or a verify chunk as `decode_rows` splits it) takes a
+    shorter path through kept table rows: every array must be the general path's, whatever
+    steps of several sequences ran on the same rows in between."""
+    from atlas.domain.worker import decode_rows
+
+    rng = np.random.default_rng(11)
+    rows = TableRows(24, ONE_GROUP)
+    block_ids = (5, 9, 2)
+    start = 30
+    for step in range(60):
+        if rng.random() < 0.3 and len(block_ids) < TABLE_WIDTH:
+            block_ids += (int(rng.integers(10, 900)),)  # a page taken: a new tuple
+        room = len(block_ids) * BLOCK_SIZE - start
+        num_drafts = int(rng.integers(0, min(room, 17)))
+        tokens = tuple(int(t) for t in rng.integers(0, 1000, 1 + num_drafts))
+        rows_of = (ROW,) * num_drafts
+        chunk = ScheduledSequence("s", tokens, start, block_ids, ROW, num_draft_tokens=num_drafts, draft_rows=rows_of)
+        batch = ScheduledBatch(step, (chunk,), BLOCK_SIZE)
+        if step % 7 == 3:  # other sequences on the same rows
+            batch = random_batch(rng, int(rng.integers(1, 20)))
+        batch = decode_rows(batch)
+        kept = build_step_inputs(batch, ONE_GROUP, SAMPLE_SLOTS, rows)
+        afresh = build_step_inputs(batch, ONE_GROUP, SAMPLE_SLOTS)
+        for name, expected in expected_inputs(batch, ONE_GROUP).items():
+            np.testing.assert_array_equal(getattr(kept, name), expected, err_msg=name)
+            assert getattr(kept, name).dtype == getattr(afresh, name).dtype, name
+        assert (kept.has_placeholders, kept.max_query_len, kept.max_seq_len) == (
+            afresh.has_placeholders, afresh.max_query_len, afresh.max_seq_len)
+        start = min(start + 1 + int(rng.integers(0, num_drafts + 1)), len(block_ids) * BLOCK_SIZE - 1)
