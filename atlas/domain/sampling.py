@@ -61,7 +61,15 @@ def sampling_rows(seq: Sequence) -> tuple[SamplingRow, ...]:
     num_drafts = seq.num_draft_tokens
     if not num_drafts:
         return (sampling_row(seq),)
-    return _build_rows(seq, seq.num_output_tokens - num_drafts)
+    counter = seq.num_output_tokens - num_drafts
+    if counter >= seq.sampling.min_tokens and not seq.has_penalties:
+        # no penalty counts and no bans: every row is the request's base row at its counter
+        base = seq.sampling_row_base
+        if base is None:
+            base = seq.sampling_row_base = _build_rows(seq, counter)[0]
+        replace = msgspec.structs.replace
+        return tuple([replace(base, counter=counter + offset) for offset in range(1 + num_drafts)])
+    return _build_rows(seq, counter)
 
 
 def _build_rows(seq: Sequence, counter: int) -> tuple[SamplingRow, ...]:

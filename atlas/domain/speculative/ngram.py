@@ -108,6 +108,9 @@ class NgramProposer:
         self.max_n = max_n
         self.num_speculative_tokens = num_speculative_tokens
         self._indexes: dict[str, NgramIndex] = {}
+        # seq_id -> (finalized tokens, drafts) of its last proposal: a step asks twice (whether
+        # to commit first, then for the drafts) with the same tokens
+        self._last: dict[str, tuple[int, tuple[int, ...]]] = {}
 
     def propose(self, seq_id: str, history: TokenHistory) -> tuple[int, ...]:
         """Drafts for `seq_id`, after indexing the finalized tokens it gained since last time.
@@ -115,18 +118,24 @@ class NgramProposer:
         Raises AssertionError when the history holds fewer finalized tokens than were indexed
         (finalized tokens never go away; `forget` a sequence that restarts from scratch).
         """
+        num_final = history.num_final_tokens
+        last = self._last.get(seq_id)
+        if last is not None and last[0] == num_final:
+            return last[1]
         index = self._indexes.get(seq_id)
         if index is None:
             index = self._indexes[seq_id] = NgramIndex(self.min_n, self.max_n)
-        num_final = history.num_final_tokens
         if num_final < index.num_tokens:
             raise AssertionError(f"{seq_id}: {num_final} finalized tokens, but {index.num_tokens} were indexed")
         index.extend(history.tokens_slice(index.num_tokens, num_final))
-        return index.propose(self.num_speculative_tokens)
+        drafts = index.propose(self.num_speculative_tokens)
+        self._last[seq_id] = (num_final, drafts)
+        return drafts
 
     def forget(self, seq_id: str) -> None:
         """Drop a finished or aborted sequence's index (a no-op for one never seen)."""
         self._indexes.pop(seq_id, None)
+        self._last.pop(seq_id, None)
 
     @property
     def num_sequences(self) -> int:
