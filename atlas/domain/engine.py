@@ -49,7 +49,7 @@ this object; they decide when to call `step` and where outputs go.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -283,10 +283,11 @@ class EngineCore:
         constraints = self._constraints
         return bool(constraints) and any(s.sampling is not None and s.seq_id in constraints for s in batch.sequences)
 
-    def _resample_refused(self, batch: ScheduledBatch, result: StepResult) -> None:
+    def _resample_refused(self, batch: ScheduledBatch, result: StepResult, done: Collection[str] = ()) -> None:
         """Before `batch` commits: each row it sampled under a superset's mask whose token the
-        grammar refuses has its sequence sample that position again (`_resample`). A refusal
-        the scheduler cannot take back is left to the commit's path, which ends the request."""
+        grammar refuses has its sequence sample that position again (`_resample`), except the
+        sequences in `done` (resampled already). A refusal the scheduler cannot take back is
+        left to the commit's path, which ends the request."""
         sampled = [s for s in batch.sequences if s.sampling is not None]
         if len(sampled) != len(result.token_ids):  # drafts: exact masks only
             return
@@ -294,7 +295,8 @@ class EngineCore:
         constraints, void = self._constraints, self._void
         for seq, token_id in zip(sampled, result.token_ids):
             constraint = constraints.get(seq.seq_id)
-            if constraint is None or void.get(seq.seq_id) == batch.step_id or constraint.admits(token_id):
+            if (constraint is None or void.get(seq.seq_id) == batch.step_id or seq.seq_id in done
+                    or constraint.admits(token_id)):
                 continue
             self._resample(seq.seq_id, constraint, batch.step_id, newest)
 
@@ -329,6 +331,7 @@ class EngineCore:
             return None
         constraints, void, step_id = self._constraints, self._void, batch.step_id
         accepted: dict[str, int] = {}
+        resampled: list[str] = []
         for seq, token_id in zip(sampled, result.token_ids):
             seq_id = seq.seq_id
             constraint = constraints.get(seq_id)
@@ -337,12 +340,14 @@ class EngineCore:
             try:
                 if constraint.accept_sampled(token_id):
                     accepted[seq_id] = token_id
-                elif not self._resample(seq_id, constraint, step_id, newest.step_id):
+                elif self._resample(seq_id, constraint, step_id, newest.step_id):
+                    resampled.append(seq_id)
+                else:
                     constraint.accept(token_id)  # raises: the grammar refused it
             except ConstraintViolation:  # undo the others; the commit's path ends the request
                 for accepted_id in accepted:
                     constraints[accepted_id].rollback(1)
-                self._resample_refused(batch, result)  # the rows after this one
+                self._resample_refused(batch, result, resampled)  # the rows after this one
                 return {}
         self._start_masks(newest)
         return accepted
