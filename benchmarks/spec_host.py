@@ -47,6 +47,7 @@ from atlas.app.settings import EngineSettings  # noqa: E402
 from atlas.domain import worker as worker_module  # noqa: E402
 from atlas.domain.batch import ScheduledBatch  # noqa: E402
 from atlas.domain.requests import Request, SamplingParams  # noqa: E402
+from host_step import PhaseClock  # noqa: E402  (benchmarks/, this script's folder)
 
 SMOLLM2 = Path(os.environ.get("ATLAS_SMOLLM2_DIR", "~/.cache/atlas/models/smollm2")).expanduser()
 MODEL_CONFIG = {  # SmolLM2's vocabulary and special ids, one small layer
@@ -99,36 +100,19 @@ class Device:
         self.ready = max(now, self.ready) + seconds
 
 
-class Phases:
+class Phases(PhaseClock):
     """Exclusive wall time of wrapped calls since the last download wait returned (what a step
     launched after a commit exposes), summed per kind of step launched."""
 
     def __init__(self) -> None:
-        self.current: dict[str, float] = {}
+        super().__init__(time.perf_counter)
         self.by_kind: dict[str, list[dict[str, float]]] = {"plain": [], "drafts": [], "prefill": []}
-        self._stack: list[float] = []
-
-    def wrap(self, owner: object, name: str, phase: str) -> None:
-        original = getattr(owner, name)
-        stack, clock = self._stack, time.perf_counter
-
-        def timed(*args, **kwargs):
-            started = clock()
-            stack.append(0.0)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                elapsed = clock() - started
-                self.current[phase] = self.current.get(phase, 0.0) + elapsed - stack.pop()
-                if stack:
-                    stack[-1] += elapsed
-
-        setattr(owner, name, timed)
 
     def launched(self, kind: str, since_ready: float) -> None:
-        self.current["total"] = since_ready
-        self.by_kind[kind].append(self.current)
-        self.current = {}
+        step = dict(self.totals)
+        step["total"] = since_ready
+        self.by_kind[kind].append(step)
+        self.reset()
 
 
 class TimedDownload:
@@ -146,7 +130,7 @@ class TimedDownload:
             stack[-1] += now - started
         if self.device.returned < self.ready:
             self.device.returned = now
-            self.device.phases.current = {}
+            self.device.phases.reset()
         return self._array
 
 
