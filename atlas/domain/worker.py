@@ -561,7 +561,7 @@ class Worker:
             graph = self._sampler_graphs.get((bucket, masked)) or self._capture_sampler(bucket, masked)
             graph.replay()
             return backend.begin_download(buffers.sampled_ids.rows(0, num_rows)), None
-        packed = replace(staged, num_rows=num_rows)  # without a graph's padding rows
+        packed = msgspec.structs.replace(staged, num_rows=num_rows)  # without a graph's padding rows
         tensors = buffers.sampling_tensors(packed, masked)
         num_top = max((n for n in wanted if n is not None), default=None)
         logprobs_out = None

@@ -8,7 +8,6 @@ statistically; on the mock this suite checks the member's plumbing around it.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import msgspec
 import numpy as np
@@ -83,7 +82,7 @@ def _sample(harness, logits: np.ndarray, rows, logits_dtype: DType = DType.F32, 
             token_mask: np.ndarray | None = None):
     """(ids, logprobs or None) from the backend, and the reference's for the same rows."""
     backend = harness.backend
-    packed = replace(pack_rows(rows), token_mask=token_mask)
+    packed = msgspec.structs.replace(pack_rows(rows), token_mask=token_mask)
     num_rows = logits.shape[0]
     ids = harness.poisoned((num_rows,), DType.I32)
     logprobs = None

@@ -7,7 +7,6 @@ stream with Python integers, penalties and log-softmax in float64, the race stra
 
 from __future__ import annotations
 
-import dataclasses
 
 import msgspec
 
@@ -19,6 +18,7 @@ from atlas.domain.batch import SamplingRow
 from atlas.domain.requests import ParameterError, Request, SamplingParams
 from atlas.domain.sequence import Sequence
 from atlas.domain.sampling import (
+    PackedSampling,
     RowPacker,
     counter_uniforms,
     pack_rows,
@@ -364,7 +364,7 @@ def test_persistent_buffers_longer_than_the_step_are_read_up_to_num_rows() -> No
             penalty_output_counts=(1,), bias_token_ids=(r + 10,), bias_values=(1.0,))
         for r in range(5)
     ]  # fmt: skip
-    step = dataclasses.replace(pack_rows(rows), num_rows=3)
+    step = msgspec.structs.replace(pack_rows(rows), num_rows=3)
     assert np.array_equal(
         sample_rows(logits[:3], step, 2).token_ids, sample_rows(logits[:3], pack_rows(rows[:3]), 2).token_ids
     )
@@ -465,8 +465,9 @@ def test_a_sequences_rows_built_from_its_cached_base_equal_rows_built_afresh() -
 
 
 def test_a_row_packer_packs_every_step_as_pack_rows_does():
-    """Steps that only advance the counters reuse the last step's arrays; rows changing,
-    leaving, joining or moving must never leave a stale field behind."""
+    """Steps that only advance the counters reuse the arrays of the last step with as many rows;
+    rows changing, leaving, joining or moving, and steps of other sizes in between (a lone
+    sequence's one-row and padded verify steps alternate), must never leave a stale field."""
     rng = np.random.default_rng(3)
     pool = [row(temperature=float(t), top_k=int(k), seed=int(s), bias_token_ids=(1,) if b else (),
                 bias_values=(2.0,) if b else ())
@@ -474,19 +475,24 @@ def test_a_row_packer_packs_every_step_as_pack_rows_does():
                                   rng.random(9) < 0.3)]
     packer = RowPacker()
     rows = pool[:4]
-    for step in range(40):
+    side = [pool[5]]  # packed between some steps: another size, or rows' size with other rows
+    for step in range(120):
         if step % 7 == 3:
             rows = [pool[int(i)] for i in rng.choice(len(pool), size=int(rng.integers(0, 7)), replace=False)]
         elif step % 7 == 5 and rows:  # one row changed but for its seed and counter (a ban lifted, say)
             index = int(rng.integers(0, len(rows)))
             rows[index] = msgspec.structs.replace(rows[index], temperature=0.0, min_p=0.2, bias_token_ids=(),
                                                   bias_values=())
+        if step % 11 == 4:
+            side = [pool[int(i)] for i in rng.choice(len(pool), size=int(rng.integers(1, 8)), replace=False)]
         rows = [msgspec.structs.replace(r, counter=r.counter + 1) for r in rows]
-        packed, expected = packer.pack(rows), pack_rows(rows)
-        for field in dataclasses.fields(expected):
-            actual, wanted = getattr(packed, field.name), getattr(expected, field.name)
-            if isinstance(wanted, np.ndarray):
-                assert actual.dtype == wanted.dtype, field.name
-                np.testing.assert_array_equal(actual, wanted, err_msg=field.name)
-            else:
-                assert actual == wanted, field.name
+        side = [msgspec.structs.replace(r, counter=r.counter + 2) for r in side]
+        for batch in [rows, side] if step % 3 else [rows]:
+            packed, expected = packer.pack(batch), pack_rows(batch)
+            for name in PackedSampling.__struct_fields__:
+                actual, wanted = getattr(packed, name), getattr(expected, name)
+                if isinstance(wanted, np.ndarray):
+                    assert actual.dtype == wanted.dtype, name
+                    np.testing.assert_array_equal(actual, wanted, err_msg=name)
+                else:
+                    assert actual == wanted, name
