@@ -99,7 +99,11 @@ class HostStepInputs:
 
 
 def build_step_inputs(
-    batch: ScheduledBatch, layout: CacheLayout, num_sample_slots: int, rows: TableRows | None = None
+    batch: ScheduledBatch,
+    layout: CacheLayout,
+    num_sample_slots: int,
+    rows: TableRows | None = None,
+    num_padded: int | None = None,
 ) -> HostStepInputs:
     """Flatten a batch into varlen arrays.
 
@@ -107,6 +111,9 @@ def build_step_inputs(
     sampled ids occupy rows [0, num_sample_slots), this step's host tokens follow. With
     `rows` (a lone full-attention group), the block tables are rows of its buffer, rewritten
     only where they changed since the last step built with it, and valid until the next.
+    `num_padded` (a decode graph's rows, at least the step's): a lone sequence's decode or
+    verify rows may come already padded to it, as `pad_decode_inputs` pads them; pad the result
+    anyway (a padded step passes through unchanged).
 
     Raises ValueError when a sequence carries another number of block tables or state slots
     than the layout's groups, or a block table is wider than `table_width` or does not cover
@@ -115,7 +122,7 @@ def build_step_inputs(
     block_size = layout.block_size
     sequences = batch.sequences
     if rows is not None:
-        lone = _one_sequence_rows(sequences, layout, num_sample_slots, rows)
+        lone = _one_sequence_rows(sequences, layout, num_sample_slots, rows, num_padded)
         if lone is not None:
             return lone
     num_seqs = len(sequences)
@@ -178,14 +185,18 @@ def build_step_inputs(
 
 
 def _one_sequence_rows(
-    sequences: Sequence[ScheduledSequence], layout: CacheLayout, num_sample_slots: int, rows: TableRows
+    sequences: Sequence[ScheduledSequence],
+    layout: CacheLayout,
+    num_sample_slots: int,
+    rows: TableRows,
+    num_padded: int | None,
 ) -> HostStepInputs | None:
     """`build_step_inputs` of a step whose rows are consecutive single tokens of one sequence
     over one block table, each sampled and none a placeholder: a batch-1 decode step, or a
-    sequence verifying drafts (`worker.decode_rows`) alone. The same arrays from a handful of
-    numpy calls: this runs between a verify step's result and the next launch, where the device
-    waits for it. None for any other step (or a table that does not cover the rows: the general
-    path raises)."""
+    sequence verifying drafts (`worker.decode_rows`) alone; padded to `num_padded` rows as
+    `pad_decode_inputs` would pad it. The same arrays from a handful of numpy calls: this runs
+    between a verify step's result and the next launch, where the device waits for it. None
+    for any other step (or a table that does not cover the rows: the general path raises)."""
     first = sequences[0] if sequences else None
     if first is None or first.kv_block_tables or first.state_slots or layout.num_state_groups:
         return None
@@ -198,27 +209,33 @@ def _one_sequence_rows(
     block_size, num_blocks = layout.block_size, len(block_ids)
     if num_blocks > layout.table_width or num_blocks * block_size < start + num_rows:
         return None
-    positions = np.arange(start, start + num_rows, dtype=np.int32)
+    total = max(num_rows, num_padded or 0)  # padding rows: position 0 of the scratch page
+    positions = np.zeros(total, np.int32)
+    positions[:num_rows] = np.arange(start, start + num_rows, dtype=np.int32)
     seq_lens = positions + 1
-    query_start = np.arange(num_rows + 1, dtype=np.int32)
-    block_tables = rows.fill_one(block_ids, num_rows)
+    block_tables = rows.fill_one(block_ids, num_rows, total)
     first_block, last_block = start // block_size, (start + num_rows - 1) // block_size
     pages = np.array(block_ids[first_block : last_block + 1], np.int32)
-    slot_mapping = (pages[positions // block_size - first_block] * block_size + positions % block_size)[None]
+    slot_mapping = np.full((1, total), layout.kv_scratch_blocks[0] * block_size, np.int32)
+    slot_mapping[0, :num_rows] = pages[positions[:num_rows] // block_size - first_block] * block_size
+    slot_mapping[0, :num_rows] += positions[:num_rows] % block_size
+    token_ids = np.zeros(total, np.int32)
+    token_ids[:num_rows] = [seq.token_ids[0] for seq in sequences]
+    shared = shared_prefixes(block_tables[:num_rows], np.ones(num_rows, np.int32), seq_lens[:num_rows], layout)
     return HostStepInputs(
-        token_ids=np.array([seq.token_ids[0] for seq in sequences], np.int32),
+        token_ids=token_ids,
         positions=positions,
         slot_mapping=slot_mapping,
-        query_start_loc=query_start,
+        query_start_loc=np.arange(total + 1, dtype=np.int32),
         seq_lens=seq_lens,
         block_tables=block_tables,
-        state_slots=np.zeros((0, num_rows), np.int32),
-        sample_indices=np.arange(num_rows, dtype=np.int32),
-        token_gather=np.arange(num_sample_slots, num_sample_slots + num_rows, dtype=np.int32),
+        state_slots=np.zeros((0, total), np.int32),
+        sample_indices=np.arange(total, dtype=np.int32),
+        token_gather=np.arange(num_sample_slots, num_sample_slots + total, dtype=np.int32),
         has_placeholders=False,
         max_query_len=1,
         max_seq_len=start + num_rows,
-        shared_prefix=shared_prefixes(block_tables, np.ones(num_rows, np.int32), seq_lens, layout),
+        shared_prefix=None if shared is None else np.pad(shared, ((0, 0), (0, total - num_rows))),
     )
 
 
@@ -490,16 +507,26 @@ class TableRows:
                 written_from[index] = block_ids
         return self._table[:num_seqs]
 
-    def fill_one(self, block_ids: tuple[int, ...], num_rows: int) -> np.ndarray:
-        """The tables [num_rows, 1, W] of `num_rows` rows that all read `block_ids` (one
-        sequence's decode rows; it fits the width), as a view of the buffer."""
-        written_from = self._written_from
+    def fill_one(self, block_ids: tuple[int, ...], num_rows: int, num_padded: int | None = None) -> np.ndarray:
+        """The tables [max(num_rows, num_padded), 1, W] of `num_rows` rows that all read
+        `block_ids` (one sequence's decode rows; it fits the width), then padding rows that
+        read only the scratch block, as a view of the buffer."""
+        written_from, scratch = self._written_from, _SCRATCH_ROW
+        total = max(num_rows, num_padded or 0)
         if any([written_from[index] is not block_ids for index in range(num_rows)]):
             table = self._table[:num_rows, 0]
             table[:, len(block_ids) :] = self._scratch
             table[:, : len(block_ids)] = block_ids
             written_from[:num_rows] = [block_ids] * num_rows
-        return self._table[:num_rows]
+        if any([written_from[index] is not scratch for index in range(num_rows, total)]):
+            self._table[num_rows:total, 0] = self._scratch
+            written_from[num_rows:total] = [scratch] * (total - num_rows)
+        return self._table[:total]
+
+
+# `TableRows`' mark of a padding row: it reads only the scratch block, as the row of a sequence
+# holding no block does (the empty tuple is one object)
+_SCRATCH_ROW: tuple[int, ...] = ()
 
 
 def _state_slots(sequences: Sequence[ScheduledSequence], layout: CacheLayout) -> np.ndarray:

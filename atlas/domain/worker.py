@@ -368,7 +368,7 @@ class Worker:
                 f"{self.config.max_num_tokens} / {self.config.max_num_seqs}"
             )
         buffers = self.buffers
-        inputs = build_step_inputs(batch, self.cache_layout, buffers.max_seqs, self._table_rows)
+        inputs = build_step_inputs(batch, self.cache_layout, buffers.max_seqs, self._table_rows, bucket)
         if chunks is not None:
             inputs = replace(inputs, chunks=chunks)
         if bucket is not None:

@@ -250,4 +250,37 @@ def test_one_sequence_alone_builds_what_the_general_path_builds_as_its_rows_and_
             assert getattr(kept, name).dtype == getattr(afresh, name).dtype, name
         assert (kept.has_placeholders, kept.max_query_len, kept.max_seq_len) == (
             afresh.has_placeholders, afresh.max_query_len, afresh.max_seq_len)
+        if afresh.num_tokens == afresh.num_seqs:  # padded to a graph's rows as the worker pads them
+            bucket = afresh.num_seqs + int(rng.integers(0, 5))
+            padded = build_step_inputs(batch, ONE_GROUP, SAMPLE_SLOTS, rows, bucket)
+            expected = pad_decode_inputs(afresh, bucket, ONE_GROUP, SAMPLE_SLOTS)
+            assert pad_decode_inputs(padded, bucket, ONE_GROUP, SAMPLE_SLOTS) is padded or step % 7 == 3
+            for name in HostStepInputs.__dataclass_fields__:
+                actual, wanted = getattr(padded, name), getattr(expected, name)
+                if isinstance(wanted, np.ndarray):
+                    np.testing.assert_array_equal(actual, wanted, err_msg=name)
+                    assert actual.dtype == wanted.dtype, name
+                else:
+                    assert actual == wanted, name
         start = min(start + 1 + int(rng.integers(0, num_drafts + 1)), len(block_ids) * BLOCK_SIZE - 1)
+
+
+def test_a_lone_verify_step_padded_on_the_short_path_keeps_its_shared_prefix():
+    """17 rows of one sequence over 40 pages read a prefix together (cascade attention): padded
+    to a graph's 24 rows on the short path, the arrays and the prefix are those the general path
+    and `pad_decode_inputs` give."""
+    from atlas.domain.worker import decode_rows
+
+    layout = CacheLayout(BLOCK_SIZE, 64, (SCRATCH_BLOCK,), kv_token_bytes=(1 << 16,))
+    block_ids = tuple(range(100, 140))
+    chunk = ScheduledSequence("s", tuple(range(17)), 600, block_ids, ROW, num_draft_tokens=16, draft_rows=(ROW,) * 16)
+    batch = decode_rows(ScheduledBatch(1, (chunk,), BLOCK_SIZE))
+    padded = build_step_inputs(batch, layout, SAMPLE_SLOTS, TableRows(32, layout), 24)
+    expected = pad_decode_inputs(build_step_inputs(batch, layout, SAMPLE_SLOTS), 24, layout, SAMPLE_SLOTS)
+    assert padded.shared_prefix is not None and padded.shared_prefix[0, 0] >= 256
+    for name in HostStepInputs.__dataclass_fields__:
+        actual, wanted = getattr(padded, name), getattr(expected, name)
+        if isinstance(wanted, np.ndarray):
+            np.testing.assert_array_equal(actual, wanted, err_msg=name)
+        else:
+            assert actual == wanted, name
