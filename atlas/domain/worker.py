@@ -218,6 +218,13 @@ class Worker:
         self.piece_buckets = piece_buckets(most) if piecewise else ()
         self._pieces: dict[int, PiecewiseGraph] = {}
         self._deferred_pieces: list[int] = []
+        # A lone sequence's prompt step over a short context replays its layers captured whole,
+        # attention inside (`Capabilities.whole_prompt_keys`): a batch-1 prefill is then one
+        # replay, not a launch of attention and a piece a layer (~2 ms of host work for
+        # SmolLM2's 30 layers, against ~0.3 ms of device time).
+        self._whole_keys = min(backend.capabilities.whole_prompt_keys, config.max_model_len) if piecewise else 0
+        self._whole: dict[int, PiecewiseGraph] = {}
+        self._deferred_whole: list[int] = []
 
     def submit(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> PendingStep:
         """Enqueue one step (its sampling too, unless `batch.awaits_masks`). `before_launch` is
@@ -282,6 +289,7 @@ class Worker:
         if up_to is not None:
             self._deferred_shared = [size for size in self.graph_batch_sizes if size >= SHARED_PREFIX_MIN_ROWS]
             self._deferred_pieces = list(self.piece_buckets)
+            self._deferred_whole = [size for size in self.piece_buckets if size <= self._whole_keys]
 
     @property
     def num_deferred_graphs(self) -> int:
@@ -291,6 +299,11 @@ class Worker:
     def num_piece_graphs(self) -> int:
         """Token counts whose layers' pieces are captured."""
         return len(self._pieces)
+
+    @property
+    def num_whole_graphs(self) -> int:
+        """Token counts whose layers are captured whole, for a lone sequence's prompt steps."""
+        return len(self._whole)
 
     def capture_next_graph(self) -> bool:
         """Capture the smallest deferred bucket's graphs, then the shared-prefix variants;
@@ -310,6 +323,12 @@ class Worker:
             if num_tokens not in self._pieces:
                 self._capture_pieces(num_tokens)
             self._deferred_pieces.pop(0)
+            return True
+        if self._deferred_whole:
+            num_tokens = self._deferred_whole[0]
+            if num_tokens not in self._whole:
+                self._capture_pieces(num_tokens, whole=True)
+            self._deferred_whole.pop(0)
             return True
         return False
 
@@ -386,12 +405,14 @@ class Worker:
         if bucket is None and observer is None and chunks is None:
             num_rows = self._piece_bucket(inputs.num_tokens)
             if num_rows is not None:
-                pieces = self._pieces.get(num_rows)
+                whole = (inputs.num_seqs == 1 and max(num_rows, inputs.max_seq_len) <= self._whole_keys
+                         and num_rows not in self._deferred_whole)
+                pieces = (self._whole if whole else self._pieces).get(num_rows)
                 if pieces is None:  # its warm-up forward runs on the buffers the step in flight reads
                     if before_launch is not None:
                         before_launch()
                         before_launch = None
-                    pieces = self._capture_pieces(num_rows)
+                    pieces = self._capture_pieces(num_rows, whole)
                 step = self._step_tensors(inputs)  # the sequences' own metadata, for attention
                 step = replace(step, token_ids=buffers.token_ids.rows(0, num_rows))
                 inputs = pad_prefill_inputs(inputs, num_rows, self.cache_layout, buffers.max_seqs)
@@ -418,18 +439,21 @@ class Worker:
         num_rows = self.piece_buckets[index]
         return None if num_rows in self._deferred_pieces else num_rows
 
-    def _capture_pieces(self, num_tokens: int) -> PiecewiseGraph:
+    def _capture_pieces(self, num_tokens: int, whole: bool = False) -> PiecewiseGraph:
         """Capture the layers' pieces for steps of `num_tokens` token rows, after a forward of
         that size on warm-up inputs (lazy compilation and workspaces settle first; it writes
-        only the scratch pages). The capture itself runs nothing."""
+        only the scratch pages). The capture itself runs nothing. `whole`: the layers with
+        their attention, for one sequence's steps (captured over one sequence of `num_tokens`)."""
         buffers = self.buffers
-        inputs = warm_up_inputs(num_tokens, self.cache_layout, buffers.max_seqs, self.config.max_model_len)
+        longest = num_tokens if whole else self.config.max_model_len
+        inputs = warm_up_inputs(num_tokens, self.cache_layout, buffers.max_seqs, longest)
         buffers.stage_inputs(inputs)
         buffers.send()
         buffers.gather_tokens(num_tokens)
         step = self._step_tensors(inputs)
         self.model.forward(step, self.caches, self.workspace, inputs.num_sample_rows)
-        pieces = self._pieces[num_tokens] = self.model.capture_layers(step, self.caches, self.workspace)
+        pieces = self.model.capture_layers(step, self.caches, self.workspace, whole)
+        (self._whole if whole else self._pieces)[num_tokens] = pieces
         return pieces
 
     def _state_chunks(self, batch: ScheduledBatch) -> StateChunks | None:

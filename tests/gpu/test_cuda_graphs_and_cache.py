@@ -480,3 +480,40 @@ def test_prompt_steps_replay_the_layers_pieces_as_eager_steps_compute(cuda_backe
         symbols = launched_symbols(cuda_backend, lambda: pieces.compute_logits(batch))  # noqa: B023
         assert not any(symbol.startswith("rope_and_cache") for symbol in symbols), symbols  # inside the pieces
         assert any(symbol.startswith("attention_") for symbol in symbols), symbols
+
+
+def test_a_lone_prompt_step_replays_its_layers_whole_as_the_pieces_compute(cuda_backend, rng):
+    """A lone sequence's prompt step over a short context (a fresh prompt, then more tokens
+    after it as a cached prefix) replays the layers captured whole, attention inside, launched
+    over the bucket's rows: its logits are the pieces' bit for bit (each attention tile computes
+    the same rows; the tiles past the sequence leave) and near the eager step's, and a replay
+    launches no kernel of its own."""
+    from dataclasses import replace
+
+    from fakes import DictWeights, random_llama_weights
+
+    config = ModelConfig.from_dict(SHARED_LLAMA)
+    model = load_model(config, DictWeights(random_llama_weights(SHARED_LLAMA, seed=5, scale=0.1)), cuda_backend, 512)
+    spec = KvCacheSpec(config.num_layers, 40, DECODE_BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
+    cache = (cuda_backend.attention.allocate_cache(spec),)
+    eager = Worker(cuda_backend, model, cache, WorkerConfig(512, 16, 512))
+    whole = Worker(cuda_backend, model, cache, WorkerConfig(512, 16, 512, piece_max_tokens=512))
+    assert cuda_backend.capabilities.whole_prompt_keys > 48
+    saved = cuda_backend._capabilities
+    try:  # what ATLAS_CUDA_DISABLE=whole_prompts gives
+        cuda_backend._capabilities = replace(saved, whole_prompt_keys=0)
+        pieces = Worker(cuda_backend, model, cache, WorkerConfig(512, 16, 512, piece_max_tokens=512))
+    finally:
+        cuda_backend._capabilities = saved
+    a, tail = (tuple(int(t) for t in rng.integers(0, 512, size=n)) for n in (37, 9))
+    fresh = ScheduledBatch(0, (ScheduledSequence("a", a, 0, (0, 1, 2), GREEDY),), DECODE_BLOCK_SIZE)
+    after = ScheduledBatch(1, (ScheduledSequence("a", tail, 37, (0, 1, 2, 3), GREEDY),), DECODE_BLOCK_SIZE)
+    for batch, rows in ((fresh, 48), (after, 16)):
+        reference = eager.compute_logits(batch)
+        by_pieces = pieces.compute_logits(batch)
+        replayed = whole.compute_logits(batch)  # captures the bucket's layers whole first
+        assert rows in whole._whole and rows not in whole._pieces and rows in pieces._pieces
+        np.testing.assert_array_equal(replayed, by_pieces)
+        assert rel_l2(replayed, reference) < 1e-2
+        symbols = launched_symbols(cuda_backend, lambda: whole.compute_logits(batch))  # noqa: B023
+        assert not any(symbol.startswith("attention_") for symbol in symbols), symbols

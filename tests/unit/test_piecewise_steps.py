@@ -23,9 +23,9 @@ from atlas.domain.worker import WorkerConfig
 NUM_BLOCKS, BLOCK_SIZE, MAX_LEN = 96, 4, 64
 
 
-def build(pieces: bool, piece_max_tokens: int = 64, up_to: int | None = None):
+def build(pieces: bool, piece_max_tokens: int = 64, up_to: int | None = None, whole_prompt_keys: int = 1023):
     config = ModelConfig.from_dict(TINY_LLAMA)
-    backend = MockGpuBackend(emulate_graphs=True, emulate_pieces=pieces)
+    backend = MockGpuBackend(emulate_graphs=True, emulate_pieces=pieces, whole_prompt_keys=whole_prompt_keys)
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, 0)), backend, MAX_LEN)
     worker_config = WorkerConfig(64, 8, MAX_LEN, graph_batch_sizes=(1, 2, 4, 8), piece_max_tokens=piece_max_tokens)
     worker = make_worker(model, NUM_BLOCKS, BLOCK_SIZE, worker_config)
@@ -34,16 +34,28 @@ def build(pieces: bool, piece_max_tokens: int = 64, up_to: int | None = None):
     return worker, EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, frozenset())
 
 
-def record_pieces(worker) -> list[int | None]:
-    """The token rows of each step that replays pieces (None: a step that did not)."""
+def record_pieces(worker, kinds: list[str] | None = None) -> list[int | None]:
+    """The token rows of each step that replays pieces (None: a step that did not); `kinds`
+    collects each such step's "whole" or "pieces" (the layers captured whole or cut at attention)."""
     replays: list[int | None] = []
     forward = worker.model.forward
+    capture = worker.model.capture_layers
+    whole_graphs: set[int] = set()
+
+    def capturing(step, caches, workspace, whole=False):
+        graph = capture(step, caches, workspace, whole)
+        if whole:
+            whole_graphs.add(id(graph))
+        return graph
 
     def recording(step, caches, workspace, num_sample_rows, observer=None, layers=None):
         replays.append(step.num_tokens if layers is not None else None)
+        if kinds is not None and layers is not None:
+            kinds.append("whole" if id(layers) in whole_graphs else "pieces")
         return forward(step, caches, workspace, num_sample_rows, observer, layers)
 
     worker.model.forward = recording
+    worker.model.capture_layers = capturing
     return replays
 
 
@@ -144,3 +156,58 @@ def test_steps_past_the_limit_and_models_without_pieces_run_eagerly():
     assert replays[0] is None  # 40 prompt tokens: past the 16 rows the worker captures
     worker, _ = build(pieces=False)
     assert worker.piece_buckets == ()
+
+
+def run_alone(core: EngineCore, prompts: list[tuple[int, ...]], max_tokens: int = 6) -> list[list[int]]:
+    """Greedy tokens of each prompt, one request at a time (its prompt steps are lone steps)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = []
+    for index, prompt in enumerate(prompts):
+        core.add_request(Request(f"alone{index}", prompt, params, seed=index))
+        tokens: list[int] = []
+        while core.has_unfinished:
+            for output in core.step():
+                tokens.extend(output.new_token_ids)
+        outputs.append(tokens)
+    return outputs
+
+
+def test_a_lone_sequence_prompt_over_a_short_context_replays_its_layers_whole():
+    """One request at a time: prompt steps whose bucket and context fit `whole_prompt_keys` (40
+    here) replay the layers captured whole, attention inside and launched for the capture's one
+    sequence of the bucket's length; a longer prompt, or a short one after a long cached
+    prefix, replays the pieces. Tokens equal eager steps' (a whole replay that served a step it
+    does not fit, or read the capture's lengths, would attend over the wrong keys)."""
+    shared, long_shared = tuple(range(50, 66)), tuple(range(40, 80))  # cached once computed
+    prompts = [
+        tuple(range(3, 8)), tuple(range(9, 26)),  # 5 and 17 tokens: buckets 16 and 32
+        shared + (3, 4), shared + (5, 6, 7, 8, 9, 10),  # the second: 6 new tokens over 22 keys
+        tuple(range(7, 42)),  # 35 tokens: bucket 48
+        long_shared + (1,), long_shared + (2, 3, 4),  # 3 new tokens over 43 keys
+    ]
+    worker, core = build(pieces=True, whole_prompt_keys=40)
+    kinds: list[str] = []
+    record_pieces(worker, kinds)
+    whole = run_alone(core, prompts)
+    _, eager = build(pieces=False)
+    assert whole == run_alone(eager, prompts)
+    assert kinds == ["whole"] * 4 + ["pieces"] * 3
+    assert worker.num_whole_graphs == 2 and worker.num_piece_graphs == 2  # whole 16, 32; pieces 16, 48
+
+
+def test_a_server_captures_the_whole_layers_in_idle_time_after_the_pieces():
+    worker, core = build(pieces=True, up_to=2, whole_prompt_keys=40)
+    kinds: list[str] = []
+    record_pieces(worker, kinds)
+    prompts = [tuple(range(3, 10)), tuple(range(11, 30))]
+    before = run_alone(core, prompts)
+    assert kinds == []  # every bucket deferred: eager until idle time
+    while worker.capture_next_graph():
+        pass
+    assert worker.num_piece_graphs == len(worker.piece_buckets)
+    assert worker.num_whole_graphs == len([rows for rows in worker.piece_buckets if rows <= 40])
+    after = run_alone(core, [tuple(range(60, 67)), tuple(range(70, 89))])
+    assert kinds == ["whole", "whole"]
+    _, eager = build(pieces=False)
+    assert run_alone(eager, prompts) == before
+    assert run_alone(eager, [tuple(range(60, 67)), tuple(range(70, 89))]) == after

@@ -26,6 +26,7 @@ from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.gemm_tuning import TuningStats
 from atlas.adapters.cuda.kv_cache import CudaKvCache
 from atlas.adapters.cuda.memory import CompletedCopy, PendingCopy, PoolStats
+from atlas.adapters.cuda.ops_attention import WHOLE_PROMPT_MAX_KEYS
 from atlas.adapters.cuda.moe import CudaMoe
 from atlas.adapters.cuda.ops_fp8 import Fp8LinearOp
 from atlas.adapters.cuda.ops_sampling import CudaSampling
@@ -69,6 +70,7 @@ class CudaGpuBackend:
             device_name=self._rt.device_name,
             state_snapshots=True,  # gated_delta.cu writes the states after a chunk's named tokens
             piecewise_graphs=self._rt.features.piecewise_graphs and not self._rt.features.batch_invariant,
+            whole_prompt_keys=WHOLE_PROMPT_MAX_KEYS if self._rt.features.whole_prompts else 0,
         )
         self._dense = CudaDense(self._rt, self._linear, self._fp8, self.upload)
         self._attention = CudaAttention(self._rt, self._linear, self._dense, kv_dtypes, self.upload)

@@ -430,6 +430,14 @@ PREFILL_MAX_SPLITS = 4
 PREFILL_MIN_SPLIT_KEYS = 512
 
 
+# A step of one sequence over at most this many keys launches the prefill kernel alone (no decode
+# rows: `attention` returns after it), unsplit (`prefill_split_count` is 1 below two parts'
+# keys), on a grid sized by its token count: its varlen tiles find their rows in the device's
+# query starts, and those past the sequence's leave at once. A graph captured over a token
+# bucket then serves every such step of up to as many tokens (`Capabilities.whole_prompt_keys`).
+WHOLE_PROMPT_MAX_KEYS = 2 * PREFILL_MIN_SPLIT_KEYS - 1
+
+
 def prefill_split_count(num_sms: int, num_tokens: int, max_seq_len: int, group: int, num_kv_heads: int) -> int:
     """Parts of the context per (128-row tile, KV head) for the prefill kernel: a few query
     tokens over long contexts (a chat turn after a cached history, chunks beside decodes) give

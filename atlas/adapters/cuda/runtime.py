@@ -98,6 +98,9 @@ class CudaFeatures:
         graphs captured per token bucket, with attention launched eagerly between them
         (`capture_pieces`; `Capabilities.piecewise_graphs`); batch_invariant turns it off (a
         padded bucket's products would take other kernels than the step's own size).
+    whole_prompts: with piecewise_graphs, a lone sequence's prompt step over a context of at most
+        `ops_attention.WHOLE_PROMPT_MAX_KEYS` keys replays its layers captured whole, attention
+        inside (`Capabilities.whole_prompt_keys`): one replay, not a launch and a piece a layer.
     rms_after_product: past the GEMV sizes, a norm folded into its projection (`fold_rmsnorm`)
         runs no norm kernel: the projection reads the residual as it is and the kernel after the
         product scales each token's row by its inverse RMS (RoPE + cache write after qkv, act_mul
@@ -149,6 +152,7 @@ class CudaFeatures:
     fp8_fast_accum: bool = True
     cascade_attention: bool = True
     piecewise_graphs: bool = True
+    whole_prompts: bool = True
     batch_invariant: bool = False
 
     @classmethod
@@ -176,6 +180,7 @@ class CudaFeatures:
             "fp8_fast_accum",
             "cascade_attention",
             "piecewise_graphs",
+            "whole_prompts",
         )
         unknown = disabled - set(known)
         if unknown:
@@ -202,6 +207,7 @@ class CudaFeatures:
             fp8_fast_accum="fp8_fast_accum" not in disabled,
             cascade_attention="cascade_attention" not in disabled,
             piecewise_graphs="piecewise_graphs" not in disabled,
+            whole_prompts="whole_prompts" not in disabled,
         )
 
 

@@ -38,6 +38,10 @@ class _CompletedDownload:
         return self._array
 
 
+# CUDA's bound (ops_attention.WHOLE_PROMPT_MAX_KEYS), so that the worker takes the same paths here
+WHOLE_PROMPT_KEYS = 1023
+
+
 class _MockGraph:
     """No graphs on a CPU: replay re-runs the captured function on the buffers' contents."""
 
@@ -67,14 +71,19 @@ class MockGpuBackend:
         memory_bytes: int | None = None,
         emulate_graphs: bool = False,
         emulate_pieces: bool = False,
+        whole_prompt_keys: int = WHOLE_PROMPT_KEYS,
     ) -> None:
         """`emulate_graphs` reports graph support so the worker's graph path (padding, capture,
         replay over persistent buffers) runs on the CPU; replay re-runs the captured function.
         `emulate_pieces` does the same for steps with prompt tokens (`Capabilities.piecewise_graphs`:
-        token rows padded to a bucket, the layers' pieces captured and replayed)."""
+        token rows padded to a bucket, the layers' pieces captured and replayed), and captures a
+        lone sequence's prompt steps over at most `whole_prompt_keys` keys whole
+        (`Capabilities.whole_prompt_keys`; the mock's attention reads the lengths from the
+        buffers, as CUDA's kernels do)."""
         self._activation_dtype = activation_dtype
         self._emulate_graphs = emulate_graphs
         self._emulate_pieces = emulate_pieces
+        self._whole_prompt_keys = whole_prompt_keys if emulate_pieces else 0
         self._total_bytes = memory_bytes if memory_bytes is not None else _default_memory_bytes()
         self._allocated_bytes = 0
         self._faults: dict[str, Exception] = {}
@@ -97,6 +106,7 @@ class MockGpuBackend:
             kinds=frozenset(Kind),
             supports_graphs=self._emulate_graphs,
             piecewise_graphs=self._emulate_pieces,
+            whole_prompt_keys=self._whole_prompt_keys,
             device_name=f"numpy on {os.cpu_count()} CPU cores",
             state_snapshots=True,
         )

@@ -178,20 +178,25 @@ class Model:
             for layer in self.layers
         )
 
-    def capture_layers(self, step: StepTensors, caches: Sequence[object], workspace: Workspace) -> PiecewiseGraph:
+    def capture_layers(
+        self, step: StepTensors, caches: Sequence[object], workspace: Workspace, whole: bool = False
+    ) -> PiecewiseGraph:
         """Capture the layers over `step`'s tokens as pieces (`Device.capture_pieces`), cut at
         each attention (`LayerStep.eager`). A replay in `forward` then does what the layers do
         for any step of as many token rows (real tokens first, the rest padding that writes
         only scratch slots): the pieces run the projections, norms and feed-forwards over every
         row, and each attention runs eagerly between them, sized by the replayed step's metadata
-        (its real tokens). ValueError unless `has_pieces`."""
+        (its real tokens). `whole`: attention is captured too, launched for `step`'s metadata,
+        so a replay serves only steps whose attention launches as `step`'s does (one sequence
+        over a context of at most `Capabilities.whole_prompt_keys`, as `step`'s single sequence
+        of its token count). ValueError unless `has_pieces`."""
         if not self.has_pieces:
             raise ValueError("only layers of attention over dense feed-forwards are captured in pieces")
         backend, num_tokens = self.backend, step.num_tokens
         residual = workspace.residual.rows(0, num_tokens)
 
         def run(cut: Callable[[Callable[[LayerStep], None]], None]) -> None:
-            layer_step = LayerStep(backend, num_tokens, step.metadata, caches, workspace, cut)
+            layer_step = LayerStep(backend, num_tokens, step.metadata, caches, workspace, None if whole else cut)
             for layer in self.layers:
                 layer.mixer.forward(layer_step, residual)
                 layer.feed_forward.forward(layer_step, residual)
