@@ -209,7 +209,7 @@ def test_the_priority_policy_and_no_prefix_caching_flags_reach_the_engine(tiny_m
 
 @pytest.mark.parametrize("config, expected", [
     ('{"method": "ngram"', "not valid JSON"),
-    ('{"method": "ngram", "num_speculative_tokens": 40}', "speculative_config.num_speculative_tokens"),
+    ('{"method": "ngram", "num_speculative_tokens": 65}', "speculative_config.num_speculative_tokens"),
     ('{"method": "mtp", "num_speculative_tokens": 1}', "use ngram"),
     ('{"method": "ngram", "num_speculative_tokens": 4, "lookahead": 2}', "speculative_config.lookahead"),
 ])

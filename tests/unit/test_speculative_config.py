@@ -42,7 +42,7 @@ def test_model_methods_and_the_batch_size_cut_off() -> None:
         ('{"num_speculative_tokens": 4}', "speculative_config.method", "required"),
         ('{"method": "medusa", "num_speculative_tokens": 4}', "speculative_config.method", "'medusa' is not one of"),
         ('{"method": "ngram"}', "speculative_config.num_speculative_tokens", "required"),
-        ('{"method": "ngram", "num_speculative_tokens": 0}', "speculative_config.num_speculative_tokens", "from 1 to 16"),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "speculative_config.num_speculative_tokens", "from 1 to 64"),
         ('{"method": "ngram", "num_speculative_tokens": 4.0}', "speculative_config.num_speculative_tokens", "4.0"),
         ('{"method": "ngram", "num_speculative_tokens": true}', "speculative_config.num_speculative_tokens", "True"),
         ('{"method": "ngram", "num_speculative_tokens": 99}', "speculative_config.num_speculative_tokens", "99"),
