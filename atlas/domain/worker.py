@@ -405,8 +405,8 @@ class Worker:
         if bucket is None and observer is None and chunks is None:
             num_rows = self._piece_bucket(inputs.num_tokens)
             if num_rows is not None:
-                whole = (inputs.num_seqs == 1 and max(num_rows, inputs.max_seq_len) <= self._whole_keys
-                         and num_rows not in self._deferred_whole)
+                whole = (inputs.num_seqs == 1 and inputs.max_query_len > 1 and num_rows not in self._deferred_whole
+                         and max(num_rows, inputs.max_seq_len) <= self._whole_keys)
                 pieces = (self._whole if whole else self._pieces).get(num_rows)
                 if pieces is None:  # its warm-up forward runs on the buffers the step in flight reads
                     if before_launch is not None:

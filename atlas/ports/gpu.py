@@ -152,9 +152,10 @@ class Capabilities:
     # `capture_pieces` replays a forward's pieces with eager calls between them faster than the
     # forward's own launches: the worker then captures steps with prompt tokens per token bucket
     piecewise_graphs: bool = False
-    # with piecewise graphs: a step of one sequence whose context holds at most this many keys
-    # launches its attention sized by its token bucket alone (the kernels read the lengths on the
-    # device), so the worker captures such steps' layers whole, attention inside (0: never)
+    # with piecewise graphs: a step of one sequence computing two or more tokens over a context
+    # of at most this many keys launches its attention sized by its token bucket alone (the
+    # kernels read the lengths on the device), so the worker captures such steps' layers whole,
+    # attention inside (0: never)
     whole_prompt_keys: int = 0
 
 

@@ -23,11 +23,12 @@ from atlas.domain.worker import WorkerConfig
 NUM_BLOCKS, BLOCK_SIZE, MAX_LEN = 96, 4, 64
 
 
-def build(pieces: bool, piece_max_tokens: int = 64, up_to: int | None = None, whole_prompt_keys: int = 1023):
+def build(pieces: bool, piece_max_tokens: int = 64, up_to: int | None = None, whole_prompt_keys: int = 1023,
+          graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)):
     config = ModelConfig.from_dict(TINY_LLAMA)
     backend = MockGpuBackend(emulate_graphs=True, emulate_pieces=pieces, whole_prompt_keys=whole_prompt_keys)
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, 0)), backend, MAX_LEN)
-    worker_config = WorkerConfig(64, 8, MAX_LEN, graph_batch_sizes=(1, 2, 4, 8), piece_max_tokens=piece_max_tokens)
+    worker_config = WorkerConfig(64, 8, MAX_LEN, graph_batch_sizes=graph_batch_sizes, piece_max_tokens=piece_max_tokens)
     worker = make_worker(model, NUM_BLOCKS, BLOCK_SIZE, worker_config)
     worker.capture_graphs(up_to)
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, 8, 64, BLOCK_SIZE), make_cache(model, NUM_BLOCKS, BLOCK_SIZE, 8))
@@ -211,3 +212,15 @@ def test_a_server_captures_the_whole_layers_in_idle_time_after_the_pieces():
     _, eager = build(pieces=False)
     assert run_alone(eager, prompts) == before
     assert run_alone(eager, [tuple(range(60, 67)), tuple(range(70, 89))]) == after
+
+
+def test_a_lone_one_token_step_never_replays_the_whole_layers():
+    """Without decode graphs a lone decode step takes the pieces' path too; CUDA's prefill kernel
+    leaves single-token queries to the decode kernel, which a whole capture (of a step of many
+    tokens) does not hold, so such a step must replay the pieces, never the whole layers."""
+    worker, core = build(pieces=True, graph_batch_sizes=())
+    kinds: list[str] = []
+    replays = record_pieces(worker, kinds)
+    run_alone(core, [tuple(range(3, 12))], max_tokens=4)
+    assert [rows for rows in replays if rows is not None] == [16] * 4  # (None: a capture's warm-up forward)
+    assert kinds == ["whole", "pieces", "pieces", "pieces"]
