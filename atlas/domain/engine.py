@@ -13,30 +13,32 @@ overlap).
 
 Token constraints (structured output, thinking budgets) keep the overlap: a step with a
 constrained sampling row is submitted with `awaits_masks`, so the device runs its forward
-while the core reads the previous step's sampled ids and advances each constraint past them.
-The masks are then filled on a helper thread (llguidance computes them in native code
-without the GIL) while this thread commits the previous step in the scheduler, returns the
-outputs and, at the next `step`, schedules the step after and builds its inputs; the step
-samples just before that one is launched behind it:
+while the previous step's sampled ids are read and each constraint advanced past them. The
+masks are then filled on a helper thread (llguidance computes them in native code without
+the GIL) while this thread commits the previous step in the scheduler, returns the outputs
+and, at the next `step`, schedules the step after and builds its inputs; the step samples
+just before that one is launched behind it:
 
-    step k:    schedule N+1, submit N+1 (forward only), read N's ids, accept them into the
-               constraints, start filling N+1's masks, commit N in the scheduler
+    step k:    schedule N+1, submit N+1 (forward only); the mask thread reads N's ids,
+               accepts them into the constraints, starts filling N+1's masks; commit N
     step k+1:  schedule N+2, build and stage N+2's inputs, wait for N+1's masks and sample
-               N+1, launch N+2, read N+1's ids, ...
+               N+1, launch N+2; the mask thread reads N+1's ids, ...
 
-The engine thread plans each row's rule (forced tokens, all-but-end rows, which grammar rows to
-fill) and hands the GIL to the mask thread, which spends the fill in llguidance's native code;
-a small model's step is short, so the fill must hide behind the host's own work as well as the
-device's. Nothing changes a constraint while its fill runs: the ids are accepted before the
-fill starts, and a sequence whose committed tokens turn out otherwise (preempted after it was
-scheduled, or a step verifying drafts, which takes the accept after the commit) waits for the
-fill. A token its constraint forbids (only a sampler that ignored the mask could draw one)
-ends that request with an error.
+The mask thread waits for the ids itself (the device's wait lets the GIL go), so it runs as
+soon as they land while this thread waits only for the accepts; it plans each row's rule
+(forced tokens, all-but-end rows, which grammar rows to fill) and spends the fill in
+llguidance's native code. A small model's step is short, so the fill must hide behind the
+host's own work as well as the device's. Nothing changes a constraint while its fill runs: the
+ids are accepted before the fill starts, and a sequence whose committed tokens turn out
+otherwise (preempted after it was scheduled, or a step verifying drafts, which takes the
+accept after the commit) waits for the fill. A token its constraint forbids (only a sampler
+that ignored the mask could draw one) ends that request with an error.
 
 A row sampled under its grammar's superset mask (`atlas.domain.constraints`, loose masks) is
 checked before its step commits: a token the grammar refuses is dropped with the step in
 flight after it, and the sequence's last token is computed again so that a later step samples
-the position under the exact mask (`Scheduler.resample`; that row loses two steps):
+the position under the exact mask (`Scheduler.resample`, on this thread: the mask thread
+hands such a row back; that row loses two steps):
 
     step N samples t under S        commit N: t refused -> resample(seq): t and N+1's token void
     step N+1 (in flight) computes t  its row's mask: none (its token is void), commit N+1 skips it
@@ -57,7 +59,7 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
+from atlas.domain.batch import ScheduledBatch, ScheduledSequence, SequenceOutput, StepResult
 from atlas.domain.constraints import ConstraintViolation, TokenConstraint, fill_step_bitmask, plan_batch_bitmask
 from atlas.domain.handoff import Handoff, HandoffThread
 from atlas.domain.request_constraints import GrammarCache, token_constraint
@@ -77,7 +79,8 @@ class PendingResult(Protocol):
         ...
 
     def result(self) -> StepResult:
-        """Block until the step's sampled ids are on the host."""
+        """Block until the step's sampled ids are on the host. The core may call it from its
+        mask thread while the thread that submitted waits (never from both at once)."""
         ...
 
 
@@ -111,6 +114,17 @@ class EngineStats:
     num_spec_verify_steps: int = 0  # sequence-steps that verified drafts
     spec_accepted_by_position: tuple[int, ...] = ()  # [j]: drafts at position j accepted
     num_resampled_tokens: int = 0  # tokens sampled under a grammar's superset mask that it refused
+
+
+@dataclass(frozen=True, slots=True)
+class _EarlyAccepts:
+    """What the mask thread made of a step's sampled ids (`EngineCore._accept_early`)."""
+
+    result: StepResult
+    # sequence -> the token accepted into its constraint; None: not one id a row, nothing done
+    accepted: dict[str, int] | None
+    refused_row: int | None = None  # the first row whose token the grammar refused: left to the engine
+    violation: ConstraintViolation | None = None  # a row broke its constraint; nothing stays accepted
 
 
 class EngineCore:
@@ -242,8 +256,15 @@ class EngineCore:
     def _commit_oldest(self) -> list[SequenceOutput]:
         self._sample_in_flight()  # the step may be the one whose masks are filling
         batch, pending = self._in_flight.popleft()
-        result = pending.result()
-        early = self._accept_early(batch, result)  # checks the loose rows' tokens too
+        taken = self._accept_early(batch, pending)  # checks the loose rows' tokens too
+        if taken is None:
+            result, early = pending.result(), None
+        else:
+            result, early = taken.result, taken.accepted
+            if taken.violation is not None:  # the loose rows' tokens are left to check
+                self._resample_refused(batch, result)
+            elif taken.refused_row is not None:
+                early = self._accept_after_refusal(batch, result, taken.accepted or {}, taken.refused_row)
         if early is None and self._loose:
             self._resample_refused(batch, result)
         outputs = self.scheduler.commit(batch, result)
@@ -314,41 +335,109 @@ class EngineCore:
         self._exact_masks[seq_id] = self._exact_thread.submit(_exact_mask, constraint, self._bitmask.shape[1])
         return True
 
-    def _accept_early(self, batch: ScheduledBatch, result: StepResult) -> dict[str, int] | None:
+    def _accept_early(self, batch: ScheduledBatch, pending: PendingResult) -> _EarlyAccepts | None:
         """Accept the sampled ids of `batch` (being committed) into their constraints before
         the scheduler's commit, and start the next step's masks, so llguidance's fill runs
-        beside the commit's Python instead of after it; a token sampled under a superset's mask
-        that the grammar refuses is resampled instead (`_resample`). Only when the step in
-        flight after it waits for masks not yet started, and `batch` verified no drafts (its
-        ids are then the tokens the commit appends, one a sequence). Returns {sequence: token
-        accepted}; None when it did not run; {} when a sampled id broke a constraint (the
-        commit then takes the usual path, which ends that request)."""
+        beside the commit's Python instead of after it. Only when the step in flight after it
+        waits for masks not yet started, and `batch` verified no drafts (its ids are then the
+        tokens the commit appends, one a sequence); None otherwise.
+
+        The mask thread waits for the ids itself (the device's wait lets the GIL go), accepts
+        them, plans the masks and starts their fill: the chain from the ids to the fill holds
+        one thread wake-up (the ids') instead of three (the ids', then the handoff's two), and
+        this thread waits only for the accepts. A token sampled under a superset's mask that
+        the grammar refuses is handed back with the rows after it (`_accept_after_refusal`:
+        the scheduler is this thread's); a token that breaks a constraint comes back with
+        every accept rolled back (the commit's path then ends that request). The ids' wait
+        raises here, as `pending.result()` does."""
+        newest = self._early_target(batch)
+        if newest is None:
+            return None
+        sampled = [s for s in batch.sequences if s.sampling is not None]
+        handed: Handoff[_EarlyAccepts] = Handoff()
+
+        def accept_then_fill() -> np.ndarray | None:
+            accepted: dict[str, int] = {}
+            try:
+                result = pending.result()
+                if len(result.token_ids) != len(sampled):  # not one id a row (not reached)
+                    handed.set_result(_EarlyAccepts(result, None))
+                    return None
+                row = self._accept_rows(sampled, result.token_ids, accepted, 0)
+                if row < len(sampled):
+                    handed.set_result(_EarlyAccepts(result, accepted, refused_row=row))
+                    return None
+                fill = self._plan_fill(newest)
+            except ConstraintViolation as violation:
+                for seq_id in accepted:
+                    self._constraints[seq_id].rollback(1)
+                handed.set_result(_EarlyAccepts(result, {}, violation=violation))
+                return None
+            except BaseException as error:  # noqa: BLE001 - raised where the engine waits for the ids
+                handed.set_exception(error)
+                return None
+            handed.set_result(_EarlyAccepts(result, accepted))
+            return fill()  # llguidance's fill lets the GIL go
+
+        if self._mask_thread is None:
+            self._mask_thread = HandoffThread("atlas-masks")
+        masks = self._mask_thread.post(accept_then_fill)
+        early = handed.result()
+        if early.accepted is not None and early.refused_row is None and early.violation is None:
+            self._masks = masks  # filling
+        return early
+
+    def _early_target(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The step in flight whose masks the early accepts of `batch` start; None when they do
+        not apply (`_accept_early`)."""
         if not (self._constraints and self._in_flight and self._masks is None):
             return None
         newest = self._in_flight[-1][0]
-        sampled = [s for s in batch.sequences if s.sampling is not None]
-        if not newest.awaits_masks or len(sampled) != len(result.token_ids):
+        if not newest.awaits_masks or batch.num_sampled != sum([s.sampling is not None for s in batch.sequences]):
             return None
-        constraints, void, step_id = self._constraints, self._void, batch.step_id
-        accepted: dict[str, int] = {}
-        resampled: list[str] = []
-        for seq, token_id in zip(sampled, result.token_ids):
-            seq_id = seq.seq_id
+        return newest
+
+    def _accept_rows(self, sampled: list[ScheduledSequence], token_ids: tuple[int, ...], accepted: dict[str, int],
+                     row: int) -> int:
+        """Accept the sampled ids from `row` on into their constraints (those void or without
+        one skipped), recording them in `accepted`, until a token the grammar refuses under a
+        superset's mask; returns that row (len(sampled): none). Raises ConstraintViolation."""
+        constraints, void = self._constraints, self._void
+        for row in range(row, len(sampled)):
+            seq_id = sampled[row].seq_id
             constraint = constraints.get(seq_id)
             if constraint is None or seq_id in void:  # void: sampled again later
                 continue
-            try:
-                if constraint.accept_sampled(token_id):
-                    accepted[seq_id] = token_id
-                elif self._resample(seq_id, constraint, step_id, newest.step_id):
+            token_id = token_ids[row]
+            if not constraint.accept_sampled(token_id):
+                return row
+            accepted[seq_id] = token_id
+        return len(sampled)
+
+    def _accept_after_refusal(self, batch: ScheduledBatch, result: StepResult, accepted: dict[str, int],
+                              row: int) -> dict[str, int]:
+        """Go on with `_accept_early` from `row`, whose token the grammar refused: that sequence
+        samples the position again (`_resample`), as does every later refused one, the other
+        rows are accepted into `accepted`, and the next step's masks start filling. Returns
+        `accepted`; {} when a sampled id broke a constraint (every accept rolled back)."""
+        newest, constraints = self._in_flight[-1][0], self._constraints
+        sampled = [s for s in batch.sequences if s.sampling is not None]
+        token_ids = result.token_ids
+        resampled: list[str] = []
+        try:
+            while row < len(sampled):
+                seq_id, token_id = sampled[row].seq_id, token_ids[row]
+                constraint = constraints[seq_id]
+                if self._resample(seq_id, constraint, batch.step_id, newest.step_id):
                     resampled.append(seq_id)
                 else:
                     constraint.accept(token_id)  # raises: the grammar refused it
-            except ConstraintViolation:  # undo the others; the commit's path ends the request
-                for accepted_id in accepted:
-                    constraints[accepted_id].rollback(1)
-                self._resample_refused(batch, result, resampled)  # the rows after this one
-                return {}
+                row = self._accept_rows(sampled, token_ids, accepted, row + 1)
+        except ConstraintViolation:  # undo the others; the commit's path ends the request
+            for accepted_id in accepted:
+                constraints[accepted_id].rollback(1)
+            self._resample_refused(batch, result, resampled)  # the rows after this one
+            return {}
         self._start_masks(newest)
         return accepted
 
@@ -403,6 +492,16 @@ class EngineCore:
         """Start filling the masks of `batch` (the last step in flight) on the mask thread: its
         sampling rows' masks after every committed token, or None when no row is constrained
         (the sequences finished meanwhile, or reason freely)."""
+        fill = self._plan_fill(batch)
+        if self._mask_thread is None:
+            self._mask_thread = HandoffThread("atlas-masks")
+        # returns once the thread runs the fill (it holds the GIL; llguidance's fill lets it go at
+        # once), else the fill would start when this thread next blocks
+        self._masks = self._mask_thread.submit(fill)
+
+    def _plan_fill(self, batch: ScheduledBatch) -> Callable[[], np.ndarray | None]:
+        """The fill of `batch`'s masks (`_start_masks`), its rows' rules planned here: the
+        function leaves only llguidance's fill (and any refused row's exact mask) to run."""
         sampled = [s for s in batch.sequences if s.sampling is not None]
         num_rows = batch.num_sampled
         if self._bitmask.shape[0] < num_rows:
@@ -431,11 +530,7 @@ class EngineCore:
             def fill() -> np.ndarray | None:
                 return bitmask if fill_step_bitmask(rows, bitmask, compiler) else None
 
-        if self._mask_thread is None:
-            self._mask_thread = HandoffThread("atlas-masks")
-        # returns once the thread runs the fill (it holds the GIL; llguidance's fill lets it go at
-        # once), else the fill would start when this thread next blocks
-        self._masks = self._mask_thread.submit(fill)
+        return fill
 
     def _sample_in_flight(self) -> None:
         """Sample the last step in flight with its masks once they are filled (a no-op when no

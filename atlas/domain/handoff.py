@@ -7,6 +7,10 @@ blocks, hundreds of microseconds of Python later. `submit` therefore posts the j
 until the thread has started it (the GIL passes to it), and the job's native part gives the GIL
 back.
 
+`post` hands over a job without waiting for it to start: for a job that blocks first (on the
+device, where the GIL is let go) the thread takes the GIL only once it can run, and the poster
+waits for the job's own signal instead (a `Handoff` the job completes part-way, `set_result`).
+
 `concurrent.futures` does the same with more Python on both sides (a Future and a condition per
 job, the queue's work item, an Event for the start): each of its waits and notifications is a
 Python-level condition built on a fresh lock, where `_thread` locks are one C call each.
@@ -35,6 +39,16 @@ class Handoff(Generic[T]):
         self._value: T | None = None
         self._error: BaseException | None = None
 
+    def set_result(self, value: T) -> None:
+        """Complete the outcome with `value` (once; only its producer calls this)."""
+        self._value = value
+        self._done.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        """Complete the outcome with `error`, raised by `result` (once)."""
+        self._error = error
+        self._done.release()
+
     def _wait(self) -> None:
         if not self._finished:
             self._done.acquire()
@@ -59,18 +73,27 @@ class HandoffThread:
         self._posted.acquire()
         self._started = _thread.allocate_lock()
         self._started.acquire()
-        self._job: tuple[Callable[[], object], Handoff] | None = None
+        self._job: tuple[Callable[[], object], Handoff, bool] | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, job: Callable[[], T]) -> Handoff[T]:
         """Run `job` on the thread; returns once the thread has started it."""
+        outcome = self._post(job, True)
+        self._started.acquire()  # blocks: the GIL goes to the thread, which starts the job
+        return outcome
+
+    def post(self, job: Callable[[], T]) -> Handoff[T]:
+        """Run `job` on the thread once the job before it is done; returns at once. Each job
+        must be submitted or posted only after the one before has started (its own signal)."""
+        return self._post(job, False)
+
+    def _post(self, job: Callable[[], T], announce_start: bool) -> Handoff[T]:
         if not self._thread.is_alive():
             raise RuntimeError("the handoff thread is closed")
         outcome: Handoff[T] = Handoff()
-        self._job = (job, outcome)
+        self._job = (job, outcome, announce_start)
         self._posted.release()
-        self._started.acquire()  # blocks: the GIL goes to the thread, which starts the job
         return outcome
 
     def close(self) -> None:
@@ -86,10 +109,12 @@ class HandoffThread:
             posted, self._job = self._job, None
             if posted is None:
                 return
-            job, outcome = posted
-            self._started.release()
+            job, outcome, announce_start = posted
+            if announce_start:  # a submit waits for it; a post does not
+                self._started.release()
             try:
-                outcome._value = job()
+                value = job()
             except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the outcome
-                outcome._error = error
-            outcome._done.release()
+                outcome.set_exception(error)
+            else:
+                outcome.set_result(value)

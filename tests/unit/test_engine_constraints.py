@@ -308,3 +308,132 @@ def test_a_cut_before_the_race_or_logprobs_keep_the_exact_masks(rng, params):
     assert all(follows_residues(t, length) for t in tokens.values())
     compiled = core.grammars.compiled(residues(length, loose=True).grammar, "response_format")
     assert sum(m.superset.num_fills for m in compiled.matchers) == 0 and core.num_resampled_tokens == 0
+
+
+def _spy_threads(monkeypatch, owner, name, log):
+    """Record the thread that calls `owner.name` (and what it returned) in `log`."""
+    import threading
+
+    real = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        value = real(*args, **kwargs)
+        log.append((threading.current_thread().name, value))
+        return value
+
+    monkeypatch.setattr(owner, name, spy)
+
+
+def test_a_token_refused_on_the_mask_thread_is_resampled_on_the_engine_thread(rng, monkeypatch):
+    """The mask thread waits for a step's ids and accepts them; a loosely sampled token the
+    grammar refuses is handed back, and the engine's thread has the scheduler resample it and
+    takes the rows after it: the tokens are those of exact masks, every block comes back."""
+    from atlas.domain.constraints import TokenConstraint
+    from atlas.domain.scheduler import Scheduler
+
+    length = 12
+    requests = [Request(f"r{i}", p, SAMPLED, seed=70 + i) for i, p in enumerate(prompts(6, rng, 3, 30))]
+    exact = run(grammar_core(), [constrained(r, residues(length)) for r in requests])
+    accepts, resamples = [], []
+    _spy_threads(monkeypatch, TokenConstraint, "accept_sampled", accepts)
+    _spy_threads(monkeypatch, Scheduler, "resample", resamples)
+    core = grammar_core()
+    try:
+        assert run(core, [constrained(r, residues(length, loose=True)) for r in requests]) == exact
+    finally:
+        core.close()
+    refused_on_mask_thread = [name for name, admitted in accepts if not admitted and name == "atlas-masks"]
+    assert refused_on_mask_thread and core.num_resampled_tokens > 0
+    assert resamples and {name for name, _ in resamples} == {"MainThread"}
+    assert core.stats().num_blocks_free == 400
+
+
+def test_a_constraint_broken_on_the_mask_thread_ends_its_request_and_spares_the_others(rng, monkeypatch):
+    """A token its grammar forbids breaks the constraint while the mask thread accepts the
+    step's ids: the others' accepts are rolled back there, the engine's thread ends that request
+    with an error, and its constrained neighbours give the tokens they give alone."""
+    from atlas.domain.engine import EngineCore
+
+    bias = {17: 100.0}  # the lying token wins every draw
+    liar = Request("liar", prompts(1, rng)[0], SamplingParams(temperature=0.0, max_tokens=10, logit_bias=bias), seed=1,
+                   constraint=residues(20, lying_token=17))
+    honest = [Request(f"honest{i}", p, SAMPLED, seed=2 + i, constraint=residues(9)) for i, p in enumerate(prompts(3, rng))]
+    alone = {r.request_id: run(grammar_core(), [r])[r.request_id] for r in honest}
+    handed = []
+    _spy_threads(monkeypatch, EngineCore, "_accept_early", handed)
+    core = grammar_core()
+    outputs = []
+    for request in (*honest, liar):
+        core.add_request(request)
+    try:
+        while core.has_unfinished:
+            outputs += core.step()
+            core.scheduler.check_invariants()
+    finally:
+        core.close()
+    assert any(early is not None and early.violation is not None for _, early in handed)
+    failed = [o for o in outputs if o.seq_id == "liar"]
+    assert len(failed) == 1 and "forbids" in failed[0].error and failed[0].finish_reason is FinishReason.ABORT
+    for request in honest:
+        assert [t for o in outputs if o.seq_id == request.request_id for t in o.new_token_ids] == alone[request.request_id]
+    assert core.stats().num_blocks_free == 400
+
+
+def test_an_abort_while_its_next_mask_fills_spares_the_others(rng):
+    """A request aborted between steps, once the mask thread has accepted its token early and
+    started the next step's fill: the others give the tokens they give alone, nothing is left
+    accepted or filling for it, and every block comes back."""
+    length = 9
+    requests = [Request(f"r{i}", p, SAMPLED, seed=40 + i, constraint=residues(length))
+                for i, p in enumerate(prompts(4, rng))]
+    alone = {r.request_id: run(grammar_core(), [r])[r.request_id] for r in requests[1:]}
+    core = grammar_core()
+    tokens = {r.request_id: [] for r in requests}
+    for request in requests:
+        core.add_request(request)
+    aborted_while_filling = False
+    try:
+        while core.has_unfinished:
+            for output in core.step():
+                tokens[output.seq_id].extend(output.new_token_ids)
+            if len(tokens["r0"]) == 3 and "r0" in core._constraints:
+                aborted_while_filling = core._masks is not None
+                core.abort("r0")
+            core.scheduler.check_invariants()
+    finally:
+        core.close()
+    assert aborted_while_filling and "r0" not in core._constraints
+    assert {k: v for k, v in tokens.items() if k != "r0"} == alone
+    assert core.stats().num_blocks_free == 400
+
+
+def test_a_failed_wait_for_the_ids_on_the_mask_thread_is_raised_by_step(rng):
+    """The mask thread waits for a step's sampled ids; when that wait fails (a device error),
+    `step` raises it on the engine's thread, as a wait there would."""
+    import threading
+
+    requests = [Request(f"r{i}", p, SAMPLED, seed=i, constraint=residues(9)) for i, p in enumerate(prompts(2, rng))]
+    core = grammar_core()
+    real_submit = core.executor.submit
+    waited_on: list[str] = []
+
+    def submit(batch, before_launch=None):
+        pending = real_submit(batch, before_launch)
+        if core._num_steps == 4:
+            def result():
+                waited_on.append(threading.current_thread().name)
+                raise RuntimeError("the device fell off the bus")
+
+            pending.result = result
+        return pending
+
+    core.executor.submit = submit
+    for request in requests:
+        core.add_request(request)
+    try:
+        with pytest.raises(RuntimeError, match="fell off the bus"):
+            for _ in range(20):
+                core.step()
+    finally:
+        core.close()
+    assert waited_on == ["atlas-masks"]

@@ -1,5 +1,5 @@
-"""`HandoffThread`: a job runs on the thread, `submit` returns once it has started, outcomes and
-errors come back through the handle, and a closed thread refuses work."""
+"""`HandoffThread`: a job runs on the thread, `submit` returns once it has started (`post` at
+once), outcomes and errors come back through the handle, and a closed thread refuses work."""
 
 from __future__ import annotations
 
@@ -51,3 +51,30 @@ def test_close_waits_for_the_job_and_refuses_more() -> None:
     thread.close()  # a second close is a no-op
     with pytest.raises(RuntimeError, match="closed"):
         thread.submit(lambda: None)
+
+
+def test_post_returns_at_once_and_the_job_signals_part_way() -> None:
+    """`post` does not wait for the job to start; a job may complete a `Handoff` of its own
+    before it returns (the engine's mask thread: the accepts, then the fill)."""
+    from atlas.domain.handoff import Handoff
+
+    thread = HandoffThread("test-handoff")
+    release = threading.Event()
+    part_way: Handoff[str] = Handoff()
+
+    def job() -> str:
+        release.wait(5)
+        part_way.set_result("accepted")
+        release.wait(5)
+        return "filled"
+
+    try:
+        outcome = thread.post(job)  # returns although the job blocks at once
+        release.set()
+        assert part_way.result() == "accepted" and outcome.result() == "filled"
+        failed: Handoff[str] = Handoff()
+        thread.post(lambda: failed.set_exception(KeyError("ids")))
+        assert isinstance(failed.exception(), KeyError)
+        assert thread.submit(lambda: "submit after post").result() == "submit after post"
+    finally:
+        thread.close()

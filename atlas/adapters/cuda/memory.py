@@ -10,7 +10,8 @@ When the driver is out of memory the pool returns its cached blocks and tries on
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence, Sized
+import threading
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 
 import numpy as np
@@ -332,11 +333,17 @@ class PinnedDownloads:
     only, so the host can read step N's ids while step N+1 is already queued behind it. A slot
     is reused after `num_slots` later copies; a copy not waited for by then is reported lost.
     A copy larger than a slot (whole logits, for tests and benchmarks) is made at once instead.
+    `PendingCopy.wait` may be called from another thread than the one that began the copy (the
+    engine's mask thread waits for a step's ids): `make_current` makes the device's context
+    current on each thread that first waits.
     """
 
-    def __init__(self, stream_handle: int, num_slots: int = 32, slot_bytes: int = 1 << 20) -> None:
+    def __init__(self, stream_handle: int, num_slots: int = 32, slot_bytes: int = 1 << 20,
+                 make_current: Callable[[], None] | None = None) -> None:
         self.slot_bytes = slot_bytes
         self._stream = stream_handle
+        self._make_current = make_current
+        self._waiting_threads = {threading.get_ident()}  # threads with the context current
         self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))
         buffer = (ctypes.c_uint8 * (num_slots * slot_bytes)).from_address(self._base)
         self._host = np.ctypeslib.as_array(buffer)
@@ -368,6 +375,9 @@ class PinnedDownloads:
     def finish(self, copy: PendingCopy) -> np.ndarray:
         if self._generations[copy.slot] != copy.generation:
             raise RuntimeError("a device-to-host copy was not waited for before its slot was reused")
+        if self._make_current is not None and threading.get_ident() not in self._waiting_threads:
+            self._make_current()
+            self._waiting_threads.add(threading.get_ident())
         check("cuEventSynchronize", cu.cuEventSynchronize(self._events[copy.slot]))
         raw = self._host[copy.start : copy.start + copy.num_bytes].copy()
         return raw.view(copy.dtype).reshape(copy.shape)

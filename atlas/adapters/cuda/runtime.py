@@ -332,7 +332,7 @@ class CudaRuntime:
         if self.features.bulk_upload:
             bulk = BulkUploads(self._stream_handle, num_threads=upload_threads(), read_files=self.features.file_reads)
         self.staging = PinnedStaging(self._stream_handle, bulk=bulk)
-        self.downloads = PinnedDownloads(self._stream_handle)
+        self.downloads = PinnedDownloads(self._stream_handle, make_current=self.device.set_current)
         self._reported_ring_bytes = 0
         driver_cuda = int(check("cuDriverGetVersion", cu.cuDriverGetVersion()))
         report_phase("cuda context", time.perf_counter() - started,
