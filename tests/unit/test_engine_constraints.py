@@ -190,7 +190,7 @@ def test_masks_fill_off_the_engine_thread_while_the_next_step_is_scheduled(rng, 
         return real_schedule(scheduler)
 
     def commit(scheduler, batch, result):
-        events.append("commit-with-fill-started" if core._masks is not None else "commit")
+        events.append("commit-with-fill-started" if core._constrained.filling else "commit")
         return real_commit(scheduler, batch, result)
 
     monkeypatch.setattr(GrammarRows, "fill", fill)
@@ -223,8 +223,6 @@ def test_a_sequence_preempted_after_its_token_was_accepted_early_stays_on_its_gr
     engine accepted early (before the scheduler's commit) is not the one committed; the
     constraint is rolled back and the sequence samples that position again, giving the tokens
     it gives alone, and every block returns."""
-    from atlas.domain.engine import EngineCore
-
     length = 12
     params = SamplingParams(temperature=1.0, max_tokens=24)
     requests = [Request(f"r{i}", p, params, seed=60 + i, constraint=residues(length))
@@ -232,13 +230,13 @@ def test_a_sequence_preempted_after_its_token_was_accepted_early_stays_on_its_gr
     alone = {r.request_id: run(grammar_core(), [r])[r.request_id] for r in requests}
     core = grammar_core(num_blocks=24)
     undone = []
-    real_undo = EngineCore._undo_early
+    real_undo = core._constrained._undo_early
 
-    def undo(engine, seq_id):
+    def undo(seq_id):
         undone.append(seq_id)
-        return real_undo(engine, seq_id)
+        return real_undo(seq_id)
 
-    core._undo_early = lambda seq_id: undo(core, seq_id)
+    core._constrained._undo_early = undo
     try:
         assert run(core, requests) == alone
     finally:
@@ -352,7 +350,7 @@ def test_a_constraint_broken_on_the_mask_thread_ends_its_request_and_spares_the_
     """A token its grammar forbids breaks the constraint while the mask thread accepts the
     step's ids: the others' accepts are rolled back there, the engine's thread ends that request
     with an error, and its constrained neighbours give the tokens they give alone."""
-    from atlas.domain.engine import EngineCore
+    from atlas.domain.constrained_steps import ConstrainedSampling
 
     bias = {17: 100.0}  # the lying token wins every draw
     liar = Request("liar", prompts(1, rng)[0], SamplingParams(temperature=0.0, max_tokens=10, logit_bias=bias), seed=1,
@@ -360,7 +358,7 @@ def test_a_constraint_broken_on_the_mask_thread_ends_its_request_and_spares_the_
     honest = [Request(f"honest{i}", p, SAMPLED, seed=2 + i, constraint=residues(9)) for i, p in enumerate(prompts(3, rng))]
     alone = {r.request_id: run(grammar_core(), [r])[r.request_id] for r in honest}
     handed = []
-    _spy_threads(monkeypatch, EngineCore, "_accept_early", handed)
+    _spy_threads(monkeypatch, ConstrainedSampling, "accept_early", handed)
     core = grammar_core()
     outputs = []
     for request in (*honest, liar):
@@ -396,13 +394,13 @@ def test_an_abort_while_its_next_mask_fills_spares_the_others(rng):
         while core.has_unfinished:
             for output in core.step():
                 tokens[output.seq_id].extend(output.new_token_ids)
-            if len(tokens["r0"]) == 3 and "r0" in core._constraints:
-                aborted_while_filling = core._masks is not None
+            if len(tokens["r0"]) == 3 and core._constrained.has("r0"):
+                aborted_while_filling = core._constrained.filling
                 core.abort("r0")
             core.scheduler.check_invariants()
     finally:
         core.close()
-    assert aborted_while_filling and "r0" not in core._constraints
+    assert aborted_while_filling and not core._constrained.has("r0")
     assert {k: v for k, v in tokens.items() if k != "r0"} == alone
     assert core.stats().num_blocks_free == 400
 
