@@ -482,7 +482,8 @@ def test_prompt_steps_replay_the_layers_pieces_as_eager_steps_compute(cuda_backe
         assert any(symbol.startswith("attention_") for symbol in symbols), symbols
 
 
-def test_a_lone_prompt_step_replays_its_layers_whole_as_the_pieces_compute(cuda_backend, rng):
+@pytest.mark.parametrize("head_dim, kv_dtype", [(64, DType.BF16), (128, DType.BF16), (128, DType.FP8_E4M3)])
+def test_a_lone_prompt_step_replays_its_layers_whole_as_the_pieces_compute(cuda_backend, rng, head_dim, kv_dtype):
     """A lone sequence's prompt step over a short context (a fresh prompt, then more tokens
     after it as a cached prefix) replays the layers captured whole, attention inside, launched
     over the bucket's rows: its logits are the pieces' bit for bit (each attention tile computes
@@ -492,9 +493,10 @@ def test_a_lone_prompt_step_replays_its_layers_whole_as_the_pieces_compute(cuda_
 
     from fakes import DictWeights, random_llama_weights
 
-    config = ModelConfig.from_dict(SHARED_LLAMA)
-    model = load_model(config, DictWeights(random_llama_weights(SHARED_LLAMA, seed=5, scale=0.1)), cuda_backend, 512)
-    spec = KvCacheSpec(config.num_layers, 40, DECODE_BLOCK_SIZE, config.num_kv_heads, config.head_dim, DType.BF16)
+    shape = {**SHARED_LLAMA, "head_dim": head_dim}
+    config = ModelConfig.from_dict(shape)
+    model = load_model(config, DictWeights(random_llama_weights(shape, seed=5, scale=0.1)), cuda_backend, 512)
+    spec = KvCacheSpec(config.num_layers, 40, DECODE_BLOCK_SIZE, config.num_kv_heads, config.head_dim, kv_dtype)
     cache = (cuda_backend.attention.allocate_cache(spec),)
     eager = Worker(cuda_backend, model, cache, WorkerConfig(512, 16, 512))
     whole = Worker(cuda_backend, model, cache, WorkerConfig(512, 16, 512, piece_max_tokens=512))
