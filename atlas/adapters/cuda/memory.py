@@ -10,7 +10,6 @@ When the driver is out of memory the pool returns its cached blocks and tries on
 from __future__ import annotations
 
 import ctypes
-import threading
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 
@@ -335,7 +334,7 @@ class PinnedDownloads:
     A copy larger than a slot (whole logits, for tests and benchmarks) is made at once instead.
     `PendingCopy.wait` may be called from another thread than the one that began the copy (the
     engine's mask thread waits for a step's ids): `make_current` makes the device's context
-    current on each thread that first waits.
+    current on the waiting thread (`CudaRuntime.ensure_current`).
     """
 
     def __init__(self, stream_handle: int, num_slots: int = 32, slot_bytes: int = 1 << 20,
@@ -343,7 +342,6 @@ class PinnedDownloads:
         self.slot_bytes = slot_bytes
         self._stream = stream_handle
         self._make_current = make_current
-        self._waiting_threads = {threading.get_ident()}  # threads with the context current
         self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_slots * slot_bytes, 0)))
         buffer = (ctypes.c_uint8 * (num_slots * slot_bytes)).from_address(self._base)
         self._host = np.ctypeslib.as_array(buffer)
@@ -375,9 +373,8 @@ class PinnedDownloads:
     def finish(self, copy: PendingCopy) -> np.ndarray:
         if self._generations[copy.slot] != copy.generation:
             raise RuntimeError("a device-to-host copy was not waited for before its slot was reused")
-        if self._make_current is not None and threading.get_ident() not in self._waiting_threads:
+        if self._make_current is not None:  # (once a thread: `CudaRuntime.ensure_current`)
             self._make_current()
-            self._waiting_threads.add(threading.get_ident())
         check("cuEventSynchronize", cu.cuEventSynchronize(self._events[copy.slot]))
         raw = self._host[copy.start : copy.start + copy.num_bytes].copy()
         return raw.view(copy.dtype).reshape(copy.shape)

@@ -307,7 +307,8 @@ class CudaRuntime:
         started = time.perf_counter()
         self.device = Device(device_ordinal)
         self.device.set_current()
-        self._thread = threading.get_ident()
+        self._current = threading.local()  # `current`: the device's context is current on this thread
+        self._current.current = True
         capability = self.device.compute_capability
         self.compute_capability = (int(capability.major), int(capability.minor))
         self.arch = nvrtc_arch(self.compute_capability)
@@ -332,7 +333,7 @@ class CudaRuntime:
         if self.features.bulk_upload:
             bulk = BulkUploads(self._stream_handle, num_threads=upload_threads(), read_files=self.features.file_reads)
         self.staging = PinnedStaging(self._stream_handle, bulk=bulk)
-        self.downloads = PinnedDownloads(self._stream_handle, make_current=self.device.set_current)
+        self.downloads = PinnedDownloads(self._stream_handle, make_current=self.ensure_current)
         self._reported_ring_bytes = 0
         driver_cuda = int(check("cuDriverGetVersion", cu.cuDriverGetVersion()))
         report_phase("cuda context", time.perf_counter() - started,
@@ -351,11 +352,14 @@ class CudaRuntime:
 
     # -- context ---------------------------------------------------------------------------
     def ensure_current(self) -> None:
-        """Make the device's context current when a new thread drives the backend."""
-        ident = threading.get_ident()
-        if ident != self._thread:
+        """Make the device's context current on a thread that drives the backend for the first
+        time. A context stays current on its thread, so the engine thread and the engine's mask
+        thread (which waits for a step's ids) each set it once, not at every turn; a flag local
+        to the thread, as a finished thread's ident may be reused by a new one."""
+        current = self._current
+        if not getattr(current, "current", False):
             self.device.set_current()
-            self._thread = ident
+            current.current = True
 
     # -- the stream ------------------------------------------------------------------------
     # An upload read from a checkpoint's files is only queued when `copy_from_host` returns
