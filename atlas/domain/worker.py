@@ -306,8 +306,8 @@ class Worker:
         return len(self._whole)
 
     def capture_next_graph(self) -> bool:
-        """Capture the smallest deferred bucket's graphs, then the shared-prefix variants;
-        False when none is left. Call it only with no step in flight (the capture runs its
+        """Capture the smallest deferred bucket's graphs, then the shared-prefix variants, the
+        layers' pieces and their whole forms; False when none is left. Call it only with no step in flight (the capture runs its
         forward on the step buffers)."""
         if self._deferred:
             self._capture_bucket(self._deferred.pop(0))
@@ -318,18 +318,13 @@ class Worker:
                 self._capture(bucket, shared_prefix=True)
             self._deferred_shared.pop(0)
             return True
-        if self._deferred_pieces:
-            num_tokens = self._deferred_pieces[0]
-            if num_tokens not in self._pieces:
-                self._capture_pieces(num_tokens)
-            self._deferred_pieces.pop(0)
-            return True
-        if self._deferred_whole:
-            num_tokens = self._deferred_whole[0]
-            if num_tokens not in self._whole:
-                self._capture_pieces(num_tokens, whole=True)
-            self._deferred_whole.pop(0)
-            return True
+        for deferred, captured, whole in ((self._deferred_pieces, self._pieces, False),
+                                          (self._deferred_whole, self._whole, True)):
+            if deferred:
+                if deferred[0] not in captured:
+                    self._capture_pieces(deferred[0], whole)
+                deferred.pop(0)
+                return True
         return False
 
     def warm_up(self, key: str) -> tuple[int, ...]:
