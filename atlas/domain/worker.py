@@ -307,8 +307,8 @@ class Worker:
 
     def capture_next_graph(self) -> bool:
         """Capture the smallest deferred bucket's graphs, then the shared-prefix variants, the
-        layers' pieces and their whole forms; False when none is left. Call it only with no step in flight (the capture runs its
-        forward on the step buffers)."""
+        layers' pieces and their whole forms; False when none is left. Call it only with no
+        step in flight (the capture runs its forward on the step buffers)."""
         if self._deferred:
             self._capture_bucket(self._deferred.pop(0))
             return True

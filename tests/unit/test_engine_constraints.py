@@ -355,7 +355,8 @@ def test_a_constraint_broken_on_the_mask_thread_ends_its_request_and_spares_the_
     bias = {17: 100.0}  # the lying token wins every draw
     liar = Request("liar", prompts(1, rng)[0], SamplingParams(temperature=0.0, max_tokens=10, logit_bias=bias), seed=1,
                    constraint=residues(20, lying_token=17))
-    honest = [Request(f"honest{i}", p, SAMPLED, seed=2 + i, constraint=residues(9)) for i, p in enumerate(prompts(3, rng))]
+    honest = [Request(f"honest{i}", p, SAMPLED, seed=2 + i, constraint=residues(9))
+              for i, p in enumerate(prompts(3, rng))]
     alone = {r.request_id: run(grammar_core(), [r])[r.request_id] for r in honest}
     handed = []
     _spy_threads(monkeypatch, ConstrainedSampling, "accept_early", handed)
@@ -373,7 +374,8 @@ def test_a_constraint_broken_on_the_mask_thread_ends_its_request_and_spares_the_
     failed = [o for o in outputs if o.seq_id == "liar"]
     assert len(failed) == 1 and "forbids" in failed[0].error and failed[0].finish_reason is FinishReason.ABORT
     for request in honest:
-        assert [t for o in outputs if o.seq_id == request.request_id for t in o.new_token_ids] == alone[request.request_id]
+        got = [t for o in outputs if o.seq_id == request.request_id for t in o.new_token_ids]
+        assert got == alone[request.request_id]
     assert core.stats().num_blocks_free == 400
 
 
