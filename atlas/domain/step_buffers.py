@@ -116,14 +116,21 @@ class StepBuffers:
         layout = _Layout(max_tokens, max_seqs, caches)
         self._layout = layout
         self._arena = backend.empty((layout.total,), DType.I32)
-        self._host_arena = np.zeros(layout.total, np.int32)
+        # The arena's host side, twice (page-locked where the backend has it; `send` is one copy
+        # with no staging of its own): a step stages into one side while the copy of the step
+        # before it may not have run yet, and waits for its side's last copy before writing.
+        self._sides = (backend.host_mirror(self._arena), backend.host_mirror(self._arena))
+        self._side = 0
+        self._side_ready = False  # the current side's last copy was waited for
         self._num_table_rows = 0
 
         num_f32_words, num_i64_words = _NUM_F32_FIELDS * max_seqs, 2 * _NUM_I64_FIELDS * max_seqs
-        host_f32 = self._host_arena[layout.region("sampling_f32", num_f32_words)].view(np.float32)
-        host_i64 = self._host_arena[layout.region("sampling_i64", num_i64_words)].view(np.int64)
-        self._host_f32 = host_f32.reshape(_NUM_F32_FIELDS, max_seqs)  # views: staged into the host arena
-        self._host_i64 = host_i64.reshape(_NUM_I64_FIELDS, max_seqs)
+        f32_region, i64_region = layout.region("sampling_f32", num_f32_words), layout.region("sampling_i64", num_i64_words)
+        # each side's sampling fields, as views: staged into its arena
+        self._side_f32 = [side.array[f32_region].view(np.float32).reshape(_NUM_F32_FIELDS, max_seqs)
+                          for side in self._sides]
+        self._side_i64 = [side.array[i64_region].view(np.int64).reshape(_NUM_I64_FIELDS, max_seqs)
+                          for side in self._sides]
         f32 = self._region("sampling_f32", num_f32_words).bitcast(DType.F32)
         i64 = self._region("sampling_i64", num_i64_words).bitcast(DType.I64)
         self._f32_fields = [f32.rows(i * max_seqs, (i + 1) * max_seqs) for i in range(_NUM_F32_FIELDS)]
@@ -159,8 +166,18 @@ class StepBuffers:
         self.bias_token_ids = backend.empty((_INITIAL_CSR_CAPACITY,), DType.I32)
         self.bias_values = backend.empty((_INITIAL_CSR_CAPACITY,), DType.F32)
         # Every row starts all allowed, so a graph's padding rows read a valid mask.
-        self._all_allowed = np.full((max_seqs, mask_words), ALL_ALLOWED, np.int32)
-        self.token_mask = backend.upload(self._all_allowed) if mask_words else None
+        self.token_mask = backend.upload(np.full((max_seqs, mask_words), ALL_ALLOWED, np.int32)) if mask_words else None
+        # the masks' host side: `stage_mask` writes it, `upload_mask` (inside a masked sampler's
+        # graph) copies it up with no staging of its own
+        self._mask_mirror = backend.host_mirror(self.token_mask) if self.token_mask is not None else None
+
+    def _host_arena(self) -> np.ndarray:
+        """The side of the host arena this step stages into, once that side's last copy has run."""
+        side = self._sides[self._side]
+        if not self._side_ready:
+            side.wait_uploaded()
+            self._side_ready = True
+        return side.array
 
     def _region(self, name: str, length: int) -> Tensor:
         return self._part(name, 0, length)
@@ -173,7 +190,7 @@ class StepBuffers:
     # -- step inputs ----------------------------------------------------------------------
     def stage_inputs(self, inputs: HostStepInputs) -> None:
         """Write a step's arrays into the host arena (sent by `send`)."""
-        host, layout = self._host_arena, self._layout
+        host, layout = self._host_arena(), self._layout
         num_tokens, num_seqs, num_rows = inputs.num_tokens, inputs.num_seqs, inputs.num_sample_rows
         host[layout.region("host_tokens", num_tokens)] = inputs.token_ids
         host[layout.region("token_gather", num_tokens)] = inputs.token_gather  # rows of this arena
@@ -214,7 +231,8 @@ class StepBuffers:
         layout = self._layout
         start = layout.offsets["host_tokens"]
         stop = layout.offsets["block_tables"] + self._num_table_rows * layout.row_width
-        self._backend.copy_from_host(self._arena.rows(start, stop), self._host_arena[start:stop])
+        self._sides[self._side].upload(start, stop)
+        self._side, self._side_ready = 1 - self._side, False
 
     def gather_tokens(self, num_tokens: int) -> None:
         """token_ids[:n] = arena[token_gather[:n]] (enqueued; capturable)."""
@@ -275,7 +293,8 @@ class StepBuffers:
     def stage_sampling(self, packed: PackedSampling) -> None:
         """Write a step's sampling rows into the host arena (sent by `send`)."""
         num_rows = packed.num_rows
-        layout, host = self._layout, self._host_arena
+        layout, host = self._layout, self._host_arena()
+        host_f32, host_i64 = self._side_f32[self._side], self._side_i64[self._side]
         host[layout.region("top_k", num_rows)] = packed.top_k[:num_rows]
         host[layout.region("penalty_offsets", num_rows + 1)] = packed.penalty_offsets[: num_rows + 1]
         host[layout.region("bias_offsets", num_rows + 1)] = packed.bias_offsets[: num_rows + 1]
@@ -288,25 +307,34 @@ class StepBuffers:
             packed.frequency_penalty,
         )
         for index, values in enumerate(f32_values):
-            self._host_f32[index, :num_rows] = values[:num_rows]
-        self._host_i64[0, :num_rows] = packed.seeds[:num_rows]
-        self._host_i64[1, :num_rows] = packed.counters[:num_rows]
+            host_f32[index, :num_rows] = values[:num_rows]
+        host_i64[0, :num_rows] = packed.seeds[:num_rows]
+        host_i64[1, :num_rows] = packed.counters[:num_rows]
 
     def stage_mask(self, bitmask: np.ndarray, num_rows: int) -> None:
-        """Copy a step's masks (int32 [R, W], one row per sampling row) into the mask buffer,
-        and all-allowed rows for R..num_rows (a graph's padding rows). Ordered on the stream:
-        the sampler enqueued next reads them. Raises ValueError without a mask buffer or for a
-        mask of the wrong width or too many rows."""
-        buffer = self.token_mask
+        """Write a step's masks (int32 [R, W], one row per sampling row) into the masks' host
+        side, and all-allowed rows for R..num_rows (a graph's padding rows), once the last
+        upload of that side has run; `upload_mask` copies them up. Raises ValueError without a
+        mask buffer or for a mask of the wrong width or too many rows."""
+        mirror = self._mask_mirror
         num_real = bitmask.shape[0]
-        if buffer is None or bitmask.ndim != 2 or bitmask.shape[1] != buffer.shape[1]:
-            width = "no mask buffer" if buffer is None else f"[R, {buffer.shape[1]}]"
+        if mirror is None or bitmask.ndim != 2 or bitmask.shape[1] != mirror.array.shape[1]:
+            width = "no mask buffer" if mirror is None else f"[R, {mirror.array.shape[1]}]"
             raise ValueError(f"bitmask: expected int32 {width}, got {list(bitmask.shape)}")
         if not num_real <= num_rows <= self.max_seqs:
             raise ValueError(f"bitmask: {num_real} rows padded to {num_rows}, at most {self.max_seqs}")
-        self._backend.copy_from_host(buffer.rows(0, num_real), bitmask)
+        mirror.wait_uploaded()  # the step before's sampler has read them (its ids are back: at once)
+        host = mirror.array
+        host[:num_real] = bitmask
         if num_rows > num_real:
-            self._backend.copy_from_host(buffer.rows(num_real, num_rows), self._all_allowed[num_real:num_rows])
+            host[num_real:num_rows] = ALL_ALLOWED
+
+    def upload_mask(self, num_rows: int) -> None:
+        """Enqueue the copy of the staged masks' first `num_rows` rows into the mask buffer
+        (capturable: a masked sampler's graph holds it). Ordered on the stream: the sampler
+        enqueued next reads them."""
+        assert self._mask_mirror is not None
+        self._mask_mirror.upload(0, num_rows)
 
     def graph_sampling_tensors(self, num_rows: int, masked: bool = False) -> SamplingTensors:
         """Views of the first `num_rows` sampling rows for a sampler that a graph bakes in:

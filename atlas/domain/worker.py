@@ -550,7 +550,13 @@ class Worker:
         # Warm up into a throwaway tensor: a step in flight may have sampled ids the next step
         # still gathers.
         backend.sampling.sample(logits, tensors, backend.empty((bucket,), DType.I32))
-        graph = backend.capture(lambda: backend.sampling.sample(logits, tensors, buffers.sampled_ids.rows(0, bucket)))
+
+        def sample() -> None:
+            if masked:  # the step's masks go up inside the graph, from what stage_mask wrote
+                buffers.upload_mask(bucket)
+            backend.sampling.sample(logits, tensors, buffers.sampled_ids.rows(0, bucket))
+
+        graph = backend.capture(sample)
         self._sampler_graphs[(bucket, masked)] = graph
         return graph
 
@@ -580,6 +586,8 @@ class Worker:
             graph = self._sampler_graphs.get((bucket, masked)) or self._capture_sampler(bucket, masked)
             graph.replay()
             return backend.begin_download(buffers.sampled_ids.rows(0, num_rows)), None
+        if masked:
+            buffers.upload_mask(staged.num_rows)
         packed = msgspec.structs.replace(staged, num_rows=num_rows)  # without a graph's padding rows
         tensors = buffers.sampling_tensors(packed, masked)
         num_top = max((n for n in wanted if n is not None), default=None)

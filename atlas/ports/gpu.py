@@ -188,6 +188,27 @@ class PendingDownload(Protocol):
         ...
 
 
+class HostMirror(Protocol):
+    """Host memory the shape of a device tensor, copied into it on the stream (`Device.host_mirror`).
+    Page-locked where the backend has such memory: the copy then needs no staging, and a graph
+    can hold it. The copy reads the host rows when it runs, not when it is enqueued."""
+
+    @property
+    def array(self) -> np.ndarray:
+        """The host side: the tensor's shape, its numpy dtype. Write it, then `upload`."""
+        ...
+
+    def upload(self, start: int, stop: int) -> None:
+        """Enqueue the copy of `array`'s rows start..stop (along the first axis) into the
+        tensor's. Capturable: a graph's replay copies what those rows hold at that moment."""
+        ...
+
+    def wait_uploaded(self) -> None:
+        """Block until every copy enqueued so far (a replayed graph's too) has run: the rows
+        may then change. Returns at once when nothing is outstanding."""
+        ...
+
+
 class Graph(Protocol):
     def replay(self) -> None:
         """Run the captured work again, reading the current contents of its buffers."""
@@ -223,6 +244,10 @@ class Device(Protocol):
 
         Ordered with the work on the stream; `array` may be reused as soon as this returns.
         """
+        ...
+
+    def host_mirror(self, dst: Tensor) -> HostMirror:
+        """A `HostMirror` of `dst` (zeroed), for a buffer the host rewrites every step."""
         ...
 
     def begin_download(self, src: Tensor) -> PendingDownload:

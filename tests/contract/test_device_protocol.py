@@ -71,6 +71,41 @@ def test_a_graph_replays_on_the_buffers_new_contents(harness, rng):
     backend.synchronize()
 
 
+def test_a_host_mirror_uploads_its_rows_eagerly_and_in_a_graph(harness, rng):
+    """`host_mirror`: zeroed host rows the tensor's shape; `upload(start, stop)` copies those
+    rows on the stream, a graph holding an upload copies what the rows hold at each replay, and
+    after `wait_uploaded` the rows may change without changing what was copied."""
+    backend = harness.backend
+    tensor = backend.upload(np.full((6, 5), 7, np.int32))
+    mirror = backend.host_mirror(tensor)
+    assert mirror.array.shape == (6, 5) and mirror.array.dtype == np.int32 and not mirror.array.any()
+    mirror.wait_uploaded()  # nothing outstanding: at once
+    first = rng.integers(-100, 100, (6, 5), dtype=np.int32)
+    mirror.array[:] = first
+    mirror.upload(1, 3)
+    mirror.wait_uploaded()
+    mirror.array[:] = 0  # the copy has run: it keeps the rows of its time
+    result = harness.fetch(tensor)
+    np.testing.assert_array_equal(result[1:3], first[1:3])
+    assert (result[0] == 7).all() and (result[3:] == 7).all()
+    out = backend.upload(np.zeros((4, 5), np.int32))
+    indices = backend.upload(np.arange(4, dtype=np.int32)[::-1].copy())
+
+    def step() -> None:
+        mirror.upload(0, 4)
+        backend.gather_rows(tensor, indices, out)
+
+    graph = backend.capture(step)
+    for _ in range(3):
+        mirror.wait_uploaded()  # the last replay's copy has run: the rows may change
+        values = rng.integers(-100, 100, (4, 5), dtype=np.int32)
+        mirror.array[:4] = values
+        graph.replay()
+        np.testing.assert_array_equal(harness.fetch(out), values[::-1])
+    with pytest.raises(ValueError):
+        mirror.upload(2, 7)
+
+
 def test_pieces_replay_in_order_with_their_cuts_between(harness, rng):
     """Each piece replays on the buffers' new contents; each cut's call runs between its
     pieces with the replay's argument and may enqueue work the next piece reads."""

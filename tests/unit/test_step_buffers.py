@@ -85,18 +85,48 @@ def test_staged_sampling_reads_back_through_the_arena_views(max_seqs, max_tokens
     assert tensors.seeds.data.ctypes.data % 8 == 0 and tensors.counters.data.ctypes.data % 8 == 0
 
 
+class _CountingMirrors:
+    """Wraps a backend's host mirrors to count `wait_uploaded` and `upload` calls in order."""
+
+    def __init__(self, backend: MockGpuBackend) -> None:
+        self.calls: list[tuple[int, str]] = []
+        made = backend.host_mirror
+
+        def host_mirror(tensor):
+            mirror, index, calls = made(tensor), self.count, self.calls
+            self.count += 1
+
+            class Counted:
+                array = mirror.array
+
+                def upload(self, start: int, stop: int) -> None:
+                    calls.append((index, "upload"))
+                    mirror.upload(start, stop)
+
+                def wait_uploaded(self) -> None:
+                    calls.append((index, "wait"))
+                    mirror.wait_uploaded()
+
+            return Counted()
+
+        self.count = 0
+        backend.host_mirror = host_mirror
+
+
 def test_send_is_one_copy_that_leaves_the_sampled_ids_alone():
     backend = MockGpuBackend()
+    mirrors = _CountingMirrors(backend)
     buffers = buffers_with(backend)
     previous_samples = np.array([41, 42, 43, 44, 45], np.int32)
     backend.copy_from_host(buffers.sampled_ids, previous_samples)  # as the last step's `sample` left them
     copies = []
     original = backend.copy_from_host
     backend.copy_from_host = lambda dst, array: (copies.append(dst.shape), original(dst, array))[1]
+    mirrors.calls.clear()
 
     buffers.stage_sampling(pack_rows(ROWS))
     buffers.send()
-    assert len(copies) == 1
+    assert not copies and [call for call in mirrors.calls if call[1] == "upload"] == [(0, "upload")]
     np.testing.assert_array_equal(backend.download(buffers.sampled_ids), previous_samples)
     meta = buffers.metadata(0, len(ROWS), len(ROWS), 1, 1)
     assert backend.download(meta.slot_mapping).tolist() == [SCRATCH_BLOCK * BLOCK_SIZE] * len(ROWS)
@@ -146,6 +176,8 @@ def test_masks_go_to_their_own_buffer_and_padding_rows_allow_every_token():
     assert (buffers.token_mask.data == -1).all()  # every row starts all allowed
     masks = np.array([[1, 0], [0, 1 << 3]], dtype=np.int32)
     buffers.stage_mask(masks, 4)  # two real rows padded to a graph's four
+    assert (buffers.token_mask.data == -1).all()  # staged on the host side only
+    buffers.upload_mask(4)
     np.testing.assert_array_equal(buffers.token_mask.data[:4], [[1, 0], [0, 8], [-1, -1], [-1, -1]])
     masked = buffers.graph_sampling_tensors(4, masked=True)
     assert masked.token_mask.shape == (4, 2) and buffers.graph_sampling_tensors(4).token_mask is None
@@ -153,6 +185,32 @@ def test_masks_go_to_their_own_buffer_and_padding_rows_allow_every_token():
         buffers.stage_mask(np.zeros((2, 3), np.int32), 2)
     with pytest.raises(ValueError, match="padded to 6, at most 5"):
         buffers.stage_mask(masks, 6)
+
+
+def test_host_sides_are_written_only_once_their_last_upload_has_run():
+    """The arena's two host sides take steps in turn, and each step waits for its side's last
+    copy (two steps back) before writing it; the masks' side waits for its last upload too."""
+    backend = MockGpuBackend()
+    mirrors = _CountingMirrors(backend)
+    buffers = StepBuffers(backend, max_tokens=9, max_seqs=5, caches=LAYOUT, mask_words=2)
+    arena_a, arena_b, masks = 0, 1, 2
+    inputs = build_step_inputs(ScheduledBatch(1, (ScheduledSequence("a", (1,), 1, (4,), ROWS[0]),), BLOCK_SIZE),
+                               LAYOUT, buffers.max_seqs)
+    for _ in range(3):
+        buffers.stage_inputs(inputs)
+        buffers.stage_sampling(pack_rows([ROWS[0]]))
+        buffers.send()
+    buffers.stage_mask(np.ones((3, 2), np.int32), 3)
+    buffers.upload_mask(3)
+    buffers.stage_mask(np.ones((1, 2), np.int32), 1)
+    assert mirrors.calls == [
+        (arena_a, "wait"), (arena_a, "upload"), (arena_b, "wait"), (arena_b, "upload"),
+        (arena_a, "wait"), (arena_a, "upload"), (masks, "wait"), (masks, "upload"), (masks, "wait"),
+    ]
+    np.testing.assert_array_equal(buffers.token_mask.data[:3], 1)
+    assert (buffers.token_mask.data[3:] == -1).all()
+
+
 def test_each_groups_table_slots_and_state_slots_read_back_through_its_views():
     """Two KV groups (the second a sliding window that released block 0) and a recurrent group:
     one copy, and each group's views give exactly its own rows."""

@@ -25,7 +25,7 @@ from atlas.adapters.cuda.dense import CudaDense
 from atlas.adapters.cuda.driver import check
 from atlas.adapters.cuda.gemm_tuning import TuningStats
 from atlas.adapters.cuda.kv_cache import CudaKvCache
-from atlas.adapters.cuda.memory import CompletedCopy, PendingCopy, PoolStats
+from atlas.adapters.cuda.memory import CompletedCopy, PendingCopy, PinnedMirror, PoolStats
 from atlas.adapters.cuda.ops_attention import WHOLE_PROMPT_MAX_KEYS
 from atlas.adapters.cuda.moe import CudaMoe
 from atlas.adapters.cuda.ops_fp8 import Fp8LinearOp
@@ -153,6 +153,10 @@ class CudaGpuBackend:
         if num_elements != dst.num_elements:
             raise ValueError(f"copy_from_host: {num_elements} elements into a tensor of {dst.num_elements}")
         self._rt.staging.upload_pieces(dst.address, blocks)
+
+    def host_mirror(self, dst: CudaTensor) -> PinnedMirror:
+        checks.tensor(dst, "dst")
+        return self._rt.host_mirror(dst.address, dst.shape, NUMPY_DTYPES[dst.dtype])
 
     def download(self, src: CudaTensor) -> np.ndarray:
         """A host copy of `src` after all enqueued work (tests and benchmarks; the port's copy

@@ -10,6 +10,7 @@ When the driver is out of memory the pool returns its cached blocks and tries on
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass
 
@@ -323,6 +324,55 @@ class PinnedStaging:
             check("cuEventSynchronize", cu.cuEventSynchronize(self._events[slot]))
             self._used[slot] = False
         return slot
+
+
+class PinnedMirror:
+    """`HostMirror` on CUDA: page-locked host memory the shape of a device buffer, whose rows
+    `upload` copies in with one cuMemcpyHtoDAsync (no staging slot; in a graph, a memcpy node
+    that reads the memory at replay), each copy followed by an event record (an event node in a
+    graph) that `wait_uploaded` waits for. Once the mirror is garbage, its memory and event go
+    to `retired` for the runtime to free (`free_pinned`, on a thread with the context current)."""
+
+    def __init__(self, device_address: int, shape: tuple[int, ...], dtype: np.dtype,
+                 enqueue: Callable[[int, int, int, object], None], retired: list[tuple[int, object]]) -> None:
+        dtype = np.dtype(dtype)
+        self._device_address = device_address
+        self._enqueue = enqueue
+        self._row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+        num_bytes = max(1, shape[0] * self._row_bytes)
+        self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_bytes, 0)))
+        self._event = check("cuEventCreate", cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING))
+        self._retire = weakref.finalize(self, retired.append, (self._base, self._event))
+        buffer = (ctypes.c_uint8 * num_bytes).from_address(self._base)
+        self.array = np.ctypeslib.as_array(buffer)[: shape[0] * self._row_bytes].view(dtype).reshape(shape)
+        self.array[...] = 0
+        self._recorded = False
+
+    def upload(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= self.array.shape[0]:
+            raise ValueError(f"upload: rows {start}..{stop} of a mirror of {self.array.shape[0]}")
+        if stop > start:
+            offset = start * self._row_bytes
+            self._enqueue(self._device_address + offset, self._base + offset, (stop - start) * self._row_bytes,
+                          self._event)
+            self._recorded = True
+
+    def wait_uploaded(self) -> None:
+        if self._recorded:
+            check("cuEventSynchronize", cu.cuEventSynchronize(self._event))
+
+    def retire(self) -> None:
+        """Hand the memory to `retired` now (the runtime's close): the mirror is unusable after."""
+        self._retire()
+
+
+def free_pinned(retired: list[tuple[int, object]]) -> None:
+    """Free the memory and events of garbage `PinnedMirror`s (after their last copies ran)."""
+    while retired:
+        base, event = retired.pop()
+        cu.cuEventSynchronize(event)
+        cu.cuEventDestroy(event)
+        cu.cuMemFreeHost(base)
 
 
 class PinnedDownloads:

@@ -15,6 +15,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,9 @@ from atlas.adapters.cuda.memory import (
     DeviceAllocation,
     DeviceMemoryPool,
     PinnedDownloads,
+    PinnedMirror,
     PinnedStaging,
+    free_pinned,
 )
 from atlas.adapters.cuda.registry import KernelModule, KernelTarget, arch_family, nvrtc_arch, select_modules
 from atlas.adapters.cuda.tensor import CudaTensor
@@ -334,6 +337,8 @@ class CudaRuntime:
             bulk = BulkUploads(self._stream_handle, num_threads=upload_threads(), read_files=self.features.file_reads)
         self.staging = PinnedStaging(self._stream_handle, bulk=bulk)
         self.downloads = PinnedDownloads(self._stream_handle, make_current=self.ensure_current)
+        self._mirrors: weakref.WeakSet[PinnedMirror] = weakref.WeakSet()
+        self._retired_mirrors: list[tuple[int, object]] = []  # garbage mirrors' memory, freed by host_mirror
         self._reported_ring_bytes = 0
         driver_cuda = int(check("cuDriverGetVersion", cu.cuDriverGetVersion()))
         report_phase("cuda context", time.perf_counter() - started,
@@ -385,6 +390,28 @@ class CudaRuntime:
         if self.staging.queued:
             self.staging.flush()
         return self._stream_handle
+
+    def host_mirror(self, device_address: int, shape: tuple[int, ...], dtype: np.dtype) -> PinnedMirror:
+        """Page-locked rows mirroring the device buffer at `device_address` (memory.PinnedMirror);
+        the memory of mirrors gone since is freed first."""
+        self.ensure_current()
+        self.forbid_in_capture("host_mirror")
+        free_pinned(self._retired_mirrors)
+        mirror = PinnedMirror(device_address, shape, dtype, self._copy_to_device, self._retired_mirrors)
+        self._mirrors.add(mirror)
+        return mirror
+
+    def _copy_to_device(self, device_address: int, host_address: int, num_bytes: int, event: object) -> None:
+        """Enqueue a copy from page-locked memory behind any queued bulk upload, then record
+        `event` (while capturing, as an event node: a replay records it too)."""
+        self.ensure_current()
+        stream = self.stream_handle
+        check("cuMemcpyHtoDAsync", cu.cuMemcpyHtoDAsync(device_address, host_address, num_bytes, stream))
+        if self.capturing:
+            flags = cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL
+            check("cuEventRecordWithFlags", cu.cuEventRecordWithFlags(event, stream, flags))
+        else:
+            check("cuEventRecord", cu.cuEventRecord(event, stream))
 
     def forbid_in_capture(self, what: str) -> None:
         if self.capturing:
@@ -561,4 +588,7 @@ class CudaRuntime:
         self.synchronize()
         self.staging.close()
         self.downloads.close()
+        for mirror in list(self._mirrors):
+            mirror.retire()
+        free_pinned(self._retired_mirrors)
         self.pool.close()

@@ -193,6 +193,9 @@ class MockGpuBackend:
             raise ValueError(f"copy_from_host: {array.size} elements into a tensor of {dst.data.size}")
         dst.data[...] = np.asarray(array).reshape(dst.data.shape)
 
+    def host_mirror(self, dst: MockTensor) -> _MockMirror:
+        return _MockMirror(self, dst)
+
     def download(self, src: MockTensor) -> np.ndarray:
         """A host copy of `src` at once (tests; the port's copy is `begin_download`)."""
         self.enter("download")
@@ -247,3 +250,22 @@ def _default_memory_bytes() -> int:
     except OSError:
         pass
     return 8 * 2**30
+
+
+class _MockMirror:
+    """`HostMirror` over a mock tensor: a numpy array whose rows `upload` copies in."""
+
+    __slots__ = ("array", "_backend", "_tensor")
+
+    def __init__(self, backend: MockGpuBackend, tensor: MockTensor) -> None:
+        self._backend, self._tensor = backend, tensor
+        self.array = np.zeros(tensor.data.shape, tensor.data.dtype)
+
+    def upload(self, start: int, stop: int) -> None:
+        self._backend.enter("copy_from_host")
+        if not 0 <= start <= stop <= self.array.shape[0]:
+            raise ValueError(f"upload: rows {start}..{stop} of a mirror of {self.array.shape[0]}")
+        self._tensor.data[start:stop] = self.array[start:stop]
+
+    def wait_uploaded(self) -> None:
+        """Copies run at once here."""
