@@ -334,10 +334,12 @@ class PinnedMirror:
     to `retired` for the runtime to free (`free_pinned`, on a thread with the context current)."""
 
     def __init__(self, device_address: int, shape: tuple[int, ...], dtype: np.dtype,
-                 enqueue: Callable[[int, int, int, object], None], retired: list[tuple[int, object]]) -> None:
+                 enqueue: Callable[[int, int, int, object], None], retired: list[tuple[int, object]],
+                 make_current: Callable[[], None]) -> None:
         dtype = np.dtype(dtype)
         self._device_address = device_address
         self._enqueue = enqueue
+        self._make_current = make_current  # `wait_uploaded` may be a thread's first call
         self._row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
         num_bytes = max(1, shape[0] * self._row_bytes)
         self._base = int(check("cuMemHostAlloc", cu.cuMemHostAlloc(num_bytes, 0)))
@@ -359,6 +361,7 @@ class PinnedMirror:
 
     def wait_uploaded(self) -> None:
         if self._recorded:
+            self._make_current()
             check("cuEventSynchronize", cu.cuEventSynchronize(self._event))
 
     def retire(self) -> None:

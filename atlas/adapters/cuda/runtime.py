@@ -397,7 +397,8 @@ class CudaRuntime:
         self.ensure_current()
         self.forbid_in_capture("host_mirror")
         free_pinned(self._retired_mirrors)
-        mirror = PinnedMirror(device_address, shape, dtype, self._copy_to_device, self._retired_mirrors)
+        mirror = PinnedMirror(device_address, shape, dtype, self._copy_to_device, self._retired_mirrors,
+                              self.ensure_current)
         self._mirrors.add(mirror)
         return mirror
 
