@@ -125,7 +125,8 @@ class StepBuffers:
         self._num_table_rows = 0
 
         num_f32_words, num_i64_words = _NUM_F32_FIELDS * max_seqs, 2 * _NUM_I64_FIELDS * max_seqs
-        f32_region, i64_region = layout.region("sampling_f32", num_f32_words), layout.region("sampling_i64", num_i64_words)
+        f32_region = layout.region("sampling_f32", num_f32_words)
+        i64_region = layout.region("sampling_i64", num_i64_words)
         # each side's sampling fields, as views: staged into its arena
         self._side_f32 = [side.array[f32_region].view(np.float32).reshape(_NUM_F32_FIELDS, max_seqs)
                           for side in self._sides]
@@ -166,7 +167,8 @@ class StepBuffers:
         self.bias_token_ids = backend.empty((_INITIAL_CSR_CAPACITY,), DType.I32)
         self.bias_values = backend.empty((_INITIAL_CSR_CAPACITY,), DType.F32)
         # Every row starts all allowed, so a graph's padding rows read a valid mask.
-        self.token_mask = backend.upload(np.full((max_seqs, mask_words), ALL_ALLOWED, np.int32)) if mask_words else None
+        all_allowed = np.full((max_seqs, mask_words), ALL_ALLOWED, np.int32)
+        self.token_mask = backend.upload(all_allowed) if mask_words else None
         # the masks' host side: `stage_mask` writes it, `upload_mask` (inside a masked sampler's
         # graph) copies it up with no staging of its own
         self._mask_mirror = backend.host_mirror(self.token_mask) if self.token_mask is not None else None
