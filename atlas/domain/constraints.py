@@ -200,10 +200,20 @@ class TokenConstraint:
     def accept_sampled(self, token_id: int) -> bool:
         """`admits` then `accept` in one call, for a step's sampled token: False, accepting
         nothing, when the grammar refuses a token sampled under its superset's mask; raises
-        ConstraintViolation as `accept` does."""
-        if not self.admits(token_id):
+        ConstraintViolation as `accept` does. The answer's tokens take one matcher call
+        (`try_accept_token`): a step runs this for each of its rows before its next masks."""
+        state, grammar = self._state, self._grammar
+        if state.phase is not _Phase.ANSWER or grammar is None:
+            self.accept(token_id)
+            return True
+        if not grammar.try_accept_token(token_id):
+            if self._mask_grammar() is grammar:  # sampled under the exact mask
+                raise ConstraintViolation(f"token {token_id} is not allowed by the request's grammar")
+            self._exact_next = True
             return False
-        self.accept(token_id)
+        self._num_grammar_tokens += 1
+        self._history.append((state, True))
+        self._exact_next = False
         return True
 
     def _mask_grammar(self) -> GrammarMatcher:

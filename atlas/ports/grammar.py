@@ -122,6 +122,11 @@ class GrammarMatcher(Protocol):
         """Whether `token_id` may come next; the matcher does not move."""
         ...
 
+    def try_accept_token(self, token_id: int) -> bool:
+        """`accept_token` where the grammar allows `token_id`: True; else False, and the
+        matcher stays where it was and usable (`allows` then `accept_token` in one call)."""
+        ...
+
     @property
     def superset(self) -> GrammarMatcher | None:
         """The looser matcher at the same position whose masks are cheaper (None: none)."""

@@ -59,6 +59,9 @@ class ResidueGrammar:
     def allows(self, token_id: int) -> bool:
         return not self.broken and token_id != self.lying_token and token_id in self.allowed()
 
+    def try_accept_token(self, token_id: int) -> bool:
+        return self.allows(token_id) and self.accept_token(token_id)
+
     def rollback(self, num_tokens: int) -> None:
         self.position -= num_tokens
         if self.superset is not None:

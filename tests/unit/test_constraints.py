@@ -42,6 +42,9 @@ class SequenceGrammar:
     def allows(self, token_id: int) -> bool:
         return not self.is_finished and token_id == self.token_ids[self.position]
 
+    def try_accept_token(self, token_id: int) -> bool:
+        return self.allows(token_id) and self.accept_token(token_id)
+
     superset = None
 
     def rollback(self, num_tokens: int) -> None:

@@ -372,3 +372,24 @@ def test_a_name_past_its_max_length_is_refused_by_the_schema_not_by_its_superset
     long_tail = tokenizer.encode("Annie Smith", add_special_tokens=False)[-1]  # " Smith": 11 characters in all
     assert matcher.superset.allows(long_tail) and not matcher.allows(long_tail)
     assert matcher.accept_token(tokenizer.encode('"', add_special_tokens=False)[0])
+
+
+def test_try_accept_refuses_without_breaking_and_accepts_as_accept_token_does(compiler, tokenizer) -> None:
+    """`try_accept_token` is `allows` then `accept_token` in one call: a token past the name's
+    bound is refused and the matcher (and its superset) stay usable where they were; an allowed
+    token moves both as `accept_token` does, so the two matchers' masks agree after each."""
+    tried, accepted = (compiler.compile(JsonSchema(BOUNDED), "response_format").new_matcher() for _ in range(2))
+    long_tail = tokenizer.encode("Annie Smith", add_special_tokens=False)[-1]  # " Smith": 11 characters in all
+    width = (compiler.vocab_size + 31) // 32
+    tokens = tokenizer.encode('[{"name": "Annie", "age": 31}, {"name": "Bo", "age": 7}]', add_special_tokens=False)
+    refused = False
+    for index, token_id in enumerate(tokens):
+        assert tried.try_accept_token(token_id) and accepted.accept_token(token_id)
+        rows = np.zeros((4, width), dtype=np.int32)
+        for row, matcher in enumerate((tried, accepted, tried.superset, accepted.superset)):
+            matcher.fill_bitmask(rows[row])
+        assert (rows[0] == rows[1]).all() and (rows[2] == rows[3]).all()
+        if tokenizer.decode(list(tokens[: index + 1])).endswith("Annie"):
+            assert not tried.try_accept_token(long_tail) and not tried.is_finished
+            refused = True
+    assert refused and tried.is_accepting

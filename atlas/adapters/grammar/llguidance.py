@@ -81,6 +81,18 @@ class LlguidanceMatcher:
         """Advance past `token_id`; False when the grammar forbids it (the matcher stays broken)."""
         if not self._matcher.consume_token(token_id):
             return False
+        return self._accepted(token_id)
+
+    def try_accept_token(self, token_id: int) -> bool:
+        """Advance past `token_id` where the grammar allows it; False, the matcher unmoved and
+        usable, where it does not. One native call for `allows` and `accept_token` (a
+        constrained step accepts a token a row on the path to its next masks)."""
+        if self._matcher.try_consume_tokens([token_id]) != 1:
+            return False
+        return self._accepted(token_id)
+
+    def _accepted(self, token_id: int) -> bool:
+        """The rest of an accept once the matcher took `token_id`: the superset follows."""
         self._num_accepted += 1
         superset = self._superset
         if superset is not None:
