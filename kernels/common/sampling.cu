@@ -448,6 +448,10 @@ __device__ void sample_row(const LOGIT* __restrict__ logits_row, float* __restri
         #pragma unroll 4
         for (int v = tid; v < vocab_size; v += SAMPLE_THREADS) {
             const float value = row[v];
+            // A token at -inf (masked out) never wins: a finite token is always kept, and with
+            // none (every value -inf) the answer is the lowest id either way, the argmax's. So
+            // it skips the race's hash and two logarithms: most of a grammar-masked row.
+            if (value == -ATLAS_INF) continue;
             const u32 key = order_key(value);
             if (filtered) {
                 if (!in_top_k(v, key)) continue;
