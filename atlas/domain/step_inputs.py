@@ -123,6 +123,11 @@ def build_step_inputs(
     sequences = batch.sequences
     if rows is not None:
         lone = _one_sequence_rows(sequences, layout, num_sample_slots, rows, num_padded)
+        if lone is None:
+            continued = _continued_decode(sequences, layout, num_sample_slots, rows)
+            if continued is not None:
+                return continued
+        rows.last_decode = None  # whatever this step is, the next does not continue it
         if lone is not None:
             return lone
     num_seqs = len(sequences)
@@ -167,6 +172,8 @@ def build_step_inputs(
     token_gather = np.arange(num_sample_slots, num_sample_slots + num_tokens, dtype=np.int32)
     placeholders = placeholder_rows >= 0  # last token rows sampled by the previous step, on the device
     token_gather[query_start[1:][placeholders] - 1] = placeholder_rows[placeholders]
+    if lone and rows is not None and num_seqs and num_tokens == num_seqs and samples.all():  # the next may continue it
+        rows.last_decode = _DecodeRun([seq.seq_id for seq in sequences], seq_lens.tolist(), shared)
     return HostStepInputs(
         token_ids=np.fromiter(itertools.chain.from_iterable([seq.token_ids for seq in sequences]), np.int32, num_tokens),
         positions=positions,
@@ -180,6 +187,83 @@ def build_step_inputs(
         has_placeholders=bool(placeholders.any()),
         max_query_len=int(query_lens.max()) if num_seqs else 0,
         max_seq_len=int(seq_lens.max()) if num_seqs else 0,
+        shared_prefix=shared,
+    )
+
+
+@dataclass(slots=True)
+class _DecodeRun:
+    """The last step built on a `TableRows` when it was a decode step of one full-attention
+    group, every row sampled: what the next step needs to take `_continued_decode`."""
+
+    seq_ids: list[str]  # its sequences, row by row
+    next_starts: list[int]  # the positions they compute next (its seq_lens)
+    shared_prefix: np.ndarray | None  # as built for it
+
+
+# `_continued_decode` gathers these of each row in one pass: start, placeholder row (-1: none),
+# first token id, whether the row continues the last step's (one sampled token of the lone
+# group, at the next position), block ids.
+_NUM_DECODE_NUMBERS = 5
+
+
+def _continued_decode(
+    sequences: Sequence[ScheduledSequence], layout: CacheLayout, num_sample_slots: int, rows: TableRows
+) -> HostStepInputs | None:
+    """`build_step_inputs` of a decode step that continues the last one built on `rows`
+    (`rows.last_decode`): the same sequences in the same rows, each computing the position
+    after the last step's, one sampled token and the lone group's block ids. Steady decode is
+    such a step nearly every time, and its arrays follow from the last ones in a dozen numpy
+    calls: the kept tables rewrite only rows whose pages changed, and the shared prefix is the
+    last step's unless a row's table changed or its newest token opened a block. None for any
+    other step, and for tables that do not cover the rows (the general path raises)."""
+    last = rows.last_decode
+    if last is None or not sequences or [seq.seq_id for seq in sequences] != last.seq_ids:
+        return None
+    num_seqs = len(sequences)
+    numbers = np.fromiter(
+        itertools.chain.from_iterable([
+            (seq.start_position, -1 if seq.placeholder_row is None else seq.placeholder_row,
+             seq.token_ids[0] if seq.token_ids else 0,
+             seq.start_position == start and len(seq.token_ids) == 1 and seq.sampling is not None
+             and not (seq.kv_block_tables or seq.state_slots),
+             len(seq.block_ids))
+            for seq, start in zip(sequences, last.next_starts)
+        ]),
+        np.int32,
+        _NUM_DECODE_NUMBERS * num_seqs,
+    ).reshape(num_seqs, _NUM_DECODE_NUMBERS).T
+    starts, placeholder_rows, token_ids, continues, counts = numbers
+    if not continues.all():
+        return None
+    block_size = layout.block_size
+    seq_lens = starts + 1
+    if ((counts > layout.table_width) | (counts * block_size < seq_lens)).any():
+        return None
+    block_tables = rows.fill(sequences, counts)
+    positions = starts.copy()
+    offsets = positions % block_size
+    slot_mapping = (block_tables[:, 0][rows.row_numbers[:num_seqs], positions // block_size] * block_size
+                    + offsets)[None]
+    if rows.num_rewritten or not offsets.all():  # a table changed, or a newest token opened a block
+        shared = shared_prefixes(block_tables, np.ones(num_seqs, np.int32), seq_lens, layout)
+    else:
+        shared = last.shared_prefix
+    placeholders = placeholder_rows >= 0
+    rows.last_decode = _DecodeRun(last.seq_ids, seq_lens.tolist(), shared)
+    return HostStepInputs(
+        token_ids=token_ids.copy(),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        state_slots=np.zeros((0, num_seqs), np.int32),
+        sample_indices=np.arange(num_seqs, dtype=np.int32),
+        token_gather=np.where(placeholders, placeholder_rows, rows.row_numbers[:num_seqs] + num_sample_slots),
+        has_placeholders=bool(placeholders.any()),
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
         shared_prefix=shared,
     )
 
@@ -478,6 +562,9 @@ class TableRows:
     the very tuple the row was written from is still right, whoever that sequence is; in steady
     decode only the sequences that just took a page change. When many rows changed (sequences
     left or joined, and the rest moved up) the whole table is written at once instead.
+
+    It also remembers the last decode step built on it (`last_decode`), so that the next one,
+    when it only continues it, takes `_continued_decode`.
     """
 
     def __init__(self, max_seqs: int, layout: CacheLayout) -> None:
@@ -488,12 +575,16 @@ class TableRows:
         self._scratch = layout.kv_scratch_blocks[0]
         self._table = np.full((max_seqs, 1, layout.table_width), self._scratch, np.int32)
         self._written_from: list[tuple[int, ...] | None] = [None] * max_seqs  # each row's block ids
+        self.row_numbers = np.arange(max_seqs, dtype=np.int32)
+        self.num_rewritten = 0  # rows the last `fill` rewrote
+        self.last_decode: _DecodeRun | None = None  # see `_continued_decode`
 
     def fill(self, sequences: Sequence[ScheduledSequence], counts: np.ndarray) -> np.ndarray:
         """The tables [S, 1, W] of `sequences` (`counts`: their numbers of block ids, each
         already checked to fit the width), as a view of the buffer."""
         written_from, num_seqs = self._written_from, len(sequences)
         stale = [index for index in range(num_seqs) if written_from[index] is not sequences[index].block_ids]
+        self.num_rewritten = len(stale)
         table = self._table[:num_seqs, 0]
         if 4 * len(stale) > num_seqs:  # one vectorised write beats a numpy call a row
             held = [seq.block_ids for seq in sequences]

@@ -271,7 +271,7 @@ def test_greedy_output_is_the_same_with_the_prefix_named(monkeypatch, n):
     """Ten requests (and n > 1 forks) over one 300-token prompt beside three of other prompts,
     prefix caching on: their decode steps name the prompt's pages (the tiny model's bytes lifted past the rule's bar), the mock
     reads them through the anchor's table, and every token is what the steps without names give."""
-    from atlas.domain import step_inputs
+    from atlas.domain import step_inputs, worker
     from atlas.domain.requests import Request, SamplingParams
 
     rng = np.random.default_rng(n)
@@ -283,14 +283,14 @@ def test_greedy_output_is_the_same_with_the_prefix_named(monkeypatch, n):
     def run() -> tuple[dict[str, list[int]], int]:
         core = _tiny_core()
         named = []
-        build = step_inputs.shared_prefixes
+        build = worker.build_step_inputs
 
-        def spying(*args):
-            found = build(*args)
-            named.append(found is not None)
-            return found
+        def spying(*args):  # the steps whose inputs name a prefix (a continued decode reuses the last one's)
+            inputs = build(*args)
+            named.append(inputs.shared_prefix is not None)
+            return inputs
 
-        monkeypatch.setattr(step_inputs, "shared_prefixes", spying)
+        monkeypatch.setattr(worker, "build_step_inputs", spying)
         for index, prompt in enumerate(prompts):
             core.add_request(Request(f"r{index}", prompt, params, seed=index))
         tokens: dict[str, list[int]] = {}

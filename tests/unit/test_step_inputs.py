@@ -284,3 +284,110 @@ def test_a_lone_verify_step_padded_on_the_short_path_keeps_its_shared_prefix():
             np.testing.assert_array_equal(actual, wanted, err_msg=name)
         else:
             assert actual == wanted, name
+
+
+def test_steady_decode_continued_on_kept_rows_builds_what_the_general_path_builds():
+    """A decode step of the last step's sequences, one position further, takes a shorter path
+    through `TableRows` (`_continued_decode`): whatever the batch does between steps (pages
+    taken or replaced, rows crossing into a block, sequences joining or leaving, a prefill chunk,
+    rows committed on the host instead of placeholders, a sequence preempted back), every array,
+    the shared prefix included, must be the general path's."""
+    rng = np.random.default_rng(5)
+    layout = CacheLayout(BLOCK_SIZE, 64, (SCRATCH_BLOCK,), kv_token_bytes=(1 << 16,))
+    rows = TableRows(24, layout)
+    free_blocks = iter(rng.permutation(np.arange(100, 20000)).tolist())
+    prefix = tuple(next(free_blocks) for _ in range(20))  # a shared system prompt of 320 tokens
+    starts: dict[str, int] = {}
+    tables: dict[str, tuple[int, ...]] = {}
+
+    def join(seq_id: str) -> None:
+        opening = prefix if rng.random() < 0.85 else ()
+        starts[seq_id] = len(opening) * BLOCK_SIZE + int(rng.integers(0, 3 * BLOCK_SIZE))
+        tables[seq_id] = opening + tuple(next(free_blocks) for _ in range(starts[seq_id] // BLOCK_SIZE + 1
+                                                                           - len(opening)))
+
+    ids = [f"s{index}" for index in range(14)]
+    for seq_id in ids:
+        join(seq_id)
+    continued = 0
+    for step in range(400):
+        event = rng.random()
+        extra = ()
+        if event < 0.03 and len(ids) < 20:  # a sequence joins
+            ids.append(f"s{step}x")
+            join(ids[-1])
+        elif event < 0.06 and len(ids) > 1:  # one leaves, the rest move up
+            ids.pop(int(rng.integers(0, len(ids))))
+        elif event < 0.08:  # a prefill chunk beside the decode rows
+            extra = (ScheduledSequence("p", (1, 2, 3), 0, (next(free_blocks),), None),)
+        elif event < 0.10:  # a sequence preempted back a few positions
+            seq_id = ids[int(rng.integers(0, len(ids)))]
+            starts[seq_id] = max(0, starts[seq_id] - int(rng.integers(1, 20)))
+        elif event < 0.16:  # a shared page of one sequence replaced (a copy on write): no block opened
+            sharing = [seq_id for seq_id in ids if tables[seq_id][:1] == prefix[:1]]
+            if sharing:
+                seq_id = sharing[int(rng.integers(0, len(sharing)))]
+                tables[seq_id] = (next(free_blocks),) + tables[seq_id][1:]
+        host_tokens = rng.random() < 0.1  # committed first (penalties): real ids, no placeholders
+        sequences = []
+        for row, seq_id in enumerate(ids):
+            start = starts[seq_id]
+            if start // BLOCK_SIZE >= len(tables[seq_id]):
+                tables[seq_id] += (next(free_blocks),)  # the step's token opens a block: a new tuple
+            placeholder = None if host_tokens else row
+            token = int(rng.integers(0, 1000)) if host_tokens else PLACEHOLDER_TOKEN
+            sequences.append(ScheduledSequence(seq_id, (token,), start, tables[seq_id], ROW, placeholder))
+        batch = ScheduledBatch(step, (*sequences, *extra), BLOCK_SIZE)
+        took = rows.last_decode is not None and not extra
+        kept = build_step_inputs(batch, layout, SAMPLE_SLOTS, rows)
+        afresh = build_step_inputs(batch, layout, SAMPLE_SLOTS)
+        continued += took and rows.last_decode is not None
+        for name in HostStepInputs.__dataclass_fields__:
+            actual, wanted = getattr(kept, name), getattr(afresh, name)
+            if isinstance(wanted, np.ndarray):
+                np.testing.assert_array_equal(actual, wanted, err_msg=f"step {step}: {name}")
+                assert actual.dtype == wanted.dtype, name
+            else:
+                assert actual == wanted, f"step {step}: {name}"
+        for seq_id in ids:
+            starts[seq_id] += 1
+    assert continued > 250  # most steps took the short path
+    assert rows.last_decode is not None
+
+
+def test_a_continued_decode_still_refuses_a_table_that_does_not_hold_its_context():
+    rows = TableRows(4, ONE_GROUP)
+    build_step_inputs(ScheduledBatch(1, (ScheduledSequence("a", (5,), 14, (1,), ROW),), BLOCK_SIZE), ONE_GROUP, 1, rows)
+    build_step_inputs(ScheduledBatch(2, (ScheduledSequence("a", (5,), 15, (1,), ROW),), BLOCK_SIZE), ONE_GROUP, 1, rows)
+    with pytest.raises(ValueError, match="'a': 1 blocks cannot hold 17 tokens"):
+        build_step_inputs(ScheduledBatch(3, (ScheduledSequence("a", (5,), 16, (1,), ROW),), BLOCK_SIZE), ONE_GROUP, 1,
+                          rows)
+
+
+def test_continued_verify_rows_whose_newest_tokens_open_blocks_keep_the_general_paths_shared_prefix():
+    """Rows of one sequence read the same pages (a verify chunk split by `decode_rows`): the
+    prefix they share ends at each row's newest full block, so when a row's newest token opens
+    a block the prefix may change with no table changing. Two such sequences of 9 rows, each
+    row one position further every step, across several block boundaries."""
+    layout = CacheLayout(BLOCK_SIZE, 64, (SCRATCH_BLOCK,), kv_token_bytes=(1 << 16,))
+    rows = TableRows(24, layout)
+    tables = {"a": tuple(range(100, 119)), "b": tuple(range(200, 219))}
+    starts = {"a": 17 * BLOCK_SIZE - 12, "b": 17 * BLOCK_SIZE - 3}
+    shared_lengths = set()
+    for step in range(40):
+        sequences = []
+        for seq_id in ("a", "b"):
+            last = starts[seq_id] + 8
+            if last // BLOCK_SIZE >= len(tables[seq_id]):
+                tables[seq_id] += (tables[seq_id][-1] + 1,)
+            sequences += [ScheduledSequence(seq_id, (7,), starts[seq_id] + offset, tables[seq_id], ROW)
+                          for offset in range(9)]
+        batch = ScheduledBatch(step, tuple(sequences), BLOCK_SIZE)
+        kept = build_step_inputs(batch, layout, SAMPLE_SLOTS, rows)
+        afresh = build_step_inputs(batch, layout, SAMPLE_SLOTS)
+        assert afresh.shared_prefix is not None
+        shared_lengths.add(int(afresh.shared_prefix[0, 0]))
+        np.testing.assert_array_equal(kept.shared_prefix, afresh.shared_prefix, err_msg=f"step {step}")
+        np.testing.assert_array_equal(kept.slot_mapping, afresh.slot_mapping, err_msg=f"step {step}")
+        starts = {seq_id: start + 1 for seq_id, start in starts.items()}
+    assert rows.last_decode is not None and len(shared_lengths) > 2
