@@ -83,8 +83,12 @@ class ConstrainedSampling:
         vocab_size: int,
         eos_token_ids: frozenset[int],
         grammars: GrammarCache | None,
+        mask_rows: Callable[[], np.ndarray | None] | None = None,
     ) -> None:
+        """`mask_rows`: where the executor takes a step's masks from (`Worker.mask_rows`), to
+        fill them in place; None: a buffer of this object's own, copied by the executor."""
         self._scheduler = scheduler
+        self._mask_rows = mask_rows
         self._in_flight = in_flight
         self._eos_token_ids = eos_token_ids
         self._grammars = grammars
@@ -381,9 +385,7 @@ class ConstrainedSampling:
         function leaves only llguidance's fill (and any refused row's exact mask) to run."""
         sampled = [s for s in batch.sequences if s.sampling is not None]
         num_rows = batch.num_sampled
-        if self._bitmask.shape[0] < num_rows:
-            self._bitmask = np.empty((max(num_rows, 2 * self._bitmask.shape[0]), self._bitmask.shape[1]), np.int32)
-        bitmask = self._bitmask[:num_rows]  # one fill at a time: the buffer is free again
+        bitmask = self._fill_target(num_rows)
         compiler = self._grammars.compiler if self._grammars is not None else None
         if num_rows == len(sampled):  # no drafts: the rules here, only llguidance's fill on the thread
             void, step_id, exact = self._void, batch.step_id, self._exact_masks
@@ -408,6 +410,18 @@ class ConstrainedSampling:
                 return bitmask if fill_step_bitmask(rows, bitmask, compiler) else None
 
         return fill
+
+    def _fill_target(self, num_rows: int) -> np.ndarray:
+        """Where a step's `num_rows` masks are filled: the executor's rows when it offers
+        enough of them, else this object's buffer. Either is free again: one fill at a time,
+        and the executor's only after the last upload from it ran."""
+        width = self._bitmask.shape[1]
+        rows = self._mask_rows() if self._mask_rows is not None else None
+        if rows is not None and rows.shape[0] >= num_rows and rows.shape[1] == width and rows.dtype == np.int32:
+            return rows[:num_rows]
+        if self._bitmask.shape[0] < num_rows:
+            self._bitmask = np.empty((max(num_rows, 2 * self._bitmask.shape[0]), width), np.int32)
+        return self._bitmask[:num_rows]
 
     def sample_in_flight(self) -> None:
         """Sample the last step in flight with its masks once they are filled (a no-op when no

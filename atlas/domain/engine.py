@@ -107,7 +107,11 @@ class EngineCore:
         self._num_generated_tokens = 0
         self._num_finished_preemptions = 0
         self._in_flight: deque[tuple[ScheduledBatch, PendingResult]] = deque()
-        self._constrained = ConstrainedSampling(scheduler, self._in_flight, vocab_size, eos_token_ids, grammars)
+        # an executor in this process may offer its masks' host rows (`Worker.mask_rows`): the
+        # fill then writes where the upload reads, with no copy between
+        mask_rows = getattr(executor, "mask_rows", None)
+        self._constrained = ConstrainedSampling(scheduler, self._in_flight, vocab_size, eos_token_ids, grammars,
+                                                mask_rows)
 
     @property
     def num_resampled_tokens(self) -> int:

@@ -327,9 +327,20 @@ class StepBuffers:
             raise ValueError(f"bitmask: {num_real} rows padded to {num_rows}, at most {self.max_seqs}")
         mirror.wait_uploaded()  # the step before's sampler has read them (its ids are back: at once)
         host = mirror.array
-        host[:num_real] = bitmask
+        if not (num_real and bitmask.ctypes.data == host.ctypes.data):  # filled in place: `mask_rows`
+            host[:num_real] = bitmask
         if num_rows > num_real:
             host[num_real:num_rows] = ALL_ALLOWED
+
+    def mask_rows(self) -> np.ndarray | None:
+        """The masks' host side (int32 [max_seqs, W]) for a step's masks to be filled in
+        place, once the last upload from it has run; `stage_mask` of its leading rows then
+        copies nothing. None without a mask buffer."""
+        mirror = self._mask_mirror
+        if mirror is None:
+            return None
+        mirror.wait_uploaded()
+        return mirror.array
 
     def upload_mask(self, num_rows: int) -> None:
         """Enqueue the copy of the staged masks' first `num_rows` rows into the mask buffer

@@ -226,6 +226,11 @@ class Worker:
         self._whole: dict[int, PiecewiseGraph] = {}
         self._deferred_whole: list[int] = []
 
+    def mask_rows(self) -> np.ndarray | None:
+        """Where a step's masks may be filled in place for `PendingStep.sample` (the masks'
+        page-locked host side: no copy before their upload), or None (`StepBuffers.mask_rows`)."""
+        return self.buffers.mask_rows()
+
     def submit(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> PendingStep:
         """Enqueue one step (its sampling too, unless `batch.awaits_masks`). `before_launch` is
         called once, after the step's inputs are built and staged on the host and before

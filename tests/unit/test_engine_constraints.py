@@ -437,3 +437,41 @@ def test_a_failed_wait_for_the_ids_on_the_mask_thread_is_raised_by_step(rng):
     finally:
         core.close()
     assert waited_on == ["atlas-masks"]
+
+
+@pytest.mark.parametrize("graph_sizes", [(), (1, 2, 4, 8)], ids=["eager", "graphs"])
+def test_masks_fill_in_place_where_the_upload_reads_them(rng, monkeypatch, graph_sizes):
+    """The worker offers its masks' host rows (`Worker.mask_rows`), so a step's masks are filled
+    there and `stage_mask` copies nothing; the tokens are those of masks filled in a buffer of
+    the engine's own and copied."""
+    from atlas.domain.step_buffers import StepBuffers
+    from atlas.domain.worker import Worker
+
+    length = 8
+    requests = [Request(f"r{i}", p, SAMPLED, seed=70 + i, constraint=residues(length))
+                for i, p in enumerate(prompts(6, rng))]
+    staged: list[bool] = []
+    real_stage = StepBuffers.stage_mask
+
+    def stage_mask(buffers, bitmask, num_rows):
+        staged.append(bitmask.ctypes.data == buffers.mask_rows().ctypes.data)
+        return real_stage(buffers, bitmask, num_rows)
+
+    monkeypatch.setattr(StepBuffers, "stage_mask", stage_mask)
+    in_place = grammar_core(graph_sizes=graph_sizes)
+    try:
+        filled_in_place = run(in_place, requests)
+    finally:
+        in_place.close()
+    assert staged and all(staged)
+    staged.clear()
+    monkeypatch.setattr(Worker, "mask_rows", lambda worker: None)
+    copied = grammar_core(graph_sizes=graph_sizes)
+    try:
+        assert run(copied, requests) == filled_in_place
+    finally:
+        copied.close()
+    assert staged and not any(staged)
+    for request in requests:
+        assert follows_residues(filled_in_place[request.request_id], length)
+    assert in_place.stats().num_blocks_free == 400
