@@ -325,9 +325,11 @@ class StepBuffers:
             raise ValueError(f"bitmask: expected int32 {width}, got {list(bitmask.shape)}")
         if not num_real <= num_rows <= self.max_seqs:
             raise ValueError(f"bitmask: {num_real} rows padded to {num_rows}, at most {self.max_seqs}")
-        mirror.wait_uploaded()  # the step before's sampler has read them (its ids are back: at once)
         host = mirror.array
-        if not (num_real and bitmask.ctypes.data == host.ctypes.data):  # filled in place: `mask_rows`
+        # filled in place (`mask_rows`, which waited for the last upload before the fill wrote)
+        # or copied in once the step before's sampler has read them (its ids are back: at once)
+        if not (num_real and bitmask.ctypes.data == host.ctypes.data):
+            mirror.wait_uploaded()
             host[:num_real] = bitmask
         if num_rows > num_real:
             host[num_real:num_rows] = ALL_ALLOWED
