@@ -251,20 +251,33 @@ def _continued_decode(
         shared = last.shared_prefix
     placeholders = placeholder_rows >= 0
     rows.last_decode = _DecodeRun(last.seq_ids, seq_lens.tolist(), shared)
+    token_gather = np.where(placeholders, placeholder_rows, rows.row_numbers[:num_seqs] + num_sample_slots)
+    return _sampled_decode_rows(token_ids.copy(), positions, slot_mapping, seq_lens, block_tables, token_gather,
+                                bool(placeholders.any()), int(seq_lens.max()), shared)
+
+
+def _sampled_decode_rows(
+    token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, seq_lens: np.ndarray,
+    block_tables: np.ndarray, token_gather: np.ndarray, has_placeholders: bool, max_seq_len: int,
+    shared_prefix: np.ndarray | None,
+) -> HostStepInputs:
+    """A step of one token row a sequence, each sampled, over a lone full-attention group
+    (the short paths: `_continued_decode`, `_one_sequence_rows`)."""
+    num_rows = len(positions)
     return HostStepInputs(
-        token_ids=token_ids.copy(),
+        token_ids=token_ids,
         positions=positions,
         slot_mapping=slot_mapping,
-        query_start_loc=np.arange(num_seqs + 1, dtype=np.int32),
+        query_start_loc=np.arange(num_rows + 1, dtype=np.int32),
         seq_lens=seq_lens,
         block_tables=block_tables,
-        state_slots=np.zeros((0, num_seqs), np.int32),
-        sample_indices=np.arange(num_seqs, dtype=np.int32),
-        token_gather=np.where(placeholders, placeholder_rows, rows.row_numbers[:num_seqs] + num_sample_slots),
-        has_placeholders=bool(placeholders.any()),
+        state_slots=np.zeros((0, num_rows), np.int32),
+        sample_indices=np.arange(num_rows, dtype=np.int32),
+        token_gather=token_gather,
+        has_placeholders=has_placeholders,
         max_query_len=1,
-        max_seq_len=int(seq_lens.max()),
-        shared_prefix=shared,
+        max_seq_len=max_seq_len,
+        shared_prefix=shared_prefix,
     )
 
 
@@ -306,20 +319,10 @@ def _one_sequence_rows(
     token_ids = np.zeros(total, np.int32)
     token_ids[:num_rows] = [seq.token_ids[0] for seq in sequences]
     shared = shared_prefixes(block_tables[:num_rows], np.ones(num_rows, np.int32), seq_lens[:num_rows], layout)
-    return HostStepInputs(
-        token_ids=token_ids,
-        positions=positions,
-        slot_mapping=slot_mapping,
-        query_start_loc=np.arange(total + 1, dtype=np.int32),
-        seq_lens=seq_lens,
-        block_tables=block_tables,
-        state_slots=np.zeros((0, total), np.int32),
-        sample_indices=np.arange(total, dtype=np.int32),
-        token_gather=np.arange(num_sample_slots, num_sample_slots + total, dtype=np.int32),
-        has_placeholders=False,
-        max_query_len=1,
-        max_seq_len=start + num_rows,
-        shared_prefix=None if shared is None else np.pad(shared, ((0, 0), (0, total - num_rows))),
+    return _sampled_decode_rows(
+        token_ids, positions, slot_mapping, seq_lens, block_tables,
+        np.arange(num_sample_slots, num_sample_slots + total, dtype=np.int32), False, start + num_rows,
+        None if shared is None else np.pad(shared, ((0, 0), (0, total - num_rows))),
     )
 
 
