@@ -50,7 +50,8 @@ class PendingResult(Protocol):
 
 
 class StepExecutor(Protocol):
-    """Runs scheduled batches (the worker, in this process or behind a transport)."""
+    """Runs scheduled batches (the worker, in this process or behind a transport). One in this
+    process may also offer `mask_rows()` (`Worker.mask_rows`): where masks are filled in place."""
 
     def submit(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> PendingResult:
         """Enqueue the step and return at once; steps run in submission order. A batch that

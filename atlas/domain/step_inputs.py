@@ -213,10 +213,10 @@ def _continued_decode(
     """`build_step_inputs` of a decode step that continues the last one built on `rows`
     (`rows.last_decode`): the same sequences in the same rows, each computing the position
     after the last step's, one sampled token and the lone group's block ids. Steady decode is
-    such a step nearly every time, and its arrays follow from the last ones in a dozen numpy
-    calls: the kept tables rewrite only rows whose pages changed, and the shared prefix is the
-    last step's unless a row's table changed or its newest token opened a block. None for any
-    other step, and for tables that do not cover the rows (the general path raises)."""
+    such a step nearly every time, and its arrays follow from the last ones in about twenty
+    numpy calls: the kept tables rewrite only rows whose pages changed, and the shared prefix
+    is the last step's unless a row's table changed or its newest token opened a block. None
+    for any other step, and for tables that do not cover the rows (the general path raises)."""
     last = rows.last_decode
     if last is None or not sequences or [seq.seq_id for seq in sequences] != last.seq_ids:
         return None
