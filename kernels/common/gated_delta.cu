@@ -77,25 +77,28 @@ __device__ __forceinline__ SequenceRows sequence_rows(const int* query_start_loc
     return rows;
 }
 
-extern "C" __global__ void __launch_bounds__(CONV_THREADS)
-    causal_conv1d(const bf16* projected, int projected_width, const float* conv_weight, const int* query_start_loc,
-                  const int* seq_lens, const int* state_slots, float* conv_state, bf16* out, int conv_dim,
-                  int kernel_size, const int* snapshots, int snapshot_width) {
-    dependent_launch_entry();
+__device__ __forceinline__ void causal_conv1d_impl(const bf16* projected, int projected_width,
+                                                   const float* conv_weight, const int* query_start_loc,
+                                                   const int* seq_lens, const int* state_slots, float* conv_state,
+                                                   bf16* out, int conv_dim, int kernel_size, const int* snapshots,
+                                                   int snapshot_width) {
+    // The weights, the step's rows and the slot's history are not the input projection's (the
+    // kernel before): they are requested before the wait, beside that kernel's tail.
     const int channel = blockIdx.x * CONV_THREADS + threadIdx.x;
-    if (channel >= conv_dim) return;
     const SequenceRows rows = sequence_rows(query_start_loc, seq_lens, state_slots, blockIdx.y);
-    if (rows.count <= 0) return;
+    const bool active = channel < conv_dim && rows.count > 0;
     const int history_len = kernel_size - 1;
     float weights[CONV_MAX_KERNEL - 1], history[CONV_MAX_KERNEL - 1];
 #pragma unroll
     for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
-        weights[j] = j < history_len ? conv_weight[(long long)channel * kernel_size + j] : 0.0f;
-    const float newest_weight = conv_weight[(long long)channel * kernel_size + history_len];
+        weights[j] = active && j < history_len ? conv_weight[(long long)channel * kernel_size + j] : 0.0f;
+    const float newest_weight = active ? conv_weight[(long long)channel * kernel_size + history_len] : 0.0f;
     float* state = conv_state + (long long)rows.slot * history_len * conv_dim + channel;
 #pragma unroll
     for (int j = 0; j < CONV_MAX_KERNEL - 1; ++j)
-        history[j] = j < history_len && !rows.fresh ? state[(long long)j * conv_dim] : 0.0f;
+        history[j] = active && j < history_len && !rows.fresh ? state[(long long)j * conv_dim] : 0.0f;
+    dependent_launch_entry();  // every thread waits before it leaves: the next kernel relies on it
+    if (!active) return;
     const bf16* x = projected + (long long)rows.first * projected_width + channel;
     bf16* y = out + (long long)rows.first * conv_dim + channel;
     // CONV_BATCH tokens' inputs are loaded before the first is used: a prompt's walk is then a
@@ -138,6 +141,14 @@ extern "C" __global__ void __launch_bounds__(CONV_THREADS)
         if (j < history_len) state[(long long)j * conv_dim] = history[j];
 }
 
+extern "C" __global__ void __launch_bounds__(CONV_THREADS)
+    causal_conv1d(const bf16* projected, int projected_width, const float* conv_weight, const int* query_start_loc,
+                  const int* seq_lens, const int* state_slots, float* conv_state, bf16* out, int conv_dim,
+                  int kernel_size, const int* snapshots, int snapshot_width) {
+    causal_conv1d_impl(projected, projected_width, conv_weight, query_start_loc, seq_lens, state_slots, conv_state,
+                       out, conv_dim, kernel_size, snapshots, snapshot_width);
+}
+
 __device__ __forceinline__ float softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 // FULL: key_dim == GDN_MAX_KEY_DIM, so every thread holds GDN_ROWS rows and reads its rows of the
@@ -157,8 +168,11 @@ __device__ __forceinline__ void gated_delta_rule_impl(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int head = blockIdx.y, column = blockIdx.x * GDN_COLUMNS + lane;
     const bool has_column = column < value_dim;
+    // The step's rows, the slot's state and the head's constants are not the conv's (the kernel
+    // before): the state, the decode step's largest read, is requested before the wait, beside
+    // the conv's run.
     const SequenceRows rows = sequence_rows(query_start_loc, seq_lens, state_slots, blockIdx.z);
-    if (rows.count <= 0) return;
+    const bool active = rows.count > 0;
     const int key_head = head / (num_value_heads / num_key_heads);
     const int rows_per_warp = (key_dim + 3) / 4;
     const int row0 = warp * rows_per_warp;
@@ -167,17 +181,19 @@ __device__ __forceinline__ void gated_delta_rule_impl(
 #pragma unroll
     for (int i = 0; i < GDN_ROWS; ++i) {
         const int row = row0 + i;
-        s[i] = i < rows_per_warp && row < key_dim && has_column && !rows.fresh
+        s[i] = active && i < rows_per_warp && row < key_dim && has_column && !rows.fresh
                    ? head_state[(long long)row * value_dim + column]
                    : 0.0f;
     }
+    const float rate = decay_rate[head], bias = dt_bias[head];
+    dependent_launch_entry();  // every thread waits before it leaves: the next kernel relies on it
+    if (!active) return;
     const float q_scale = rsqrtf((float)key_dim);
     const long long q_offset = (long long)key_head * key_dim;
     const long long k_offset = (long long)num_key_heads * key_dim + q_offset;
     const long long v_offset = 2LL * num_key_heads * key_dim + (long long)head * value_dim;
     const long long b_offset = (long long)conv_dim + (long long)num_value_heads * value_dim + head;
     const long long a_offset = b_offset + num_value_heads;
-    const float rate = decay_rate[head], bias = dt_bias[head];
     int parity = 0;
     for (int base = 0; base < rows.count; base += GDN_TOKENS) {
         const int staged = min(GDN_TOKENS, rows.count - base);
@@ -336,7 +352,6 @@ __device__ __forceinline__ void gated_delta_rule_impl(
         int num_key_heads, int num_value_heads, int key_dim, int value_dim, int conv_dim, int projected_width, \
         int fuse_norm, const bf16* norm_weight, float eps, bf16* out, unsigned* counters,                    \
         const int* snapshots, int snapshot_width) {                                                           \
-        dependent_launch_entry();                                                                             \
         gated_delta_rule_impl<FULL>(mixed, projected, decay_rate, dt_bias, query_start_loc, seq_lens,         \
                                     state_slots, state, core, num_key_heads, num_value_heads, key_dim,        \
                                     value_dim, conv_dim, projected_width, fuse_norm, norm_weight, eps, out,   \

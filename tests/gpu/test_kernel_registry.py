@@ -57,6 +57,7 @@ _WAIT_INSIDE = {
     "gemv_fp8.cu": ("gemv_fp8_impl<", "gemv_fp8_mma_impl<"),
     "fp8_quantize.cu": ("quantize_token_impl<", "quantize_group_impl<"),
     "moe.cuh": ("moe_route_small_impl(", "moe_down_impl("),
+    "gated_delta.cu": ("causal_conv1d_impl(", "gated_delta_rule_impl<"),
 }
 
 
@@ -109,6 +110,15 @@ def test_every_kernel_waits_for_the_previous_grid_first():
     body = elementwise[elementwise.index("void act_mul_rms_vec8(") :]
     before_wait = body[: body.index("dependent_launch_entry();")]
     assert "load(row" not in before_wait and "block_inverse_rms(rms_source +" in before_wait
+    recurrent = (kernels_root() / "common/gated_delta.cu").read_text()
+    # the recurrent kernels: their slot's state before the wait, the kernel before's output after
+    # (the conv's mixed q, k, v; the input projection's `projected`)
+    body = recurrent[recurrent.index("void gated_delta_rule_impl(") :]
+    before_wait = body[body.index(") {") : body.index("dependent_launch_entry();")]
+    assert "head_state[" in before_wait and "mixed" not in before_wait and "projected" not in before_wait
+    body = recurrent[recurrent.index("void causal_conv1d_impl(") :]
+    before_wait = body[body.index(") {") : body.index("dependent_launch_entry();")]
+    assert "state[" in before_wait and "projected" not in before_wait
 
 
 def test_hopper_takes_the_wgmma_prefill_module_which_keeps_every_generic_kernel():
