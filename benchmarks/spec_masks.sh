@@ -17,6 +17,8 @@
 #             (issue 28: >= 90% at batch 16); the schema's names have a maxLength, which costs
 #             llguidance ~0.4 ms a mask on SmolLM2's vocabulary
 #   json-unbounded   the same without maxLength (masks of ~10 us)
+#   json-loaded   the json step at batch 16 with $LOOPS (default 16) nice-19 busy loops on the host
+#             (benchmarks/loaded_host.sh): the slowed-host case the json line fails on
 #   json8b    the Llama-3.1-8B shape (random weights) speaking SmolLM2's tokenizer
 #             (benchmarks/with_tokenizer.py), batch 16, the maxLength schema
 #   ngram-steps   the same prompts, plain and n-gram, every step timed: wall against device ms per
@@ -51,6 +53,9 @@ for step in ${*:-ngram verify8b json table}; do case $step in
   json) smollm2 json && run json 120 $ATLAS bench "$ATLAS_SMOLLM2_DIR" --device cuda --batch-sizes 1,16 \
            --output-len 256 --prefill-lens 512 --rounds 5 --json-schema benchmarks/records.schema.json \
            --json "$OUT/json.json" ;;
+  json-loaded) smollm2 json-loaded && run json-loaded 120 bash benchmarks/loaded_host.sh $ATLAS bench "$ATLAS_SMOLLM2_DIR" \
+           --device cuda --batch-sizes 16 --output-len 256 --prefill-lens 512 --rounds 5 \
+           --json-schema benchmarks/records.schema.json --json "$OUT/json-loaded.json" ;;
   json-unbounded) smollm2 json-unbounded && run json-unbounded 120 $ATLAS bench "$ATLAS_SMOLLM2_DIR" --device cuda \
            --batch-sizes 1,16 --output-len 256 --prefill-lens 512 --rounds 5 \
            --json-schema benchmarks/records-unbounded.schema.json \
@@ -87,7 +92,8 @@ if verify and verify.get("verify_over_decode"):
     rows.append(("8B batch 1, k=4 verify step / decode step (<= 1.15x)", f"{verify['verify_over_decode']:.3f}x",
                  f"{verify['verify_step_ms']:.3f} ms vs {verify['decode_step_ms']:.3f} ms"))
 for name, label in (("json", "SmolLM2, records"), ("json-unbounded", "SmolLM2, records without maxLength"),
-                    ("json8b", "8B shape + SmolLM2 tokenizer, records")):
+                    ("json8b", "8B shape + SmolLM2 tokenizer, records"),
+                    ("json-loaded", "SmolLM2, records, loaded host")):
     structured = load(name)
     for row in structured["structured"] if structured else ():
         target = " (>= 90%)" if row["batch"] == 16 else ""
