@@ -213,7 +213,8 @@ class OutputRouter:
             if route is None:
                 continue
             if output.error is not None:
-                orphans.extend(self.fail(output.seq_id, EngineFailure(output.error)))
+                failure = EngineFailure(output.error, output.error_field is not None, output.error_field)
+                orphans.extend(self.fail(output.seq_id, failure))
                 continue
             if not route.stream.put(output):
                 orphans.extend(seq_id for seq_id, r in list(routes.items()) if r is route)

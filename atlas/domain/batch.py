@@ -185,6 +185,9 @@ class SequenceOutput(msgspec.Struct, frozen=True):
     num_output_tokens: int
     logprobs: tuple[TokenLogprobs, ...] = ()
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
-    # Set when the engine ended the sequence on an error of its own (a sampled token its
-    # constraint forbids); the finish reason is then ABORT and the request failed.
+    # Set when the engine ended the sequence on an error (a sampled token its constraint
+    # forbids); the finish reason is then ABORT and the request failed. `error_field` names the
+    # request field at fault when the request caused it (its grammar was too much for the
+    # grammar engine): a 400, not the engine's failure.
     error: str | None = None
+    error_field: str | None = None

@@ -47,7 +47,13 @@ import msgspec
 import numpy as np
 
 from atlas.domain.batch import ScheduledBatch, ScheduledSequence, SequenceOutput, StepResult
-from atlas.domain.constraints import ConstraintViolation, TokenConstraint, fill_step_bitmask, plan_batch_bitmask
+from atlas.domain.constraints import (
+    ConstraintViolation,
+    GrammarGaveUp,
+    TokenConstraint,
+    fill_step_bitmask,
+    plan_batch_bitmask,
+)
 from atlas.domain.handoff import Handoff, HandoffThread
 from atlas.domain.request_constraints import GrammarCache, token_constraint
 from atlas.domain.requests import FinishReason, ParameterError, Request
@@ -93,6 +99,7 @@ class ConstrainedSampling:
         self._eos_token_ids = eos_token_ids
         self._grammars = grammars
         self._constraints: dict[str, TokenConstraint] = {}  # of the live constrained sequences
+        self._fields: dict[str, str] = {}  # sequence -> the request field its grammar came from
         self._bitmask = np.empty((0, bitmask_width(vocab_size)), dtype=np.int32)  # grown on demand
         self._masks: Handoff[np.ndarray | None] | None = None  # of the last step in flight, filling
         self._mask_thread: HandoffThread | None = None  # started by the first constrained step
@@ -104,15 +111,19 @@ class ConstrainedSampling:
         self._exact_thread: ThreadPoolExecutor | None = None
         self.num_resampled_tokens = 0  # loosely sampled tokens the grammar refused
 
-    def add(self, request_id: str, constraint: TokenConstraint) -> None:
-        """`request_id` (queued) samples under `constraint` (from `constraint_for`)."""
+    def add(self, request_id: str, constraint: TokenConstraint, field: str = "") -> None:
+        """`request_id` (queued) samples under `constraint` (from `constraint_for`), whose
+        grammar came from the request's `field`."""
         self._constraints[request_id] = constraint
+        if field:
+            self._fields[request_id] = field
         if constraint.may_sample_loosely:
             self._loose.add(request_id)
 
     def forget(self, request_id: str) -> None:
         """`request_id` finished or was aborted (a no-op for one without a constraint)."""
         self._constraints.pop(request_id, None)
+        self._fields.pop(request_id, None)
         self._loose.discard(request_id)
         self._exact_masks.pop(request_id, None)
 
@@ -364,6 +375,12 @@ class ConstrainedSampling:
                 constraint.accept(token_id)
         except ConstraintViolation as violation:
             self._scheduler.abort(output.seq_id)
+            if isinstance(violation, GrammarGaveUp):  # the request's grammar: a 400, not the engine's failure
+                field = self._fields.get(output.seq_id, "grammar")
+                return msgspec.structs.replace(
+                    output, new_token_ids=(), logprobs=(), finish_reason=FinishReason.ABORT, error_field=field,
+                    error=f"{field}: the grammar engine gave up on this grammar while matching it ({violation}); "
+                          "simplify it (a pattern under a large length bound or repeat count is the usual cause)")
             return msgspec.structs.replace(
                 output, new_token_ids=(), logprobs=(), finish_reason=FinishReason.ABORT,
                 error=f"the engine sampled a token the request's constraint forbids: {violation}")

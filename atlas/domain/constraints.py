@@ -57,13 +57,19 @@ import numpy as np
 
 from atlas.domain.requests import ReasoningMarkers
 from atlas.domain.token_mask import ALL_ALLOWED, allow, allow_only, forbid, is_allowed
-from atlas.ports.grammar import GrammarCompiler, GrammarMatcher
+from atlas.ports.grammar import GrammarCompiler, GrammarLimitError, GrammarMatcher
 
 DEFAULT_MAX_ROLLBACK_TOKENS = 64
 
 
 class ConstraintViolation(ValueError):
     """A token the constraint did not allow was accepted (a sampler that ignored the mask)."""
+
+
+class GrammarGaveUp(ConstraintViolation):
+    """The grammar engine gave up on the request's grammar while it advanced (GrammarLimitError:
+    a resource limit ran out on a grammar that compiled). Not the engine's fault: the request
+    ends with an error naming its grammar, as for an invalid one."""
 
 
 class _Phase(Enum):
@@ -116,7 +122,7 @@ class TokenConstraint:
     """
 
     __slots__ = ("_grammar", "_markers", "_budget", "_end_ids", "_state", "_history", "_loose", "_exact_next",
-                 "_num_grammar_tokens", "_rule")
+                 "_num_grammar_tokens", "_rule", "_gave_up")
 
     def __init__(
         self,
@@ -133,6 +139,7 @@ class TokenConstraint:
         self._grammar = grammar
         self._loose = loose_masks and grammar is not None
         self._exact_next = False  # a loosely sampled token was refused: this position goes exact
+        self._gave_up = False  # the grammar engine gave up on the matcher (GrammarGaveUp raised)
         self._num_grammar_tokens = 0
         self._rule: GrammarTokens | None = None  # the answer's rule, kept while it masks with the same matcher
         self._markers = markers
@@ -192,6 +199,8 @@ class TokenConstraint:
         grammar = self._grammar
         if self._state.phase is not _Phase.ANSWER or grammar is None or self._mask_grammar() is grammar:
             return True
+        if self._gave_up:  # not sampled again: its accept ends the request (GrammarGaveUp)
+            return True
         if grammar.allows(token_id):
             return True
         self._exact_next = True
@@ -206,7 +215,12 @@ class TokenConstraint:
         if state.phase is not _Phase.ANSWER or grammar is None:
             self.accept(token_id)
             return True
-        if not grammar.try_accept_token(token_id):
+        try:
+            accepted = grammar.try_accept_token(token_id)
+        except GrammarLimitError as error:
+            self._gave_up = True
+            raise GrammarGaveUp(str(error)) from None
+        if not accepted:
             if self._mask_grammar() is grammar:  # sampled under the exact mask
                 raise ConstraintViolation(f"token {token_id} is not allowed by the request's grammar")
             self._exact_next = True
@@ -284,7 +298,8 @@ class TokenConstraint:
             self._state = state
         if num_grammar_tokens:
             assert self._grammar is not None
-            self._grammar.rollback(num_grammar_tokens)
+            if not self._gave_up:  # a matcher given up on takes nothing back; the request ends
+                self._grammar.rollback(num_grammar_tokens)
             self._num_grammar_tokens -= num_grammar_tokens
 
     def _reasoning(self, state: _State, token_id: int) -> _State:
@@ -308,7 +323,12 @@ class TokenConstraint:
     def _answer(self, token_id: int) -> bool:
         if self._grammar is None:
             return False
-        if not self._grammar.accept_token(token_id):
+        try:
+            accepted = self._grammar.accept_token(token_id)
+        except GrammarLimitError as error:
+            self._gave_up = True
+            raise GrammarGaveUp(str(error)) from None
+        if not accepted:
             raise ConstraintViolation(f"token {token_id} is not allowed by the request's grammar")
         self._num_grammar_tokens += 1
         return True
@@ -421,7 +441,11 @@ def fill_step_bitmask(
                 if not is_allowed(bitmask[row], drafts[position]):
                     live[index] = False
                     continue
-                constraint.accept(drafts[position])  # type: ignore[union-attr]
+                try:
+                    constraint.accept(drafts[position])  # type: ignore[union-attr]
+                except GrammarGaveUp:  # the commit's accept ends the request; no later row counts
+                    live[index] = False
+                    continue
                 num_accepted[index] += 1
     finally:
         for (constraint, _), count in zip(rows, num_accepted):

@@ -141,7 +141,8 @@ class EngineCore:
         self.scheduler.add(sequence)
         self._sequences[request.request_id] = sequence
         if constraint is not None:
-            self._constrained.add(request.request_id, constraint)
+            field = request.constraint.grammar_field if request.constraint is not None else ""
+            self._constrained.add(request.request_id, constraint, field)
         self._num_prompt_tokens += num_prompt
 
     def abort(self, request_id: str) -> SequenceOutput | None:

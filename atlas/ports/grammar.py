@@ -33,6 +33,12 @@ class GrammarError(ValueError):
         self.field = field
 
 
+class GrammarLimitError(RuntimeError):
+    """The grammar engine gave up on a matcher while it advanced: one of its resource limits
+    (a lexer's expressions, say) ran out on a grammar that compiled. The matcher is unusable and
+    the request's grammar is too complex as written; the message is the engine's."""
+
+
 class FunctionTool(msgspec.Struct, frozen=True):
     """A function the model may call: its name and the JSON schema of its arguments object."""
 
@@ -115,7 +121,8 @@ class GrammarMatcher(Protocol):
         ...
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance past `token_id`; False (and the matcher unusable) when the grammar forbids it."""
+        """Advance past `token_id`; False (and the matcher unusable) when the grammar forbids it.
+        Raises GrammarLimitError when the grammar engine gives up on it."""
         ...
 
     def allows(self, token_id: int) -> bool:
@@ -124,7 +131,8 @@ class GrammarMatcher(Protocol):
 
     def try_accept_token(self, token_id: int) -> bool:
         """`accept_token` where the grammar allows `token_id`: True; else False, and the
-        matcher stays where it was and usable (`allows` then `accept_token` in one call)."""
+        matcher stays where it was and usable (`allows` then `accept_token` in one call).
+        Raises GrammarLimitError as `accept_token` does."""
         ...
 
     @property

@@ -145,6 +145,9 @@ CASES = {
     "response_format of unknown type": chat(response_format={"type": "yaml"}),
     "json_schema that is no schema": chat(response_format={"type": "json_schema",
                                                            "json_schema": {"name": "x", "schema": {"type": 5}}}),
+    "json_schema past the grammar engine's limits": chat(max_tokens=5, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "string", "pattern": "^(a+)+$", "minLength": 100_000}}}),
     "structured_outputs empty": chat(structured_outputs={}),
     "structured_outputs regex that does not parse": chat(structured_outputs={"regex": "(("}),
     "structured_outputs grammar that does not parse": chat(structured_outputs={"grammar": "start: ((("}),

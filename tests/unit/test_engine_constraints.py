@@ -475,3 +475,38 @@ def test_masks_fill_in_place_where_the_upload_reads_them(rng, monkeypatch, graph
     for request in requests:
         assert follows_residues(filled_in_place[request.request_id], length)
     assert in_place.stats().num_blocks_free == 400
+
+
+@pytest.mark.parametrize("loose", [False, True])
+def test_a_grammar_the_engine_gives_up_on_fails_its_request_as_the_request_s_error(rng, loose):
+    """The grammar engine gives up on a matcher mid-answer (llguidance's lexer out of
+    expressions on a grammar that compiled): that request ends with an error naming its
+    grammar's field (a 400 upstream, not the engine's failure) and no token past the one before;
+    its constrained neighbours give the tokens they give alone; every block comes back. With
+    loose masks the accept that gives up runs on the mask thread, and the refusal path must not
+    resample a matcher that can no longer move."""
+    giving_up = Request("giving-up", prompts(1, rng)[0], SAMPLED, seed=1,
+                        constraint=residues(20, gives_up_at=5, loose=loose))
+    honest = [Request(f"honest{i}", p, SAMPLED, seed=2 + i, constraint=residues(9, loose=loose))
+              for i, p in enumerate(prompts(3, rng))]
+    alone = {r.request_id: run(grammar_core(), [r])[r.request_id] for r in honest}
+    core = grammar_core()
+    outputs = []
+    for request in (*honest, giving_up):
+        core.add_request(request)
+    try:
+        while core.has_unfinished:
+            outputs += core.step()
+            core.scheduler.check_invariants()
+    finally:
+        core.close()
+    mine = [o for o in outputs if o.seq_id == "giving-up"]
+    failed = [o for o in mine if o.error is not None]
+    assert len(failed) == 1 and failed[0].finish_reason is FinishReason.ABORT
+    assert failed[0].error_field == "response_format" and "gave up" in failed[0].error
+    assert "too many expressions" in failed[0].error and "forbids" not in failed[0].error
+    assert sum(len(o.new_token_ids) for o in mine) == 5  # the tokens before the one it gave up on
+    for request in honest:
+        got = [t for o in outputs if o.seq_id == request.request_id for t in o.new_token_ids]
+        assert got == alone[request.request_id]
+    assert core.stats().num_blocks_free == 400

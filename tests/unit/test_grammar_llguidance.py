@@ -18,7 +18,7 @@ from helpers.checkpoints import smollm2_folder
 from helpers.json_schema_check import schema_errors
 
 from atlas.adapters.grammar.llguidance import LlguidanceCompiler
-from atlas.domain.constraints import TokenConstraint, fill_batch_bitmask
+from atlas.domain.constraints import GrammarGaveUp, TokenConstraint, fill_batch_bitmask, fill_step_bitmask
 from atlas.domain.reasoning_budget import ReasoningMarkers
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.domain.text.tool_calls import parse_tool_calls
@@ -28,6 +28,7 @@ from atlas.ports.grammar import (
     FunctionTool,
     Grammar,
     GrammarError,
+    GrammarLimitError,
     JsonObject,
     JsonSchema,
     Regex,
@@ -393,3 +394,46 @@ def test_try_accept_refuses_without_breaking_and_accepts_as_accept_token_does(co
             assert not tried.try_accept_token(long_tail) and not tried.is_finished
             refused = True
     assert refused and tried.is_accepting
+
+
+# A pattern intersected with a huge length bound: llguidance compiles it, then its lexer runs out
+# of expressions when the string opens (once the first mask has been computed).
+TOO_MUCH = JsonSchema({"type": "string", "pattern": "^(a+)+$", "minLength": 100_000})
+
+
+def test_a_grammar_llguidance_gives_up_on_raises_where_a_refusal_returns_false(compiler, tokenizer) -> None:
+    width = (compiler.vocab_size + 31) // 32
+    quote = tokenizer.encode('"', add_special_tokens=False)[0]
+    for accept in ("try_accept_token", "accept_token"):
+        matcher = compiler.compile(TOO_MUCH, "response_format").new_matcher()
+        row = np.zeros(width, dtype=np.int32)
+        matcher.fill_bitmask(row)
+        assert row[quote >> 5] >> (quote & 31) & 1  # the mask allowed the opening quote
+        with pytest.raises(GrammarLimitError, match="too many expressions"):
+            getattr(matcher, accept)(quote)
+    # a plain refusal is False, not an error; end-of-sequence still ends an accepting matcher
+    no, yes = (tokenizer.encode(text, add_special_tokens=False)[0] for text in ("no", "yes"))
+    choice = compiler.compile(Choice(("yes",)), "f").new_matcher()
+    assert not choice.try_accept_token(no) and not choice.accept_token(no)
+    choice = compiler.compile(Choice(("yes",)), "f").new_matcher()
+    assert choice.accept_token(yes) and choice.accept_token(min(tokenizer.eos_token_ids))
+
+
+def test_a_constraint_whose_grammar_gives_up_raises_gave_up_and_takes_nothing_back(compiler, tokenizer) -> None:
+    """TokenConstraint turns GrammarLimitError into GrammarGaveUp (a ConstraintViolation the
+    engine reports as the request's error); a rollback then leaves the dead matcher alone, and
+    a draft round over it marks the row's later drafts unreachable instead of raising."""
+    width = (compiler.vocab_size + 31) // 32
+    quote = tokenizer.encode('"', add_special_tokens=False)[0]
+    constraint = TokenConstraint(compiler.compile(TOO_MUCH, "response_format").new_matcher())
+    row = np.zeros(width, dtype=np.int32)
+    assert constraint.mask_for_next(row)
+    with pytest.raises(GrammarGaveUp, match="too many expressions"):
+        constraint.accept_sampled(quote)
+    with pytest.raises(GrammarGaveUp):
+        constraint.accept(quote)
+    constraint.rollback(0)
+    fresh = TokenConstraint(compiler.compile(TOO_MUCH, "response_format").new_matcher())
+    masks = np.zeros((3, width), dtype=np.int32)
+    assert fill_step_bitmask([(fresh, (quote, quote))], masks, compiler)
+    assert (masks[1:] == -1).all()  # after the draft it gave up on: all ones, nothing accepted

@@ -28,6 +28,7 @@ from atlas.ports.grammar import (
     ForcedToolCalls,
     Grammar,
     GrammarError,
+    GrammarLimitError,
     GrammarMatcher,
     JsonObject,
     JsonSchema,
@@ -78,28 +79,44 @@ class LlguidanceMatcher:
         return self._matcher.validate_tokens([token_id]) == 1
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance past `token_id`; False when the grammar forbids it (the matcher stays broken)."""
-        if not self._matcher.consume_token(token_id):
-            return False
+        """Advance past `token_id` (end-of-sequence included: it stops the matcher); False when
+        the grammar forbids it (the matcher stays broken). GrammarLimitError when llguidance
+        gives up on the matcher (a lexer limit). The try comes first, since only its outcome
+        tells a limit from a refusal; it never takes end-of-sequence, which consume_token does."""
+        matcher = self._matcher
+        if matcher.try_consume_tokens([token_id]) != 1:
+            if matcher.is_error():
+                raise GrammarLimitError(_first_line(matcher.get_error()))
+            if not matcher.consume_token(token_id):  # refused (or end-of-sequence: taken here)
+                return False
         return self._accepted(token_id)
 
     def try_accept_token(self, token_id: int) -> bool:
         """Advance past `token_id` where the grammar allows it; False, the matcher unmoved and
         usable, where it does not. One native call for `allows` and `accept_token` (a
-        constrained step accepts a token a row on the path to its next masks)."""
-        if self._matcher.try_consume_tokens([token_id]) != 1:
+        constrained step accepts a token a row on the path to its next masks). A refusal
+        leaves the matcher without an error; an error means llguidance gave up on it (its
+        lexer built too many expressions, say: a pattern intersected with a large length
+        bound): GrammarLimitError."""
+        matcher = self._matcher
+        if matcher.try_consume_tokens([token_id]) != 1:
+            if matcher.is_error():
+                raise GrammarLimitError(_first_line(matcher.get_error()))
             return False
         return self._accepted(token_id)
 
     def _accepted(self, token_id: int) -> bool:
-        """The rest of an accept once the matcher took `token_id`: the superset follows."""
+        """The rest of an accept once the matcher took `token_id`: the superset follows (its
+        consume inlined: a row's accept is on the path to the next step's masks)."""
         self._num_accepted += 1
         superset = self._superset
         if superset is not None:
-            if not superset.accept_token(token_id):
+            if not superset._matcher.consume_token(token_id):  # refused, or a limit of its own
                 self._superset = None  # not looser after all here: exact masks from now on
-            elif superset._counted is not None:
-                superset._counted.advance(token_id, self._matcher, superset._matcher)
+            else:
+                superset._num_accepted += 1
+                if superset._counted is not None:
+                    superset._counted.advance(token_id, self._matcher, superset._matcher)
         return True
 
     def rollback(self, num_tokens: int) -> None:
