@@ -361,15 +361,7 @@ def test_a_constraint_broken_on_the_mask_thread_ends_its_request_and_spares_the_
     handed = []
     _spy_threads(monkeypatch, ConstrainedSampling, "accept_early", handed)
     core = grammar_core()
-    outputs = []
-    for request in (*honest, liar):
-        core.add_request(request)
-    try:
-        while core.has_unfinished:
-            outputs += core.step()
-            core.scheduler.check_invariants()
-    finally:
-        core.close()
+    outputs = _run_checked(core, (*honest, liar))
     assert any(early is not None and early.violation is not None for _, early in handed)
     failed = [o for o in outputs if o.seq_id == "liar"]
     assert len(failed) == 1 and "forbids" in failed[0].error and failed[0].finish_reason is FinishReason.ABORT
@@ -491,15 +483,7 @@ def test_a_grammar_the_engine_gives_up_on_fails_its_request_as_the_request_s_err
               for i, p in enumerate(prompts(3, rng))]
     alone = {r.request_id: run(grammar_core(), [r])[r.request_id] for r in honest}
     core = grammar_core()
-    outputs = []
-    for request in (*honest, giving_up):
-        core.add_request(request)
-    try:
-        while core.has_unfinished:
-            outputs += core.step()
-            core.scheduler.check_invariants()
-    finally:
-        core.close()
+    outputs = _run_checked(core, (*honest, giving_up))
     mine = [o for o in outputs if o.seq_id == "giving-up"]
     failed = [o for o in mine if o.error is not None]
     assert len(failed) == 1 and failed[0].finish_reason is FinishReason.ABORT
@@ -510,3 +494,18 @@ def test_a_grammar_the_engine_gives_up_on_fails_its_request_as_the_request_s_err
         got = [t for o in outputs if o.seq_id == request.request_id for t in o.new_token_ids]
         assert got == alone[request.request_id]
     assert core.stats().num_blocks_free == 400
+
+
+def _run_checked(core, requests) -> list:
+    """Every output of `requests` run together, the scheduler's invariants checked each step;
+    the core's threads closed after."""
+    outputs = []
+    for request in requests:
+        core.add_request(request)
+    try:
+        while core.has_unfinished:
+            outputs += core.step()
+            core.scheduler.check_invariants()
+    finally:
+        core.close()
+    return outputs
