@@ -411,12 +411,47 @@ def test_a_grammar_llguidance_gives_up_on_raises_where_a_refusal_returns_false(c
         assert row[quote >> 5] >> (quote & 31) & 1  # the mask allowed the opening quote
         with pytest.raises(GrammarLimitError, match="too many expressions"):
             getattr(matcher, accept)(quote)
-    # a plain refusal is False, not an error; end-of-sequence still ends an accepting matcher
+    # a plain refusal is False, not an error, and leaves the matcher usable
     no, yes = (tokenizer.encode(text, add_special_tokens=False)[0] for text in ("no", "yes"))
     choice = compiler.compile(Choice(("yes",)), "f").new_matcher()
-    assert not choice.try_accept_token(no) and not choice.accept_token(no)
+    assert not choice.try_accept_token(no) and not choice.accept_token(no) and choice.accept_token(yes)
+
+
+def test_end_of_sequence_is_allowed_and_taken_back_where_the_grammar_may_end(compiler, tokenizer) -> None:
+    """llguidance's validate and try-consume never take end-of-sequence, though its masks allow
+    it once the grammar may end: `allows` and the accepts take it there (a loosely masked row
+    that ends its document is not sampled again), refuse it before, and a rollback takes it
+    back without undoing the token before it (llguidance records no end after a stop)."""
+    eos = min(tokenizer.eos_token_ids)
+    width = (compiler.vocab_size + 31) // 32
+    constraint = TokenConstraint(compiler.compile(JsonSchema(BOUNDED), "response_format").new_matcher(),
+                                 loose_masks=True)
+    matcher = compiler.compile(JsonSchema(BOUNDED), "response_format").new_matcher()
+    assert not matcher.allows(eos) and not matcher.try_accept_token(eos)
+    document = tokenizer.encode('[{"name": "Ann", "age": 3}, {"name": "Bo", "age": 7}]', add_special_tokens=False)
+    for token_id in document:
+        assert constraint.accept_sampled(token_id) and matcher.accept_token(token_id)
+    before = np.zeros(width, dtype=np.int32)
+    matcher.fill_bitmask(before)
+    assert matcher.allows(eos) and constraint.admits(eos)
+    assert constraint.accept_sampled(eos) and matcher.try_accept_token(eos) and matcher.is_finished
+    assert not matcher.allows(eos) and not matcher.try_accept_token(eos)  # nothing follows the end
+    matcher.rollback(1)
+    constraint.rollback(1)  # a rejected draft's end-of-sequence comes back off, and only it
+    after = np.zeros(width, dtype=np.int32)
+    matcher.fill_bitmask(after)
+    assert (after == before).all() and constraint.accept_sampled(eos) and matcher.accept_token(eos)
     choice = compiler.compile(Choice(("yes",)), "f").new_matcher()
-    assert choice.accept_token(yes) and choice.accept_token(min(tokenizer.eos_token_ids))
+    yes = tokenizer.encode("yes", add_special_tokens=False)[0]
+    assert choice.accept_token(yes) and choice.accept_token(eos) and choice.is_finished
+    choice.rollback(1)
+    assert choice.is_accepting and choice.accept_token(eos)  # the end once more, after its rollback
+    choice.rollback(1)
+    rows = np.zeros((1, width), dtype=np.int32)
+    ended = choice.fork()
+    assert ended.accept_token(eos)
+    compiler.fill_bitmasks([(ended, 0)], rows)
+    assert np.flatnonzero(rows[0]).size == 1 and rows[0][eos >> 5] == 1 << (eos & 31)
 
 
 def test_a_constraint_whose_grammar_gives_up_raises_gave_up_and_takes_nothing_back(compiler, tokenizer) -> None:

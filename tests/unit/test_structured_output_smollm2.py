@@ -49,12 +49,15 @@ def test_json_schema_answers_sampled_at_temperature_one_parse_and_validate(llm):
     compiled = []
     compile_once = grammars.compiler.compile
     grammars.compiler.compile = lambda spec, field: compiled.append(field) or compile_once(spec, field)
+    resampled = llm.engine.core.num_resampled_tokens
     try:
         [result] = llm.chat(ASK, SamplingParams(temperature=1.0, max_tokens=80, n=8, seed=5),
                             constraint=OutputConstraint(JsonSchema(PERSON), "response_format"))
     finally:
         del grammars.compiler.compile
     assert compiled == ["response_format"]  # compiled once for the 8 choices
+    # each document's end-of-sequence is accepted where it comes, not refused and drawn again
+    assert llm.engine.core.num_resampled_tokens == resampled
     texts = [choice.text for choice in result.outputs]
     for choice in result.outputs:
         assert choice.finish_reason == "stop" and choice.error is None, choice

@@ -22,6 +22,7 @@ import numpy as np
 from atlas.adapters.grammar.counted_strings import CountedString, counts_strings, StringTables
 from atlas.adapters.grammar.relaxed_schema import relaxed_schema
 from atlas.adapters.grammar.tool_call_grammars import JSON_STYLE, tool_call_lark
+from atlas.domain.token_mask import allow_only
 from atlas.ports.grammar import (
     Choice,
     ConstraintSpec,
@@ -40,13 +41,22 @@ class LlguidanceMatcher:
     """One sequence's llguidance matcher (the `GrammarMatcher` port), with the matcher of its
     schema's relaxed grammar kept in step where it has one (`superset`). A superset may count
     down the string being written (`counted`, `atlas.adapters.grammar.counted_strings`): its
-    masks then drop the tokens too long for what the string has left."""
+    masks then drop the tokens too long for what the string has left.
 
-    __slots__ = ("_matcher", "_num_words", "_num_accepted", "_superset", "_counted")
+    End-of-sequence is taken here, not by llguidance: its validate and try-consume never take
+    it (so a row that ended its document read as refused and was sampled again), and its
+    consume on a matcher already stopped records nothing, so a rollback of that token undid the
+    one before. Where the matcher is accepting, end-of-sequence is allowed and accepted as an
+    end marker (`_ended`) that a rollback takes back first; nothing follows it."""
+
+    __slots__ = ("_matcher", "_num_words", "_num_accepted", "_superset", "_counted", "_eos", "_ended")
 
     def __init__(self, matcher: llguidance.LLMatcher, num_words: int, num_accepted: int = 0,
-                 superset: LlguidanceMatcher | None = None, counted: CountedString | None = None) -> None:
+                 superset: LlguidanceMatcher | None = None, counted: CountedString | None = None,
+                 eos: frozenset[int] = frozenset(), ended: int = 0) -> None:
         self._matcher = matcher
+        self._eos = eos  # the tokenizer's end-of-sequence ids
+        self._ended = ended  # end-of-sequence tokens accepted (the last of `_num_accepted`)
         self._num_words = num_words  # ceil(V / 32)
         self._num_accepted = num_accepted
         self._superset = superset
@@ -61,12 +71,20 @@ class LlguidanceMatcher:
     def superset(self) -> LlguidanceMatcher | None:
         return self._superset
 
+    @property
+    def has_ended(self) -> bool:
+        """Whether end-of-sequence was accepted (nothing may follow it)."""
+        return self._ended > 0
+
     def fill_bitmask(self, bitmask_row: np.ndarray) -> None:
         """Write the allowed next tokens into an int32 row; ValueError on a wrong row."""
         if (bitmask_row.dtype != np.int32 or bitmask_row.shape != (self._num_words,)
                 or not bitmask_row.flags.c_contiguous):
             raise ValueError(f"bitmask_row: expected C-contiguous int32 [{self._num_words}], got "
                              f"{bitmask_row.dtype} {list(bitmask_row.shape)}")
+        if self._ended:
+            allow_only(bitmask_row, self._eos)  # nothing follows the end (a draft past it, say)
+            return
         self._matcher.unsafe_compute_mask_ptr(bitmask_row.ctypes.data, bitmask_row.nbytes)
         if self._counted is not None and (keep := self._counted.keep) is not None:
             np.bitwise_and(bitmask_row, keep, out=bitmask_row)
@@ -76,20 +94,16 @@ class LlguidanceMatcher:
         return self._counted
 
     def allows(self, token_id: int) -> bool:
+        if self._ended:
+            return False
+        if token_id in self._eos:
+            return self._matcher.is_accepting()
         return self._matcher.validate_tokens([token_id]) == 1
 
     def accept_token(self, token_id: int) -> bool:
-        """Advance past `token_id` (end-of-sequence included: it stops the matcher); False when
-        the grammar forbids it (the matcher stays broken). GrammarLimitError when llguidance
-        gives up on the matcher (a lexer limit). The try comes first, since only its outcome
-        tells a limit from a refusal; it never takes end-of-sequence, which consume_token does."""
-        matcher = self._matcher
-        if matcher.try_consume_tokens([token_id]) != 1:
-            if matcher.is_error():
-                raise GrammarLimitError(_first_line(matcher.get_error()))
-            if not matcher.consume_token(token_id):  # refused (or end-of-sequence: taken here)
-                return False
-        return self._accepted(token_id)
+        """Advance past `token_id`; False, the matcher unmoved, when the grammar forbids it.
+        GrammarLimitError when llguidance gives up on the matcher (a lexer limit)."""
+        return self.try_accept_token(token_id)
 
     def try_accept_token(self, token_id: int) -> bool:
         """Advance past `token_id` where the grammar allows it; False, the matcher unmoved and
@@ -102,7 +116,11 @@ class LlguidanceMatcher:
         if matcher.try_consume_tokens([token_id]) != 1:
             if matcher.is_error():
                 raise GrammarLimitError(_first_line(matcher.get_error()))
-            return False
+            if token_id not in self._eos or self._ended or not matcher.is_accepting():
+                return False
+            self._ended += 1  # the end of the output, where the grammar may end (class doc)
+            self._num_accepted += 1
+            return True
         return self._accepted(token_id)
 
     def _accepted(self, token_id: int) -> bool:
@@ -123,9 +141,12 @@ class LlguidanceMatcher:
         """Undo the last `num_tokens` tokens; ValueError past the start."""
         if not 0 <= num_tokens <= self._num_accepted:
             raise ValueError(f"rollback: {num_tokens} tokens asked back, {self._num_accepted} accepted")
+        self._num_accepted -= num_tokens
+        ended = min(num_tokens, self._ended)  # the end came last: it goes first, llguidance never saw it
+        self._ended -= ended
+        num_tokens -= ended
         if num_tokens and not self._matcher.rollback(num_tokens):
             raise ValueError(f"rollback: llguidance refused ({self._matcher.get_error()})")
-        self._num_accepted -= num_tokens
         if self._superset is not None:
             self._superset.rollback(num_tokens)
         if self._counted is not None:
@@ -134,21 +155,22 @@ class LlguidanceMatcher:
     def fork(self) -> LlguidanceMatcher:
         superset = self._superset.fork() if self._superset is not None else None
         counted = self._counted.copy() if self._counted is not None else None
-        return LlguidanceMatcher(self._matcher.deep_copy(), self._num_words, self._num_accepted, superset, counted)
+        return LlguidanceMatcher(self._matcher.deep_copy(), self._num_words, self._num_accepted, superset, counted,
+                                 self._eos, self._ended)
 
     @property
     def is_accepting(self) -> bool:
-        return self._matcher.is_accepting()
+        return bool(self._ended) or self._matcher.is_accepting()
 
     @property
     def is_finished(self) -> bool:
-        return self._matcher.is_stopped()
+        return bool(self._ended) or self._matcher.is_stopped()
 
 
 class LlguidanceGrammar:
     """A validated grammar (the `CompiledGrammar` port)."""
 
-    __slots__ = ("_tokenizer", "_grammar", "_field", "_vocab_size", "_start", "_relaxed", "_counter")
+    __slots__ = ("_tokenizer", "_grammar", "_field", "_vocab_size", "_start", "_relaxed", "_counter", "_eos")
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, grammar: str, field: str, vocab_size: int,
                  relaxed: Callable[[], str] | None = None,
@@ -158,6 +180,7 @@ class LlguidanceGrammar:
         self._field = field
         self._vocab_size = vocab_size
         self._start: llguidance.LLMatcher | None = None  # built by the first new_matcher
+        self._eos = frozenset(tokenizer.eos_tokens)
         # A looser grammar whose masks are cheaper (`relaxed_schema`): its text's maker until
         # the first matcher needs it (the API process compiles only to validate), then itself.
         self._relaxed: Callable[[], str] | LlguidanceGrammar | None = relaxed
@@ -183,7 +206,8 @@ class LlguidanceGrammar:
                 superset._counted = self._counter() if self._counter is not None else None
             except (GrammarError, ValueError):  # exact masks only
                 self._relaxed = None
-        return LlguidanceMatcher(self._start.deep_copy(), (self._vocab_size + 31) // 32, superset=superset)
+        return LlguidanceMatcher(self._start.deep_copy(), (self._vocab_size + 31) // 32, superset=superset,
+                                 eos=self._eos)
 
 
 class LlguidanceCompiler:
@@ -261,11 +285,15 @@ class LlguidanceCompiler:
                 raise TypeError("fill_bitmasks: matchers must come from this compiler")
             if not 0 <= row < num_rows:
                 raise ValueError(f"fill_bitmasks: row {row} outside the bitmask's {num_rows} rows")
+            if matcher.has_ended:  # past its end-of-sequence: its own fill (only the end)
+                matcher.fill_bitmask(bitmask[row])
+                continue
             native.append((matcher.native, row))
             counted = matcher.counted
             if counted is not None and (keep := counted.keep) is not None:
                 keeps.append((row, keep))
-        self._executor.unsafe_compute_mask_ptr(native, bitmask.ctypes.data, bitmask.shape[1] * 4, num_rows)
+        if native:
+            self._executor.unsafe_compute_mask_ptr(native, bitmask.ctypes.data, bitmask.shape[1] * 4, num_rows)
         for row, keep in keeps:
             np.bitwise_and(bitmask[row], keep, out=bitmask[row])
 
