@@ -435,7 +435,9 @@ def test_end_of_sequence_is_allowed_and_taken_back_where_the_grammar_may_end(com
     matcher.fill_bitmask(before)
     assert matcher.allows(eos) and constraint.admits(eos)
     assert constraint.accept_sampled(eos) and matcher.try_accept_token(eos) and matcher.is_finished
+    space = tokenizer.encode(" ", add_special_tokens=False)[0]  # JSON would take it after the document
     assert not matcher.allows(eos) and not matcher.try_accept_token(eos)  # nothing follows the end
+    assert not matcher.try_accept_token(space) and not matcher.accept_token(space)
     matcher.rollback(1)
     constraint.rollback(1)  # a rejected draft's end-of-sequence comes back off, and only it
     after = np.zeros(width, dtype=np.int32)

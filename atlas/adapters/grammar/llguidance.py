@@ -112,11 +112,13 @@ class LlguidanceMatcher:
         leaves the matcher without an error; an error means llguidance gave up on it (its
         lexer built too many expressions, say: a pattern intersected with a large length
         bound): GrammarLimitError."""
+        if self._ended:  # nothing follows the end (llguidance never saw it: ask it nothing)
+            return False
         matcher = self._matcher
         if matcher.try_consume_tokens([token_id]) != 1:
             if matcher.is_error():
                 raise GrammarLimitError(_first_line(matcher.get_error()))
-            if token_id not in self._eos or self._ended or not matcher.is_accepting():
+            if token_id not in self._eos or not matcher.is_accepting():
                 return False
             self._ended += 1  # the end of the output, where the grammar may end (class doc)
             self._num_accepted += 1
