@@ -218,8 +218,7 @@ class TokenConstraint:
         try:
             accepted = grammar.try_accept_token(token_id)
         except GrammarLimitError as error:
-            self._gave_up = True
-            raise GrammarGaveUp(str(error)) from None
+            raise self._give_up(error) from None
         if not accepted:
             if self._mask_grammar() is grammar:  # sampled under the exact mask
                 raise ConstraintViolation(f"token {token_id} is not allowed by the request's grammar")
@@ -320,14 +319,19 @@ class TokenConstraint:
         assert self._markers is not None
         return _State(_Phase.CLOSING, state.num_reasoning_tokens, self._markers.forced_end_token_ids)
 
+    def _give_up(self, error: GrammarLimitError) -> GrammarGaveUp:
+        """The grammar engine gave up on the matcher: it is not sampled again nor rolled back,
+        and the violation to raise ends the request (GrammarGaveUp)."""
+        self._gave_up = True
+        return GrammarGaveUp(str(error))
+
     def _answer(self, token_id: int) -> bool:
         if self._grammar is None:
             return False
         try:
             accepted = self._grammar.accept_token(token_id)
         except GrammarLimitError as error:
-            self._gave_up = True
-            raise GrammarGaveUp(str(error)) from None
+            raise self._give_up(error) from None
         if not accepted:
             raise ConstraintViolation(f"token {token_id} is not allowed by the request's grammar")
         self._num_grammar_tokens += 1
