@@ -186,19 +186,112 @@ __device__ __forceinline__ int merge_index(int row, int d) {
     return row * HEAD_DIM + d;
 }
 
+// The last split's merge of every split, for blocks with many (head, dim) items a thread
+// (merge_staged): the log2-sum-exps of the block's heads are staged in shared memory (`staged`,
+// the merge buffers, free by then) in one pass and turned into each split's normalised weight
+// per head, a warp a head; then each thread requests MERGE_LOADS partial outputs at once,
+// MERGE_ITEMS of its items times MERGE_LOADS / MERGE_ITEMS splits, with clamped addresses and no
+// branches, so that they all are in flight together. Item by item (finish_decode's loop), a
+// thread's items are a chain of dependent L2 round trips: Qwen3-Next's 8 heads x 256 dims on 128
+// threads, 16 items a thread. Decode attention alone at batch 1 (bench_kernels' rows), NVIDIA
+// H200, us, item by item -> staged:
+//
+//     heads (q / kv x dim)          512 tokens     4096 tokens
+//     16 / 2 x 256 (Qwen3-Next)     15.3 -> 11.4   55.5 -> 24.9
+//     32 / 4 x 128 (Qwen3-30B-A3B)   7.4 -> 7.1    12.7 -> 9.6
+//     32 / 8 x 128 (Llama-3.1-8B)    5.4 -> 6.1     8.6 -> 9.0   (so it keeps the item loop)
+//
+// The same staged merge with branches around its loads (item < items, z < splits) and both loops
+// unrolled took 28.2 and 159.4 us for Qwen3-Next's heads.
+#define MERGE_LOADS 32
+#define MERGE_ITEMS 4
+
+template <int HEAD_DIM, int HEADS, int THREADS, bool EXTRAS>
+__device__ __forceinline__ void merge_staged(float* staged, const DecodeOutput& to) {
+    constexpr int ITEMS_A_THREAD = (HEADS * HEAD_DIM + THREADS - 1) / THREADS;
+    constexpr int ITEMS = ITEMS_A_THREAD < MERGE_ITEMS ? ITEMS_A_THREAD : MERGE_ITEMS;
+    constexpr int SPLITS = MERGE_LOADS / ITEMS;
+    const int splits = to.used_splits, heads = to.num_heads, items = heads * HEAD_DIM;
+    const long long first_slot = ((long long)to.seq * to.num_q_heads + to.first_head) * to.num_splits;
+    // staged [heads][splits]: log2-sum-exp, then exp2(lse - best) / (sum + sink)
+    for (int i = threadIdx.x; i < heads * splits; i += THREADS)
+        staged[i] = __ldcg(to.partial_lse + first_slot + (long long)(i / splits) * to.num_splits + i % splits);
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    for (int h = threadIdx.x >> 5; h < heads; h += THREADS / 32) {
+        float* weight = staged + h * splits;
+        float best = -ATLAS_INF;
+        for (int z = lane; z < splits; z += 32) best = fmaxf(best, weight[z]);
+        best = warp_max(best);
+        float total = 0.0f;
+        for (int z = lane; z < splits; z += 32) {
+            weight[z] = best == -ATLAS_INF ? 0.0f : exp2f(weight[z] - best);  // a split without a token: 0
+            total += weight[z];
+        }
+        total = warp_sum(total);
+        float denominator = total;
+        if constexpr (EXTRAS) denominator += sink_term(to.sinks, to.first_head + h, best);
+        const float inverse = total > 0.0f ? 1.0f / denominator : 0.0f;
+        for (int z = lane; z < splits; z += 32) weight[z] *= inverse;
+    }
+    __syncthreads();
+#pragma unroll 1
+    for (int base = threadIdx.x; base < items; base += THREADS * ITEMS) {
+        float value[ITEMS];
+        bf16 gate[ITEMS];
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const int item = base + i * THREADS;
+            value[i] = 0.0f;
+            // gate [Hq][D] of the token: item h D + d is head first_head + h's dim d
+            if (EXTRAS && to.gate != nullptr)
+                gate[i] = to.gate[(long long)to.first_head * HEAD_DIM + min(item, items - 1)];
+        }
+#pragma unroll 1
+        for (int z0 = 0; z0 < splits; z0 += SPLITS) {
+            float part[SPLITS][ITEMS];
+#pragma unroll
+            for (int u = 0; u < SPLITS; ++u)
+#pragma unroll
+                for (int i = 0; i < ITEMS; ++i) {
+                    const int item = min(base + i * THREADS, items - 1), z = min(z0 + u, splits - 1);
+                    const long long slot = first_slot + (long long)(item / HEAD_DIM) * to.num_splits + z;
+                    part[u][i] = __ldcg(to.partial_out + slot * HEAD_DIM + item % HEAD_DIM);
+                }
+#pragma unroll
+            for (int u = 0; u < SPLITS; ++u)
+#pragma unroll
+                for (int i = 0; i < ITEMS; ++i) {
+                    const int item = min(base + i * THREADS, items - 1), z = z0 + u;
+                    const float weight = z < splits ? staged[(item / HEAD_DIM) * splits + z] : 0.0f;
+                    value[i] = fmaf(weight, part[u][i], value[i]);
+                }
+        }
+#pragma unroll
+        for (int i = 0; i < ITEMS; ++i) {
+            const int item = base + i * THREADS;
+            if (item >= items) continue;
+            float merged = value[i];
+            if (EXTRAS && to.gate != nullptr) merged *= sigmoid_of(gate[i]);
+            to.out[to.q_row + (long long)to.first_head * HEAD_DIM + item] = from_float<bf16>(merged);
+        }
+    }
+}
+
 // The end of a decode block: combine its PARTS partial softmaxes (shared memory, [PARTS][HEADS]
 // maxima and sums in the log2 domain, [PARTS][HEADS][HEAD_DIM] outputs at merge_index), then
-// write `out` (one split) or the block's normalised partial and log2-sum-exp, and let the last
-// split of the (sequence, head group) to finish merge every split (see the file comment).
+// write `out` (one split) or the block's normalised partial and log2-sum-exp, and let the last split of the (sequence, head group) to finish merge every split
+// (see the file comment), in the merge buffers' memory. THREADS: the block's.
 // EXTRAS: a head's sink joins the final denominator, and a gated layer's output is multiplied
 // by sigmoid of its gate (attention_extras.cuh).
 // CASCADE: a row that shares the step's prefix folds in its pieces where it writes `out`.
-template <int HEAD_DIM, int HEADS, int PARTS, MergeLayout LAYOUT = MERGE_PLAIN, bool EXTRAS = false,
+template <int HEAD_DIM, int HEADS, int PARTS, int THREADS, MergeLayout LAYOUT = MERGE_PLAIN, bool EXTRAS = false,
           bool CASCADE = false>
-__device__ __forceinline__ void finish_decode(const float* merge_max, const float* merge_sum, const float* merge_out,
+__device__ __forceinline__ void finish_decode(float* merge_max, const float* merge_sum, const float* merge_out,
                                               const DecodeOutput& to) {
     const bool cascaded = CASCADE && to.cascade.shared_prefix[0] > 0 && to.cascade.shared_prefix[2 + to.seq] != 0;
-    for (int item = threadIdx.x; item < to.num_heads * HEAD_DIM; item += blockDim.x) {
+    const bool whole = to.num_splits == 1;
+    for (int item = threadIdx.x; item < to.num_heads * HEAD_DIM; item += THREADS) {
         const int h = item / HEAD_DIM, d = item % HEAD_DIM;
         float best = -ATLAS_INF;
 #pragma unroll
@@ -213,10 +306,10 @@ __device__ __forceinline__ void finish_decode(const float* merge_max, const floa
             }
         }
         const int head = to.first_head + h;
-        if (cascaded && to.num_splits == 1)
+        if (cascaded && whole)
             absorb_cascade(to.cascade, to.seq, head, to.num_q_heads, d, HEAD_DIM, 1.0f, best, total, value);
         float normalised = total > 0.0f ? value / total * to.v_scale : 0.0f;
-        if (to.num_splits == 1) {
+        if (whole) {
             if constexpr (EXTRAS) {
                 normalised = total > 0.0f ? value / (total + sink_term(to.sinks, head, best)) * to.v_scale : 0.0f;
                 if (to.gate != nullptr) normalised *= sigmoid_of(to.gate[(long long)head * HEAD_DIM + d]);
@@ -228,14 +321,18 @@ __device__ __forceinline__ void finish_decode(const float* merge_max, const floa
             if (d == 0) to.partial_lse[slot] = total > 0.0f ? best + log2f(total) : -ATLAS_INF;
         }
     }
-    if (to.num_splits == 1 ||
-        !last_block_done(to.split_counters + (long long)to.seq * gridDim.y + blockIdx.y, to.used_splits))
+    if (whole || !last_block_done(to.split_counters + (long long)to.seq * gridDim.y + blockIdx.y, to.used_splits))
         return;
-    // The last split to finish merges every split of this block's heads (read from L2), in
-    // batches of DECODE_MERGE_BATCH splits whose loads all issue before the first is used: the
-    // merge sits at the end of the layer's critical path, and a loop of dependent L2 round trips
-    // (two per split) cost ~0.8 us per layer for each split past four.
-    for (int item = threadIdx.x; item < to.num_heads * HEAD_DIM; item += blockDim.x) {
+    // The merge buffers are free: last_block_done's barrier follows every read of them.
+    constexpr int STAGED_FLOATS = PARTS * HEADS * (2 + HEAD_DIM);
+    if (!cascaded && to.num_heads * HEAD_DIM > 2 * THREADS && HEADS * to.used_splits <= STAGED_FLOATS) {
+        merge_staged<HEAD_DIM, HEADS, THREADS, EXTRAS>(merge_max, to);
+        return;
+    }
+    // Item by item, DECODE_MERGE_BATCH splits' loads issued before the first is used: a thread
+    // with at most two items, a cascaded row (its prefix pieces join the merge), or more splits
+    // than the buffers hold.
+    for (int item = threadIdx.x; item < to.num_heads * HEAD_DIM; item += THREADS) {
         const int head = to.first_head + item / HEAD_DIM, d = item % HEAD_DIM;
         const long long first_slot = ((long long)to.seq * to.num_q_heads + head) * to.num_splits;
         float best = -ATLAS_INF, total = 0.0f, value = 0.0f;
@@ -483,7 +580,7 @@ __device__ __forceinline__ void attention_decode_impl(
     __syncthreads();
     DecodeOutput out_to{out, partial_out, partial_lse, split_counters, q_row, seq, num_q_heads, first_head,
                         num_heads, split, num_splits, used_splits, 1.0f, nullptr, nullptr};
-    finish_decode<HEAD_DIM, HEADS, GROUPS>(merge_max, merge_sum, merge_out, out_to);
+    finish_decode<HEAD_DIM, HEADS, GROUPS, DECODE_THREADS>(merge_max, merge_sum, merge_out, out_to);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -894,7 +991,8 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     DecodeOutput out_to{out, partial_out, partial_lse, split_counters, out_row, seq, num_q_heads, first_head,
                         num_heads, split, num_splits, used_splits, v_scale, gate, EXTRAS ? extras.sinks : nullptr,
                         cascade};
-    finish_decode<HEAD_DIM, DECODE_MMA_HEADS, WARPS, LAYOUT, EXTRAS, CASCADE>(merge_max, merge_sum, merge_out, out_to);
+    finish_decode<HEAD_DIM, DECODE_MMA_HEADS, WARPS, WARPS * 32, LAYOUT, EXTRAS, CASCADE>(merge_max, merge_sum,
+                                                                                   merge_out, out_to);
 }
 
 #define DEFINE_DECODE(HEAD_DIM, HEADS)                                                                          \
