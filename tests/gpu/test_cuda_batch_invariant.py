@@ -167,7 +167,11 @@ def test_greedy_output_with_ngram_drafts_is_the_output_without(invariant, rng):
     """One engine over a random SmolLM2-shaped Llama (CUDA graphs on), the same prompts greedy
     with the n-gram proposer (k = 4) and with speculation off: identical tokens, with drafts
     accepted and rejected along the way (random weights make near-ties common, where
-    batch-dependent sums would part the paths)."""
+    batch-dependent sums would part the paths). The prefix cache is off: with it the second run
+    starts from the first run's cached blocks and prefills only each prompt's tail, through
+    other products than the first run's whole-prompt GEMM (a GEMV up to 8 rows, else cuBLASLt's
+    timed choice), so its KV of those rows may differ in the last bits and part the runs at a
+    near-tie whatever the proposer does."""
     backend = invariant
     config = ModelConfig.from_dict(SMALL_LLAMA)
     model = load_model(config, DictWeights(random_llama_weights(SMALL_LLAMA, seed=11, scale=0.5)), backend, 1024)
@@ -175,8 +179,8 @@ def test_greedy_output_with_ngram_drafts_is_the_output_without(invariant, rng):
     worker = make_worker(model, 300, BLOCK_SIZE, WorkerConfig(256, 8, 1024, (1, 2, 4, 5, 8)), kv_dtype=DType.BF16)
     worker.capture_graphs()
     policy = speculation_policy(spec)
-    scheduler = Scheduler(SchedulerConfig(1024, 8, 256, BLOCK_SIZE), make_cache(model, 300, BLOCK_SIZE, 8),
-                          speculation=policy)
+    cache = make_cache(model, 300, BLOCK_SIZE, 8, prefix_caching=False)
+    scheduler = Scheduler(SchedulerConfig(1024, 8, 256, BLOCK_SIZE), cache, speculation=policy)
     core = EngineCore(scheduler, worker, 1024, 64, frozenset({63}))
     prompts = []
     for _ in range(6):
