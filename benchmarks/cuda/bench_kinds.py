@@ -1,11 +1,14 @@
 """Layer-level timings of the MoE, recurrent and attention-variant kinds on CUDA against their
 byte rooflines and against transformers' own modules (not a test; prints a table last).
 
-    python benchmarks/cuda/bench_kinds.py [moe gdn prefill sinks]     (from the repository root)
+    python benchmarks/cuda/bench_kinds.py [moe route gdn prefill sinks]     (from the repository root)
 
 moe:     the Qwen3-30B-A3B MoE layer (H 2048, 128 experts of 768, top 8), route + experts at
          batch 1 and 64, weights rotating over 4 layer copies so they stream from HBM; roofline
          = (router + the distinct experts the step touched) / the copy bandwidth of the same run.
+route:   the decode routing alone (moe_route_small) and routing + experts at batch 1 and 4, for
+         Qwen3-30B-A3B's shape and Qwen3-Next's (H 2048, 512 experts of 512, top 10), with a
+         digest of the ids, weights and output (two kernel sources should print the same).
 gdn:     a Qwen3-Next Gated DeltaNet mixer (in_proj, conv, delta rule, gated norm, out_proj) at
          batch 1; roofline = (projection weights + conv and recurrent state read and written) / BW.
 prefill: 8192 tokens through the same MoE layer and GDN mixer, against transformers'
@@ -19,6 +22,7 @@ Every figure is device time of graph replays (events), median of 5.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import statistics
 import sys
 from pathlib import Path
@@ -131,6 +135,39 @@ def bench_moe(backend, timer, rng, bandwidth, rows):
         roofline_us = (statistics.mean(touched) * expert_bytes + shape["experts"] * shape["hidden"] * 2) / bandwidth * 1e6
         rows.append((f"MoE Qwen3-30B-A3B batch {batch}", f"{us:.1f} us",
                      f"{roofline_us / us:.0%} of roofline ({statistics.mean(touched):.0f} experts, {roofline_us:.1f} us)"))
+
+
+QWEN3_NEXT_MOE = dict(hidden=2048, inner=512, experts=512, top_k=10)
+
+
+def bench_route(backend, timer, rows):
+    for name, shape in (("Qwen3-30B-A3B", QWEN3_30B), ("Qwen3-Next", QWEN3_NEXT_MOE)):
+        rng = np.random.default_rng(1)
+        layers = [backend.moe.prepare(moe_host(rng, **shape)) for _ in range(4)]
+        for batch in (1, 4):
+            routes, fulls, digest = [], [], hashlib.sha1()
+            for layer in layers:
+                values = random_bf16(rng, (batch, shape["hidden"]), 1.0)
+                x, residual = backend.upload(values, DType.BF16), backend.upload(values, DType.BF16)
+                normed = backend.empty((batch, shape["hidden"]), DType.BF16)
+                ids = backend.empty((batch, shape["top_k"]), DType.I32)
+                weights = backend.empty((batch, shape["top_k"]), DType.F32)
+
+                def route(layer=layer, x=x, normed=normed, ids=ids, weights=weights):
+                    backend.moe.route(x, layer, normed, ids, weights)
+
+                def full(layer=layer, x=residual, normed=normed, ids=ids, weights=weights):
+                    backend.moe.route(x, layer, normed, ids, weights)
+                    backend.moe.experts(normed, layer, ids, weights, x)
+
+                route()
+                digest.update(backend.download(ids).tobytes() + backend.download(weights).tobytes())
+                full()
+                digest.update(backend.download(residual).tobytes())
+                routes.append(route)
+                fulls.append(full)
+            rows.append((f"MoE route {name} batch {batch}", f"{timer.us(routes):.2f} us",
+                         f"route + experts {timer.us(fulls):.2f} us; digest {digest.hexdigest()[:12]}"))
 
 
 QWEN3_NEXT = DeltaNetLayer(state_layer=0, num_key_heads=16, num_value_heads=32, key_head_dim=128,
@@ -289,6 +326,7 @@ def main() -> int:
     rows = [("copy ceiling", f"{bandwidth / 1e12:.2f} TB/s", backend.runtime.device_name)]
     for step in steps:
         {"moe": lambda: bench_moe(backend, timer, rng, bandwidth, rows),
+         "route": lambda: bench_route(backend, timer, rows),
          "gdn": lambda: bench_gdn(backend, timer, rng, bandwidth, rows),
          "prefill": lambda: bench_prefill(backend, timer, rng, rows),
          "sinks": lambda: bench_sinks(backend, timer, rng, rows)}[step]()

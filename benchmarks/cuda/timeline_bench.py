@@ -11,6 +11,9 @@ only its tail. timeline_model_step.py does the same for a hand-built Llama graph
 
 TIMELINE_PATCH='{"atlas.adapters.cuda.ops_attention:MIN_TOKENS_PER_SPLIT": {"mma": 128, "simt": 128}}'
 sets module attributes first, for an A/B of a tuning constant without editing it.
+TIMELINE_SEQUENCE=FIRST:COUNT also lists COUNT kernels of the last replayed step from its FIRST
+kernel on, each with its start and end (us from the first one's start): where a layer's kernels
+wait for each other.
 """
 
 from __future__ import annotations
@@ -63,6 +66,20 @@ def _table(kernels: list[dict], steps: int) -> None:
         print(f"  {name:<60}{count / steps:>7.0f}{duration / steps:>9.1f}{wall / steps:>9.1f}{duration / count:>9.2f}")
 
 
+def _sequence(kernels: list[dict], steps: int, spec: str) -> None:
+    if not spec or not kernels:
+        return
+    first, count = (int(part) for part in spec.split(":"))
+    step = kernels[len(kernels) // steps * (steps - 1):][first:first + count]
+    if not step:
+        return
+    origin = step[0]["ts"]
+    print(f"  {'kernel':<60}{'start':>9}{'end':>9}{'dur':>8}")
+    for kernel in step:
+        start = kernel["ts"] - origin
+        print(f"  {kernel['name'][:60]:<60}{start:>9.2f}{start + kernel['dur']:>9.2f}{kernel['dur']:>8.2f}")
+
+
 def _patch() -> None:
     for target, value in json.loads(os.environ.get("TIMELINE_PATCH", "{}")).items():
         module, name = target.split(":")
@@ -86,6 +103,7 @@ def main(argv: list[str]) -> int:
         print(f"batch {len(batch.sequences)} ({batch.num_tokens} tokens): {seconds * 1e6:.1f} us a step by replay",
               file=sys.stderr)
         _table(kernels, _REPLAYS)
+        _sequence(kernels, _REPLAYS, os.environ.get("TIMELINE_SEQUENCE", ""))
         return seconds
 
     measure.replay_device_time = profiled

@@ -107,12 +107,14 @@ struct SlotPairs {
 };
 
 // One block (blockDim a multiple of 32) writes the slot table from expert_ids [num_pairs]
-// (global ids, read through L2: other blocks of the grid may have written them). A slot's pairs
+// (global ids, read through L2: other blocks of the grid may have written them), or from
+// shared_ids [num_pairs] where this block routed every token itself (no L2 round trip). A slot's pairs
 // come in the order the block's shared-memory atomics rank them, which may change from run to
 // run; no result depends on it (each pair's rows are its own GEMV columns and output rows, and
 // the combine sums a token's pairs in k order).
 __device__ __forceinline__ void build_slot_table(const int* expert_ids, int num_pairs, int first_expert,
-                                                 int num_experts, int routed_slots, int* slot_table) {
+                                                 int num_experts, int routed_slots, int* slot_table,
+                                                 const int* shared_ids = nullptr) {
     __shared__ unsigned present[MOE_MAX_EXPERTS / 32];
     __shared__ int word_base[MOE_MAX_EXPERTS / 32];
     __shared__ int counts[MOE_MAX_EXPERTS];
@@ -124,7 +126,7 @@ __device__ __forceinline__ void build_slot_table(const int* expert_ids, int num_
     for (int i = threadIdx.x; i < num_experts; i += blockDim.x) counts[i] = 0;
     __syncthreads();
     for (int p = threadIdx.x; p < num_pairs; p += blockDim.x) {
-        const int e = __ldcg(expert_ids + p) - first_expert;
+        const int e = (shared_ids != nullptr ? shared_ids[p] : __ldcg(expert_ids + p)) - first_expert;
         const bool mine = held(e, num_experts);
         ids[p] = mine ? e : -1;
         if (mine) {
@@ -174,14 +176,17 @@ __device__ __forceinline__ void read_slot(const int* slot_table, int num_pairs, 
         for (int t = threadIdx.x; t < min(num_tokens, MOE_MAX_SLOT_TOKENS); t += blockDim.x)
             slot_pairs.pairs[t] = num_pairs + t;
     } else {
+        // One round trip: the expert, its count and as many pairs as there are tokens are all
+        // requested at once (a slot's count never exceeds the tokens; a surplus slot's count and
+        // pairs are stale and unused), not the count after the expert and the pairs after both.
         const int* entry = slot_table + slot * MOE_SLOT_INTS;
-        const int expert = __ldcg(entry);
-        const int count = expert >= 0 ? __ldcg(entry + 1) : 0;
         if (threadIdx.x == 0) {
+            const int expert = __ldcg(entry), count = __ldcg(entry + 1);
             slot_pairs.expert = expert;
-            slot_pairs.count = count;
+            slot_pairs.count = expert >= 0 ? count : 0;
         }
-        for (int t = threadIdx.x; t < count; t += blockDim.x) slot_pairs.pairs[t] = __ldcg(entry + 2 + t);
+        for (int t = threadIdx.x; t < min(num_tokens, MOE_MAX_SLOT_TOKENS); t += blockDim.x)
+            slot_pairs.pairs[t] = __ldcg(entry + 2 + t);
     }
     __syncthreads();
 }
@@ -195,30 +200,38 @@ __device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
 #endif
 }
 
+// An unsigned key whose order is the float order (-inf above 0, the key no expert gets).
+__device__ __forceinline__ unsigned order_key(float f) {
+    const unsigned bits = __float_as_uint(f + 0.0f);  // -0 becomes +0: equal floats, equal keys
+    return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Routing of one token by one warp. logits [E] (bias included) in global memory, read through L2
-// (another block may have just written them). Expert e sits in lane e % 32, register e / 32.
-__device__ __forceinline__ void route_token(const float* logits, const float* selection_bias, int num_experts,
-                                            int top_k, int sigmoid_scoring, int renormalize, float scaling,
-                                            int* ids_out, float* weights_out) {
+// (another block may have just written them). Expert e sits in lane e % 32, register e / 32 of
+// LANE_EXPERTS (route_token picks 4 where E <= 128: a quarter of the scans and loads of 16).
+template <int LANE_EXPERTS>
+__device__ __forceinline__ void route_token_in(const float* logits, const float* selection_bias, int num_experts,
+                                               int top_k, int sigmoid_scoring, int renormalize, float scaling,
+                                               int* ids_out, float* weights_out, int* ids_shared) {
     const int lane = threadIdx.x & 31;
-    float score[MOE_LANE_EXPERTS], ranked[MOE_LANE_EXPERTS];
+    float score[LANE_EXPERTS];
     float peak = -ATLAS_INF;
 #pragma unroll
-    for (int i = 0; i < MOE_LANE_EXPERTS; ++i) {
+    for (int i = 0; i < LANE_EXPERTS; ++i) {
         const int e = i * 32 + lane;
         score[i] = e < num_experts ? __ldcg(logits + e) : -ATLAS_INF;
         peak = fmaxf(peak, score[i]);
     }
     if (sigmoid_scoring) {
 #pragma unroll
-        for (int i = 0; i < MOE_LANE_EXPERTS; ++i)
+        for (int i = 0; i < LANE_EXPERTS; ++i)
             if (i * 32 + lane < num_experts) score[i] = 1.0f / (1.0f + expf(-score[i]));
     } else {
         peak = warp_max(peak);
         float total = 0.0f;
 #pragma unroll
-        for (int i = 0; i < MOE_LANE_EXPERTS; ++i) {
+        for (int i = 0; i < LANE_EXPERTS; ++i) {
             if (i * 32 + lane < num_experts) {
                 score[i] = expf(score[i] - peak);
                 total += score[i];
@@ -226,41 +239,42 @@ __device__ __forceinline__ void route_token(const float* logits, const float* se
         }
         total = warp_sum(total);
 #pragma unroll
-        for (int i = 0; i < MOE_LANE_EXPERTS; ++i)
+        for (int i = 0; i < LANE_EXPERTS; ++i)
             if (i * 32 + lane < num_experts) score[i] = score[i] / total;
     }
+    // The top k by (ranked score, lowest id): each round a lane offers its best untaken expert
+    // (strict > over ascending registers: its lowest id among equals), one warp max of the
+    // order-preserving keys finds the best score and one warp min the lowest id holding it,
+    // two redux instructions where a shuffle tree of (score, id, weight) took fifteen.
+    unsigned key[LANE_EXPERTS];  // 0: not offered (past E, or taken)
 #pragma unroll
-    for (int i = 0; i < MOE_LANE_EXPERTS; ++i) {
+    for (int i = 0; i < LANE_EXPERTS; ++i) {
         const int e = i * 32 + lane;
-        ranked[i] = e < num_experts ? score[i] + (selection_bias != nullptr ? selection_bias[e] : 0.0f) : -ATLAS_INF;
+        key[i] = e < num_experts ? order_key(score[i] + (selection_bias != nullptr ? selection_bias[e] : 0.0f)) : 0u;
     }
-    unsigned taken = 0u;  // bit i: expert i * 32 + lane is chosen
     int my_id = 0;
     float my_score = 0.0f, chosen_sum = 0.0f;
     for (int j = 0; j < top_k; ++j) {
-        float best = -ATLAS_INF, best_score = 0.0f;
-        int best_e = 0x7fffffff;
+        unsigned best = 0u;
+        int best_i = 0;
 #pragma unroll
-        for (int i = 0; i < MOE_LANE_EXPERTS; ++i) {
-            const int e = i * 32 + lane;
-            if (e < num_experts && !((taken >> i) & 1u) && (best_e == 0x7fffffff || ranked[i] > best)) {
-                best = ranked[i];
-                best_e = e;
+        for (int i = 0; i < LANE_EXPERTS; ++i) {
+            if (key[i] > best) {
+                best = key[i];
+                best_i = i;
+            }
+        }
+        const unsigned top = __reduce_max_sync(0xffffffffu, best);
+        const int best_e = __reduce_min_sync(0xffffffffu, best == top && top != 0u ? best_i * 32 + lane : 0x7fffffff);
+        float best_score = 0.0f;
+#pragma unroll
+        for (int i = 0; i < LANE_EXPERTS; ++i) {
+            if (i * 32 + lane == best_e) {
                 best_score = score[i];
+                key[i] = 0u;
             }
         }
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-            const int other_e = __shfl_xor_sync(0xffffffffu, best_e, offset);
-            const float other_score = __shfl_xor_sync(0xffffffffu, best_score, offset);
-            if (other > best || (other == best && other_e < best_e)) {
-                best = other;
-                best_e = other_e;
-                best_score = other_score;
-            }
-        }
-        if (best_e != 0x7fffffff && (best_e & 31) == lane) taken |= 1u << (best_e >> 5);
+        best_score = __shfl_sync(0xffffffffu, best_score, best_e & 31);
         if (lane == j) {
             my_id = best_e;
             my_score = best_score;
@@ -271,7 +285,19 @@ __device__ __forceinline__ void route_token(const float* logits, const float* se
         const float weight = renormalize ? my_score / chosen_sum : my_score;
         ids_out[lane] = my_id;
         weights_out[lane] = weight * scaling;
+        if (ids_shared != nullptr) ids_shared[lane] = my_id;
     }
+}
+
+__device__ __forceinline__ void route_token(const float* logits, const float* selection_bias, int num_experts,
+                                            int top_k, int sigmoid_scoring, int renormalize, float scaling,
+                                            int* ids_out, float* weights_out, int* ids_shared = nullptr) {
+    if (num_experts <= 128)
+        route_token_in<4>(logits, selection_bias, num_experts, top_k, sigmoid_scoring, renormalize, scaling, ids_out,
+                          weights_out, ids_shared);
+    else
+        route_token_in<MOE_LANE_EXPERTS>(logits, selection_bias, num_experts, top_k, sigmoid_scoring, renormalize,
+                                         scaling, ids_out, weights_out, ids_shared);
 }
 
 // moe_topk: a warp per token over logits [N, E] (bias included). grid ceil(N / 8), 256 threads.
@@ -366,12 +392,14 @@ __device__ __forceinline__ void moe_route_small_impl(
         }
     }
 #pragma unroll
-    for (int r = 0; r < ROUTE_ROWS; ++r)
+    for (int n = 0; n < ROUTE_MAX_TOKENS; ++n) {
+        if (n >= num_tokens) break;  // uniform: the warp reductions of live tokens only
 #pragma unroll
-        for (int n = 0; n < ROUTE_MAX_TOKENS; ++n) {
+        for (int r = 0; r < ROUTE_ROWS; ++r) {
             const float total = warp_sum(acc[r][n]);
             if (lane == 0) partial[warp][r][n] = total;
         }
+    }
     __syncthreads();
     if (threadIdx.x < ROUTE_ROWS * ROUTE_MAX_TOKENS) {
         const int r = threadIdx.x / ROUTE_MAX_TOKENS, n = threadIdx.x % ROUTE_MAX_TOKENS;
@@ -384,13 +412,15 @@ __device__ __forceinline__ void moe_route_small_impl(
         }
     }
     if (!last_block_done(counter, gridDim.x)) return;
+    __shared__ int routed_ids[ROUTE_MAX_TOKENS * 16];  // top_k <= 16 (MOE_MAX_SLOT_PAIRS)
     if (warp < num_tokens)
         route_token(logits + (long long)warp * num_experts, selection_bias, num_experts, top_k, sigmoid_scoring,
                     renormalize, scaling, expert_ids + (long long)warp * top_k,
-                    expert_weights + (long long)warp * top_k);
+                    expert_weights + (long long)warp * top_k, routed_ids + warp * top_k);
     if (slot_table == nullptr) return;
     __syncthreads();  // the block's ids are written
-    build_slot_table(expert_ids, num_tokens * top_k, first_expert, held_experts, routed_slots, slot_table);
+    build_slot_table(expert_ids, num_tokens * top_k, first_expert, held_experts, routed_slots, slot_table,
+                     routed_ids);
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
