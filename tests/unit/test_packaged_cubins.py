@@ -94,7 +94,7 @@ def test_an_edited_source_never_loads_its_stale_cubin(tmp_path, fake_nvrtc):
     assert again.cubin(edited["norm"]) == b"nvrtc norm" and again.stats.loaded_from_cache == ["norm"]
 
 
-def test_a_shared_header_edit_makes_every_including_cubin_stale(tmp_path, fake_nvrtc):
+def test_a_shared_header_edit_makes_the_cubins_that_include_it_stale(tmp_path, fake_nvrtc):
     root = _kernels(tmp_path / "kernels")
     modules = select_modules(KernelTarget("sm90", "llama"), root)
     packaged = _package(tmp_path / "cubins", modules.values())
@@ -102,7 +102,7 @@ def test_a_shared_header_edit_makes_every_including_cubin_stale(tmp_path, fake_n
     compiler = KernelCompiler(ARCH, tmp_path / "cache", packaged)
     for module in select_modules(KernelTarget("sm90", "llama"), root).values():
         compiler.cubin(module)
-    assert sorted(fake_nvrtc) == ["attention", "norm"]
+    assert sorted(fake_nvrtc) == ["norm"]  # sm90's attention includes nothing: still packaged
 
 
 @pytest.fixture(autouse=True)
@@ -289,3 +289,20 @@ def test_cubin_kernels_reads_the_global_functions_and_refuses_other_files():
     assert not any(name.startswith("_Z") for name in names)  # device helpers and statics are not kernels
     with pytest.raises(ValueError, match="ELF64"):
         prebuild.cubin_kernels(b"not a cubin")
+
+
+def test_the_source_key_follows_the_headers_a_module_includes_and_no_others(tmp_path):
+    root = _kernels(tmp_path / "kernels")
+    (root / "common/atlas_common.cuh").write_text('#include "helpers.cuh"\n#define ATLAS 1\n')
+    (root / "common/helpers.cuh").write_text("#define HELP 1\n")
+    (root / "common/unused.cuh").write_text("#define UNUSED 1\n")
+    modules = select_modules(KernelTarget("sm90", "llama"), root)
+    norm, attention = modules["norm"], modules["attention"]
+    before = source_key(norm, ARCH), source_key(attention, ARCH)
+
+    (root / "common/unused.cuh").write_text("#define UNUSED 2\n")  # nobody includes it
+    assert (source_key(norm, ARCH), source_key(attention, ARCH)) == before
+
+    (root / "common/helpers.cuh").write_text("#define HELP 2\n")  # norm reaches it through atlas_common
+    assert source_key(norm, ARCH) != before[0]
+    assert source_key(attention, ARCH) == before[1]  # includes nothing

@@ -4,8 +4,8 @@
 
 1. Packaged cubins (`atlas/adapters/cuda/cubins/<arch>/`, built by
    `python -m atlas.adapters.cuda.prebuild`, through NVRTC by default), found by the module's
-   *source key*: a digest of the module source, every header on its include path, the target
-   arch and the options. A kernel source changed since the build gives another key, so a stale
+   *source key*: a digest of the module source, the headers it includes, the target arch and
+   the options. A kernel source changed since the build gives another key, so a stale
    cubin is never loaded: the module falls through to the cache and NVRTC. The key leaves the
    compiler out; `cubins/MANIFEST.json` records the CUDA version that built them, and they are
    used only on a driver at least that new. On by default; `ATLAS_PACKAGED_CUBINS=0` turns them
@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -149,15 +150,37 @@ def options_of(module: KernelModule) -> str:
     return f"std={_LANGUAGE_STANDARD} {defines} {options}"
 
 
+_QUOTED_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def included_headers(module: KernelModule) -> list[Path]:
+    """The headers that the module's source reaches through quoted `#include`s, transitively.
+    Every file a name could resolve to is counted (the including file's folder, then the
+    include path), and so is a name under `#if`: a superset of what the compiler reads, so no
+    change to a header it reads leaves the key alone. Ordered by folder name, then file name."""
+    found: set[Path] = set()
+    pending = [module.source_path]
+    while pending:
+        current = pending.pop()
+        for name in _QUOTED_INCLUDE.findall(current.read_bytes()):
+            for folder in (current.parent, *module.include_dirs):
+                candidate = (folder / name.decode()).resolve()
+                if candidate.is_file() and candidate not in found:
+                    found.add(candidate)
+                    pending.append(candidate)
+    return sorted(found, key=lambda header: (header.parent.name, header.name))
+
+
 def source_key(module: KernelModule, arch: str) -> str:
-    """Hex digest over the module source, every header on its include path, the arch and the
-    options: what any compiler turns into the cubin (the packaged cubins' key)."""
+    """Hex digest over the module source, the headers it includes (`included_headers`, each
+    named by its folder and file name), the arch and the options: what any compiler turns into
+    the cubin (the packaged cubins' key). A header edit changes the keys of the modules that
+    include it, not every module's, so the prebuild rebuilds only their cubins."""
     digest = hashlib.sha256()
     digest.update(module.source_path.read_bytes())
-    for include_dir in module.include_dirs:
-        for header in sorted(include_dir.glob("*.cuh")):
-            digest.update(header.name.encode())
-            digest.update(header.read_bytes())
+    for header in included_headers(module):
+        digest.update(f"{header.parent.name}/{header.name}".encode())
+        digest.update(header.read_bytes())
     digest.update(f"|{arch}|{options_of(module)}".encode())
     return digest.hexdigest()
 
