@@ -191,15 +191,6 @@ __device__ __forceinline__ void read_slot(const int* slot_table, int num_pairs, 
     __syncthreads();
 }
 
-// Asks L2 for `bytes` from p (16-byte aligned, a multiple of 16) without waiting: a block's
-// weight rows in one request, so all of them stream from HBM at once while its warps load them
-// a round at a time. Hopper's bulk prefetch; nothing before sm_90.
-__device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (bytes > 0) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#endif
-}
-
 // An unsigned key whose order is the float order (-inf above 0, the key no expert gets).
 __device__ __forceinline__ unsigned order_key(float f) {
     const unsigned bits = __float_as_uint(f + 0.0f);  // -0 becomes +0: equal floats, equal keys
@@ -440,8 +431,7 @@ __device__ __forceinline__ int token_of_pair(int pair, int num_pairs, int top_k)
 }
 
 // A weight chunk read once: no L1 allocation (as gemv.cu's weight loads), and in L2 first to go
-// (`policy` = l2_evict_first()), so the rows that blocks asked L2 for ahead (prefetch_l2) stay
-// there until their own loads come.
+// (`policy` = l2_evict_first()), so what the step reads again (activations, the slot table) stays.
 __device__ __forceinline__ uint4 load_weights(const bf16* p, u64 policy) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
@@ -579,17 +569,13 @@ __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
     const int num_pairs = num_tokens * top_k;
-    // Before the wait (see read_slot): the slot, and the block's weight rows requested from HBM
-    // into L2, so they stream while moe_gate_up finishes; only hidden_in needs that kernel.
+    // Before the wait (see read_slot): the slot; only hidden_in needs moe_gate_up. The block's
+    // weight rows are not asked of L2 here: blocks of this kernel fit beside moe_gate_up's from
+    // its start, and their requests slowed its stream more than they sped this kernel's (H200,
+    // Qwen3-30B-A3B batch 1: step 2,810-2,815 us with them, 2,750 without; docs/lab/moe-decode.md).
     read_slot(slot_table, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs, blockIdx.y);
     const int expert = slot_pairs.expert;
     const int first = blockIdx.x * MOE_DOWN_ROWS;
-    if (expert >= 0 && threadIdx.x == 0) {
-        const bool is_shared = expert == num_experts;
-        const int reduced = is_shared ? shared_inner : inner;
-        const bf16* w = is_shared ? shared_down : down + (long long)expert * hidden * inner;
-        prefetch_l2(w + (long long)first * reduced, min(MOE_DOWN_ROWS, hidden - first) * reduced * 2);
-    }
     dependent_launch_entry();
     if (expert >= 0) moe_down_rows(hidden_in, down, down_bias, shared_down, y, slot_pairs, partial, num_experts, hidden,
                                    inner, shared_inner, stride, first);
