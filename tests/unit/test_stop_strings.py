@@ -8,7 +8,10 @@ import pytest
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from atlas.domain.batch import SequenceOutput, TokenLogprobs
+from atlas.domain.requests import FinishReason, SamplingParams
 from atlas.domain.text import IncrementalDetokenizer, StopMatch, StopStringMatcher
+from atlas.domain.text.sequence_text import SequenceText, TextDelta
 from atlas.domain.text.stop_strings import compile_stops
 
 
@@ -196,3 +199,42 @@ def test_every_choice_of_a_request_shares_one_compiled_table() -> None:
     first = StopStringMatcher(["</s>", "END"], include_stop_str_in_output=False)
     second = StopStringMatcher(["</s>", "END"], include_stop_str_in_output=True)
     assert first._compiled is second._compiled
+
+
+class WordTokenizer:
+    """Token i is WORDS[i]; the last id is the end of sequence (no text)."""
+
+    WORDS = (" the", " cat", " sat", " on", " mat", ",", "")
+    eos_token_ids = frozenset({len(WORDS) - 1})
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.WORDS[token_id] for token_id in token_ids)
+
+
+def delta_of(token_ids: tuple[int, ...], params: SamplingParams, finish: FinishReason | None = None) -> TextDelta:
+    """One engine output carrying `token_ids` (as a verify step's accepted drafts do) after one token."""
+    text = SequenceText(WordTokenizer(), [0], params)  # type: ignore[arg-type]
+    first = text.apply(SequenceOutput("s", (1,), None, 1, 1, (TokenLogprobs(1, -0.5, ()),)))
+    assert first.token_ids == (1,) and first.finish_reason is None
+    logprobs = tuple(TokenLogprobs(token_id, -float(index), ()) for index, token_id in enumerate(token_ids))
+    return text.apply(SequenceOutput("s", token_ids, finish, 1, 1 + len(token_ids), logprobs))
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_inside_a_several_token_output_cuts_its_tokens_logprobs_and_count_there(include) -> None:
+    params = SamplingParams(stop=("sat on",), include_stop_str_in_output=include)
+    delta = delta_of((2, 3, 4, 5, 1), params)  # " cat sat on" completes the stop at the third token
+    assert delta.text == (" sat on" if include else " ")
+    assert (delta.finish_reason, delta.stop_reason, delta.stopped_by_text) == (FinishReason.STOP, "sat on", True)
+    assert delta.token_ids == (2, 3) and [lp.token_id for lp in delta.logprobs] == [2, 3]
+    assert delta.num_output_tokens == 3  # the first token and these two, as plain decoding would count
+
+
+def test_a_stop_string_before_the_engines_own_stop_drops_the_tokens_after_it() -> None:
+    params = SamplingParams(stop=(" sat",))
+    delta = delta_of((2, 3, 6), params, FinishReason.STOP)  # the end-of-sequence token after " sat on"
+    assert (delta.text, delta.token_ids, delta.num_output_tokens) == ("", (2,), 2)
+    assert (delta.finish_reason, delta.stop_reason, delta.stopped_by_text) == (FinishReason.STOP, " sat", False)
+    unstopped = delta_of((2, 3, 6), SamplingParams(stop=("mat",)), FinishReason.STOP)
+    assert (unstopped.text, unstopped.token_ids, unstopped.num_output_tokens) == (" sat on", (2, 3, 6), 4)
+    assert (unstopped.finish_reason, unstopped.stop_reason) == (FinishReason.STOP, None)

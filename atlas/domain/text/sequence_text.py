@@ -60,24 +60,20 @@ class SequenceText:
                 self._last_token_id = token_ids[-1]
             return TextDelta(self._detokenizer.push(token_ids), token_ids, None, None, output.logprobs,
                              output.num_prompt_tokens, output.num_output_tokens)
+        text_ids = token_ids
+        if token_ids and output.finish_reason is FinishReason.STOP and token_ids[-1] in self._eos_ids:
+            text_ids = token_ids[:-1]  # the end of sequence is never text (kept special tokens or not)
+        finish_reason = output.finish_reason
+        text, num_kept, stop = self._text(text_ids, finish_reason is not None)
+        num_dropped = len(token_ids) - num_kept if num_kept is not None else 0
+        token_ids = token_ids[: len(token_ids) - num_dropped]
         if token_ids:
             self._last_token_id = token_ids[-1]
-            if output.finish_reason is FinishReason.STOP and token_ids[-1] in self._eos_ids:
-                token_ids = token_ids[:-1]  # the end of sequence is never text (kept special tokens or not)
-        text = self._detokenizer.push(token_ids)
-        finish_reason = output.finish_reason
-        if finish_reason is not None:
-            text += self._detokenizer.flush()
         stop_reason: str | int | None = None
         stopped_by_text = False
-        if self._stops is not None:
-            match = self._stops.push(text)
-            text = match.text
-            if match.is_stopped:
-                stopped_by_text = finish_reason is None
-                finish_reason, stop_reason = FinishReason.STOP, match.stop
-            elif finish_reason is not None:
-                text += self._stops.flush()
+        if stop is not None:
+            stopped_by_text = finish_reason is None
+            finish_reason, stop_reason = FinishReason.STOP, stop
         if stop_reason is None and finish_reason is FinishReason.STOP:
             last = self._last_token_id
             if last is not None and last not in self._eos_ids:
@@ -85,14 +81,38 @@ class SequenceText:
         self._finished = finish_reason is not None
         return TextDelta(
             text=text,
-            token_ids=output.new_token_ids,
+            token_ids=token_ids,
             finish_reason=finish_reason,
             stop_reason=stop_reason,
-            logprobs=output.logprobs,
+            logprobs=output.logprobs[: len(token_ids)],
             num_prompt_tokens=output.num_prompt_tokens,
-            num_output_tokens=output.num_output_tokens,
+            num_output_tokens=output.num_output_tokens - num_dropped,
             stopped_by_text=stopped_by_text,
         )
+
+    def _text(self, token_ids: tuple[int, ...], is_last: bool) -> tuple[str, int | None, str | None]:
+        """(text to emit, how many tokens to keep or None for all, the stop string that ended it).
+
+        With stop strings, several tokens (a verify step's accepted drafts) go through one at a
+        time: a stop the second of five completes keeps two, where plain decoding would have
+        stopped. One completed by the final flush (text held back at the end) keeps them all."""
+        stops = self._stops
+        if stops is None:
+            text = self._detokenizer.push(token_ids)
+            return (text + self._detokenizer.flush() if is_last else text), None, None
+        parts = []
+        for num_pushed in range(1, len(token_ids) + 1):
+            match = stops.push(self._detokenizer.push(token_ids[num_pushed - 1 : num_pushed]))
+            parts.append(match.text)
+            if match.is_stopped:
+                return "".join(parts), num_pushed, match.stop
+        if is_last:
+            match = stops.push(self._detokenizer.flush())
+            parts.append(match.text)
+            if match.is_stopped:
+                return "".join(parts), None, match.stop
+            parts.append(stops.flush())
+        return "".join(parts), None, None
 
     def abort(self) -> TextDelta:
         """Finish with ABORT (client gone, timeout), releasing nothing further."""
