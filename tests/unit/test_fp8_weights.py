@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -279,6 +280,22 @@ def ct_with(weights: dict | None = None, activations: dict | None | str = "keep"
 )  # fmt: skip
 def test_what_atlas_cannot_load_is_refused_by_name(config: object, named: str) -> None:
     assert named in refusal(config)
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        (dict(FP8_BLOCK, weight_block_size=128), "weight_block_size 128 is not [128, 128]"),
+        (ct_with({"strategy": "block", "block_structure": "128x128"}), "block_structure '128x128'"),
+        (dict(FP8_BLOCK, modules_to_not_convert="lm_head"), "modules_to_not_convert must be a list"),
+        (dict(FP8_BLOCK, modules_to_not_convert=None, ignored_layers=[["lm_head"]]), "ignored_layers must be a list"),
+        (ct_with(ignore="lm_head"), "ignore must be a list"),
+    ],
+)  # fmt: skip
+def test_a_malformed_value_is_refused_naming_its_key_not_read_a_character_at_a_time(config, named) -> None:
+    with pytest.raises(QuantizationError, match=re.escape(named)) as caught:
+        read_quantization({"quantization_config": config})
+    assert str(caught.value).startswith("config.json quantization_config: ") and "\n" not in str(caught.value)
 
 
 def test_a_group_targeting_another_class_is_refused() -> None:

@@ -197,7 +197,7 @@ def _compressed_tensors(config: Mapping[str, Any]) -> Fp8Checkpoint:
             raise QuantizationError(f"config group {name!r} has format {form!r}")
         if group.get("output_activations") is not None:
             raise QuantizationError(f"config group {name!r} quantizes output activations")
-        targets = list(group.get("targets") or ())
+        targets = _names(f"config group {name!r} targets", group.get("targets"))
         for target in targets:
             if _is_class_name(target) and target != "Linear":
                 raise QuantizationError(f"config group {name!r} targets {target!r}; only Linear layers can be FP8")
@@ -205,7 +205,7 @@ def _compressed_tensors(config: Mapping[str, Any]) -> Fp8Checkpoint:
         activations = _ct_activations(name, group.get("input_activations"))
         scheme = Fp8Scheme(layout, ("weight_scale",), activations, block_size)
         parsed.append((scheme, _ct_matcher(targets, covers_children=False)))
-    ignore = _ct_matcher(list(config.get("ignore") or ()), covers_children=True)
+    ignore = _ct_matcher(_names("ignore", config.get("ignore")), covers_children=True)
     return Fp8Checkpoint(CheckpointFormat.COMPRESSED_TENSORS, tuple(parsed), ignore)
 
 
@@ -227,7 +227,7 @@ def _ct_weights(group: str, weights: Any) -> tuple[Fp8Layout, tuple[int, int] | 
     if layout is not Fp8Layout.BLOCK:
         return layout, None
     block = weights.get("block_structure")
-    if list(block or ()) != list(BLOCK_SIZE):
+    if not _is_block_size(block):
         raise QuantizationError(f"{where} use block_structure {block!r}, not [128, 128]")
     return layout, BLOCK_SIZE
 
@@ -263,6 +263,21 @@ def _check_kv_cache_scheme(scheme: Any) -> None:
     if not isinstance(scheme, Mapping) or scheme.get("strategy") != "tensor" or scheme.get("dynamic"):
         raise QuantizationError("kv_cache_scheme other than static per-tensor is not supported")
     _check_float8("kv_cache_scheme", scheme)
+
+
+def _is_block_size(value: Any) -> bool:
+    """Whether a config's block shape (a JSON list) is the one Atlas loads, [128, 128]."""
+    return isinstance(value, Sequence) and not isinstance(value, str) and list(value) == list(BLOCK_SIZE)
+
+
+def _names(key: str, value: Any) -> list[str]:
+    """A config's list of module names or patterns (null: none). Raises QuantizationError naming
+    `key` for anything else: a lone string would otherwise be read a character at a time."""
+    if value is None:
+        return []
+    if isinstance(value, str) or not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise QuantizationError(f"{key} must be a list of module names, got {value!r}", name_supported=False)
+    return list(value)
 
 
 def _is_class_name(entry: str) -> bool:
@@ -304,13 +319,14 @@ def _fine_grained_fp8(config: Mapping[str, Any]) -> Fp8Checkpoint:
         static = scheme_name == "static"
         activations = ActivationScheme.STATIC_PER_TENSOR if static else ActivationScheme.DYNAMIC_PER_TENSOR
         scheme = Fp8Scheme(Fp8Layout.PER_TENSOR, ("weight_scale", "weight_scale_inv"), activations)
-    elif list(block) != list(BLOCK_SIZE):
-        raise QuantizationError(f"weight_block_size {list(block)} is not [128, 128]")
+    elif not _is_block_size(block):
+        raise QuantizationError(f"weight_block_size {block!r} is not [128, 128]")
     elif scheme_name == "static":
         raise QuantizationError("activation_scheme static with weight_block_size is not supported")
     else:
         scheme = Fp8Scheme(Fp8Layout.BLOCK, ("weight_scale_inv",), ActivationScheme.DYNAMIC_PER_GROUP, BLOCK_SIZE)
-    skipped = list(config.get("modules_to_not_convert") or config.get("ignored_layers") or ())
+    skip_key = "modules_to_not_convert" if config.get("modules_to_not_convert") else "ignored_layers"
+    skipped = _names(skip_key, config.get(skip_key))
     # transformers' rule: a key skips a module it matches as a regex from the start up to a
     # module boundary ("mlp.gate" is not "mlp.gate_proj"), or as a plain suffix.
     patterns = tuple(_compile(rf"(?:{key})(?:(?<=\.)|(?=\.|$))", key) for key in skipped)
