@@ -90,11 +90,41 @@ def quantize_checkpoint(tensors: dict[str, np.ndarray], layout: str) -> tuple[di
     return stored, CONFIGS[layout], dequantized
 
 
+def split_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """transformers' fused in-memory experts (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows
+    first; `mlp.experts.down_proj` [E, H, I]) as published checkpoints store them, one
+    `mlp.experts.E.{gate,up,down}_proj.weight` each."""
+    split = {}
+    for name, value in tensors.items():
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or leaf not in ("gate_up_proj", "down_proj"):
+            split[name] = value
+            continue
+        for expert, matrix in enumerate(value):
+            if leaf == "down_proj":
+                split[f"{prefix}.{expert}.down_proj.weight"] = matrix
+            else:
+                half = matrix.shape[0] // 2
+                split[f"{prefix}.{expert}.gate_proj.weight"] = matrix[:half]
+                split[f"{prefix}.{expert}.up_proj.weight"] = matrix[half:]
+    return split
+
+
 def load_dequantized(model, dequantized: dict[str, np.ndarray]) -> None:
-    """Put the dequantized weights into a transformers model (float32 parameters)."""
+    """Put the dequantized weights into a transformers model (float32 parameters); split experts
+    (`split_experts`) go back into the model's fused expert tensors."""
     import torch
 
     parameters = dict(model.named_parameters())
     with torch.no_grad():
         for name, values in dequantized.items():
-            parameters[name].copy_(torch.from_numpy(values))
+            module, _, expert_leaf = name.removesuffix(".weight").rpartition(".")
+            experts, _, expert = module.rpartition(".")
+            if name in parameters or not experts.endswith("mlp.experts"):
+                parameters[name].copy_(torch.from_numpy(values))
+            elif expert_leaf == "down_proj":
+                parameters[f"{experts}.down_proj"][int(expert)].copy_(torch.from_numpy(values))
+            else:
+                rows = values.shape[0]
+                start = 0 if expert_leaf == "gate_proj" else rows
+                parameters[f"{experts}.gate_up_proj"][int(expert), start : start + rows].copy_(torch.from_numpy(values))

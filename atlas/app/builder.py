@@ -29,9 +29,9 @@ from atlas.domain.engine import EngineCore, StepExecutor
 from atlas.domain.memory_plan import GIB, CacheDemand, CachePlan, check_weights_fit, plan_cache
 from atlas.domain.models.cache_groups import CacheGroupKind, CacheGroupSpec
 from atlas.domain.models.config import ModelConfig, ModelConfigError
-from atlas.domain.models.families import check_supported, kv_cache_scales, load_model, model_kinds
+from atlas.domain.models.families import check_supported, fp8_layouts, kv_cache_scales, load_model, model_kinds
 from atlas.domain.models.model import Model
-from atlas.domain.models.quantization_config import Fp8Layout, check_quantization, with_quantization
+from atlas.domain.models.quantization_config import check_quantization, with_quantization
 from atlas.domain.models.quantization_weights import QuantizedOnLoad, checkpoint_bytes
 from atlas.domain.request_constraints import GrammarCache
 from atlas.domain.scheduler import Scheduler, SchedulerConfig
@@ -177,7 +177,7 @@ def build_engine(
     quantize = settings.quantization != "none"
     if quantize:
         config = ModelConfig.from_dict(with_quantization(config.raw, settings.quantization))
-    quantization = check_quantization(config.raw, loadable=tuple(Fp8Layout))
+    quantization = check_quantization(config.raw, fp8_layouts(config), config.architecture)
     tokenizer = HfTokenizer.from_folder(model_dir)
     stored = open_weights(model_dir, config)
     weights = QuantizedOnLoad(stored) if quantize else stored

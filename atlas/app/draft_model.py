@@ -17,9 +17,9 @@ from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.app.model_store import ModelNotFoundError, resolve_model
 from atlas.app.settings import SettingsError
 from atlas.domain.models.config import ModelConfig
-from atlas.domain.models.families import check_supported, load_model
+from atlas.domain.models.families import check_supported, fp8_layouts, load_model
 from atlas.domain.models.model import Model
-from atlas.domain.models.quantization_config import Fp8Layout, check_quantization
+from atlas.domain.models.quantization_config import check_quantization
 from atlas.domain.models.quantization_weights import checkpoint_bytes
 from atlas.ports.gpu import GpuBackend
 from atlas.ports.tokenizer import Tokenizer
@@ -57,7 +57,7 @@ def open_draft_model(spec: str, target_tokenizer: Tokenizer) -> DraftCheckpoint:
     try:
         config = read_model_config(model_dir)
         check_supported(config)
-        check_quantization(config.raw, loadable=tuple(Fp8Layout))
+        check_quantization(config.raw, fp8_layouts(config), config.architecture)
         tokenizer = HfTokenizer.from_folder(model_dir)
     except ValueError as error:
         raise SettingsError(f"{_FIELD}: draft {spec!r}: {' '.join(str(error).split())}") from None

@@ -12,14 +12,18 @@ pytest.importorskip("transformers")
 
 from fakes import DictWeights  # noqa: E402
 from helpers.engines import make_worker  # noqa: E402
-from fp8_checkpoints import LAYOUTS, load_dequantized, quantize_checkpoint  # noqa: E402
+from fp8_checkpoints import CONFIGS, LAYOUTS, load_dequantized, quantize_checkpoint, split_experts  # noqa: E402
 from tiny_models import build_reference, reference_logits, tiny_config  # noqa: E402
 
 from atlas.adapters.mock.backend import MockGpuBackend  # noqa: E402
-from atlas.domain.batch import SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
+from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
 from atlas.domain.models.config import ModelConfig  # noqa: E402
-from atlas.domain.models.families import load_model  # noqa: E402
-from atlas.domain.models.quantization_config import with_quantization  # noqa: E402
+from atlas.domain.models.families import fp8_layouts, load_model  # noqa: E402
+from atlas.domain.models.quantization_config import (  # noqa: E402
+    QuantizationError,
+    check_quantization,
+    with_quantization,
+)
 from atlas.domain.models.quantization_weights import QuantizedOnLoad, checkpoint_bytes  # noqa: E402
 from atlas.domain.worker import WorkerConfig  # noqa: E402
 
@@ -62,10 +66,13 @@ def logits_of(config: dict, weights, backend, prompts: list[list[int]]) -> np.nd
     model = load_model(model_config, weights, backend, max_positions=512)
     worker = make_worker(model, 100, BLOCK_SIZE, WorkerConfig(256, 8, 512))
     sequences, first = [], 0
+    num_groups = len(model.cache_groups)  # Gemma 3's sliding and full layers: a table each
     for index, prompt in enumerate(prompts):
         count = -(-len(prompt) // BLOCK_SIZE)
-        sequences.append(ScheduledSequence(f"s{index}", tuple(prompt), 0, tuple(range(first, first + count)), GREEDY))
-        first += count
+        tables = [tuple(range(first + group * count, first + (group + 1) * count)) for group in range(num_groups)]
+        kv_tables = tuple(BlockTable(table) for table in tables) if num_groups > 1 else ()
+        sequences.append(ScheduledSequence(f"s{index}", tuple(prompt), 0, tables[0], GREEDY, kv_block_tables=kv_tables))
+        first += num_groups * count
     return worker.compute_logits(ScheduledBatch(0, tuple(sequences), BLOCK_SIZE))
 
 
@@ -93,6 +100,45 @@ def test_an_fp8_checkpoint_computes_its_dequantized_weights(layout, rng):
         assert linear.scales.shape == expected_scales
     lm_head = next(linear for kind, linear in backend.linears if kind == "lm_head")
     assert lm_head.scales is None and lm_head.weight.dtype != np.dtype("float8_e4m3fn")
+
+
+# Qwen3-MoE: 4 x 64 query rows and 2 x 64 key / value rows fill whole 128-row tiles, as do the
+# experts' 128 gate and 128 up rows; layer 1 is a dense GLU (mlp_only_layers).
+MOE_CONFIG = tiny_config("qwen3_moe", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         moe_intermediate_size=128, intermediate_size=256)
+GEMMA_CONFIG = tiny_config("gemma3", hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           intermediate_size=256)
+
+
+@pytest.mark.parametrize("config", [MOE_CONFIG, GEMMA_CONFIG], ids=["qwen3_moe", "gemma3"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_decoder_families_load_fp8_checkpoints_experts_included(config, layout, rng):
+    """Qwen3-30B-A3B-FP8's families: attention, dense GLUs and every MoE expert read as E4M3 with
+    their scales (the router stays float, as published), computing the dequantized weights."""
+    reference, tensors = build_reference(config, seed=2)
+    stored, quantization_config, dequantized = quantize_checkpoint(split_experts(tensors), layout)
+    assert sum(".experts." in name for name in dequantized) == (3 * 8 * 2 if config is MOE_CONFIG else 0)
+    load_dequantized(reference, dequantized)
+    backend = RecordingMock()
+    moe_prepare, experts = backend.moe.prepare, []
+    backend.moe.prepare = lambda host: experts.extend([host.gate_up, host.down]) or moe_prepare(host)
+    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (1, 9)]
+    logits = logits_of({**config, "quantization_config": quantization_config}, DictWeights(stored), backend, prompts)
+    for row, prompt in enumerate(prompts):
+        assert relative_error(logits[row], reference_logits(reference, prompt)[-1]) < 1e-4, (layout, len(prompt))
+    projections = [linear for kind, linear in backend.linears if kind != "lm_head"] + experts
+    assert len(projections) == 4 * config["num_hidden_layers"]  # attention 2, and a GLU's or experts' 2
+    assert len(experts) == (4 if config is MOE_CONFIG else 0)  # two MoE layers: their gate_up and down stacks
+    for linear in projections:
+        assert linear.weight.dtype == np.dtype("float8_e4m3fn") and linear.scales is not None
+
+
+def test_a_family_that_reads_float_weights_only_refuses_fp8_naming_the_architecture():
+    config = ModelConfig.from_dict(tiny_config("qwen3_next"))
+    assert fp8_layouts(config) == () and fp8_layouts(ModelConfig.from_dict(MOE_CONFIG))
+    for quantization_config in CONFIGS.values():
+        with pytest.raises(QuantizationError, match="loads Qwen3NextForCausalLM from float weights only"):
+            check_quantization({"quantization_config": quantization_config}, fp8_layouts(config), config.architecture)
 
 
 def test_quantization_fp8_at_load_is_the_per_channel_checkpoint(rng):

@@ -1,6 +1,7 @@
 """The pieces the attention-decoder loaders share (Qwen3-MoE, Gemma 3, GPT-OSS): RoPE tables
 per layer type, the KV cache groups, an attention mixer from a layer's q/k/v/o tensors, a dense
-GLU, and the vocabulary.
+GLU, and the vocabulary. Projections come as stored, float or FP8 with their scales, where the
+loader's `CheckpointReader` has the checkpoint's quantization.
 
 What a family decides is data passed in: how its checkpoint stores norm weights (`NormReader`),
 its attention's softmax scale, q/k norms, sinks and post-norm (`AttentionOptions`). Tensors are
@@ -11,7 +12,7 @@ read and shape-checked through `CheckpointReader`, so a missing or misshapen ten
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -127,10 +128,9 @@ def attention_mixer(
     hidden, head_dim, bias = config.hidden_size, config.head_dim, config.attention_bias
     heads = HeadLayout(config.num_heads, config.num_kv_heads, head_dim)
     rows = [("q_proj", heads.q_size), ("k_proj", heads.kv_size), ("v_proj", heads.kv_size)]
-    qkv = HostLinear(
-        reader.stacked([(f"{attn}.{name}.weight", (size, hidden)) for name, size in rows]),
-        reader.stacked([(f"{attn}.{name}.bias", (size,)) for name, size in rows]) if bias else None,
-    )
+    qkv = reader.stacked_linear([(f"{attn}.{name}", size) for name, size in rows], hidden)  # float or FP8
+    if bias:
+        qkv = replace(qkv, bias=reader.stacked([(f"{attn}.{name}.bias", (size,)) for name, size in rows]))
     q_norm = options.norm(f"{attn}.q_norm.weight", head_dim) if options.qk_norm else None
     k_norm = options.norm(f"{attn}.k_norm.weight", head_dim) if options.qk_norm else None
     sinks = reader.array(f"{attn}.sinks", (heads.num_q_heads,)).astype(np.float32) if options.sinks else None
@@ -154,12 +154,11 @@ def glu_feed_forward(
     """A dense GLU from `<prefix>.gate_proj`, `.up_proj` and `.down_proj`; `sizes`: (hidden,
     intermediate). `output_norm`: Gemma's post-feed-forward norm."""
     hidden, intermediate = sizes
-    gate_up = reader.stacked(
-        [(f"{prefix}.gate_proj.weight", (intermediate, hidden)), (f"{prefix}.up_proj.weight", (intermediate, hidden))]
-    )
+    parts = [(f"{prefix}.gate_proj", intermediate), (f"{prefix}.up_proj", intermediate)]
+    gate_up = reader.stacked_linear(parts, hidden)  # float or FP8
     dense = backend.dense
     return DenseFeedForward(
-        gate_up=dense.prepare(HostProjection(HostLinear(gate_up), input_norm=input_norm, activation=gated)),
+        gate_up=dense.prepare(HostProjection(gate_up, input_norm=input_norm, activation=gated)),
         down=dense.prepare(
             HostProjection(reader.linear(f"{prefix}.down_proj", hidden, intermediate), output_norm=output_norm)
         ),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from atlas.domain.models import gemma3, gpt_oss, llama, qwen3_moe, qwen3_next
 from atlas.domain.models.config import ModelConfig
 from atlas.domain.models.model import Model
+from atlas.domain.models.quantization_config import Fp8Layout
 from atlas.ports.gpu import GpuBackend, Kind, require_kinds
 from atlas.ports.weights import WeightSource
 
@@ -15,18 +16,21 @@ from atlas.ports.weights import WeightSource
 @dataclass(frozen=True, slots=True)
 class Family:
     """A loader and the kernel kinds the models it builds call (sampling aside: every model
-    samples)."""
+    samples); `reads_fp8`: whether it reads FP8 projections (through a `CheckpointReader` given
+    the checkpoint's quantization) or float weights only."""
 
     kinds: Callable[[ModelConfig], frozenset[Kind]]
     load: Callable[..., Model]
+    reads_fp8: bool = True
 
 
 _FAMILIES: dict[str, Family] = {
     **{name: Family(llama.kinds, llama.load_llama_family) for name in llama.ARCHITECTURES},
     **{name: Family(qwen3_moe.kinds, qwen3_moe.load_qwen3_moe) for name in qwen3_moe.ARCHITECTURES},
     **{name: Family(gemma3.kinds, gemma3.load_gemma3) for name in gemma3.ARCHITECTURES},
-    **{name: Family(gpt_oss.kinds, gpt_oss.load_gpt_oss) for name in gpt_oss.ARCHITECTURES},
-    **{name: Family(qwen3_next.kinds, qwen3_next.load_qwen3_next) for name in qwen3_next.ARCHITECTURES},
+    **{name: Family(gpt_oss.kinds, gpt_oss.load_gpt_oss, reads_fp8=False) for name in gpt_oss.ARCHITECTURES},
+    **{name: Family(qwen3_next.kinds, qwen3_next.load_qwen3_next, reads_fp8=False)
+       for name in qwen3_next.ARCHITECTURES},
 }
 
 
@@ -51,6 +55,13 @@ def model_kinds(config: ModelConfig) -> frozenset[Kind]:
     aside). Raises `UnsupportedArchitectureError` like `check_supported`."""
     check_supported(config)
     return _FAMILIES[config.architecture].kinds(config)
+
+
+def fp8_layouts(config: ModelConfig) -> tuple[Fp8Layout, ...]:
+    """The FP8 layouts the loader of `config`'s architecture reads: every published one, or none
+    for a loader of float weights only. Raises `UnsupportedArchitectureError` like `check_supported`."""
+    check_supported(config)
+    return tuple(Fp8Layout) if _FAMILIES[config.architecture].reads_fp8 else ()
 
 
 def load_model(

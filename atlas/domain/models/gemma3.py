@@ -18,6 +18,7 @@ from atlas.domain.models.checkpoint import CheckpointReader
 from atlas.domain.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, ModelConfigError
 from atlas.domain.models.layers import Layer
 from atlas.domain.models.model import Model
+from atlas.domain.models.quantization_config import read_quantization
 from atlas.ports.gpu import GpuBackend, Kind
 from atlas.ports.weights import WeightSource
 
@@ -50,7 +51,7 @@ def load_gemma3(
         )
     decoder.check_layer_types(config, (FULL_ATTENTION, SLIDING_ATTENTION))
     gated = decoder.activation(config)
-    reader = CheckpointReader(weights)
+    reader = CheckpointReader(weights, read_quantization(config.raw))
     norm = decoder.offset_norms(reader, config.rms_norm_eps)
     groups = decoder.kv_groups(config)
     tables = decoder.rope_tables(config, backend, max_positions)

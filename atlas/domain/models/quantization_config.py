@@ -160,16 +160,19 @@ def read_quantization(raw_config: Mapping[str, Any]) -> Fp8Checkpoint | None:
     raise QuantizationError(f"quant_method {method!r} is not supported")
 
 
-def check_quantization(raw_config: Mapping[str, Any], loadable: Collection[Fp8Layout]) -> Fp8Checkpoint | None:
+def check_quantization(raw_config: Mapping[str, Any], loadable: Collection[Fp8Layout],
+                       architecture: str | None = None) -> Fp8Checkpoint | None:
     """`read_quantization`, then refuse a recognised FP8 layout the model loader cannot build yet
-    (`loadable`: the layouts it can). The builder calls this before reading any weight."""
+    (`loadable`: the layouts it can; none for a loader of float weights only, which the message
+    names by `architecture`). The builder calls this before reading any weight."""
     checkpoint = read_quantization(raw_config)
     if checkpoint is not None and not checkpoint.layouts <= set(loadable):
-        raise QuantizationError(
-            f"{checkpoint.describe()} is recognised, but this build cannot load FP8 weights of that layout yet; "
-            "use the model's bf16 checkpoint",
-            name_supported=False,
-        )
+        if not loadable and architecture is not None:
+            reason = (f"this build loads {architecture} from float weights only; "
+                      "use its bf16 checkpoint, without --quantization")
+        else:
+            reason = "this build cannot load FP8 weights of that layout yet; use the model's bf16 checkpoint"
+        raise QuantizationError(f"{checkpoint.describe()} is recognised, but {reason}", name_supported=False)
     return checkpoint
 
 

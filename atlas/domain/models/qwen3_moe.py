@@ -5,7 +5,9 @@ Every layer is Qwen3's attention (per-head q/k RMSNorm) times a feed-forward tha
 when `norm_topk_prob`), or a dense GLU on the layers `ModelConfig.is_moe_layer` leaves out
 (`mlp_only_layers`, `decoder_sparse_step`). Published checkpoints store each expert's
 `mlp.experts.E.{gate,up,down}_proj.weight`; transformers' fused in-memory form
-(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) loads too.
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]) loads too. FP8
+checkpoints (Qwen3-30B-A3B-FP8: 128 x 128 blocks; llm-compressor's layouts) load with their
+scales, experts included (`quantization_weights.stack_experts`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from atlas.domain.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelC
 from atlas.domain.models.feed_forward import MoeFeedForward
 from atlas.domain.models.layers import FeedForward, Layer
 from atlas.domain.models.model import Model
+from atlas.domain.models.quantization_config import read_quantization
+from atlas.domain.models.quantization_weights import E4M3, stack_experts
 from atlas.ports.gpu import GpuBackend, Kind
 from atlas.ports.kernels.host_weights import Activation, HostLinear, RmsNorm
 from atlas.ports.kernels.moe import HostMoe, Routing
-from atlas.ports.weights import WeightSource
+from atlas.ports.weights import WeightError, WeightSource
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
@@ -44,7 +48,7 @@ def load_qwen3_moe(
     decoder.check_layer_types(config, (FULL_ATTENTION, SLIDING_ATTENTION))
     gated = decoder.activation(config)
     routing = decoder.routing(config, renormalize=config.norm_topk_prob) if Kind.MOE in kinds(config) else None
-    reader = CheckpointReader(weights)
+    reader = CheckpointReader(weights, read_quantization(config.raw))
     norm = decoder.plain_norms(reader, config.rms_norm_eps)
     groups = decoder.kv_groups(config)
     tables = decoder.rope_tables(config, backend, max_positions)
@@ -80,8 +84,8 @@ def _feed_forward(
     host = HostMoe(
         input_norm=norm,
         router=reader.linear(f"{prefix}.gate", config.num_experts, hidden),
-        gate_up=HostLinear(gate_up),
-        down=HostLinear(down),
+        gate_up=gate_up,
+        down=down,
         activation=gated,
         routing=routing,
     )
@@ -90,14 +94,16 @@ def _feed_forward(
 
 def _experts(
     reader: CheckpointReader, prefix: str, num_experts: int, hidden: int, intermediate: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[HostLinear, HostLinear]:
     """(gate_up [E, 2I, H]: each expert's gate rows then its up rows, down [E, H, I])."""
     fused = f"{prefix}.experts.gate_up_proj"
     if fused in reader:
         return (
-            reader.array(fused, (num_experts, 2 * intermediate, hidden)),
-            reader.array(f"{prefix}.experts.down_proj", (num_experts, hidden, intermediate)),
+            HostLinear(reader.array(fused, (num_experts, 2 * intermediate, hidden))),
+            HostLinear(reader.array(f"{prefix}.experts.down_proj", (num_experts, hidden, intermediate))),
         )
+    if reader.quantization is not None and reader.weights.get(f"{prefix}.experts.0.gate_proj.weight").dtype == E4M3:
+        return _fp8_experts(reader, prefix, num_experts, hidden, intermediate)
     first = reader.array(f"{prefix}.experts.0.gate_proj.weight", (intermediate, hidden))
     gate_up = np.empty((num_experts, 2 * intermediate, hidden), first.dtype)
     down = np.empty((num_experts, hidden, intermediate), first.dtype)
@@ -106,4 +112,21 @@ def _experts(
         gate_up[expert, :intermediate] = reader.array(f"{name}.gate_proj.weight", (intermediate, hidden))
         gate_up[expert, intermediate:] = reader.array(f"{name}.up_proj.weight", (intermediate, hidden))
         down[expert] = reader.array(f"{name}.down_proj.weight", (hidden, intermediate))
-    return gate_up, down
+    return HostLinear(gate_up), HostLinear(down)
+
+
+def _fp8_experts(
+    reader: CheckpointReader, prefix: str, num_experts: int, hidden: int, intermediate: int
+) -> tuple[HostLinear, HostLinear]:
+    """The experts of an FP8 checkpoint, E4M3 with their scales, each read like a projection
+    (gate | up fused by rows); raises WeightError naming an expert stored otherwise."""
+    gate_up, down = [], []
+    for expert in range(num_experts):
+        name = f"{prefix}.experts.{expert}"
+        gate_up.append(reader.stacked_linear([(f"{name}.gate_proj", intermediate), (f"{name}.up_proj", intermediate)],
+                                             hidden))
+        down.append(reader.linear(f"{name}.down_proj", hidden, intermediate))
+    try:
+        return stack_experts(gate_up), stack_experts(down)
+    except ValueError as error:
+        raise WeightError(f"{prefix}.experts: {error} (FP8 and float experts, or different scale layouts)") from None
