@@ -17,6 +17,7 @@ from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.app.model_store import ModelNotFoundError, resolve_model
 from atlas.app.settings import SettingsError
 from atlas.domain.models.config import ModelConfig
+from atlas.domain.models.eagle3 import ARCHITECTURES as EAGLE3_ARCHITECTURES
 from atlas.domain.models.families import check_supported, fp8_layouts, load_model
 from atlas.domain.models.model import Model
 from atlas.domain.models.quantization_config import check_quantization
@@ -56,6 +57,9 @@ def open_draft_model(spec: str, target_tokenizer: Tokenizer) -> DraftCheckpoint:
                             "config.json, a pulled name or an HF repo id") from None
     try:
         config = read_model_config(model_dir)
+        if config.architecture in EAGLE3_ARCHITECTURES:
+            raise ValueError(f"{config.architecture} is an EAGLE-3 head, which drafts from the target's hidden "
+                             'states; use "method": "eagle3" with it')
         check_supported(config)
         check_quantization(config.raw, fp8_layouts(config), config.architecture)
         tokenizer = HfTokenizer.from_folder(model_dir)

@@ -24,7 +24,15 @@ def folders(tmp_path_factory):
         "target": write_tiny_model(root / "target"),
         "draft": write_tiny_model(root / "draft", seed=1, shape=TinyModelShape(num_layers=1)),
         "other-vocab": write_tiny_model(root / "other-vocab", shape=TinyModelShape(vocab_size=512)),
+        "eagle3-head": eagle3_head(write_tiny_model(root / "eagle3-head")),
     }
+
+
+def eagle3_head(folder):
+    """A folder whose config.json names an EAGLE-3 head (the weights do not matter: it is refused first)."""
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLMEagle3"]}))
+    return folder
 
 
 def draft_config(model, k=3):
@@ -63,7 +71,9 @@ def test_a_missing_draft_is_refused_naming_the_field(folders, tmp_path):
 
 
 @pytest.mark.parametrize("draft, expected", [("other-vocab", "does not share the target's tokenizer"),
-                                             ("missing", "not found")])
+                                             ("missing", "not found"),
+                                             ("eagle3-head", 'is an EAGLE-3 head, which drafts from the target\'s '
+                                                             'hidden states; use "method": "eagle3" with it')])
 def test_the_cli_says_what_is_wrong_with_the_draft_in_one_line(folders, capsys, draft, expected):
     model = folders.get(draft, folders["target"].parent / "missing")
     code = main(["generate", str(folders["target"]), "--prompt", "x", "--device", "mock", "--kv-cache-gb", "0.01",
