@@ -27,6 +27,8 @@ from atlas.domain.models.quantization_weights import (
     quantize_per_channel,
     read_fp8_weight,
     stack_rows,
+    take_columns,
+    take_rows,
 )
 from atlas.ports.weights import WeightError
 
@@ -381,6 +383,31 @@ def test_fusing_projections_is_exact_for_per_tensor_and_block_parts() -> None:
         stack_rows([blocks[0], quantize_per_channel(np.ones((4, 200), np.float32))])
     with pytest.raises(ValueError, match="static and dynamic"):
         stack_rows([parts[0], quantize_per_channel(np.ones((4, 16), np.float32))])
+
+
+def test_regrouping_rows_and_splitting_columns_carry_the_scales_exactly() -> None:
+    """Qwen3-Next's per-head interleaving regrouped (`take_rows`) and its MTP fc split by
+    columns (`take_columns`): exact with row scales, with block scales only in whole tiles."""
+    rng = np.random.default_rng(11)
+    per_tensor = QuantizedWeight(random_fp8(rng, (6, 16)), np.float32(0.5), Fp8Layout.PER_TENSOR)
+    rows = np.array([3, 0, 5, 1, 4, 2])
+    regrouped = take_rows(per_tensor, rows)
+    assert regrouped.layout is Fp8Layout.PER_CHANNEL
+    assert np.array_equal(regrouped.dequantize(), per_tensor.dequantize()[rows])
+    blocks = QuantizedWeight(random_fp8(rng, (320, 300)), rng.uniform(0.1, 1, size=(3, 3)).astype(np.float32),
+                             Fp8Layout.BLOCK, (128, 128))
+    tiles = np.concatenate([np.arange(128, 256), np.arange(0, 128), np.arange(256, 320)])
+    assert np.array_equal(take_rows(blocks, tiles).dequantize(), blocks.dequantize()[tiles])
+    for cut in (np.roll(np.arange(320), 64), np.concatenate([np.arange(256, 320), np.arange(0, 256)])):
+        with pytest.raises(ValueError, match="whole 128-row tile"):
+            take_rows(blocks, cut)
+    for start, stop in ((0, 128), (128, 300)):
+        split = take_columns(blocks, start, stop)
+        assert np.array_equal(split.dequantize(), blocks.dequantize()[:, start:stop])
+    with pytest.raises(ValueError, match="whole 128-column tiles"):
+        take_columns(blocks, 0, 150)
+    channel = quantize_per_channel(rng.standard_normal((4, 32)).astype(np.float32))
+    assert np.array_equal(take_columns(channel, 16, 32).dequantize(), channel.dequantize()[:, 16:])
 
 
 def test_a_quantized_weight_checks_its_shapes() -> None:

@@ -8,7 +8,14 @@ from __future__ import annotations
 import numpy as np
 
 from atlas.domain.models.quantization_config import Fp8Checkpoint
-from atlas.domain.models.quantization_weights import E4M3, host_linear, read_fp8_weight, stack_rows
+from atlas.domain.models.quantization_weights import (
+    E4M3,
+    QuantizedWeight,
+    host_linear,
+    read_fp8_weight,
+    stack_rows,
+    take_rows,
+)
 from atlas.domain.models.shard_reads import concatenate_rows, stack_leading
 from atlas.ports.kernels.host_weights import HostLinear, RmsNorm
 from atlas.ports.weights import WeightError, WeightSource
@@ -86,6 +93,39 @@ class CheckpointReader:
         except ValueError as error:
             raise WeightError(f"{', '.join(prefix for prefix, _ in parts)}: {error}") from None
         return host_linear(fused, biases)
+
+    def regrouped_linear(self, parts: list[tuple[str, int, np.ndarray | None]], in_features: int) -> HostLinear:
+        """Projections `(prefix, out_features, rows)` fused along their rows, each part's rows
+        taken in the order `rows` (None: as stored): a fused checkpoint tensor's per-head
+        interleaving regrouped (Qwen3-Next's in_proj_qkvz, its q | gate rows).
+
+        FP8 where every part is FP8 and the regrouping and the fusion move whole 128-row tiles
+        (`take_rows`, `stack_rows`; always so for per-channel and per-tensor scales). Otherwise
+        the projection is float, its FP8 parts dequantized (float32; a backend then holds them
+        in its weight dtype, bf16, one more rounding): the case of a tile that straddles two
+        heads, or of FP8 rows fused with float ones (Qwen3-Next-FP8 leaves in_proj_ba in bf16).
+        Raises WeightError naming a missing or misshapen tensor."""
+        stored = [self.stored(prefix, out_features, in_features) for prefix, out_features, _ in parts]
+        orders = [rows for _, _, rows in parts]
+        quantized = [weight for weight in stored if isinstance(weight, QuantizedWeight)]
+        if not quantized:
+            return HostLinear(concatenate_rows([weight if rows is None else np.asarray(weight)[rows]
+                                                for weight, rows in zip(stored, orders, strict=True)], lazy=True))
+        if len(quantized) == len(stored):
+            try:
+                return host_linear(stack_rows([weight if rows is None else take_rows(weight, rows)
+                                               for weight, rows in zip(quantized, orders, strict=True)]))
+            except ValueError:
+                pass  # a tile the regrouping or the fusion would cut: dequantize below
+        values = [weight.dequantize() if isinstance(weight, QuantizedWeight) else np.asarray(weight, np.float32)
+                  for weight in stored]
+        return HostLinear(np.concatenate([value if rows is None else value[rows]
+                                          for value, rows in zip(values, orders, strict=True)]))
+
+    def stored(self, prefix: str, out_features: int, in_features: int) -> np.ndarray | QuantizedWeight:
+        """`<prefix>.weight` [out, in] as stored: a float array, or E4M3 with its scales."""
+        quantized = self._fp8(prefix, out_features, in_features)
+        return quantized if quantized is not None else self.array(f"{prefix}.weight", (out_features, in_features))
 
     def _fp8(self, prefix: str, out_features: int, in_features: int):
         name = f"{prefix}.weight"

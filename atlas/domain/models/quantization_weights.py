@@ -167,6 +167,42 @@ def stack_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
     return QuantizedWeight(data, scales, Fp8Layout.BLOCK, parts[0].block_size, input_scale)
 
 
+def take_rows(weight: QuantizedWeight, rows: np.ndarray) -> QuantizedWeight:
+    """The rows `rows` of `weight` in that order (a checkpoint's per-head interleaving regrouped).
+
+    Per-channel scales go with their rows (per-tensor ones become per-channel, exactly). Block
+    scales can only move with whole tiles: each run of 128 taken rows must be one stored tile, in
+    order (the last run may be the last, partial, tile); ValueError otherwise.
+    """
+    rows = np.asarray(rows)
+    if weight.layout is not Fp8Layout.BLOCK:
+        scales = _per_channel_scales(weight)[..., rows]
+        return QuantizedWeight(weight.data[..., rows, :], scales, Fp8Layout.PER_CHANNEL, None, weight.input_scale)
+    size, stored_rows = weight.block_size[0], weight.data.shape[-2]  # type: ignore[index]
+    tiles = []
+    for start in range(0, len(rows), size):
+        run, first = rows[start : start + size], int(rows[start])
+        if first % size or len(run) != min(size, stored_rows - first) or (np.diff(run) != 1).any():
+            raise ValueError(f"rows: taken rows {start}..{start + len(run) - 1} are not one whole {size}-row tile")
+        tiles.append(first // size)
+    scales = weight.scales[..., tiles, :]
+    return QuantizedWeight(weight.data[..., rows, :], scales, Fp8Layout.BLOCK, weight.block_size, weight.input_scale)
+
+
+def take_columns(weight: QuantizedWeight, start: int, stop: int) -> QuantizedWeight:
+    """Columns [start, stop) of `weight` (a projection over a concatenated input, split). Row
+    scales stay as they are; block scales need the split on whole 128-column tiles (ValueError)."""
+    if weight.layout is not Fp8Layout.BLOCK:
+        data = np.ascontiguousarray(weight.data[..., start:stop])
+        return QuantizedWeight(data, weight.scales, weight.layout, None, weight.input_scale)
+    size, columns = weight.block_size[1], weight.data.shape[-1]  # type: ignore[index]
+    if start % size or (stop % size and stop != columns):
+        raise ValueError(f"columns: [{start}, {stop}) does not fall on whole {size}-column tiles")
+    scales = weight.scales[..., start // size : -(-stop // size)]
+    data = np.ascontiguousarray(weight.data[..., start:stop])
+    return QuantizedWeight(data, scales, Fp8Layout.BLOCK, weight.block_size, weight.input_scale)
+
+
 def _per_channel_scales(part: QuantizedWeight) -> np.ndarray:
     if part.layout is Fp8Layout.PER_CHANNEL:
         return part.scales
