@@ -3,9 +3,14 @@
 `quantize_checkpoint(tensors, layout)` returns the tensors as such a checkpoint stores them, the
 `quantization_config` that describes them, and the dequantized float32 value of every quantized
 weight (what a reference model is given, so it computes on exactly the values Atlas reads).
+`linears` widens which Linear modules it quantizes (Qwen3-Next's DeltaNet projections) and `skip`
+leaves some in float, listed in the config as each format lists them (a published Qwen3-Next-FP8
+names every layer's router, shared_expert_gate and in_proj_ba in `modules_to_not_convert`).
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -61,13 +66,40 @@ def _per_block(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return data, tiles
 
 
-def quantize_checkpoint(tensors: dict[str, np.ndarray], layout: str) -> tuple[dict, dict, dict]:
-    """(stored tensors, quantization_config, {weight name: dequantized float32}) for `layout`."""
-    stored, dequantized = {}, {}
+def _skipped(module: str, skip: tuple[str, ...]) -> bool:
+    return any(module == suffix or module.endswith(f".{suffix}") for suffix in skip)
+
+
+def _config(layout: str, skipped: list[str], skip: tuple[str, ...]) -> dict:
+    """CONFIGS[layout] leaving the `skip` modules in float too: by name where the format lists
+    names (as published), by a regex where it lists patterns (llm-compressor's recipes)."""
+    config = CONFIGS[layout]
+    if not skip:
+        return config
+    if config["quant_method"] == "fp8":
+        key = "modules_to_not_convert" if "modules_to_not_convert" in config else "ignored_layers"
+        return {**config, key: ["lm_head", *skipped]}
+    return {**config, "ignore": ["lm_head", *(rf"re:.*\.{re.escape(suffix)}$" for suffix in skip)]}
+
+
+def quantize_checkpoint(
+    tensors: dict[str, np.ndarray], layout: str, linears: tuple[str, ...] = PROJECTIONS, skip: tuple[str, ...] = ()
+) -> tuple[dict, dict, dict]:
+    """(stored tensors, quantization_config, {weight name: dequantized float32}) for `layout`:
+    the [out, in] weights of the modules named `linears` (the last part of their names) are FP8,
+    but those ending in one of `skip` ("mlp.gate", "linear_attn.in_proj_ba") and, for the
+    per-tensor layout whose config targets `*_proj`, those not so named."""
+    stored, dequantized, skipped = {}, {}, []
     for name, value in tensors.items():
         module = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS):
+        leaf = module.rsplit(".", 1)[-1]
+        if not (name.endswith(".weight") and np.ndim(value) == 2 and leaf in linears) or (
+                layout == "tensor" and not leaf.endswith("_proj")):
             stored[name] = value
+            continue
+        if _skipped(module, skip):
+            stored[name] = value
+            skipped.append(module)
             continue
         weight = np.asarray(value, np.float32)
         if layout == "channel":
@@ -87,7 +119,7 @@ def quantize_checkpoint(tensors: dict[str, np.ndarray], layout: str) -> tuple[di
             stored[f"{module}.weight_scale_inv"] = tiles
         stored[name] = data
         dequantized[name] = values.astype(np.float32)
-    return stored, CONFIGS[layout], dequantized
+    return stored, _config(layout, skipped, skip), dequantized
 
 
 def split_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -4,6 +4,7 @@ logits agree with the reference to float32 rounding."""
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -12,20 +13,32 @@ pytest.importorskip("transformers")
 
 from fakes import DictWeights  # noqa: E402
 from helpers.engines import make_worker  # noqa: E402
-from fp8_checkpoints import CONFIGS, LAYOUTS, load_dequantized, quantize_checkpoint, split_experts  # noqa: E402
+from fp8_checkpoints import (  # noqa: E402
+    CONFIGS,
+    LAYOUTS,
+    PROJECTIONS,
+    load_dequantized,
+    quantize_checkpoint,
+    split_experts,
+)
 from tiny_models import build_reference, reference_logits, tiny_config  # noqa: E402
 
 from atlas.adapters.mock.backend import MockGpuBackend  # noqa: E402
+from atlas.adapters.mock.dense import rmsnorm  # noqa: E402
 from atlas.domain.batch import BlockTable, SamplingRow, ScheduledBatch, ScheduledSequence  # noqa: E402
+from atlas.domain.models.cache_groups import CacheGroupKind  # noqa: E402
+from atlas.domain.models import qwen3_next  # noqa: E402
 from atlas.domain.models.config import ModelConfig  # noqa: E402
 from atlas.domain.models.families import fp8_layouts, load_model  # noqa: E402
 from atlas.domain.models.quantization_config import (  # noqa: E402
+    Fp8Layout,
     QuantizationError,
     check_quantization,
     with_quantization,
 )
 from atlas.domain.models.quantization_weights import QuantizedOnLoad, checkpoint_bytes  # noqa: E402
 from atlas.domain.worker import WorkerConfig  # noqa: E402
+from atlas.ports.weights import WeightError  # noqa: E402
 
 pytestmark = pytest.mark.oracle
 
@@ -66,12 +79,15 @@ def logits_of(config: dict, weights, backend, prompts: list[list[int]]) -> np.nd
     model = load_model(model_config, weights, backend, max_positions=512)
     worker = make_worker(model, 100, BLOCK_SIZE, WorkerConfig(256, 8, 512))
     sequences, first = [], 0
-    num_groups = len(model.cache_groups)  # Gemma 3's sliding and full layers: a table each
+    # Gemma 3's sliding and full layers: a table each; Qwen3-Next's DeltaNet layers: a state slot
+    num_groups = sum(group.kind is not CacheGroupKind.RECURRENT_STATE for group in model.cache_groups)
+    slots = len(model.cache_groups) - num_groups
     for index, prompt in enumerate(prompts):
         count = -(-len(prompt) // BLOCK_SIZE)
         tables = [tuple(range(first + group * count, first + (group + 1) * count)) for group in range(num_groups)]
-        kv_tables = tuple(BlockTable(table) for table in tables) if num_groups > 1 else ()
-        sequences.append(ScheduledSequence(f"s{index}", tuple(prompt), 0, tables[0], GREEDY, kv_block_tables=kv_tables))
+        kv_tables = tuple(BlockTable(table) for table in tables) if num_groups > 1 or slots else ()
+        sequences.append(ScheduledSequence(f"s{index}", tuple(prompt), 0, tables[0], GREEDY, kv_block_tables=kv_tables,
+                                           state_slots=(index,) * slots))
         first += num_groups * count
     return worker.compute_logits(ScheduledBatch(0, tuple(sequences), BLOCK_SIZE))
 
@@ -134,11 +150,125 @@ def test_the_decoder_families_load_fp8_checkpoints_experts_included(config, layo
 
 
 def test_a_family_that_reads_float_weights_only_refuses_fp8_naming_the_architecture():
-    config = ModelConfig.from_dict(tiny_config("qwen3_next"))
+    config = ModelConfig.from_dict(tiny_config("gpt_oss"))
     assert fp8_layouts(config) == () and fp8_layouts(ModelConfig.from_dict(MOE_CONFIG))
+    assert fp8_layouts(ModelConfig.from_dict(tiny_config("qwen3_next"))) == tuple(Fp8Layout)
     for quantization_config in CONFIGS.values():
-        with pytest.raises(QuantizationError, match="loads Qwen3NextForCausalLM from float weights only"):
+        with pytest.raises(QuantizationError, match="loads GptOssForCausalLM from float weights only"):
             check_quantization({"quantization_config": quantization_config}, fp8_layouts(config), config.architecture)
+
+
+# Qwen3-Next with the head sizes of the published model: 128-row q and gate heads, DeltaNet
+# heads of 128 (in_proj_qkvz moves in whole tiles when regrouped), experts and shared expert of
+# 128 rows; DeltaNet, attention, DeltaNet (a dense GLU), attention.
+NEXT_CONFIG = tiny_config("qwen3_next", hidden_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                          linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+                          linear_value_head_dim=128, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                          intermediate_size=256)
+NEXT_LINEARS = (*PROJECTIONS, "in_proj_qkvz", "in_proj_ba", "out_proj", "gate", "shared_expert_gate", "fc")
+# What each publisher leaves in bf16: Qwen3-Next-80B-A3B-*-FP8 (block; AutoFP8 likewise) the router,
+# shared_expert_gate and in_proj_ba of every layer; llm-compressor's FP8 recipes the router and gate.
+NEXT_SKIPPED = {"block": ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_ba"),
+                "auto_fp8": ("mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_ba"),
+                "channel": ("mlp.gate", "mlp.shared_expert_gate"), "tensor": ("mlp.gate", "mlp.shared_expert_gate")}
+FP8 = np.dtype("float8_e4m3fn")
+
+
+def _as_backend_holds(dequantized: dict[str, np.ndarray], names: list[str]) -> dict[str, np.ndarray]:
+    """The dequantized weights, those of `names` rounded to bf16: a projection Atlas holds as
+    float (FP8 rows fused with float ones), which both backends store in bf16."""
+    return {name: (value.astype(ml_dtypes.bfloat16).astype(np.float32) if name in names else value)
+            for name, value in dequantized.items()}
+
+
+def _recording_moe(backend: RecordingMock) -> list:
+    hosts, prepare = [], backend.moe.prepare
+    backend.moe.prepare = lambda host: hosts.append(host) or prepare(host)
+    return hosts
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_qwen3_next_loads_its_fp8_checkpoints_as_published(layout, rng):
+    """Every projection as stored: attention, DeltaNet out_proj, dense GLU, experts and shared
+    expert in FP8 with their scales; the router and shared_expert_gate float. The DeltaNet
+    in_proj is FP8 where in_proj_qkvz and in_proj_ba both are (regrouped by rows with their
+    scales), else float: the published block checkpoint leaves in_proj_ba in bf16."""
+    reference, tensors = build_reference(NEXT_CONFIG, seed=2)
+    stored, quantization_config, dequantized = quantize_checkpoint(split_experts(tensors), layout, NEXT_LINEARS,
+                                                                   NEXT_SKIPPED[layout])
+    assert sum(".experts." in name for name in dequantized) == 3 * 8 * 3  # three MoE layers
+    assert not any(name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")) for name in dequantized)
+    fp8_in_proj = layout == "channel"  # both parts FP8; the per-tensor config targets *_proj only
+    in_proj = [] if fp8_in_proj else [name for name in dequantized if "in_proj_qkvz" in name]
+    assert len(in_proj) == (0 if layout in ("channel", "tensor") else 2)
+    load_dequantized(reference, _as_backend_holds(dequantized, in_proj))
+    backend = RecordingMock()
+    moe = _recording_moe(backend)
+    prompts = [[int(t) for t in rng.integers(0, NEXT_CONFIG["vocab_size"], size=n)] for n in (1, 9, 30)]
+    config = {**NEXT_CONFIG, "quantization_config": quantization_config}
+    logits = logits_of(config, DictWeights(stored), backend, prompts)
+    for row, prompt in enumerate(prompts):
+        assert relative_error(logits[row], reference_logits(reference, prompt)[-1]) < 1e-4, (layout, len(prompt))
+    in_proj_rows = 4 * 128 * 2 + 2 * 2  # q, k, v, z of two key heads, b and a of two value heads
+    projections = [linear for kind, linear in backend.linears if kind != "lm_head"]
+    assert len(projections) == 2 * 2 + 2 * 2 + 2  # qkv and o, in_proj and out_proj, a dense GLU
+    for linear in projections:
+        fp8 = linear.out_features != in_proj_rows or fp8_in_proj
+        assert (linear.weight.dtype == FP8 and linear.scales is not None) == fp8, (layout, linear.out_features)
+    assert len(moe) == 3
+    for host in moe:
+        for linear in (host.gate_up, host.down, host.shared.gate_up, host.shared.down):
+            assert linear.weight.dtype == FP8 and linear.scales is not None
+        assert host.router.scales is None and host.shared.gate.scales is None
+
+
+def test_qwen3_next_heads_that_split_a_tile_are_dequantized_and_experts_that_do_are_refused(rng):
+    """The tiny model's 32-row heads and 16-row DeltaNet heads cut 128-row tiles when regrouped:
+    those projections are read as float (bf16 on the backend), the rest stay FP8. Experts whose
+    gate rows end mid-tile cannot be fused into gate | up: refused, naming them."""
+    small = tiny_config("qwen3_next", hidden_size=128)
+    stored, quantization_config, _ = quantize_checkpoint(split_experts(build_reference(small)[1]), "block",
+                                                         NEXT_LINEARS, NEXT_SKIPPED["block"])
+    with pytest.raises(WeightError, match=r"experts\.0\.gate_proj.*multiple of 128 rows"):
+        load_model(ModelConfig.from_dict({**small, "quantization_config": quantization_config}), DictWeights(stored),
+                   MockGpuBackend(), max_positions=64)
+    config = tiny_config("qwen3_next", hidden_size=128, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                         intermediate_size=128)
+    reference, tensors = build_reference(config, seed=3)
+    stored, quantization_config, dequantized = quantize_checkpoint(split_experts(tensors), "block", NEXT_LINEARS,
+                                                                   NEXT_SKIPPED["block"])
+    regrouped = [name for name in dequantized if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight",
+                                                                 "in_proj_qkvz.weight"))]
+    load_dequantized(reference, _as_backend_holds(dequantized, regrouped))
+    backend = RecordingMock()
+    moe = _recording_moe(backend)
+    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (2, 17)]
+    logits = logits_of({**config, "quantization_config": quantization_config}, DictWeights(stored), backend, prompts)
+    for row, prompt in enumerate(prompts):
+        assert relative_error(logits[row], reference_logits(reference, prompt)[-1]) < 1e-4
+    qkv = [linear for kind, linear in backend.linears if kind == "qkv"]
+    assert qkv and all(linear.scales is None and linear.weight.dtype == np.float32 for linear in qkv)
+    assert all(host.gate_up.weight.dtype == FP8 and host.shared.down.scales is not None for host in moe)
+
+
+def test_quantization_fp8_at_load_on_qwen3_next_quantizes_its_projections(rng):
+    """`--quantization fp8` on a bf16 Qwen3-Next (experts one tensor each, as published): every
+    `*_proj` (attention, out_proj, GLUs, experts) per channel; in_proj_qkvz / in_proj_ba, the
+    router and the gates stay bf16."""
+    reference, tensors = build_reference(tiny_config("qwen3_next"), seed=5)
+    split = split_experts(tensors)
+    _, _, dequantized = quantize_checkpoint(split, "channel", (*PROJECTIONS, "out_proj"))
+    load_dequantized(reference, dequantized)
+    backend = RecordingMock()
+    moe = _recording_moe(backend)
+    prompts = [[int(t) for t in rng.integers(0, 512, size=n)] for n in (4, 21)]
+    config = with_quantization(tiny_config("qwen3_next"), "fp8")
+    logits = logits_of(config, QuantizedOnLoad(DictWeights(split)), backend, prompts)
+    for row, prompt in enumerate(prompts):
+        assert relative_error(logits[row], reference_logits(reference, prompt)[-1]) < 1e-4
+    in_proj = [linear for kind, linear in backend.linears if kind == "dense" and linear.out_features == 192 + 8]
+    assert len(in_proj) == 2 and all(linear.scales is None for linear in in_proj)
+    assert all(host.gate_up.scales is not None and host.shared.gate_up.scales is not None for host in moe)
 
 
 def test_quantization_fp8_at_load_is_the_per_channel_checkpoint(rng):
@@ -174,3 +304,57 @@ def test_the_engine_quantizes_at_load_and_counts_the_bytes_it_holds(tmp_path):
     assert fp8_llm.engine.weight_bytes < float_llm.engine.weight_bytes
     outputs = fp8_llm.generate([[1, 2, 3, 4]], params)
     assert len(outputs[0].outputs[0].token_ids) == 8
+
+
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_the_mtp_head_of_an_fp8_checkpoint_loads_its_projections_as_stored(layout, rng):
+    """An MTP head quantized like the layers (fc included; a checkpoint that leaves fc in bf16
+    loads it as float): fc splits into its two projections on the 128-column tile boundary
+    with its scales, and its layer's attention and experts stay FP8."""
+    _, tensors = build_reference(NEXT_CONFIG, seed=6)
+    hidden = NEXT_CONFIG["hidden_size"]
+    mtp = {name.replace("model.layers.1.", "mtp.layers.0."): value
+           for name, value in tensors.items() if name.startswith("model.layers.1.")}
+    mtp["mtp.fc.weight"] = (rng.standard_normal((hidden, 2 * hidden)) * 0.1).astype(np.float32)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{name}.weight"] = (rng.standard_normal(hidden) * 0.1).astype(np.float32)
+    stored, quantization_config, dequantized = quantize_checkpoint(
+        split_experts({**tensors, **mtp}), layout, NEXT_LINEARS, NEXT_SKIPPED[layout])
+    assert "mtp.fc.weight" in dequantized and "mtp.layers.0.mlp.experts.7.down_proj.weight" in dequantized
+    config = ModelConfig.from_dict({**NEXT_CONFIG, "quantization_config": quantization_config})
+    backend = RecordingMock()
+    moe = _recording_moe(backend)
+    head = qwen3_next.load_mtp(config, DictWeights(stored), backend, 64)
+    embedding, state = rng.standard_normal((2, 3, hidden)).astype(np.float32)
+    out = backend.upload(np.zeros((3, hidden), np.float32))
+    backend.dense.project(backend.upload(embedding), head.embedding_projection, out)
+    backend.dense.project_add(backend.upload(state), head.hidden_projection, out)
+    eps = config.rms_norm_eps
+    joined = np.concatenate([rmsnorm(embedding, 1 + mtp["mtp.pre_fc_norm_embedding.weight"], eps),
+                             rmsnorm(state, 1 + mtp["mtp.pre_fc_norm_hidden.weight"], eps)], axis=1)
+    np.testing.assert_allclose(backend.download(out), joined @ dequantized["mtp.fc.weight"].T, rtol=1e-4, atol=1e-4)
+    fc = [linear for kind, linear in backend.linears if kind == "dense"][-2:]  # after the layer's o_proj
+    scales = (2, 2) if layout == "block" else (hidden,)
+    assert all(linear.weight.dtype == FP8 and linear.scales.shape == scales for linear in fc)
+    qkv = next(linear for kind, linear in backend.linears if kind == "qkv")
+    assert qkv.weight.dtype == FP8 and moe[0].gate_up.weight.dtype == FP8 and moe[0].router.scales is None
+
+
+@pytest.mark.parametrize("layout", ["channel", "auto_fp8"])
+def test_qwen3_5_moe_loads_fp8_with_its_deltanet_projections_split(layout, rng):
+    """Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a fuse in stored order: FP8 when
+    all four are (per channel), float when in_proj_b / in_proj_a are left in bf16."""
+    config = tiny_config("qwen3_5_moe")
+    reference, tensors = build_reference(config, seed=7)
+    skip = ("mlp.gate", "mlp.shared_expert_gate") + (("in_proj_b", "in_proj_a") if layout == "auto_fp8" else ())
+    linears = (*NEXT_LINEARS, "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+    stored, quantization_config, dequantized = quantize_checkpoint(split_experts(tensors), layout, linears, skip)
+    fused_as_float = [] if layout == "channel" else [name for name in dequantized if ".in_proj_" in name]
+    load_dequantized(reference, _as_backend_holds(dequantized, fused_as_float))
+    backend = RecordingMock()
+    prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (3, 14)]
+    logits = logits_of({**config, "quantization_config": quantization_config}, DictWeights(stored), backend, prompts)
+    for row, prompt in enumerate(prompts):
+        assert relative_error(logits[row], reference_logits(reference, prompt)[-1]) < 1e-4, layout
+    in_proj = [linear for kind, linear in backend.linears if kind == "dense" and linear.out_features == 192 + 8]
+    assert len(in_proj) == 2 and all((linear.scales is not None) == (layout == "channel") for linear in in_proj)

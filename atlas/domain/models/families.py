@@ -29,8 +29,7 @@ _FAMILIES: dict[str, Family] = {
     **{name: Family(qwen3_moe.kinds, qwen3_moe.load_qwen3_moe) for name in qwen3_moe.ARCHITECTURES},
     **{name: Family(gemma3.kinds, gemma3.load_gemma3) for name in gemma3.ARCHITECTURES},
     **{name: Family(gpt_oss.kinds, gpt_oss.load_gpt_oss, reads_fp8=False) for name in gpt_oss.ARCHITECTURES},
-    **{name: Family(qwen3_next.kinds, qwen3_next.load_qwen3_next, reads_fp8=False)
-       for name in qwen3_next.ARCHITECTURES},
+    **{name: Family(qwen3_next.kinds, qwen3_next.load_qwen3_next) for name in qwen3_next.ARCHITECTURES},
 }
 
 

@@ -20,6 +20,15 @@ DeltaNet layers' state slots and the attention layers' KV pages.
 Checkpoints also carry a multi-token-prediction head (`mtp.*`), which transformers drops on
 load; `load_mtp` reads it into an `MtpModule`, which `draft_heads.mtp_head` runs as the draft
 head of `--speculative-config '{"method": "mtp", ...}'`.
+
+FP8 checkpoints (Qwen3-Next-80B-A3B-FP8: 128 x 128 blocks; llm-compressor's layouts) load each
+projection as stored, FP8 with its scales or float where `quantization_config` leaves it so
+(published: the router, shared_expert_gate and in_proj_ba), experts and the MTP head included.
+The projections whose rows this loader regroups (q_proj's q | gate, in_proj_qkvz | in_proj_ba)
+stay FP8 where whole 128-row tiles move (every published head size); where a tile would be cut,
+or FP8 rows meet float ones (the published in_proj_ba), they are dequantized at load to the
+backend's float weights (`CheckpointReader.regrouped_linear`): the DeltaNet in_proj of a
+published checkpoint runs in bf16, its kernel taking one layout for all six parts.
 """
 
 from __future__ import annotations
@@ -37,6 +46,8 @@ from atlas.domain.models.feed_forward import DenseFeedForward, MoeFeedForward
 from atlas.domain.models.layers import FeedForward, Layer
 from atlas.domain.models.mixers import AttentionMixer, DeltaNetMixer
 from atlas.domain.models.model import Model
+from atlas.domain.models.quantization_config import read_quantization
+from atlas.domain.models.quantization_weights import QuantizedWeight, host_linear, stack_experts, take_columns
 from atlas.domain.models.rope import rope_table
 from atlas.ports.gpu import DType, GpuBackend, Kind, Tensor
 from atlas.ports.kernels.attention import AttentionLayer, HeadLayout, HostAttention
@@ -174,7 +185,8 @@ def load_qwen3_next(
     """Build a `Model` from a Qwen3-Next checkpoint (its `mtp.*` head is left to `load_mtp`);
     raises WeightError naming a missing or misshapen tensor, ModelConfigError for config.json."""
     shape = Qwen3NextShape.from_config(config)
-    builder = _LayerBuilder(config, shape, CheckpointReader(weights), backend, max_positions)
+    reader = CheckpointReader(weights, read_quantization(config.raw))
+    builder = _LayerBuilder(config, shape, reader, backend, max_positions)
     groups = cache_groups(config, shape)
     total_steps = config.num_layers + 2
     layers = []
@@ -229,7 +241,7 @@ def load_mtp(config: ModelConfig, weights: WeightSource, backend: GpuBackend, ma
     if num_layers == 0:
         raise WeightError("the checkpoint's MTP head (mtp.*) has no layers (mtp.layers.0.*)")
     shape = Qwen3NextShape.from_config(config)
-    reader = CheckpointReader(weights)
+    reader = CheckpointReader(weights, read_quantization(config.raw))
     builder = _LayerBuilder(config, shape, reader, backend, max_positions)
     hidden = config.hidden_size
     groups = group_caches([KvShape(config.num_kv_heads, config.head_dim)] * num_layers)
@@ -240,15 +252,11 @@ def load_mtp(config: ModelConfig, weights: WeightSource, backend: GpuBackend, ma
         )
         for index in range(num_layers)
     )
-    fc = reader.array("mtp.fc.weight", (hidden, 2 * hidden))
+    embedding_fc, hidden_fc = _split_columns(reader.stored("mtp.fc", hidden, 2 * hidden), hidden)
     dense = backend.dense
     return MtpModule(
-        embedding_projection=dense.prepare(
-            HostProjection(HostLinear(np.ascontiguousarray(fc[:, :hidden])), builder.norm("mtp.pre_fc_norm_embedding"))
-        ),
-        hidden_projection=dense.prepare(
-            HostProjection(HostLinear(np.ascontiguousarray(fc[:, hidden:])), builder.norm("mtp.pre_fc_norm_hidden"))
-        ),
+        embedding_projection=dense.prepare(HostProjection(embedding_fc, builder.norm("mtp.pre_fc_norm_embedding"))),
+        hidden_projection=dense.prepare(HostProjection(hidden_fc, builder.norm("mtp.pre_fc_norm_hidden"))),
         layers=layers,
         cache_groups=groups,
         final_norm=builder.norm("mtp.norm"),
@@ -294,12 +302,11 @@ class _LayerBuilder:
         heads = HeadLayout(config.num_heads, config.num_kv_heads, head_dim)
         p = prefix + "self_attn."
         # q_proj holds, per head, its D query rows then its D gate rows: regroup as all q, all gates
-        q_and_gate = reader.array(p + "q_proj.weight", (2 * heads.q_size, hidden)).reshape(heads.num_q_heads, 2, head_dim, hidden)
-        weight = np.concatenate([
-            q_and_gate[:, 0].reshape(-1, hidden), q_and_gate[:, 1].reshape(-1, hidden),
-            reader.array(p + "k_proj.weight", (heads.kv_size, hidden)),
-            reader.array(p + "v_proj.weight", (heads.kv_size, hidden)),
-        ])  # fmt: skip
+        q_rows = np.arange(2 * heads.q_size).reshape(heads.num_q_heads, 2, head_dim).transpose(1, 0, 2).reshape(-1)
+        qkv = reader.regrouped_linear([
+            (p + "q_proj", 2 * heads.q_size, q_rows), (p + "k_proj", heads.kv_size, None),
+            (p + "v_proj", heads.kv_size, None),
+        ], hidden)  # fmt: skip
         bias = None
         if config.attention_bias:
             q_bias = reader.array(p + "q_proj.bias", (2 * heads.q_size,)).reshape(heads.num_q_heads, 2, head_dim)
@@ -307,7 +314,7 @@ class _LayerBuilder:
                                    reader.array(p + "k_proj.bias", (heads.kv_size,)),
                                    reader.array(p + "v_proj.bias", (heads.kv_size,))])
         host = HostAttention(
-            self.norm(prefix + "input_layernorm"), HostLinear(weight, bias),
+            self.norm(prefix + "input_layernorm"), replace(qkv, bias=bias),
             q_norm=self.norm(p + "q_norm", head_dim), k_norm=self.norm(p + "k_norm", head_dim),
         )
         spec = AttentionLayer(heads, cache_layer, head_dim**-0.5, self.rope(), gated_output=True)
@@ -320,18 +327,15 @@ class _LayerBuilder:
         spec = self.shape.delta_net(state_layer)
         p = prefix + "linear_attn."
         if p + "in_proj_qkv.weight" in reader:  # Qwen3.5: already all q, all k, all v, all z, all b, all a
-            in_proj = reader.stacked([
-                (p + "in_proj_qkv.weight", (2 * spec.key_dim + spec.value_dim, hidden)),
-                (p + "in_proj_z.weight", (spec.value_dim, hidden)),
-                (p + "in_proj_b.weight", (spec.num_value_heads, hidden)),
-                (p + "in_proj_a.weight", (spec.num_value_heads, hidden)),
-            ])  # fmt: skip
+            in_proj = reader.regrouped_linear([
+                (p + "in_proj_qkv", 2 * spec.key_dim + spec.value_dim, None), (p + "in_proj_z", spec.value_dim, None),
+                (p + "in_proj_b", spec.num_value_heads, None), (p + "in_proj_a", spec.num_value_heads, None),
+            ], hidden)  # fmt: skip
         else:
-            qkvz_width, ba_width = 2 * spec.key_dim + 2 * spec.value_dim, 2 * spec.num_value_heads
-            in_proj = np.concatenate([
-                reader.array(p + "in_proj_qkvz.weight", (qkvz_width, hidden))[qkvz_rows(spec)],
-                reader.array(p + "in_proj_ba.weight", (ba_width, hidden))[ba_rows(spec)],
-            ])  # fmt: skip
+            in_proj = reader.regrouped_linear([
+                (p + "in_proj_qkvz", 2 * spec.key_dim + 2 * spec.value_dim, qkvz_rows(spec)),
+                (p + "in_proj_ba", 2 * spec.num_value_heads, ba_rows(spec)),
+            ], hidden)  # fmt: skip
         host = HostDeltaNet(
             conv_weight=reader.array(p + "conv1d.weight", (spec.conv_dim, 1, spec.conv_kernel))[:, 0],
             a_log=reader.array(p + "A_log", (spec.num_value_heads,)),
@@ -340,7 +344,7 @@ class _LayerBuilder:
         )
         dense = self.backend.dense
         return DeltaNetMixer(
-            spec, group, dense.prepare(HostProjection(HostLinear(in_proj), self.norm(prefix + "input_layernorm"))),
+            spec, group, dense.prepare(HostProjection(in_proj, self.norm(prefix + "input_layernorm"))),
             self.backend.recurrent.prepare(host, spec),
             dense.prepare(HostProjection(reader.linear(p + "out_proj", hidden, spec.value_dim))), hidden,
         )
@@ -353,7 +357,7 @@ class _LayerBuilder:
             inter = config.intermediate_size
             gate_up = _gate_up(reader, p, inter, hidden)
             return DenseFeedForward(
-                dense.prepare(HostProjection(HostLinear(gate_up), norm, Activation.SILU)),
+                dense.prepare(HostProjection(gate_up, norm, Activation.SILU)),
                 dense.prepare(HostProjection(reader.linear(p + "down_proj", hidden, inter))), inter, hidden,
             )
         shape = self.shape
@@ -362,13 +366,13 @@ class _LayerBuilder:
         shared_expert = None
         if shared:
             shared_expert = HostSharedExpert(
-                HostLinear(_gate_up(reader, p + "shared_expert.", shared, hidden)),
+                _gate_up(reader, p + "shared_expert.", shared, hidden),
                 reader.linear(p + "shared_expert.down_proj", hidden, shared),
                 reader.linear(p + "shared_expert_gate", 1, hidden),
             )
         routing = Routing(num_experts, shape.num_experts_per_tok, Scoring.SOFTMAX, renormalize=shape.norm_topk_prob)
-        host = HostMoe(norm, reader.linear(p + "gate", num_experts, hidden), HostLinear(gate_up), HostLinear(down),
-                       Activation.SILU, routing, shared=shared_expert)
+        host = HostMoe(norm, reader.linear(p + "gate", num_experts, hidden), gate_up, down, Activation.SILU, routing,
+                       shared=shared_expert)
         return MoeFeedForward(self.backend.moe.prepare(host), routing.top_k, hidden, max(inter, shared))
 
     def vocab(self) -> HostVocab:
@@ -380,22 +384,39 @@ class _LayerBuilder:
         return HostVocab(embedding, self.norm(f"{self.model_prefix}norm"), lm_head)
 
 
-def _gate_up(reader: CheckpointReader, prefix: str, inter: int, hidden: int) -> np.ndarray:
-    return reader.stacked([(f"{prefix}gate_proj.weight", (inter, hidden)), (f"{prefix}up_proj.weight", (inter, hidden))])
+def _gate_up(reader: CheckpointReader, prefix: str, inter: int, hidden: int) -> HostLinear:
+    return reader.stacked_linear([(f"{prefix}gate_proj", inter), (f"{prefix}up_proj", inter)], hidden)  # float or FP8
 
 
 def _experts(
     reader: CheckpointReader, prefix: str, num_experts: int, inter: int, hidden: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[HostLinear, HostLinear]:
     """([E, 2I, H] gate rows then up rows, [E, H, I]) from one tensor per expert and matrix (as
-    the published checkpoints store them) or from transformers' fused `gate_up_proj` and
-    `down_proj`."""
+    the published checkpoints store them, float or FP8 with their scales) or from transformers'
+    fused `gate_up_proj` and `down_proj` (float)."""
     if f"{prefix}gate_up_proj" in reader:
-        return (reader.array(f"{prefix}gate_up_proj", (num_experts, 2 * inter, hidden)),
-                reader.array(f"{prefix}down_proj", (num_experts, hidden, inter)))
-    gate_up = np.stack([_gate_up(reader, f"{prefix}{expert}.", inter, hidden) for expert in range(num_experts)])
-    down = np.stack([reader.array(f"{prefix}{expert}.down_proj.weight", (hidden, inter)) for expert in range(num_experts)])
-    return gate_up, down
+        return (HostLinear(reader.array(f"{prefix}gate_up_proj", (num_experts, 2 * inter, hidden))),
+                HostLinear(reader.array(f"{prefix}down_proj", (num_experts, hidden, inter))))
+    gate_up = [_gate_up(reader, f"{prefix}{expert}.", inter, hidden) for expert in range(num_experts)]
+    down = [reader.linear(f"{prefix}{expert}.down_proj", hidden, inter) for expert in range(num_experts)]
+    try:
+        return stack_experts(gate_up), stack_experts(down)
+    except ValueError as error:
+        what = "FP8 and float experts, or different scale layouts"
+        raise WeightError(f"{prefix.rstrip('.')}: {error} ({what})") from None
+
+
+def _split_columns(fc: np.ndarray | QuantizedWeight, hidden: int) -> tuple[HostLinear, HostLinear]:
+    """mtp.fc [H, 2H] as its two projections, over the embedding's columns [:H] and the hidden
+    state's [H:]: float, or FP8 with the rows' scales (block scales where H falls on a tile
+    boundary, as in every published size; else dequantized to float)."""
+    if not isinstance(fc, QuantizedWeight):
+        return HostLinear(np.ascontiguousarray(fc[:, :hidden])), HostLinear(np.ascontiguousarray(fc[:, hidden:]))
+    try:
+        return host_linear(take_columns(fc, 0, hidden)), host_linear(take_columns(fc, hidden, 2 * hidden))
+    except ValueError:
+        values = fc.dequantize()
+        return HostLinear(values[:, :hidden]), HostLinear(values[:, hidden:])
 
 
 def qkvz_rows(layer: DeltaNetLayer) -> np.ndarray:
