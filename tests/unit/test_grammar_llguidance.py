@@ -244,6 +244,21 @@ def test_the_batched_fill_equals_one_by_one(compiler, tokenizer) -> None:
     assert not batched[1].any() and not batched[4].any(), "rows not named stay untouched"
 
 
+@pytest.mark.parametrize(
+    ("spec", "reason"),
+    [
+        (Regex("(("), "unclosed group"),
+        (Regex("(a)\\1"), "backreferences are not supported"),
+        (JsonSchema({"type": "string", "pattern": "(?=a)a"}), "look-around"),
+    ],
+)
+def test_a_regex_error_says_why_not_only_that_the_regex_did_not_parse(compiler, spec, reason) -> None:
+    """llguidance writes the reason lines below "regex parse error:"; the message keeps it."""
+    with pytest.raises(GrammarError, match=reason) as error:
+        compiler.compile(spec, "structured_outputs.regex")
+    assert "\n" not in str(error.value)
+
+
 def test_a_rejected_token_is_reported(compiler, tokenizer) -> None:
     matcher = compiler.compile(Choice(("yes",)), "f").new_matcher()
     assert not matcher.accept_token(tokenizer.encode("no", add_special_tokens=False)[0])

@@ -337,4 +337,12 @@ def _json_schema_grammar(schema: Mapping[str, Any], lenient: bool) -> str:
 
 
 def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else message
+    """llguidance's message in one line: its first, plus the `error: ...` line where the
+    first only announces it (a regex parse error's reason comes after a drawing of the regex)."""
+    lines = message.strip().splitlines()
+    if not lines:
+        return message
+    reason = next((line.strip() for line in lines[1:] if line.strip().startswith("error: ")), None)
+    if reason is None:
+        return lines[0]
+    return f"{lines[0].rstrip().removesuffix(':')}: {reason.removeprefix('error: ')}"
