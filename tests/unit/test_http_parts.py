@@ -15,6 +15,7 @@ from atlas.adapters.http.engine_client import SamplingDefaults
 from atlas.adapters.http.errors import ApiError, from_validation_error
 from atlas.adapters.http.metrics import MetricsRegistry
 from atlas.adapters.http.params import sampling_params
+from atlas.adapters.http.prompts import message_dicts
 from atlas.adapters.http.responses import ChatChunk, ChatChunkChoice, ChatDelta, Completion, CompletionChoice
 from atlas.adapters.http.schemas import ChatCompletionRequest, CompletionRequest, unsupported_features
 from atlas.adapters.http.state import decode_body
@@ -88,6 +89,15 @@ def test_logit_bias_keys_are_token_ids_inside_the_vocabulary():
         with pytest.raises(ApiError) as error:
             sampling_params(chat(logit_bias=bias), 1, 100, 50)
         assert error.value.detail.param == "logit_bias"
+
+
+def test_a_text_part_without_text_is_named_as_such_not_as_an_unsupported_type():
+    for part, param, says in (({"type": "text", "text": None}, "messages[0].content[1].text", "needs its text"),
+                              ({"type": "image_url"}, "messages[0].content[1]", "not supported")):
+        request = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}])
+        with pytest.raises(ApiError) as error:
+            message_dicts(request.messages)
+        assert error.value.detail.param == param and says in error.value.detail.message
 
 
 def test_stop_may_be_a_string_or_a_list():

@@ -44,11 +44,12 @@ def message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for part_idx, part in enumerate(content):
-                if part.type not in TEXT_PART_TYPES or part.text is None:
-                    raise bad_request(
-                        f"messages[{idx}].content[{part_idx}]",
-                        f"content part type {excerpt(part.type)} is not supported; this model takes text only",
-                    )
+                where = f"messages[{idx}].content[{part_idx}]"
+                if part.type not in TEXT_PART_TYPES:
+                    raise bad_request(where, f"content part type {excerpt(part.type)} is not supported; this model "
+                                             f"takes text only")
+                if part.text is None:
+                    raise bad_request(f"{where}.text", f"a {excerpt(part.type)} content part needs its text")
                 texts.append(part.text)
             content = "".join(texts)
         if content is None and not message.tool_calls:
