@@ -85,7 +85,8 @@ def test_logprobs_map_to_the_engine_and_errors_use_the_client_names():
 def test_logit_bias_keys_are_token_ids_inside_the_vocabulary():
     params = sampling_params(chat(logit_bias={"7": -100, "3": 2.5}), 1, 100, 50)
     assert params.logit_bias == {7: -100, 3: 2.5}
-    for bias in ({"x": 1}, {"50": 1}):
+    for bias in ({"x": 1}, {"50": 1}, {" 5": 1}, {"1_0": 1}, {"+5": 1}, {"\u0663": 1}, {"5.0": 1},
+                 {"9" * 5000: 1}):
         with pytest.raises(ApiError) as error:
             sampling_params(chat(logit_bias=bias), 1, 100, 50)
         assert error.value.detail.param == "logit_bias"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from atlas.adapters.http.engine_client import SamplingDefaults
@@ -51,15 +52,20 @@ def _max_tokens(requested: int | None, param: str, num_prompt_tokens: int, max_m
     return requested
 
 
+# int() alone also takes " 5", "1_0", "+5" and non-ASCII digits; 18 digits fit in 64 bits, so a
+# longer key is refused here rather than by int()'s limit on digits
+_TOKEN_ID_KEY = re.compile(r"-?[0-9]{1,18}")
+
+
 def _logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
     if not raw:
         return None
     bias = {}
     for key, value in raw.items():
-        try:
-            bias[int(key)] = value
-        except ValueError:
-            raise bad_request("logit_bias", f"logit_bias keys are token ids; {excerpt(key)} is not an integer") from None
+        if _TOKEN_ID_KEY.fullmatch(key) is None:
+            raise bad_request("logit_bias", f"logit_bias keys are token ids (decimal integers); {excerpt(key)} is "
+                                            f"not one")
+        bias[int(key)] = value
     return bias
 
 
