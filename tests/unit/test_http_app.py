@@ -177,6 +177,26 @@ async def test_engine_failures_become_error_objects(tokenizer, failure, status):
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("failure", [EngineFailure("prompt: token id 900 is outside the vocabulary", True, "prompt"),
+                                     EngineFailure("RuntimeError: device lost")])
+async def test_a_responses_stream_that_fails_ends_with_response_failed_numbered_in_order(tokenizer, failure):
+    app = make_app(ScriptedEngine([], failure=failure), tokenizer)
+    async with app.test_app() as test_app:
+        client = test_app.test_client()
+        await wait_healthy(client)
+        streamed = await client.post("/v1/responses", json={"model": "tiny", "input": "hello", "stream": True})
+        body = (await streamed.get_data()).decode()
+    events = [json.loads(frame.split("\ndata: ", 1)[1]) for frame in body.split("\n\n") if frame]
+    assert [event["type"] for event in events] == ["response.created", "response.in_progress", "error",
+                                                  "response.failed"]
+    assert [event["sequence_number"] for event in events] == [0, 1, 2, 3]
+    error, failed = events[2], events[3]["response"]
+    assert failure.message in error["message"] and error["param"] == failure.field
+    assert failed["status"] == "failed" and failure.message in failed["error"]["message"]
+    assert failed["error"]["code"] == error["code"] and failed["id"] == events[0]["response"]["id"]
+
+
+@pytest.mark.anyio
 async def test_a_client_that_disconnects_mid_stream_aborts_its_sequences(tokenizer):
     engine = ScriptedEngine(tokenizer.encode(SCRIPT_TEXT) * 50, stall_after=5)
     app = make_app(engine, tokenizer)

@@ -13,12 +13,16 @@ sequence the openai SDK assembles:
         output_item.done
     response.completed (response.incomplete at max_output_tokens)
 
+A failure after the 200 went out (the engine gave up on the request) ends the stream with an
+`error` event, then `response.failed` holding the items so far and the error.
+
 Every event carries `sequence_number`; items open as their first piece arrives and close when
 the next begins, and the final response lists the same items with the same ids.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import secrets
 import time
@@ -61,7 +65,9 @@ from atlas.adapters.http.responses_api_schemas import (
     ResponseCompleted,
     ResponseCreated,
     ResponseDeleted,
+    ResponseError,
     ResponseErrorEvent,
+    ResponseFailed,
     ResponseIncomplete,
     ResponseInProgress,
     ResponseObject,
@@ -98,8 +104,10 @@ async def create_response(state: ServerState, body: bytes) -> Response:
     parsed = ChatChoices(1, turn.reading, random.Random(secrets.randbits(64)))
     items = _Items()
     if request.stream:
-        frames = _stream(state, generation, reply, parsed, items, conversation, body, started_s)
-        return Response(sse.with_errors(frames, _error_event), 200, sse.HEADERS)
+        numbered = _Numbered()
+        frames = _stream(state, generation, reply, parsed, items, numbered, conversation, body, started_s)
+        on_error = functools.partial(_failure_frames, numbered, reply, items)
+        return Response(sse.with_errors(frames, on_error), 200, sse.HEADERS)
 
     def on_update(update) -> None:
         items.events(parsed.apply(update))
@@ -182,8 +190,9 @@ class _Reply:
         )
 
     def snapshot(self, status: str, output: list[OutputItem], usage: ResponsesUsage | None = None,
-                 incomplete: IncompleteDetails | None = None) -> ResponseObject:
-        return ResponseObject(self.id, self.created, self.model, output, status, usage, incomplete, **self._echo)
+                 incomplete: IncompleteDetails | None = None, error: ResponseError | None = None) -> ResponseObject:
+        return ResponseObject(self.id, self.created, self.model, output, status, usage, incomplete, error=error,
+                              **self._echo)
 
     def finished(self, generation: Generation, parsed: ChatChoices, output: list[OutputItem]) -> ResponseObject:
         reason = parsed.finish_reason(0)
@@ -291,9 +300,13 @@ class _Numbered:
         return b"".join(frames)
 
 
-def _error_event(error: ApiError) -> bytes:
+def _failure_frames(numbered: _Numbered, reply: _Reply, items: _Items, error: ApiError) -> bytes:
+    """The end of a stream that failed after its 200: the `error` event, then `response.failed`
+    with the items so far, numbered after the events already sent."""
     detail = error.detail
-    return sse.named_event("error", ResponseErrorEvent(0, detail.message, detail.code or detail.type, detail.param))
+    code = detail.code or detail.type
+    failed = reply.snapshot("failed", items.output, error=ResponseError(code, detail.message))
+    return numbered.frames([ResponseErrorEvent(0, detail.message, code, detail.param), ResponseFailed(0, failed)])
 
 
 async def _stream(
@@ -302,11 +315,11 @@ async def _stream(
     reply: _Reply,
     parsed: ChatChoices,
     items: _Items,
+    numbered: _Numbered,
     conversation: list[dict[str, Any]],
     body: bytes,
     started_s: float,
 ) -> AsyncGenerator[bytes, None]:
-    numbered = _Numbered()
     answer: ResponseObject | None = None
     try:
         start = reply.snapshot("in_progress", [])

@@ -233,6 +233,13 @@ class ResponsesTextOut(msgspec.Struct, frozen=True):
 Status = Literal["completed", "incomplete", "in_progress", "cancelled", "failed"]
 
 
+class ResponseError(msgspec.Struct, frozen=True):
+    """Why a response failed (status "failed"): the error object's code, or its type, and message."""
+
+    code: str
+    message: str
+
+
 class ResponseObject(msgspec.Struct):
     id: str
     created_at: int
@@ -256,7 +263,7 @@ class ResponseObject(msgspec.Struct):
     truncation: str = "disabled"
     user: str | None = None
     background: bool = False
-    error: None = None
+    error: ResponseError | None = None
     object: str = "response"
 
 
@@ -285,6 +292,11 @@ class ResponseCompleted(msgspec.Struct, tag_field="type", tag="response.complete
 
 
 class ResponseIncomplete(msgspec.Struct, tag_field="type", tag="response.incomplete"):
+    sequence_number: int
+    response: ResponseObject
+
+
+class ResponseFailed(msgspec.Struct, tag_field="type", tag="response.failed"):
     sequence_number: int
     response: ResponseObject
 
@@ -373,7 +385,7 @@ class ResponseErrorEvent(msgspec.Struct, tag_field="type", tag="error"):
     param: str | None = None
 
 
-ResponsesStreamEvent = (ResponseCreated | ResponseInProgress | ResponseCompleted | ResponseIncomplete | OutputItemAdded
-                        | OutputItemDone | ContentPartAdded | ContentPartDone | OutputTextDelta | OutputTextDone
-                        | ReasoningTextDelta | ReasoningTextDone | FunctionCallArgumentsDelta
+ResponsesStreamEvent = (ResponseCreated | ResponseInProgress | ResponseCompleted | ResponseIncomplete | ResponseFailed
+                        | OutputItemAdded | OutputItemDone | ContentPartAdded | ContentPartDone | OutputTextDelta
+                        | OutputTextDone | ReasoningTextDelta | ReasoningTextDone | FunctionCallArgumentsDelta
                         | FunctionCallArgumentsDone | ResponseErrorEvent)
