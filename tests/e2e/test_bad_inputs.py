@@ -161,6 +161,7 @@ CASES = {
     "messages: role system": message(messages=[{"role": "system", "content": "x"}]),
     "messages: tools that the template ignores": message(tools=[{"name": "f", "input_schema": {"type": "object"}}]),
     "messages: thinking budget negative": message(thinking={"type": "enabled", "budget_tokens": -1}),
+    "messages: thinking budget not below max_tokens": message(thinking={"type": "enabled", "budget_tokens": 100}),
     "messages: unknown field": message(temprature=0.5),
     "count_tokens: messages missing": ("POST", "/v1/messages/count_tokens", b'{"model":"tiny"}'),
     "responses: input missing": ("POST", "/v1/responses", b'{"model":"tiny"}'),

@@ -8,7 +8,13 @@ import random
 import msgspec
 import pytest
 
-from atlas.adapters.http.anthropic_mapping import anthropic_turn, content_blocks, stop_reason, tool_input
+from atlas.adapters.http.anthropic_mapping import (
+    anthropic_turn,
+    content_blocks,
+    requested_sampling,
+    stop_reason,
+    tool_input,
+)
 from atlas.adapters.http.anthropic_schemas import MessagesRequest, TextOut, ThinkingOut, ToolUseOut
 from atlas.adapters.http.chat_choices import ChatChoices
 from atlas.adapters.http.chat_turn import OutputReading, ToolChoice
@@ -93,6 +99,15 @@ def test_thinking_enabled_is_a_budget_and_enable_thinking_disabled_turns_it_off(
     assert anthropic_turn(request()).template_kwargs == {}
     adaptive = anthropic_turn(request(thinking={"type": "adaptive", "display": "summarized"}))
     assert adaptive.thinking_budget is None and adaptive.template_kwargs == {"enable_thinking": True}
+
+
+def test_a_thinking_budget_must_leave_room_below_max_tokens():
+    below = requested_sampling(request(max_tokens=11, thinking={"type": "enabled", "budget_tokens": 10}))
+    assert below.max_tokens == 11
+    for budget in (10, 500):
+        with pytest.raises(ApiError) as error:
+            requested_sampling(request(max_tokens=10, thinking={"type": "enabled", "budget_tokens": budget}))
+        assert error.value.detail.param == "thinking.budget_tokens" and "max_tokens (10)" in str(error.value)
 
 
 def test_output_config_gives_an_effort_budget_and_a_json_schema():

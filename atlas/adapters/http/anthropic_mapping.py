@@ -84,6 +84,13 @@ def anthropic_turn(request: PromptFields) -> ChatTurn:
 
 
 def requested_sampling(request: MessagesRequest) -> RequestedSampling:
+    """The request's sampling fields; 400 for a thinking budget that is not below max_tokens
+    (the thinking counts toward max_tokens, as Anthropic's API requires)."""
+    thinking = request.thinking
+    if isinstance(thinking, ThinkingEnabled) and thinking.budget_tokens >= request.max_tokens:
+        raise bad_request("thinking.budget_tokens", f"thinking.budget_tokens ({thinking.budget_tokens}) must be "
+                                                    f"less than max_tokens ({request.max_tokens}): the thinking "
+                                                    f"counts toward max_tokens")
     return RequestedSampling(
         max_tokens=request.max_tokens,
         temperature=request.temperature,
