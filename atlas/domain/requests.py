@@ -36,6 +36,9 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_LOGIT_BIAS_ENTRIES = 1024  # packed into the sampling inputs every step
 PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties (OpenAI's range)
 MAX_REPETITION_PENALTY = 10.0
+# Seen tokens' logits scale by at most 10x either way: below this, dividing a logit by the
+# penalty overflows float32 (1e-300 is 0 there) and the row's probabilities become NaN.
+MIN_REPETITION_PENALTY = 1 / MAX_REPETITION_PENALTY
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 
 
@@ -79,9 +82,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True, om
             _check(-(2**63) <= self.seed < 2**64, "seed", "must fit in 64 bits")
         _finite("repetition_penalty", self.repetition_penalty)
         _check(
-            0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
             "repetition_penalty",
-            f"must be in (0, {MAX_REPETITION_PENALTY:g}] (got {self.repetition_penalty}); use 1 to disable",
+            f"must be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (got {self.repetition_penalty}); "
+            f"use 1 to disable",
         )
         low, high = PENALTY_RANGE
         _finite("presence_penalty", self.presence_penalty)

@@ -33,7 +33,8 @@ def rejected(schema: type, body: dict | bytes) -> ErrorDetail:
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("temperature", 2.01), ("top_p", 0), ("top_p", 1.01), ("min_p", -0.1), ("min_p", 1.5),
     ("presence_penalty", -2.01), ("presence_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", 2.01),
-    ("repetition_penalty", 0), ("repetition_penalty", 10.5), ("top_k", -2), ("top_k", 2**31), ("n", 0), ("n", 129),
+    ("repetition_penalty", 0), ("repetition_penalty", 1e-300), ("repetition_penalty", 0.09),
+    ("repetition_penalty", 10.5), ("top_k", -2), ("top_k", 2**31), ("n", 0), ("n", 129),
     ("max_tokens", 0), ("max_tokens", 2**31), ("max_completion_tokens", 0), ("min_tokens", -1),
     ("top_logprobs", -1), ("top_logprobs", 21), ("stop_token_ids", [-1]), ("stop_token_ids", [2**31]),
 ])
@@ -83,6 +84,14 @@ def test_a_megabyte_stop_string_is_refused_by_the_schema_and_by_sampling_params(
     assert rejected(CompletionRequest, {"prompt": "x", "stop": "x" * (1 << 20)}).param == "stop"
     with pytest.raises(ParameterError, match="1024 characters"):
         SamplingParams(stop=("x" * (1 << 20),))
+
+
+def test_a_repetition_penalty_too_small_for_float32_logits_is_refused_by_sampling_params_too():
+    """1e-300 is 0 in float32: dividing a seen token's logit by it made the row's logits inf."""
+    SamplingParams(repetition_penalty=0.1)
+    for penalty in (1e-300, 0.05):
+        with pytest.raises(ParameterError, match="repetition_penalty"):
+            SamplingParams(repetition_penalty=penalty)
 
 
 def test_stop_strings_together_are_bounded_too():

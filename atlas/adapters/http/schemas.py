@@ -29,6 +29,7 @@ from atlas.domain.requests import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -177,7 +178,7 @@ class _SamplingFields(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # extensions (vLLM's names)
     top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None
+    repetition_penalty: Annotated[float, Meta(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)] | None = None
     min_tokens: Count | None = None
     ignore_eos: bool | None = None
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
