@@ -76,6 +76,23 @@ def test_blocks_a_text_model_cannot_take_are_400s_naming_the_block(blocks, field
     assert raised.value.detail.param == field and words in raised.value.detail.message
 
 
+@pytest.mark.parametrize("messages,field", [
+    ([{"role": "user", "content": ""}], "messages[0].content"),
+    ([{"role": "user", "content": []}], "messages[0].content"),
+    ([USER, {"role": "assistant", "content": []}, USER], "messages[1].content"),
+])
+def test_an_empty_message_is_a_400_naming_it(messages, field):
+    with pytest.raises(ApiError) as raised:
+        anthropic_turn(request(messages=messages))
+    assert raised.value.detail.param == field and "is empty" in raised.value.detail.message
+
+
+def test_a_final_assistant_message_may_be_empty_or_start_the_reply():
+    for prefill in ("", [], "The answer is"):
+        turn = anthropic_turn(request(messages=[USER, {"role": "assistant", "content": prefill}]))
+        assert turn.messages[-1]["role"] == "assistant"
+
+
 @pytest.mark.parametrize("choice,mode,named,parallel", [
     (None, ToolChoice.AUTO, None, True),
     ({"type": "auto", "disable_parallel_tool_use": True}, ToolChoice.AUTO, None, False),

@@ -200,6 +200,10 @@ async def test_forced_calls_json_schema_and_effort_reach_the_engine(qwen3):
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", ""),
     ({"input": "x", "temperature": 3}, "temperature", ""),
     ({"input": "x", "unknown": 1}, "unknown", "unknown field"),
+    ({"input": []}, "input", "length >= 1"),
+    ({"input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "hm"}]}]}, "input",
+     "no message to answer"),
+    ({"input": [{"role": "developer", "content": "Be brief."}]}, "input", "no message to answer"),
 ])
 async def test_bad_requests_are_400s_naming_the_field(qwen3, body, param, words):
     tokenizer, features = qwen3

@@ -102,12 +102,19 @@ def requested_sampling(request: MessagesRequest) -> RequestedSampling:
 
 
 def chat_messages(system: str | list[SystemBlock] | None, messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
-    """Template-ready messages; 400 naming `messages[i].content[j]` for a block a text model cannot take."""
+    """Template-ready messages; 400 naming `messages[i].content[j]` for a block a text model cannot take,
+    and `messages[i].content` for an empty one (Anthropic's rule: only a final assistant message,
+    the reply's prefill, may be empty)."""
     result: list[dict[str, Any]] = []
     if system:
         text = system if isinstance(system, str) else "\n".join(block.text for block in system)
         result.append({"role": "system", "content": text})
+    last = len(messages) - 1
     for idx, message in enumerate(messages):
+        if not message.content and not (idx == last and message.role == "assistant"):
+            field = f"messages[{idx}].content"
+            raise bad_request(field, f"{field} is empty; every message needs content, but for a final assistant "
+                                     "message (the start of the reply)")
         if isinstance(message.content, str):
             result.append({"role": message.role, "content": message.content})
         elif message.role == "user":

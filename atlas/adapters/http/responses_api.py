@@ -93,6 +93,9 @@ async def create_response(state: ServerState, body: bytes) -> Response:
     if unsupported is not None:
         raise bad_request(*unsupported)
     conversation = _history(state, request.previous_response_id) + input_messages(request.input)
+    if all(message["role"] == "system" for message in conversation):
+        raise bad_request("input", "input holds no message to answer (reasoning items are context, not a turn); "
+                                   "send a message or a function_call_output item")
     turn = await prepare_turn(model, responses_turn(request, conversation))
     requested = RequestedSampling(max_tokens=request.max_output_tokens, max_tokens_field="max_output_tokens",
                                   temperature=request.temperature, top_p=request.top_p)
