@@ -44,6 +44,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "smollm2": dict(architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=100000.0, tie_word_embeddings=True),
     "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", rope_theta=10000.0, sliding_window=24),
     "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_theta=1000000.0),
+    # Llama's optional biases: q/k/v and o_proj (attention_bias), gate/up/down (mlp_bias)
+    "llama_bias": dict(
+        architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=10000.0, attention_bias=True, mlp_bias=True,
+    ),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, rope_theta=1000000.0),
     "yarn": dict(
         architectures=["LlamaForCausalLM"],

@@ -61,7 +61,11 @@ def relative_error(ours, reference):
 
 
 @pytest.mark.parametrize(
-    "family", ["llama3", "smollm2", "mistral", "qwen2", "qwen3", "yarn", "linear", "qwen3_moe", "gemma3", "gpt_oss"]
+    "family",
+    [
+        "llama3", "smollm2", "llama_bias", "mistral", "qwen2", "qwen3", "yarn", "linear", "qwen3_moe", "gemma3",
+        "gpt_oss",
+    ],
 )
 @pytest.mark.parametrize("pieces", [False, True], ids=["eager", "pieces"])
 def test_mixed_batch_matches_transformers(family, pieces, rng):

@@ -67,7 +67,7 @@ class ModelConfig:
     rotary_dim: int
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2; Llama and Qwen3 o_proj too)
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
     sliding_window: int | None
     hidden_act: str
@@ -87,6 +87,7 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    mlp_bias: bool = False  # Llama's gate/up/down projections carry a bias
     swiglu_alpha: float = 1.702  # GPT-OSS's clamped SwiGLU
     swiglu_limit: float = 7.0
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
@@ -145,6 +146,7 @@ class ModelConfig:
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
                 decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
                 mlp_only_layers=tuple(int(layer) for layer in cfg.get("mlp_only_layers") or ()),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
                 swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                 swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
                 raw=dict(cfg),

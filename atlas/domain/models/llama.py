@@ -1,9 +1,10 @@
 """The Llama family loader: Llama 2/3.x, SmolLM2, Mistral, Qwen2/2.5 and Qwen3.
 
 Every layer is an attention mixer times a dense GLU; the differences are data: q/k/v biases
-(Qwen2), per-head q/k RMSNorm (Qwen3), a sliding window (Mistral v0.1), tied embeddings (small
-models), RoPE scaling (Llama 3.1). This module maps Hugging Face tensor names onto those layer
-kinds, fusing q/k/v and gate/up into single projections; the backend prepares each.
+(Qwen2; o_proj's too where Llama's or Qwen3's attention_bias says, the GLU's where mlp_bias
+says), per-head q/k RMSNorm (Qwen3), a sliding window (Mistral v0.1), tied embeddings (small models),
+RoPE scaling (Llama 3.1). This module maps Hugging Face tensor names onto those layer kinds,
+fusing q/k/v and gate/up into single projections; the backend prepares each.
 """
 
 from __future__ import annotations
@@ -102,16 +103,19 @@ def _layer(
     spec = AttentionLayer(heads, cache_layer, scale=head_dim**-0.5, rope_table=table, sliding_window=window)
     host = HostAttention(reader.norm(f"{prefix}.input_layernorm.weight", hidden, eps), qkv, q_norm, k_norm)
     dense = backend.dense
+    # transformers' Qwen2 biases q/k/v only; Llama and Qwen3 bias o_proj too where attention_bias says
+    output_bias = config.attention_bias and config.model_type != "qwen2"
+    output = reader.linear(f"{prefix}.self_attn.o_proj", hidden, heads.q_size, output_bias)
     mixer = AttentionMixer(
         spec=spec,
         group=group,
         attention=backend.attention.prepare(host, spec),
-        output=dense.prepare(HostProjection(reader.linear(f"{prefix}.self_attn.o_proj", hidden, heads.q_size))),
+        output=dense.prepare(HostProjection(output)),
         hidden_size=hidden,
     )
-    intermediate = config.intermediate_size
+    intermediate, mlp_bias = config.intermediate_size, config.mlp_bias
     gate_up = reader.stacked_linear(
-        [(f"{prefix}.mlp.gate_proj", intermediate), (f"{prefix}.mlp.up_proj", intermediate)], hidden
+        [(f"{prefix}.mlp.gate_proj", intermediate), (f"{prefix}.mlp.up_proj", intermediate)], hidden, mlp_bias
     )
     feed_forward = DenseFeedForward(
         gate_up=dense.prepare(
@@ -121,7 +125,7 @@ def _layer(
                 activation=activation,
             )
         ),
-        down=dense.prepare(HostProjection(reader.linear(f"{prefix}.mlp.down_proj", hidden, intermediate))),
+        down=dense.prepare(HostProjection(reader.linear(f"{prefix}.mlp.down_proj", hidden, intermediate, mlp_bias))),
         intermediate_size=intermediate,
         hidden_size=hidden,
     )
