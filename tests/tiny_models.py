@@ -49,6 +49,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=10000.0, attention_bias=True, mlp_bias=True,
     ),
     "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, rope_theta=1000000.0),
+    # Qwen3 with its window on: layer 0 full, the layers from max_window_layers on sliding; biases
+    "qwen3_window": dict(
+        architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=32, rope_theta=1000000.0,
+        use_sliding_window=True, sliding_window=16, max_window_layers=1, attention_bias=True,
+    ),
     "yarn": dict(
         architectures=["LlamaForCausalLM"],
         model_type="llama",

@@ -63,8 +63,8 @@ def relative_error(ours, reference):
 @pytest.mark.parametrize(
     "family",
     [
-        "llama3", "smollm2", "llama_bias", "mistral", "qwen2", "qwen3", "yarn", "linear", "qwen3_moe", "gemma3",
-        "gpt_oss",
+        "llama3", "smollm2", "llama_bias", "mistral", "qwen2", "qwen3", "qwen3_window", "yarn", "linear", "qwen3_moe",
+        "gemma3", "gpt_oss",
     ],
 )
 @pytest.mark.parametrize("pieces", [False, True], ids=["eager", "pieces"])
@@ -85,7 +85,7 @@ def test_mixed_batch_matches_transformers(family, pieces, rng):
         assert relative_error(logits[row], expected) < 1e-4, (family, len(prompt))
 
 
-@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3", "qwen3_window", "qwen3_moe", "gemma3", "gpt_oss"])
 @pytest.mark.parametrize("pieces", [False, True], ids=["eager", "pieces"])
 def test_chunked_prefill_then_decode_matches_transformers(family, pieces, rng):
     """A prompt computed in three chunks, then decodes, each step in a batch with a stranger."""

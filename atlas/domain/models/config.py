@@ -264,10 +264,14 @@ def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling:
 
 
 def _layer_types(cfg: Mapping[str, Any], model_type: str, num_layers: int) -> tuple[str, ...]:
-    """config.json's `layer_types`, else the family's pattern (`sliding_window_pattern`), else ()."""
+    """config.json's `layer_types`, else the family's pattern (`sliding_window_pattern`; Qwen2 and
+    Qwen3 slide from layer `max_window_layers` on), else ()."""
     given = cfg.get("layer_types")
     if given is not None:
         return tuple(str(kind) for kind in given)
+    if model_type in ("qwen2", "qwen3") and _sliding_window(cfg) is not None:
+        first = int(cfg.get("max_window_layers", 28))  # transformers' default
+        return tuple(SLIDING_ATTENTION if layer >= first else FULL_ATTENTION for layer in range(num_layers))
     period = cfg.get("sliding_window_pattern", _LAYER_PATTERNS.get(model_type))
     if period is None:
         return ()

@@ -2,9 +2,10 @@
 
 Every layer is an attention mixer times a dense GLU; the differences are data: q/k/v biases
 (Qwen2; o_proj's too where Llama's or Qwen3's attention_bias says, the GLU's where mlp_bias
-says), per-head q/k RMSNorm (Qwen3), a sliding window (Mistral v0.1), tied embeddings (small models),
-RoPE scaling (Llama 3.1). This module maps Hugging Face tensor names onto those layer kinds,
-fusing q/k/v and gate/up into single projections; the backend prepares each.
+says), per-head q/k RMSNorm (Qwen3), a sliding window (Mistral v0.1; Qwen2 and Qwen3 from layer
+max_window_layers on), tied embeddings (small models), RoPE scaling (Llama 3.1). This module
+maps Hugging Face tensor names onto those layer kinds, fusing q/k/v and gate/up into single
+projections; the backend prepares each.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from atlas.domain.models import decoder
 from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, group_caches, locate
 from atlas.domain.models.checkpoint import CheckpointReader
-from atlas.domain.models.config import ModelConfig
+from atlas.domain.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from atlas.domain.models.feed_forward import DenseFeedForward
 from atlas.domain.models.layers import Layer
 from atlas.domain.models.mixers import AttentionMixer
@@ -51,7 +52,8 @@ def load_llama_family(
     reader = CheckpointReader(weights, read_quantization(config.raw))
     hidden, eps = config.hidden_size, config.rms_norm_eps
     total_steps = config.num_layers + 2
-    groups = group_caches([KvShape(config.num_kv_heads, config.head_dim, config.sliding_window)] * config.num_layers)
+    decoder.check_layer_types(config, (FULL_ATTENTION, SLIDING_ATTENTION))
+    groups = decoder.kv_groups(config)
     table = backend.upload(rope_table(config, max_positions), DType.F32)
     layers = []
     for index in range(config.num_layers):
@@ -99,7 +101,7 @@ def _layer(
         q_norm = reader.norm(f"{prefix}.self_attn.q_norm.weight", head_dim, eps)
         k_norm = reader.norm(f"{prefix}.self_attn.k_norm.weight", head_dim, eps)
     group, cache_layer = locate(groups, index)
-    window = config.sliding_window
+    window = config.layer_window(index)
     spec = AttentionLayer(heads, cache_layer, scale=head_dim**-0.5, rope_table=table, sliding_window=window)
     host = HostAttention(reader.norm(f"{prefix}.input_layernorm.weight", hidden, eps), qkv, q_norm, k_norm)
     dense = backend.dense
