@@ -11,7 +11,7 @@ projections; the backend prepares each.
 from __future__ import annotations
 
 from atlas.domain.models import decoder
-from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, group_caches, locate
+from atlas.domain.models.cache_groups import CacheGroupSpec, locate
 from atlas.domain.models.checkpoint import CheckpointReader
 from atlas.domain.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from atlas.domain.models.feed_forward import DenseFeedForward
