@@ -75,6 +75,16 @@ def test_qwen3_moe_dense_layers_follow_transformers_rule():
     assert [config.is_moe_layer(layer) for layer in range(6)] == [False, True, False, True, False, True]
 
 
+def test_qwen2_biases_q_k_v_whatever_its_config_says():
+    """transformers' Qwen2Attention builds q/k/v with bias=True and never reads attention_bias;
+    a config.json that sets it false still ships (and needs) those biases."""
+    qwen2 = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+    assert ModelConfig.from_dict(dict(qwen2, attention_bias=False)).attention_bias
+    assert ModelConfig.from_dict(qwen2).attention_bias
+    assert not ModelConfig.from_dict(dict(qwen2, model_type="llama", architectures=["LlamaForCausalLM"])).attention_bias
+
+
 def test_mxfp4_is_refused_for_an_architecture_whose_loader_does_not_dequantize_it():
     with pytest.raises(QuantizationError, match="mxfp4.*GptOssForCausalLM only, not Qwen3MoeForCausalLM"):
         read_quantization(dict(QWEN3_30B_A3B, quantization_config=dict(quant_method="mxfp4")))

@@ -129,7 +129,8 @@ class ModelConfig:
                 rotary_dim=int(head_dim * float(partial)),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
-                attention_bias=bool(cfg.get("attention_bias", model_type in ("qwen2", "gpt_oss"))),
+                # transformers' Qwen2 biases q/k/v whatever the config says; GPT-OSS reads the key (default on)
+                attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", model_type == "gpt_oss")),
                 qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 sliding_window=_sliding_window(cfg),
                 hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
