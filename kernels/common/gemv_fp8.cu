@@ -50,6 +50,7 @@
 // Gated, the 16 rows are the gate rows of 8 features (g) and their up rows (g + 8). The block's
 // 8 warps split K and meet in shared memory.
 #include "atlas_common.cuh"
+#include "fp8_weights.cuh"
 
 #define FP8_GEMV_WARPS 2
 #define FP8_MMA_WARPS 8
@@ -63,13 +64,6 @@ __device__ __forceinline__ void e4m3x4_to_floats(u32 word, float* out) {
     out[1] = lo.y;
     out[2] = hi.x;
     out[3] = hi.y;
-}
-
-// Two E4M3 bytes (the low byte first) as a bf16 pair, exactly (E4M3's 3 mantissa bits and
-// exponents 2^-9 .. 2^8 are all bf16 values).
-__device__ __forceinline__ u32 e4m3x2_to_bf16x2(u32 two_bytes) {
-    const float2 f = f16x2_to_floats(fp8x2_to_f16x2(two_bytes));
-    return pack_bf16x2(f.x, f.y);
 }
 
 __device__ __forceinline__ void bf16x8_to_floats(uint4 raw, float* out) {
@@ -326,8 +320,8 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
-            const u32 a[4] = {e4m3x2_to_bf16x2(a_words[s] & 0xffffu), e4m3x2_to_bf16x2(b_words[s] & 0xffffu),
-                              e4m3x2_to_bf16x2(a_words[s] >> 16), e4m3x2_to_bf16x2(b_words[s] >> 16)};
+            const u32 a[4] = {e4m3_pair_to_bf16x2(a_words[s] & 0xffffu), e4m3_pair_to_bf16x2(b_words[s] & 0xffffu),
+                              e4m3_pair_to_bf16x2(a_words[s] >> 16), e4m3_pair_to_bf16x2(b_words[s] >> 16)};
             const u32 b[2] = {xs[2 * s], xs[2 * s + 1]};
             if constexpr (BLOCK) {
                 mma_bf16_16816(part, a, b);

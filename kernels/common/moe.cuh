@@ -67,6 +67,7 @@
 #pragma once
 
 #include "atlas_common.cuh"
+#include "fp8_weights.cuh"
 #include "gated_act.cuh"
 
 #define MOE_MAX_EXPERTS 512
@@ -432,7 +433,8 @@ __device__ __forceinline__ int token_of_pair(int pair, int num_pairs, int top_k)
 
 // A weight chunk read once: no L1 allocation (as gemv.cu's weight loads), and in L2 first to go
 // (`policy` = l2_evict_first()), so what the step reads again (activations, the slot table) stays.
-__device__ __forceinline__ uint4 load_weights(const bf16* p, u64 policy) {
+template <typename T>
+__device__ __forceinline__ uint4 load_weights(const T* p, u64 policy) {
     uint4 v;
     asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
         : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -440,12 +442,29 @@ __device__ __forceinline__ uint4 load_weights(const bf16* p, u64 policy) {
     return v;
 }
 
+// A grouped GEMV's two weight rows of a lane (its mma tile's rows g and g + 8): bf16, or E4M3
+// with the rows' scales (per channel: the row's; BLOCK: its row of 128-column tile scales).
+struct Bf16Rows {
+    const bf16* a;
+    const bf16* b;
+};
+
+template <bool BLOCK>
+struct Fp8Rows {
+    const fp8_e4m3* a;
+    const fp8_e4m3* b;
+    const float* scale_a;
+    const float* scale_b;
+};
+
 // acc (rows g, g + 8; columns 2t, 2t + 1) += W[16 rows, K] x[8 columns, K]^T, with the k order
 // inside each 32-wide chunk permuted alike for both (gemv.cu's gemv_mma). The block's warps split
 // K in chunks of 32; a lane whose chunk lies past K contributes zeros (K % 8 == 0).
 template <int KWARPS>
-__device__ __forceinline__ void grouped_mma_rows(float* acc, const bf16* row_a, const bf16* row_b, const bf16* x_row,
-                                                 bool has_column, int inner, int kwarp) {
+__device__ __forceinline__ void grouped_mma_rows(float* acc, Bf16Rows rows, const bf16* x_row, bool has_column,
+                                                 int inner, int kwarp) {
+    const bf16* row_a = rows.a;
+    const bf16* row_b = rows.b;
     const int lane = threadIdx.x & 31;
     const int t = lane & 3;
     constexpr int STEP = KWARPS * 32;
@@ -478,14 +497,123 @@ __device__ __forceinline__ void grouped_mma_rows(float* acc, const bf16* row_a, 
     }
 }
 
+// grouped_mma_rows over E4M3 rows with their scales. The warps split K in chunks of 64: a lane
+// loads 16 bytes (16 weights) of each row and 32 bytes of its token's x at k0 + 16 t, for four
+// mma steps in gemv_fp8.cu's gemv_fp8_mma order, each E4M3 pair an exact bf16 pair. Block scales
+// multiply each chunk's products (a chunk never crosses a 128-column tile), channel scales the
+// sum at the end. K % 16 == 0. MOE_FP8_BATCH chunks a round: 64 bytes of weights a lane in flight,
+// half of grouped_mma_rows' 128, as x's bytes per weight double (the registers of moe_down's
+// 8 blocks an SM hold no more).
+#define MOE_FP8_BATCH 2
+template <int KWARPS, bool BLOCK>
+__device__ __forceinline__ void grouped_mma_rows(float* acc, Fp8Rows<BLOCK> rows, const bf16* x_row, bool has_column,
+                                                 int inner, int kwarp) {
+#if ATLAS_HAS_FP8
+    const fp8_e4m3* row_a = rows.a;
+    const fp8_e4m3* row_b = rows.b;
+    const int lane = threadIdx.x & 31;
+    const int t = lane & 3;
+    constexpr int CHUNK = 64, STEP = KWARPS * CHUNK, BATCH = MOE_FP8_BATCH;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+    const u64 policy = l2_evict_first();
+    for (int k0 = kwarp * CHUNK; k0 < inner; k0 += BATCH * STEP) {
+        uint4 wa[BATCH], wb[BATCH], x_lo[BATCH], x_hi[BATCH];
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const int k = k0 + u * STEP + 16 * t;
+            const bool valid = k < inner, take = valid && has_column;
+            wa[u] = valid ? load_weights(row_a + k, policy) : zero;
+            wb[u] = valid ? load_weights(row_b + k, policy) : zero;
+            x_lo[u] = take ? *reinterpret_cast<const uint4*>(x_row + k) : zero;
+            x_hi[u] = take ? *reinterpret_cast<const uint4*>(x_row + k + 8) : zero;
+        }
+#pragma unroll
+        for (int u = 0; u < BATCH; ++u) {
+            const u32 a_words[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w};
+            const u32 b_words[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
+            const u32 xs[8] = {x_lo[u].x, x_lo[u].y, x_lo[u].z, x_lo[u].w, x_hi[u].x, x_hi[u].y, x_hi[u].z, x_hi[u].w};
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                const u32 a[4] = {e4m3_pair_to_bf16x2(a_words[s] & 0xffffu), e4m3_pair_to_bf16x2(b_words[s] & 0xffffu),
+                                  e4m3_pair_to_bf16x2(a_words[s] >> 16), e4m3_pair_to_bf16x2(b_words[s] >> 16)};
+                const u32 b[2] = {xs[2 * s], xs[2 * s + 1]};
+                mma_bf16_16816(BLOCK ? part : acc, a, b);
+            }
+            const int chunk = k0 + u * STEP;  // the same for the warp: its scale reads are uniform
+            if (BLOCK && chunk < inner) {
+                const float sa = __ldg(rows.scale_a + (chunk >> 7)), sb = __ldg(rows.scale_b + (chunk >> 7));
+                acc[0] = fmaf(sa, part[0], acc[0]);
+                acc[1] = fmaf(sa, part[1], acc[1]);
+                acc[2] = fmaf(sb, part[2], acc[2]);
+                acc[3] = fmaf(sb, part[3], acc[3]);
+            }
+        }
+    }
+    if (!BLOCK) {
+        const float sa = __ldg(rows.scale_a), sb = __ldg(rows.scale_b);
+        acc[0] *= sa;
+        acc[1] *= sa;
+        acc[2] *= sb;
+        acc[3] *= sb;
+    }
+#else
+    __trap();  // the host offers FP8 experts from sm_89 on
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// The experts' weights as the kernels read them (the host's ExpertWeights): a stack [E, rows, K]
+// of bf16 (a plain pointer), or of E4M3 bytes with f32 multipliers (Fp8Experts) per channel
+// [E, rows] or per 128 x 128 tile (BLOCK) [E, ceil(rows / 128), ceil(K / 128)]. A shared expert
+// is a stack of one. pick_expert<PARTS>(routed, shared, is_shared, e, rows, inner): routed expert
+// e's matrix [PARTS rows, inner] (gate_up: PARTS 2, its gate and up rows), or the shared expert's,
+// as a stack of one; expert_rows(w, a, b, width): its rows a and b (`width` long), the grouped
+// GEMV's rows g and g + 8 of an mma tile (grouped_mma_rows's).
+template <int PARTS>
+__device__ __forceinline__ const bf16* pick_expert(const bf16* routed, const bf16* shared, bool is_shared, int e,
+                                                   int rows, int inner) {
+    return is_shared ? shared : routed + (long long)e * PARTS * rows * inner;
+}
+
+__device__ __forceinline__ Bf16Rows expert_rows(const bf16* w, int a, int b, int width) {
+    return {w + (long long)a * width, w + (long long)b * width};
+}
+
+template <bool BLOCK>
+struct Fp8Experts {
+    const fp8_e4m3* data;
+    const float* scales;
+};
+
+template <int PARTS, bool BLOCK>
+__device__ __forceinline__ Fp8Experts<BLOCK> pick_expert(Fp8Experts<BLOCK> routed, Fp8Experts<BLOCK> shared,
+                                                         bool is_shared, int e, int rows, int inner) {
+    const int count = BLOCK ? ((PARTS * rows + 127) >> 7) * ((inner + 127) >> 7) : PARTS * rows;
+    return {is_shared ? shared.data : routed.data + (long long)e * PARTS * rows * inner,
+            is_shared ? shared.scales : routed.scales + (long long)e * count};
+}
+
+// where row r's scale (BLOCK: its row of tile scales) is, in a matrix of rows `width` long
+template <bool BLOCK>
+__device__ __forceinline__ int fp8_scale_offset(int r, int width) {
+    return BLOCK ? (r >> 7) * ((width + 127) >> 7) : r;
+}
+
+template <bool BLOCK>
+__device__ __forceinline__ Fp8Rows<BLOCK> expert_rows(Fp8Experts<BLOCK> w, int a, int b, int width) {
+    return {w.data + (long long)a * width, w.data + (long long)b * width, w.scales + fp8_scale_offset<BLOCK>(a, width),
+            w.scales + fp8_scale_offset<BLOCK>(b, width)};
+}
+
 // moe_gate_up_<act>: grid (ceil(max(I, Is) / 8), slots), MOE_WARPS warps. hidden [P, stride].
 // The shared slot's blocks also take the shared expert's gate, sigmoid(normed[t] . shared_gate),
 // block x for tokens x, x + gridDim.x, ... (at most one each up to 8 gridDim.x tokens), into
 // shared_gate_values [N] for moe_down's combine (null shared_gate: none).
-template <int ACT>
+template <int ACT, typename W>
 __device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed, const int* __restrict__ slot_table,
-                                                 const bf16* __restrict__ gate_up, const bf16* __restrict__ gate_up_bias,
-                                                 const bf16* __restrict__ shared_gate_up, bf16* __restrict__ hidden_out,
+                                                 W gate_up, const bf16* __restrict__ gate_up_bias,
+                                                 W shared_gate_up, bf16* __restrict__ hidden_out,
                                                  int num_tokens, int top_k, int num_experts, int hidden, int inner,
                                                  int shared_inner, int stride, int routed_slots, float alpha,
                                                  float limit, const bf16* __restrict__ shared_gate,
@@ -514,18 +642,17 @@ __device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed
     const int features = is_shared ? shared_inner : inner;
     const int first = blockIdx.x * 8;
     if (first >= features) return;
-    const bf16* w = is_shared ? shared_gate_up : gate_up + (long long)expert * 2 * inner * hidden;
+    const W w = pick_expert<2>(gate_up, shared_gate_up, is_shared, expert, inner, hidden);
     const bf16* bias = is_shared || gate_up_bias == nullptr ? nullptr : gate_up_bias + (long long)expert * 2 * inner;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const int feature_g = min(first + g, features - 1);
-    const bf16* row_a = w + (long long)feature_g * hidden;               // gate row
-    const bf16* row_b = w + (long long)(features + feature_g) * hidden;  // its up row
+    const auto rows = expert_rows(w, feature_g, features + feature_g, hidden);  // the gate row of feature g, its up row
     for (int tile = 0; tile < count; tile += 8) {
         const bool has_column = tile + g < count;
         const int token = has_column ? token_of_pair(slot_pairs.pairs[tile + g], num_pairs, top_k) : 0;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        grouped_mma_rows<MOE_WARPS>(acc, row_a, row_b, normed + (long long)token * hidden, has_column, hidden, warp);
+        grouped_mma_rows<MOE_WARPS>(acc, rows, normed + (long long)token * hidden, has_column, hidden, warp);
         store_mma_tile(partial[warp], acc, g, t);
         __syncthreads();
         if (threadIdx.x < 64) {
@@ -547,8 +674,9 @@ __device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed
     }
 }
 
-__device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in, const bf16* __restrict__ down,
-                                              const bf16* __restrict__ down_bias, const bf16* __restrict__ shared_down,
+template <typename W>
+__device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in, W down,
+                                              const bf16* __restrict__ down_bias, W shared_down,
                                               float* __restrict__ y, const SlotPairs& slot_pairs,
                                               float (*partial)[16][8], int num_experts, int hidden, int inner,
                                               int shared_inner, int stride, int first);
@@ -557,10 +685,11 @@ __device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in
 // blocks (every slot's, counted at counters[blockIdx.x], zero between launches) adds the tile's
 // MOE_DOWN_ROWS rows of every token into the residual: the weighted sum of its k pairs' rows of y and its
 // shared expert's row times shared_gate_values[t] (null: 1), as moe_combine does.
+template <typename W>
 __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in, const int* __restrict__ slot_table,
                                               const int* __restrict__ expert_ids, int first_expert,
-                                              const bf16* __restrict__ down, const bf16* __restrict__ down_bias,
-                                              const bf16* __restrict__ shared_down, float* __restrict__ y, int num_tokens,
+                                              W down, const bf16* __restrict__ down_bias,
+                                              W shared_down, float* __restrict__ y, int num_tokens,
                                               int top_k, int num_experts, int hidden, int inner, int shared_inner,
                                               int stride, int routed_slots, const float* __restrict__ expert_weights,
                                               const float* shared_gate_values, int has_shared,
@@ -607,29 +736,29 @@ __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in
 
 // The MOE_DOWN_ROWS rows of y from `first` for the slot's pairs (the expert's down rows, streamed once per 8
 // of its tokens).
-__device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in, const bf16* __restrict__ down,
-                                              const bf16* __restrict__ down_bias, const bf16* __restrict__ shared_down,
+template <typename W>
+__device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in, W down,
+                                              const bf16* __restrict__ down_bias, W shared_down,
                                               float* __restrict__ y, const SlotPairs& slot_pairs,
                                               float (*partial)[16][8], int num_experts, int hidden, int inner,
                                               int shared_inner, int stride, int first) {
     const int expert = slot_pairs.expert, count = slot_pairs.count;
     const bool is_shared = expert == num_experts;
     const int reduced = is_shared ? shared_inner : inner;
-    const bf16* w = is_shared ? shared_down : down + (long long)expert * hidden * inner;
+    const W w = pick_expert<1>(down, shared_down, is_shared, expert, hidden, inner);
     const bf16* bias = is_shared || down_bias == nullptr ? nullptr : down_bias + (long long)expert * hidden;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     // warp w: rows 16 (w / DOWN_KWARPS) .. + 15 of the block's, K part w % DOWN_KWARPS
     constexpr int DOWN_KWARPS = MOE_WARPS * 16 / MOE_DOWN_ROWS;
     const int group_first = first + 16 * (warp / DOWN_KWARPS);
-    const bf16* row_a = w + (long long)min(group_first + g, hidden - 1) * reduced;
-    const bf16* row_b = w + (long long)min(group_first + g + 8, hidden - 1) * reduced;
+    const auto rows = expert_rows(w, min(group_first + g, hidden - 1), min(group_first + g + 8, hidden - 1), reduced);
     for (int tile = 0; tile < count; tile += 8) {
         const bool has_column = tile + g < count;
         const int pair = has_column ? slot_pairs.pairs[tile + g] : 0;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        grouped_mma_rows<DOWN_KWARPS>(acc, row_a, row_b, hidden_in + (long long)pair * stride, has_column, reduced,
-                                      warp % DOWN_KWARPS);
+        grouped_mma_rows<DOWN_KWARPS>(acc, rows, hidden_in + (long long)pair * stride, has_column, reduced,
+                                            warp % DOWN_KWARPS);
         store_mma_tile(partial[warp], acc, g, t);
         __syncthreads();
         for (int item = threadIdx.x; item < MOE_DOWN_ROWS * 8; item += blockDim.x) {
@@ -655,24 +784,62 @@ __device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in
         int inner, int shared_inner, int stride, int routed_slots, float alpha, float limit,                \
         const bf16* shared_gate, float* shared_gate_values) {                                               \
         dependent_launch_entry();                                                                           \
-        moe_gate_up_impl<ACT>(normed, slot_table, gate_up, gate_up_bias, shared_gate_up, hidden_out,        \
-                              num_tokens, top_k, num_experts, hidden, inner, shared_inner, stride,          \
-                              routed_slots, alpha, limit, shared_gate, shared_gate_values);                 \
+        moe_gate_up_impl<ACT>(normed, slot_table, gate_up, gate_up_bias,                       \
+                              shared_gate_up, hidden_out, num_tokens, top_k, num_experts,      \
+                              hidden, inner, shared_inner, stride, routed_slots, alpha, limit, shared_gate, \
+                              shared_gate_values);                                                          \
     }
 
 DEFINE_MOE_GATE_UP(silu, GATED_SILU)
 DEFINE_MOE_GATE_UP(gelu_tanh, GATED_GELU_TANH)
 DEFINE_MOE_GATE_UP(clamped, GATED_CLAMPED)
 
+// moe_gate_up_fp8[_blk]_<act>: moe_gate_up_<act> over E4M3 experts (and an E4M3 shared expert in
+// the same layout), each weight followed by its scales (Fp8Experts).
+#define DEFINE_MOE_GATE_UP_FP8(NAME, ACT, SUFFIX, BLOCK)                                                     \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_GATE_UP_MIN_BLOCKS)                   \
+        moe_gate_up_fp8##SUFFIX##_##NAME(                                                                    \
+        const bf16* normed, const int* slot_table, const fp8_e4m3* gate_up, const float* gate_up_scales,    \
+        const bf16* gate_up_bias, const fp8_e4m3* shared_gate_up, const float* shared_gate_up_scales,       \
+        bf16* hidden_out, int num_tokens, int top_k, int num_experts, int hidden, int inner,                \
+        int shared_inner, int stride, int routed_slots, float alpha, float limit, const bf16* shared_gate,  \
+        float* shared_gate_values) {                                                                        \
+        dependent_launch_entry();                                                                           \
+        moe_gate_up_impl<ACT>(normed, slot_table, Fp8Experts<BLOCK>{gate_up, gate_up_scales}, gate_up_bias, \
+                              Fp8Experts<BLOCK>{shared_gate_up, shared_gate_up_scales}, hidden_out,         \
+                              num_tokens, top_k, num_experts, hidden, inner, shared_inner, stride,          \
+                              routed_slots, alpha, limit, shared_gate, shared_gate_values);                 \
+    }
+
+DEFINE_MOE_GATE_UP_FP8(silu, GATED_SILU, , false)
+DEFINE_MOE_GATE_UP_FP8(silu, GATED_SILU, _blk, true)
+
 extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS)
     moe_down(const bf16* hidden_in, const int* slot_table, const int* expert_ids, int first_expert, const bf16* down,
              const bf16* down_bias, const bf16* shared_down, float* y, int num_tokens, int top_k, int num_experts,
              int hidden, int inner, int shared_inner, int stride, int routed_slots, const float* expert_weights,
              const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters, int accumulate) {
-    moe_down_impl(hidden_in, slot_table, expert_ids, first_expert, down, down_bias, shared_down, y, num_tokens, top_k,
-                  num_experts, hidden, inner, shared_inner, stride, routed_slots, expert_weights, shared_gate_values,
-                  has_shared, residual, counters, accumulate);
+    moe_down_impl(hidden_in, slot_table, expert_ids, first_expert, down, down_bias,
+                  shared_down, y, num_tokens, top_k, num_experts, hidden, inner, shared_inner, stride,
+                  routed_slots, expert_weights, shared_gate_values, has_shared, residual, counters, accumulate);
 }
+
+// moe_down_fp8[_blk]: moe_down over E4M3 experts, each weight followed by its scales.
+#define DEFINE_MOE_DOWN_FP8(SUFFIX, BLOCK)                                                                      \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS) moe_down_fp8##SUFFIX(   \
+        const bf16* hidden_in, const int* slot_table, const int* expert_ids, int first_expert,                 \
+        const fp8_e4m3* down, const float* down_scales, const bf16* down_bias, const fp8_e4m3* shared_down,    \
+        const float* shared_down_scales, float* y, int num_tokens, int top_k, int num_experts, int hidden,     \
+        int inner, int shared_inner, int stride, int routed_slots, const float* expert_weights,                \
+        const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters, int accumulate) { \
+        moe_down_impl(hidden_in, slot_table, expert_ids, first_expert, Fp8Experts<BLOCK>{down, down_scales},   \
+                      down_bias, Fp8Experts<BLOCK>{shared_down, shared_down_scales}, y, num_tokens, top_k,     \
+                      num_experts, hidden, inner, shared_inner, stride, routed_slots, expert_weights,          \
+                      shared_gate_values, has_shared, residual, counters, accumulate);                         \
+    }
+
+DEFINE_MOE_DOWN_FP8(, false)
+DEFINE_MOE_DOWN_FP8(_blk, true)
 
 // moe_down_looped: the down GEMV past ROUTE_MAX_TOKENS tokens, where a step touches most experts
 // (batch 64 of Qwen3-30B-A3B: 127 of 128) and moe_down's block per (row tile, slot) spends as
@@ -682,14 +849,16 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
 // threads add to one sum at once), then writes partial[g][t][rows] (f32 [groups, N, H]); the
 // row tile's last block adds the groups' partials in group order (deterministic) into the
 // residual. Pair weights: expert_weights (routed), shared_gate_values[t] or 1 (shared).
-extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS)
-    moe_down_looped(const bf16* __restrict__ hidden_in, const int* __restrict__ slot_table,
-                    const bf16* __restrict__ down, const bf16* __restrict__ down_bias,
-                    const bf16* __restrict__ shared_down, float* __restrict__ partial_out, int num_tokens, int top_k,
-                    int num_experts, int hidden, int inner, int shared_inner, int stride, int routed_slots,
-                    int slots, const float* __restrict__ expert_weights, const float* shared_gate_values,
-                    bf16* __restrict__ residual, unsigned* __restrict__ counters, int accumulate) {
-    dependent_launch_entry();
+template <typename W>
+__device__ __forceinline__ void moe_down_looped_impl(const bf16* __restrict__ hidden_in,
+                                                     const int* __restrict__ slot_table, W down,
+                                                     const bf16* __restrict__ down_bias, W shared_down,
+                                                     float* __restrict__ partial_out, int num_tokens, int top_k,
+                                                     int num_experts, int hidden, int inner, int shared_inner,
+                                                     int stride, int routed_slots, int slots,
+                                                     const float* __restrict__ expert_weights,
+                                                     const float* shared_gate_values, bf16* __restrict__ residual,
+                                                     unsigned* __restrict__ counters, int accumulate) {
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
     __shared__ float sums[MOE_MAX_SLOT_TOKENS][16];
@@ -704,16 +873,15 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
         if (expert >= 0) {
             const bool is_shared = expert == num_experts;
             const int reduced = is_shared ? shared_inner : inner;
-            const bf16* w = is_shared ? shared_down : down + (long long)expert * hidden * inner;
+            const W w = pick_expert<1>(down, shared_down, is_shared, expert, hidden, inner);
             const bf16* bias = is_shared || down_bias == nullptr ? nullptr : down_bias + (long long)expert * hidden;
-            const bf16* row_a = w + (long long)min(first + g, hidden - 1) * reduced;
-            const bf16* row_b = w + (long long)min(first + g + 8, hidden - 1) * reduced;
+            const auto rows = expert_rows(w, min(first + g, hidden - 1), min(first + g + 8, hidden - 1), reduced);
             for (int tile = 0; tile < count; tile += 8) {
                 const bool has_column = tile + g < count;
                 const int pair = has_column ? slot_pairs.pairs[tile + g] : 0;
                 float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                grouped_mma_rows<MOE_WARPS>(acc, row_a, row_b, hidden_in + (long long)pair * stride, has_column,
-                                            reduced, warp);
+                grouped_mma_rows<MOE_WARPS>(acc, rows, hidden_in + (long long)pair * stride, has_column, reduced,
+                                                  warp);
                 store_mma_tile(partial[warp], acc, g, t);
                 __syncthreads();
                 if (threadIdx.x < 128) {
@@ -751,6 +919,38 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
         *at = from_float<bf16>((accumulate ? to_float(*at) : 0.0f) + round_bf16(total));
     }
 }
+
+extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS)
+    moe_down_looped(const bf16* __restrict__ hidden_in, const int* __restrict__ slot_table,
+                    const bf16* __restrict__ down, const bf16* __restrict__ down_bias,
+                    const bf16* __restrict__ shared_down, float* __restrict__ partial_out, int num_tokens, int top_k,
+                    int num_experts, int hidden, int inner, int shared_inner, int stride, int routed_slots,
+                    int slots, const float* __restrict__ expert_weights, const float* shared_gate_values,
+                    bf16* __restrict__ residual, unsigned* __restrict__ counters, int accumulate) {
+    dependent_launch_entry();
+    moe_down_looped_impl(hidden_in, slot_table, down, down_bias, shared_down, partial_out,
+                         num_tokens, top_k, num_experts, hidden, inner, shared_inner, stride, routed_slots, slots,
+                         expert_weights, shared_gate_values, residual, counters, accumulate);
+}
+
+// moe_down_looped_fp8[_blk]: moe_down_looped over E4M3 experts, each weight followed by its scales.
+#define DEFINE_MOE_DOWN_LOOPED_FP8(SUFFIX, BLOCK)                                                                \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS)                          \
+        moe_down_looped_fp8##SUFFIX(                                                                           \
+        const bf16* hidden_in, const int* slot_table, const fp8_e4m3* down, const float* down_scales,          \
+        const bf16* down_bias, const fp8_e4m3* shared_down, const float* shared_down_scales,                   \
+        float* partial_out, int num_tokens, int top_k, int num_experts, int hidden, int inner,                 \
+        int shared_inner, int stride, int routed_slots, int slots, const float* expert_weights,                \
+        const float* shared_gate_values, bf16* residual, unsigned* counters, int accumulate) {                 \
+        dependent_launch_entry();                                                                               \
+        moe_down_looped_impl(hidden_in, slot_table, Fp8Experts<BLOCK>{down, down_scales}, down_bias,           \
+                             Fp8Experts<BLOCK>{shared_down, shared_down_scales}, partial_out, num_tokens,      \
+                             top_k, num_experts, hidden, inner, shared_inner, stride, routed_slots, slots,     \
+                             expert_weights, shared_gate_values, residual, counters, accumulate);              \
+    }
+
+DEFINE_MOE_DOWN_LOOPED_FP8(, false)
+DEFINE_MOE_DOWN_LOOPED_FP8(_blk, true)
 
 // ---------------------------------------------------------------------------------------------
 // moe_shift_ids: local[p] = expert_ids[p] - first_expert (an expert-parallel rank holding experts
@@ -842,6 +1042,40 @@ __device__ __forceinline__ GemmTile locate_gemm_tile(const int* offsets, const i
 constexpr int GEMM_PASSES = GEMM_BM * (GEMM_BK / 8) / GEMM_THREADS;
 extern __shared__ uint4 gemm_shared[];  // the GEMM kernels' GEMM_SHARED_BYTES
 
+// The ldmatrix.x4 lanes of gemm_k_tile: A's 16 x 16 step (rows 0-7 | 8-15 by lane bit 3, k 0-7 |
+// 8-15 by bit 4); B's two 8-row n-tiles x 16 k (k halves by lane bit 3, n-tiles by bit 4).
+struct GemmLanes {
+    int a_row, a_col, b_row, b_col;
+};
+
+__device__ __forceinline__ GemmLanes gemm_lanes(int lane, int warp_m, int warp_n) {
+    return {warp_m * 64 + (lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8,
+            warp_n * 64 + (lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8};
+}
+
+// acc += one K tile's product: A [GEMM_BM][GEMM_STRIDE] and B [GEMM_BN][GEMM_STRIDE] bf16 in
+// shared memory (GEMM_BK of each row used), each warp its 64 x 64.
+__device__ __forceinline__ void gemm_k_tile(float (*acc)[8][4], const bf16* a_tile, const bf16* b_tile,
+                                            GemmLanes lanes) {
+    const int a_row = lanes.a_row, a_col = lanes.a_col, b_row = lanes.b_row, b_col = lanes.b_col;
+#pragma unroll
+    for (int k = 0; k < GEMM_BK / 16; ++k) {
+        u32 a[4][4];
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) ldmatrix_x4(a[mt], a_tile + (a_row + mt * 16) * GEMM_STRIDE + a_col + k * 16);
+#pragma unroll
+        for (int np = 0; np < 4; ++np) {
+            u32 b[4];
+            ldmatrix_x4(b, b_tile + (b_row + np * 16) * GEMM_STRIDE + b_col + k * 16);
+#pragma unroll
+            for (int mt = 0; mt < 4; ++mt) {
+                mma_bf16_16816(acc[mt][2 * np], a[mt], b);
+                mma_bf16_16816(acc[mt][2 * np + 1], a[mt], b + 2);
+            }
+        }
+    }
+}
+
 __device__ __forceinline__ void gemm_tile(float (*acc)[8][4], const bf16* const* a_rows, const bf16* const* b_rows,
                                           int inner, bf16* shared, const bf16* fallback) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -873,10 +1107,7 @@ __device__ __forceinline__ void gemm_tile(float (*acc)[8][4], const bf16* const*
         if (stage < k_tiles) load_stage(stage, stage);
         cp_async_commit();
     }
-    // ldmatrix.x4 lanes: A's 16 x 16 step (rows 0-7 | 8-15 by lane bit 3, k 0-7 | 8-15 by bit 4);
-    // B's two 8-row n-tiles x 16 k (k halves by lane bit 3, n-tiles by bit 4).
-    const int a_row = warp_m * 64 + (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
-    const int b_row = warp_n * 64 + (lane & 7) + (lane >> 4) * 8, b_col = ((lane >> 3) & 1) * 8;
+    const GemmLanes lanes = gemm_lanes(lane, warp_m, warp_n);
     for (int k_tile = 0; k_tile < k_tiles; ++k_tile) {
         cp_async_wait<GEMM_STAGES - 2>();  // this thread's copies of k_tile have landed
         __syncthreads();                   // everyone's have, and every warp is done with k_tile - 1
@@ -884,34 +1115,140 @@ __device__ __forceinline__ void gemm_tile(float (*acc)[8][4], const bf16* const*
         if (next < k_tiles) load_stage(next, next % GEMM_STAGES);
         cp_async_commit();
         const bf16* a_tile = shared + (k_tile % GEMM_STAGES) * STAGE;
-        const bf16* b_tile = a_tile + A_TILE;
-#pragma unroll
-        for (int k = 0; k < GEMM_BK / 16; ++k) {
-            u32 a[4][4];
-#pragma unroll
-            for (int mt = 0; mt < 4; ++mt) ldmatrix_x4(a[mt], a_tile + (a_row + mt * 16) * GEMM_STRIDE + a_col + k * 16);
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-                u32 b[4];
-                ldmatrix_x4(b, b_tile + (b_row + np * 16) * GEMM_STRIDE + b_col + k * 16);
-#pragma unroll
-                for (int mt = 0; mt < 4; ++mt) {
-                    mma_bf16_16816(acc[mt][2 * np], a[mt], b);
-                    mma_bf16_16816(acc[mt][2 * np + 1], a[mt], b + 2);
-                }
-            }
-        }
+        gemm_k_tile(acc, a_tile, a_tile + A_TILE, lanes);
     }
     cp_async_wait<0>();
+}
+
+// gemm_tile over E4M3 weight rows: B's bytes stream by cp.async into stages of their own
+// ([GEMM_BN][GEMM_BK] bytes: a thread copies 16 of rows tid / 2 and tid / 2 + 64), and each
+// thread widens the chunks it copied into one of two bf16 B tiles, times their scale (b_scales[j]:
+// the row's, or per BLOCK its row of 128-column tile scales; a K tile never crosses one), which
+// the mma steps then read as gemm_tile's. Widening rounds each weight times its scale to bf16 (a
+// relative 2^-9): the price of bf16 tensor cores here, where the decode GEMVs stay exact. One
+// barrier a K tile: tile k's widening writes the B tile that k - 2 used, which every warp left
+// before k - 1's barrier. K % 16 == 0; `shared` holds GEMM_FP8_SHARED_BYTES.
+#define GEMM_FP8_B_BYTES (GEMM_BN * GEMM_BK)
+#define GEMM_FP8_SHARED_BYTES \
+    (GEMM_STAGES * (GEMM_BM * GEMM_STRIDE * 2 + GEMM_FP8_B_BYTES) + 2 * GEMM_BN * GEMM_STRIDE * 2)  // 63488
+
+template <bool BLOCK>
+__device__ __forceinline__ void gemm_tile_fp8(float (*acc)[8][4], const bf16* const* a_rows,
+                                              const fp8_e4m3* const* b_rows, const float* const* b_scales, int inner,
+                                              unsigned char* shared, const void* fallback) {
+#if ATLAS_HAS_FP8
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int warp_m = warp & 1, warp_n = warp >> 1;
+    constexpr int A_TILE = GEMM_BM * GEMM_STRIDE, B_TILE = GEMM_BN * GEMM_STRIDE;
+    constexpr int CHUNKS = GEMM_BK / 8;
+    bf16* a_stages = reinterpret_cast<bf16*>(shared);
+    unsigned char* b_stages = shared + GEMM_STAGES * A_TILE * 2;
+    bf16* b_tiles = reinterpret_cast<bf16*>(b_stages + GEMM_STAGES * GEMM_FP8_B_BYTES);
+    const int chunk = tid % CHUNKS, b_chunk = tid & 1;
+    auto load_stage = [&](int k_tile, int stage) {
+        bf16* a_dst = a_stages + stage * A_TILE;
+        const int k = k_tile * GEMM_BK + chunk * 8;
+#pragma unroll
+        for (int i = 0; i < GEMM_PASSES; ++i) {
+            const int r = tid / CHUNKS + i * (GEMM_THREADS / CHUNKS);
+            const bool a_valid = a_rows[i] != nullptr && k < inner;
+            cp_async_16(a_dst + r * GEMM_STRIDE + chunk * 8, a_valid ? a_rows[i] + k : fallback, a_valid);
+        }
+        unsigned char* b_dst = b_stages + stage * GEMM_FP8_B_BYTES;
+        const int kb = k_tile * GEMM_BK + b_chunk * 16;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int r = (tid >> 1) + 64 * j;
+            const bool b_valid = b_rows[j] != nullptr && kb < inner;
+            cp_async_16(b_dst + r * GEMM_BK + b_chunk * 16, b_valid ? b_rows[j] + kb : fallback, b_valid);
+        }
+    };
+    auto widen = [&](int k_tile) {  // this thread's B chunks of k_tile (landed) into b_tiles[k_tile % 2]
+        const unsigned char* b_src = b_stages + (k_tile % GEMM_STAGES) * GEMM_FP8_B_BYTES;
+        bf16* b_dst = b_tiles + (k_tile & 1) * B_TILE;
+        const int kb = k_tile * GEMM_BK + b_chunk * 16;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int r = (tid >> 1) + 64 * j;
+            const uint4 raw = *reinterpret_cast<const uint4*>(b_src + r * GEMM_BK + b_chunk * 16);
+            float scale = 0.0f;  // a chunk past K or the rows holds zeros
+            if (b_rows[j] != nullptr && kb < inner) scale = __ldg(b_scales[j] + (BLOCK ? kb >> 7 : 0));
+            const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+            u32 pairs[8];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float2 lo = f16x2_to_floats(fp8x2_to_f16x2(words[i] & 0xffffu));
+                const float2 hi = f16x2_to_floats(fp8x2_to_f16x2(words[i] >> 16));
+                pairs[2 * i] = pack_bf16x2(lo.x * scale, lo.y * scale);
+                pairs[2 * i + 1] = pack_bf16x2(hi.x * scale, hi.y * scale);
+            }
+            uint4* out = reinterpret_cast<uint4*>(b_dst + r * GEMM_STRIDE + b_chunk * 16);
+            out[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
+            out[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
+        }
+    };
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.0f;
+    const int k_tiles = (inner + GEMM_BK - 1) / GEMM_BK;
+#pragma unroll
+    for (int stage = 0; stage < GEMM_STAGES - 1; ++stage) {
+        if (stage < k_tiles) load_stage(stage, stage);
+        cp_async_commit();
+    }
+    const GemmLanes lanes = gemm_lanes(lane, warp_m, warp_n);
+    for (int k_tile = 0; k_tile < k_tiles; ++k_tile) {
+        cp_async_wait<GEMM_STAGES - 2>();  // this thread's copies of k_tile have landed
+        widen(k_tile);
+        __syncthreads();  // everyone's A has landed and B is widened; every warp is done with k_tile - 1
+        const int next = k_tile + GEMM_STAGES - 1;
+        if (next < k_tiles) load_stage(next, next % GEMM_STAGES);
+        cp_async_commit();
+        gemm_k_tile(acc, a_stages + (k_tile % GEMM_STAGES) * A_TILE, b_tiles + (k_tile & 1) * B_TILE, lanes);
+    }
+    cp_async_wait<0>();
+#else
+    __trap();  // the host offers FP8 experts from sm_89 on
+#endif
+}
+
+// A GEMM tile's product over an expert's weights: bf16 rows (gemm_tile) or E4M3 ones with their
+// scales (gemm_tile_fp8). B row r of the tile is weight row weight_row(r) of `w` (rows `width`
+// long), or zeros where that is -1.
+template <typename RowOf>
+__device__ __forceinline__ void gemm_expert_tile(float (*acc)[8][4], const bf16* const* a_rows, const bf16* w,
+                                                 int width, RowOf weight_row) {
+    const bf16* b_rows[GEMM_PASSES];
+#pragma unroll
+    for (int i = 0; i < GEMM_PASSES; ++i) {
+        const int row = weight_row(threadIdx.x / (GEMM_BK / 8) + i * (GEMM_THREADS / (GEMM_BK / 8)));
+        b_rows[i] = row >= 0 ? w + (long long)row * width : nullptr;
+    }
+    gemm_tile(acc, a_rows, b_rows, width, reinterpret_cast<bf16*>(gemm_shared), w);
+}
+
+template <bool BLOCK, typename RowOf>
+__device__ __forceinline__ void gemm_expert_tile(float (*acc)[8][4], const bf16* const* a_rows, Fp8Experts<BLOCK> w,
+                                                 int width, RowOf weight_row) {
+    const fp8_e4m3* b_rows[2];
+    const float* b_scales[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int row = weight_row((threadIdx.x >> 1) + 64 * j);
+        b_rows[j] = row >= 0 ? w.data + (long long)row * width : nullptr;
+        b_scales[j] = w.scales + fp8_scale_offset<BLOCK>(max(row, 0), width);
+    }
+    gemm_tile_fp8<BLOCK>(acc, a_rows, b_rows, b_scales, width, reinterpret_cast<unsigned char*>(gemm_shared), w.data);
 }
 
 // moe_gemm_gate_up_<act>: grid (ceil(max(I, Is) / 64), max tiles), GEMM_THREADS, GEMM_SHARED_BYTES.
 // A = normed rows of the tile's tokens; B row r = feature f0 + r / 2's gate row (r even) or up row
 // (r odd), so a thread's accumulator pair (2t, 2t + 1) is one feature's gate and up; hidden [P, stride].
-template <int ACT>
+template <int ACT, typename W>
 __device__ __forceinline__ void moe_gemm_gate_up_impl(const bf16* normed, const int* offsets, const int* tile_starts,
-                                                      const int* sorted_pairs, const bf16* gate_up,
-                                                      const bf16* gate_up_bias, const bf16* shared_gate_up,
+                                                      const int* sorted_pairs, W gate_up,
+                                                      const bf16* gate_up_bias, W shared_gate_up,
                                                       bf16* hidden_out, int num_tokens, int top_k, int num_experts,
                                                       int groups, int hidden, int inner, int shared_inner, int stride,
                                                       float alpha, float limit) {
@@ -921,23 +1258,22 @@ __device__ __forceinline__ void moe_gemm_gate_up_impl(const bf16* normed, const 
     const int features = is_shared ? shared_inner : inner;
     const int f0 = blockIdx.x * (GEMM_BN / 2);
     if (f0 >= features) return;
-    const bf16* w = is_shared ? shared_gate_up : gate_up + (long long)tile.group * 2 * inner * hidden;
+    const W w = pick_expert<2>(gate_up, shared_gate_up, is_shared, tile.group, inner, hidden);
     const bf16* bias = is_shared || gate_up_bias == nullptr ? nullptr : gate_up_bias + (long long)tile.group * 2 * inner;
     const int num_pairs = num_tokens * top_k;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bf16* a_rows[GEMM_PASSES];
-    const bf16* b_rows[GEMM_PASSES];
 #pragma unroll
     for (int i = 0; i < GEMM_PASSES; ++i) {
-        const int r = tid / (GEMM_BK / 8) + i * (GEMM_THREADS / (GEMM_BK / 8));
-        const int row = tile.begin + r;
+        const int row = tile.begin + tid / (GEMM_BK / 8) + i * (GEMM_THREADS / (GEMM_BK / 8));
         a_rows[i] = row < tile.end ? normed + (long long)token_of_pair(sorted_pairs[row], num_pairs, top_k) * hidden
                                    : nullptr;
-        const int f = f0 + r / 2;
-        b_rows[i] = f < features ? w + (long long)((r & 1) ? features + f : f) * hidden : nullptr;
     }
     float acc[4][8][4];
-    gemm_tile(acc, a_rows, b_rows, hidden, reinterpret_cast<bf16*>(gemm_shared), w);
+    gemm_expert_tile(acc, a_rows, w, hidden, [&](int r) {
+        const int f = f0 + r / 2;
+        return f < features ? ((r & 1) ? features + f : f) : -1;
+    });
     const int g = lane >> 2, t = lane & 3;
     const int warp_m = warp & 1, warp_n = warp >> 1;
 #pragma unroll
@@ -978,33 +1314,50 @@ DEFINE_MOE_GEMM_GATE_UP(silu, GATED_SILU)
 DEFINE_MOE_GEMM_GATE_UP(gelu_tanh, GATED_GELU_TANH)
 DEFINE_MOE_GEMM_GATE_UP(clamped, GATED_CLAMPED)
 
+// moe_gemm_gate_up_fp8[_blk]_<act>: moe_gemm_gate_up_<act> over E4M3 experts (gemm_tile_fp8), each
+// weight followed by its scales; GEMM_FP8_SHARED_BYTES. Every GPU takes it (no wgmma form yet).
+#define DEFINE_MOE_GEMM_GATE_UP_FP8(NAME, ACT, SUFFIX, BLOCK)                                                 \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS) moe_gemm_gate_up_fp8##SUFFIX##_##NAME(        \
+        const bf16* normed, const int* offsets, const int* tile_starts, const int* sorted_pairs,             \
+        const fp8_e4m3* gate_up, const float* gate_up_scales, const bf16* gate_up_bias,                      \
+        const fp8_e4m3* shared_gate_up, const float* shared_gate_up_scales, bf16* hidden_out,                \
+        int num_tokens, int top_k, int num_experts, int groups, int hidden, int inner, int shared_inner,     \
+        int stride, float alpha, float limit) {                                                              \
+        dependent_launch_entry();                                                                            \
+        moe_gemm_gate_up_impl<ACT>(normed, offsets, tile_starts, sorted_pairs,                               \
+                                   Fp8Experts<BLOCK>{gate_up, gate_up_scales}, gate_up_bias,                 \
+                                   Fp8Experts<BLOCK>{shared_gate_up, shared_gate_up_scales}, hidden_out,     \
+                                   num_tokens, top_k, num_experts, groups, hidden, inner, shared_inner,      \
+                                   stride, alpha, limit);                                                    \
+    }
+
+DEFINE_MOE_GEMM_GATE_UP_FP8(silu, GATED_SILU, , false)
+DEFINE_MOE_GEMM_GATE_UP_FP8(silu, GATED_SILU, _blk, true)
+
 // moe_gemm_down: grid (ceil(H / 128), max tiles), GEMM_THREADS, GEMM_SHARED_BYTES. A = hidden rows of
 // the tile's pairs; B = 128 rows of down; y [P, H] f32.
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
-    moe_gemm_down(const bf16* hidden_in, const int* offsets, const int* tile_starts, const int* sorted_pairs,
-                  const bf16* down, const bf16* down_bias, const bf16* shared_down, float* y, int num_experts,
-                  int groups, int hidden, int inner, int shared_inner, int stride) {
-    dependent_launch_entry();
+template <typename W>
+__device__ __forceinline__ void moe_gemm_down_impl(const bf16* hidden_in, const int* offsets, const int* tile_starts,
+                                                   const int* sorted_pairs, W down, const bf16* down_bias,
+                                                   W shared_down, float* y, int num_experts, int groups, int hidden,
+                                                   int inner, int shared_inner, int stride) {
     const GemmTile tile = locate_gemm_tile(offsets, tile_starts, groups, blockIdx.y);
     if (tile.group < 0) return;
     const bool is_shared = tile.group == num_experts;
     const int reduced = is_shared ? shared_inner : inner;
     const int first = blockIdx.x * GEMM_BN;
     if (first >= hidden) return;
-    const bf16* w = is_shared ? shared_down : down + (long long)tile.group * hidden * inner;
+    const W w = pick_expert<1>(down, shared_down, is_shared, tile.group, hidden, inner);
     const bf16* bias = is_shared || down_bias == nullptr ? nullptr : down_bias + (long long)tile.group * hidden;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const bf16* a_rows[GEMM_PASSES];
-    const bf16* b_rows[GEMM_PASSES];
 #pragma unroll
     for (int i = 0; i < GEMM_PASSES; ++i) {
-        const int r = tid / (GEMM_BK / 8) + i * (GEMM_THREADS / (GEMM_BK / 8));
-        const int row = tile.begin + r;
+        const int row = tile.begin + tid / (GEMM_BK / 8) + i * (GEMM_THREADS / (GEMM_BK / 8));
         a_rows[i] = row < tile.end ? hidden_in + (long long)sorted_pairs[row] * stride : nullptr;
-        b_rows[i] = first + r < hidden ? w + (long long)(first + r) * reduced : nullptr;
     }
     float acc[4][8][4];
-    gemm_tile(acc, a_rows, b_rows, reduced, reinterpret_cast<bf16*>(gemm_shared), w);
+    gemm_expert_tile(acc, a_rows, w, reduced, [&](int r) { return first + r < hidden ? first + r : -1; });
     const int g = lane >> 2, t = lane & 3;
     const int warp_m = warp & 1, warp_n = warp >> 1;
 #pragma unroll
@@ -1026,6 +1379,32 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
         }
     }
 }
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS)
+    moe_gemm_down(const bf16* hidden_in, const int* offsets, const int* tile_starts, const int* sorted_pairs,
+                  const bf16* down, const bf16* down_bias, const bf16* shared_down, float* y, int num_experts,
+                  int groups, int hidden, int inner, int shared_inner, int stride) {
+    dependent_launch_entry();
+    moe_gemm_down_impl(hidden_in, offsets, tile_starts, sorted_pairs, down, down_bias, shared_down, y, num_experts,
+                       groups, hidden, inner, shared_inner, stride);
+}
+
+// moe_gemm_down_fp8[_blk]: moe_gemm_down over E4M3 experts, each weight followed by its scales;
+// GEMM_FP8_SHARED_BYTES.
+#define DEFINE_MOE_GEMM_DOWN_FP8(SUFFIX, BLOCK)                                                               \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS) moe_gemm_down_fp8##SUFFIX(                    \
+        const bf16* hidden_in, const int* offsets, const int* tile_starts, const int* sorted_pairs,          \
+        const fp8_e4m3* down, const float* down_scales, const bf16* down_bias, const fp8_e4m3* shared_down,  \
+        const float* shared_down_scales, float* y, int num_experts, int groups, int hidden, int inner,       \
+        int shared_inner, int stride) {                                                                      \
+        dependent_launch_entry();                                                                            \
+        moe_gemm_down_impl(hidden_in, offsets, tile_starts, sorted_pairs, Fp8Experts<BLOCK>{down, down_scales}, \
+                           down_bias, Fp8Experts<BLOCK>{shared_down, shared_down_scales}, y, num_experts,     \
+                           groups, hidden, inner, shared_inner, stride);                                     \
+    }
+
+DEFINE_MOE_GEMM_DOWN_FP8(, false)
+DEFINE_MOE_GEMM_DOWN_FP8(_blk, true)
 
 // ---------------------------------------------------------------------------------------------
 // moe_combine: grid N, 256 threads, H % 8 == 0. shared_gate [H] bf16 or null (an ungated shared
