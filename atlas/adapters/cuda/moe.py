@@ -3,9 +3,12 @@ grouped by expert (a grouped GEMV over the active experts' weights at decode, an
 GEMM at prefill), the shared expert in the same launches, and a combine that adds the weighted
 outputs into the residual (kernels/common/moe.cu, ops_moe.py).
 
-`prepare` uploads bf16 weights as the checkpoint gives them ([E, 2I, H], [E, H, I]: an
-expert-parallel rank's E held experts from `HostMoe.first_expert`); the norm weight stays apart
-(route writes the normalised rows the experts read).
+`prepare` uploads the experts as the checkpoint gives them ([E, 2I, H], [E, H, I]: an
+expert-parallel rank's E held experts from `HostMoe.first_expert`): bf16, or E4M3 bytes with
+their per-channel or 128 x 128 block scales (expert_fp8.py), which the `_fp8` kernels read at
+half bf16's bytes. A shared expert follows the experts' format (an E4M3 one beside bf16 experts
+is held in bf16, dequantized); the router and the shared expert's gate stay float. The norm
+weight stays apart (route writes the normalised rows the experts read).
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from atlas.adapters.cuda import checks, ops_dense, ops_moe
+from atlas.adapters.cuda.expert_fp8 import Fp8ExpertStack, Fp8MoeWeights, fp8_moe_weights, is_fp8
 from atlas.adapters.cuda.ops_dense import LinearOp
-from atlas.adapters.cuda.ops_moe import ExpertWeights, RoutingArgs
+from atlas.adapters.cuda.ops_moe import ExpertScales, ExpertWeights, RoutingArgs
 from atlas.adapters.cuda.runtime import CudaRuntime
 from atlas.adapters.cuda.tensor import CudaTensor
 from atlas.ports.gpu import DType, UnsupportedError
@@ -48,9 +52,12 @@ class CudaMoe:
         inner, held = host.down.in_features, np.shape(host.gate_up.weight)[0]
         if not (0 <= host.first_expert and host.first_expert + held <= experts):
             raise ValueError(f"first_expert: {held} experts from {host.first_expert} exceed the {experts} routed")
-        for name, linear in (("router", host.router), ("gate_up", host.gate_up), ("down", host.down)):
-            if linear.scales is not None:
-                raise UnsupportedError(f"{name}: quantized expert weights are not supported by the CUDA backend yet")
+        if is_fp8(host.router):
+            raise UnsupportedError("router: an FP8 router is not supported by the CUDA backend; published FP8 "
+                                   "checkpoints keep mlp.gate in bf16 (list it in the quantization config's ignore)")
+        if is_fp8(host.gate_up) != is_fp8(host.down):
+            raise UnsupportedError("gate_up / down: the experts mix FP8 and float weights, which the CUDA kernels "
+                                   "cannot read in one layer")
         expected = {
             "router": (tuple(host.router.weight.shape), (experts, hidden)),
             "gate_up": (tuple(np.shape(host.gate_up.weight)), (held, 2 * inner, hidden)),
@@ -69,35 +76,66 @@ class CudaMoe:
         bias = None if host.selection_bias is None else upload(np.asarray(host.selection_bias, np.float32), DType.F32)
         args = RoutingArgs(experts, routing.top_k, routing.scoring is Scoring.SIGMOID, routing.renormalize,
                            routing.scaling, bias)
+        return CudaMoeLayer(
+            upload(host.input_norm.weight, DType.BF16), host.input_norm.eps, upload(host.router.weight, DType.BF16),
+            self._bias(host.router), args, self._experts(host, hidden),
+        )
+
+    def _experts(self, host: HostMoe, hidden: int) -> ExpertWeights:
+        upload = self._upload
+        activation = ops_moe.gated_kind(host.activation)
+        fp8 = self._fp8(host, activation) if is_fp8(host.gate_up) else None
         shared_gate_up = shared_down = shared_gate = None
         if host.shared is not None:
-            shared_gate_up, shared_down, shared_gate = self._shared(host, hidden)
-        weights = ExpertWeights(
-            gate_up=upload(host.gate_up.weight, DType.BF16),
+            shared_gate_up, shared_down, shared_gate = self._shared(host, hidden, fp8)
+        if fp8 is None:
+            gate_up, down = upload(host.gate_up.weight, DType.BF16), upload(host.down.weight, DType.BF16)
+            scales = None
+        else:
+            gate_up, down = upload(fp8.gate_up.data, DType.FP8_E4M3), upload(fp8.down.data, DType.FP8_E4M3)
+            scales = ExpertScales(fp8.block, self._scales(fp8.gate_up), self._scales(fp8.down),
+                                  self._scales(fp8.shared_gate_up), self._scales(fp8.shared_down))
+        return ExpertWeights(
+            gate_up=gate_up,
             gate_up_bias=self._bias(host.gate_up),
-            down=upload(host.down.weight, DType.BF16),
+            down=down,
             down_bias=self._bias(host.down),
             shared_gate_up=shared_gate_up,
             shared_down=shared_down,
             shared_gate=shared_gate,
-            activation=ops_moe.gated_kind(host.activation),
+            activation=activation,
             first_expert=host.first_expert,
-        )
-        return CudaMoeLayer(
-            upload(host.input_norm.weight, DType.BF16), host.input_norm.eps, upload(host.router.weight, DType.BF16),
-            self._bias(host.router), args, weights,
+            scales=scales,
         )
 
     def _bias(self, linear: HostLinear) -> CudaTensor | None:
         return None if linear.bias is None else self._upload(linear.bias, DType.BF16)
 
-    def _shared(self, host: HostMoe, hidden: int) -> tuple[CudaTensor, CudaTensor, CudaTensor | None]:
+    def _fp8(self, host: HostMoe, activation: ops_moe.GatedKind) -> Fp8MoeWeights:
+        """The E4M3 experts as the `_fp8` kernels read them; `UnsupportedError` for what they
+        cannot run (the GPU, the activation, and expert_fp8.py's refusals)."""
+        major, minor = self._rt.compute_capability
+        if (major, minor) < (8, 9):
+            raise UnsupportedError(f"gate_up: FP8 experts run on sm_89 and later GPUs; this one is sm_{major}{minor}")
+        if activation.name not in ops_moe.FP8_ACTIVATIONS:
+            raise UnsupportedError(f"activation: FP8 experts run with {', '.join(ops_moe.FP8_ACTIVATIONS)} gating on "
+                                   f"the CUDA backend, not {activation.name}")
+        return fp8_moe_weights(host)
+
+    def _scales(self, stack: Fp8ExpertStack | None) -> CudaTensor | None:
+        return None if stack is None else self._upload(stack.scales, DType.F32)
+
+    def _shared(
+        self, host: HostMoe, hidden: int, fp8: Fp8MoeWeights | None
+    ) -> tuple[CudaTensor, CudaTensor, CudaTensor | None]:
+        """The shared expert's gate_up, down and gate row on the device: E4M3 bytes beside FP8
+        experts (their scales go with the experts'), else bf16 (an FP8 one dequantized)."""
         shared = host.shared
         assert shared is not None
         parts = (("shared.gate_up", shared.gate_up), ("shared.down", shared.down), ("shared.gate", shared.gate))
         for name, linear in parts:
-            if linear is not None and (linear.scales is not None or linear.bias is not None):
-                raise UnsupportedError(f"{name}: biases or quantized weights are not supported by the CUDA backend yet")
+            if linear is not None and linear.bias is not None:
+                raise UnsupportedError(f"{name}: biases are not supported by the CUDA backend yet")
         inner = shared.down.in_features
         if shared.gate_up.weight.shape != (2 * inner, hidden) or shared.down.weight.shape != (hidden, inner):
             raise ValueError(f"shared: gate_up {list(shared.gate_up.weight.shape)} / down "
@@ -108,8 +146,13 @@ class CudaMoe:
         if shared.gate is not None:
             if shared.gate.weight.shape != (1, hidden):
                 raise ValueError(f"shared.gate: shape {list(shared.gate.weight.shape)} is not [1, {hidden}]")
-            gate = self._upload(np.asarray(shared.gate.weight).reshape(hidden), DType.BF16)
-        return self._upload(shared.gate_up.weight, DType.BF16), self._upload(shared.down.weight, DType.BF16), gate
+            gate = self._upload(np.asarray(shared.gate.values()).reshape(hidden), DType.BF16)
+        if fp8 is not None:
+            assert fp8.shared_gate_up is not None and fp8.shared_down is not None
+            return (self._upload(fp8.shared_gate_up.data, DType.FP8_E4M3),
+                    self._upload(fp8.shared_down.data, DType.FP8_E4M3), gate)
+        gate_up, down = (part.values() if is_fp8(part) else part.weight for part in (shared.gate_up, shared.down))
+        return self._upload(gate_up, DType.BF16), self._upload(down, DType.BF16), gate
 
     def route(
         self, x: CudaTensor, moe: CudaMoeLayer, normed: CudaTensor, expert_ids: CudaTensor, expert_weights: CudaTensor

@@ -4,6 +4,11 @@ Every grid is sized by host bounds (tokens, top_k, experts), never by the routin
 a step is graph-capturable: the grouped GEMV's grid has a slot per possible active expert
 (min(E, N k)) and the grouped GEMM's a tile per possible 64-row tile; blocks past what the step
 routed leave at once.
+
+E4M3 experts (`ExpertWeights.scales`) take the `_fp8` / `_fp8_blk` forms of the expert kernels
+(per-channel / 128 x 128 block scales), each weight followed by its scales in the arguments: the
+same grids, slot table and epilogues over half the bytes; at prefill the mma.sync grouped GEMM
+widens each tile's E4M3 weights to bf16 in shared memory (no wgmma form yet).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ _GEMM_THREADS = 128
 _GEMM_SHARED_BYTES = 3 * (128 + 128) * (32 + 8) * 2  # GEMM_SHARED_BYTES
 _WGMMA_THREADS = 256  # kernels/sm90/moe.cu WG_GEMM_THREADS: two warpgroups
 _WGMMA_SHARED_BYTES = 3 * 2 * 128 * 128 + 1024  # WG_GEMM_SHARED_BYTES: 3 stages of A and B panels + alignment
+# GEMM_FP8_SHARED_BYTES: 3 stages of A (bf16) and of E4M3 B, and two widened bf16 B tiles
+_GEMM_FP8_SHARED_BYTES = 3 * (128 * (32 + 8) * 2 + 128 * 32) + 2 * 128 * (32 + 8) * 2
+FP8_ACTIVATIONS = ("silu",)  # the gated activations of the FP8 expert kernels (moe.cuh's *_fp8 forms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,8 +178,26 @@ def top_k(
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertScales:
+    """The float32 scales of E4M3 experts (layout in expert_fp8.py): per 128 x 128 block
+    (`block`) or per output channel; the shared expert's where it is E4M3 too."""
+
+    block: bool
+    gate_up: CudaTensor  # [E, 2I] or [E, 2I / 128, ceil(H / 128)]
+    down: CudaTensor  # [E, H] or [E, ceil(H / 128), ceil(I / 128)]
+    shared_gate_up: CudaTensor | None
+    shared_down: CudaTensor | None
+
+    @property
+    def infix(self) -> str:
+        """The kernel-name part of this layout (moe_gate_up_fp8_blk_silu, moe_down_fp8, ...)."""
+        return "_fp8_blk" if self.block else "_fp8"
+
+
+@dataclass(frozen=True, slots=True)
 class ExpertWeights:
-    """The device weights the expert kernels read (shapes as in moe.cu's file comment)."""
+    """The device weights the expert kernels read (shapes as in moe.cu's file comment): bf16, or
+    E4M3 bytes (routed and shared experts alike) with their `scales`."""
 
     gate_up: CudaTensor  # [E, 2I, H]
     gate_up_bias: CudaTensor | None  # [E, 2I]
@@ -182,6 +208,7 @@ class ExpertWeights:
     shared_gate: CudaTensor | None  # [H]
     activation: GatedKind
     first_expert: int = 0  # gate_up[0] is routed expert first_expert (an expert-parallel rank's)
+    scales: ExpertScales | None = None  # E4M3 experts' scales; None: bf16 experts
 
     @property
     def num_experts(self) -> int:
@@ -202,6 +229,28 @@ class ExpertWeights:
 
 def _address(tensor: CudaTensor | None) -> int:
     return tensor.address if tensor is not None else 0
+
+
+def _infix(weights: ExpertWeights) -> str:
+    return "" if weights.scales is None else weights.scales.infix
+
+
+def _gate_up_args(weights: ExpertWeights) -> tuple:
+    """gate_up [, its scales], its bias, the shared gate_up [, its scales]: the kernels' order."""
+    scales = weights.scales
+    if scales is None:
+        return weights.gate_up.address, _address(weights.gate_up_bias), _address(weights.shared_gate_up)
+    return (weights.gate_up.address, scales.gate_up.address, _address(weights.gate_up_bias),
+            _address(weights.shared_gate_up), _address(scales.shared_gate_up))
+
+
+def _down_args(weights: ExpertWeights) -> tuple:
+    """down [, its scales], its bias, the shared down [, its scales]: the kernels' order."""
+    scales = weights.scales
+    if scales is None:
+        return weights.down.address, _address(weights.down_bias), _address(weights.shared_down)
+    return (weights.down.address, scales.down.address, _address(weights.down_bias), _address(weights.shared_down),
+            _address(scales.shared_down))
 
 
 def experts(
@@ -229,7 +278,7 @@ def experts(
     stride = max(inner, shared_inner)
     hidden_rows = rt.workspace("moe_hidden", rows * stride * 2)
     outputs = rt.workspace("moe_outputs", rows * hidden * 4)
-    act = weights.activation
+    act, infix = weights.activation, _infix(weights)
     dims = (np.int32(hidden), np.int32(inner), np.int32(shared_inner), np.int32(stride))
     if num_tokens <= GEMV_MAX_TOKENS:  # the routing wrote the slot table (global ids; the held ones local)
         held = HeldExperts(weights.first_expert, experts_count)
@@ -239,9 +288,8 @@ def experts(
         head = (np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count))
         gate_values = rt.workspace("moe_shared_gate", num_tokens * 4) if weights.shared_gate is not None else 0
         rt.launch(
-            "moe", f"moe_gate_up_{act.name}", (-(-stride // 8), slots), _WARPS * 32,
-            normed.address, table, weights.gate_up.address, _address(weights.gate_up_bias),
-            _address(weights.shared_gate_up), hidden_rows, *head, *dims, np.int32(routed),
+            "moe", f"moe_gate_up{infix}_{act.name}", (-(-stride // 8), slots), _WARPS * 32,
+            normed.address, table, *_gate_up_args(weights), hidden_rows, *head, *dims, np.int32(routed),
             np.float32(act.alpha), np.float32(act.limit), _address(weights.shared_gate), gate_values,
         )
         row_tiles = -(-hidden // _DOWN_ROWS)
@@ -250,18 +298,17 @@ def experts(
             groups = max(1, min(slots, _DOWN_LOOPED_BLOCKS_PER_SM * rt.num_sms // row_tiles))
             partials = rt.workspace("moe_down_partials", groups * num_tokens * hidden * 4)
             rt.launch(
-                "moe", "moe_down_looped", (row_tiles, groups), _WARPS * 32,
-                hidden_rows, table, weights.down.address, _address(weights.down_bias),
-                _address(weights.shared_down), partials, *head, *dims, np.int32(routed), np.int32(slots),
+                "moe", f"moe_down_looped{infix}", (row_tiles, groups), _WARPS * 32,
+                hidden_rows, table, *_down_args(weights), partials, *head, *dims, np.int32(routed), np.int32(slots),
                 expert_weights.address, gate_values, residual.address,
                 rt.counters("moe_down_looped_counters", row_tiles), np.int32(accumulate),
             )
             return
         # the last block of each row tile adds the tile's rows into the residual (the combine)
         rt.launch(
-            "moe", "moe_down", (row_tiles, slots), _WARPS * 32,
-            hidden_rows, table, expert_ids.address, np.int32(weights.first_expert), weights.down.address,
-            _address(weights.down_bias), _address(weights.shared_down), outputs, *head, *dims, np.int32(routed),
+            "moe", f"moe_down{infix}", (row_tiles, slots), _WARPS * 32,
+            hidden_rows, table, expert_ids.address, np.int32(weights.first_expert), *_down_args(weights),
+            outputs, *head, *dims, np.int32(routed),
             expert_weights.address,
             gate_values, np.int32(has_shared), residual.address, rt.counters("moe_down_counters", row_tiles),
             np.int32(accumulate),
@@ -284,22 +331,21 @@ def experts(
     # sum over groups of ceil(rows_g / 128) <= rows / 128 + the groups that have rows
     max_tiles = -(-rows // _GEMM_ROWS) + min(groups, rows)
     layout = (offsets, tile_starts, sorted_pairs)
-    # The same tiles on wgmma where the module has them (kernels/sm90/moe.cu), else mma.sync.
-    wgmma = (rt.features.moe_wgmma and _WGMMA_SHARED_BYTES <= rt.max_shared_optin
+    # The same tiles on wgmma where the module has them (kernels/sm90/moe.cu), else mma.sync;
+    # E4M3 experts on mma.sync, their tiles widened to bf16 in shared memory.
+    wgmma = (weights.scales is None and rt.features.moe_wgmma and _WGMMA_SHARED_BYTES <= rt.max_shared_optin
              and rt.kernels.provides("moe", "moe_wgmma_down"))
     kernel, threads, shared_bytes = ("wgmma", _WGMMA_THREADS, _WGMMA_SHARED_BYTES) if wgmma else (
-        "gemm", _GEMM_THREADS, _GEMM_SHARED_BYTES)
+        "gemm", _GEMM_THREADS, _GEMM_SHARED_BYTES if weights.scales is None else _GEMM_FP8_SHARED_BYTES)
     rt.launch(
-        "moe", f"moe_{kernel}_gate_up_{act.name}", (-(-stride // (_GEMM_ROWS // 2)), max_tiles), threads,
-        normed.address, *layout, weights.gate_up.address, _address(weights.gate_up_bias),
-        _address(weights.shared_gate_up), hidden_rows, np.int32(num_tokens), np.int32(top_k_width),
+        "moe", f"moe_{kernel}_gate_up{infix}_{act.name}", (-(-stride // (_GEMM_ROWS // 2)), max_tiles), threads,
+        normed.address, *layout, *_gate_up_args(weights), hidden_rows, np.int32(num_tokens), np.int32(top_k_width),
         np.int32(experts_count), np.int32(groups), *dims, np.float32(act.alpha), np.float32(act.limit),
         shared_bytes=shared_bytes,
     )
     rt.launch(
-        "moe", f"moe_{kernel}_down", (-(-hidden // _GEMM_ROWS), max_tiles), threads,
-        hidden_rows, *layout, weights.down.address, _address(weights.down_bias),
-        _address(weights.shared_down), outputs, np.int32(experts_count), np.int32(groups), *dims,
+        "moe", f"moe_{kernel}_down{infix}", (-(-hidden // _GEMM_ROWS), max_tiles), threads,
+        hidden_rows, *layout, *_down_args(weights), outputs, np.int32(experts_count), np.int32(groups), *dims,
         shared_bytes=shared_bytes,
     )
     rt.launch(
