@@ -8,6 +8,8 @@ replays under CUPTI (torch.profiler). Per kernel name it prints the launches a s
 duration, and the wall time the kernel adds to the step: its end less the later of its start and
 every earlier kernel's end, so a kernel launched early that waits in griddepcontrol.wait counts
 only its tail. timeline_model_step.py does the same for a hand-built Llama graph.
+With `--quantization fp8` a `--random` config is written as a per-channel FP8 checkpoint first
+(experts included: the MoE step then runs the `_fp8` expert kernels).
 
 TIMELINE_PATCH='{"atlas.adapters.cuda.ops_attention:MIN_TOKENS_PER_SPLIT": {"mma": 128, "simt": 128}}'
 sets module attributes first, for an A/B of a tuning constant without editing it.
