@@ -82,6 +82,7 @@
 // against 2.978 and batch 64 20.16 against 19.78.
 #define MOE_DOWN_ROWS 16
 #define MOE_GATE_UP_MIN_BLOCKS 6
+#define MOE_GATE_UP_BATCH 4  // moe_gate_up's chunks of loads in flight a round (grouped_mma_rows)
 #define ROUTE_THREADS 256
 #define ROUTE_ROWS 4
 #define ROUTE_MAX_TOKENS 8
@@ -459,8 +460,9 @@ struct Fp8Rows {
 
 // acc (rows g, g + 8; columns 2t, 2t + 1) += W[16 rows, K] x[8 columns, K]^T, with the k order
 // inside each 32-wide chunk permuted alike for both (gemv.cu's gemv_mma). The block's warps split
-// K in chunks of 32; a lane whose chunk lies past K contributes zeros (K % 8 == 0).
-template <int KWARPS>
+// K in chunks of 32; a lane whose chunk lies past K contributes zeros (K % 8 == 0). BATCH chunks
+// a round.
+template <int KWARPS, int BATCH = 4>
 __device__ __forceinline__ void grouped_mma_rows(float* acc, Bf16Rows rows, const bf16* x_row, bool has_column,
                                                  int inner, int kwarp) {
     const bf16* row_a = rows.a;
@@ -468,7 +470,6 @@ __device__ __forceinline__ void grouped_mma_rows(float* acc, Bf16Rows rows, cons
     const int lane = threadIdx.x & 31;
     const int t = lane & 3;
     constexpr int STEP = KWARPS * 32;
-    constexpr int BATCH = 4;
     auto multiply = [&](uint4 wa, uint4 wb, uint4 xs) {
         const u32 a0[4] = {wa.x, wb.x, wa.y, wb.y};
         const u32 b0[2] = {xs.x, xs.y};
@@ -501,11 +502,10 @@ __device__ __forceinline__ void grouped_mma_rows(float* acc, Bf16Rows rows, cons
 // loads 16 bytes (16 weights) of each row and 32 bytes of its token's x at k0 + 16 t, for four
 // mma steps in gemv_fp8.cu's gemv_fp8_mma order, each E4M3 pair an exact bf16 pair. Block scales
 // multiply each chunk's products (a chunk never crosses a 128-column tile), channel scales the
-// sum at the end. K % 16 == 0. MOE_FP8_BATCH chunks a round: 64 bytes of weights a lane in flight,
-// half of grouped_mma_rows' 128, as x's bytes per weight double (the registers of moe_down's
-// 8 blocks an SM hold no more).
-#define MOE_FP8_BATCH 2
-template <int KWARPS, bool BLOCK>
+// sum at the end. K % 16 == 0. BATCH chunks a round: x takes twice the weights' bytes a lane, so
+// the down kernels (64 registers for 8 blocks an SM) hold two chunks (64 bytes of weights in
+// flight, half the bf16 kernels'), moe_gate_up (80) four, as its bf16 form (MOE_GATE_UP_BATCH).
+template <int KWARPS, int BATCH = 2, bool BLOCK>
 __device__ __forceinline__ void grouped_mma_rows(float* acc, Fp8Rows<BLOCK> rows, const bf16* x_row, bool has_column,
                                                  int inner, int kwarp) {
 #if ATLAS_HAS_FP8
@@ -513,7 +513,7 @@ __device__ __forceinline__ void grouped_mma_rows(float* acc, Fp8Rows<BLOCK> rows
     const fp8_e4m3* row_b = rows.b;
     const int lane = threadIdx.x & 31;
     const int t = lane & 3;
-    constexpr int CHUNK = 64, STEP = KWARPS * CHUNK, BATCH = MOE_FP8_BATCH;
+    constexpr int CHUNK = 64, STEP = KWARPS * CHUNK;
     const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
     const u64 policy = l2_evict_first();
     for (int k0 = kwarp * CHUNK; k0 < inner; k0 += BATCH * STEP) {
@@ -652,7 +652,8 @@ __device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed
         const bool has_column = tile + g < count;
         const int token = has_column ? token_of_pair(slot_pairs.pairs[tile + g], num_pairs, top_k) : 0;
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        grouped_mma_rows<MOE_WARPS>(acc, rows, normed + (long long)token * hidden, has_column, hidden, warp);
+        grouped_mma_rows<MOE_WARPS, MOE_GATE_UP_BATCH>(acc, rows, normed + (long long)token * hidden, has_column,
+                                                       hidden, warp);
         store_mma_tile(partial[warp], acc, g, t);
         __syncthreads();
         if (threadIdx.x < 64) {
