@@ -55,6 +55,13 @@
 // unread: a tensor-parallel rank that does not carry the residual stream writes its share there.
 // Bytes N (k + 1) H 4 + 4 N H.
 //
+// FP8 experts (E4M3 bytes with f32 scales per channel [E, rows] or per 128 x 128 tile (_blk)
+// [E, ceil(rows / 128), ceil(K / 128)]; the shared expert in the same layout): the expert kernels'
+// _fp8[_blk] forms, each weight argument followed by its scales. The GEMVs read the bytes (half
+// bf16's: 4.7 MB an expert of Qwen3-30B-A3B) and turn each pair into an exact bf16 pair for the
+// same mma steps (grouped_mma_rows over Fp8Rows); the grouped GEMM widens each E4M3 tile times
+// its scale to bf16 in shared memory (gemm_tile_fp8; mma.sync on every GPU). SiLU gating only.
+//
 // Expert parallelism: a rank holds E of the routed experts, from first_expert on. moe_shift_ids
 // makes the ids local first (one launch, only where first_expert > 0); every kernel skips pairs
 // whose id is outside [0, E), the combine included, so the rank adds its experts' share only.

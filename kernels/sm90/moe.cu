@@ -1,7 +1,7 @@
 // Mixture of experts on Hopper (sm_90a): every generic kernel (moe.cuh) plus a warpgroup-MMA
 // grouped GEMM for the experts at prefill sizes, which the host launches instead of the mma.sync
 // moe_gemm_* kernels where this module provides it (ops_moe.py; ATLAS_CUDA_DISABLE=moe_wgmma
-// turns it off).
+// turns it off). FP8 experts take moe_gemm_*_fp8[_blk] (moe.cuh) on Hopper too.
 //
 // Same tiles, grid, alignment (moe_align) and epilogues as moe_gemm_*: a block computes 128 rows
 // (pairs, gathered through the expert-contiguous order as they load) by 128 weight rows (gate_up:
