@@ -206,15 +206,13 @@ MOE_CONFIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
                   moe_intermediate_size=128, intermediate_size=256)
 FLOAT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "layers.1.mlp.gate_proj", "layers.1.mlp.up_proj",
                  "layers.1.mlp.down_proj")
-LOGITS_TOLERANCE = 5e-2
-NEAR_TIE = 0.01  # of the logits' range: where two backends may pick differently
 DECODE_STEPS = 12
 
 
-@pytest.mark.parametrize("layout", ["block", "channel"])
-def test_a_tiny_fp8_qwen3_moe_decodes_greedily_on_cuda_as_on_the_mock(cuda_backend, layout):
-    pytest.importorskip("torch")
-    pytest.importorskip("transformers")
+def _tiny_model_errors(cuda_backend, layout: str) -> tuple[list[float], list[tuple[int, int]]]:
+    """The tiny model's CUDA logits against the mock's, teacher-forced with the mock's greedy
+    tokens: each step's relative error per row, and the (step, row) pairs whose argmax parts.
+    `layout` "bf16" keeps the experts bf16 (the control), else FP8 in that layout."""
     from fakes import DictWeights
     from fp8_checkpoints import quantize_checkpoint, split_experts
     from helpers.engines import make_worker
@@ -228,10 +226,13 @@ def test_a_tiny_fp8_qwen3_moe_decodes_greedily_on_cuda_as_on_the_mock(cuda_backe
     greedy = SamplingRow(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0, counter=0)
     config = tiny_config("qwen3_moe", **MOE_CONFIG)
     _, tensors = build_reference(config, seed=4)
-    stored, quantization_config, dequantized = quantize_checkpoint(split_experts(tensors), layout,
-                                                                   skip=FLOAT_MODULES)
-    assert len(dequantized) == 2 * 8 * 3 and all(".experts." in name for name in dequantized)
-    model_config = ModelConfig.from_dict({**config, "quantization_config": quantization_config})
+    if layout == "bf16":
+        stored, model_config = split_experts(tensors), ModelConfig.from_dict(config)
+    else:
+        stored, quantization_config, dequantized = quantize_checkpoint(split_experts(tensors), layout,
+                                                                       skip=FLOAT_MODULES)
+        assert len(dequantized) == 2 * 8 * 3 and all(".experts." in name for name in dequantized)
+        model_config = ModelConfig.from_dict({**config, "quantization_config": quantization_config})
     workers = []
     for backend in (cuda_backend, MockGpuBackend(activation_dtype=DType.BF16)):
         model = load_model(model_config, DictWeights(stored), backend, max_positions=512)
@@ -240,21 +241,33 @@ def test_a_tiny_fp8_qwen3_moe_decodes_greedily_on_cuda_as_on_the_mock(cuda_backe
     prompts = [[int(t) for t in rng.integers(0, config["vocab_size"], size=n)] for n in (100, 5)]
     tables = (tuple(range(0, 8)), tuple(range(8, 10)))
     starts = [0, 0]
-    step_id, parted = 0, []
+    errors, parted = [], []
     for step in range(DECODE_STEPS + 1):
-        batch = ScheduledBatch(step_id, tuple(
+        batch = ScheduledBatch(step, tuple(
             ScheduledSequence(f"s{i}", tuple(tokens[start:]), start, table, greedy)
             for i, (tokens, start, table) in enumerate(zip(prompts, starts, tables))), 16)
         cuda_logits, mock_logits = (worker.compute_logits(batch) for worker in workers)
         for row in range(len(prompts)):
             ours, reference = np.asarray(cuda_logits[row], np.float64), np.asarray(mock_logits[row], np.float64)
-            assert rel_l2(ours, reference) < LOGITS_TOLERANCE, (layout, step, row)
+            errors.append(rel_l2(ours, reference))
             chosen = int(np.argmax(reference))
             if int(np.argmax(ours)) != chosen:
-                gap = (reference.max() - reference[int(np.argmax(ours))]) / np.ptp(reference)
-                assert gap < NEAR_TIE, (layout, step, row, gap)
                 parted.append((step, row))
             starts[row] = len(prompts[row])
             prompts[row] = prompts[row] + [chosen]
-        step_id += 1
-    assert len(parted) <= 2, parted
+    return errors, parted
+
+
+@pytest.mark.parametrize("layout", ["block", "channel"])
+def test_a_tiny_fp8_qwen3_moe_decodes_on_cuda_as_close_to_the_mock_as_bf16_experts_do(cuda_backend, layout):
+    """A tiny random MoE is chaotic: its bf16 experts on CUDA already leave the mock by ~20% at
+    the first decode step of the 100-token row (H200: 0.214; routing near-ties flip experts), so
+    a fixed bound says nothing. FP8 experts must stay as close to the mock's exact dequantization
+    as bf16 experts stay to theirs: the same prompts, both teacher-forced by their own mock."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    control, control_parted = _tiny_model_errors(cuda_backend, "bf16")
+    errors, parted = _tiny_model_errors(cuda_backend, layout)
+    assert max(errors) <= 1.25 * max(control) + 0.01, (errors, control)
+    assert float(np.median(errors)) <= 1.25 * float(np.median(control)) + 0.005, (errors, control)
+    assert len(parted) <= len(control_parted) + 2, (parted, control_parted)
