@@ -131,6 +131,16 @@ class ConstrainedSampling:
         return request_id in self._constraints
 
     @property
+    def has_ended(self) -> bool:
+        """Whether requests were ended outside a commit (never here: the constraints live in
+        this process; `ServedConstrainedSampling` loses them with its worker)."""
+        return False
+
+    def take_ended(self) -> list[SequenceOutput]:
+        """The outputs of requests ended outside a commit (`has_ended`): none here."""
+        return []
+
+    @property
     def filling(self) -> bool:
         """Whether the masks of the last step in flight are being filled (or are ready)."""
         return self._masks is not None

@@ -13,7 +13,8 @@ overlap).
 
 Token constraints (structured output, thinking budgets) keep the overlap: a step with a
 constrained sampling row is submitted with `awaits_masks`, and its masks are filled on a helper
-thread while the device runs its forward (`atlas.domain.constrained_steps`).
+thread while the device runs its forward (`atlas.domain.constrained_steps`), or by a grammar
+worker in a helper process (`atlas.domain.served_constraints`).
 
 Transports (the Python API, the engine actor behind HTTP, a separate engine process) wrap
 this object; they decide when to call `step` and where outputs go.
@@ -30,11 +31,13 @@ import numpy as np
 
 from atlas.domain.batch import ScheduledBatch, SequenceOutput, StepResult
 from atlas.domain.constrained_steps import ConstrainedSampling
+from atlas.domain.grammar_service import GrammarWorker
 from atlas.domain.request_constraints import GrammarCache
 from atlas.domain.requests import ParameterError, Request
 from atlas.domain.sampling import validate_token_ids
 from atlas.domain.scheduler import Scheduler
 from atlas.domain.sequence import Sequence
+from atlas.domain.served_constraints import ServedConstrainedSampling
 
 
 class PendingResult(Protocol):
@@ -93,9 +96,11 @@ class EngineCore:
         vocab_size: int,
         eos_token_ids: frozenset[int],
         grammars: GrammarCache | None = None,
+        grammar_worker: Callable[[], GrammarWorker] | None = None,
     ) -> None:
         """`grammars` compiles the grammars of requests' constraints (None: a request with a
-        grammar is refused)."""
+        grammar is refused). `grammar_worker` starts a worker that holds the constraints and
+        fills their masks (a helper process), taking their place in this one."""
         self.scheduler = scheduler
         self.executor = executor
         self.max_model_len = max_model_len
@@ -111,8 +116,12 @@ class EngineCore:
         # an executor in this process may offer its masks' host rows (`Worker.mask_rows`): the
         # fill then writes where the upload reads, with no copy between
         mask_rows = getattr(executor, "mask_rows", None)
-        self._constrained = ConstrainedSampling(scheduler, self._in_flight, vocab_size, eos_token_ids, grammars,
-                                                mask_rows)
+        self._constrained: ConstrainedSampling | ServedConstrainedSampling
+        if grammar_worker is not None:
+            self._constrained = ServedConstrainedSampling(scheduler, self._in_flight, grammar_worker)
+        else:
+            self._constrained = ConstrainedSampling(scheduler, self._in_flight, vocab_size, eos_token_ids, grammars,
+                                                    mask_rows)
 
     @property
     def num_resampled_tokens(self) -> int:
@@ -138,11 +147,15 @@ class EngineCore:
         max_total = self.max_model_len if max_tokens is None else min(self.max_model_len, num_prompt + max_tokens)
         sequence = Sequence(request, max_total, self.eos_token_ids)
         constraint = self._constrained.constraint_for(request)
-        self.scheduler.add(sequence)
-        self._sequences[request.request_id] = sequence
         if constraint is not None:
             field = request.constraint.grammar_field if request.constraint is not None else ""
-            self._constrained.add(request.request_id, constraint, field)
+            self._constrained.add(request.request_id, constraint, field)  # type: ignore[arg-type]
+        try:
+            self.scheduler.add(sequence)
+        except BaseException:
+            self._constrained.forget(request.request_id)
+            raise
+        self._sequences[request.request_id] = sequence
         self._num_prompt_tokens += num_prompt
 
     def abort(self, request_id: str) -> SequenceOutput | None:
@@ -152,7 +165,7 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._in_flight)
+        return self.scheduler.has_unfinished or bool(self._in_flight) or self._constrained.has_ended
 
     @property
     def newest_batch(self) -> ScheduledBatch | None:
@@ -183,6 +196,11 @@ class EngineCore:
             outputs += self._commit_oldest()
         if batch.awaits_masks and not self._constrained.filling:  # the commit did not start them early
             self._constrained.start_masks(batch)
+        if self._constrained.has_ended:  # constrained requests its grammar worker's death ended
+            ended = self._constrained.take_ended()
+            for output in ended:
+                self._forget(output.seq_id)
+            outputs += ended
         return outputs
 
     def drain(self) -> list[SequenceOutput]:
@@ -195,7 +213,7 @@ class EngineCore:
         return outputs
 
     def close(self) -> None:
-        """Stop the mask threads (a later constrained step starts them again)."""
+        """Stop the mask threads or the grammar worker (a later constrained step starts them again)."""
         self._constrained.close()
 
     def reset_prefix_cache(self) -> int:

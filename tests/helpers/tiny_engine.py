@@ -24,11 +24,12 @@ VOCAB_SIZE = TINY_LLAMA["vocab_size"]
 
 
 def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=(), prefix_caching=True, policy=None,
-               grammars=None, speculative=None, draft=None, draft_blocks=None):
+               grammars=None, speculative=None, draft=None, draft_blocks=None, grammar_worker=None):
     """`grammars`: a GrammarCache for requests' constraints (None: none may have a grammar);
     `speculative`: a SpeculativeConfig or None. A draft_model config drafts with `draft`: a
     Llama config dict and its weights' seed, or "target" for the target model itself, on
-    `draft_blocks` blocks (default: `num_blocks`)."""
+    `draft_blocks` blocks (default: `num_blocks`). `grammar_worker`: start a GrammarWorker that
+    holds the constraints instead (`EngineCore`)."""
     config = ModelConfig.from_dict(TINY_LLAMA)
     backend = MockGpuBackend(emulate_graphs=bool(graph_sizes))
     model = load_model(config, DictWeights(random_llama_weights(TINY_LLAMA, seed)), backend, MAX_LEN)
@@ -49,7 +50,7 @@ def build_core(num_blocks=400, max_num_seqs=32, budget=256, seed=0, graph_sizes=
         proposer = DraftModelProposer(draft_worker, draft_blocks, BLOCK_SIZE, budget, config.vocab_size)
     scheduler = Scheduler(SchedulerConfig(MAX_LEN, max_num_seqs, budget, BLOCK_SIZE), cache, policy,
                           speculation_policy(speculative, proposer))
-    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS, grammars)
+    return EngineCore(scheduler, worker, MAX_LEN, config.vocab_size, EOS, grammars, grammar_worker)
 
 
 def run(core, requests, check=True):
