@@ -12,6 +12,7 @@ from atlas.app.settings import (
     DTYPES,
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
+    GRAMMAR_PROCESS,
     SCHEDULING_POLICIES,
     EngineSettings,
     SettingsError,
@@ -121,6 +122,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=_env("tensor_parallel_size", 1, int),
                        help="split the model over this many GPUs (one process each; default 1); heads, "
                        "feed-forward width and vocabulary must divide by it")
+    group.add_argument("--grammar-process", choices=GRAMMAR_PROCESS, default=_env("grammar_process", "auto"),
+                       help="structured output: keep the grammar state (matchers, accepts, mask fills) in a helper "
+                       "process that runs beside the engine's step loop on another core (on), or in the engine's "
+                       "process on a thread (off); auto (default) is off until GPU figures show the helper wins")
     group.add_argument("--enable-expert-parallel", action="store_true",
                        default=_env("enable_expert_parallel", False, bool),
                        help="MoE models: place whole experts on the --tensor-parallel-size ranks instead of "
@@ -150,6 +155,7 @@ def engine_settings(args: argparse.Namespace) -> EngineSettings:
         speculative_config=args.speculative_config,
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
+        grammar_process=args.grammar_process,
     )
 
 

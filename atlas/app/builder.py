@@ -6,6 +6,7 @@ weights onto the chosen backend, sizes the KV cache, and wires scheduler, worker
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 from atlas.adapters.tokenizers.hf import HfTokenizer
 from atlas.adapters.weights.safetensors import SafetensorsWeights
 from atlas.app.backends import make_backend
-from atlas.app.chat_features import LazyGrammarCompiler
+from atlas.app.chat_features import LazyGrammarCompiler, process_grammars
 from atlas.app.draft_heads import head_proposer, load_head, open_head
 from atlas.app.draft_model import DraftCheckpoint, load_draft_model, open_draft_model
 from atlas.app.model_store import resolve_model
@@ -26,6 +27,7 @@ from atlas.app.settings import EngineSettings, SettingsError
 from atlas.domain.cache.manager import CacheManager
 from atlas.domain.device_caches import allocate_caches
 from atlas.domain.engine import EngineCore, StepExecutor
+from atlas.domain.grammar_service import GrammarWorker
 from atlas.domain.memory_plan import GIB, CacheDemand, CachePlan, check_weights_fit, plan_cache
 from atlas.domain.models.cache_groups import CacheGroupKind, CacheGroupSpec
 from atlas.domain.models.config import ModelConfig, ModelConfigError
@@ -289,8 +291,11 @@ def build_engine(
         captured += f"; warm-up forwards of {', '.join(map(str, warmed))} tokens"
     phases.lap("graphs", f"{captured}; {tuning}" if tuning else captured)
     grammars = None if is_rank else engine_grammars(tokenizer, model_dir, config.vocab_size)
+    grammar_worker = None
+    if grammars is not None and uses_grammar_process(settings):
+        grammar_worker = grammar_process(model_dir, config.vocab_size, tokenizer.eos_token_ids, max_rows)
     core = make_core(settings, model.cache_groups, num_pages, worker, max_model_len, config.vocab_size, tokenizer,
-                     grammars, proposer)
+                     grammars, proposer, grammar_worker)
     return LoadedEngine(
         core=core,
         tokenizer=tokenizer,
@@ -321,14 +326,37 @@ def engine_grammars(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int) ->
     return GrammarCache(LazyGrammarCompiler(tokenizer, model_dir, vocab_size))
 
 
+def uses_grammar_process(settings: EngineSettings) -> bool:
+    """Whether --grammar-process puts the grammar state in a helper process. auto is off for
+    now: on a 2-core host the helper lost to the mask thread (docs/lab/host-gap.md, "The grammar
+    state in a helper process"); the H200 figures decide whether auto turns it on for CUDA."""
+    return settings.grammar_process == "on"
+
+
+def grammar_process(model_dir: Path, vocab_size: int, eos_token_ids: frozenset[int],
+                    max_rows: int) -> Callable[[], GrammarWorker]:
+    """Starts a grammar helper process for the model (`atlas.adapters.grammar.process`): the
+    first one now, so it is ready by the first constrained request; another after one died."""
+    from atlas.adapters.grammar.process import GrammarProcess
+
+    def start() -> GrammarProcess:
+        return GrammarProcess(functools.partial(process_grammars, str(model_dir), vocab_size), eos_token_ids, max_rows,
+                              (vocab_size + 31) // 32)
+
+    first: list[GrammarProcess] = [start()]
+    return lambda: first.pop() if first else start()
+
+
 def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pages: Sequence[int],
               executor: StepExecutor, max_model_len: int, vocab_size: int, tokenizer: Tokenizer,
               grammars: GrammarCache | None = None,
-              draft: DraftModelProposer | DraftHeadProposer | None = None) -> EngineCore:
+              draft: DraftModelProposer | DraftHeadProposer | None = None,
+              grammar_worker: Callable[[], GrammarWorker] | None = None) -> EngineCore:
     """The engine core over the model's cache groups, group i with `num_pages[i]` pages,
-    driving `executor`, compiling requests' grammars with `grammars` (None: refusing them),
-    drafting with `draft` under a draft_model, mtp or eagle3 configuration. Raises SettingsError
-    for a speculative configuration the model cannot run."""
+    driving `executor`, compiling requests' grammars with `grammars` (None: refusing them) or in
+    the workers `grammar_worker` starts, drafting with `draft` under a draft_model, mtp or
+    eagle3 configuration. Raises SettingsError for a speculative configuration the model cannot
+    run."""
     speculation = speculation_policy(settings.speculative, draft)
     cache = CacheManager.for_groups(groups, num_pages, settings.block_size, settings.prefix_caching)
     if settings.prefix_caching and not cache.caches_prefixes:
@@ -345,7 +373,8 @@ def make_core(settings: EngineSettings, groups: Sequence[CacheGroupSpec], num_pa
         POLICIES[settings.scheduling_policy](),
         speculation,
     )
-    return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids, grammars)
+    return EngineCore(scheduler, executor, max_model_len, vocab_size, tokenizer.eos_token_ids, grammars,
+                      grammar_worker)
 
 
 def _draft_proposer(settings: EngineSettings, draft: DraftCheckpoint, model: Model, num_pages: Sequence[int],

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from atlas.domain.reasoning_budget import reasoning_markers
+from atlas.domain.request_constraints import GrammarCache
 from atlas.domain.text.reasoning import REASONING_PARSERS, detect_reasoning_parser, reasoning_tags
 from atlas.domain.text.tool_calls import TOOL_CALL_PARSERS, detect_tool_call_parser
 from atlas.ports.grammar import CompiledGrammar, ConstraintSpec, GrammarCompiler, GrammarError, GrammarMatcher
@@ -71,6 +72,17 @@ def grammar_compiler(tokenizer: HfTokenizer, model_dir: Path, vocab_size: int) -
     except (OSError, ValueError, RuntimeError) as error:  # llguidance raises either for a tokenizer it cannot read
         log.warning("structured output is unavailable for this model: %s", error)
         return None
+
+
+def process_grammars(model_dir: str, vocab_size: int) -> GrammarCache:
+    """The grammar cache of a grammar helper process (`atlas.adapters.grammar.process`), built
+    there from the model's folder: the compiler now, so the first request does not wait for it."""
+    from atlas.adapters.tokenizers.hf import HfTokenizer
+
+    folder = Path(model_dir)
+    tokenizer = HfTokenizer.from_folder(folder)
+    compiler = grammar_compiler(tokenizer, folder, vocab_size)
+    return GrammarCache(compiler if compiler is not None else LazyGrammarCompiler(tokenizer, folder, vocab_size))
 
 
 class GrammarUnavailable(GrammarError):

@@ -13,6 +13,7 @@ DTYPES = ("auto", "bf16", "f32")
 KV_CACHE_DTYPES = ("auto", "bf16", "f16", "f32", "fp8", "fp8_e4m3")  # fp8 = fp8_e4m3
 QUANTIZATIONS = ("none", "fp8")
 SCHEDULING_POLICIES = tuple(POLICIES)
+GRAMMAR_PROCESS = ("auto", "on", "off")
 MAX_RANKS = 8  # the GPUs of one host
 
 
@@ -46,6 +47,8 @@ class EngineSettings:
     tensor_parallel_size: int = 1  # ranks (devices) the model splits over, one process each
     enable_expert_parallel: bool = False  # MoE: place whole experts on ranks instead of splitting each
     speculative_config: str | None = None  # --speculative-config JSON (SpeculativeConfig); None: off
+    # the grammar state (matchers, accepts, mask fills) in a helper process; auto: off for now
+    grammar_process: str = "auto"
 
     @property
     def admitted_tokens(self) -> int:
@@ -70,6 +73,7 @@ class EngineSettings:
         _choice("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("--quantization", self.quantization, QUANTIZATIONS)
         _choice("--scheduling-policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        _choice("--grammar-process", self.grammar_process, GRAMMAR_PROCESS)
         if self.max_seq_len is not None and self.max_seq_len < 2:
             raise SettingsError(f"--max-seq-len must be at least 2 (got {self.max_seq_len})")
         if self.max_num_seqs < 1:
