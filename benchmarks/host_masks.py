@@ -10,7 +10,11 @@ for both loops, so only the constraint work differs). Closed loop at `--batch`, 
 sequences replaced, as `atlas bench` does:
 
     python benchmarks/host_masks.py --schema benchmarks/records-unbounded.schema.json --batch 16
+    python benchmarks/host_masks.py --grammar-process off,on --forward-us 840   # both, alternated
 
+`--grammar-process` runs the loops with the grammar state in the engine's process (off: the mask
+thread) and in a helper process (on), an engine each, alternated repeat by repeat. The emulated
+step copies masks it did not fill in place into its own rows, as `StepBuffers.stage_mask` does.
 Prints each loop's microseconds per step and tokens/s and their ratio (json / free). Compare only
 runs back to back on one machine.
 """
@@ -38,8 +42,9 @@ from atlas.ports.grammar import JsonSchema  # noqa: E402
 class EmulatedDevice:
     """An in-order device queue: each op starts when the one before ended (or when enqueued)."""
 
-    def __init__(self, forward_s: float, sample_s: float) -> None:
+    def __init__(self, forward_s: float, sample_s: float, mask_rows: np.ndarray) -> None:
         self.forward_s, self.sample_s = forward_s, sample_s
+        self.mask_rows = mask_rows  # the page-locked rows a masked sampler uploads from
         self.free_at = 0.0
 
     def enqueue(self, seconds: float) -> float:
@@ -60,6 +65,10 @@ class EmulatedStep:
         return self._done_at is None
 
     def sample(self, bitmask: np.ndarray | None) -> None:
+        if bitmask is not None:  # stage_mask: masks filled elsewhere are copied into the upload's rows
+            rows = self._device.mask_rows
+            if bitmask.ctypes.data != rows.ctypes.data:
+                np.copyto(rows[: bitmask.shape[0]], bitmask)
         self._done_at = self._device.enqueue(self._device.sample_s)
 
     def result(self) -> StepResult:
@@ -87,6 +96,9 @@ class EmulatedExecutor:
                 token_ids.append(document[index] if index < len(document) else self.eos)
                 self.position[seq.seq_id] = index + 1
         return EmulatedStep(self.device, batch, tuple(token_ids))
+
+    def mask_rows(self) -> np.ndarray:
+        return self.device.mask_rows
 
     def execute(self, batch: ScheduledBatch) -> StepResult:
         step = self.submit(batch)
@@ -158,25 +170,41 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--forward-us", type=float, default=300.0)
     parser.add_argument("--sample-us", type=float, default=30.0)
+    parser.add_argument("--grammar-process", default="off",
+                        help="off, on, or both in turn (off,on): the grammar state in a helper process")
     args = parser.parse_args()
 
-    engine = build_engine(EngineSettings(model=args.model, device="mock", max_num_seqs=max(args.batch, 8)),
-                          show_progress=False)
-    core = engine.core
+    modes = args.grammar_process.split(",")
+    engines = {mode: build_engine(EngineSettings(model=args.model, device="mock", max_num_seqs=max(args.batch, 8),
+                                                 grammar_process=mode), show_progress=False) for mode in modes}
+    first = engines[modes[0]].core
     constraint = OutputConstraint(JsonSchema(json.loads(Path(args.schema).read_text())), "schema")
-    grammar = core.grammars.compiled(constraint.grammar, constraint.grammar_field)
-    eos = min(core.eos_token_ids)
-    documents = walk_documents(grammar, core.vocab_size, core.eos_token_ids, 64, 400, np.random.default_rng(0))
-    core.executor = EmulatedExecutor(EmulatedDevice(args.forward_us * 1e-6, args.sample_us * 1e-6), {}, eos)
-    rows = []
-    for repeat in range(args.repeats):
-        json_s = closed_loop(engine, documents, args.batch, args.steps, constraint, f"j{repeat}-")
-        free_s = closed_loop(engine, documents, args.batch, args.steps, None, f"f{repeat}-")
-        rows.append((json_s, free_s))
-        print(f"repeat {repeat}: json {json_s * 1e6:7.1f} us/step, free {free_s * 1e6:7.1f} us/step, "
-              f"json / free tokens/s {free_s / json_s:.3f}")
-    ratios = sorted(free / json_ for json_, free in rows)
-    print(f"median json / free: {ratios[len(ratios) // 2]:.3f} (batch {args.batch}, forward {args.forward_us:.0f} us)")
+    grammar = first.grammars.compiled(constraint.grammar, constraint.grammar_field)
+    eos = min(first.eos_token_ids)
+    documents = walk_documents(grammar, first.vocab_size, first.eos_token_ids, 64, 400, np.random.default_rng(0))
+    for engine in engines.values():
+        rows = np.zeros((max(args.batch, 8), bitmask_width(first.vocab_size)), np.int32)
+        device = EmulatedDevice(args.forward_us * 1e-6, args.sample_us * 1e-6, rows)
+        engine.core.executor = EmulatedExecutor(device, {}, eos)
+    results: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
+    try:
+        for repeat in range(args.repeats):
+            for mode, engine in engines.items():
+                json_s = closed_loop(engine, documents, args.batch, args.steps, constraint, f"j{mode}{repeat}-")
+                free_s = closed_loop(engine, documents, args.batch, args.steps, None, f"f{mode}{repeat}-")
+                results[mode].append((json_s, free_s))
+                print(f"repeat {repeat} grammar process {mode}: json {json_s * 1e6:7.1f} us/step, "
+                      f"free {free_s * 1e6:7.1f} us/step, json / free tokens/s {free_s / json_s:.3f}", flush=True)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    for mode, rows in results.items():
+        ratios = sorted(free / json_ for json_, free in rows)
+        json_us = sorted(json_ * 1e6 for json_, _ in rows)
+        free_us = sorted(free * 1e6 for _, free in rows)
+        middle = len(rows) // 2
+        print(f"grammar process {mode}: median json {json_us[middle]:.1f} us/step, free {free_us[middle]:.1f}, "
+              f"json / free {ratios[middle]:.3f} (batch {args.batch}, forward {args.forward_us:.0f} us)")
 
 
 if __name__ == "__main__":
