@@ -21,7 +21,14 @@ from helpers.tiny_engine import EOS, VOCAB_SIZE, build_core, prompts, run
 
 from atlas.adapters.grammar.process import GrammarProcess
 from atlas.domain.grammar_service import GrammarService, InlineGrammarWorker
-from atlas.domain.requests import FinishReason, OutputConstraint, ParameterError, ReasoningMarkers, Request, SamplingParams
+from atlas.domain.requests import (
+    FinishReason,
+    OutputConstraint,
+    ParameterError,
+    ReasoningMarkers,
+    Request,
+    SamplingParams,
+)
 from atlas.domain.speculative.config import SpeculativeConfig
 from atlas.ports.grammar import Regex
 

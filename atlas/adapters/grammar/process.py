@@ -109,8 +109,6 @@ class _Layout:
         self.payload = take(np.uint8, (PAYLOAD_BYTES,))
         self.fill_error = take(np.uint8, (1 << 16,))
         self.masks = take(np.int32, (max_rows, num_words))
-        self.num_bytes = offset
-
 
 
 def _size(max_rows: int, num_words: int) -> int:
