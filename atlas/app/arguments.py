@@ -125,7 +125,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--grammar-process", choices=GRAMMAR_PROCESS, default=_env("grammar_process", "auto"),
                        help="structured output: keep the grammar state (matchers, accepts, mask fills) in a helper "
                        "process that runs beside the engine's step loop on another core (on), or in the engine's "
-                       "process on a thread (off); auto (default) is off until GPU figures show the helper wins")
+                       "process on a thread (off); auto (default) is on for CUDA on an x86-64 host with 8 cores or more")
     group.add_argument("--enable-expert-parallel", action="store_true",
                        default=_env("enable_expert_parallel", False, bool),
                        help="MoE models: place whole experts on the --tensor-parallel-size ranks instead of "

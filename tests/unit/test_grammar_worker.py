@@ -20,6 +20,8 @@ from helpers.residue_grammar import EOS_ID, follows_residues, residue_grammars, 
 from helpers.tiny_engine import EOS, VOCAB_SIZE, build_core, prompts, run
 
 from atlas.adapters.grammar.process import GrammarProcess
+from atlas.app.builder import uses_grammar_process
+from atlas.app.settings import EngineSettings, SettingsError
 from atlas.domain.grammar_service import GrammarService, InlineGrammarWorker
 from atlas.domain.requests import (
     FinishReason,
@@ -289,3 +291,22 @@ def test_closing_the_engine_stops_the_helper_and_unlinks_its_segment(rng):
     del worker, core
     gc.collect()
     assert _segments() <= before
+
+
+@pytest.mark.parametrize("choice, backend, cores, machine, expected", [
+    ("auto", "cuda", 16, "x86_64", True),
+    ("auto", "cuda", 4, "x86_64", False),  # the engine, the helper and llguidance's fill want a core each
+    ("auto", "mock", 16, "x86_64", False),
+    ("auto", "cuda", 64, "aarch64", False),
+    ("off", "cuda", 16, "x86_64", False),
+    ("on", "mock", 2, "x86_64", True),
+])
+def test_auto_puts_the_grammar_in_a_process_only_for_cuda_on_a_large_x86_host(choice, backend, cores, machine,
+                                                                                  expected):
+    settings = EngineSettings(model="m", grammar_process=choice)
+    assert uses_grammar_process(settings, backend, cores=cores, machine=machine) is expected
+
+
+def test_the_grammar_process_is_refused_where_its_store_order_does_not_hold():
+    with pytest.raises(SettingsError, match="x86-64.*aarch64: use off"):
+        uses_grammar_process(EngineSettings(model="m", grammar_process="on"), "cuda", cores=64, machine="aarch64")
