@@ -12,6 +12,8 @@ import functools
 import gc
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -310,3 +312,24 @@ def test_auto_puts_the_grammar_in_a_process_only_for_cuda_on_a_large_x86_host(ch
 def test_the_grammar_process_is_refused_where_its_store_order_does_not_hold():
     with pytest.raises(SettingsError, match="x86-64.*aarch64: use off"):
         uses_grammar_process(EngineSettings(model="m", grammar_process="on"), "cuda", cores=64, machine="aarch64")
+
+
+def test_a_script_without_a_main_guard_is_not_run_again_in_the_helper(tmp_path):
+    """`spawn` would import the parent's `__main__` in the helper: a script that starts an engine
+    at top level would run twice (and load its model twice)."""
+    tests = Path(__file__).resolve().parents[1]
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import functools, sys\n"
+        f"sys.path[:0] = [{str(tests)!r}, {str(tests.parent)!r}]\n"
+        "print('script body ran', flush=True)\n"
+        "from helpers.residue_grammar import residue_grammars\n"
+        "from helpers.tiny_engine import EOS, VOCAB_SIZE\n"
+        "from atlas.adapters.grammar.process import GrammarProcess\n"
+        "worker = GrammarProcess(functools.partial(residue_grammars, VOCAB_SIZE), EOS, 4, (VOCAB_SIZE + 31) // 32)\n"
+        "assert worker.admits([], []) == ()\n"
+        "worker.close()\n"
+        "print('done', flush=True)\n")
+    ran = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.split("\n").count("script body ran") == 1 and "done" in ran.stdout, ran.stdout

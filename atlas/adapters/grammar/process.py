@@ -29,14 +29,16 @@ its own grammar compiler from a picklable factory; it exits when its parent does
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import multiprocessing.connection
 import pickle
+import sys
 import time
 import traceback
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import IntEnum
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
@@ -145,7 +147,8 @@ class GrammarProcess:
         self._process = context.Process(
             target=_serve, name="atlas-grammar",
             args=(self._shm.name, max_rows, num_words, grammars, eos_token_ids, self._wake), daemon=True)
-        self._process.start()
+        with _main_module_hidden():
+            self._process.start()
         self._count = 0  # commands posted
         self._fill_count = 0  # the command whose masks `masks` returns
         self._fill_rows = 0
@@ -311,6 +314,28 @@ class GrammarProcess:
                 self._closed = True
                 self._finalizer()
                 raise GrammarWorkerDied("the grammar process did not answer")
+
+
+@contextlib.contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """While a process starts: `spawn` runs the parent's `__main__` again in the child before
+    its target, so a script that builds an `atlas.LLM` at top level, without an `if __name__ ==
+    "__main__"` guard, would load its model a second time in the helper (and fail there). The
+    helper needs nothing from `__main__` (its target and arguments live in atlas' modules), so
+    the main module's name and path are hidden from multiprocessing's preparation data while
+    the child is started, and the child imports only what its target needs."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
 
 
 def _release(shm: SharedMemory, process: multiprocessing.process.BaseProcess) -> None:
