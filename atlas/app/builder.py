@@ -88,6 +88,7 @@ class LoadedEngine:
     ranks: RankExecutor | None = None  # the executor over the rank processes, if any
     num_pages: tuple[int, ...] = ()  # each cache group's pages (KV blocks or state slots)
     weight_bytes: int = 0  # the weights as the device holds them (FP8 projections: a byte an element)
+    expert_bytes: int = 0  # the routed experts among them when FP8 (0: bf16, `routed_expert_bytes`)
     # work left from startup, one piece a call, for when no step is in flight (deferred decode
     # graphs); returns False once nothing is left
     idle_work: Callable[[], bool] = lambda: False
@@ -200,6 +201,9 @@ def build_engine(
     check_speculation_fits(settings, config, backend)
     free_bytes, total_bytes = backend.memory_info()
     weight_bytes = placement.weight_bytes(checkpoint_bytes(stored, quantize))
+    # FP8 experts are held a byte an element: the bench's roofline reads them as the device holds them
+    expert_bytes = (checkpoint_bytes(stored, quantize, include=lambda name: ".experts." in name)
+                    if quantization is not None and config.num_experts else 0)
     weight_bytes += draft.weight_bytes if draft is not None else 0
     weight_bytes += head_checkpoint.weight_bytes if head_checkpoint is not None else 0
     check_weights_fit(weight_bytes, free_bytes, total_bytes, settings.gpu_memory_utilization)
@@ -310,6 +314,7 @@ def build_engine(
         settings=settings,
         num_pages=tuple(num_pages),
         weight_bytes=weight_bytes,
+        expert_bytes=expert_bytes,
         idle_work=worker.capture_next_graph,
         # A CUDA backend gives its device memory back (the mock's arrays go with the objects).
         on_close=getattr(backend, "close", lambda: None),

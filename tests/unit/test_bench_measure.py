@@ -105,3 +105,31 @@ def test_the_ceiling_probes_fit_what_the_loaded_engine_left_free():
     assert ceilings.copy_bytes_per_s > 0 and ceilings.gemm_flops_per_s > 0
     assert backend.memory_info()[0] == 300 << 20  # the probes' buffers are freed again
     del hold
+
+
+def test_fp8_experts_count_a_byte_an_element_in_the_roofline(tmp_path):
+    """With --quantization fp8 the roofline reads the routed experts as the device holds them
+    (an E4M3 byte an element and the scales), not as bf16: before, a Qwen3-30B-A3B in FP8 had
+    its bf16 expert bytes taken off a total that held them at a byte, and the roofline went
+    negative (-259.6% on an H200)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from fp8_checkpoints import split_experts
+    from safetensors.numpy import load_file, save_file
+    from tiny_models import tiny_config, write_model_folder
+
+    write_model_folder(tmp_path, "qwen3_moe")
+    for path in tmp_path.glob("*.safetensors"):  # experts one by one, as published (fp8 quantizes those)
+        save_file(split_experts(load_file(path)), path)
+    config = tiny_config("qwen3_moe")
+    engine = build_engine(EngineSettings(model=str(tmp_path), device="mock", max_num_seqs=2, max_seq_len=128,
+                                         quantization="fp8"))
+    try:
+        read = engine_bytes_read(engine)
+        moe_layers = sum(layer not in config.get("mlp_only_layers", ()) for layer in range(config["num_hidden_layers"]))
+        rows = moe_layers * config["num_experts"] * (2 * config["moe_intermediate_size"] + config["hidden_size"])
+        elements = moe_layers * config["num_experts"] * 3 * config["hidden_size"] * config["moe_intermediate_size"]
+        assert read.expert_bytes == elements + 4 * rows  # E4M3 bytes and a scale a row
+        assert 0 < read.weight_bytes and read.weight_bytes + read.expert_bytes == weight_bytes_per_step(engine)
+    finally:
+        engine.close()

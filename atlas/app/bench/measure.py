@@ -182,7 +182,8 @@ def state_bytes_per_sequence(engine: LoadedEngine) -> int:
 
 def engine_bytes_read(engine: LoadedEngine) -> BytesRead:
     """The bytes a decode step of a one-device engine reads."""
-    config, experts = engine.config, routed_expert_bytes(engine.config)
+    config = engine.config
+    experts = engine.expert_bytes or routed_expert_bytes(config)
     return BytesRead(weight_bytes_per_step(engine) - experts, kv_bytes_per_token(engine), experts,
                      config.num_experts, config.num_experts_per_tok, state_bytes_per_sequence(engine))
 

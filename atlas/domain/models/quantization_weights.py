@@ -10,7 +10,7 @@ A kind receives the bytes and scales as a `HostLinear` (`host_linear`): per outp
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -299,16 +299,18 @@ class QuantizedOnLoad:
         return weight.data
 
 
-def checkpoint_bytes(weights: WeightSource, quantize: bool = False) -> int:
+def checkpoint_bytes(weights: WeightSource, quantize: bool = False,
+                     include: Callable[[str], bool] | None = None) -> int:
     """Bytes the checkpoint's tensors take on a device: two per element of a float tensor (the
     device holds bf16 whatever the file stores), one per E4M3 element, or (`quantize`) as
     `QuantizedOnLoad` will store them: one byte per quantized weight element and four per row
     for its scale. A multi-token-prediction head (`mtp.*`) is loaded only when speculative
     decoding asks for it, so it is not counted. What the device holds, give or take a backend's
-    padding; the builder checks it against free memory before loading."""
+    padding; the builder checks it against free memory before loading. `include`: only the
+    tensors whose names it accepts."""
     total = 0
     for name in weights.names():
-        if name.startswith("mtp."):
+        if name.startswith("mtp.") or (include is not None and not include(name)):
             continue
         shape = tuple(weights.shape(name))
         elements = int(np.prod(shape))
