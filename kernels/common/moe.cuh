@@ -21,16 +21,18 @@
 // slots: min(E, N k) for the routed experts (slot i serves the i-th smallest expert id that some
 // pair chose; the surplus slots leave at once) plus one for the shared expert. The routing
 // kernel's last block writes a slot table (each slot's expert and pairs), so a block learns its
-// slot with one read: no alignment kernel and no host sync. Each block streams its weight rows
-// once per 8 of the expert's tokens (mma.sync m16n8k16, the tokens as the 8 columns, the k order
+// slot with one read: no alignment kernel and no host sync. At one token the routing kernel
+// stops after the logits and the expert blocks route the token themselves (LocalRoute). Each
+// block streams its weight rows once per 8 of the expert's tokens (mma.sync m16n8k16, the
+// tokens as the 8 columns, the k order
 // permuted as in gemv.cu's gemv_mma so that the fragments are plain 16-byte loads):
 //     moe_gate_up_<act>:  16 rows = the gate and up rows of 8 features; hidden = act(gate) * up
 //     moe_down:           16 rows of down; y = the product + bias
 // Only the active experts' weights are read: at N = 1 the 8 routed experts of Qwen3-30B-A3B are
 // 75 MB a layer, 9.4 MB an expert. A block's 4 warps split K, each requesting 4 chunks a round
 // (128 threads: an SM holds 6-8 blocks, so Qwen3-30B-A3B's 768 gate_up and 1024 down blocks of a
-// decode step run in one wave). moe_down reads its slot and asks L2 for its rows before waiting
-// for moe_gate_up; the weight loads mark their lines first to go from L2 so those rows stay.
+// decode step run in one wave). moe_down reads (or routes) its slot before waiting for
+// moe_gate_up; the weight loads mark their lines first to go from L2 so other lines stay.
 // Three launches a decode layer: route, gate_up, down (whose last block per row tile is the
 // combine). Past 8 tokens, where a step touches most experts, moe_down_looped takes moe_down's
 // place: a block loops over a share of the slots for its row tile, each token's weighted sum in
@@ -67,8 +69,8 @@
 // whose id is outside [0, E), the combine included, so the rank adds its experts' share only.
 //
 // Every kernel waits for the previous one before reading what it wrote: the weights a block
-// streams depend on the ids (moe_down's early reads are of the slot table, written two kernels
-// back, and of weights).
+// streams depend on the ids (moe_down's early reads are of the slot table or the logits, written
+// two kernels back).
 // The kernels live in this header so that kernels/sm90/moe.cu (the wgmma grouped GEMM) can define
 // every symbol of kernels/common/moe.cu beside its own.
 #pragma once
@@ -213,7 +215,8 @@ __device__ __forceinline__ unsigned order_key(float f) {
 template <int LANE_EXPERTS>
 __device__ __forceinline__ void route_token_in(const float* logits, const float* selection_bias, int num_experts,
                                                int top_k, int sigmoid_scoring, int renormalize, float scaling,
-                                               int* ids_out, float* weights_out, int* ids_shared) {
+                                               int* ids_out, float* weights_out, int* ids_shared,
+                                               float* weights_shared) {
     const int lane = threadIdx.x & 31;
     float score[LANE_EXPERTS];
     float peak = -ATLAS_INF;
@@ -282,22 +285,76 @@ __device__ __forceinline__ void route_token_in(const float* logits, const float*
         chosen_sum += best_score;
     }
     if (lane < top_k) {
-        const float weight = renormalize ? my_score / chosen_sum : my_score;
-        ids_out[lane] = my_id;
-        weights_out[lane] = weight * scaling;
+        const float weight = (renormalize ? my_score / chosen_sum : my_score) * scaling;
+        if (ids_out != nullptr) {
+            ids_out[lane] = my_id;
+            weights_out[lane] = weight;
+        }
         if (ids_shared != nullptr) ids_shared[lane] = my_id;
+        if (weights_shared != nullptr) weights_shared[lane] = weight;
     }
 }
 
 __device__ __forceinline__ void route_token(const float* logits, const float* selection_bias, int num_experts,
                                             int top_k, int sigmoid_scoring, int renormalize, float scaling,
-                                            int* ids_out, float* weights_out, int* ids_shared = nullptr) {
+                                            int* ids_out, float* weights_out, int* ids_shared = nullptr,
+                                            float* weights_shared = nullptr) {
     if (num_experts <= 128)
         route_token_in<4>(logits, selection_bias, num_experts, top_k, sigmoid_scoring, renormalize, scaling, ids_out,
-                          weights_out, ids_shared);
+                          weights_out, ids_shared, weights_shared);
     else
         route_token_in<MOE_LANE_EXPERTS>(logits, selection_bias, num_experts, top_k, sigmoid_scoring, renormalize,
-                                         scaling, ids_out, weights_out, ids_shared);
+                                         scaling, ids_out, weights_out, ids_shared, weights_shared);
+}
+
+// ---------------------------------------------------------------------------------------------
+// One token's experts routing it themselves (`LocalRoute`; ops_moe.routes_in_experts): at batch 1
+// moe_route_small stops after the logits (`logits_only`) and each moe_gate_up block routes the
+// token from them with one warp, as the routing kernel's last block would have. That last
+// block's chain (fence, counter, logits back from L2, top k, slot table: ~3.4 of the routing's
+// 5.4 us at Qwen3-30B-A3B's shape on an H200, docs/lab/moe-decode.md) leaves the step's critical
+// path; a moe_gate_up block pays a warp's top k after one L2 read of the logits, where it read
+// its slot before. Slot j serves pair j (expert -1 where another rank holds it): the host takes
+// this path only where the routed slots number top_k. moe_gate_up's block (0, 0) writes the ids
+// and weights (the port's outputs of `route`), its blocks (0, j) slot j of the table.
+// moe_down routes the token before its wait where E <= 128 (a warp's top k over 4 registers a
+// lane, hidden beside moe_gate_up's stream); past that (Qwen3-Next's 512) the top k is a chain
+// of ~3 us, and its blocks, most of which become resident only as moe_gate_up's leave, read the
+// table moe_gate_up wrote after their wait instead (H200, Qwen3-Next batch 1: routing there made
+// moe_down 3.9 us a layer slower).
+struct LocalRoute {
+    const float* logits;  // [E] f32, bias included; null: the routing kernel wrote the slot table
+    const float* selection_bias;
+    int num_experts, sigmoid_scoring, renormalize;
+    float scaling;
+};
+#define MOE_LOCAL_ROUTE_PARAMS                                                                                 \
+    const float *route_logits, const float *route_selection_bias, int route_experts, int route_sigmoid,       \
+        int route_renormalize, float route_scaling
+#define MOE_LOCAL_ROUTE \
+    LocalRoute { route_logits, route_selection_bias, route_experts, route_sigmoid, route_renormalize, route_scaling }
+#define MOE_LOCAL_ROUTE_MAX_DOWN_EXPERTS 128  // moe_down routes the token itself up to this E
+
+// Fills `slot_pairs` for `slot` as read_slot does, routing the one token first (see LocalRoute) into
+// ids and weights [top_k] (shared memory; global ids), and into ids_out / weights_out where not null.
+// Every thread calls it; the shared slot (slot >= routed_slots) routes only where `always_route`.
+__device__ __forceinline__ void route_slot(const LocalRoute& route, int top_k, int first_expert, int num_experts,
+                                           int routed_slots, SlotPairs& slot_pairs, int slot, int* ids,
+                                           float* weights, bool always_route, int* ids_out = nullptr,
+                                           float* weights_out = nullptr) {
+    const bool is_shared = slot >= routed_slots;
+    if (threadIdx.x < 32 && (always_route || !is_shared))
+        route_token(route.logits, route.selection_bias, route.num_experts, top_k, route.sigmoid_scoring,
+                    route.renormalize, route.scaling, ids_out, weights_out, ids, weights);
+    __syncthreads();  // the ids are in shared memory
+    if (threadIdx.x == 0) {
+        const int e = is_shared ? num_experts : ids[slot] - first_expert;
+        const bool mine = is_shared || held(e, num_experts);
+        slot_pairs.expert = mine ? e : -1;
+        slot_pairs.count = mine ? 1 : 0;
+        slot_pairs.pairs[0] = is_shared ? top_k : slot;  // the shared pair of token 0: num_pairs + 0
+    }
+    __syncthreads();
 }
 
 // moe_topk: a warp per token over logits [N, E] (bias included). grid ceil(N / 8), 256 threads.
@@ -324,7 +381,7 @@ __device__ __forceinline__ void moe_route_small_impl(
     const bf16* x, const bf16* norm_weight, float eps, const bf16* router, const bf16* router_bias,
     const float* selection_bias, bf16* normed, float* logits, unsigned* counter, int* expert_ids, float* expert_weights,
     int num_tokens, int hidden, int num_experts, int top_k, int sigmoid_scoring, int renormalize, float scaling,
-    int* slot_table, int first_expert, int held_experts, int routed_slots) {
+    int* slot_table, int first_expert, int held_experts, int routed_slots, int logits_only) {
     __shared__ float scratch[32];
     __shared__ float inverse_rms[ROUTE_MAX_TOKENS];
     __shared__ float partial[ROUTE_THREADS / 32][ROUTE_ROWS][ROUTE_MAX_TOKENS];
@@ -411,7 +468,7 @@ __device__ __forceinline__ void moe_route_small_impl(
             logits[(long long)n * num_experts + expert] = total;
         }
     }
-    if (!last_block_done(counter, gridDim.x)) return;
+    if (logits_only || !last_block_done(counter, gridDim.x)) return;  // logits_only: see LocalRoute
     __shared__ int routed_ids[ROUTE_MAX_TOKENS * 16];  // top_k <= 16 (MOE_MAX_SLOT_PAIRS)
     if (warp < num_tokens)
         route_token(logits + (long long)warp * num_experts, selection_bias, num_experts, top_k, sigmoid_scoring,
@@ -428,10 +485,10 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
                     const float* selection_bias, bf16* normed, float* logits, unsigned* counter, int* expert_ids,
                     float* expert_weights, int num_tokens, int hidden, int num_experts, int top_k,
                     int sigmoid_scoring, int renormalize, float scaling, int* slot_table, int first_expert,
-                    int held_experts, int routed_slots) {
+                    int held_experts, int routed_slots, int logits_only) {
     moe_route_small_impl(x, norm_weight, eps, router, router_bias, selection_bias, normed, logits, counter,
                          expert_ids, expert_weights, num_tokens, hidden, num_experts, top_k, sigmoid_scoring,
-                         renormalize, scaling, slot_table, first_expert, held_experts, routed_slots);
+                         renormalize, scaling, slot_table, first_expert, held_experts, routed_slots, logits_only);
 }
 
 // The token whose row a pair reads: t for routed pair t k + j, t for shared pair num_pairs + t.
@@ -618,17 +675,32 @@ __device__ __forceinline__ Fp8Rows<BLOCK> expert_rows(Fp8Experts<BLOCK> w, int a
 // block x for tokens x, x + gridDim.x, ... (at most one each up to 8 gridDim.x tokens), into
 // shared_gate_values [N] for moe_down's combine (null shared_gate: none).
 template <int ACT, typename W>
-__device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed, const int* __restrict__ slot_table,
+__device__ __forceinline__ void moe_gate_up_impl(const bf16* __restrict__ normed, int* __restrict__ slot_table,
                                                  W gate_up, const bf16* __restrict__ gate_up_bias,
                                                  W shared_gate_up, bf16* __restrict__ hidden_out,
                                                  int num_tokens, int top_k, int num_experts, int hidden, int inner,
                                                  int shared_inner, int stride, int routed_slots, float alpha,
                                                  float limit, const bf16* __restrict__ shared_gate,
-                                                 float* __restrict__ shared_gate_values) {
+                                                 float* __restrict__ shared_gate_values, const LocalRoute& route,
+                                                 int first_expert, int* expert_ids, float* expert_weights) {
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
     const int num_pairs = num_tokens * top_k;
-    read_slot(slot_table, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs, blockIdx.y);
+    if (route.logits != nullptr) {  // one token, routed here (LocalRoute)
+        __shared__ int ids[16];
+        __shared__ float weights[16];
+        const bool writes = blockIdx.x == 0 && blockIdx.y == 0;
+        route_slot(route, top_k, first_expert, num_experts, routed_slots, slot_pairs, blockIdx.y, ids, weights, false,
+                   writes ? expert_ids : nullptr, writes ? expert_weights : nullptr);
+        if (blockIdx.x == 0 && blockIdx.y < routed_slots && threadIdx.x == 0) {  // moe_down's slot, past its wait
+            int* entry = slot_table + blockIdx.y * MOE_SLOT_INTS;
+            entry[0] = slot_pairs.expert;
+            entry[1] = slot_pairs.count;
+            entry[2] = blockIdx.y;
+        }
+    } else {
+        read_slot(slot_table, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs, blockIdx.y);
+    }
     const int expert = slot_pairs.expert, count = slot_pairs.count;
     if (expert < 0) return;
     const bool is_shared = expert == num_experts;
@@ -702,18 +774,30 @@ __device__ __forceinline__ void moe_down_impl(const bf16* __restrict__ hidden_in
                                               int stride, int routed_slots, const float* __restrict__ expert_weights,
                                               const float* shared_gate_values, int has_shared,
                                               bf16* __restrict__ residual, unsigned* __restrict__ counters,
-                                              int accumulate) {
+                                              int accumulate, const LocalRoute& route) {
     __shared__ SlotPairs slot_pairs;
     __shared__ float partial[MOE_WARPS][16][8];
+    __shared__ int local_ids[16];
+    __shared__ float local_weights[16];
     const int num_pairs = num_tokens * top_k;
-    // Before the wait (see read_slot): the slot; only hidden_in needs moe_gate_up. The block's
-    // weight rows are not asked of L2 here: blocks of this kernel fit beside moe_gate_up's from
-    // its start, and their requests slowed its stream more than they sped this kernel's (H200,
+    // Before the wait (see read_slot, LocalRoute): the slot; only hidden_in needs moe_gate_up. The
+    // block's weight rows are not asked of L2 here: blocks of this kernel fit beside moe_gate_up's
+    // from its start, and their requests slowed its stream more than they sped this kernel's (H200,
     // Qwen3-30B-A3B batch 1: step 2,810-2,815 us with them, 2,750 without; docs/lab/moe-decode.md).
-    read_slot(slot_table, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs, blockIdx.y);
+    const bool routes = route.logits != nullptr && route.num_experts <= MOE_LOCAL_ROUTE_MAX_DOWN_EXPERTS;
+    if (routes) {  // every block may be its row tile's last: each keeps the weights
+        route_slot(route, top_k, first_expert, num_experts, routed_slots, slot_pairs, blockIdx.y, local_ids,
+                   local_weights, true);
+        expert_ids = local_ids;
+        expert_weights = local_weights;
+    } else if (route.logits == nullptr) {
+        read_slot(slot_table, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs, blockIdx.y);
+    }
+    dependent_launch_entry();
+    if (route.logits != nullptr && !routes)  // the slot moe_gate_up wrote (LocalRoute)
+        read_slot(slot_table, num_pairs, num_tokens, num_experts, routed_slots, slot_pairs, blockIdx.y);
     const int expert = slot_pairs.expert;
     const int first = blockIdx.x * MOE_DOWN_ROWS;
-    dependent_launch_entry();
     if (expert >= 0) moe_down_rows(hidden_in, down, down_bias, shared_down, y, slot_pairs, partial, num_experts, hidden,
                                    inner, shared_inner, stride, first);
     if (!last_block_done(counters + blockIdx.x, gridDim.y)) return;
@@ -787,15 +871,17 @@ __device__ __forceinline__ void moe_down_rows(const bf16* __restrict__ hidden_in
 #define DEFINE_MOE_GATE_UP(NAME, ACT)                                                                        \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_GATE_UP_MIN_BLOCKS)                   \
         moe_gate_up_##NAME(                                                                                  \
-        const bf16* normed, const int* slot_table, const bf16* gate_up, const bf16* gate_up_bias,           \
+        const bf16* normed, int* slot_table, const bf16* gate_up, const bf16* gate_up_bias,           \
         const bf16* shared_gate_up, bf16* hidden_out, int num_tokens, int top_k, int num_experts, int hidden, \
         int inner, int shared_inner, int stride, int routed_slots, float alpha, float limit,                \
-        const bf16* shared_gate, float* shared_gate_values) {                                               \
+        const bf16* shared_gate, float* shared_gate_values, MOE_LOCAL_ROUTE_PARAMS, int first_expert,       \
+        int* expert_ids, float* expert_weights) {                                                           \
         dependent_launch_entry();                                                                           \
         moe_gate_up_impl<ACT>(normed, slot_table, gate_up, gate_up_bias,                       \
                               shared_gate_up, hidden_out, num_tokens, top_k, num_experts,      \
                               hidden, inner, shared_inner, stride, routed_slots, alpha, limit, shared_gate, \
-                              shared_gate_values);                                                          \
+                              shared_gate_values, MOE_LOCAL_ROUTE, first_expert, expert_ids,               \
+                              expert_weights);                                                              \
     }
 
 DEFINE_MOE_GATE_UP(silu, GATED_SILU)
@@ -807,16 +893,18 @@ DEFINE_MOE_GATE_UP(clamped, GATED_CLAMPED)
 #define DEFINE_MOE_GATE_UP_FP8(NAME, ACT, SUFFIX, BLOCK)                                                     \
     extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_GATE_UP_MIN_BLOCKS)                   \
         moe_gate_up_fp8##SUFFIX##_##NAME(                                                                    \
-        const bf16* normed, const int* slot_table, const fp8_e4m3* gate_up, const float* gate_up_scales,    \
+        const bf16* normed, int* slot_table, const fp8_e4m3* gate_up, const float* gate_up_scales,    \
         const bf16* gate_up_bias, const fp8_e4m3* shared_gate_up, const float* shared_gate_up_scales,       \
         bf16* hidden_out, int num_tokens, int top_k, int num_experts, int hidden, int inner,                \
         int shared_inner, int stride, int routed_slots, float alpha, float limit, const bf16* shared_gate,  \
-        float* shared_gate_values) {                                                                        \
+        float* shared_gate_values, MOE_LOCAL_ROUTE_PARAMS, int first_expert, int* expert_ids,               \
+        float* expert_weights) {                                                                            \
         dependent_launch_entry();                                                                           \
         moe_gate_up_impl<ACT>(normed, slot_table, Fp8Experts<BLOCK>{gate_up, gate_up_scales}, gate_up_bias, \
                               Fp8Experts<BLOCK>{shared_gate_up, shared_gate_up_scales}, hidden_out,         \
                               num_tokens, top_k, num_experts, hidden, inner, shared_inner, stride,          \
-                              routed_slots, alpha, limit, shared_gate, shared_gate_values);                 \
+                              routed_slots, alpha, limit, shared_gate, shared_gate_values, MOE_LOCAL_ROUTE, \
+                              first_expert, expert_ids, expert_weights);                                    \
     }
 
 DEFINE_MOE_GATE_UP_FP8(silu, GATED_SILU, , false)
@@ -826,10 +914,12 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
     moe_down(const bf16* hidden_in, const int* slot_table, const int* expert_ids, int first_expert, const bf16* down,
              const bf16* down_bias, const bf16* shared_down, float* y, int num_tokens, int top_k, int num_experts,
              int hidden, int inner, int shared_inner, int stride, int routed_slots, const float* expert_weights,
-             const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters, int accumulate) {
+             const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters, int accumulate,
+             MOE_LOCAL_ROUTE_PARAMS) {
     moe_down_impl(hidden_in, slot_table, expert_ids, first_expert, down, down_bias,
                   shared_down, y, num_tokens, top_k, num_experts, hidden, inner, shared_inner, stride,
-                  routed_slots, expert_weights, shared_gate_values, has_shared, residual, counters, accumulate);
+                  routed_slots, expert_weights, shared_gate_values, has_shared, residual, counters, accumulate,
+                  MOE_LOCAL_ROUTE);
 }
 
 // moe_down_fp8[_blk]: moe_down over E4M3 experts, each weight followed by its scales.
@@ -839,11 +929,12 @@ extern "C" __global__ void __launch_bounds__(MOE_WARPS * 32, MOE_DOWN_MIN_BLOCKS
         const fp8_e4m3* down, const float* down_scales, const bf16* down_bias, const fp8_e4m3* shared_down,    \
         const float* shared_down_scales, float* y, int num_tokens, int top_k, int num_experts, int hidden,     \
         int inner, int shared_inner, int stride, int routed_slots, const float* expert_weights,                \
-        const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters, int accumulate) { \
+        const float* shared_gate_values, int has_shared, bf16* residual, unsigned* counters, int accumulate,   \
+        MOE_LOCAL_ROUTE_PARAMS) {                                                                              \
         moe_down_impl(hidden_in, slot_table, expert_ids, first_expert, Fp8Experts<BLOCK>{down, down_scales},   \
                       down_bias, Fp8Experts<BLOCK>{shared_down, shared_down_scales}, y, num_tokens, top_k,     \
                       num_experts, hidden, inner, shared_inner, stride, routed_slots, expert_weights,          \
-                      shared_gate_values, has_shared, residual, counters, accumulate);                         \
+                      shared_gate_values, has_shared, residual, counters, accumulate, MOE_LOCAL_ROUTE);        \
     }
 
 DEFINE_MOE_DOWN_FP8(, false)

@@ -103,8 +103,8 @@ def _cuda_and_mock(cuda_backend, host_moe, moe, mock, mock_moe, x: np.ndarray) -
     ids = poisoned(backend, (num_tokens, top_k), DType.I32)
     weights = poisoned(backend, (num_tokens, top_k), DType.F32)
     backend.moe.route(residual, moe, normed, ids, weights)
+    backend.moe.experts(normed, moe, ids, weights, residual)  # ids and weights hold the routing from here on
     routed = host(backend, normed), host(backend, ids), host(backend, weights)
-    backend.moe.experts(normed, moe, ids, weights, residual)
     assert (np.sort(routed[1], axis=1)[:, 1:] != np.sort(routed[1], axis=1)[:, :-1]).all()
     stream = mock.upload(x, DType.F32)
     mock.moe.experts(mock.upload(routed[0].astype(np.float32), DType.F32), mock_moe,

@@ -51,10 +51,11 @@ def _run(backend, host_moe, x, act_dtype):
     ids = poisoned(backend, (num_tokens, top_k), DType.I32)
     weights = poisoned(backend, (num_tokens, top_k), DType.F32)
     backend.moe.route(residual, moe, normed, ids, weights)
-    routed = (np.asarray(backend.begin_download(normed).wait(), np.float64),
-              np.asarray(backend.begin_download(ids).wait()), np.asarray(backend.begin_download(weights).wait(), np.float64))
-    backend.moe.experts(normed, moe, ids, weights, residual)
-    return (*routed, np.asarray(backend.begin_download(residual).wait(), np.float64))
+    normed_rows = np.asarray(backend.begin_download(normed).wait(), np.float64)
+    backend.moe.experts(normed, moe, ids, weights, residual)  # ids and weights hold the routing from here on
+    return (normed_rows, np.asarray(backend.begin_download(ids).wait()),
+            np.asarray(backend.begin_download(weights).wait(), np.float64),
+            np.asarray(backend.begin_download(residual).wait(), np.float64))
 
 
 CASES = [
@@ -126,6 +127,44 @@ def test_an_expert_parallel_share_adds_only_its_experts(cuda_backend, rng, num_t
     mock.moe.experts(mock.upload(normed.astype(np.float32), DType.F32), mock.moe.prepare(share),
                      mock.upload(ids.astype(np.int32)), mock.upload(weights.astype(np.float32)), stream)
     assert rel_l2(residual - x, mock.begin_download(stream).wait() - x) < 2e-2
+
+
+@pytest.mark.parametrize(
+    "routing, activation, biases, shared_inner, first, held",
+    [
+        (Routing(128, 8, renormalize=True), Activation.SILU, False, 0, 0, 128),  # Qwen3-30B-A3B
+        (Routing(512, 10, renormalize=True), Activation.SILU, False, 64, 0, 512),  # Qwen3-Next: a shared expert
+        (Routing(32, 4, renormalize=True), ClampedSwiglu(1.702, 7.0), True, 0, 0, 32),  # GPT-OSS-like
+        (Routing(64, 6, Scoring.SIGMOID, renormalize=True, scaling=2.5), Activation.SILU, False, 0, 0, 64),
+        (Routing(128, 8, renormalize=True), Activation.SILU, False, 0, 64, 64),  # a rank's share: slots skipped
+        (Routing(128, 8, renormalize=True), Activation.SILU, False, 0, 120, 4),  # fewer slots than k: the table
+    ],
+)
+def test_one_token_routed_inside_the_experts_matches_the_slot_table(cuda_backend, rng, routing, activation, biases,
+                                                                     shared_inner, first, held):
+    """At one token the expert kernels route the token from the logits themselves
+    (`moe_local_route`); ids, weights and the residual are the slot table path's, bit for bit."""
+    runtime = cuda_backend.runtime
+    host_moe = _host_moe(rng, 512, 96, routing, activation, biases, shared_inner)
+    if routing.scoring is Scoring.SIGMOID:
+        host_moe = dataclasses.replace(host_moe, selection_bias=bf16(rng.standard_normal(routing.num_experts) * 0.05))
+    if held < routing.num_experts:
+        host_moe = dataclasses.replace(host_moe, gate_up=HostLinear(host_moe.gate_up.weight[first: first + held]),
+                                       down=HostLinear(host_moe.down.weight[first: first + held]), first_expert=first)
+    x = bf16(rng.standard_normal((1, 512)) * 2)
+    saved = runtime.features
+    try:
+        results = {}
+        for local in (True, False):
+            runtime.features = dataclasses.replace(saved, moe_local_route=local)
+            results[local] = _run(cuda_backend, host_moe, x, DType.BF16)
+    finally:
+        runtime.features = saved
+    for on, off in zip(results[True], results[False]):
+        np.testing.assert_array_equal(on, off)
+    ids = results[True][1]
+    if ((ids >= first) & (ids < first + held)).any():
+        assert not np.array_equal(results[True][3], x)  # the held experts added something
 
 
 def test_routing_ids_match_a_reference_of_its_own_normed_rows(cuda_backend, rng):

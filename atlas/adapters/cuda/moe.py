@@ -194,4 +194,4 @@ class CudaMoe:
         if normed.shape[1] != moe.experts.hidden:
             raise ValueError(f"normed: width {normed.shape[1]} is not the experts' {moe.experts.hidden}")
         ops_moe.check_routing_outputs(expert_ids, expert_weights, normed.shape[0], moe.routing.top_k)
-        ops_moe.experts(self._rt, moe.experts, normed, expert_ids, expert_weights, residual, accumulate)
+        ops_moe.experts(self._rt, moe.experts, moe.routing, normed, expert_ids, expert_weights, residual, accumulate)

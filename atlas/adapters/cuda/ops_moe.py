@@ -94,6 +94,25 @@ def _table_tail(rt: CudaRuntime, held: HeldExperts, num_tokens: int, top_k: int)
             np.int32(routed_slots(held, num_tokens, top_k)))
 
 
+def routes_in_experts(rt: CudaRuntime, held: HeldExperts, num_tokens: int, top_k: int) -> bool:
+    """Whether the expert kernels route the step's one token themselves from the logits
+    (moe.cuh `LocalRoute`): the routing kernel then writes only the logits and `normed`, and the
+    ids and weights are written by `experts`. Needs a routed slot per pair (slot j serves pair j)."""
+    return num_tokens == 1 and rt.features.moe_local_route and routed_slots(held, num_tokens, top_k) == top_k
+
+
+def _logits(rt: CudaRuntime, num_tokens: int, num_experts: int) -> int:
+    return rt.workspace("moe_logits", num_tokens * num_experts * 4)
+
+
+def _local_route_args(rt: CudaRuntime, routing: RoutingArgs, local: bool) -> tuple:
+    """moe.cuh MOE_LOCAL_ROUTE_PARAMS: the logits (0: the slot table is read) and the routing."""
+    if not local:
+        return (0, 0, np.int32(0), np.int32(0), np.int32(0), np.float32(1.0))
+    return (_logits(rt, 1, routing.num_experts), _address(routing.selection_bias), np.int32(routing.num_experts),
+            np.int32(routing.sigmoid), np.int32(routing.renormalize), np.float32(routing.scaling))
+
+
 def _routing_tail(routing: RoutingArgs) -> tuple:
     return (
         np.int32(routing.num_experts),
@@ -118,10 +137,11 @@ def route_small(
     expert_weights: CudaTensor,
 ) -> None:
     """norm + router + top-k in one launch for up to ROUTE_SMALL_MAX_TOKENS tokens, and the
-    grouped GEMV's slot table of the held experts."""
+    grouped GEMV's slot table of the held experts; where `routes_in_experts`, only the norm and
+    the logits (the experts route the token)."""
     num_tokens, hidden = x.shape
     experts = routing.num_experts
-    logits = rt.workspace("moe_logits", num_tokens * experts * 4)
+    logits = _logits(rt, num_tokens, experts)
     counter = rt.counters("moe_route_counter", 1)
     rt.launch(
         "moe",
@@ -147,6 +167,7 @@ def route_small(
         np.int32(routing.renormalize),
         np.float32(routing.scaling),
         *_table_tail(rt, held, num_tokens, routing.top_k),
+        np.int32(routes_in_experts(rt, held, num_tokens, routing.top_k)),
     )
 
 
@@ -256,6 +277,7 @@ def _down_args(weights: ExpertWeights) -> tuple:
 def experts(
     rt: CudaRuntime,
     weights: ExpertWeights,
+    routing: RoutingArgs,
     normed: CudaTensor,
     expert_ids: CudaTensor,
     expert_weights: CudaTensor,
@@ -266,7 +288,9 @@ def experts(
     `accumulate` False, residual = that sum (its old rows unread). The grouped
     GEMV up to GEMV_MAX_TOKENS tokens (its down kernel's last blocks add into the residual; past
     ROUTE_SMALL_MAX_TOKENS the looped down kernel, whose blocks each take a share of the slots),
-    else the alignment, the grouped GEMM and the combine."""
+    else the alignment, the grouped GEMM and the combine. `routing` is what `route_small` ran
+    with: where `routes_in_experts`, these kernels route the token from its logits and write
+    expert_ids and expert_weights."""
     num_tokens, top_k_width = expert_ids.shape
     if num_tokens == 0:
         return
@@ -287,10 +311,12 @@ def experts(
         slots = routed + (1 if has_shared else 0)
         head = (np.int32(num_tokens), np.int32(top_k_width), np.int32(experts_count))
         gate_values = rt.workspace("moe_shared_gate", num_tokens * 4) if weights.shared_gate is not None else 0
+        local = _local_route_args(rt, routing, routes_in_experts(rt, held, num_tokens, top_k_width))
         rt.launch(
             "moe", f"moe_gate_up{infix}_{act.name}", (-(-stride // 8), slots), _WARPS * 32,
             normed.address, table, *_gate_up_args(weights), hidden_rows, *head, *dims, np.int32(routed),
             np.float32(act.alpha), np.float32(act.limit), _address(weights.shared_gate), gate_values,
+            *local, np.int32(weights.first_expert), expert_ids.address, expert_weights.address,
         )
         row_tiles = -(-hidden // _DOWN_ROWS)
         if num_tokens > ROUTE_SMALL_MAX_TOKENS:
@@ -311,7 +337,7 @@ def experts(
             outputs, *head, *dims, np.int32(routed),
             expert_weights.address,
             gate_values, np.int32(has_shared), residual.address, rt.counters("moe_down_counters", row_tiles),
-            np.int32(accumulate),
+            np.int32(accumulate), *local,
         )
         return
     if weights.first_expert:

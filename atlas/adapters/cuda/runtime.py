@@ -56,7 +56,7 @@ FEATURES_ENVIRONMENT = "ATLAS_CUDA_DISABLE"
 class CudaFeatures:
     """Optional speed paths, each on where the device has it. `ATLAS_CUDA_DISABLE` (a comma list
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
-    `launch_order`, `moe_wgmma`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`,
+    `launch_order`, `moe_wgmma`, `moe_local_route`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`,
     `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`, `fp8_fast_accum`, `cascade_attention`,
     `piecewise_graphs`) turns some off, for debugging and A/B timings.
 
@@ -116,6 +116,9 @@ class CudaFeatures:
         `launch_after_start`); needs programmatic_launch.
     moe_wgmma: the MoE experts' grouped GEMM (prefill sizes) on wgmma where the loaded module has
         it (kernels/sm90/moe.cu); off: the mma.sync kernels.
+    moe_local_route: at one token the routing kernel stops after the logits and the expert
+        kernels' blocks route the token themselves (moe.cuh `LocalRoute`), taking the routing
+        kernel's last block off the step's chain; off: that last block writes the slot table.
     skinny_gemm: 9..64 token rows of bf16 `linear` (and its gated and residual-add forms) go
         through our own skinny tensor-core GEMM on Hopper (`gemm_skinny_*`, gemv.cu: TMA into a
         warp-specialised ring, K split over clusters that reduce through distributed shared
@@ -146,6 +149,7 @@ class CudaFeatures:
     rms_after_product: bool = True
     launch_order_edges: bool = True
     moe_wgmma: bool = True
+    moe_local_route: bool = True
     skinny_gemm: bool = False
     bulk_upload: bool = True
     file_reads: bool = True
@@ -173,6 +177,7 @@ class CudaFeatures:
             "rms_after_product",
             "launch_order",
             "moe_wgmma",
+            "moe_local_route",
             "bulk_upload",
             "file_reads",
             "prefill_split",
@@ -202,6 +207,7 @@ class CudaFeatures:
             rms_after_product="rms_after_product" not in disabled,
             launch_order_edges=programmatic and "launch_order" not in disabled,
             moe_wgmma="moe_wgmma" not in disabled,
+            moe_local_route="moe_local_route" not in disabled,
             bulk_upload="bulk_upload" not in disabled,
             file_reads="file_reads" not in disabled,
             allreduce_ll="allreduce_ll" not in disabled,

@@ -104,7 +104,9 @@ class MoeKernels(Protocol):
         """normed = rmsnorm(x, input_norm); each token's experts and weights from the logits
         normed @ router.T (+ bias), as `Routing` defines, highest score + selection bias first.
         x [N, H] (the residual stream, only read), normed [N, H] of x's dtype, expert_ids
-        [N, top_k] i32, expert_weights [N, top_k] f32."""
+        [N, top_k] i32, expert_weights [N, top_k] f32. normed is written on return; the ids and
+        weights may be written by the `experts` call that follows instead (CUDA routes a lone
+        token inside its expert kernels), so they are the routing once that call has run."""
         ...
 
     def experts(
