@@ -315,20 +315,8 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
             x_hi = *reinterpret_cast<const uint4*>(x_row + k + 8);
         }
         const u32 xs[8] = {x_lo.x, x_lo.y, x_lo.z, x_lo.w, x_hi.x, x_hi.y, x_hi.z, x_hi.w};
-        const u32 a_words[4] = {wa.x, wa.y, wa.z, wa.w};
-        const u32 b_words[4] = {wb.x, wb.y, wb.z, wb.w};
         float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            const u32 a[4] = {e4m3_pair_to_bf16x2(a_words[s] & 0xffffu), e4m3_pair_to_bf16x2(b_words[s] & 0xffffu),
-                              e4m3_pair_to_bf16x2(a_words[s] >> 16), e4m3_pair_to_bf16x2(b_words[s] >> 16)};
-            const u32 b[2] = {xs[2 * s], xs[2 * s + 1]};
-            if constexpr (BLOCK) {
-                mma_bf16_16816(part, a, b);
-            } else {
-                mma_bf16_16816(acc, a, b);
-            }
-        }
+        fp8_mma_chunk(BLOCK ? part : acc, wa, wb, xs);
         if constexpr (BLOCK) {
             const float scale_a = fp8_block_scale(scales, scale_stride, row_a, k);
             const float scale_b = fp8_block_scale(scales, scale_stride, row_b, k);

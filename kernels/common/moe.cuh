@@ -593,17 +593,9 @@ __device__ __forceinline__ void grouped_mma_rows(float* acc, Fp8Rows<BLOCK> rows
         }
 #pragma unroll
         for (int u = 0; u < BATCH; ++u) {
-            const u32 a_words[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w};
-            const u32 b_words[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
             const u32 xs[8] = {x_lo[u].x, x_lo[u].y, x_lo[u].z, x_lo[u].w, x_hi[u].x, x_hi[u].y, x_hi[u].z, x_hi[u].w};
             float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int s = 0; s < 4; ++s) {
-                const u32 a[4] = {e4m3_pair_to_bf16x2(a_words[s] & 0xffffu), e4m3_pair_to_bf16x2(b_words[s] & 0xffffu),
-                                  e4m3_pair_to_bf16x2(a_words[s] >> 16), e4m3_pair_to_bf16x2(b_words[s] >> 16)};
-                const u32 b[2] = {xs[2 * s], xs[2 * s + 1]};
-                mma_bf16_16816(BLOCK ? part : acc, a, b);
-            }
+            fp8_mma_chunk(BLOCK ? part : acc, wa[u], wb[u], xs);
             const int chunk = k0 + u * STEP;  // the same for the warp: its scale reads are uniform
             if (BLOCK && chunk < inner) {
                 const float sa = __ldg(rows.scale_a + (chunk >> 7)), sb = __ldg(rows.scale_b + (chunk >> 7));
