@@ -56,9 +56,9 @@ def _run(harness, host: HostMoe, x: np.ndarray):
     normed = harness.poisoned(x.shape)
     ids, weights = harness.poisoned((num_tokens, top_k), DType.I32), harness.poisoned((num_tokens, top_k), DType.F32)
     backend.moe.route(residual, moe, normed, ids, weights)
-    routed = harness.host(normed)
+    normed_rows = harness.host(normed)
     backend.moe.experts(normed, moe, ids, weights, residual)  # ids and weights hold the routing from here on
-    return routed, harness.host(ids), harness.host(weights), harness.host(residual)
+    return normed_rows, harness.host(ids), harness.host(weights), harness.host(residual)
 
 
 ROUTINGS = [
