@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from cuda_harness import bf16, host, poisoned, rel_l2
+from cuda_harness import assert_moe_replays_eager, bf16, poisoned, rel_l2
 
 from atlas.adapters.mock.backend import MockGpuBackend
 from atlas.ports.gpu import DType
@@ -189,32 +189,9 @@ def test_routing_ids_match_a_reference_of_its_own_normed_rows(cuda_backend, rng)
 def test_experts_replay_from_a_graph_with_new_routing(cuda_backend, rng, num_tokens):
     """route + experts captured once replay for new inputs as eager runs compute them (the grids
     do not depend on which experts were chosen)."""
-    backend = cuda_backend
     routing = Routing(128, 8, renormalize=True)
-    host_moe = _host_moe(rng, 256, 64, routing, shared_inner=64)
-    moe = backend.moe.prepare(host_moe)
-    x_tensor = backend.upload(bf16(rng.standard_normal((num_tokens, 256))), DType.BF16)
-    residual = backend.empty((num_tokens, 256), DType.BF16)
-    normed = backend.empty((num_tokens, 256), DType.BF16)
-    ids = backend.empty((num_tokens, 8), DType.I32)
-    weights = backend.empty((num_tokens, 8), DType.F32)
-
-    def step():
-        backend.gather_rows(x_tensor, row_ids, residual)
-        backend.moe.route(residual, moe, normed, ids, weights)
-        backend.moe.experts(normed, moe, ids, weights, residual)
-
-    row_ids = backend.upload(np.arange(num_tokens, dtype=np.int32))
-    step()  # workspaces grow outside the capture
-    graph = backend.capture(step)
-    for _ in range(2):
-        fresh = bf16(rng.standard_normal((num_tokens, 256)) * 2)
-        backend.copy_from_host(x_tensor, fresh)
-        graph.replay()
-        replayed = host(backend, residual)
-        step()
-        np.testing.assert_array_equal(replayed, host(backend, residual))
-        assert not np.allclose(replayed, fresh, atol=1e-3)
+    moe = cuda_backend.moe.prepare(_host_moe(rng, 256, 64, routing, shared_inner=64))
+    assert_moe_replays_eager(cuda_backend, rng, moe, num_tokens, 256, routing.top_k)
 
 
 def test_prepare_refuses_what_the_kernels_cannot_hold(cuda_backend, rng):
