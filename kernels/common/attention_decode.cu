@@ -54,6 +54,7 @@
 // and out: pure bandwidth. Splits exist so that small batches still cover every SM.
 #include "atlas_common.cuh"
 #include "attention_extras.cuh"
+#include "tma.cuh"
 
 #define DECODE_THREADS 128
 #define DECODE_UNROLL 4
@@ -168,6 +169,7 @@ struct DecodeOutput {
     const bf16* gate;     // EXTRAS: the token's gate heads (gated layers), or null
     const float* sinks;   // EXTRAS: [Hq] sink logits, or null
     CascadeInput cascade = {nullptr, nullptr, nullptr, 0};  // CASCADE: the prefix kernel's pieces
+    bool clustered = false;  // the splits are one cluster that merges through shared memory (merge_cluster)
 };
 
 // Where value (row, d) of the merge buffer [PARTS x HEADS rows][HEAD_DIM] lies. The tensor-core
@@ -278,6 +280,58 @@ __device__ __forceinline__ void merge_staged(float* staged, const DecodeOutput& 
     }
 }
 
+// The split merge of a cluster (sm_90+; the host's `cluster_merge`, 2..8 splits): the splits of
+// a (sequence, head group) are one cluster along blockIdx.z, so block rank z is split z. Each
+// block leaves its normalised output and log2-sum-exp per head in its own shared memory
+// (`mine`: [HEADS] log2-sum-exps, then [HEADS][HEAD_DIM] outputs) instead of global memory;
+// after a cluster barrier block r merges items [r items / S, (r + 1) items / S) of the S blocks'
+// results, read through distributed shared memory, and a second barrier keeps every block's
+// memory alive until the others have read it. Against the last-block merge this takes a fence,
+// the counter's atomic, the reset and two dependent L2 round trips (the log2-sum-exps, then the
+// partials) off the step's chain, and every split's block takes part in the merge. A split the
+// context leaves unused takes part with no token (log2-sum-exp -inf, weight 0).
+#define CLUSTER_MAX_SPLITS 8
+template <int HEAD_DIM, int HEADS, int THREADS, bool EXTRAS>
+__device__ __forceinline__ void merge_cluster(const float* mine, const DecodeOutput& to) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    cluster_sync();  // release / acquire: every block's `mine` is written and visible
+    const int blocks = (int)cluster_blocks(), rank = (int)cluster_rank();
+    const int items = to.num_heads * HEAD_DIM;
+    const int share = (items + blocks - 1) / blocks;
+    const int end = min(items, (rank + 1) * share);
+    u32 remote[CLUSTER_MAX_SPLITS];
+#pragma unroll
+    for (int z = 0; z < CLUSTER_MAX_SPLITS; ++z) remote[z] = cluster_address(mine, min(z, blocks - 1));
+    for (int item = rank * share + threadIdx.x; item < end; item += THREADS) {
+        const int h = item / HEAD_DIM;
+        float lse[CLUSTER_MAX_SPLITS], part[CLUSTER_MAX_SPLITS];
+#pragma unroll
+        for (int z = 0; z < CLUSTER_MAX_SPLITS; ++z) {  // every load issued before the first is used
+            lse[z] = load_cluster_float(remote[z] + 4 * h);
+            part[z] = load_cluster_float(remote[z] + 4 * (HEADS + item));
+        }
+        float best = -ATLAS_INF;
+#pragma unroll
+        for (int z = 0; z < CLUSTER_MAX_SPLITS; ++z) best = z < blocks ? fmaxf(best, lse[z]) : best;
+        float weight[CLUSTER_MAX_SPLITS], total = 0.0f;
+#pragma unroll
+        for (int z = 0; z < CLUSTER_MAX_SPLITS; ++z) {
+            weight[z] = z < blocks && best != -ATLAS_INF ? exp2f(lse[z] - best) : 0.0f;  // no token: 0
+            total += weight[z];
+        }
+        float denominator = total;
+        if constexpr (EXTRAS) denominator += sink_term(to.sinks, to.first_head + h, best);
+        const float inverse = total > 0.0f ? 1.0f / denominator : 0.0f;
+        float value = 0.0f;
+#pragma unroll
+        for (int z = 0; z < CLUSTER_MAX_SPLITS; ++z) value = fmaf(weight[z] * inverse, part[z], value);
+        if (EXTRAS && to.gate != nullptr) value *= sigmoid_of(to.gate[(long long)to.first_head * HEAD_DIM + item]);
+        to.out[to.q_row + (long long)to.first_head * HEAD_DIM + item] = from_float<bf16>(value);
+    }
+    cluster_sync();  // no block leaves while another still reads its memory
+#endif
+}
+
 // The end of a decode block: combine its PARTS partial softmaxes (shared memory, [PARTS][HEADS]
 // maxima and sums in the log2 domain, [PARTS][HEADS][HEAD_DIM] outputs at merge_index), then
 // write `out` (one split) or the block's normalised partial and log2-sum-exp, and let the last split of the (sequence, head group) to finish merge every split
@@ -291,6 +345,8 @@ __device__ __forceinline__ void finish_decode(float* merge_max, const float* mer
                                               const DecodeOutput& to) {
     const bool cascaded = CASCADE && to.cascade.shared_prefix[0] > 0 && to.cascade.shared_prefix[2 + to.seq] != 0;
     const bool whole = to.num_splits == 1;
+    // merge_cluster's [HEADS] log2-sum-exps and [HEADS][HEAD_DIM] outputs, past the merge buffers
+    float* mine = merge_max + PARTS * HEADS * (2 + HEAD_DIM);
     for (int item = threadIdx.x; item < to.num_heads * HEAD_DIM; item += THREADS) {
         const int h = item / HEAD_DIM, d = item % HEAD_DIM;
         float best = -ATLAS_INF;
@@ -315,11 +371,18 @@ __device__ __forceinline__ void finish_decode(float* merge_max, const float* mer
                 if (to.gate != nullptr) normalised *= sigmoid_of(to.gate[(long long)head * HEAD_DIM + d]);
             }
             to.out[to.q_row + (long long)head * HEAD_DIM + d] = from_float<bf16>(normalised);
+        } else if (to.clustered) {
+            mine[HEADS + item] = normalised;
+            if (d == 0) mine[h] = total > 0.0f ? best + log2f(total) : -ATLAS_INF;
         } else {
             const long long slot = ((long long)to.seq * to.num_q_heads + head) * to.num_splits + to.split;
             to.partial_out[slot * HEAD_DIM + d] = normalised;
             if (d == 0) to.partial_lse[slot] = total > 0.0f ? best + log2f(total) : -ATLAS_INF;
         }
+    }
+    if (to.clustered && !whole) {
+        merge_cluster<HEAD_DIM, HEADS, THREADS, EXTRAS>(mine, to);
+        return;
     }
     if (whole || !last_block_done(to.split_counters + (long long)to.seq * gridDim.y + blockIdx.y, to.used_splits))
         return;
@@ -703,7 +766,14 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     const int split_tiles = (num_tiles + used_splits - 1) / used_splits;
     used_splits = (num_tiles + split_tiles - 1) / split_tiles;
     const int split = blockIdx.z;
-    if (split >= used_splits) return;
+    // In a cluster (merge_cluster) every split's block takes part in the merge: an unused one
+    // stays, with no tiles.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const bool clustered = !CASCADE && num_splits > 1 && cluster_blocks() > 1;
+#else
+    constexpr bool clustered = false;
+#endif
+    if (split >= used_splits && !clustered) return;
     const int tile_begin = first_tile + split * split_tiles;
     const int tile_end = min(first_tile + num_tiles, tile_begin + split_tiles);
     // This warp's tiles are tile_begin + warp, + WARPS, ..., taken newest first: when the tiles
@@ -990,7 +1060,7 @@ __device__ __forceinline__ void attention_decode_mma_impl(
     const bf16* gate = EXTRAS && extras.gated ? q + q_row + (long long)num_q_heads * HEAD_DIM : nullptr;
     DecodeOutput out_to{out, partial_out, partial_lse, split_counters, out_row, seq, num_q_heads, first_head,
                         num_heads, split, num_splits, used_splits, v_scale, gate, EXTRAS ? extras.sinks : nullptr,
-                        cascade};
+                        cascade, clustered};
     finish_decode<HEAD_DIM, DECODE_MMA_HEADS, WARPS, WARPS * 32, LAYOUT, EXTRAS, CASCADE>(merge_max, merge_sum,
                                                                                    merge_out, out_to);
 }

@@ -95,6 +95,19 @@ __device__ __forceinline__ u32 cluster_address(const void* local, u32 rank) {
     return remote;
 }
 
+__device__ __forceinline__ float load_cluster_float(u32 address) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(address) : "memory");
+    return v;
+}
+
+// Blocks in this block's cluster (1 for a launch without clusters).
+__device__ __forceinline__ u32 cluster_blocks() {
+    u32 blocks;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(blocks));
+    return blocks;
+}
+
 __device__ __forceinline__ float4 load_cluster_float4(u32 address) {
     float4 v;
     asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"

@@ -624,6 +624,66 @@ def test_attention_extras_against_float64(cuda_backend, rng, heads, context_lens
     assert rel_l2(host(cuda_backend, out), expected) < BF16_TOLERANCE
 
 
+CLUSTER_CASES = [
+    # (heads, context lens, sinks, gated): decodes of 2..8 splits; rows shorter than the longest
+    # leave splits of their cluster without a token
+    (HeadLayout(32, 8, 128), [512], False, False),  # Llama-3.1-8B at batch 1: 4 splits
+    (HeadLayout(32, 4, 128), [512, 100, 1], False, False),  # Qwen3-30B-A3B's heads, unused splits
+    (HeadLayout(16, 2, 256), [500, 33], False, True),  # Qwen3-Next's gated heads: 8 splits
+    (HeadLayout(64, 8, 64), [500, 250], True, False),  # GPT-OSS's sinks: 8 splits
+]
+
+
+@pytest.mark.parametrize("heads, context_lens, with_sinks, gated", CLUSTER_CASES,
+                         ids=["llama_b1", "qwen3_moe_unused_splits", "qwen3_next_gated", "gpt_oss_sinks"])
+def test_decode_splits_merge_in_a_cluster_as_through_global_memory(cuda_backend, rng, heads, context_lens, with_sinks,
+                                                                     gated):
+    """`cluster_merge` on, a head group's splits are one cluster that merges through distributed
+    shared memory; off, the last split to finish merges the partials from global memory. Both
+    give the float64 reference, and each other's result up to the merge's own rounding."""
+    from dataclasses import replace
+
+    from atlas.adapters.cuda import ops_attention
+
+    rt = cuda_backend.runtime
+    if rt.compute_capability[0] < 9:
+        pytest.skip("clusters need sm_90")
+    case = paged_case(rng, heads, context_lens, [1] * len(context_lens))
+    kv = cuda_cache_with(cuda_backend, case)
+    meta = upload_metadata(cuda_backend, case)
+    sinks = (rng.standard_normal(heads.num_q_heads) * 3).astype(np.float32) if with_sinks else None
+    gate = bf16(rng.standard_normal((case.num_tokens, heads.q_size)) * 2) if gated else None
+    q = cuda_backend.upload(case.query if gate is None else np.concatenate([case.query, gate], axis=1), DType.BF16)
+    extras = None
+    if with_sinks or gated:
+        extras = ops_attention.AttentionExtras(None if sinks is None else cuda_backend.upload(sinks, DType.F32),
+                                               None, gated)
+    scale = heads.head_dim**-0.5
+    saved, launch = rt.features, rt.launch
+    results, clusters = {}, {}
+    try:
+        for on in (True, False):
+            rt.features = replace(saved, cluster_merge=on)
+            shapes = clusters[on] = []
+
+            def recording_launch(module, symbol, *args, cluster=1, **kwargs):
+                if symbol.startswith("attention_decode"):
+                    shapes.append(cluster)
+                launch(module, symbol, *args, cluster=cluster, **kwargs)
+
+            rt.launch = recording_launch
+            out = poisoned(cuda_backend, (case.num_tokens, heads.q_size), DType.BF16)
+            ops_attention.attention(rt, q, kv, 0, meta, heads, scale, out, None, extras)
+            results[on] = host(cuda_backend, out)
+    finally:
+        rt.features, rt.launch = saved, launch
+    assert len(clusters[True]) == 1 and 1 < clusters[True][0][2] <= 8, clusters
+    assert clusters[False] == [(1, 1, 1)]
+    expected = _reference_with_extras(case, scale, None, sinks, None, gate)
+    assert rel_l2(results[True], expected) < BF16_TOLERANCE
+    assert rel_l2(results[True], results[False]) < 1e-3
+
+
 def test_a_lone_sequences_chunk_launches_no_decode_kernel(cuda_backend, rng):
     """One sequence of several query tokens (a request's prefill step) runs the prefill kernel
     alone; with a decode row beside it the decode kernel runs too. Both match the reference."""

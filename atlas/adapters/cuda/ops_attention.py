@@ -47,6 +47,8 @@ DECODE_MMA_SHAPES_FP8 = {64: ((4, 6),), 128: ((4, 3), (4, 6), (8, 4)), 256: ((4,
 KV_DTYPES = (DType.BF16, DType.FP8_E4M3)
 _ROPE_WARPS = 4  # heads per block of rope_and_cache (a warp each)
 _MAX_SPLITS = 128
+_DECODE_MMA_HEADS = 8  # attention_decode.cu DECODE_MMA_HEADS: query heads a tensor-core decode block serves
+_CLUSTER_MAX_SPLITS = 8  # attention_decode.cu CLUSTER_MAX_SPLITS (the portable cluster size)
 # A decode split reads at least this many context tokens: shorter ones spend more on their
 # prologue and on the merge (in the last split's block) than the parallelism gains. By kernel:
 # the tensor-core one gets through a split's tokens faster, so shorter splits pay there.
@@ -518,8 +520,21 @@ def decode_heads_per_block(group: int, num_seqs: int, num_kv_heads: int, num_sms
 
 def decode_mma_shared_bytes(head_dim: int, warps: int, stages: int, kv_bytes: int = 2) -> int:
     """Shared memory of attention_decode_mma_*: each warp's ring of K and V tiles (16 rows of
-    `kv_bytes`-byte elements)."""
-    return warps * stages * 2 * 16 * head_dim * kv_bytes
+    `kv_bytes`-byte elements), which the block's merge reuses once the tiles are done: each
+    warp's maxima, sums and outputs for 8 heads, then `merge_cluster`'s log2-sum-exps and
+    outputs (f32)."""
+    ring = warps * stages * 2 * 16 * head_dim * kv_bytes
+    merge = 4 * (warps * _DECODE_MMA_HEADS * (2 + head_dim) + _DECODE_MMA_HEADS * (1 + head_dim))
+    return max(ring, merge)
+
+
+def decode_cluster(rt: CudaRuntime, splits: int, cascade: bool) -> tuple[int, int, int]:
+    """The cluster shape of a tensor-core decode launch of `splits` splits: (1, 1, splits) where
+    the splits merge through distributed shared memory (`cluster_merge`, 2..8 splits, no
+    cascade; attention_decode.cu `merge_cluster`), else (1, 1, 1)."""
+    if rt.features.cluster_merge and not cascade and 1 < splits <= _CLUSTER_MAX_SPLITS:
+        return (1, 1, splits)
+    return (1, 1, 1)
 
 
 def _decode(
@@ -583,6 +598,7 @@ def _decode(
         cascade = _cascade_prefix(rt, q, planes, common, meta, heads, block_size, scale_log2, kv_fp8,
                                   extra_arguments)
         symbol += "_cascade"
+    cluster = decode_cluster(rt, splits, bool(cascade)) if mma else (1, 1, 1)
     rt.launch(
         "attention_decode",
         symbol,
@@ -610,6 +626,7 @@ def _decode(
         *(extra_arguments or ()),
         *cascade,
         shared_bytes=shared_bytes,
+        cluster=cluster,
     )
 
 

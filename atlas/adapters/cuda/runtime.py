@@ -58,7 +58,7 @@ class CudaFeatures:
     of `pdl`, `wgmma`, `gemm_tuning`, `gemv_fused`, `gemv_rope`, `mma_decode`, `rms_after_product`,
     `launch_order`, `moe_wgmma`, `moe_local_route`, `bulk_upload`, `file_reads`, `prefill_split`, `allreduce_ll`,
     `gemv_narrow`, `hbm_tuning`, `fp8_gemv_norm`, `fp8_fast_accum`, `cascade_attention`,
-    `piecewise_graphs`) turns some off, for debugging and A/B timings.
+    `piecewise_graphs`, `cluster_merge`) turns some off, for debugging and A/B timings.
 
     programmatic_launch: kernels launch with programmatic stream serialization (sm_90+), so a
         kernel's launch overlaps the previous one's tail (every kernel waits in its entry,
@@ -93,6 +93,11 @@ class CudaFeatures:
     gemv_rope: a one-token attention `project` on rows up to 2048 wide is one GEMV that also
         rotates q and k and writes the cache (needs gemv_fused too).
     mma_decode: decode attention on tensor cores (mma.sync; the SIMT kernel without it).
+    cluster_merge: a tensor-core decode attention of 2..8 splits (sm_90+) runs each sequence's
+        splits of a head group as one cluster that merges them through distributed shared
+        memory (a cluster barrier), instead of partials in global memory that the last split to
+        finish merges after a fence and a counter (attention_decode.cu `merge_cluster`); not for
+        cascaded layers.
     cascade_attention: decode rows that share a prefix (`AttentionMetadata.shared_prefix`) read
         it once for all of them (attention_cascade_* then the decode kernel's `_cascade` twin,
         attention_decode.cu; bf16 or FP8 caches, the `_x` extras too) for layers without a window; needs
@@ -158,6 +163,7 @@ class CudaFeatures:
     fp8_gemv_norm: bool = True
     fp8_fast_accum: bool = True
     cascade_attention: bool = True
+    cluster_merge: bool = True
     piecewise_graphs: bool = True
     whole_prompts: bool = True
     batch_invariant: bool = False
@@ -187,6 +193,7 @@ class CudaFeatures:
             "fp8_gemv_norm",
             "fp8_fast_accum",
             "cascade_attention",
+            "cluster_merge",
             "piecewise_graphs",
             "whole_prompts",
         )
@@ -215,6 +222,7 @@ class CudaFeatures:
             fp8_gemv_norm="fp8_gemv_norm" not in disabled,
             fp8_fast_accum="fp8_fast_accum" not in disabled,
             cascade_attention="cascade_attention" not in disabled,
+            cluster_merge=hopper_or_later and "cluster_merge" not in disabled,
             piecewise_graphs="piecewise_graphs" not in disabled,
             whole_prompts="whole_prompts" not in disabled,
         )
@@ -433,10 +441,11 @@ class CudaRuntime:
         block: int,
         *args: object,
         shared_bytes: int = 0,
-        cluster: int = 1,
+        cluster: int | tuple[int, int, int] = 1,
     ) -> None:
         """Enqueue `symbol` of `module` on the stream (with programmatic stream serialization
-        when `features.programmatic_launch` is on), in clusters of `cluster` blocks along x."""
+        when `features.programmatic_launch` is on), in clusters of `cluster` blocks along x (or
+        of the (x, y, z) shape `cluster` gives)."""
         self.ensure_current()
         if self.staging.queued:
             self.staging.flush()
@@ -444,7 +453,7 @@ class CudaRuntime:
         if shared_bytes > 48 * 1024:
             self._raise_shared_limit(module, symbol, kernel, shared_bytes)
         programmatic = self.features.programmatic_launch
-        if cluster > 1 or any(isinstance(arg, TensorMap) for arg in args):
+        if cluster != 1 or any(isinstance(arg, TensorMap) for arg in args):
             config = self._driver_config(grid, block, shared_bytes, cluster)
             pointers, _kept = parameter_array(args)  # `_kept` holds what `pointers` points to
             function = self._function(module, symbol, kernel)
@@ -462,7 +471,9 @@ class CudaRuntime:
             self._configs[key] = config
         launch(self._stream, config, kernel, *args)
 
-    def _driver_config(self, grid: tuple[int, ...], block: int, shared_bytes: int, cluster: int) -> cu.CUlaunchConfig:
+    def _driver_config(
+        self, grid: tuple[int, ...], block: int, shared_bytes: int, cluster: int | tuple[int, int, int]
+    ) -> cu.CUlaunchConfig:
         """cuLaunchKernelEx's config for launches cuda.core cannot make (tensor maps by value,
         tma.py) or that need the driver's own call (the cluster query): the same attributes."""
         config = cu.CUlaunchConfig()
@@ -477,10 +488,11 @@ class CudaRuntime:
             attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attribute.value.programmaticStreamSerializationAllowed = 1
             attributes.append(attribute)
-        if cluster > 1:
+        shape = (cluster, 1, 1) if isinstance(cluster, int) else cluster
+        if shape != (1, 1, 1):
             attribute = cu.CUlaunchAttribute()
             attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = cluster, 1, 1
+            attribute.value.clusterDim.x, attribute.value.clusterDim.y, attribute.value.clusterDim.z = shape
             attributes.append(attribute)
         config.attrs = attributes
         config.numAttrs = len(attributes)
