@@ -12,7 +12,8 @@ With `--quantization fp8` a `--random` config is written as a per-channel FP8 ch
 (experts included: the MoE step then runs the `_fp8` expert kernels).
 
 TIMELINE_PATCH='{"atlas.adapters.cuda.ops_attention:MIN_TOKENS_PER_SPLIT": {"mma": 128, "simt": 128}}'
-sets module attributes first, for an A/B of a tuning constant without editing it.
+sets module attributes first, for an A/B of a tuning constant without editing it (keys that are
+numbers become ints and lists tuples, as the tables are written).
 TIMELINE_SEQUENCE=FIRST:COUNT also lists COUNT kernels of the last replayed step from its FIRST
 kernel on, each with its start and end (us from the first one's start): where a layer's kernels
 wait for each other.
@@ -82,9 +83,20 @@ def _sequence(kernels: list[dict], steps: int, spec: str) -> None:
         print(f"  {kernel['name'][:60]:<60}{start:>9.2f}{start + kernel['dur']:>9.2f}{kernel['dur']:>8.2f}")
 
 
+def _patch_value(value):
+    """JSON's form of a tuning table as the modules write it: keys that are numbers become ints
+    (`DECODE_MMA_SHAPES` is keyed by head dim), lists become tuples."""
+    if isinstance(value, dict):
+        return {int(key) if key.lstrip("-").isdigit() else key: _patch_value(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return tuple(_patch_value(item) for item in value)
+    return value
+
+
 def _patch() -> None:
     for target, value in json.loads(os.environ.get("TIMELINE_PATCH", "{}")).items():
         module, name = target.split(":")
+        value = _patch_value(value)
         setattr(importlib.import_module(module), name, value)
         print(f"patched {target} = {value!r}", file=sys.stderr)
 
