@@ -453,7 +453,8 @@ class CudaRuntime:
         if shared_bytes > 48 * 1024:
             self._raise_shared_limit(module, symbol, kernel, shared_bytes)
         programmatic = self.features.programmatic_launch
-        if cluster != 1 or any(isinstance(arg, TensorMap) for arg in args):
+        clustered = cluster != 1 and cluster != (1, 1, 1)
+        if clustered or any(isinstance(arg, TensorMap) for arg in args):
             config = self._driver_config(grid, block, shared_bytes, cluster)
             pointers, _kept = parameter_array(args)  # `_kept` holds what `pointers` points to
             function = self._function(module, symbol, kernel)
