@@ -210,6 +210,13 @@ def _check_linear(x: CudaTensor, weight: CudaTensor, out: CudaTensor, bias: Cuda
 _NARROW_MAX_INNER = _GEMV_WARPS * 32 * 8 * 4 // 2
 
 
+# The largest grid of 2-warp blocks `_narrow_warps` takes, in waves of 8 blocks an SM. A module
+# constant so that `timeline_bench.py`'s TIMELINE_PATCH can race a wider bound without an edit
+# (Qwen3-30B-A3B's qkv, 1,280 blocks, is 1.21 waves of 2-warp blocks against 2.4 of 4-warp ones;
+# not measured yet).
+NARROW_MAX_WAVES = 1.0
+
+
 def _narrow_warps(rows: int, inner: int, blocks: int, num_sms: int) -> bool:
     """Whether a one-token SIMT GEMV of `rows` rows a block takes its 2-warp form
     (`gemv_*_r4_w2_t1`, gemv.cu's gemv_impl): K over 1024 and up to 2048, where 4 warps leave
@@ -217,7 +224,7 @@ def _narrow_warps(rows: int, inner: int, blocks: int, num_sms: int) -> bool:
     4 warps fit an SM at their ~127 registers a thread, 8 of 2 warps). On an H200 the 8B's
     o_proj at TP=2 (1,024 blocks) went from 7.4 to 3.3 us of wall time a layer; grids of many
     waves (Qwen3-30B-A3B's lm_head) gain nothing, so they keep 4 warps."""
-    fits_once = 4 * num_sms < blocks <= 8 * num_sms
+    fits_once = 4 * num_sms < blocks <= NARROW_MAX_WAVES * 8 * num_sms
     return rows == 4 and 1024 < inner <= _NARROW_MAX_INNER and fits_once
 
 
