@@ -228,6 +228,11 @@ class CudaFeatures:
         )
 
 
+def _cluster_shape(cluster: int | tuple[int, int, int]) -> tuple[int, int, int]:
+    """`launch`'s cluster argument as (x, y, z): an int is that many blocks along x."""
+    return (cluster, 1, 1) if isinstance(cluster, int) else cluster
+
+
 def _launch_config_has_pdl() -> bool:
     try:
         LaunchConfig(grid=1, block=1, programmatic_stream_serialization=True)
@@ -453,8 +458,7 @@ class CudaRuntime:
         if shared_bytes > 48 * 1024:
             self._raise_shared_limit(module, symbol, kernel, shared_bytes)
         programmatic = self.features.programmatic_launch
-        clustered = cluster != 1 and cluster != (1, 1, 1)
-        if clustered or any(isinstance(arg, TensorMap) for arg in args):
+        if _cluster_shape(cluster) != (1, 1, 1) or any(isinstance(arg, TensorMap) for arg in args):
             config = self._driver_config(grid, block, shared_bytes, cluster)
             pointers, _kept = parameter_array(args)  # `_kept` holds what `pointers` points to
             function = self._function(module, symbol, kernel)
@@ -489,7 +493,7 @@ class CudaRuntime:
             attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attribute.value.programmaticStreamSerializationAllowed = 1
             attributes.append(attribute)
-        shape = (cluster, 1, 1) if isinstance(cluster, int) else cluster
+        shape = _cluster_shape(cluster)
         if shape != (1, 1, 1):
             attribute = cu.CUlaunchAttribute()
             attribute.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
