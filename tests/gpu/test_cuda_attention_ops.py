@@ -135,6 +135,8 @@ def test_qkv_rope_cache_one_token(
     (slot -1) writes q only."""
     from dataclasses import replace
 
+    from atlas.adapters.cuda.ops_dense import FOLD_NORM_MIN_WIDTH
+
     case = paged_case(rng, heads, context_lens=[77], query_lens=[1])
     if padding:
         case = replace(case, slot_mapping=np.full(1, -1, np.int32))
@@ -156,7 +158,7 @@ def test_qkv_rope_cache_one_token(
             c_norm, c_weight = cuda_backend.upload(norm, norm_dtype), cuda_backend.upload(weight, DType.BF16)
             if cuda_backend.fold_rmsnorm(c_norm, c_weight):
                 c_norm = None
-            assert (c_norm is None) == (hidden > 2048)
+            assert (c_norm is None) == (hidden >= FOLD_NORM_MIN_WIDTH)
             cuda_backend.qkv_rope_cache(
                 cuda_backend.upload(x, DType.BF16),
                 c_norm,

@@ -107,8 +107,11 @@ class CudaAttention:
         fold: bool = True,
     ) -> CudaAttentionLayer:
         """A layer over bf16 weights already on the device (`prepare`'s second half), the input
-        norm folded into qkv where `fold_rmsnorm` takes it unless `fold` is False."""
-        folded = fold and isinstance(qkv, CudaTensor) and self._linear.fold_rmsnorm(norm, qkv)
+        norm folded into qkv where `fold_rmsnorm` takes it unless `fold` is False or the qkv GEMV
+        takes the RoPE epilogue (`LinearOp.rope_epilogue`: it needs the norm unfolded)."""
+        epilogue = (q_norm is None and k_norm is None and not spec.gated_output and spec.rope_table is not None
+                    and isinstance(qkv, CudaTensor) and self._linear.rope_epilogue(qkv.shape[1]))
+        folded = fold and not epilogue and isinstance(qkv, CudaTensor) and self._linear.fold_rmsnorm(norm, qkv)
         return CudaAttentionLayer(spec, qkv, bias, None if folded else norm, eps, q_norm, k_norm, spec.rope_table)
 
     def project(

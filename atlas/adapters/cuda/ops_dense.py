@@ -26,12 +26,19 @@ _FLOAT_TYPES = (DType.BF16, DType.F32)
 GEMV_MAX_TOKENS = 8
 SKINNY_MAX_TOKENS = 64
 # The GEMV takes the RMSNorm of its input rows itself (every block re-reading them) up to this
-# width; wider rows have the norm weight folded into the projection (`fold_rmsnorm`), and the
-# GEMV (one row, or 2..8 on the tensor cores) scales its sums by each row's inverse RMS after the
-# product. Measured on an H200 at one token row: SmolLM2-135M (576) 16 us faster per step with the
-# norm inside, Llama-3.1-8B (4096) 770 us slower (each of ~9000 blocks per layer spends an L2 round
-# trip and a block reduction first), where folding is 80 us faster than the norm kernel.
+# width where the norm is not folded (below FOLD_NORM_MIN_WIDTH, or a qkv with the RoPE
+# epilogue); wider rows go through the wide tensor-core GEMV shapes at 2..8 token rows. Measured
+# on an H200 at one token row: SmolLM2-135M (576) 16 us faster per step with the norm inside than
+# with the norm kernel, Llama-3.1-8B (4096) 770 us slower (each of ~9000 blocks per layer spends an
+# L2 round trip and a block reduction first).
 NORM_IN_GEMV_MAX_WIDTH = 2048
+# Rows at least this wide have the norm weight folded into the projection (`fold_rmsnorm`), and
+# the GEMV (one row, or 2..8 on the tensor cores) scales its sums by each row's inverse RMS after
+# the product, which it sums beside them: no block reads x twice. On an H200 at one token row:
+# Llama-3.1-8B (4096) 80 us a step faster than the norm kernel; at 2048 (a TIMELINE_PATCH of the
+# width bound, one call) Qwen3-30B-A3B 2,583 -> 2,479-2,489 us a step (its qkv 7.9 -> 6.0 us of
+# wall a layer against the norm inside) and Qwen3-Next-36l 2,502 -> 2,436 (docs/lab/cuda-runs.md).
+FOLD_NORM_MIN_WIDTH = 2048
 # Rows wider than NORM_IN_GEMV_MAX_WIDTH (big models: their norms are folded) take the tensor-core
 # GEMV for 2..GEMV_MAX_TOKENS token rows only on devices with less peak bandwidth per SM than
 # this; past it cuBLASLt's kernels read the weights faster. Llama-3.1-8B, k = 4 verify step
@@ -342,8 +349,8 @@ class LinearOp:
 
     def fold_rmsnorm(self, norm_weight: CudaTensor, weight: CudaTensor) -> bool:
         """Scale the weight's columns by the norm weight in place where that removes the norm
-        kernel from a decode step: rows wider than NORM_IN_GEMV_MAX_WIDTH (narrower ones are
-        normalised inside the GEMV already), bf16, a width of whole 16-byte loads. The folded
+        from every block's start in a decode step: rows of at least FOLD_NORM_MIN_WIDTH (narrower
+        ones are normalised inside the GEMV), bf16, a width of whole 16-byte loads. The folded
         GEMV then sums x^2 from the chunks it multiplies and scales its row sums at the end. On
         an H200, Llama-3.1-8B batch 1: see docs/cuda-notes.md run 7."""
         checks.rank(weight, "weight", 2)
@@ -353,7 +360,7 @@ class LinearOp:
         rt = self._rt
         if not rt.features.gemv_fused or weight.dtype is not DType.BF16:
             return False
-        if width <= NORM_IN_GEMV_MAX_WIDTH or width % 8:
+        if width < FOLD_NORM_MIN_WIDTH or width % 8:
             return False
         rt.forbid_in_capture("fold_rmsnorm")
         if width not in self._unit_norms:
@@ -499,10 +506,9 @@ class LinearOp:
         was with the norm folded into the weight (no norm weight: 4208 against 4062 us)."""
         heads = rope.heads
         features = heads.q_size + 2 * heads.kv_size
-        flags = self._rt.features
-        if not (flags.gemv_fused and flags.gemv_rope) or flags.batch_invariant or norm_weight is None:
+        if norm_weight is None or not self.rope_epilogue(x.shape[1]):
             return False
-        if x.shape[0] != 1 or x.shape[1] % 8 or x.shape[1] > NORM_IN_GEMV_MAX_WIDTH or weight.shape[0] != features:
+        if x.shape[0] != 1 or weight.shape[0] != features:
             return False
         checks.dtype(x, "x", (DType.BF16,))
         checks.dtype(weight, "weight", (DType.BF16,))
@@ -534,6 +540,14 @@ class LinearOp:
             np.int32(rope.block_size),
         )
         return True
+
+    def rope_epilogue(self, width: int) -> bool:
+        """Whether a one-token qkv projection of rows `width` wide takes the RoPE and cache write
+        in its GEMV (`rmsnorm_linear_rope`), given its norm weight unfolded: the epilogue takes
+        unscaled sums, so a layer keeps such a norm out of its weight (`CudaAttention.layer`)."""
+        flags = self._rt.features
+        return (flags.gemv_fused and flags.gemv_rope and not flags.batch_invariant
+                and width % 8 == 0 and width <= NORM_IN_GEMV_MAX_WIDTH)
 
     def _folded_gemv(
         self,
