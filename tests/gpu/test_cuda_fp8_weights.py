@@ -3,7 +3,10 @@ what the mock computes with), through the dense kind's members; outputs poisoned
 
 - Up to 8 token rows the GEMVs read the E4M3 bytes and their scales (per channel, or 128 x 128
   blocks) and keep x in bf16: within bf16 rounding of the product (BF16_TOLERANCE), the bf16
-  GEMVs' own bound. One row runs the SIMT kernel, 2..8 the tensor-core one (K % 64 == 0).
+  GEMVs' own bound. One row runs the SIMT kernel (`fp8_w8a8` off), 2..8 the tensor-core one
+  (K % 64 == 0).
+- One row with `fp8_w8a8` (the default where K % 128 == 0): x rounded to E4M3 per 1 x 128 group,
+  then the FP8 tensor cores: bounded as the GEMM path below, against x rounded per group.
 - Past 8 rows x is rounded to E4M3 (per token; per 1 x 128 group for block weights) for
   cuBLASLt's FP8 tensor cores: within bf16 rounding of the same product with x rounded so in
   numpy, and within FP8_ACTIVATION_TOLERANCE of the unrounded one. That bound is E4M3's: 3
@@ -14,6 +17,8 @@ what the mock computes with), through the dense kind's members; outputs poisoned
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import ml_dtypes
 import numpy as np
@@ -69,10 +74,12 @@ def round_e4m3(values: np.ndarray, group: int | None) -> np.ndarray:
     return out
 
 
-def reference(x: np.ndarray, host: HostProjection, quantize_x: bool = False) -> np.ndarray:
+def reference(x: np.ndarray, host: HostProjection, quantize_x: bool = False, x_group: int | None = None) -> np.ndarray:
+    """The float64 product; with `quantize_x`, x rounded per `x_group` columns (None: per token
+    for channel scales, per 128 for block scales, as the GEMM path rounds it)."""
     values = rmsnorm(x.astype(np.float64), host.input_norm)
     if quantize_x:
-        values = round_e4m3(values, 128 if host.linear.block_shape else None)
+        values = round_e4m3(values, x_group or (128 if host.linear.block_shape else None))
     product = values @ host.linear.values().astype(np.float64).T
     if host.linear.bias is not None:
         product = product + host.linear.bias.astype(np.float64)
@@ -88,9 +95,10 @@ FORMS = ["plain", "f32_bias", "gated", "add"]
 
 def run_form(
     cuda_backend, rng, form: str, num_tokens: int, rows: int, inner: int, block: bool, norm: bool,
-    norm_type: DType = DType.BF16,
+    norm_type: DType = DType.BF16, x_group: int | None = None,
 ):
-    """(CUDA output, the float64 reference without and with x rounded to E4M3) of one form."""
+    """(CUDA output, the float64 reference without and with x rounded to E4M3, per `x_group`
+    columns where given) of one form."""
     dense = cuda_backend.dense
     norm_weight = RmsNorm(bf16(1 + 0.3 * rng.standard_normal(inner)), EPS) if norm else None
     gated = form == "gated"
@@ -112,7 +120,7 @@ def run_form(
         out = poisoned(cuda_backend, (num_tokens, rows), DType.F32 if form == "f32_bias" else DType.BF16)
         dense.project(x_tensor, prepared, out)
         got = host(cuda_backend, out)
-    return got, reference(x, host_projection), reference(x, host_projection, quantize_x=True)
+    return got, reference(x, host_projection), reference(x, host_projection, quantize_x=True, x_group=x_group)
 
 
 # (tokens, output rows, inner): one row (SIMT: 4, 2 and 1 rows a block; a partial 128-row tile and
@@ -120,19 +128,45 @@ def run_form(
 DECODE_SHAPES = [(1, 4096, 4096), (1, 1000, 4096), (1, 200, 320), (2, 1536, 4096), (5, 1000, 4096), (8, 1024, 14336)]
 
 
+@pytest.fixture
+def bf16_x(cuda_backend):
+    """The decode GEMVs over bf16 x: `fp8_w8a8` off for the test."""
+    runtime = cuda_backend.runtime
+    saved = runtime.features
+    runtime.features = replace(saved, fp8_w8a8=False)
+    yield
+    runtime.features = saved
+
+
 @pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("num_tokens, rows, inner", DECODE_SHAPES)
-def test_the_decode_gemvs_read_e4m3_weights_exactly(cuda_backend, rng, num_tokens, rows, inner, form, block):
+def test_the_decode_gemvs_read_e4m3_weights_exactly(cuda_backend, bf16_x, rng, num_tokens, rows, inner, form, block):
     got, exact, _ = run_form(cuda_backend, rng, form, num_tokens, rows, inner, block, norm=form != "add")
     assert rel_l2(got, exact) < BF16_TOLERANCE, (form, num_tokens, rows, inner)
 
 
 @pytest.mark.parametrize("form", ["plain", "gated"])
-def test_the_one_row_gemv_takes_an_f32_norm_weight_too(cuda_backend, rng, form):
+def test_the_one_row_gemv_takes_an_f32_norm_weight_too(cuda_backend, bf16_x, rng, form):
     """One row normalises x inside the GEMV; its `_f32` norm-weight forms (block scales here)."""
     got, exact, _ = run_form(cuda_backend, rng, form, 1, 1000, 4096, True, norm=True, norm_type=DType.F32)
     assert rel_l2(got, exact) < BF16_TOLERANCE, form
+
+
+@pytest.mark.parametrize("norm_type", [DType.BF16, DType.F32], ids=["bf16-norm", "f32-norm"])
+@pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("rows, inner", [(4096, 4096), (1000, 4096), (200, 2048), (1024, 14336), (24, 16384)])
+def test_the_w8a8_gemv_rounds_x_per_group_and_nothing_else(cuda_backend, rng, rows, inner, form, block, norm_type):
+    """One row with `fp8_w8a8`: x (normalised inside where a norm applies) rounded to E4M3 per
+    1 x 128 group, then the exact product with the weights' scales; 1000 and 200 rows end in a
+    partial 16-row tile, 24 rows leave most of a block's warps over K = 16384 idle."""
+    if not cuda_backend.runtime.features.fp8_w8a8:
+        pytest.skip("fp8_w8a8 is off")
+    got, exact, rounded = run_form(cuda_backend, rng, form, 1, rows, inner, block, norm=form != "add",
+                                   norm_type=norm_type, x_group=128)
+    assert rel_l2(got, rounded) < BF16_TOLERANCE, (form, rows, inner)
+    assert rel_l2(got, exact) < FP8_ACTIVATION_TOLERANCE, (form, rows, inner)
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
