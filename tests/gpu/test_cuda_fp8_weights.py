@@ -5,8 +5,9 @@ what the mock computes with), through the dense kind's members; outputs poisoned
   blocks) and keep x in bf16: within bf16 rounding of the product (BF16_TOLERANCE), the bf16
   GEMVs' own bound. One row runs the SIMT kernel (`fp8_w8a8` off), 2..8 the tensor-core one
   (K % 64 == 0).
-- One row with `fp8_w8a8` (the default where K % 128 == 0): x rounded to E4M3 per 1 x 128 group,
-  then the FP8 tensor cores: bounded as the GEMM path below, against x rounded per group.
+- One row with `fp8_w8a8` (K % 128 == 0; off by default, on for its test): x rounded to E4M3 per
+  1 x 128 group, then the FP8 tensor cores: bounded as the GEMM path below, against x rounded
+  per group.
 - Past 8 rows x is rounded to E4M3 (per token; per 1 x 128 group for block weights) for
   cuBLASLt's FP8 tensor cores: within bf16 rounding of the same product with x rounded so in
   numpy, and within FP8_ACTIVATION_TOLERANCE of the unrounded one. That bound is E4M3's: 3
@@ -128,14 +129,25 @@ def run_form(
 DECODE_SHAPES = [(1, 4096, 4096), (1, 1000, 4096), (1, 200, 320), (2, 1536, 4096), (5, 1000, 4096), (8, 1024, 14336)]
 
 
-@pytest.fixture
-def bf16_x(cuda_backend):
-    """The decode GEMVs over bf16 x: `fp8_w8a8` off for the test."""
+def _with_w8a8(cuda_backend, on: bool):
+    """The one-row W8A8 GEMV (`fp8_w8a8`) on or off while the test runs."""
     runtime = cuda_backend.runtime
     saved = runtime.features
-    runtime.features = replace(saved, fp8_w8a8=False)
+    runtime.features = replace(saved, fp8_w8a8=on)
     yield
     runtime.features = saved
+
+
+@pytest.fixture
+def bf16_x(cuda_backend):
+    """One row over bf16 x (the SIMT GEMV)."""
+    yield from _with_w8a8(cuda_backend, False)
+
+
+@pytest.fixture
+def e4m3_x(cuda_backend):
+    """One row with x rounded to E4M3 (the W8A8 GEMV)."""
+    yield from _with_w8a8(cuda_backend, True)
 
 
 @pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
@@ -157,12 +169,11 @@ def test_the_one_row_gemv_takes_an_f32_norm_weight_too(cuda_backend, bf16_x, rng
 @pytest.mark.parametrize("block", [False, True], ids=["channel", "block"])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("rows, inner", [(4096, 4096), (1000, 4096), (200, 2048), (1024, 14336), (24, 16384)])
-def test_the_w8a8_gemv_rounds_x_per_group_and_nothing_else(cuda_backend, rng, rows, inner, form, block, norm_type):
+def test_the_w8a8_gemv_rounds_x_per_group_and_nothing_else(cuda_backend, e4m3_x, rng, rows, inner, form, block,
+                                                           norm_type):
     """One row with `fp8_w8a8`: x (normalised inside where a norm applies) rounded to E4M3 per
     1 x 128 group, then the exact product with the weights' scales; 1000 and 200 rows end in a
     partial 16-row tile, 24 rows leave most of a block's warps over K = 16384 idle."""
-    if not cuda_backend.runtime.features.fp8_w8a8:
-        pytest.skip("fp8_w8a8 is off")
     got, exact, rounded = run_form(cuda_backend, rng, form, 1, rows, inner, block, norm=form != "add",
                                    norm_type=norm_type, x_group=128)
     assert rel_l2(got, rounded) < BF16_TOLERANCE, (form, rows, inner)
