@@ -129,6 +129,19 @@ __device__ __forceinline__ void fp8_store(OUT* slot, float total, float up) {
     }
 }
 
+// Feature `feature`'s row sums (gated: its gate row's and its up row's) into `slot`: times the
+// channel scales (the block scales are in the sums already), plus the bias, through the epilogue.
+template <typename EPI, bool BLOCK, typename OUT>
+__device__ __forceinline__ void fp8_finish(OUT* slot, const float* scales, const bf16* bias, int num_rows, int feature,
+                                           float total, float up) {
+    if constexpr (!BLOCK) {
+        total *= __ldg(scales + feature);
+        if constexpr (EPI::gated) up *= __ldg(scales + num_rows + feature);
+    }
+    if (!EPI::gated && bias != nullptr) total += to_float(bias[feature]);
+    fp8_store<EPI>(slot, total, up);
+}
+
 // Weight row of the block's r-th row: features first .. first + FEATURES - 1, then (gated) their
 // up rows at num_features + f. Rows past the end re-read the last valid one (never stored).
 template <typename EPI, int FEATURES>
@@ -290,12 +303,7 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const 
                 total *= inverse_rms;
                 up *= inverse_rms;
             }
-            if constexpr (!BLOCK) {
-                total *= __ldg(scales + feature);
-                if constexpr (EPI::gated) up *= __ldg(scales + num_rows + feature);
-            }
-            if (!EPI::gated && bias != nullptr) total += to_float(bias[feature]);
-            fp8_store<EPI>(out + feature, total, up);
+            fp8_finish<EPI, BLOCK>(out + feature, scales, bias, num_rows, feature, total, up);
         }
     }
 #else
@@ -400,12 +408,8 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
 #pragma unroll
                 for (int j = 0; j < FP8_MMA_WARPS; ++j) up += partial[j][f + 8][n];
             }
-            if constexpr (!BLOCK) {
-                total *= __ldg(scales + feature);
-                if constexpr (EPI::gated) up *= __ldg(scales + num_rows + feature);
-            }
-            if (!EPI::gated && bias != nullptr) total += to_float(bias[feature]);
-            fp8_store<EPI>(out + (long long)n * num_rows + feature, total, up);
+            fp8_finish<EPI, BLOCK>(out + (long long)n * num_rows + feature, scales, bias, num_rows, feature, total,
+                                   up);
         }
     }
 #else
@@ -568,12 +572,7 @@ __device__ __forceinline__ void gemv_fp8_q_impl(const bf16* __restrict__ x, cons
             }
             total *= inverse_rms;
             up *= inverse_rms;
-            if constexpr (!BLOCK) {
-                total *= __ldg(scales + feature);
-                if constexpr (EPI::gated) up *= __ldg(scales + num_rows + feature);
-            }
-            if (!EPI::gated && bias != nullptr) total += to_float(bias[feature]);
-            fp8_store<EPI>(out + feature, total, up);
+            fp8_finish<EPI, BLOCK>(out + feature, scales, bias, num_rows, feature, total, up);
         }
     }
 #else
