@@ -39,7 +39,7 @@ def _reference(x, host: HostProjection):
 
 
 # (tokens, output rows, inner): one token and a few (decode GEMVs), past them, odd widths, and
-# rows wider than 2048 (CUDA folds the norm weight into the matrix there).
+# rows of 2048 and wider (CUDA folds the norm weight into the matrix there: ops_dense.FOLD_NORM_MIN_WIDTH).
 SHAPES = [(1, 576, 576), (1, 1536, 4096), (3, 96, 264), (8, 1000, 4096), (16, 576, 1536), (37, 256, 2560)]
 
 
