@@ -13,18 +13,25 @@
 // Bytes: M K (the weight, once) + M 4 (channel scales) + N K 2 + N M sizeof(out); FLOPs 2 N M K.
 // At N <= 8 that is <= 16 FLOP per weight byte, far under the ridge: the kernels must stream the
 // weights at HBM bandwidth, now with twice bf16's elements per byte. Each E4M3 pair becomes an
-// exact f16 pair in one cvt.rn.f16x2.e4m3x2, then exact f32 (SIMT) or bf16 (mma) values, so the
-// products are those of the dequantized weight (x stays bf16: no activation rounding here).
+// exact f16 pair in one cvt.rn.f16x2.e4m3x2. The mma forms take it on to exact bf16 and multiply
+// bf16 x in f32, so their products are those of the dequantized weight. The SIMT form multiplies
+// in f16 (below): x rounded to f16 (11 significant bits, bf16 has 8) and each 8-product partial
+// sum rounded per step, about 2^-11 relative, under the bf16 rounding of the output.
 //
 // SIMT (one token row, gemv_fp8_<what>_r{1,2,4}): as gemv_impl, a block owns ROWS output rows,
 // its warps split K, each lane loading 16 bytes of every row per step, BATCH steps of loads in
 // flight (the first before griddepcontrol.wait: the weights do not depend on the previous kernel);
 // x chunks are converted once per step and reused by the ROWS rows; partial sums meet in shared
-// memory. Per 16 weights a lane spends 8 conversions to f16 pairs, 16 to f32 and 16 FMAs: about
-// three times bf16's instructions per byte, which is why the rows share each x chunk. Two warps
-// a block, not gemv_impl's four: a 16-byte load covers twice bf16's elements, so at K = 4096 four
-// warps would leave each lane two loads a row (128 bytes in flight, ~48 KB an SM at 3 blocks);
-// two warps keep BATCH = 4 loads a row in flight and fit 7 blocks an SM (~110 KB).
+// memory. A lane scales each 16-value chunk of x by the power of two that puts its largest |x|
+// in [8, 16) and packs it into f16 pairs, shared by the ROWS rows; a row's 16 weights then cost
+// 8 conversions and 8 fma.f16x2 into one f16 pair (the even and the odd k's products, each
+// under 448 * 16, their 8-term sums under f16's 65504), which leaves the f32 sum once, times
+// the inverse power of two. Before (2026-11-29): each weight converted on to f32 for an f32 FMA,
+// 40 instructions a row's 16 weights instead of about 20, and the 8B's FP8 step took 2,477 us,
+// not 2,378-2,394 (H200, docs/lab/cuda-runs.md). Two warps a block, not gemv_impl's four: a 16-byte
+// load covers twice bf16's elements, so at K = 4096 four warps would leave each lane two loads a
+// row (128 bytes in flight, ~48 KB an SM at 3 blocks); two warps keep BATCH = 4 loads a row in
+// flight and fit 7 blocks an SM (~110 KB).
 //
 //     block b: rows b * ROWS .. (gated: features b * ROWS / 2 .., gate then up rows)
 //     warp w, lane l: k = (w * 32 + l) * 16, then + 2 * 32 * 16, ...
@@ -32,11 +39,11 @@
 // SIMT with the RMSNorm inside (gemv_fp8_rmsnorm_<nw>_<what>): x is the raw residual row and
 // out = rmsnorm(x) W^T with no norm kernel before it, as gemv.cu's folded forms (E4M3 columns
 // cannot carry the norm weight, so it is applied to x instead). Each lane multiplies the x chunk
-// it converts by norm_weight there (f32, never rounded to bf16) and sums the raw x^2 of it; the
-// block's lanes convert every chunk of K once, so the warps' sums meet in shared memory as the
-// row's sum of squares, and each row sum (gated: gate and up) is scaled by 1 / sqrt(mean + eps)
-// before its scale, bias and epilogue. Exact for _blk too: the 16-wide partial sums are linear
-// in x. Extra: K * sizeof(nw) bytes of norm weight a block (L2) and 2 FLOPs a value of x.
+// it converts by norm_weight there (in f32, then to f16 as above; never to bf16) and sums the
+// raw x^2 of it; the block's lanes convert every chunk of K once, so the warps' sums meet in
+// shared memory as the row's sum of squares, and each row sum (gated: gate and up) is scaled by
+// 1 / sqrt(mean + eps) before its scale, bias and epilogue. Right for _blk too: the 16-wide
+// partial sums are linear in x. Extra: K * sizeof(nw) bytes of norm weight a block (L2) and 2 FLOPs a value of x.
 //
 // mma (2..8 token rows, gemv_fp8_mma_<what>): as gemv_mma_impl, a warp owns 16 weight rows and
 // feeds mma.sync m16n8k16 (bf16, f32 accumulators) with the tokens as n = 8 columns. Lane
@@ -49,24 +56,7 @@
 //
 // Gated, the 16 rows are the gate rows of 8 features (g) and their up rows (g + 8). The block's
 // 8 warps split K and meet in shared memory.
-//
-// W8A8 (one token row, gemv_fp8_q_<what>, sm_89+; the host's `fp8_w8a8` for checkpoints whose
-// activations are dynamic): x is rounded to E4M3 per 128-wide group (scale amax / 448) in shared
-// memory once a block, and the weights go to mma.m16n8k32.e4m3 as loaded, one instruction a
-// 16-byte load where the SIMT form spends 40 converting and multiplying. A block owns 16 weight
-// rows (gated: 8 features' gate and up rows) and its FP8_Q_WARPS warps split K in whole groups;
-// lane (g, t) loads 16 bytes of rows g and g + 8 at k0 + 16 t of each 64-wide chunk k0 and the
-// 16 bytes of x there for every column (all 8 columns carry the token, so every lane's c0 and
-// c2 hold rows g and g + 8), through the same k permutation as the mma form above:
-//
-//     mma step s (0, 1), logical k 4t + i       <-  physical k0 + 16t + 8s + i      (i = 0..3)
-//                        logical k 16 + 4t + i  <-  physical k0 + 16t + 8s + 4 + i
-//
-// Each group's products are scaled by its x scale (and, _blk, its weight tile's scales). With the
-// RMSNorm inside (gemv_fp8_q_rmsnorm_<nw>_<what>) the block rounds x * norm_weight and sums the
-// raw x^2 in the same pass; the row sums take the inverse RMS at the end. K % 128 == 0 and K <=
-// FP8_Q_MAX_INNER (the host checks). Error: x's rounding (2^-4 relative at most per element), as
-// the GEMM path past 8 rows has (x per token there); the weights stay exact.
+
 #include "atlas_common.cuh"
 #include "fp8_weights.cuh"
 
@@ -74,14 +64,20 @@
 #define FP8_MMA_WARPS 8
 #define FP8_LOAD 16  // weights per 16-byte load
 
-// Four E4M3 bytes of a word (the lowest-addressed first) as floats, exactly.
-__device__ __forceinline__ void e4m3x4_to_floats(u32 word, float* out) {
-    const float2 lo = f16x2_to_floats(fp8x2_to_f16x2(word & 0xffffu));
-    const float2 hi = f16x2_to_floats(fp8x2_to_f16x2(word >> 16));
-    out[0] = lo.x;
-    out[1] = lo.y;
-    out[2] = hi.x;
-    out[3] = hi.y;
+// d = a * b + c on f16 pairs, rounded once per half.
+__device__ __forceinline__ u32 fma_f16x2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// The power of two that brings a chunk's largest |x| into [8, 16) (`scale`) and its inverse
+// (`unscale`), from amax's exponent field, clamped so both stay normal floats: x * scale as f16
+// times an E4M3 weight (|w| <= 448) is under 7168, and 8 such products under f16's 65504.
+__device__ __forceinline__ void fp8_chunk_scale(float amax, float& scale, float& unscale) {
+    const u32 biased = min(max(__float_as_uint(amax) >> 23, 16u), 240u);
+    scale = __uint_as_float((257u - biased) << 23);  // 2^(130 - biased) = 2^(3 - e)
+    unscale = __uint_as_float((biased - 3u) << 23);  // 2^(e - 3)
 }
 
 __device__ __forceinline__ void bf16x8_to_floats(uint4 raw, float* out) {
@@ -197,24 +193,27 @@ __device__ __forceinline__ void gemv_fp8_impl(const bf16* __restrict__ x, const 
                 xs[i] *= gains[i];
             }
         }
+        float amax = 0.0f;
+#pragma unroll
+        for (int i = 0; i < FP8_LOAD; ++i) amax = fmaxf(amax, fabsf(xs[i]));
+        float scale, unscale;
+        fp8_chunk_scale(amax, scale, unscale);
+        u32 pairs[FP8_LOAD / 2];  // x * scale as f16 pairs, (k, k + 1), (k + 2, k + 3), ...
+#pragma unroll
+        for (int i = 0; i < FP8_LOAD / 2; ++i) pairs[i] = pack_f16x2(xs[2 * i] * scale, xs[2 * i + 1] * scale);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const u32 words[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
-            float sum = 0.0f;
+            u32 sums = 0;  // f16 pair: the even and the odd k's 8 products
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                float ws[4];
-                e4m3x4_to_floats(words[i], ws);
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    if constexpr (BLOCK) {
-                        sum = fmaf(ws[j], xs[4 * i + j], sum);
-                    } else {
-                        acc[r] = fmaf(ws[j], xs[4 * i + j], acc[r]);
-                    }
-                }
+                sums = fma_f16x2(fp8x2_to_f16x2(words[i] & 0xffffu), pairs[2 * i], sums);
+                sums = fma_f16x2(fp8x2_to_f16x2(words[i] >> 16), pairs[2 * i + 1], sums);
             }
-            if constexpr (BLOCK) acc[r] = fmaf(fp8_block_scale(scales, scale_stride, rows[r], k), sum, acc[r]);
+            const float2 halves = f16x2_to_floats(sums);
+            float multiplier = unscale;
+            if constexpr (BLOCK) multiplier *= fp8_block_scale(scales, scale_stride, rows[r], k);
+            acc[r] = fmaf(halves.x + halves.y, multiplier, acc[r]);
         }
     };
 
@@ -419,168 +418,6 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
 
 
 // ---------------------------------------------------------------------------------------------
-// W8A8, one token row (see the header).
-#define FP8_Q_WARPS 8
-#define FP8_Q_GROUP 128
-#define FP8_Q_MAX_INNER 16384
-#define FP8_Q_BATCH 2  // groups of loads in flight a round: 8 x 16 bytes a lane
-
-// acc (rows g, g + 8; every column the token) += A[16 x 32] x[32] over E4M3 bytes.
-__device__ __forceinline__ void mma_e4m3_16832(float* acc, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-#if ATLAS_HAS_FP8
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-    __trap();
-#endif
-}
-
-template <typename OUT, typename EPI, bool BLOCK, bool NORM = false, typename NW = bf16>
-__device__ __forceinline__ void gemv_fp8_q_impl(const bf16* __restrict__ x, const fp8_e4m3* __restrict__ w,
-                                                const float* __restrict__ scales, int scale_stride,
-                                                const bf16* __restrict__ bias, OUT* __restrict__ out, int num_rows,
-                                                int inner, const NW* __restrict__ norm_weight = nullptr,
-                                                float eps = 0.0f) {
-#if ATLAS_HAS_FP8
-    constexpr int FEATURES = EPI::gated ? 8 : 16;
-    __shared__ __align__(16) unsigned char x_bytes[FP8_Q_MAX_INNER];
-    __shared__ float x_scales[FP8_Q_MAX_INNER / FP8_Q_GROUP];
-    __shared__ float partial[FP8_Q_WARPS][16];
-    __shared__ float scratch[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int first = blockIdx.x * FEATURES;
-    const long long row_a = fp8_weight_row<EPI, FEATURES>(first, g, num_rows);
-    const long long row_b = fp8_weight_row<EPI, FEATURES>(first, g + 8, num_rows);
-    const fp8_e4m3* w_a = w + row_a * inner + 16 * t;
-    const fp8_e4m3* w_b = w + row_b * inner + 16 * t;
-    const int groups = inner / FP8_Q_GROUP;
-    const int per_warp = (groups + FP8_Q_WARPS - 1) / FP8_Q_WARPS;
-    const int begin = min(groups, warp * per_warp), end = min(groups, begin + per_warp);
-
-    // A round: FP8_Q_BATCH groups, two 64-wide chunks each, rows g and g + 8; two rounds' buffers,
-    // the next round requested before this one's products (a round of loads always in flight).
-    typedef uint4 Round[FP8_Q_BATCH][2];
-    Round wa0, wb0, wa1, wb1;
-    auto request = [&](Round& wa, Round& wb, int g0, bool early) {
-#pragma unroll
-        for (int u = 0; u < FP8_Q_BATCH; ++u) {
-            if (g0 + u < end) {
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const long long k = (long long)(g0 + u) * FP8_Q_GROUP + 64 * c;
-                    wa[u][c] = early ? load_streaming_early(w_a + k) : load_streaming(w_a + k);
-                    wb[u][c] = early ? load_streaming_early(w_b + k) : load_streaming(w_b + k);
-                }
-            }
-        }
-    };
-    // The first two rounds' weights are requested before the previous kernel is waited for.
-    request(wa0, wb0, begin, true);
-    request(wa1, wb1, begin + FP8_Q_BATCH, true);
-    dependent_launch_entry();
-
-    // x (times the norm weight) to E4M3 per group, 16 threads (a half-warp) a group of 8-value
-    // chunks; NORM sums the raw squares beside. Every lane takes part in each pass's shuffles
-    // (a half-warp past K with zeros).
-    float squares = 0.0f;
-    for (int base = 0; base < inner; base += 8 * blockDim.x) {
-        const int k = base + 8 * threadIdx.x;
-        const bool live = k < inner;
-        float values[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        if (live) bf16x8_to_floats(*reinterpret_cast<const uint4*>(x + k), values);
-        if constexpr (NORM) {
-            float gains[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            if (live) load8(norm_weight + k, gains);
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                squares = fmaf(values[i], values[i], squares);
-                values[i] *= gains[i];
-            }
-        }
-        float amax = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(values[i]));
-#pragma unroll
-        for (int offset = 8; offset > 0; offset >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-        const float inverse = amax > 0.0f ? 448.0f / amax : 1.0f;
-        uint2 packed;
-        packed.x = pack_fp8x2(values[0] * inverse, values[1] * inverse) |
-                   (u32)pack_fp8x2(values[2] * inverse, values[3] * inverse) << 16;
-        packed.y = pack_fp8x2(values[4] * inverse, values[5] * inverse) |
-                   (u32)pack_fp8x2(values[6] * inverse, values[7] * inverse) << 16;
-        if (live) {
-            *reinterpret_cast<uint2*>(x_bytes + k) = packed;
-            if ((threadIdx.x & 15) == 0) x_scales[k / FP8_Q_GROUP] = amax > 0.0f ? amax / 448.0f : 1.0f;
-        }
-    }
-    float inverse_rms = 1.0f;
-    if constexpr (NORM) inverse_rms = 1.0f / sqrtf(block_sum(squares, scratch) / inner + eps);
-    __syncthreads();
-
-    float acc_a = 0.0f, acc_b = 0.0f;
-    auto multiply = [&](const Round& wa, const Round& wb, int g0) {
-#pragma unroll
-        for (int u = 0; u < FP8_Q_BATCH; ++u) {
-            const int group = g0 + u;
-            if (group < end) {
-                float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const uint4 xs = *reinterpret_cast<const uint4*>(x_bytes + group * FP8_Q_GROUP + 64 * c + 16 * t);
-                    mma_e4m3_16832(sums, wa[u][c].x, wb[u][c].x, wa[u][c].y, wb[u][c].y, xs.x, xs.y);
-                    mma_e4m3_16832(sums, wa[u][c].z, wb[u][c].z, wa[u][c].w, wb[u][c].w, xs.z, xs.w);
-                }
-                const float x_scale = x_scales[group];
-                if constexpr (BLOCK) {
-                    const int k = group * FP8_Q_GROUP;
-                    acc_a = fmaf(x_scale * fp8_block_scale(scales, scale_stride, row_a, k), sums[0], acc_a);
-                    acc_b = fmaf(x_scale * fp8_block_scale(scales, scale_stride, row_b, k), sums[2], acc_b);
-                } else {
-                    acc_a = fmaf(x_scale, sums[0], acc_a);
-                    acc_b = fmaf(x_scale, sums[2], acc_b);
-                }
-            }
-        }
-    };
-    // Rounds alternate between the two buffers (unrolled by hand: an indexed pair would live in
-    // local memory).
-    for (int g0 = begin; g0 < end; g0 += 2 * FP8_Q_BATCH) {
-        multiply(wa0, wb0, g0);
-        if (g0 + 2 * FP8_Q_BATCH < end) request(wa0, wb0, g0 + 2 * FP8_Q_BATCH, false);
-        if (g0 + FP8_Q_BATCH >= end) break;
-        multiply(wa1, wb1, g0 + FP8_Q_BATCH);
-        if (g0 + 3 * FP8_Q_BATCH < end) request(wa1, wb1, g0 + 3 * FP8_Q_BATCH, false);
-    }
-    if (t == 0) {
-        partial[warp][g] = acc_a;
-        partial[warp][g + 8] = acc_b;
-    }
-    __syncthreads();
-    if (threadIdx.x < FEATURES) {
-        const int f = threadIdx.x, feature = first + f;
-        if (feature < num_rows) {
-            float total = 0.0f, up = 0.0f;
-#pragma unroll
-            for (int j = 0; j < FP8_Q_WARPS; ++j) total += partial[j][f];
-            if constexpr (EPI::gated) {
-#pragma unroll
-                for (int j = 0; j < FP8_Q_WARPS; ++j) up += partial[j][f + 8];
-            }
-            total *= inverse_rms;
-            up *= inverse_rms;
-            fp8_finish<EPI, BLOCK>(out + feature, scales, bias, num_rows, feature, total, up);
-        }
-    }
-#else
-    __trap();  // the host offers FP8 weights from sm_89 on
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------
 // Entry points: gemv_fp8_<what>[_blk]_r<ROWS> (one token row, FP8_GEMV_WARPS * 32 threads) and
 // gemv_fp8_mma_<what>[_blk] (2..8 rows, FP8_MMA_WARPS * 32 threads). <what>: bf16, f32 (out = x
 // W^T + bias), gated_<act> (W = [gate; up], out = act(x gate^T) * (x up^T), no bias), add (out +=
@@ -641,7 +478,8 @@ __device__ __forceinline__ void gemv_fp8_q_impl(const bf16* __restrict__ x, cons
     DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX, 2)               \
     DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX, 4)               \
     DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 2)      \
-    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 4)
+    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 4)      \
+    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 8)
 
 DEFINE_FP8_FORMS(, false)
 DEFINE_FP8_FORMS(_blk, true)
@@ -649,39 +487,3 @@ DEFINE_FP8_NORM_FORMS(bf16, bf16, , false)
 DEFINE_FP8_NORM_FORMS(bf16, bf16, _blk, true)
 DEFINE_FP8_NORM_FORMS(f32, float, , false)
 DEFINE_FP8_NORM_FORMS(f32, float, _blk, true)
-
-// W8A8 one-row entry points (see the header): gemv_fp8_q_<what>[_blk] and
-// gemv_fp8_q_rmsnorm_<nw>_<what>[_blk], FP8_Q_WARPS * 32 threads, a block per 16 output rows
-// (gated: 8 features); the parameters of the SIMT forms.
-#define DEFINE_FP8_Q(NAME, OUT, EPI, BLOCK, SUFFIX)                                                           \
-    extern "C" __global__ void __launch_bounds__(FP8_Q_WARPS * 32) gemv_fp8_q_##NAME##SUFFIX(                  \
-        const bf16* x, const fp8_e4m3* w, const float* scales, int scale_stride, const bf16* bias, OUT* out,  \
-        int num_rows, int inner) {                                                                          \
-        gemv_fp8_q_impl<OUT, EPI, BLOCK>(x, w, scales, scale_stride, bias, out, num_rows, inner);            \
-    }
-
-#define DEFINE_FP8_Q_NORM(NW_NAME, NW, NAME, OUT, EPI, BLOCK, SUFFIX)                                          \
-    extern "C" __global__ void __launch_bounds__(FP8_Q_WARPS * 32)                                            \
-        gemv_fp8_q_rmsnorm_##NW_NAME##_##NAME##SUFFIX(const bf16* x, const fp8_e4m3* w, const float* scales,   \
-                                                      int scale_stride, const bf16* bias, OUT* out,            \
-                                                      int num_rows, int inner, const NW* norm_weight,          \
-                                                      float eps) {                                             \
-        gemv_fp8_q_impl<OUT, EPI, BLOCK, true, NW>(x, w, scales, scale_stride, bias, out, num_rows, inner,     \
-                                                   norm_weight, eps);                                         \
-    }
-
-#define DEFINE_FP8_Q_FORMS(SUFFIX, BLOCK)                                     \
-    DEFINE_FP8_Q(bf16, bf16, Fp8Plain, BLOCK, SUFFIX)                         \
-    DEFINE_FP8_Q(f32, float, Fp8Plain, BLOCK, SUFFIX)                         \
-    DEFINE_FP8_Q(add, bf16, Fp8AddTo, BLOCK, SUFFIX)                          \
-    DEFINE_FP8_Q(gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX)           \
-    DEFINE_FP8_Q(gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX)  \
-    DEFINE_FP8_Q_NORM(bf16, bf16, bf16, bf16, Fp8Plain, BLOCK, SUFFIX)        \
-    DEFINE_FP8_Q_NORM(bf16, bf16, gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX) \
-    DEFINE_FP8_Q_NORM(bf16, bf16, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX) \
-    DEFINE_FP8_Q_NORM(f32, float, bf16, bf16, Fp8Plain, BLOCK, SUFFIX)        \
-    DEFINE_FP8_Q_NORM(f32, float, gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX) \
-    DEFINE_FP8_Q_NORM(f32, float, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX)
-
-DEFINE_FP8_Q_FORMS(, false)
-DEFINE_FP8_Q_FORMS(_blk, true)

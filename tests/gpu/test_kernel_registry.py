@@ -54,7 +54,7 @@ _WAIT_INSIDE = {
     "attention_decode.cu": ("attention_decode_impl<", "attention_decode_mma_impl<", "attention_cascade_impl<"),
     "rope_cache.cu": ("rope_and_cache_impl<",),
     "elementwise.cu": ("act_mul_rms_vec8<",),
-    "gemv_fp8.cu": ("gemv_fp8_impl<", "gemv_fp8_mma_impl<", "gemv_fp8_q_impl<"),
+    "gemv_fp8.cu": ("gemv_fp8_impl<", "gemv_fp8_mma_impl<"),
     "fp8_quantize.cu": ("quantize_token_impl<", "quantize_group_impl<"),
     "moe.cuh": ("moe_route_small_impl(", "moe_down_impl("),
     "gated_delta.cu": ("causal_conv1d_impl(", "gated_delta_rule_impl<"),
@@ -82,10 +82,11 @@ def test_every_kernel_waits_for_the_previous_grid_first():
         before_wait = body[: body.index("dependent_launch_entry();")]
         assert "load_x(" not in before_wait and "load_streaming_early(" in before_wait
     fp8 = (kernels_root() / "common/gemv_fp8.cu").read_text()
-    body = fp8[fp8.index("void gemv_fp8_q_impl(") :]
+    body = fp8[fp8.index("void gemv_fp8_impl(") :]
+    body = body[body.index("int k = threadIdx.x * FP8_LOAD;") :]  # past the `accumulate` lambda's definition
     before_wait = body[: body.index("dependent_launch_entry();")]
-    # the W8A8 GEMV: its first two rounds of weights before the wait, x (rounded after it) not
-    assert "request(wa0, wb0, begin, true);" in before_wait and "x + k" not in before_wait
+    # the one-row FP8 GEMV: its first steps of weights before the wait, no x (read by `accumulate`)
+    assert "load_streaming_early(" in before_wait and "accumulate(" not in before_wait
     body = gemv[gemv.index("void skinny_impl(") :]
     before_wait, producer_after, _ = body.split("grid_dependency_wait();", 2)
     # the skinny GEMM's producer: only weight stages before its wait, x (the previous kernel's

@@ -36,9 +36,6 @@ from atlas.ports.kernels.host_weights import Activation, HostLinear
 BLOCK = 128  # the block layout's tile (rows and columns)
 _GEMV_THREADS = 64  # gemv_fp8.cu's FP8_GEMV_WARPS
 _MMA_THREADS = 256  # FP8_MMA_WARPS
-_Q_THREADS = 256  # FP8_Q_WARPS
-_Q_GROUP = 128  # FP8_Q_GROUP: x's rounding groups in the W8A8 GEMV
-_Q_MAX_INNER = 16384  # FP8_Q_MAX_INNER: x's E4M3 bytes in the block's shared memory
 _QUANT_THREADS = 256
 _ACTIVATION_NAMES = {Activation.SILU: "silu", Activation.GELU_TANH: "gelu_tanh"}
 # Workspaces of this module's intermediates (the callers' own are named apart).
@@ -100,12 +97,6 @@ def _resident_suffix(inner: int) -> str:
     a wider row three times (fp8_quantize.cu)."""
     chunks = -(-inner // (8 * _QUANT_THREADS))
     return next((f"_r{c}" for c in (1, 2, 4, 8) if chunks <= c), "")
-
-
-def _takes_w8a8(inner: int) -> bool:
-    """Whether the W8A8 one-row GEMV (`gemv_fp8_q_*`) takes rows of `inner` weights: whole
-    groups of x's rounding, and x's bytes within the block's shared memory."""
-    return inner % _Q_GROUP == 0 and inner <= _Q_MAX_INNER
 
 
 def _rows_per_block(num_rows: int, num_sms: int) -> int:
@@ -243,10 +234,9 @@ class Fp8LinearOp:
         self, x: CudaTensor, matrix: Fp8Matrix, out: CudaTensor, bias: CudaTensor | None, what: str,
         gated: bool = False, norm: CudaTensor | None = None, eps: float = 0.0,
     ) -> bool:
-        """Launch `gemv_fp8_q_<what>` (one row, `fp8_w8a8`, K % 128 == 0: x rounded to E4M3 per
-        128-wide group), `gemv_fp8_<what>` (one row) or `gemv_fp8_mma_<what>` (2..8 rows,
-        K % 64 == 0); with `norm` (one row only) `gemv_fp8[_q]_rmsnorm_<nw>_<what>`, out =
-        <what>(rmsnorm(x) W^T). False where none applies (the caller takes the GEMM)."""
+        """Launch `gemv_fp8_<what>` (one row) or `gemv_fp8_mma_<what>` (2..8 rows, K % 64 == 0);
+        with `norm` (one row only) `gemv_fp8_rmsnorm_<nw>_<what>`, out = <what>(rmsnorm(x) W^T).
+        False where none applies (the caller takes the GEMM)."""
         num_tokens, inner = x.shape
         features = out.shape[1]
         suffix = "_blk" if matrix.block else ""
@@ -257,11 +247,8 @@ class Fp8LinearOp:
             what = f"rmsnorm_{checks.type_suffix(norm.dtype)}_{what}"
             norm_args = (norm.address, np.float32(eps))
         flags = self._rt.features
-        if num_tokens == 1 and flags.fp8_w8a8 and not flags.batch_invariant and _takes_w8a8(inner):
-            symbol, threads, counts = f"gemv_fp8_q_{what}{suffix}", _Q_THREADS, ()
-            grid = -(-features // (8 if gated else 16))
         # Batch invariant: one row takes the tensor-core kernel too (the SIMT kernel sums in another order).
-        elif num_tokens == 1 and not (flags.batch_invariant and inner % 64 == 0):
+        if num_tokens == 1 and not (flags.batch_invariant and inner % 64 == 0):
             if gated:  # two features (four weight rows) per block while there are two blocks per SM
                 rows = 4 if features // 2 >= 2 * self._rt.num_sms else 2
                 grid = -(-features // (rows // 2))

@@ -72,11 +72,6 @@ class CudaFeatures:
         weights do (cublaslt.py); off, its candidates race from the L2 without those variants.
     fp8_gemv_norm: a one-token product over FP8 weights with an input norm normalises inside the
         GEMV (gemv_fp8.cu) instead of running the norm kernel before it.
-    fp8_w8a8: a one-token product over FP8 weights (K a multiple of 128, up to 16384) rounds x
-        to E4M3 per 128-wide group and multiplies on the FP8 tensor cores (gemv_fp8.cu
-        `gemv_fp8_q_*`), as the GEMM path past 8 rows rounds x per token; off: the SIMT GEMV over
-        bf16 x, which converts every weight. Off by default: written on 2026-11-29 and not yet
-        run on a GPU (docs/cuda-notes.md, next steps); its tests turn it on.
     fp8_fast_accum: cuBLASLt's FP8 products over per-channel scales accumulate without fp32
         promotion (FAST_ACCUM, cublaslt.py); block-scaled ones always promote.
     batch_invariant: off by default and not in `ATLAS_CUDA_DISABLE`: the engine's
@@ -167,7 +162,6 @@ class CudaFeatures:
     hbm_tuning: bool = True
     fp8_gemv_norm: bool = True
     fp8_fast_accum: bool = True
-    fp8_w8a8: bool = False
     cascade_attention: bool = True
     cluster_merge: bool = True
     piecewise_graphs: bool = True
