@@ -478,8 +478,7 @@ __device__ __forceinline__ void gemv_fp8_mma_impl(const bf16* __restrict__ x, co
     DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX, 2)               \
     DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_silu, bf16, Fp8Gated<SiluOp>, BLOCK, SUFFIX, 4)               \
     DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 2)      \
-    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 4)      \
-    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 8)
+    DEFINE_FP8_GEMV_NORM(NW_NAME, NW, gated_gelu_tanh, bf16, Fp8Gated<GeluTanhOp>, BLOCK, SUFFIX, 4)
 
 DEFINE_FP8_FORMS(, false)
 DEFINE_FP8_FORMS(_blk, true)
