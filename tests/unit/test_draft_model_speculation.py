@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fakes import TINY_LLAMA
+from helpers.draft_pools import assert_aborting_mid_stream_frees_the_pool, assert_all_blocks_back, checking_pool
 from helpers.residue_grammar import follows_residues, residue_grammars, residues
 from helpers.tiny_engine import VOCAB_SIZE, build_core, prompts, run
 from test_engine_speculation import REPEATING, assert_same_outputs, outputs, requests_for
@@ -25,30 +26,6 @@ SMALL_DRAFT = ({**TINY_LLAMA, "num_hidden_layers": 1}, 7)  # another model over 
 DRAFTS = {"other-model": SMALL_DRAFT, "target-itself": "target"}
 
 
-def proposer_of(core):
-    return core.scheduler.speculation.proposer
-
-
-def checked_outputs(core, requests):
-    """`outputs`, with the draft pool's invariants checked after every step too."""
-    original_step = core.step
-
-    def step():
-        result = original_step()
-        proposer_of(core).check_invariants()
-        return result
-
-    core.step = step
-    return outputs(core, requests)
-
-
-def assert_all_blocks_back(core):
-    stats = core.stats()
-    assert stats.num_blocks_free == stats.num_blocks_total
-    proposer = proposer_of(core)
-    assert proposer.num_free_blocks == proposer.num_blocks and proposer.num_sequences == 0
-
-
 @pytest.mark.parametrize("draft", DRAFTS.values(), ids=DRAFTS.keys())
 @pytest.mark.parametrize("kwargs", [{}, {"budget": 24}, {"num_blocks": 40}, {"graph_sizes": (1, 2, 4, 8, 16, 32)}],
                          ids=["plain", "chunked-prefill", "preemption", "graphs"])
@@ -56,7 +33,7 @@ def test_a_draft_model_gives_the_tokens_and_logprobs_of_plain_decoding(rng, draf
     requests = requests_for(rng)
     expected = outputs(build_core(**kwargs), requests)
     core = build_core(speculative=DRAFT_MODEL, draft=draft, **kwargs)
-    assert_same_outputs(checked_outputs(core, requests), expected)
+    assert_same_outputs(outputs(checking_pool(core), requests), expected)
     stats = core.stats()
     assert stats.num_spec_verify_steps > 10 and stats.num_spec_accepted_tokens > 0
     assert stats.num_generated_tokens == sum(len(t) for t in expected[0].values())
@@ -101,27 +78,7 @@ def test_aborting_mid_stream_frees_the_drafts_blocks_and_leaves_the_others_untou
                 for i, p in enumerate(prompts(6, rng))]
     expected = run(build_core(), requests)
     core = build_core(speculative=DRAFT_MODEL, draft="target")
-    for request in requests:
-        core.add_request(request)
-    tokens = {r.request_id: [] for r in requests}
-    aborted = {"r1", "r4"}
-    for step in range(200):
-        if not core.has_unfinished:
-            break
-        if step == 6:
-            assert proposer_of(core).num_free_blocks < proposer_of(core).num_blocks
-            for seq_id in aborted:
-                core.abort(seq_id)
-        for output in core.step():
-            tokens[output.seq_id].extend(output.new_token_ids)
-        core.scheduler.check_invariants()
-        proposer_of(core).check_invariants()
-    for seq_id, expected_tokens in expected.items():
-        if seq_id in aborted:
-            assert tokens[seq_id] == expected_tokens[: len(tokens[seq_id])] and len(tokens[seq_id]) < 40
-        else:
-            assert tokens[seq_id] == expected_tokens
-    assert_all_blocks_back(core)
+    assert_aborting_mid_stream_frees_the_pool(core, requests, expected, aborted={"r1", "r4"}, at_step=6)
 
 
 def test_a_draft_pool_too_small_for_everyone_only_drafts_less(rng):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from helpers.draft_heads import build_mtp_core, copying_mtp, random_qwen3_next_weights
+from helpers.draft_pools import assert_aborting_mid_stream_frees_the_pool, assert_all_blocks_back, checking_pool
 from helpers.residue_grammar import follows_residues, residue_grammars, residues
 from helpers.tiny_engine import prompts, run
 from test_engine_speculation import REPEATING, assert_same_outputs, outputs, requests_for
@@ -26,30 +27,6 @@ RANDOM = random_qwen3_next_weights(seed=1)
 COPYING = copying_mtp(RANDOM)
 
 
-def proposer_of(core):
-    return core.scheduler.speculation.proposer
-
-
-def checked_outputs(core, requests):
-    """`outputs`, with the head pool's invariants checked after every step too."""
-    original_step = core.step
-
-    def step():
-        result = original_step()
-        proposer_of(core).check_invariants()
-        return result
-
-    core.step = step
-    return outputs(core, requests)
-
-
-def assert_all_blocks_back(core):
-    stats = core.stats()
-    assert stats.num_blocks_free == stats.num_blocks_total
-    proposer = proposer_of(core)
-    assert proposer.num_free_blocks == proposer.num_blocks and proposer.num_sequences == 0
-
-
 @pytest.mark.parametrize("weights", [RANDOM, COPYING], ids=["random-head", "copying-head"])
 @pytest.mark.parametrize("kwargs", [{}, {"budget": 24}, {"num_blocks": 40}, {"graph_sizes": (1, 2, 4, 8, 16, 32)}],
                          ids=["plain", "chunked-prefill", "preemption", "graphs"])
@@ -57,7 +34,7 @@ def test_mtp_gives_the_tokens_and_logprobs_of_plain_decoding(rng, weights, kwarg
     requests = requests_for(rng)
     expected = outputs(build_mtp_core(weights, **kwargs), requests)
     core = build_mtp_core(weights, MTP, **kwargs)
-    assert_same_outputs(checked_outputs(core, requests), expected)
+    assert_same_outputs(outputs(checking_pool(core), requests), expected)
     stats = core.stats()
     assert stats.num_spec_verify_steps > 10 and stats.num_spec_draft_tokens > 0
     if weights is COPYING:
@@ -105,27 +82,7 @@ def test_aborting_mid_stream_frees_the_heads_blocks(rng):
                 for i, p in enumerate(prompts(6, rng))]
     expected = run(build_mtp_core(COPYING), requests)
     core = build_mtp_core(COPYING, MTP)
-    for request in requests:
-        core.add_request(request)
-    tokens = {r.request_id: [] for r in requests}
-    aborted = {"r1", "r4"}
-    for step in range(200):
-        if not core.has_unfinished:
-            break
-        if step == 4:
-            assert proposer_of(core).num_free_blocks < proposer_of(core).num_blocks
-            for seq_id in aborted:
-                core.abort(seq_id)
-        for output in core.step():
-            tokens[output.seq_id].extend(output.new_token_ids)
-        core.scheduler.check_invariants()
-        proposer_of(core).check_invariants()
-    for seq_id, expected_tokens in expected.items():
-        if seq_id in aborted:
-            assert tokens[seq_id] == expected_tokens[: len(tokens[seq_id])] and len(tokens[seq_id]) < 40
-        else:
-            assert tokens[seq_id] == expected_tokens
-    assert_all_blocks_back(core)
+    assert_aborting_mid_stream_frees_the_pool(core, requests, expected, aborted={"r1", "r4"}, at_step=4)
 
 
 def test_a_head_pool_too_small_for_everyone_only_drafts_less(rng):
