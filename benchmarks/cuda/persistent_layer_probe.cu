@@ -37,6 +37,9 @@ constexpr int H = 4096, I = 14336, QKV = 6144;
 #ifndef WARP_GROUPS  // groups of 8 consumer warps, each taking every GROUPS-th row of a stage
 #define WARP_GROUPS 1
 #endif
+#ifndef RELEASE_ADD  // 0: each block counts itself in after a fence (atomicAdd), not with a release add
+#define RELEASE_ADD 1
+#endif
 #ifndef NO_COMPUTE  // 1: consumers take each stage and multiply nothing (the pipeline alone)
 #define NO_COMPUTE 0
 #endif
@@ -68,6 +71,7 @@ struct Params {
     bf16* qkv;          // [QKV]
     unsigned* counter;  // zero before the launch
     unsigned long long* stats;  // [blocks][4] ns: consumers starved, at the grid barrier, phase ends; producer blocked
+    float* sumsq;  // [layers][PHASES], zero before the launch: the residual's sum of squares after o (0), down (2)
 };
 
 __device__ __forceinline__ unsigned long long now_ns() {
@@ -130,16 +134,16 @@ __device__ __forceinline__ float chunk_to_f16(const float* values, u32* pairs) {
 
 __device__ __forceinline__ float dot16(uint4 w, const u32* pairs, float unscale) {
     const u32 words[4] = {w.x, w.y, w.z, w.w};
-    u32 sums = 0;
+    u32 sums[2] = {0, 0};  // two chains of four fma.f16x2: words 0-1 and 2-3
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const u32 lo = fp8x2_to_f16x2(words[i] & 0xffffu), hi = fp8x2_to_f16x2(words[i] >> 16);
-        u32 d;
-        asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(lo), "r"(pairs[2 * i]), "r"(sums));
-        asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(sums) : "r"(hi), "r"(pairs[2 * i + 1]), "r"(d));
+        u32& s = sums[i >> 1];
+        asm("fma.rn.f16x2 %0, %1, %2, %0;\n" : "+r"(s) : "r"(lo), "r"(pairs[2 * i]));
+        asm("fma.rn.f16x2 %0, %1, %2, %0;\n" : "+r"(s) : "r"(hi), "r"(pairs[2 * i + 1]));
     }
-    const float2 h = f16x2_to_floats(sums);
-    return (h.x + h.y) * unscale;
+    const float2 a = f16x2_to_floats(sums[0]), b = f16x2_to_floats(sums[1]);
+    return ((a.x + a.y) + (b.x + b.y)) * unscale;
 }
 
 template <int N>
@@ -174,19 +178,161 @@ __device__ __forceinline__ float reduce_scatter8(const float* v, int lane) {
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
-// The chunks of x a consumer thread owns in a phase: chunk c = t % 256 + 256 j (16 values each).
-constexpr int MAX_CHUNKS = (I / 16 + GROUP_THREADS - 1) / GROUP_THREADS;  // 4 (down); 1 elsewhere
 constexpr int MAX_LOCAL = 256;  // a block's units of a phase (gate_up: features, twice) on >= 128 SMs
 static_assert(STAGE_BYTES / (2 * H) <= 4 && STAGE_BYTES / H <= 8 && STAGE_BYTES >= I, "a stage holds 1..8 rows");
+
+// The consumer warps' side: one phase at a time, its stages multiplied as they land.
+struct Consumer {
+    Params params;
+    unsigned char* ring;
+    u64* full;
+    u64* empty;
+    float (*partial)[MAX_LOCAL];
+    float* own_residual;
+    int t, warp, lane, b, blocks;
+    unsigned it = 0, phase_index = 0;
+    unsigned long long starved = 0, at_barrier = 0, ends = 0;
+    const bf16* attn = params.attn;
+
+    template <int P>
+    __device__ __forceinline__ void phase(int l, const float* scales) {
+        constexpr int K = phase_inner(P), CHUNKS = K / 16, PER = stage_units(P);
+        constexpr int ROWS = P == 1 ? 2 * PER : PER;  // gate_up: PER features' gate rows, then up rows
+        constexpr int MINE = (CHUNKS + GROUP_THREADS - 1) / GROUP_THREADS;  // x chunks a thread owns
+        int first, last;
+        unit_range(P, b, blocks, first, last);
+        const int units = last - first;
+        // before the barrier: the scales of this block's rows (nothing a phase writes)
+        float scale = 0.0f, scale_up = 0.0f;
+        if (t < units) {
+            scale = __ldg(scales + first + t);
+            if (P == 1) scale_up = __ldg(scales + I + first + t);
+        }
+        unsigned long long t0 = now_ns();
+        if (t == 0) {
+            const unsigned target = phase_index * blocks;
+            while (load_acquire(params.counter) < target) __nanosleep(20);
+            __threadfence();
+            at_barrier += now_ns() - t0;
+        }
+        consumers_sync();
+        // the norm's sum of squares is read beside x; a uniform scale only moves each chunk's power of
+        // two, so it multiplies the unscales once known
+        float sum_squares = 0.0f;
+        if (P == 1 || P == 3) sum_squares = __ldcg(params.sumsq + l * PHASES + P - 1);
+        const int tg = t % GROUP_THREADS, group = t / GROUP_THREADS;
+        u32 pairs[MINE][8];
+        float unscale[MINE];
+#pragma unroll
+        for (int j = 0; j < MINE; ++j) {
+            const int chunk = tg + j * GROUP_THREADS;
+            if (chunk < CHUNKS) {
+                float values[16];
+                if (P == 1 || P == 3) {
+                    const float4* r = reinterpret_cast<const float4*>(params.residual + chunk * 16);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float4 v = __ldcg(r + i);
+                        values[4 * i] = v.x;
+                        values[4 * i + 1] = v.y;
+                        values[4 * i + 2] = v.z;
+                        values[4 * i + 3] = v.w;
+                    }
+                } else {
+                    const bf16* src = (P == 0 ? attn : params.act) + chunk * 16;
+                    bf16x8_to_floats(__ldcg(reinterpret_cast<const uint4*>(src)), values);
+                    bf16x8_to_floats(__ldcg(reinterpret_cast<const uint4*>(src + 8)), values + 8);
+                }
+                unscale[j] = chunk_to_f16(values, pairs[j]);
+            }
+        }
+        if (P == 1 || P == 3) {
+            const float inverse_rms = rsqrtf(sum_squares / H + 1e-5f);
+#pragma unroll
+            for (int j = 0; j < MINE; ++j) unscale[j] *= inverse_rms;
+        }
+        for (int u = first; u < last; u += PER, ++it) {
+            const int n = min(PER, last - u), slot = it % STAGES;
+            t0 = now_ns();
+            mbarrier_wait(full + slot, (it / STAGES) & 1);
+            if (t == 0) starved += now_ns() - t0;
+            const unsigned char* stage = ring + slot * STAGE_BYTES;
+            float acc[8];
+#pragma unroll
+            for (int r = 0; r < 8; ++r) {
+                acc[r] = 0.0f;
+                const int unit = P == 1 ? r % PER : r;
+                if (!NO_COMPUTE && r < ROWS && r % GROUPS == group && unit < n) {
+#pragma unroll
+                    for (int j = 0; j < MINE; ++j) {
+                        const int chunk = tg + j * GROUP_THREADS;
+                        if (MINE * GROUP_THREADS == CHUNKS || chunk < CHUNKS) {
+                            const uint4 w = *reinterpret_cast<const uint4*>(stage + r * K + chunk * 16);
+                            acc[r] += dot16(w, pairs[j], unscale[j]);
+                        }
+                    }
+                }
+            }
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(empty + slot);  // this warp is done reading the stage
+            // the warp's 8 row sums, reduce-scattered: lane l ends with row ((l >> 2) & 7)'s
+            const float total = reduce_scatter8(acc, lane);
+            const int r = (lane >> 2) & 7, unit = P == 1 ? r % PER : r;
+            if ((lane & 3) == 0 && r < ROWS && unit < n)
+                partial[warp][u - first + unit + (P == 1 && r >= PER ? MAX_LOCAL / 2 : 0)] = total;
+        }
+        // the block's rows: the warps' sums, scaled, written (o and down: the owned residual rows,
+        // their squares added to the next norm's sum); then counted in
+        t0 = now_ns();
+        consumers_sync();
+        float squares = 0.0f;
+        if (t < units) {
+            float total = 0.0f, up = 0.0f;
+#pragma unroll
+            for (int w = 0; w < CONSUMER_WARPS; ++w) {
+                total += partial[w][t];
+                if (P == 1) up += partial[w][MAX_LOCAL / 2 + t];
+            }
+            const int unit = first + t;
+            if (P == 0 || P == 2) {
+                const float value = own_residual[t] + total * scale;
+                own_residual[t] = value;
+                params.residual[unit] = value;
+                squares = value * value;
+            } else if (P == 1) {
+                params.act[unit] = __float2bfloat16_rn(silu(total * scale) * (up * scale_up));
+            } else {
+                params.qkv[unit] = __float2bfloat16_rn(total * scale);
+            }
+        }
+        if (P == 0 || P == 2) {
+            float v[1] = {squares};
+            warp_sums<1>(v);
+            if (lane == 0 && warp < (units + 31) / 32) atomicAdd(params.sumsq + l * PHASES + P, v[0]);
+        }
+        consumers_sync();
+        if (t == 0) {
+#if RELEASE_ADD
+            // the block's writes (ordered before this thread by the barrier) are released with the
+            // count, which does not wait for them to land
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(params.counter) : "memory");
+#else
+            __threadfence();
+            atomicAdd(params.counter, 1u);
+#endif
+            ends += now_ns() - t0;
+        }
+        ++phase_index;
+    }
+};
 
 extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Params params) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
     u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES);
     u64* empty = full + STAGES;
-    __shared__ float reduce[CONSUMER_WARPS][8];
     __shared__ float partial[CONSUMER_WARPS][MAX_LOCAL];  // each warp's sum of each of the block's rows
-    __shared__ float inverse_rms;
+    __shared__ float own_residual[MAX_LOCAL];  // the residual rows this block owns (o's and down's)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int b = blockIdx.x, blocks = gridDim.x;
     if (threadIdx.x == 0) {
@@ -239,143 +385,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
 
     // consumers
     const int t = threadIdx.x;
-    unsigned it = 0, phase_index = 0;
-    unsigned long long starved = 0, at_barrier = 0, ends = 0;
+    Consumer c{params, ring, full, empty, partial, own_residual, t, warp, lane, b, blocks};
+    int first, last;
+    unit_range(0, b, blocks, first, last);  // o and down own the same residual rows
+    for (int f = t; f < last - first; f += CONSUMERS) own_residual[f] = params.residual[first + f];
+    consumers_sync();
     for (int l = 0; l < params.num_layers; ++l) {
         const Layer layer = params.layers[l];
-        for (int p = 0; p < PHASES; ++p, ++phase_index) {
-            // the phase's input is ready once every block finished the phase before
-            unsigned long long t0 = now_ns();
-            if (t == 0) {
-                const unsigned target = phase_index * blocks;
-                while (load_acquire(params.counter) < target) __nanosleep(20);
-                __threadfence();
-            }
-            if (t == 0) at_barrier += now_ns() - t0;
-            consumers_sync();
-            const int inner = phase_inner(p), chunks = inner / 16;
-            // x: attn (o), rms(residual) (gate_up, qkv), act (down); this thread's chunks as f16 pairs
-            u32 pairs[MAX_CHUNKS][8];
-            float unscale[MAX_CHUNKS];
-            float scale_x = 1.0f;
-            if (p == 1 || p == 3) {
-                float squares = 0.0f;
-                for (int c = t; c < chunks; c += CONSUMERS) {
-                    const float4* r = reinterpret_cast<const float4*>(params.residual + c * 16);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const float4 v = __ldcg(r + i);
-                        squares += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
-                    }
-                }
-                float v[1] = {squares};
-                warp_sums<1>(v);
-                if (lane == 0) reduce[warp][0] = v[0];
-                consumers_sync();
-                if (t == 0) {
-                    float total = 0.0f;
-                    for (int w = 0; w < CONSUMER_WARPS; ++w) total += reduce[w][0];
-                    inverse_rms = rsqrtf(total / H + 1e-5f);
-                }
-                consumers_sync();
-                scale_x = inverse_rms;
-            }
-            const int tg = t % GROUP_THREADS, group = t / GROUP_THREADS;
-#pragma unroll
-            for (int j = 0; j < MAX_CHUNKS; ++j) {
-                const int c = tg + j * GROUP_THREADS;
-                if (c < chunks) {
-                    float values[16];
-                    if (p == 1 || p == 3) {
-                        const float4* r = reinterpret_cast<const float4*>(params.residual + c * 16);
-#pragma unroll
-                        for (int i = 0; i < 4; ++i) {
-                            const float4 v = __ldcg(r + i);
-                            values[4 * i] = v.x * scale_x;
-                            values[4 * i + 1] = v.y * scale_x;
-                            values[4 * i + 2] = v.z * scale_x;
-                            values[4 * i + 3] = v.w * scale_x;
-                        }
-                    } else {
-                        const bf16* src = (p == 0 ? params.attn : params.act) + c * 16;
-                        bf16x8_to_floats(__ldcg(reinterpret_cast<const uint4*>(src)), values);
-                        bf16x8_to_floats(__ldcg(reinterpret_cast<const uint4*>(src + 8)), values + 8);
-                    }
-                    unscale[j] = chunk_to_f16(values, pairs[j]);
-                }
-            }
-            int first, last;
-            unit_range(p, b, blocks, first, last);
-            const int per = stage_units(p);
-            const float* scales = p == 0 ? layer.so : p == 1 ? layer.sgu : p == 2 ? layer.sd : layer.sqkv;
-            for (int u = first; u < last; u += per, ++it) {
-                const int n = min(per, last - u), slot = it % STAGES;
-                t0 = now_ns();
-                mbarrier_wait(full + slot, (it / STAGES) & 1);
-                if (t == 0) starved += now_ns() - t0;
-                const unsigned char* stage = ring + slot * STAGE_BYTES;
-                float acc[8];
-                const int rows = p == 1 ? 2 * per : per;  // gate_up: per features' gate rows, then up rows
-#pragma unroll
-                for (int r = 0; r < 8; ++r) {
-                    acc[r] = 0.0f;
-                    const int unit = p == 1 ? r % per : r;
-                    if (!NO_COMPUTE && r % GROUPS == group && r < rows && unit < n) {
-#pragma unroll
-                        for (int j = 0; j < MAX_CHUNKS; ++j) {
-                            const int c = tg + j * GROUP_THREADS;
-                            if (c < chunks) {
-                                const uint4 w = *reinterpret_cast<const uint4*>(stage + r * inner + c * 16);
-                                acc[r] += dot16(w, pairs[j], unscale[j]);
-                            }
-                        }
-                    }
-                }
-                __syncwarp();
-                if (lane == 0) mbarrier_arrive(empty + slot);  // this warp is done reading the stage
-                // the warp's 8 row sums, reduce-scattered: lane l ends with row ((l >> 2) & 7)'s
-                const float total = reduce_scatter8(acc, lane);
-                const int r = (lane >> 2) & 7, unit = p == 1 ? r % per : r;
-                if ((lane & 3) == 0 && r < rows && unit < n) {
-                    const int local = u - first + unit + (p == 1 && r >= per ? MAX_LOCAL / 2 : 0);
-                    partial[warp][local] = total;
-                }
-            }
-            // the block's rows of the phase: the warps' sums, scaled, written; then counted in
-            t0 = now_ns();
-            consumers_sync();
-            const int units = last - first;
-            for (int f = t; f < units; f += CONSUMERS) {
-                float total = 0.0f, up = 0.0f;
-#pragma unroll
-                for (int w = 0; w < CONSUMER_WARPS; ++w) {
-                    total += partial[w][f];
-                    if (p == 1) up += partial[w][MAX_LOCAL / 2 + f];
-                }
-                const int unit = first + f;
-                if (p == 0 || p == 2) {
-                    params.residual[unit] += total * __ldg(scales + unit);
-                } else if (p == 1) {
-                    const float g = total * __ldg(scales + unit), v = up * __ldg(scales + I + unit);
-                    params.act[unit] = __float2bfloat16_rn(silu(g) * v);
-                } else {
-                    params.qkv[unit] = __float2bfloat16_rn(total * __ldg(scales + unit));
-                }
-            }
-            consumers_sync();
-            if (t == 0) {
-                __threadfence();
-                atomicAdd(params.counter, 1u);
-                ends += now_ns() - t0;
-            }
-        }
-        // the next layer reads qkv[0, H) as its attn
-        params.attn = params.qkv;
+        c.phase<0>(l, layer.so);
+        c.phase<1>(l, layer.sgu);
+        c.phase<2>(l, layer.sd);
+        c.phase<3>(l, layer.sqkv);
+        c.attn = params.qkv;  // the next layer reads qkv[0, H) as its attn
     }
     if (t == 0) {
-        params.stats[b * 4] = starved;
-        params.stats[b * 4 + 1] = at_barrier;
-        params.stats[b * 4 + 2] = ends;
+        params.stats[b * 4] = c.starved;
+        params.stats[b * 4 + 1] = c.at_barrier;
+        params.stats[b * 4 + 2] = c.ends;
     }
 }
 
@@ -506,6 +532,8 @@ int main(int argc, char** argv) {
     unsigned *counter, *sink;
     unsigned long long* stats;
     CHECK(cudaMalloc(&stats, 8 * 4 * 1024));
+    float* sumsq;
+    CHECK(cudaMalloc(&sumsq, sizeof(float) * PHASES * num_layers));
     CHECK(cudaMalloc(&residual, H * 4));
     CHECK(cudaMalloc(&residual0, H * 4));
     CHECK(cudaMalloc(&inverse_rms, 4));
@@ -525,7 +553,8 @@ int main(int argc, char** argv) {
         CHECK(cudaMemcpyAsync(residual, residual0, H * 4, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemcpyAsync(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemsetAsync(counter, 0, 4));
-        Params params{layers, layers_run, residual, attn, act, qkv, counter, stats};
+        CHECK(cudaMemsetAsync(sumsq, 0, sizeof(float) * PHASES * num_layers));
+        Params params{layers, layers_run, residual, attn, act, qkv, counter, stats, sumsq};
         persistent_layers<<<sms, THREADS, smem>>>(params);
         CHECK(cudaGetLastError());
     };
@@ -585,7 +614,8 @@ int main(int argc, char** argv) {
         CHECK(cudaMemcpy(residual, residual0, H * 4, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemcpy(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemset(counter, 0, 4));
-        Params params{layers, num_layers, residual, attn, act, qkv, counter, stats};
+        CHECK(cudaMemset(sumsq, 0, sizeof(float) * PHASES * num_layers));
+        Params params{layers, num_layers, residual, attn, act, qkv, counter, stats, sumsq};
         CHECK(cudaEventRecord(start));
         persistent_layers<<<sms, THREADS, smem>>>(params);
         CHECK(cudaEventRecord(stop));
