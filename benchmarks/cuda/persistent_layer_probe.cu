@@ -110,16 +110,6 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
 
-__device__ __forceinline__ void bf16x8_to_floats(uint4 raw, float* out) {
-    const bf16x2* pairs = reinterpret_cast<const bf16x2*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(pairs[i]);
-        out[2 * i] = f.x;
-        out[2 * i + 1] = f.y;
-    }
-}
-
 // x chunk (16 values from `values`, f32) as f16 pairs under a power of two; returns the unscale.
 __device__ __forceinline__ float chunk_to_f16(const float* values, u32* pairs) {
     float amax = 0.0f;
@@ -240,8 +230,8 @@ struct Consumer {
                     }
                 } else {
                     const bf16* src = (P == 0 ? attn : params.act) + chunk * 16;
-                    bf16x8_to_floats(__ldcg(reinterpret_cast<const uint4*>(src)), values);
-                    bf16x8_to_floats(__ldcg(reinterpret_cast<const uint4*>(src + 8)), values + 8);
+                    Vec8<bf16>{__ldcg(reinterpret_cast<const uint4*>(src))}.to_floats(values);
+                    Vec8<bf16>{__ldcg(reinterpret_cast<const uint4*>(src + 8))}.to_floats(values + 8);
                 }
                 unscale[j] = chunk_to_f16(values, pairs[j]);
             }
