@@ -24,7 +24,8 @@
 // -DSTAGE_KB=.. -DRING_STAGES=.. size the ring (32 KB x 6); -DWARP_GROUPS=2 runs 16 consumer warps
 // (8 by default); -DPRODUCER_WAITS=1 makes the producer wait for each phase's input as the
 // consumers do, so no weight byte crosses a boundary early; -DNO_COMPUTE=1 multiplies nothing
-// (the pipeline and the barriers alone; its check then fails by design).
+// (the pipeline and the barriers alone; its check then fails by design); -DATTN_CHAIN=n puts an
+// attention stand-in before each layer's o: 8 blocks follow n dependent L2 loads, then hand x on.
 
 #include <cstdio>
 #include <cstdlib>
@@ -56,6 +57,11 @@ constexpr int CONSUMER_WARPS = 8 * GROUPS, CONSUMERS = CONSUMER_WARPS * 32, THRE
 #endif
 constexpr int STAGE_BYTES = STAGE_KB * 1024, STAGES = RING_STAGES;
 constexpr int PHASES = 4;
+#ifndef ATTN_CHAIN  // > 0: an attention stand-in before each layer's o (see `attention`)
+#define ATTN_CHAIN 0
+#endif
+constexpr int ATTN_BLOCKS = 8, CHAIN_WORDS = 1 << 18;
+constexpr int PER_LAYER = PHASES + (ATTN_CHAIN > 0 ? 1 : 0);  // grid barriers a layer
 
 struct Layer {
     const unsigned char *wo, *wgu, *wd, *wqkv;
@@ -72,6 +78,8 @@ struct Params {
     unsigned* counter;  // zero before the launch
     unsigned long long* stats;  // [blocks][4] ns: consumers starved, at the grid barrier, phase ends; producer blocked
     float* sumsq;  // [layers][PHASES], zero before the launch: the residual's sum of squares after o (0), down (2)
+    const unsigned* chain;  // [CHAIN_WORDS]: a random cycle the attention stand-in follows
+    bf16* attn_out;         // [H]: what the attention stand-in hands o
 };
 
 __device__ __forceinline__ unsigned long long now_ns() {
@@ -184,6 +192,38 @@ struct Consumer {
     unsigned long long starved = 0, at_barrier = 0, ends = 0;
     const bf16* attn = params.attn;
 
+    // The attention stand-in: after the barrier, ATTN_BLOCKS blocks each follow ATTN_CHAIN dependent
+    // loads (L2 hits of a 1 MB random cycle: a decode attention's latency chain, not its bytes),
+    // then copy their share of x into attn_out; every other block only counts itself in. The
+    // producers meanwhile stream the next phases' rows.
+    __device__ __forceinline__ void attention() {
+        unsigned long long t0 = now_ns();
+        if (t == 0) {
+            const unsigned target = phase_index * blocks;
+            while (load_acquire(params.counter) < target) __nanosleep(20);
+            __threadfence();
+            at_barrier += now_ns() - t0;
+        }
+        consumers_sync();
+        t0 = now_ns();
+        if (b < ATTN_BLOCKS) {
+            if (warp == 0) {
+                unsigned at = (unsigned)(b * 4099 + lane * 131) % CHAIN_WORDS;
+                for (int i = 0; i < ATTN_CHAIN; ++i) at = __ldcg(params.chain + at);
+                if (at == 0xffffffffu) params.attn_out[0] = __float2bfloat16_rn(0.0f);  // keeps the chain
+            }
+            consumers_sync();
+            constexpr int SHARE = H / ATTN_BLOCKS;
+            for (int i = t; i < SHARE; i += CONSUMERS) params.attn_out[b * SHARE + i] = __ldcg(attn + b * SHARE + i);
+        }
+        consumers_sync();
+        if (t == 0) {
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(params.counter) : "memory");
+            ends += now_ns() - t0;
+        }
+        ++phase_index;
+    }
+
     template <int P>
     __device__ __forceinline__ void phase(int l, const float* scales) {
         constexpr int K = phase_inner(P), CHUNKS = K / 16, PER = stage_units(P);
@@ -229,7 +269,7 @@ struct Consumer {
                         values[4 * i + 3] = v.w;
                     }
                 } else {
-                    const bf16* src = (P == 0 ? attn : params.act) + chunk * 16;
+                    const bf16* src = (P == 0 ? (ATTN_CHAIN > 0 ? params.attn_out : attn) : params.act) + chunk * 16;
                     Vec8<bf16>{__ldcg(reinterpret_cast<const uint4*>(src))}.to_floats(values);
                     Vec8<bf16>{__ldcg(reinterpret_cast<const uint4*>(src + 8))}.to_floats(values + 8);
                 }
@@ -347,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
                 const int per = stage_units(p), inner = phase_inner(p);
                 const unsigned char* w = p == 0 ? layer.wo : p == 1 ? layer.wgu : p == 2 ? layer.wd : layer.wqkv;
                 if (PRODUCER_WAITS) {
-                    const unsigned target = (unsigned)(l * PHASES + p) * blocks;
+                    const unsigned target = (unsigned)(l * PER_LAYER + PER_LAYER - PHASES + p) * blocks;
                     while (load_acquire(params.counter) < target) __nanosleep(20);
                 }
                 for (int u = first; u < last; u += per, ++it) {
@@ -382,6 +422,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
     consumers_sync();
     for (int l = 0; l < params.num_layers; ++l) {
         const Layer layer = params.layers[l];
+        if (ATTN_CHAIN > 0) c.attention();
         c.phase<0>(l, layer.so);
         c.phase<1>(l, layer.sgu);
         c.phase<2>(l, layer.sd);
@@ -524,6 +565,23 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&stats, 8 * 4 * 1024));
     float* sumsq;
     CHECK(cudaMalloc(&sumsq, sizeof(float) * PHASES * num_layers));
+    unsigned* chain;
+    bf16* attn_out;
+    CHECK(cudaMalloc(&chain, sizeof(unsigned) * CHAIN_WORDS));
+    CHECK(cudaMalloc(&attn_out, H * 2));
+    {
+        std::vector<unsigned> order(CHAIN_WORDS), next(CHAIN_WORDS);
+        for (int i = 0; i < CHAIN_WORDS; ++i) order[i] = i;
+        unsigned state = 2463534242u;
+        for (int i = CHAIN_WORDS - 1; i > 0; --i) {  // a random cycle through every word
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            std::swap(order[i], order[state % (i + 1)]);
+        }
+        for (int i = 0; i < CHAIN_WORDS; ++i) next[order[i]] = order[(i + 1) % CHAIN_WORDS];
+        CHECK(cudaMemcpy(chain, next.data(), sizeof(unsigned) * CHAIN_WORDS, cudaMemcpyHostToDevice));
+    }
     CHECK(cudaMalloc(&residual, H * 4));
     CHECK(cudaMalloc(&residual0, H * 4));
     CHECK(cudaMalloc(&inverse_rms, 4));
@@ -544,7 +602,7 @@ int main(int argc, char** argv) {
         CHECK(cudaMemcpyAsync(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemsetAsync(counter, 0, 4));
         CHECK(cudaMemsetAsync(sumsq, 0, sizeof(float) * PHASES * num_layers));
-        Params params{layers, layers_run, residual, attn, act, qkv, counter, stats, sumsq};
+        Params params{layers, layers_run, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out};
         persistent_layers<<<sms, THREADS, smem>>>(params);
         CHECK(cudaGetLastError());
     };
@@ -605,7 +663,7 @@ int main(int argc, char** argv) {
         CHECK(cudaMemcpy(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemset(counter, 0, 4));
         CHECK(cudaMemset(sumsq, 0, sizeof(float) * PHASES * num_layers));
-        Params params{layers, num_layers, residual, attn, act, qkv, counter, stats, sumsq};
+        Params params{layers, num_layers, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out};
         CHECK(cudaEventRecord(start));
         persistent_layers<<<sms, THREADS, smem>>>(params);
         CHECK(cudaEventRecord(stop));
