@@ -21,11 +21,12 @@
 // Build and run on the GPU machine:
 //   nvcc -std=c++17 -O3 -arch=sm_90a -I kernels/common -o /tmp/probe benchmarks/cuda/persistent_layer_probe.cu
 //   /tmp/probe [layers]
-// -DSTAGE_KB=.. -DRING_STAGES=.. size the ring (32 KB x 6); -DWARP_GROUPS=2 runs 16 consumer warps
-// (8 by default); -DPRODUCER_WAITS=1 makes the producer wait for each phase's input as the
-// consumers do, so no weight byte crosses a boundary early; -DNO_COMPUTE=1 multiplies nothing
-// (the pipeline and the barriers alone; its check then fails by design); -DATTN_CHAIN=n puts an
-// attention stand-in before each layer's o: 8 blocks follow n dependent L2 loads, then hand x on.
+// -DSTAGE_KB=.. -DRING_STAGES=.. size the ring (32 KB x 6); -DWARP_GROUPS=2 runs 16 consumer
+// warps (8 by default), each group a contiguous share of a stage's rows; -DPRODUCER_WAITS=1
+// makes the producer wait for each phase's input as the consumers do, so no weight byte crosses
+// a boundary early; -DNO_COMPUTE=1 multiplies nothing (the pipeline and the barriers alone; its
+// check then fails by design); -DATTN_CHAIN=n puts an attention stand-in before each layer's o:
+// 8 blocks follow n dependent L2 loads, then hand x on.
 
 #include <cstdio>
 #include <cstdlib>
@@ -177,7 +178,7 @@ __device__ __forceinline__ float reduce_scatter8(const float* v, int lane) {
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
 constexpr int MAX_LOCAL = 256;  // a block's units of a phase (gate_up: features, twice) on >= 128 SMs
-static_assert(STAGE_BYTES / (2 * H) <= 4 && STAGE_BYTES / H <= 8 && STAGE_BYTES >= I, "a stage holds 1..8 rows");
+static_assert(STAGE_BYTES / H <= 8 * GROUPS && STAGE_BYTES >= I, "a stage holds 1..8 rows a warp group");
 
 // The consumer warps' side: one phase at a time, its stages multiplied as they land.
 struct Consumer {
@@ -192,18 +193,23 @@ struct Consumer {
     unsigned long long starved = 0, at_barrier = 0, ends = 0;
     const bf16* attn = params.attn;
 
+    // The grid barrier before a phase: thread 0 waits until every block counted the phase before in.
+    __device__ __forceinline__ void wait_for_phase_input() {
+        if (t != 0) return;
+        const unsigned long long t0 = now_ns();
+        const unsigned target = phase_index * blocks;
+        while (load_acquire(params.counter) < target) __nanosleep(20);
+        __threadfence();
+        at_barrier += now_ns() - t0;
+    }
+
     // The attention stand-in: after the barrier, ATTN_BLOCKS blocks each follow ATTN_CHAIN dependent
     // loads (L2 hits of a 1 MB random cycle: a decode attention's latency chain, not its bytes),
     // then copy their share of x into attn_out; every other block only counts itself in. The
     // producers meanwhile stream the next phases' rows.
     __device__ __forceinline__ void attention() {
+        wait_for_phase_input();
         unsigned long long t0 = now_ns();
-        if (t == 0) {
-            const unsigned target = phase_index * blocks;
-            while (load_acquire(params.counter) < target) __nanosleep(20);
-            __threadfence();
-            at_barrier += now_ns() - t0;
-        }
         consumers_sync();
         t0 = now_ns();
         if (b < ATTN_BLOCKS) {
@@ -229,6 +235,8 @@ struct Consumer {
         constexpr int K = phase_inner(P), CHUNKS = K / 16, PER = stage_units(P);
         constexpr int ROWS = P == 1 ? 2 * PER : PER;  // gate_up: PER features' gate rows, then up rows
         constexpr int MINE = (CHUNKS + GROUP_THREADS - 1) / GROUP_THREADS;  // x chunks a thread owns
+        constexpr int RPG = ROWS / GROUPS;  // a warp group's rows of a stage: rows [group RPG, + RPG)
+        static_assert(ROWS % GROUPS == 0 && RPG <= 8, "a stage's rows split evenly over the warp groups");
         int first, last;
         unit_range(P, b, blocks, first, last);
         const int units = last - first;
@@ -238,13 +246,10 @@ struct Consumer {
             scale = __ldg(scales + first + t);
             if (P == 1) scale_up = __ldg(scales + I + first + t);
         }
+        wait_for_phase_input();
         unsigned long long t0 = now_ns();
-        if (t == 0) {
-            const unsigned target = phase_index * blocks;
-            while (load_acquire(params.counter) < target) __nanosleep(20);
-            __threadfence();
-            at_barrier += now_ns() - t0;
-        }
+        // a warp writes only its group's rows below: the others' entries of this phase start at zero
+        for (int f = lane; f < MAX_LOCAL; f += 32) partial[warp][f] = 0.0f;
         consumers_sync();
         // the norm's sum of squares is read beside x; a uniform scale only moves each chunk's power of
         // two, so it multiplies the unscales once known
@@ -289,26 +294,26 @@ struct Consumer {
             const unsigned char* stage = ring + slot * STAGE_BYTES;
             float acc[8];
 #pragma unroll
-            for (int r = 0; r < 8; ++r) {
-                acc[r] = 0.0f;
-                const int unit = P == 1 ? r % PER : r;
-                if (!NO_COMPUTE && r < ROWS && r % GROUPS == group && unit < n) {
+            for (int lr = 0; lr < 8; ++lr) {
+                acc[lr] = 0.0f;
+                const int r = group * RPG + lr, unit = P == 1 ? r % PER : r;
+                if (!NO_COMPUTE && lr < RPG && unit < n) {
 #pragma unroll
                     for (int j = 0; j < MINE; ++j) {
                         const int chunk = tg + j * GROUP_THREADS;
                         if (MINE * GROUP_THREADS == CHUNKS || chunk < CHUNKS) {
                             const uint4 w = *reinterpret_cast<const uint4*>(stage + r * K + chunk * 16);
-                            acc[r] += dot16(w, pairs[j], unscale[j]);
+                            acc[lr] += dot16(w, pairs[j], unscale[j]);
                         }
                     }
                 }
             }
             __syncwarp();
             if (lane == 0) mbarrier_arrive(empty + slot);  // this warp is done reading the stage
-            // the warp's 8 row sums, reduce-scattered: lane l ends with row ((l >> 2) & 7)'s
+            // the warp's 8 row sums, reduce-scattered: lane l ends with local row ((l >> 2) & 7)'s
             const float total = reduce_scatter8(acc, lane);
-            const int r = (lane >> 2) & 7, unit = P == 1 ? r % PER : r;
-            if ((lane & 3) == 0 && r < ROWS && unit < n)
+            const int lr = (lane >> 2) & 7, r = group * RPG + lr, unit = P == 1 ? r % PER : r;
+            if ((lane & 3) == 0 && lr < RPG && unit < n)
                 partial[warp][u - first + unit + (P == 1 && r >= PER ? MAX_LOCAL / 2 : 0)] = total;
         }
         // the block's rows: the warps' sums, scaled, written (o and down: the owned residual rows,
