@@ -26,9 +26,7 @@ class DenseFeedForward:
 
     @property
     def needs(self) -> WorkspaceNeeds:
-        return WorkspaceNeeds(
-            scratch=(self.intermediate_size,), intermediate=self.hidden_size + 2 * self.intermediate_size
-        )
+        return dense_needs(self.intermediate_size, self.hidden_size)
 
     def forward(self, step: LayerStep, residual: Tensor) -> None:
         dense = step.backend.dense
@@ -52,15 +50,31 @@ class MoeFeedForward:
 
     @property
     def needs(self) -> WorkspaceNeeds:
-        return WorkspaceNeeds(
-            scratch=(self.hidden_size,),
-            intermediate=self.top_k * 2 * self.expert_intermediate_size + self.hidden_size,
-            top_k=self.top_k,
-        )
+        return moe_needs(self.top_k, self.expert_intermediate_size, self.hidden_size)
 
     def forward(self, step: LayerStep, residual: Tensor) -> None:
-        moe = step.backend.moe
-        normed = step.scratch(0, self.hidden_size)
-        expert_ids, expert_weights = step.routing(self.top_k)
-        moe.route(residual, self.moe, normed, expert_ids, expert_weights)
-        moe.experts(normed, self.moe, expert_ids, expert_weights, residual)
+        normed, expert_ids, expert_weights = route_tokens(step, residual, self.moe, self.top_k, self.hidden_size)
+        step.backend.moe.experts(normed, self.moe, expert_ids, expert_weights, residual)
+
+
+def dense_needs(intermediate_size: int, hidden_size: int) -> WorkspaceNeeds:
+    """The scratch a dense feed-forward's step takes: act(gate) * up."""
+    return WorkspaceNeeds(scratch=(intermediate_size,), intermediate=hidden_size + 2 * intermediate_size)
+
+
+def moe_needs(top_k: int, expert_intermediate_size: int, hidden_size: int) -> WorkspaceNeeds:
+    """The scratch a mixture of experts' step takes: the normed rows, and each token's top k."""
+    return WorkspaceNeeds(
+        scratch=(hidden_size,), intermediate=top_k * 2 * expert_intermediate_size + hidden_size, top_k=top_k
+    )
+
+
+def route_tokens(
+    step: LayerStep, residual: Tensor, moe: PreparedMoe, top_k: int, hidden_size: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The MoE's input norm and routing: (normed rows, expert ids, expert weights) for the
+    experts that follow (all of them, or a rank's)."""
+    normed = step.scratch(0, hidden_size)
+    expert_ids, expert_weights = step.routing(top_k)
+    step.backend.moe.route(residual, moe, normed, expert_ids, expert_weights)
+    return normed, expert_ids, expert_weights

@@ -29,9 +29,7 @@ class AttentionMixer:
 
     @property
     def needs(self) -> WorkspaceNeeds:
-        heads = self.spec.heads
-        qkv_width = self.spec.q_width + 2 * heads.kv_size
-        return WorkspaceNeeds(scratch=(self.spec.q_width, heads.q_size), intermediate=self.hidden_size + qkv_width)
+        return attention_needs(self.spec, self.hidden_size)
 
     def forward(self, step: LayerStep, residual: Tensor) -> None:
         attention, dense = step.backend.attention, step.backend.dense
@@ -74,6 +72,13 @@ class DeltaNetMixer:
     def forward(self, step: LayerStep, residual: Tensor) -> None:
         out = delta_net_heads(step, residual, self.spec, self.group, self.input, self.delta_net)
         step.backend.dense.project_add(out, self.output, residual)
+
+
+def attention_needs(spec: AttentionLayer, hidden_size: int) -> WorkspaceNeeds:
+    """The scratch an attention mixer's step takes: the queries and the attended heads."""
+    heads = spec.heads
+    qkv_width = spec.q_width + 2 * heads.kv_size
+    return WorkspaceNeeds(scratch=(spec.q_width, heads.q_size), intermediate=hidden_size + qkv_width)
 
 
 def delta_net_needs(spec: DeltaNetLayer, hidden_size: int) -> WorkspaceNeeds:

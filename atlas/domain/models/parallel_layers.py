@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from atlas.domain.models.layers import LayerStep, WorkspaceNeeds
-from atlas.domain.models.mixers import delta_net_heads, delta_net_needs
+from atlas.domain.models.feed_forward import dense_needs, moe_needs, route_tokens
+from atlas.domain.models.mixers import attention_needs, delta_net_heads, delta_net_needs
 from atlas.ports.comm import CommBackend
 from atlas.ports.gpu import Kind, Tensor
 from atlas.ports.kernels.attention import AttentionLayer, PreparedAttention
@@ -66,9 +67,7 @@ class ParallelAttentionMixer:
 
     @property
     def needs(self) -> WorkspaceNeeds:
-        heads = self.spec.heads
-        qkv_width = self.spec.q_width + 2 * heads.kv_size
-        return WorkspaceNeeds(scratch=(self.spec.q_width, heads.q_size), intermediate=self.hidden_size + qkv_width)
+        return attention_needs(self.spec, self.hidden_size)
 
     def forward(self, step: LayerStep, residual: Tensor) -> None:
         attention = step.backend.attention
@@ -121,9 +120,7 @@ class ParallelDenseFeedForward:
 
     @property
     def needs(self) -> WorkspaceNeeds:
-        return WorkspaceNeeds(
-            scratch=(self.intermediate_size,), intermediate=self.hidden_size + 2 * self.intermediate_size
-        )
+        return dense_needs(self.intermediate_size, self.hidden_size)
 
     def forward(self, step: LayerStep, residual: Tensor) -> None:
         dense = step.backend.dense
@@ -151,17 +148,11 @@ class ParallelMoeFeedForward:
 
     @property
     def needs(self) -> WorkspaceNeeds:
-        return WorkspaceNeeds(
-            scratch=(self.hidden_size,),
-            intermediate=self.top_k * 2 * self.expert_intermediate_size + self.hidden_size,
-            top_k=self.top_k,
-        )
+        return moe_needs(self.top_k, self.expert_intermediate_size, self.hidden_size)
 
     def forward(self, step: LayerStep, residual: Tensor) -> None:
-        moe = step.backend.moe
-        normed = step.scratch(0, self.hidden_size)
-        expert_ids, expert_weights = step.routing(self.top_k)
-        moe.route(residual, self.moe, normed, expert_ids, expert_weights)
+        normed, expert_ids, expert_weights = route_tokens(step, residual, self.moe, self.top_k, self.hidden_size)
         # the rank that carries the residual adds its experts' share; the others write theirs
-        moe.experts(normed, self.moe, expert_ids, expert_weights, residual, accumulate=self.sums.carries_residual)
+        step.backend.moe.experts(normed, self.moe, expert_ids, expert_weights, residual,
+                                 accumulate=self.sums.carries_residual)
         self.sums.reduce(residual)
