@@ -26,10 +26,16 @@
 // makes the producer wait for each phase's input as the consumers do, so no weight byte crosses
 // a boundary early; -DNO_COMPUTE=1 multiplies nothing (the pipeline and the barriers alone; its
 // check then fails by design); -DATTN_CHAIN=n puts an attention stand-in before each layer's o:
-// 8 blocks follow n dependent L2 loads, then hand x on.
+// 8 blocks follow n dependent L2 loads, then hand x on. -DMMA_CONSUMERS=1 runs the products on
+// tensor cores (x in shared memory, 5 stages; -DX_SMEM=0 keeps x in registers, -DACC_CHAINS=n);
+// -DEARLY_RELEASE=0 frees a slot only after the products; -DGU_INTERLEAVE=1 stores gate_up a
+// feature's gate and up rows together; -DPREFETCH_AHEAD=n asks L2 for the stage n ahead.
+// PROBE_DEBUG=1 in the environment also checks the mma fragments and the o phase alone.
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "atlas_common.cuh"
@@ -45,13 +51,32 @@ constexpr int H = 4096, I = 14336, QKV = 6144;
 #ifndef NO_COMPUTE  // 1: consumers take each stage and multiply nothing (the pipeline alone)
 #define NO_COMPUTE 0
 #endif
+#ifndef MMA_CONSUMERS  // 1: the products on tensor cores (see `stream_mma`); 0: fma.f16x2 chains (faster)
+#define MMA_CONSUMERS 0
+#endif
+#ifndef X_SMEM  // 1: the mma form's x in shared memory (f16), read each span; 0: in registers for the phase
+#define X_SMEM 1
+#endif
+#ifndef GU_INTERLEAVE  // 1: gate_up's rows stored gate, up, gate, up, ... a feature at a time, so that a stage
+#define GU_INTERLEAVE 0   // is one copy; 0: every gate row, then every up row (two copies a stage, as Atlas)
+#endif
+constexpr bool MMA = MMA_CONSUMERS != 0;
 constexpr int GROUPS = WARP_GROUPS, GROUP_THREADS = 256;
 constexpr int CONSUMER_WARPS = 8 * GROUPS, CONSUMERS = CONSUMER_WARPS * 32, THREADS = CONSUMERS + 32;
 #ifndef STAGE_KB
 #define STAGE_KB 32
 #endif
 #ifndef RING_STAGES
-#define RING_STAGES 6
+#define RING_STAGES (MMA_CONSUMERS && X_SMEM ? 5 : 6)
+#endif
+#ifndef EARLY_RELEASE  // 1: a consumer warp reads its share of a stage into registers and frees the slot
+#define EARLY_RELEASE 1   // before its products
+#endif
+#ifndef ACC_CHAINS  // the mma form's independent accumulator chains a stage
+#define ACC_CHAINS 2
+#endif
+#ifndef PREFETCH_AHEAD  // > 0: the producer asks L2 for the stage this many ahead of the one it copies
+#define PREFETCH_AHEAD 0
 #endif
 #ifndef PRODUCER_WAITS  // 1: the producer waits for each phase's input too (a kernel chain's boundary)
 #define PRODUCER_WAITS 0
@@ -78,9 +103,11 @@ struct Params {
     bf16* qkv;          // [QKV]
     unsigned* counter;  // zero before the launch
     unsigned long long* stats;  // [blocks][4] ns: consumers starved, at the grid barrier, phase ends; producer blocked
-    float* sumsq;  // [layers][PHASES], zero before the launch: the residual's sum of squares after o (0), down (2)
+    float* sumsq;  // [layers][PHASES], zero before the launch: the residual's sum of squares after o (0), down (2);
+                   // the largest |act| (1) and |qkv| (3), as float bits
     const unsigned* chain;  // [CHAIN_WORDS]: a random cycle the attention stand-in follows
     bf16* attn_out;         // [H]: what the attention stand-in hands o
+    int only_phases;        // > 0: stop after this many of the first layer's phases (PROBE_DEBUG)
 };
 
 __device__ __forceinline__ unsigned long long now_ns() {
@@ -95,6 +122,14 @@ __host__ __device__ constexpr int phase_units(int p) { return p == 0 ? H : p == 
 __host__ __device__ constexpr int phase_inner(int p) { return p == 2 ? I : H; }
 __host__ __device__ constexpr int stage_units(int p) {
     return p == 1 ? STAGE_BYTES / (2 * H) : STAGE_BYTES / phase_inner(p);
+}
+
+// A gate_up stage row r (of `per` features): its feature within the stage, and whether it is the up row.
+__host__ __device__ constexpr int gu_feature(int r, int per) { return GU_INTERLEAVE ? r >> 1 : r % per; }
+__host__ __device__ constexpr bool gu_up(int r, int per) { return GU_INTERLEAVE ? (r & 1) != 0 : r >= per; }
+// The physical row of feature f's gate (or up) row.
+__host__ __device__ constexpr long long gu_row(int f, bool up) {
+    return GU_INTERLEAVE ? 2LL * f + up : f + (up ? I : 0);
 }
 
 __device__ __forceinline__ void unit_range(int p, int b, int blocks, int& first, int& last) {
@@ -188,6 +223,7 @@ struct Consumer {
     u64* empty;
     float (*partial)[MAX_LOCAL];
     float* own_residual;
+    u32* xs;  // the mma form's x (X_SMEM): [I / 2] f16 pairs
     int t, warp, lane, b, blocks;
     unsigned it = 0, phase_index = 0;
     unsigned long long starved = 0, at_barrier = 0, ends = 0;
@@ -230,6 +266,139 @@ struct Consumer {
         ++phase_index;
     }
 
+    // The mma form of a phase's products, over the same stages as the fma.f16x2 form (a stage: 8 rows
+    // of K = 4096, gate_up's 4 gate rows then their 4 up rows, or 2 rows of down's 14336). The
+    // weights are B of m16n8k16 steps, B's 8 columns the stage's (row, segment) pairs: each row's K
+    // in SEGS = 8 / rows segments. A row m holds x's segment m % SEGS, so C[m][n] with equal
+    // segments is row n's partial product. Warp w takes columns [w WK, + WK) of every segment, in
+    // 64-column spans: lane (g, q) = (lane / 4, lane % 4) loads the 16 bytes at 16 q of its column
+    // g's span, the B fragments of four steps (one cvt.rn.f16x2.e4m3x2 a pair). Its x, the A
+    // fragments, comes from shared memory each span (X_SMEM) or stays in registers for the phase:
+    // f16 under a power of two (the normalised rows are at most sqrt(H) and go as they are; act and
+    // qkv so that their largest magnitude, which the phase that wrote them counted, sits in
+    // [2^14, 2^15)). f32 accumulators, so no per-chunk power of two is needed. Slower than the
+    // fma.f16x2 form (docs/lab/cuda-runs.md, session 14); kept to measure against it.
+    template <int P>
+    __device__ __forceinline__ void stream_mma(int l, int first, int last) {
+        constexpr int K = phase_inner(P), PER = stage_units(P), ROWS = P == 1 ? 2 * PER : PER;
+        constexpr int SEGS = 8 / ROWS, SEG = K / SEGS, WK = SEG / CONSUMER_WARPS, SPANS = WK / 64;
+        static_assert(ROWS * SEGS == 8 && SEG % (64 * CONSUMER_WARPS) == 0, "a stage is 8 (row, segment) columns");
+        const int g = lane >> 2, q = lane & 3;
+        float x_scale = 1.0f;
+        if (P == 1 || P == 3) x_scale = rsqrtf(__ldcg(params.sumsq + l * PHASES + P - 1) / H + 1e-5f);
+        if (P == 0 || P == 2) {
+            const float amax = P == 2  ? __ldcg(params.sumsq + l * PHASES + 1)
+                               : l > 0 ? __ldcg(params.sumsq + (l - 1) * PHASES + 3)
+                                       : 1.0f;  // layer 0's attn is the probe's, within [-1, 1]
+            const int e = amax > 0.0f ? (int)((__float_as_uint(amax) >> 23) & 0xff) - 127 : 0;
+            x_scale = __uint_as_float((u32)(14 - e + 127) << 23);
+        }
+        const float unscale = (P == 1 || P == 3) ? 1.0f : 1.0f / x_scale;
+        const int x_base = (g % SEGS) * SEG + warp * WK + q * 16;  // A row g's columns of this lane
+        const bf16* source = P == 0 ? (ATTN_CHAIN > 0 ? params.attn_out : attn) : params.act;
+        constexpr int XR = X_SMEM ? 1 : SPANS;
+        u32 xr[XR][8];
+        // x_smem: every consumer converts 16 values a pass; registers: each lane its own spans
+#pragma unroll
+        for (int sp = 0; sp < (X_SMEM ? (K / 16 + CONSUMERS - 1) / CONSUMERS : SPANS); ++sp) {
+            const int at = X_SMEM ? (t + sp * CONSUMERS) * 16 : x_base + sp * 64;
+            if (X_SMEM && at >= K) break;
+            float v[16];
+            if (P == 1 || P == 3) {
+                const float4* r = reinterpret_cast<const float4*>(params.residual + at);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float4 f = __ldcg(r + i);
+                    v[4 * i] = f.x;
+                    v[4 * i + 1] = f.y;
+                    v[4 * i + 2] = f.z;
+                    v[4 * i + 3] = f.w;
+                }
+            } else {
+                Vec8<bf16>{__ldcg(reinterpret_cast<const uint4*>(source + at))}.to_floats(v);
+                Vec8<bf16>{__ldcg(reinterpret_cast<const uint4*>(source + at + 8))}.to_floats(v + 8);
+            }
+            u32 packed[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) packed[i] = pack_f16x2(v[2 * i] * x_scale, v[2 * i + 1] * x_scale);
+            if (X_SMEM) {
+                uint4* dst = reinterpret_cast<uint4*>(xs + at / 2);
+                dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+                dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+            } else {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) xr[X_SMEM ? 0 : sp][i] = packed[i];
+            }
+        }
+        if (X_SMEM) consumers_sync();
+        const int w_base = (g / SEGS) * K + (g % SEGS) * SEG + warp * WK + q * 16;  // B column g's bytes
+        for (int u = first; u < last; u += PER, ++it) {
+            const int n = min(PER, last - u), slot = it % STAGES;
+            const unsigned long long t0 = now_ns();
+            mbarrier_wait(full + slot, (it / STAGES) & 1);
+            if (t == 0) starved += now_ns() - t0;
+            float acc[ACC_CHAINS][4] = {};
+            if (!NO_COMPUTE) {
+                const unsigned char* stage = ring + slot * STAGE_BYTES + w_base;
+                uint4 wv[SPANS];
+#pragma unroll
+                for (int sp = 0; sp < SPANS; ++sp) wv[sp] = *reinterpret_cast<const uint4*>(stage + sp * 64);
+                if (EARLY_RELEASE) {
+                    __syncwarp();
+                    if (lane == 0) mbarrier_arrive(empty + slot);
+                }
+#pragma unroll
+                for (int sp = 0; sp < SPANS; ++sp) {
+                    const uint4 w = wv[sp];
+                    const u32 words[4] = {w.x, w.y, w.z, w.w};
+                    if (X_SMEM) {
+                        const uint4* src = reinterpret_cast<const uint4*>(xs + (x_base + sp * 64) / 2);
+                        const uint4 x0 = src[0], x1 = src[1];
+                        const u32 xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+                        for (int i = 0; i < 8; ++i) xr[0][i] = xw[i];
+                    }
+                    u32 (&xs_sp)[8] = xr[X_SMEM ? 0 : sp];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const u32 a[4] = {xs_sp[2 * i], xs_sp[2 * i], xs_sp[2 * i + 1], xs_sp[2 * i + 1]};
+                        const u32 b[2] = {fp8x2_to_f16x2(words[i] & 0xffffu), fp8x2_to_f16x2(words[i] >> 16)};
+                        mma_f16_16816(acc[(sp * 4 + i) % ACC_CHAINS], a, b);
+                    }
+                }
+            }
+            if (!EARLY_RELEASE || NO_COMPUTE) {
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive(empty + slot);
+            }
+            float c0 = 0.0f, c1 = 0.0f;  // C[g][2q], C[g][2q + 1]
+#pragma unroll
+            for (int c = 0; c < ACC_CHAINS; ++c) {
+                c0 += acc[c][0];
+                c1 += acc[c][1];
+            }
+            if (SEGS == 1) {  // every A row is x: lanes 0..3 hold the 8 rows' sums
+                if (g == 0) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int r = 2 * q + e;  // the stage's row; gate_up: features 0..3's gate, then up rows
+                        const int unit = P == 1 ? gu_feature(r, PER) : r;
+                        if (unit < n)
+                            partial[warp][u - first + unit + (P == 1 && gu_up(r, PER) ? MAX_LOCAL / 2 : 0)] =
+                                (e ? c1 : c0) * unscale;
+                    }
+                }
+            } else {  // down: row q / 2's segment sums sit where A's segment (g) is B's ((2q + e) % 4)
+                float v = g < SEGS ? (g == (2 * q) % SEGS ? c0 : g == (2 * q + 1) % SEGS ? c1 : 0.0f) : 0.0f;
+                v += __shfl_xor_sync(0xffffffffu, v, 1);
+                v += __shfl_xor_sync(0xffffffffu, v, 4);
+                v += __shfl_xor_sync(0xffffffffu, v, 8);
+                const int r = q >> 1;
+                if ((lane & ~2) == 0 && r < n) partial[warp][u - first + r] = v * unscale;
+            }
+        }
+    }
+
     template <int P>
     __device__ __forceinline__ void phase(int l, const float* scales) {
         constexpr int K = phase_inner(P), CHUNKS = K / 16, PER = stage_units(P);
@@ -251,6 +420,9 @@ struct Consumer {
         // a warp writes only its group's rows below: the others' entries of this phase start at zero
         for (int f = lane; f < MAX_LOCAL; f += 32) partial[warp][f] = 0.0f;
         consumers_sync();
+        if constexpr (MMA) {
+            stream_mma<P>(l, first, last);
+        } else {
         // the norm's sum of squares is read beside x; a uniform scale only moves each chunk's power of
         // two, so it multiplies the unscales once known
         float sum_squares = 0.0f;
@@ -292,29 +464,47 @@ struct Consumer {
             mbarrier_wait(full + slot, (it / STAGES) & 1);
             if (t == 0) starved += now_ns() - t0;
             const unsigned char* stage = ring + slot * STAGE_BYTES;
+            // the warp's share of the stage (at most 8 chunks a lane), read out first where EARLY_RELEASE
+            // lets the producer refill the slot while the products run
+            uint4 wv[RPG][MINE];
+#pragma unroll
+            for (int lr = 0; lr < RPG; ++lr) {
+                const int r = group * RPG + lr;
+#pragma unroll
+                for (int j = 0; j < MINE; ++j) {
+                    const int chunk = tg + j * GROUP_THREADS;
+                    if (MINE * GROUP_THREADS == CHUNKS || chunk < CHUNKS)
+                        wv[lr][j] = *reinterpret_cast<const uint4*>(stage + r * K + chunk * 16);
+                }
+            }
+            if (EARLY_RELEASE) {
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive(empty + slot);
+            }
             float acc[8];
 #pragma unroll
             for (int lr = 0; lr < 8; ++lr) {
                 acc[lr] = 0.0f;
-                const int r = group * RPG + lr, unit = P == 1 ? r % PER : r;
+                const int r = group * RPG + lr, unit = P == 1 ? gu_feature(r, PER) : r;
                 if (!NO_COMPUTE && lr < RPG && unit < n) {
 #pragma unroll
                     for (int j = 0; j < MINE; ++j) {
                         const int chunk = tg + j * GROUP_THREADS;
-                        if (MINE * GROUP_THREADS == CHUNKS || chunk < CHUNKS) {
-                            const uint4 w = *reinterpret_cast<const uint4*>(stage + r * K + chunk * 16);
-                            acc[lr] += dot16(w, pairs[j], unscale[j]);
-                        }
+                        if (MINE * GROUP_THREADS == CHUNKS || chunk < CHUNKS)
+                            acc[lr] += dot16(wv[lr < RPG ? lr : 0][j], pairs[j], unscale[j]);
                     }
                 }
             }
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive(empty + slot);  // this warp is done reading the stage
+            if (!EARLY_RELEASE) {
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive(empty + slot);  // this warp is done reading the stage
+            }
             // the warp's 8 row sums, reduce-scattered: lane l ends with local row ((l >> 2) & 7)'s
             const float total = reduce_scatter8(acc, lane);
-            const int lr = (lane >> 2) & 7, r = group * RPG + lr, unit = P == 1 ? r % PER : r;
+            const int lr = (lane >> 2) & 7, r = group * RPG + lr, unit = P == 1 ? gu_feature(r, PER) : r;
             if ((lane & 3) == 0 && lr < RPG && unit < n)
-                partial[warp][u - first + unit + (P == 1 && r >= PER ? MAX_LOCAL / 2 : 0)] = total;
+                partial[warp][u - first + unit + (P == 1 && gu_up(r, PER) ? MAX_LOCAL / 2 : 0)] = total;
+        }
         }
         // the block's rows: the warps' sums, scaled, written (o and down: the owned residual rows,
         // their squares added to the next norm's sum); then counted in
@@ -334,16 +524,21 @@ struct Consumer {
                 own_residual[t] = value;
                 params.residual[unit] = value;
                 squares = value * value;
-            } else if (P == 1) {
-                params.act[unit] = __float2bfloat16_rn(silu(total * scale) * (up * scale_up));
-            } else {
-                params.qkv[unit] = __float2bfloat16_rn(total * scale);
+            } else {  // act or qkv, and its magnitude (the mma form scales the next phase's x by it)
+                const bf16 value = __float2bfloat16_rn(P == 1 ? silu(total * scale) * (up * scale_up) : total * scale);
+                (P == 1 ? params.act : params.qkv)[unit] = value;
+                squares = fabsf(__bfloat162float(value));
             }
         }
         if (P == 0 || P == 2) {
             float v[1] = {squares};
             warp_sums<1>(v);
             if (lane == 0 && warp < (units + 31) / 32) atomicAdd(params.sumsq + l * PHASES + P, v[0]);
+        } else {
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) squares = fmaxf(squares, __shfl_xor_sync(0xffffffffu, squares, o));
+            if (lane == 0 && warp < (units + 31) / 32)
+                atomicMax(reinterpret_cast<int*>(params.sumsq) + l * PHASES + P, __float_as_int(squares));
         }
         consumers_sync();
         if (t == 0) {
@@ -361,11 +556,67 @@ struct Consumer {
     }
 };
 
+// The producer's walk over its block's stages, layer after layer, phase after phase.
+struct StageCursor {
+    const Params* params;
+    int b, blocks;
+    int l = 0, p = 0, u = 0, first = 0, last = 0;
+
+    // from (l, p) on, the first phase with units for this block
+    __device__ void enter() {
+        while (l < params->num_layers) {
+            unit_range(p, b, blocks, first, last);
+            u = first;
+            if (u < last && !(params->only_phases > 0 && p >= params->only_phases)) return;
+            if (++p == PHASES) {
+                p = 0;
+                ++l;
+            }
+        }
+    }
+    __device__ bool valid() const { return l < params->num_layers; }
+    __device__ void next() {
+        u += stage_units(p);
+        if (u < last) return;
+        if (++p == PHASES) {
+            p = 0;
+            ++l;
+        }
+        enter();
+    }
+    // the stage's bytes: one run, or gate_up's gate rows and up rows (not interleaved)
+    __device__ int parts(const unsigned char** src, u32* bytes) const {
+        const Layer& layer = params->layers[l];
+        const unsigned char* w = p == 0 ? layer.wo : p == 1 ? layer.wgu : p == 2 ? layer.wd : layer.wqkv;
+        const int inner = phase_inner(p), n = min(stage_units(p), last - u);
+        if (p == 1) {
+            src[0] = w + gu_row(u, false) * inner;
+            bytes[0] = (u32)n * inner * (GU_INTERLEAVE ? 2 : 1);
+            if (GU_INTERLEAVE) return 1;
+            src[1] = w + gu_row(u, true) * inner;
+            bytes[1] = (u32)n * inner;
+            return 2;
+        }
+        src[0] = w + (long long)u * inner;
+        bytes[0] = (u32)n * inner;
+        return 1;
+    }
+    // asks L2 for the stage's bytes (PREFETCH_AHEAD stages before its copy)
+    __device__ void prefetch() const {
+        const unsigned char* src[2];
+        u32 bytes[2];
+        const int n = parts(src, bytes);
+        for (int i = 0; i < n; ++i)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src[i]), "r"(bytes[i]) : "memory");
+    }
+};
+
 extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Params params) {
     extern __shared__ __align__(128) unsigned char smem[];
     unsigned char* ring = smem;
     u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_BYTES);
     u64* empty = full + STAGES;
+    u32* xs = reinterpret_cast<u32*>(empty + STAGES);
     __shared__ float partial[CONSUMER_WARPS][MAX_LOCAL];  // each warp's sum of each of the block's rows
     __shared__ float own_residual[MAX_LOCAL];  // the residual rows this block owns (o's and down's)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -382,37 +633,31 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
     if (warp == CONSUMER_WARPS) {  // the producer: every stage of every phase of every layer, in order
         if (lane != 0) return;
         const u64 policy = l2_evict_first();
-        unsigned it = 0;
         unsigned long long blocked = 0;
-        for (int l = 0; l < params.num_layers; ++l) {
-            const Layer layer = params.layers[l];
-            for (int p = 0; p < PHASES; ++p) {
-                int first, last;
-                unit_range(p, b, blocks, first, last);
-                const int per = stage_units(p), inner = phase_inner(p);
-                const unsigned char* w = p == 0 ? layer.wo : p == 1 ? layer.wgu : p == 2 ? layer.wd : layer.wqkv;
-                if (PRODUCER_WAITS) {
-                    const unsigned target = (unsigned)(l * PER_LAYER + PER_LAYER - PHASES + p) * blocks;
-                    while (load_acquire(params.counter) < target) __nanosleep(20);
-                }
-                for (int u = first; u < last; u += per, ++it) {
-                    const int n = min(per, last - u), slot = it % STAGES;
-                    const unsigned long long t0 = now_ns();
-                    mbarrier_wait(empty + slot, ((it / STAGES) & 1) ^ 1);
-                    blocked += now_ns() - t0;
-                    unsigned char* dst = ring + slot * STAGE_BYTES;
-                    if (p == 1) {  // the features' gate rows, then their up rows
-                        const u32 bytes = (u32)n * inner;
-                        mbarrier_arrive_expect_tx(full + slot, 2 * bytes);
-                        bulk_copy(dst, w + (long long)u * inner, bytes, full + slot, policy);
-                        bulk_copy(dst + per * inner, w + (long long)(I + u) * inner, bytes, full + slot, policy);
-                    } else {
-                        const u32 bytes = (u32)n * inner;
-                        mbarrier_arrive_expect_tx(full + slot, bytes);
-                        bulk_copy(dst, w + (long long)u * inner, bytes, full + slot, policy);
-                    }
-                }
+        StageCursor cur{&params, b, blocks}, ahead{&params, b, blocks};
+        cur.enter();
+        ahead.enter();
+        for (int i = 0; i < PREFETCH_AHEAD && ahead.valid(); ++i, ahead.next()) ahead.prefetch();
+        for (unsigned it = 0; cur.valid(); ++it, cur.next()) {
+            if (PREFETCH_AHEAD > 0 && ahead.valid()) {
+                ahead.prefetch();
+                ahead.next();
             }
+            if (PRODUCER_WAITS && cur.u == cur.first) {
+                const unsigned target = (unsigned)(cur.l * PER_LAYER + PER_LAYER - PHASES + cur.p) * blocks;
+                while (load_acquire(params.counter) < target) __nanosleep(20);
+            }
+            const int slot = it % STAGES;
+            const unsigned long long t0 = now_ns();
+            mbarrier_wait(empty + slot, ((it / STAGES) & 1) ^ 1);
+            blocked += now_ns() - t0;
+            const unsigned char* src[2];
+            u32 bytes[2];
+            const int parts = cur.parts(src, bytes);
+            mbarrier_arrive_expect_tx(full + slot, bytes[0] + (parts > 1 ? bytes[1] : 0));
+            unsigned char* dst = ring + slot * STAGE_BYTES;
+            bulk_copy(dst, src[0], bytes[0], full + slot, policy);
+            if (parts > 1) bulk_copy(dst + stage_units(1) * H, src[1], bytes[1], full + slot, policy);
         }
         params.stats[b * 4 + 3] = blocked;
         return;
@@ -420,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
 
     // consumers
     const int t = threadIdx.x;
-    Consumer c{params, ring, full, empty, partial, own_residual, t, warp, lane, b, blocks};
+    Consumer c{params, ring, full, empty, partial, own_residual, xs, t, warp, lane, b, blocks};
     int first, last;
     unit_range(0, b, blocks, first, last);  // o and down own the same residual rows
     for (int f = t; f < last - first; f += CONSUMERS) own_residual[f] = params.residual[first + f];
@@ -429,6 +674,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
         const Layer layer = params.layers[l];
         if (ATTN_CHAIN > 0) c.attention();
         c.phase<0>(l, layer.so);
+        if (params.only_phases == 1) break;
         c.phase<1>(l, layer.sgu);
         c.phase<2>(l, layer.sd);
         c.phase<3>(l, layer.sqkv);
@@ -484,12 +730,38 @@ __global__ void ref_phase(int p, Layer layer, float* residual, const bf16* attn,
         __syncwarp();
         if (lane == 0) residual[unit] += s;  // every row read x before any wrote: x is not the residual here
     } else if (p == 1) {
-        const float g = row_dot(layer.wgu, unit) * layer.sgu[unit];
-        const float v = row_dot(layer.wgu, I + unit) * layer.sgu[I + unit];
+        const float g = row_dot(layer.wgu, gu_row(unit, false)) * layer.sgu[unit];
+        const float v = row_dot(layer.wgu, gu_row(unit, true)) * layer.sgu[I + unit];
         if (lane == 0) act[unit] = __float2bfloat16_rn(silu(g) * v);
     } else {
         const float s = row_dot(layer.wqkv, unit) * layer.sqkv[unit];
         if (lane == 0) qkv[unit] = __float2bfloat16_rn(s);
+    }
+}
+
+// One warp, one 64-column span of 8 rows: the mma form's fragments against a plain sum (PROBE_DEBUG).
+__global__ void mma_selftest(const unsigned char* w, const float* x, float* out) {
+    const int lane = threadIdx.x, g = lane >> 2, q = lane & 3;
+    const uint4 wv = *reinterpret_cast<const uint4*>(w + g * 64 + q * 16);
+    const u32 words[4] = {wv.x, wv.y, wv.z, wv.w};
+    u32 xs[8];
+    for (int i = 0; i < 8; ++i) xs[i] = pack_f16x2(x[q * 16 + 2 * i], x[q * 16 + 2 * i + 1]);
+    float acc[4] = {0, 0, 0, 0};
+    for (int i = 0; i < 4; ++i) {
+        const u32 a[4] = {xs[2 * i], xs[2 * i], xs[2 * i + 1], xs[2 * i + 1]};
+        const u32 b[2] = {fp8x2_to_f16x2(words[i] & 0xffffu), fp8x2_to_f16x2(words[i] >> 16)};
+        mma_f16_16816(acc, a, b);
+    }
+    if (g == 0) {
+        out[2 * q] = acc[0];
+        out[2 * q + 1] = acc[1];
+    }
+    if (lane == 0) {
+        for (int r = 0; r < 8; ++r) {
+            float s = 0.0f;
+            for (int k = 0; k < 64; ++k) s += e4m3(w[r * 64 + k]) * x[k];
+            out[8 + r] = s;
+        }
     }
 }
 
@@ -513,7 +785,7 @@ __global__ void fill_bf16(bf16* p, int n, unsigned seed) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         unsigned h = (unsigned)i * 2654435761u ^ seed;
         h ^= h >> 16;
-        p[i] = __float2bfloat16_rn(((h % 2001) - 1000) / 1000.0f);
+        p[i] = __float2bfloat16_rn(((int)(h % 2001) - 1000) / 1000.0f);  // within [-1, 1]
     }
 }
 
@@ -600,14 +872,15 @@ int main(int argc, char** argv) {
     fill_floats<<<16, 256>>>(residual0, H, 0.25f);
     CHECK(cudaDeviceSynchronize());
 
-    const int smem = STAGES * STAGE_BYTES + 2 * STAGES * 8;
+    const int smem = STAGES * STAGE_BYTES + 2 * STAGES * 8 + (MMA && X_SMEM ? I * 2 : 0);
     CHECK(cudaFuncSetAttribute(persistent_layers, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    auto run_persistent = [&](int layers_run) {
+    auto run_persistent = [&](int layers_run, int only_phases = 0) {
         CHECK(cudaMemcpyAsync(residual, residual0, H * 4, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemcpyAsync(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemsetAsync(counter, 0, 4));
         CHECK(cudaMemsetAsync(sumsq, 0, sizeof(float) * PHASES * num_layers));
-        Params params{layers, layers_run, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out};
+        Params params{layers, layers_run, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out,
+                      only_phases};
         persistent_layers<<<sms, THREADS, smem>>>(params);
         CHECK(cudaGetLastError());
     };
@@ -648,6 +921,56 @@ int main(int argc, char** argv) {
     }
     printf("check over %d layers: residual delta rel L2 %.2e (rms delta %.3e), qkv rel L2 %.2e\n", check_layers,
            sqrt(err / norm), sqrt(norm / H), sqrt(err_q / norm_q));
+    if (getenv("PROBE_DEBUG")) {  // where a wrong check went wrong: the fragments alone, then one layer
+        float *x64, *out16;
+        CHECK(cudaMalloc(&x64, 64 * 4));
+        CHECK(cudaMalloc(&out16, 16 * 4));
+        std::vector<float> hx(64), ho(16);
+        for (int k = 0; k < 64; ++k) hx[k] = (k % 7) - 3.0f;
+        CHECK(cudaMemcpy(x64, hx.data(), 64 * 4, cudaMemcpyHostToDevice));
+        mma_selftest<<<1, 32>>>(weights, x64, out16);
+        CHECK(cudaMemcpy(ho.data(), out16, 16 * 4, cudaMemcpyDeviceToHost));
+        printf("mma selftest (got / want):");
+        for (int r = 0; r < 8; ++r) printf(" %.4g/%.4g", ho[r], ho[8 + r]);
+        printf("\n");
+        run_persistent(1, 1);  // o alone, against the reference's o
+        CHECK(cudaDeviceSynchronize());
+        std::vector<float> got_o(H), want_o(H);
+        CHECK(cudaMemcpy(got_o.data(), residual, H * 4, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(residual, residual0, H * 4, cudaMemcpyDeviceToDevice));
+        CHECK(cudaMemcpy(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
+        ref_phase<<<H / 8, 256>>>(0, host_layers[0], residual, attn, act, qkv, inverse_rms);
+        CHECK(cudaMemcpy(want_o.data(), residual, H * 4, cudaMemcpyDeviceToHost));
+        int nan_o = 0, first_nan = -1;
+        double e_o = 0, n_o = 0;
+        for (int i = 0; i < H; ++i) {
+            if (!std::isfinite(got_o[i])) {
+                if (first_nan < 0) first_nan = i;
+                ++nan_o;
+                continue;
+            }
+            e_o += (got_o[i] - want_o[i]) * (double)(got_o[i] - want_o[i]);
+            n_o += (want_o[i] - 0.25) * (double)(want_o[i] - 0.25);
+        }
+        printf("o alone: non-finite %d (first %d), finite rows rel L2 %.2e; got[0..3] %.4g %.4g %.4g %.4g "
+               "want %.4g %.4g\n",
+               nan_o, first_nan, sqrt(e_o / n_o), got_o[0], got_o[1], got_o[2], got_o[3], want_o[0], want_o[1]);
+        run_persistent(1);
+        CHECK(cudaDeviceSynchronize());
+        std::vector<unsigned short> got_act(I);
+        std::vector<float> stat(PHASES);
+        CHECK(cudaMemcpy(got_act.data(), act, I * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(stat.data(), sumsq, PHASES * 4, cudaMemcpyDeviceToHost));
+        int bad = 0;
+        double amax = 0;
+        for (int i = 0; i < I; ++i) {
+            const float v = bf(got_act[i]);
+            if (!std::isfinite(v)) ++bad;
+            else amax = fmax(amax, fabs(v));
+        }
+        printf("one layer: act non-finite %d, |act| max %.3e; counts %.3e %.3e %.3e %.3e; act[0..2] %.3e %.3e %.3e\n",
+               bad, amax, stat[0], stat[1], stat[2], stat[3], bf(got_act[0]), bf(got_act[1]), bf(got_act[2]));
+    }
 
     cudaEvent_t start, stop;
     CHECK(cudaEventCreate(&start));
@@ -668,7 +991,7 @@ int main(int argc, char** argv) {
         CHECK(cudaMemcpy(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemset(counter, 0, 4));
         CHECK(cudaMemset(sumsq, 0, sizeof(float) * PHASES * num_layers));
-        Params params{layers, num_layers, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out};
+        Params params{layers, num_layers, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out, 0};
         CHECK(cudaEventRecord(start));
         persistent_layers<<<sms, THREADS, smem>>>(params);
         CHECK(cudaEventRecord(stop));
@@ -680,8 +1003,8 @@ int main(int argc, char** argv) {
         }
     }
     const double per_layer = best_p * 1e3 / num_layers, at_rate = layer_bytes / read_rate * 1e6;
-    printf("%d layers, %.1f MB a layer; read rate %.3f TB/s (%d SMs, %d stages of %d KB)\n", num_layers,
-           layer_bytes / 1e6, read_rate / 1e12, sms, STAGES, STAGE_BYTES / 1024);
+    printf("%d layers, %.1f MB a layer; read rate %.3f TB/s (%d SMs, %d stages of %d KB, %s)\n", num_layers,
+           layer_bytes / 1e6, read_rate / 1e12, sms, STAGES, STAGE_BYTES / 1024, MMA ? "mma" : "fma.f16x2");
     printf("persistent: %.2f us a layer (best of 5; mean %.2f), bytes at the read rate %.2f us: %.1f%%\n", per_layer,
            sum_p / 5 * 1e3 / num_layers, at_rate, 100.0 * at_rate / per_layer);
     std::vector<unsigned long long> host_stats(4 * sms);
