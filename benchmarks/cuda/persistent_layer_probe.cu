@@ -154,6 +154,19 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
 
+// 16 floats from global memory through L2 (another block may have just written them).
+__device__ __forceinline__ void load16_cg(const float* src, float* v) {
+    const float4* r = reinterpret_cast<const float4*>(src);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const float4 f = __ldcg(r + i);
+        v[4 * i] = f.x;
+        v[4 * i + 1] = f.y;
+        v[4 * i + 2] = f.z;
+        v[4 * i + 3] = f.w;
+    }
+}
+
 // x chunk (16 values from `values`, f32) as f16 pairs under a power of two; returns the unscale.
 __device__ __forceinline__ float chunk_to_f16(const float* values, u32* pairs) {
     float amax = 0.0f;
@@ -305,15 +318,7 @@ struct Consumer {
             if (X_SMEM && at >= K) break;
             float v[16];
             if (P == 1 || P == 3) {
-                const float4* r = reinterpret_cast<const float4*>(params.residual + at);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float4 f = __ldcg(r + i);
-                    v[4 * i] = f.x;
-                    v[4 * i + 1] = f.y;
-                    v[4 * i + 2] = f.z;
-                    v[4 * i + 3] = f.w;
-                }
+                load16_cg(params.residual + at, v);
             } else {
                 Vec8<bf16>{__ldcg(reinterpret_cast<const uint4*>(source + at))}.to_floats(v);
                 Vec8<bf16>{__ldcg(reinterpret_cast<const uint4*>(source + at + 8))}.to_floats(v + 8);
@@ -436,15 +441,7 @@ struct Consumer {
             if (chunk < CHUNKS) {
                 float values[16];
                 if (P == 1 || P == 3) {
-                    const float4* r = reinterpret_cast<const float4*>(params.residual + chunk * 16);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const float4 v = __ldcg(r + i);
-                        values[4 * i] = v.x;
-                        values[4 * i + 1] = v.y;
-                        values[4 * i + 2] = v.z;
-                        values[4 * i + 3] = v.w;
-                    }
+                    load16_cg(params.residual + chunk * 16, values);
                 } else {
                     const bf16* src = (P == 0 ? (ATTN_CHAIN > 0 ? params.attn_out : attn) : params.act) + chunk * 16;
                     Vec8<bf16>{__ldcg(reinterpret_cast<const uint4*>(src))}.to_floats(values);
