@@ -1,6 +1,7 @@
-"""The pieces the attention-decoder loaders share (Qwen3-MoE, Gemma 3, GPT-OSS): RoPE tables
-per layer type, the KV cache groups, an attention mixer from a layer's q/k/v/o tensors, a dense
-GLU, and the vocabulary. Projections come as stored, float or FP8 with their scales, where the
+"""The pieces the attention-decoder loaders share (Qwen3-MoE, Gemma 3, GPT-OSS; Llama and
+Qwen3-Next take some): RoPE tables per layer type, the KV cache groups, an attention mixer from a
+layer's q/k/v/o tensors, a dense GLU, the vocabulary, and the model assembled from its layers
+with loading progress. Projections come as stored, float or FP8 with their scales, where the
 loader's `CheckpointReader` has the checkpoint's quantization.
 
 What a family decides is data passed in: how its checkpoint stores norm weights (`NormReader`),
@@ -20,7 +21,9 @@ from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, group_cach
 from atlas.domain.models.checkpoint import CheckpointReader
 from atlas.domain.models.config import SLIDING_ATTENTION, ModelConfig, ModelConfigError, Rope
 from atlas.domain.models.feed_forward import DenseFeedForward
+from atlas.domain.models.layers import Layer
 from atlas.domain.models.mixers import AttentionMixer
+from atlas.domain.models.model import Model
 from atlas.domain.models.rope import rope_table
 from atlas.ports.gpu import DType, GpuBackend, Tensor
 from atlas.ports.kernels.attention import AttentionLayer, HeadLayout, HostAttention
@@ -165,6 +168,28 @@ def glu_feed_forward(
         intermediate_size=intermediate,
         hidden_size=hidden,
     )
+
+
+def assemble(
+    config: ModelConfig,
+    backend: GpuBackend,
+    groups: tuple[CacheGroupSpec, ...],
+    layer: Callable[[int], Layer],
+    vocab: Callable[[], Vocab],
+    progress: ProgressCallback | None,
+) -> Model:
+    """The model from its layers, built in order by `layer(index)`, then its vocabulary: one
+    loading step each, reported as `progress(done, total)` after it."""
+    total = config.num_layers + 1
+    layers = []
+    for index in range(config.num_layers):
+        layers.append(layer(index))
+        if progress:
+            progress(index + 1, total)
+    built = vocab()
+    if progress:
+        progress(total, total)
+    return Model(backend, built, layers, groups, config.hidden_size, config.vocab_size)
 
 
 def vocabulary(

@@ -13,6 +13,8 @@ ignores `attn_logit_softcapping`, so a config that sets it is refused).
 
 from __future__ import annotations
 
+from functools import partial
+
 from atlas.domain.models import decoder
 from atlas.domain.models.checkpoint import CheckpointReader
 from atlas.domain.models.config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, ModelConfigError
@@ -57,9 +59,9 @@ def load_gemma3(
     tables = decoder.rope_tables(config, backend, max_positions)
     scale = (config.query_pre_attn_scalar or QUERY_PRE_ATTN_SCALAR) ** -0.5
     options = decoder.AttentionOptions(norm, scale, qk_norm=True, post_norm="post_attention_layernorm")
-    hidden, total_steps = config.hidden_size, config.num_layers + 1
-    layers = []
-    for index in range(config.num_layers):
+    hidden = config.hidden_size
+
+    def layer(index: int) -> Layer:
         prefix = f"model.layers.{index}"
         mixer = decoder.attention_mixer(config, reader, backend, index, groups, tables[index], options)
         feed_forward = decoder.glu_feed_forward(
@@ -67,13 +69,11 @@ def load_gemma3(
             input_norm=norm(f"{prefix}.pre_feedforward_layernorm.weight", hidden), gated=gated,
             output_norm=norm(f"{prefix}.post_feedforward_layernorm.weight", hidden),
         )  # fmt: skip
-        layers.append(Layer(mixer, feed_forward))
-        if progress:
-            progress(index + 1, total_steps)
-    vocab = decoder.vocabulary(
-        config, reader, backend, norm, embedding_scale=hidden**0.5, logit_softcap=config.final_logit_softcap
-    )
-    if progress:
-        progress(total_steps, total_steps)
-    return Model(backend, vocab, layers, groups, hidden, config.vocab_size)
+        return Layer(mixer, feed_forward)
+
+    vocab = partial(
+        decoder.vocabulary, config, reader, backend, norm,
+        embedding_scale=hidden**0.5, logit_softcap=config.final_logit_softcap,
+    )  # fmt: skip
+    return decoder.assemble(config, backend, groups, layer, vocab, progress)
 

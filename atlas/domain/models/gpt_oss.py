@@ -18,6 +18,8 @@ Published checkpoints are MXFP4 (quant_method "mxfp4"): dequantized to bf16 here
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from atlas.domain.models import decoder, mxfp4
@@ -54,18 +56,14 @@ def load_gpt_oss(
     groups = decoder.kv_groups(config)
     tables = decoder.rope_tables(config, backend, max_positions)
     options = decoder.AttentionOptions(norm, scale=config.head_dim**-0.5, sinks=True)
-    total_steps = config.num_layers + 1
-    layers = []
-    for index in range(config.num_layers):
+
+    def layer(index: int) -> Layer:
         mixer = decoder.attention_mixer(config, reader, backend, index, groups, tables[index], options)
         post_norm = norm(f"model.layers.{index}.post_attention_layernorm.weight", config.hidden_size)
-        layers.append(Layer(mixer, _moe(config, reader, backend, index, post_norm, routing)))
-        if progress:
-            progress(index + 1, total_steps)
-    vocab = decoder.vocabulary(config, reader, backend, norm)
-    if progress:
-        progress(total_steps, total_steps)
-    return Model(backend, vocab, layers, groups, config.hidden_size, config.vocab_size)
+        return Layer(mixer, _moe(config, reader, backend, index, post_norm, routing))
+
+    vocab = partial(decoder.vocabulary, config, reader, backend, norm)
+    return decoder.assemble(config, backend, groups, layer, vocab, progress)
 
 
 def _moe(

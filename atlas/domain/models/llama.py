@@ -10,6 +10,8 @@ projections; the backend prepares each.
 
 from __future__ import annotations
 
+from functools import partial
+
 from atlas.domain.models import decoder
 from atlas.domain.models.cache_groups import CacheGroupSpec, locate
 from atlas.domain.models.checkpoint import CheckpointReader
@@ -22,9 +24,9 @@ from atlas.domain.models.model import Model
 from atlas.domain.models.rope import rope_table
 from atlas.ports.gpu import DType, GpuBackend, Kind, Tensor
 from atlas.ports.kernels.attention import AttentionLayer, HeadLayout, HostAttention
-from atlas.ports.kernels.dense import HostProjection, HostVocab
-from atlas.ports.kernels.host_weights import Activation, HostLinear
-from atlas.ports.weights import WeightError, WeightSource
+from atlas.ports.kernels.dense import HostProjection
+from atlas.ports.kernels.host_weights import Activation
+from atlas.ports.weights import WeightSource
 
 ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -50,32 +52,12 @@ def load_llama_family(
     config.json's quantization_config describes them); raises WeightError naming a bad tensor."""
     activation = decoder.activation(config)
     reader = CheckpointReader(weights, read_quantization(config.raw))
-    hidden, eps = config.hidden_size, config.rms_norm_eps
-    total_steps = config.num_layers + 2
     decoder.check_layer_types(config, (FULL_ATTENTION, SLIDING_ATTENTION))
     groups = decoder.kv_groups(config)
     table = backend.upload(rope_table(config, max_positions), DType.F32)
-    layers = []
-    for index in range(config.num_layers):
-        layers.append(_layer(config, reader, backend, index, activation, table, groups))
-        if progress:
-            progress(index + 1, total_steps)
-
-    lm_head: HostLinear | None = None
-    if not config.tie_word_embeddings:
-        if "lm_head.weight" not in reader:
-            raise WeightError("the checkpoint has no lm_head.weight and config.json does not tie word embeddings")
-        lm_head = reader.linear("lm_head", config.vocab_size, hidden)
-    vocab = backend.dense.prepare_vocab(
-        HostVocab(
-            embedding=reader.array("model.embed_tokens.weight", (config.vocab_size, hidden)),
-            final_norm=reader.norm("model.norm.weight", hidden, eps),
-            lm_head=lm_head,
-        )
-    )
-    if progress:
-        progress(total_steps, total_steps)
-    return Model(backend, vocab, layers, groups, hidden, config.vocab_size)
+    layer = partial(_layer, config, reader, backend, activation=activation, table=table, groups=groups)
+    vocab = partial(decoder.vocabulary, config, reader, backend, decoder.plain_norms(reader, config.rms_norm_eps))
+    return decoder.assemble(config, backend, groups, layer, vocab, progress)
 
 
 def _layer(

@@ -12,6 +12,8 @@ scales, experts included (`quantization_weights.stack_experts`).
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from atlas.domain.models import decoder
@@ -53,18 +55,14 @@ def load_qwen3_moe(
     groups = decoder.kv_groups(config)
     tables = decoder.rope_tables(config, backend, max_positions)
     options = decoder.AttentionOptions(norm, scale=config.head_dim**-0.5, qk_norm=True)
-    total_steps = config.num_layers + 1
-    layers = []
-    for index in range(config.num_layers):
+
+    def layer(index: int) -> Layer:
         mixer = decoder.attention_mixer(config, reader, backend, index, groups, tables[index], options)
         post_norm = norm(f"model.layers.{index}.post_attention_layernorm.weight", config.hidden_size)
-        layers.append(Layer(mixer, _feed_forward(config, reader, backend, index, post_norm, gated, routing)))
-        if progress:
-            progress(index + 1, total_steps)
-    vocab = decoder.vocabulary(config, reader, backend, norm)
-    if progress:
-        progress(total_steps, total_steps)
-    return Model(backend, vocab, layers, groups, config.hidden_size, config.vocab_size)
+        return Layer(mixer, _feed_forward(config, reader, backend, index, post_norm, gated, routing))
+
+    vocab = partial(decoder.vocabulary, config, reader, backend, norm)
+    return decoder.assemble(config, backend, groups, layer, vocab, progress)
 
 
 def _feed_forward(

@@ -33,12 +33,13 @@ published checkpoint runs in bf16, its kernel taking one layout for all six part
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from atlas.domain.models import decoder
 from atlas.domain.models.cache_groups import CacheGroupSpec, KvShape, StateShape, group_caches, locate
 from atlas.domain.models.checkpoint import CheckpointReader
 from atlas.domain.models.config import ModelConfig, ModelConfigError
@@ -69,8 +70,6 @@ ARCHITECTURES = (
 _ALWAYS_RENORMALISED = ("qwen3_5_moe_text", "qwen3_5_moe")
 LINEAR, FULL = "linear_attention", "full_attention"
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25  # what transformers assumes when config.json names none
-
-ProgressCallback = Callable[[int, int], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +179,7 @@ def load_qwen3_next(
     weights: WeightSource,
     backend: GpuBackend,
     max_positions: int,
-    progress: ProgressCallback | None = None,
+    progress: decoder.ProgressCallback | None = None,
 ) -> Model:
     """Build a `Model` from a Qwen3-Next checkpoint (its `mtp.*` head is left to `load_mtp`);
     raises WeightError naming a missing or misshapen tensor, ModelConfigError for config.json."""
@@ -188,22 +187,20 @@ def load_qwen3_next(
     reader = CheckpointReader(weights, read_quantization(config.raw))
     builder = _LayerBuilder(config, shape, reader, backend, max_positions)
     groups = cache_groups(config, shape)
-    total_steps = config.num_layers + 2
-    layers = []
-    for index, kind in enumerate(shape.layer_types):
+
+    def layer(index: int) -> Layer:
         prefix = f"{builder.model_prefix}layers.{index}."
         group, position = locate(groups, index)
-        if kind == LINEAR:
+        if shape.layer_types[index] == LINEAR:
             mixer = builder.delta_net(prefix, group, position)
         else:
             mixer = builder.attention(prefix, group, position)
-        layers.append(Layer(mixer, builder.feed_forward(prefix, shape.is_moe(index))))
-        if progress:
-            progress(index + 1, total_steps)
-    vocab = backend.dense.prepare_vocab(builder.vocab())
-    if progress:
-        progress(total_steps, total_steps)
-    return Model(backend, vocab, layers, groups, config.hidden_size, config.vocab_size)
+        return Layer(mixer, builder.feed_forward(prefix, shape.is_moe(index)))
+
+    def vocab() -> Vocab:
+        return backend.dense.prepare_vocab(builder.vocab())
+
+    return decoder.assemble(config, backend, groups, layer, vocab, progress)
 
 
 @dataclass(frozen=True, slots=True)
