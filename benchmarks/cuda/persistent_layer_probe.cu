@@ -29,7 +29,8 @@
 // 8 blocks follow n dependent L2 loads, then hand x on. -DMMA_CONSUMERS=1 runs the products on
 // tensor cores (x in shared memory, 5 stages; -DX_SMEM=0 keeps x in registers, -DACC_CHAINS=n);
 // -DEARLY_RELEASE=0 frees a slot only after the products; -DGU_INTERLEAVE=1 stores gate_up a
-// feature's gate and up rows together; -DPREFETCH_AHEAD=n asks L2 for the stage n ahead.
+// feature's gate and up rows together; -DPREFETCH_AHEAD=n asks L2 for the stage n ahead;
+// -DLAST_WARP_ENDS=1 lets a phase's last warp end it alone (docs/lab/cuda-runs.md, session 14).
 // PROBE_DEBUG=1 in the environment also checks the mma fragments and the o phase alone.
 
 #include <cmath>
@@ -71,6 +72,9 @@ constexpr int CONSUMER_WARPS = 8 * GROUPS, CONSUMERS = CONSUMER_WARPS * 32, THRE
 #endif
 #ifndef EARLY_RELEASE  // 1: a consumer warp reads its share of a stage into registers and frees the slot
 #define EARLY_RELEASE 1   // before its products
+#endif
+#ifndef LAST_WARP_ENDS  // 1 (fma.f16x2 form): warps add their row sums into the block's shared sums and the
+#define LAST_WARP_ENDS 0   // last warp to finish a phase ends it alone; each warp polls the grid barrier
 #endif
 #ifndef ACC_CHAINS  // the mma form's independent accumulator chains a stage
 #define ACC_CHAINS 2
@@ -227,6 +231,7 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 
 constexpr int MAX_LOCAL = 256;  // a block's units of a phase (gate_up: features, twice) on >= 128 SMs
 static_assert(STAGE_BYTES / H <= 8 * GROUPS && STAGE_BYTES >= I, "a stage holds 1..8 rows a warp group");
+static_assert(!(MMA && LAST_WARP_ENDS), "the last warp ends a phase from the fma.f16x2 form's shared sums");
 
 // The consumer warps' side: one phase at a time, its stages multiplied as they land.
 struct Consumer {
@@ -237,6 +242,9 @@ struct Consumer {
     float (*partial)[MAX_LOCAL];
     float* own_residual;
     u32* xs;  // the mma form's x (X_SMEM): [I / 2] f16 pairs
+    float (*block_sums)[MAX_LOCAL];  // LAST_WARP_ENDS: [2][MAX_LOCAL], a phase's row sums (by phase parity)
+    float (*block_scales)[MAX_LOCAL];  // LAST_WARP_ENDS: [2][MAX_LOCAL] the row scales (gate_up: and up's)
+    unsigned* warps_done;            // LAST_WARP_ENDS: warps that finished the phase
     int t, warp, lane, b, blocks;
     unsigned it = 0, phase_index = 0;
     unsigned long long starved = 0, at_barrier = 0, ends = 0;
@@ -404,6 +412,53 @@ struct Consumer {
         }
     }
 
+    // LAST_WARP_ENDS: the warp that finishes the phase last writes the block's rows from the shared
+    // sums (zeroing them for the phase after next), counts the norm's statistics and the block in;
+    // the other warps go straight on to the next phase's barrier.
+    template <int P>
+    __device__ __forceinline__ void finish_as_last_warp(int l, int first, int units, float* sums) {
+        const float* scales = block_scales[phase_index & 1];
+        const unsigned long long t0 = now_ns();
+        __syncwarp();
+        __threadfence_block();  // this warp's shared adds before its count
+        unsigned done = 0;
+        if (lane == 0) done = atomicAdd(warps_done, 1u);
+        done = __shfl_sync(0xffffffffu, done, 0);
+        if (done != CONSUMER_WARPS - 1) return;
+        __threadfence_block();  // every warp's adds, then the reads below
+        float stat = 0.0f;
+        for (int u = lane; u < units; u += 32) {
+            const float total = sums[u], scale = scales[u];
+            sums[u] = 0.0f;
+            const int unit = first + u;
+            if (P == 0 || P == 2) {
+                const float value = own_residual[u] + total * scale;
+                own_residual[u] = value;
+                params.residual[unit] = value;
+                stat += value * value;
+            } else {
+                const float up = sums[MAX_LOCAL / 2 + u] * scales[MAX_LOCAL / 2 + u];
+                if (P == 1) sums[MAX_LOCAL / 2 + u] = 0.0f;
+                const bf16 value = __float2bfloat16_rn(P == 1 ? silu(total * scale) * up : total * scale);
+                (P == 1 ? params.act : params.qkv)[unit] = value;
+                stat = fmaxf(stat, fabsf(__bfloat162float(value)));
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float other = __shfl_xor_sync(0xffffffffu, stat, o);
+            stat = (P == 0 || P == 2) ? stat + other : fmaxf(stat, other);
+        }
+        __syncwarp();
+        if (lane == 0) {
+            if (P == 0 || P == 2) atomicAdd(params.sumsq + l * PHASES + P, stat);
+            else atomicMax(reinterpret_cast<int*>(params.sumsq) + l * PHASES + P, __float_as_int(stat));
+            *warps_done = 0;
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(params.counter) : "memory");
+        }
+        if (t == 0) ends += now_ns() - t0;
+    }
+
     template <int P>
     __device__ __forceinline__ void phase(int l, const float* scales) {
         constexpr int K = phase_inner(P), CHUNKS = K / 16, PER = stage_units(P);
@@ -419,12 +474,29 @@ struct Consumer {
         if (t < units) {
             scale = __ldg(scales + first + t);
             if (P == 1) scale_up = __ldg(scales + I + first + t);
+            if (LAST_WARP_ENDS) {  // by phase parity: the last warp of the phase before may still read the other
+                block_scales[phase_index & 1][t] = scale;
+                if (P == 1) block_scales[phase_index & 1][MAX_LOCAL / 2 + t] = scale_up;
+            }
         }
-        wait_for_phase_input();
-        unsigned long long t0 = now_ns();
-        // a warp writes only its group's rows below: the others' entries of this phase start at zero
-        for (int f = lane; f < MAX_LOCAL; f += 32) partial[warp][f] = 0.0f;
-        consumers_sync();
+        float* sums = block_sums[phase_index & 1];
+        unsigned long long t0;
+        if (LAST_WARP_ENDS) {  // each warp waits for the phase's input itself
+            t0 = now_ns();
+            if (lane == 0) {
+                while (load_acquire(params.counter) < phase_index * blocks) __nanosleep(20);
+                __threadfence();
+            }
+            __syncwarp();
+            if (t == 0) at_barrier += now_ns() - t0;
+            t0 = now_ns();
+        } else {
+            wait_for_phase_input();
+            t0 = now_ns();
+            // a warp writes only its group's rows below: the others' entries of this phase start at zero
+            for (int f = lane; f < MAX_LOCAL; f += 32) partial[warp][f] = 0.0f;
+            consumers_sync();
+        }
         if constexpr (MMA) {
             stream_mma<P>(l, first, last);
         } else {
@@ -499,9 +571,17 @@ struct Consumer {
             // the warp's 8 row sums, reduce-scattered: lane l ends with local row ((l >> 2) & 7)'s
             const float total = reduce_scatter8(acc, lane);
             const int lr = (lane >> 2) & 7, r = group * RPG + lr, unit = P == 1 ? gu_feature(r, PER) : r;
-            if ((lane & 3) == 0 && lr < RPG && unit < n)
-                partial[warp][u - first + unit + (P == 1 && gu_up(r, PER) ? MAX_LOCAL / 2 : 0)] = total;
+            if ((lane & 3) == 0 && lr < RPG && unit < n) {
+                const int at = u - first + unit + (P == 1 && gu_up(r, PER) ? MAX_LOCAL / 2 : 0);
+                if (LAST_WARP_ENDS) atomicAdd(sums + at, total);
+                else partial[warp][at] = total;
+            }
         }
+        }
+        if (LAST_WARP_ENDS) {
+            finish_as_last_warp<P>(l, first, units, sums);
+            ++phase_index;
+            return;
         }
         // the block's rows: the warps' sums, scaled, written (o and down: the owned residual rows,
         // their squares added to the next norm's sum); then counted in
@@ -616,6 +696,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
     u32* xs = reinterpret_cast<u32*>(empty + STAGES);
     __shared__ float partial[CONSUMER_WARPS][MAX_LOCAL];  // each warp's sum of each of the block's rows
     __shared__ float own_residual[MAX_LOCAL];  // the residual rows this block owns (o's and down's)
+    __shared__ float block_sums[2][MAX_LOCAL], block_scales[2][MAX_LOCAL];
+    __shared__ unsigned warps_done;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int b = blockIdx.x, blocks = gridDim.x;
     if (threadIdx.x == 0) {
@@ -662,10 +744,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
 
     // consumers
     const int t = threadIdx.x;
-    Consumer c{params, ring, full, empty, partial, own_residual, xs, t, warp, lane, b, blocks};
+    Consumer c{params, ring,       full,         empty,       partial, own_residual,
+               xs,     block_sums, block_scales, &warps_done, t,       warp, lane, b, blocks};
     int first, last;
     unit_range(0, b, blocks, first, last);  // o and down own the same residual rows
     for (int f = t; f < last - first; f += CONSUMERS) own_residual[f] = params.residual[first + f];
+    for (int f = t; f < 2 * MAX_LOCAL; f += CONSUMERS) block_sums[f / MAX_LOCAL][f % MAX_LOCAL] = 0.0f;
+    if (t == 0) warps_done = 0;
     consumers_sync();
     for (int l = 0; l < params.num_layers; ++l) {
         const Layer layer = params.layers[l];
