@@ -30,7 +30,8 @@
 // tensor cores (x in shared memory, 5 stages; -DX_SMEM=0 keeps x in registers, -DACC_CHAINS=n);
 // -DEARLY_RELEASE=0 frees a slot only after the products; -DGU_INTERLEAVE=1 stores gate_up a
 // feature's gate and up rows together; -DPREFETCH_AHEAD=n asks L2 for the stage n ahead;
-// -DLAST_WARP_ENDS=1 lets a phase's last warp end it alone (docs/lab/cuda-runs.md, session 14).
+// -DLAST_WARP_ENDS=1 lets a phase's last warp end it alone; -DFUSED_MLP=1 runs gate_up and down
+// as one phase over down stored transposed (docs/lab/cuda-runs.md, session 14, has the figures).
 // PROBE_DEBUG=1 in the environment also checks the mma fragments and the o phase alone.
 
 #include <cmath>
@@ -76,6 +77,9 @@ constexpr int CONSUMER_WARPS = 8 * GROUPS, CONSUMERS = CONSUMER_WARPS * 32, THRE
 #ifndef LAST_WARP_ENDS  // 1 (fma.f16x2 form): warps add their row sums into the block's shared sums and the
 #define LAST_WARP_ENDS 0   // last warp to finish a phase ends it alone; each warp polls the grid barrier
 #endif
+#ifndef FUSED_MLP  // 1 (fma.f16x2 form): gate_up and down as one phase, down stored transposed and split over
+#define FUSED_MLP 0   // each block's features, its partial sums added across blocks (3 grid barriers a layer)
+#endif
 #ifndef ACC_CHAINS  // the mma form's independent accumulator chains a stage
 #define ACC_CHAINS 2
 #endif
@@ -112,6 +116,7 @@ struct Params {
     const unsigned* chain;  // [CHAIN_WORDS]: a random cycle the attention stand-in follows
     bf16* attn_out;         // [H]: what the attention stand-in hands o
     int only_phases;        // > 0: stop after this many of the first layer's phases (PROBE_DEBUG)
+    float* y_acc;           // [H] FUSED_MLP: the layer's down, summed over blocks (zero before the launch)
 };
 
 __device__ __forceinline__ unsigned long long now_ns() {
@@ -124,8 +129,10 @@ __device__ __forceinline__ unsigned long long now_ns() {
 // holds, and K.
 __host__ __device__ constexpr int phase_units(int p) { return p == 0 ? H : p == 1 ? I : p == 2 ? H : QKV; }
 __host__ __device__ constexpr int phase_inner(int p) { return p == 2 ? I : H; }
+// The width of the rows a phase streams: FUSED_MLP's down rows are Wd's columns (one a feature).
+__host__ __device__ constexpr int stream_inner(int p) { return FUSED_MLP && p == 2 ? H : phase_inner(p); }
 __host__ __device__ constexpr int stage_units(int p) {
-    return p == 1 ? STAGE_BYTES / (2 * H) : STAGE_BYTES / phase_inner(p);
+    return p == 1 ? STAGE_BYTES / (2 * H) : STAGE_BYTES / stream_inner(p);
 }
 
 // A gate_up stage row r (of `per` features): its feature within the stage, and whether it is the up row.
@@ -137,7 +144,7 @@ __host__ __device__ constexpr long long gu_row(int f, bool up) {
 }
 
 __device__ __forceinline__ void unit_range(int p, int b, int blocks, int& first, int& last) {
-    const int units = phase_units(p);
+    const int units = phase_units(FUSED_MLP && p == 2 ? 1 : p);  // FUSED_MLP: down over the block's features
     first = (int)((long long)units * b / blocks);
     last = (int)((long long)units * (b + 1) / blocks);
 }
@@ -232,6 +239,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g));
 constexpr int MAX_LOCAL = 256;  // a block's units of a phase (gate_up: features, twice) on >= 128 SMs
 static_assert(STAGE_BYTES / H <= 8 * GROUPS && STAGE_BYTES >= I, "a stage holds 1..8 rows a warp group");
 static_assert(!(MMA && LAST_WARP_ENDS), "the last warp ends a phase from the fma.f16x2 form's shared sums");
+static_assert(!FUSED_MLP || (!MMA && !LAST_WARP_ENDS && !PRODUCER_WAITS && GROUPS == 1 && CONSUMERS * 16 == H),
+              "FUSED_MLP: the fma.f16x2 form, 16 of down's outputs a consumer thread");
 
 // The consumer warps' side: one phase at a time, its stages multiplied as they land.
 struct Consumer {
@@ -245,6 +254,8 @@ struct Consumer {
     float (*block_sums)[MAX_LOCAL];  // LAST_WARP_ENDS: [2][MAX_LOCAL], a phase's row sums (by phase parity)
     float (*block_scales)[MAX_LOCAL];  // LAST_WARP_ENDS: [2][MAX_LOCAL] the row scales (gate_up: and up's)
     unsigned* warps_done;            // LAST_WARP_ENDS: warps that finished the phase
+    u32* act_pair;                   // FUSED_MLP: [MAX_LOCAL / 2] the block's act as (a, a) f16 pairs, scaled
+    float* act_stat;                 // FUSED_MLP: [CONSUMER_WARPS + 1] warp maxima, then the act's unscale
     int t, warp, lane, b, blocks;
     unsigned it = 0, phase_index = 0;
     unsigned long long starved = 0, at_barrier = 0, ends = 0;
@@ -412,6 +423,121 @@ struct Consumer {
         }
     }
 
+    // The sum of every consumer thread's v (a block barrier; act_stat as scratch).
+    __device__ __forceinline__ float block_sum(float v) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        consumers_sync();
+        if (lane == 0) act_stat[warp] = v;
+        consumers_sync();
+        float total = 0.0f;
+#pragma unroll
+        for (int w = 0; w < CONSUMER_WARPS; ++w) total += act_stat[w];
+        return total;
+    }
+
+    // FUSED_MLP, the end of gate_up: the block's act (its features) as f16 pairs in shared memory,
+    // scaled by a power of two so that the largest is in [8, 16): 8 products of E4M3 (<= 448)
+    // then stay under f16's range in down's f16 sums.
+    __device__ __forceinline__ void keep_act(int units, float scale, float scale_up) {
+        consumers_sync();
+        float a = 0.0f;
+        if (t < units) {
+            float total = 0.0f, up = 0.0f;
+#pragma unroll
+            for (int w = 0; w < CONSUMER_WARPS; ++w) {
+                total += partial[w][t];
+                up += partial[w][MAX_LOCAL / 2 + t];
+            }
+            a = silu(total * scale) * (up * scale_up);
+        }
+        float m = fabsf(a);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0) act_stat[warp] = m;
+        consumers_sync();
+        float amax = 0.0f;
+#pragma unroll
+        for (int w = 0; w < CONSUMER_WARPS; ++w) amax = fmaxf(amax, act_stat[w]);
+        const u32 biased = amax > 0.0f ? min(max(__float_as_uint(amax) >> 23, 16u), 240u) : 127u;
+        const float up_scale = __uint_as_float((130u - biased + 127u) << 23);  // 2^(3 - e)
+        if (t < units) act_pair[t] = pack_f16x2(a * up_scale, a * up_scale);
+        consumers_sync();  // every warp read act_stat before it is overwritten
+        if (t == 0) act_stat[CONSUMER_WARPS] = 1.0f / up_scale;
+        consumers_sync();
+    }
+
+    // FUSED_MLP, down: the block's features' rows of Wd^T (each H wide) times their act, thread t
+    // owning outputs [16 t, + 16) in f16 pairs a stage (8 rows), f32 across stages; the block's
+    // partial sums then go to y_acc with vector adds, and the block counts itself in.
+    __device__ __forceinline__ void down_fused(const float* scales) {
+        int first, last;
+        unit_range(2, b, blocks, first, last);
+        const int h0 = t * 16;
+        float out_scale[16], y[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            out_scale[i] = __ldg(scales + h0 + i);
+            y[i] = 0.0f;
+        }
+        constexpr int PER = stage_units(2);
+        for (int u = first; u < last; u += PER, ++it) {
+            const int n = min(PER, last - u), slot = it % STAGES;
+            unsigned long long t0 = now_ns();
+            mbarrier_wait(full + slot, (it / STAGES) & 1);
+            if (t == 0) starved += now_ns() - t0;
+            const unsigned char* stage = ring + slot * STAGE_BYTES + h0;
+            uint4 wv[PER];
+#pragma unroll
+            for (int r = 0; r < PER; ++r)
+                if (r < n) wv[r] = *reinterpret_cast<const uint4*>(stage + r * H);
+            if (EARLY_RELEASE) {
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive(empty + slot);
+            }
+            u32 acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+            for (int r = 0; r < PER; ++r) {
+                if (NO_COMPUTE || r >= n) continue;
+                const u32 a = act_pair[u - first + r];
+                const u32 words[4] = {wv[r].x, wv[r].y, wv[r].z, wv[r].w};
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const u32 lo = fp8x2_to_f16x2(words[i] & 0xffffu), hi = fp8x2_to_f16x2(words[i] >> 16);
+                    asm("fma.rn.f16x2 %0, %1, %2, %0;\n" : "+r"(acc[2 * i]) : "r"(lo), "r"(a));
+                    asm("fma.rn.f16x2 %0, %1, %2, %0;\n" : "+r"(acc[2 * i + 1]) : "r"(hi), "r"(a));
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                const float2 f = f16x2_to_floats(acc[i]);
+                y[2 * i] += f.x;
+                y[2 * i + 1] += f.y;
+            }
+            if (!EARLY_RELEASE) {
+                __syncwarp();
+                if (lane == 0) mbarrier_arrive(empty + slot);
+            }
+        }
+        const unsigned long long t0 = now_ns();
+        const float unscale = act_stat[CONSUMER_WARPS];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float v[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[i] = y[4 * j + i] * out_scale[4 * j + i] * unscale;
+            asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(params.y_acc + h0 + 4 * j),
+                         "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+                         : "memory");
+        }
+        consumers_sync();
+        if (t == 0) {
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(params.counter) : "memory");
+            ends += now_ns() - t0;
+        }
+        ++phase_index;
+    }
+
     // LAST_WARP_ENDS: the warp that finishes the phase last writes the block's rows from the shared
     // sums (zeroing them for the phase after next), counts the norm's statistics and the block in;
     // the other warps go straight on to the next phase's barrier.
@@ -461,6 +587,10 @@ struct Consumer {
 
     template <int P>
     __device__ __forceinline__ void phase(int l, const float* scales) {
+        if constexpr (FUSED_MLP && P == 2) {
+            down_fused(scales);
+            return;
+        }
         constexpr int K = phase_inner(P), CHUNKS = K / 16, PER = stage_units(P);
         constexpr int ROWS = P == 1 ? 2 * PER : PER;  // gate_up: PER features' gate rows, then up rows
         constexpr int MINE = (CHUNKS + GROUP_THREADS - 1) / GROUP_THREADS;  // x chunks a thread owns
@@ -503,7 +633,7 @@ struct Consumer {
         // the norm's sum of squares is read beside x; a uniform scale only moves each chunk's power of
         // two, so it multiplies the unscales once known
         float sum_squares = 0.0f;
-        if (P == 1 || P == 3) sum_squares = __ldcg(params.sumsq + l * PHASES + P - 1);
+        if ((P == 1 || P == 3) && !(FUSED_MLP && P == 3)) sum_squares = __ldcg(params.sumsq + l * PHASES + P - 1);
         const int tg = t % GROUP_THREADS, group = t / GROUP_THREADS;
         u32 pairs[MINE][8];
         float unscale[MINE];
@@ -514,6 +644,15 @@ struct Consumer {
                 float values[16];
                 if (P == 1 || P == 3) {
                     load16_cg(params.residual + chunk * 16, values);
+                    if (FUSED_MLP && P == 3) {  // the residual after down is the residual plus the blocks' sums
+                        float down[16];
+                        load16_cg(params.y_acc + chunk * 16, down);
+#pragma unroll
+                        for (int i = 0; i < 16; ++i) {
+                            values[i] += down[i];
+                            sum_squares += values[i] * values[i];
+                        }
+                    }
                 } else {
                     const bf16* src = (P == 0 ? (ATTN_CHAIN > 0 ? params.attn_out : attn) : params.act) + chunk * 16;
                     Vec8<bf16>{__ldcg(reinterpret_cast<const uint4*>(src))}.to_floats(values);
@@ -522,6 +661,7 @@ struct Consumer {
                 unscale[j] = chunk_to_f16(values, pairs[j]);
             }
         }
+        if (FUSED_MLP && P == 3) sum_squares = block_sum(sum_squares);
         if (P == 1 || P == 3) {
             const float inverse_rms = rsqrtf(sum_squares / H + 1e-5f);
 #pragma unroll
@@ -583,6 +723,10 @@ struct Consumer {
             ++phase_index;
             return;
         }
+        if constexpr (FUSED_MLP && P == 1) {  // act stays in the block for its down; no grid barrier
+            keep_act(units, scale, scale_up);
+            return;
+        }
         // the block's rows: the warps' sums, scaled, written (o and down: the owned residual rows,
         // their squares added to the next norm's sum); then counted in
         t0 = now_ns();
@@ -596,7 +740,12 @@ struct Consumer {
                 if (P == 1) up += partial[w][MAX_LOCAL / 2 + t];
             }
             const int unit = first + t;
-            if (P == 0 || P == 2) {
+            if (FUSED_MLP && P == 0) {  // the previous layer's down joins the residual here
+                const float value = __ldcg(params.residual + unit) + __ldcg(params.y_acc + unit) + total * scale;
+                params.y_acc[unit] = 0.0f;
+                params.residual[unit] = value;
+                squares = value * value;
+            } else if (P == 0 || P == 2) {
                 const float value = own_residual[t] + total * scale;
                 own_residual[t] = value;
                 params.residual[unit] = value;
@@ -665,7 +814,7 @@ struct StageCursor {
     __device__ int parts(const unsigned char** src, u32* bytes) const {
         const Layer& layer = params->layers[l];
         const unsigned char* w = p == 0 ? layer.wo : p == 1 ? layer.wgu : p == 2 ? layer.wd : layer.wqkv;
-        const int inner = phase_inner(p), n = min(stage_units(p), last - u);
+        const int inner = stream_inner(p), n = min(stage_units(p), last - u);
         if (p == 1) {
             src[0] = w + gu_row(u, false) * inner;
             bytes[0] = (u32)n * inner * (GU_INTERLEAVE ? 2 : 1);
@@ -698,6 +847,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
     __shared__ float own_residual[MAX_LOCAL];  // the residual rows this block owns (o's and down's)
     __shared__ float block_sums[2][MAX_LOCAL], block_scales[2][MAX_LOCAL];
     __shared__ unsigned warps_done;
+    __shared__ u32 act_pair[MAX_LOCAL / 2];
+    __shared__ float act_stat[CONSUMER_WARPS + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int b = blockIdx.x, blocks = gridDim.x;
     if (threadIdx.x == 0) {
@@ -744,8 +895,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
 
     // consumers
     const int t = threadIdx.x;
-    Consumer c{params, ring,       full,         empty,       partial, own_residual,
-               xs,     block_sums, block_scales, &warps_done, t,       warp, lane, b, blocks};
+    Consumer c{params,       ring,        full,     empty,    partial, own_residual, xs,   block_sums,
+               block_scales, &warps_done, act_pair, act_stat, t,       warp,         lane, b,
+               blocks};
     int first, last;
     unit_range(0, b, blocks, first, last);  // o and down own the same residual rows
     for (int f = t; f < last - first; f += CONSUMERS) own_residual[f] = params.residual[first + f];
@@ -803,7 +955,11 @@ __global__ void ref_phase(int p, Layer layer, float* residual, const bf16* attn,
     };
     auto row_dot = [&](const unsigned char* w, long long row) {
         float s = 0.0f;
-        for (int k = lane; k < inner; k += 32) s += e4m3(w[row * inner + k]) * x_at(k);
+        for (int k = lane; k < inner; k += 32) {
+            // FUSED_MLP stores down transposed: Wd[row][k] at Wd^T[k][row]
+            const long long at = FUSED_MLP && p == 2 ? (long long)k * H + row : row * inner + k;
+            s += e4m3(w[at]) * x_at(k);
+        }
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
         return s;
     };
@@ -949,6 +1105,8 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&act, I * 2));
     CHECK(cudaMalloc(&qkv, QKV * 2));
     CHECK(cudaMalloc(&counter, 4));
+    float* y_acc;
+    CHECK(cudaMalloc(&y_acc, H * 4));
     CHECK(cudaMalloc(&sink, 4));
     fill_bf16<<<16, 256>>>(attn0, H, 7u);
     fill_floats<<<16, 256>>>(residual0, H, 0.25f);
@@ -960,9 +1118,10 @@ int main(int argc, char** argv) {
         CHECK(cudaMemcpyAsync(residual, residual0, H * 4, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemcpyAsync(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemsetAsync(counter, 0, 4));
+        CHECK(cudaMemsetAsync(y_acc, 0, H * 4));
         CHECK(cudaMemsetAsync(sumsq, 0, sizeof(float) * PHASES * num_layers));
         Params params{layers, layers_run, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out,
-                      only_phases};
+                      only_phases, y_acc};
         persistent_layers<<<sms, THREADS, smem>>>(params);
         CHECK(cudaGetLastError());
     };
@@ -974,6 +1133,11 @@ int main(int argc, char** argv) {
     std::vector<float> got(H);
     std::vector<unsigned short> got_qkv(QKV);
     CHECK(cudaMemcpy(got.data(), residual, H * 4, cudaMemcpyDeviceToHost));
+    if (FUSED_MLP) {  // the last layer's down is still in y_acc
+        std::vector<float> down(H);
+        CHECK(cudaMemcpy(down.data(), y_acc, H * 4, cudaMemcpyDeviceToHost));
+        for (int i = 0; i < H; ++i) got[i] += down[i];
+    }
     CHECK(cudaMemcpy(got_qkv.data(), qkv, QKV * 2, cudaMemcpyDeviceToHost));
     CHECK(cudaMemcpy(residual, residual0, H * 4, cudaMemcpyDeviceToDevice));
     CHECK(cudaMemcpy(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
@@ -1072,8 +1236,9 @@ int main(int argc, char** argv) {
         CHECK(cudaMemcpy(residual, residual0, H * 4, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemcpy(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
         CHECK(cudaMemset(counter, 0, 4));
+        CHECK(cudaMemset(y_acc, 0, H * 4));
         CHECK(cudaMemset(sumsq, 0, sizeof(float) * PHASES * num_layers));
-        Params params{layers, num_layers, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out, 0};
+        Params params{layers, num_layers, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out, 0, y_acc};
         CHECK(cudaEventRecord(start));
         persistent_layers<<<sms, THREADS, smem>>>(params);
         CHECK(cudaEventRecord(stop));
