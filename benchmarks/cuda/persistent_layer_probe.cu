@@ -271,6 +271,23 @@ struct Consumer {
         at_barrier += now_ns() - t0;
     }
 
+    // The block counts itself in once its consumers are done (their writes ordered before thread
+    // 0's count by the block barrier) and moves on to the next phase.
+    __device__ __forceinline__ void count_in(unsigned long long t0) {
+        consumers_sync();
+        if (t == 0) {
+#if RELEASE_ADD
+            // the count releases the block's writes and does not wait for them to land
+            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(params.counter) : "memory");
+#else
+            __threadfence();
+            atomicAdd(params.counter, 1u);
+#endif
+            ends += now_ns() - t0;
+        }
+        ++phase_index;
+    }
+
     // The attention stand-in: after the barrier, ATTN_BLOCKS blocks each follow ATTN_CHAIN dependent
     // loads (L2 hits of a 1 MB random cycle: a decode attention's latency chain, not its bytes),
     // then copy their share of x into attn_out; every other block only counts itself in. The
@@ -290,12 +307,7 @@ struct Consumer {
             constexpr int SHARE = H / ATTN_BLOCKS;
             for (int i = t; i < SHARE; i += CONSUMERS) params.attn_out[b * SHARE + i] = __ldcg(attn + b * SHARE + i);
         }
-        consumers_sync();
-        if (t == 0) {
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(params.counter) : "memory");
-            ends += now_ns() - t0;
-        }
-        ++phase_index;
+        count_in(t0);
     }
 
     // The mma form of a phase's products, over the same stages as the fma.f16x2 form (a stage: 8 rows
@@ -423,6 +435,18 @@ struct Consumer {
         }
     }
 
+    // The warps' sums of the block's row u (gate_up: and of its up row, else 0 there).
+    __device__ __forceinline__ float warps_sum(int u, float& up) const {
+        float total = 0.0f;
+        up = 0.0f;
+#pragma unroll
+        for (int w = 0; w < CONSUMER_WARPS; ++w) {
+            total += partial[w][u];
+            up += partial[w][MAX_LOCAL / 2 + u];
+        }
+        return total;
+    }
+
     // The sum of every consumer thread's v (a block barrier; act_stat as scratch).
     __device__ __forceinline__ float block_sum(float v) {
 #pragma unroll
@@ -443,12 +467,8 @@ struct Consumer {
         consumers_sync();
         float a = 0.0f;
         if (t < units) {
-            float total = 0.0f, up = 0.0f;
-#pragma unroll
-            for (int w = 0; w < CONSUMER_WARPS; ++w) {
-                total += partial[w][t];
-                up += partial[w][MAX_LOCAL / 2 + t];
-            }
+            float up;
+            const float total = warps_sum(t, up);
             a = silu(total * scale) * (up * scale_up);
         }
         float m = fabsf(a);
@@ -530,12 +550,7 @@ struct Consumer {
                          "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
                          : "memory");
         }
-        consumers_sync();
-        if (t == 0) {
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(params.counter) : "memory");
-            ends += now_ns() - t0;
-        }
-        ++phase_index;
+        count_in(t0);
     }
 
     // LAST_WARP_ENDS: the warp that finishes the phase last writes the block's rows from the shared
@@ -733,12 +748,8 @@ struct Consumer {
         consumers_sync();
         float squares = 0.0f;
         if (t < units) {
-            float total = 0.0f, up = 0.0f;
-#pragma unroll
-            for (int w = 0; w < CONSUMER_WARPS; ++w) {
-                total += partial[w][t];
-                if (P == 1) up += partial[w][MAX_LOCAL / 2 + t];
-            }
+            float up;
+            const float total = warps_sum(t, up);
             const int unit = first + t;
             if (FUSED_MLP && P == 0) {  // the previous layer's down joins the residual here
                 const float value = __ldcg(params.residual + unit) + __ldcg(params.y_acc + unit) + total * scale;
@@ -766,19 +777,7 @@ struct Consumer {
             if (lane == 0 && warp < (units + 31) / 32)
                 atomicMax(reinterpret_cast<int*>(params.sumsq) + l * PHASES + P, __float_as_int(squares));
         }
-        consumers_sync();
-        if (t == 0) {
-#if RELEASE_ADD
-            // the block's writes (ordered before this thread by the barrier) are released with the
-            // count, which does not wait for them to land
-            asm volatile("red.release.gpu.global.add.u32 [%0], 1;\n" ::"l"(params.counter) : "memory");
-#else
-            __threadfence();
-            atomicAdd(params.counter, 1u);
-#endif
-            ends += now_ns() - t0;
-        }
-        ++phase_index;
+        count_in(t0);
     }
 };
 
