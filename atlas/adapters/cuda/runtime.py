@@ -173,30 +173,7 @@ class CudaFeatures:
         """The defaults for a device, minus whatever the environment disables. Raises
         `ValueError` naming an unknown entry of `ATLAS_CUDA_DISABLE`."""
         disabled = {item.strip() for item in os.environ.get(FEATURES_ENVIRONMENT, "").split(",") if item.strip()}
-        known = (
-            "pdl",
-            "wgmma",
-            "gemm_tuning",
-            "gemv_fused",
-            "gemv_rope",
-            "mma_decode",
-            "rms_after_product",
-            "launch_order",
-            "moe_wgmma",
-            "moe_local_route",
-            "bulk_upload",
-            "file_reads",
-            "prefill_split",
-            "allreduce_ll",
-            "gemv_narrow",
-            "hbm_tuning",
-            "fp8_gemv_norm",
-            "fp8_fast_accum",
-            "cascade_attention",
-            "cluster_merge",
-            "piecewise_graphs",
-            "whole_prompts",
-        )
+        known = _SAME_NAMED_FEATURES + ("pdl", "wgmma", "launch_order", "cluster_merge")
         unknown = disabled - set(known)
         if unknown:
             raise ValueError(f"{FEATURES_ENVIRONMENT}: unknown {sorted(unknown)} (known: {', '.join(known)})")
@@ -205,27 +182,33 @@ class CudaFeatures:
         return cls(
             programmatic_launch=programmatic,
             wgmma_attention="wgmma" not in disabled,
-            prefill_split="prefill_split" not in disabled,
-            gemm_tuning="gemm_tuning" not in disabled,
-            gemv_fused="gemv_fused" not in disabled,
-            gemv_rope="gemv_rope" not in disabled,
-            gemv_narrow="gemv_narrow" not in disabled,
-            mma_decode="mma_decode" not in disabled,
-            rms_after_product="rms_after_product" not in disabled,
             launch_order_edges=programmatic and "launch_order" not in disabled,
-            moe_wgmma="moe_wgmma" not in disabled,
-            moe_local_route="moe_local_route" not in disabled,
-            bulk_upload="bulk_upload" not in disabled,
-            file_reads="file_reads" not in disabled,
-            allreduce_ll="allreduce_ll" not in disabled,
-            hbm_tuning="hbm_tuning" not in disabled,
-            fp8_gemv_norm="fp8_gemv_norm" not in disabled,
-            fp8_fast_accum="fp8_fast_accum" not in disabled,
-            cascade_attention="cascade_attention" not in disabled,
             cluster_merge=hopper_or_later and "cluster_merge" not in disabled,
-            piecewise_graphs="piecewise_graphs" not in disabled,
-            whole_prompts="whole_prompts" not in disabled,
+            **{name: name not in disabled for name in _SAME_NAMED_FEATURES},
         )
+
+
+# The features that `ATLAS_CUDA_DISABLE` names as their field is named, on by default on every device.
+_SAME_NAMED_FEATURES = (
+    "prefill_split",
+    "gemm_tuning",
+    "gemv_fused",
+    "gemv_rope",
+    "gemv_narrow",
+    "mma_decode",
+    "rms_after_product",
+    "moe_wgmma",
+    "moe_local_route",
+    "bulk_upload",
+    "file_reads",
+    "allreduce_ll",
+    "hbm_tuning",
+    "fp8_gemv_norm",
+    "fp8_fast_accum",
+    "cascade_attention",
+    "piecewise_graphs",
+    "whole_prompts",
+)
 
 
 def _cluster_shape(cluster: int | tuple[int, int, int]) -> tuple[int, int, int]:
