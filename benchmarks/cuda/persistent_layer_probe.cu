@@ -41,6 +41,7 @@
 #include <vector>
 
 #include "atlas_common.cuh"
+#include "probe_common.cuh"
 #include "tma.cuh"
 
 constexpr int H = 4096, I = 14336, QKV = 6144;
@@ -119,12 +120,6 @@ struct Params {
     float* y_acc;           // [H] FUSED_MLP: the layer's down, summed over blocks (zero before the launch)
 };
 
-__device__ __forceinline__ unsigned long long now_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
-    return t;
-}
-
 // A phase's work units (rows; gate_up: features, each a gate and an up row), the units a stage
 // holds, and K.
 __host__ __device__ constexpr int phase_units(int p) { return p == 0 ? H : p == 1 ? I : p == 2 ? H : QKV; }
@@ -149,34 +144,7 @@ __device__ __forceinline__ void unit_range(int p, int b, int blocks, int& first,
     last = (int)((long long)units * (b + 1) / blocks);
 }
 
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1], %2, [%3], %4;\n" ::"r"(smem_address(dst)),
-        "l"(src), "r"(bytes), "r"(smem_address(bar)), "l"(policy)
-        : "memory");
-}
-
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(CONSUMERS) : "memory"); }
-
-// 16 floats from global memory through L2 (another block may have just written them).
-__device__ __forceinline__ void load16_cg(const float* src, float* v) {
-    const float4* r = reinterpret_cast<const float4*>(src);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float4 f = __ldcg(r + i);
-        v[4 * i] = f.x;
-        v[4 * i + 1] = f.y;
-        v[4 * i + 2] = f.z;
-        v[4 * i + 3] = f.w;
-    }
-}
 
 // x chunk (16 values from `values`, f32) as f16 pairs under a power of two; returns the unscale.
 __device__ __forceinline__ float chunk_to_f16(const float* values, u32* pairs) {
@@ -203,38 +171,6 @@ __device__ __forceinline__ float dot16(uint4 w, const u32* pairs, float unscale)
     const float2 a = f16x2_to_floats(sums[0]), b = f16x2_to_floats(sums[1]);
     return ((a.x + a.y) + (b.x + b.y)) * unscale;
 }
-
-template <int N>
-__device__ __forceinline__ void warp_sums(float* v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int r = 0; r < N; ++r) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
-}
-
-// Eight values a lane, summed over the warp: lane l returns the total of value ((l >> 2) & 7), in 9
-// shuffles instead of 40 (each step halves the values a lane keeps and sends the other half).
-__device__ __forceinline__ float reduce_scatter8(const float* v, int lane) {
-    float a[4], b[2];
-    const bool hi16 = lane & 16, hi8 = lane & 8, hi4 = lane & 4;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float send = hi16 ? v[i] : v[i + 4], keep = hi16 ? v[i + 4] : v[i];
-        a[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const float send = hi8 ? a[i] : a[i + 2], keep = hi8 ? a[i + 2] : a[i];
-        b[i] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
-    }
-    const float send = hi4 ? b[0] : b[1], keep = hi4 ? b[1] : b[0];
-    float c = keep + __shfl_xor_sync(0xffffffffu, send, 4);
-    c += __shfl_xor_sync(0xffffffffu, c, 2);
-    c += __shfl_xor_sync(0xffffffffu, c, 1);
-    return c;
-}
-
-__device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }
 
 constexpr int MAX_LOCAL = 256;  // a block's units of a phase (gate_up: features, twice) on >= 128 SMs
 static_assert(STAGE_BYTES / H <= 8 * GROUPS && STAGE_BYTES >= I, "a stage holds 1..8 rows a warp group");
@@ -850,14 +786,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
     __shared__ float act_stat[CONSUMER_WARPS + 1];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int b = blockIdx.x, blocks = gridDim.x;
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; ++s) {
-            mbarrier_init(full + s, 1);
-            mbarrier_init(empty + s, CONSUMER_WARPS);
-        }
-        mbarrier_init_fence();
-    }
-    __syncthreads();
+    init_ring(full, empty, STAGES, CONSUMER_WARPS);
 
     if (warp == CONSUMER_WARPS) {  // the producer: every stage of every phase of every layer, in order
         if (lane != 0) return;
@@ -1013,37 +942,6 @@ __global__ void fill_bytes(unsigned char* p, long long n, unsigned seed) {
         p[i] = (unsigned char)(magnitude | ((h >> 8) & 0x80u));
     }
 }
-
-__global__ void fill_floats(float* p, int n, float value) {
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) p[i] = value;
-}
-
-__global__ void fill_bf16(bf16* p, int n, unsigned seed) {
-    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 16;
-        p[i] = __float2bfloat16_rn(((int)(h % 2001) - 1000) / 1000.0f);  // within [-1, 1]
-    }
-}
-
-__global__ void read_all(const uint4* p, long long n, unsigned* sink) {
-    unsigned acc = 0;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += stride) {
-        const uint4 v = load_streaming(p + i);
-        acc ^= v.x ^ v.y ^ v.z ^ v.w;
-    }
-    if (acc == 0x12345678u) *sink = acc;
-}
-
-#define CHECK(call)                                                                                  \
-    do {                                                                                             \
-        cudaError_t e = (call);                                                                      \
-        if (e != cudaSuccess) {                                                                      \
-            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e));             \
-            exit(1);                                                                                 \
-        }                                                                                            \
-    } while (0)
 
 int main(int argc, char** argv) {
     const int num_layers = argc > 1 ? atoi(argv[1]) : 16;
@@ -1217,48 +1115,27 @@ int main(int argc, char** argv) {
                bad, amax, stat[0], stat[1], stat[2], stat[3], bf(got_act[0]), bf(got_act[1]), bf(got_act[2]));
     }
 
-    cudaEvent_t start, stop;
-    CHECK(cudaEventCreate(&start));
-    CHECK(cudaEventCreate(&stop));
-    float best = 1e30f, ms = 0;
-    for (int rep = 0; rep < 6; ++rep) {
-        CHECK(cudaEventRecord(start));
-        read_all<<<sms * 8, 512>>>(reinterpret_cast<const uint4*>(weights), layer_bytes * num_layers / 16, sink);
-        CHECK(cudaEventRecord(stop));
-        CHECK(cudaEventSynchronize(stop));
-        CHECK(cudaEventElapsedTime(&ms, start, stop));
-        if (rep > 0 && ms < best) best = ms;
-    }
-    const double read_rate = layer_bytes * num_layers / (best * 1e-3);
-    float best_p = 1e30f, sum_p = 0;
-    for (int rep = 0; rep < 6; ++rep) {
-        CHECK(cudaMemcpy(residual, residual0, H * 4, cudaMemcpyDeviceToDevice));
-        CHECK(cudaMemcpy(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
-        CHECK(cudaMemset(counter, 0, 4));
-        CHECK(cudaMemset(y_acc, 0, H * 4));
-        CHECK(cudaMemset(sumsq, 0, sizeof(float) * PHASES * num_layers));
-        Params params{layers, num_layers, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out, 0, y_acc};
-        CHECK(cudaEventRecord(start));
-        persistent_layers<<<sms, THREADS, smem>>>(params);
-        CHECK(cudaEventRecord(stop));
-        CHECK(cudaEventSynchronize(stop));
-        CHECK(cudaEventElapsedTime(&ms, start, stop));
-        if (rep > 0) {
-            sum_p += ms;
-            if (ms < best_p) best_p = ms;
-        }
-    }
-    const double per_layer = best_p * 1e3 / num_layers, at_rate = layer_bytes / read_rate * 1e6;
+    const double rate = read_rate(weights, layer_bytes * num_layers, sms, sink);
+    float mean_ms = 0.0f;
+    const float best_ms = best_of_5(
+        [&] {
+            CHECK(cudaMemcpy(residual, residual0, H * 4, cudaMemcpyDeviceToDevice));
+            CHECK(cudaMemcpy(attn, attn0, H * 2, cudaMemcpyDeviceToDevice));
+            CHECK(cudaMemset(counter, 0, 4));
+            CHECK(cudaMemset(y_acc, 0, H * 4));
+            CHECK(cudaMemset(sumsq, 0, sizeof(float) * PHASES * num_layers));
+        },
+        [&] {
+            Params params{layers, num_layers, residual, attn, act, qkv, counter, stats, sumsq, chain, attn_out,
+                          0, y_acc};
+            persistent_layers<<<sms, THREADS, smem>>>(params);
+        },
+        &mean_ms);
+    const double per_layer = best_ms * 1e3 / num_layers, at_rate = layer_bytes / rate * 1e6;
     printf("%d layers, %.1f MB a layer; read rate %.3f TB/s (%d SMs, %d stages of %d KB, %s)\n", num_layers,
-           layer_bytes / 1e6, read_rate / 1e12, sms, STAGES, STAGE_BYTES / 1024, MMA ? "mma" : "fma.f16x2");
+           layer_bytes / 1e6, rate / 1e12, sms, STAGES, STAGE_BYTES / 1024, MMA ? "mma" : "fma.f16x2");
     printf("persistent: %.2f us a layer (best of 5; mean %.2f), bytes at the read rate %.2f us: %.1f%%\n", per_layer,
-           sum_p / 5 * 1e3 / num_layers, at_rate, 100.0 * at_rate / per_layer);
-    std::vector<unsigned long long> host_stats(4 * sms);
-    CHECK(cudaMemcpy(host_stats.data(), stats, 8 * 4 * sms, cudaMemcpyDeviceToHost));
-    double mean[4] = {0, 0, 0, 0};
-    for (int i = 0; i < sms; ++i)
-        for (int j = 0; j < 4; ++j) mean[j] += host_stats[i * 4 + j] / 1e3 / sms / num_layers;
-    printf("us a layer, mean over blocks (last run): consumers starved %.2f, at the grid barrier %.2f, phase ends "
-           "%.2f; producer blocked on a full ring %.2f\n", mean[0], mean[1], mean[2], mean[3]);
+           mean_ms * 1e3 / num_layers, at_rate, 100.0 * at_rate / per_layer);
+    print_stats(stats, sms, num_layers);
     return 0;
 }
