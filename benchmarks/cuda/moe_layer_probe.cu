@@ -393,5 +393,28 @@ int main(int argc, char** argv) {
     printf("experts: %.2f us a layer (best of 5; mean %.2f), bytes at the read rate %.2f us: %.1f%%\n", per_layer,
            mean_ms * 1e3 / num_layers, at_rate, 100.0 * at_rate / per_layer);
     print_stats(stats, sms, num_layers);
+
+    // The same layers as one launch each, replayed from a CUDA graph (as the model would run them:
+    // the ring starts empty at every layer, and each launch pays its start and end).
+    unsigned* counters;
+    CHECK(cudaMalloc(&counters, 4 * num_layers));
+    cudaStream_t stream;
+    CHECK(cudaStreamCreate(&stream));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    for (int l = 0; l < num_layers; ++l)
+        moe_layers<<<sms, THREADS, smem, stream>>>(
+            Params{layers + l, 1, residual, act, sumsq + l, counters + l, stats});
+    CHECK(cudaStreamEndCapture(stream, &graph));
+    CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    const float launch_ms = best_of_5(
+        [&] {
+            reset();
+            CHECK(cudaMemset(counters, 0, 4 * num_layers));
+        },
+        [&] { CHECK(cudaGraphLaunch(exec, 0)); }, &mean_ms);
+    printf("a launch a layer (graph): %.2f us a layer (best of 5; mean %.2f): %.1f%% of the read rate\n",
+           launch_ms * 1e3 / num_layers, mean_ms * 1e3 / num_layers, 100.0 * at_rate / (launch_ms * 1e3 / num_layers));
     return 0;
 }
