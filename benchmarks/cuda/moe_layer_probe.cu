@@ -74,18 +74,6 @@ __device__ __forceinline__ void d_range(int b, int blocks, int& first, int& last
     last = (int)((long long)H * (b + 1) / blocks);
 }
 
-// 8 bf16 weights (16 bytes) dotted with 8 floats.
-__device__ __forceinline__ float dot8(uint4 w, const float* x) {
-    const u32 words[4] = {w.x, w.y, w.z, w.w};
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        s = fmaf(__uint_as_float(words[i] << 16), x[2 * i], s);
-        s = fmaf(__uint_as_float(words[i] & 0xffff0000u), x[2 * i + 1], s);
-    }
-    return s;
-}
-
 constexpr int MAX_G = 64;  // a block's G features (46.5 on 132 SMs)
 constexpr int MAX_D = 32;  // a block's D rows (15.5)
 
@@ -120,23 +108,23 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_layers(Params param
         for (int l = 0; l < params.num_layers; ++l) {
             const Layer& layer = params.layers[l];
             // G's rows follow the routing: known once the previous layer's D has ended
-            while (load_acquire(params.counter) < (unsigned)(2 * l) * blocks) __nanosleep(20);
+            while (ring_load_acquire(params.counter) < (unsigned)(2 * l) * blocks) __nanosleep(20);
             for (int f = g_first; f < g_last; f += G_FEATURES) {
                 const int slot = next_slot(), j = f / I, feature = f % I;
                 unsigned char* dst = ring + slot * STAGE_BYTES;
                 const u32 bytes = G_FEATURES * H * 2;
                 mbarrier_arrive_expect_tx(full + slot, 2 * bytes);
-                bulk_copy(dst, layer.gate_up[j] + (long long)feature * H, bytes, full + slot, policy);
-                bulk_copy(dst + bytes, layer.gate_up[j] + (long long)(I + feature) * H, bytes, full + slot, policy);
+                ring_copy(dst, layer.gate_up[j] + (long long)feature * H, bytes, full + slot, policy);
+                ring_copy(dst + bytes, layer.gate_up[j] + (long long)(I + feature) * H, bytes, full + slot, policy);
             }
             if (ROUTE_WAITS_D)
-                while (load_acquire(params.counter) < (unsigned)(2 * l + 1) * blocks) __nanosleep(20);
+                while (ring_load_acquire(params.counter) < (unsigned)(2 * l + 1) * blocks) __nanosleep(20);
             for (int j = 0; j < TOPK; ++j)
                 for (int r = d_first; r < d_last; r += D_ROWS) {
                     const int slot = next_slot(), n = min(D_ROWS, d_last - r);
                     const u32 bytes = (u32)n * I * 2;
                     mbarrier_arrive_expect_tx(full + slot, bytes);
-                    bulk_copy(ring + slot * STAGE_BYTES, layer.down[j] + (long long)r * I, bytes, full + slot, policy);
+                    ring_copy(ring + slot * STAGE_BYTES, layer.down[j] + (long long)r * I, bytes, full + slot, policy);
                 }
         }
         params.stats[b * 4 + 3] = blocked;
@@ -150,7 +138,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_layers(Params param
     auto wait_counter = [&](unsigned target) {
         if (t == 0) {
             const unsigned long long t0 = now_ns();
-            while (load_acquire(params.counter) < target) __nanosleep(20);
+            while (ring_load_acquire(params.counter) < target) __nanosleep(20);
             __threadfence();
             at_barrier += now_ns() - t0;
         }
@@ -197,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_layers(Params param
             release(slot);
             float acc[8];
 #pragma unroll
-            for (int r = 0; r < 8; ++r) acc[r] = NO_COMPUTE ? 0.0f : dot8(wv[r], x);
+            for (int r = 0; r < 8; ++r) acc[r] = NO_COMPUTE ? 0.0f : ring_dot8(wv[r], x);
             const float total = reduce_scatter8(acc, lane);  // lane l: row (l >> 2) & 7
             const int row = (lane >> 2) & 7, local = f - g_first + (row % G_FEATURES);
             if ((lane & 3) == 0) partial[warp][local + (row >= G_FEATURES ? MAX_G : 0)] = total;
@@ -245,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) moe_layers(Params param
                     float s = 0.0f;
                     if (!NO_COMPUTE)
 #pragma unroll
-                        for (int k = 0; k < 3; ++k) s += dot8(wv[h][k], a[k]);
+                        for (int k = 0; k < 3; ++k) s += ring_dot8(wv[h][k], a[k]);
 #pragma unroll
                     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
                     if (lane == 0) d_sums[r0 - d_first + row] += layer.weight[j] * s;  // a row is one warp's

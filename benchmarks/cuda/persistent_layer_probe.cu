@@ -202,7 +202,7 @@ struct Consumer {
         if (t != 0) return;
         const unsigned long long t0 = now_ns();
         const unsigned target = phase_index * blocks;
-        while (load_acquire(params.counter) < target) __nanosleep(20);
+        while (ring_load_acquire(params.counter) < target) __nanosleep(20);
         __threadfence();
         at_barrier += now_ns() - t0;
     }
@@ -565,7 +565,7 @@ struct Consumer {
         if (LAST_WARP_ENDS) {  // each warp waits for the phase's input itself
             t0 = now_ns();
             if (lane == 0) {
-                while (load_acquire(params.counter) < phase_index * blocks) __nanosleep(20);
+                while (ring_load_acquire(params.counter) < phase_index * blocks) __nanosleep(20);
                 __threadfence();
             }
             __syncwarp();
@@ -803,7 +803,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
             }
             if (PRODUCER_WAITS && cur.u == cur.first) {
                 const unsigned target = (unsigned)(cur.l * PER_LAYER + PER_LAYER - PHASES + cur.p) * blocks;
-                while (load_acquire(params.counter) < target) __nanosleep(20);
+                while (ring_load_acquire(params.counter) < target) __nanosleep(20);
             }
             const int slot = it % STAGES;
             const unsigned long long t0 = now_ns();
@@ -814,8 +814,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) persistent_layers(Param
             const int parts = cur.parts(src, bytes);
             mbarrier_arrive_expect_tx(full + slot, bytes[0] + (parts > 1 ? bytes[1] : 0));
             unsigned char* dst = ring + slot * STAGE_BYTES;
-            bulk_copy(dst, src[0], bytes[0], full + slot, policy);
-            if (parts > 1) bulk_copy(dst + stage_units(1) * H, src[1], bytes[1], full + slot, policy);
+            ring_copy(dst, src[0], bytes[0], full + slot, policy);
+            if (parts > 1) ring_copy(dst + stage_units(1) * H, src[1], bytes[1], full + slot, policy);
         }
         params.stats[b * 4 + 3] = blocked;
         return;

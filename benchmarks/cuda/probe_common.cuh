@@ -1,26 +1,20 @@
 // Helpers the standalone probes in benchmarks/cuda share (persistent_layer_probe.cu,
-// moe_layer_probe.cu): the global timer, bulk copies into shared memory, acquire loads of a grid
-// barrier's counter, warp sums, fills, a plain read of a buffer for the read rate, CHECK.
+// moe_layer_probe.cu), beside kernels/common/ring.cuh's (bulk copies, acquire loads, the
+// reduce-scatter): the global timer, the ring's barriers, warp sums, fills, a plain read of a
+// buffer for the read rate, best-of-5 timing, the stats print, CHECK.
 #pragma once
 
 #include <cstdio>
 #include <cstdlib>
 
 #include "atlas_common.cuh"
+#include "ring.cuh"
 #include "tma.cuh"
 
 __device__ __forceinline__ unsigned long long now_ns() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
     return t;
-}
-
-__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [%0], [%1], %2, [%3], %4;\n" ::"r"(smem_address(dst)),
-        "l"(src), "r"(bytes), "r"(smem_address(bar)), "l"(policy)
-        : "memory");
 }
 
 // The ring's barriers: a stage is full once its bytes land (one arrival, the producer's expect_tx),
@@ -36,11 +30,6 @@ __device__ __forceinline__ void init_ring(u64* full, u64* empty, int stages, int
     __syncthreads();
 }
 
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-    unsigned v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
 
 // 16 floats from global memory through L2 (another block may have just written them).
 __device__ __forceinline__ void load16_cg(const float* src, float* v) {
@@ -61,28 +50,6 @@ __device__ __forceinline__ void warp_sums(float* v) {
     for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
         for (int r = 0; r < N; ++r) v[r] += __shfl_xor_sync(0xffffffffu, v[r], o);
-}
-
-// Eight values a lane, summed over the warp: lane l returns the total of value ((l >> 2) & 7), in 9
-// shuffles instead of 40 (each step halves the values a lane keeps and sends the other half).
-__device__ __forceinline__ float reduce_scatter8(const float* v, int lane) {
-    float a[4], b[2];
-    const bool hi16 = lane & 16, hi8 = lane & 8, hi4 = lane & 4;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const float send = hi16 ? v[i] : v[i + 4], keep = hi16 ? v[i + 4] : v[i];
-        a[i] = keep + __shfl_xor_sync(0xffffffffu, send, 16);
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const float send = hi8 ? a[i] : a[i + 2], keep = hi8 ? a[i + 2] : a[i];
-        b[i] = keep + __shfl_xor_sync(0xffffffffu, send, 8);
-    }
-    const float send = hi4 ? b[0] : b[1], keep = hi4 ? b[1] : b[0];
-    float c = keep + __shfl_xor_sync(0xffffffffu, send, 4);
-    c += __shfl_xor_sync(0xffffffffu, c, 2);
-    c += __shfl_xor_sync(0xffffffffu, c, 1);
-    return c;
 }
 
 __device__ __forceinline__ float silu(float g) { return g / (1.0f + __expf(-g)); }

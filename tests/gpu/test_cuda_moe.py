@@ -201,3 +201,44 @@ def test_prepare_refuses_what_the_kernels_cannot_hold(cuda_backend, rng):
         cuda_backend.moe.prepare(_host_moe(rng, 64, 16, Routing(600, 2)))
     with pytest.raises(UnsupportedError, match="multiples of 8"):
         cuda_backend.moe.prepare(_host_moe(rng, 64, 12, Routing(8, 2)))
+
+
+def _ring_kernel(runtime):
+    if not runtime.kernels.provides("moe", "moe_ring_silu"):
+        pytest.skip("no moe_ring_silu on this GPU (kernels/sm90/moe.cu)")
+
+
+def test_one_token_ring_kernel_matches_the_kernel_chain(cuda_backend, rng):
+    """moe_ring_silu (one persistent kernel for one token's routed experts, Hopper) against
+    moe_gate_up + moe_down on Qwen3-30B-A3B's shape: the same routing bit for bit, the residual
+    within the bf16 roundings the two orders of summation take."""
+    runtime = cuda_backend.runtime
+    _ring_kernel(runtime)
+    routing = Routing(128, 8, renormalize=True)
+    host_moe = _host_moe(rng, 2048, 768, routing)
+    saved = runtime.features
+    try:
+        for _ in range(3):
+            x = bf16(rng.standard_normal((1, 2048)) * 2)
+            results = {}
+            for ring in (True, False):
+                runtime.features = dataclasses.replace(saved, moe_ring=ring)
+                results[ring] = _run(cuda_backend, host_moe, x, DType.BF16)
+            (normed, ids, weights, residual), (normed_off, ids_off, weights_off, residual_off) = (
+                results[True], results[False])
+            np.testing.assert_array_equal(normed, normed_off)
+            np.testing.assert_array_equal(ids, ids_off)
+            np.testing.assert_array_equal(weights, weights_off)
+            assert not np.array_equal(residual, x)
+            assert rel_l2(residual - x, residual_off - x) < 1e-2
+    finally:
+        runtime.features = saved
+
+
+def test_one_token_ring_kernel_replays_from_a_graph(cuda_backend, rng):
+    """The ring kernel's grid barrier is ready again after every launch: replays of a captured
+    route + experts give what eager runs give, for new routing each time."""
+    _ring_kernel(cuda_backend.runtime)
+    routing = Routing(128, 8, renormalize=True)
+    moe = cuda_backend.moe.prepare(_host_moe(rng, 2048, 768, routing))
+    assert_moe_replays_eager(cuda_backend, rng, moe, 1, 2048, routing.top_k)

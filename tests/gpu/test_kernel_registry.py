@@ -48,7 +48,9 @@ def test_shipped_tree_has_every_generic_module_and_headers():
 # inputs, the cascade's shared prefix among them; the RoPE table, decode attention's earlier
 # tokens' K/V; the residual row whose RMS RoPE and act_mul_rms take after the product that reads
 # it; the MoE slot table, which the routing wrote two kernels before moe_down): their impl calls
-# dependent_launch_entry() itself once those loads are issued.
+# dependent_launch_entry() itself once those loads are issued. moe_ring_silu initialises its
+# ring's barriers first and waits with grid_dependency_wait(), launching its dependents only after
+# its grid barrier.
 _WAIT_INSIDE = {
     "gemv.cu": ("gemv_impl<", "gemv_mma_impl<", "skinny_impl<"),
     "attention_decode.cu": ("attention_decode_impl<", "attention_decode_mma_impl<", "attention_cascade_impl<"),
@@ -57,6 +59,7 @@ _WAIT_INSIDE = {
     "gemv_fp8.cu": ("gemv_fp8_impl<", "gemv_fp8_mma_impl<"),
     "fp8_quantize.cu": ("quantize_token_impl<", "quantize_group_impl<"),
     "moe.cuh": ("moe_route_small_impl(", "moe_down_impl("),
+    "moe.cu": ("moe_ring_silu_impl(",),  # sm90: its barriers' set-up, then the wait (the grid barrier's reason)
     "gated_delta.cu": ("causal_conv1d_impl(", "gated_delta_rule_impl<"),
 }
 

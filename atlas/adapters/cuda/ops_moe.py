@@ -101,6 +101,28 @@ def routes_in_experts(rt: CudaRuntime, held: HeldExperts, num_tokens: int, top_k
     return num_tokens == 1 and rt.features.moe_local_route and routed_slots(held, num_tokens, top_k) == top_k
 
 
+# moe_ring_silu (kernels/sm90/moe.cu): threads, and its ring's shared memory (3 stages of 32 KB
+# and their barriers).
+_RING_THREADS = 288
+_RING_SHARED_BYTES = 3 * 32 * 1024 + 2 * 3 * 8
+
+
+def ring_applies(rt: CudaRuntime, weights: ExpertWeights, held: HeldExperts, num_tokens: int, top_k: int,
+                 accumulate: bool) -> bool:
+    """Whether one token's routed experts run as moe_ring_silu, one persistent kernel for
+    moe_gate_up and moe_down: bf16 SiLU experts without biases or a shared expert, every expert
+    held, hidden 2048 and inner a multiple of 256 up to 1024 (its tiling), top_k <= 16, the
+    token routed in the experts (`routes_in_experts`), on Hopper (feature `moe_ring`; off under
+    batch invariance, since a lone token would then sum otherwise than in a batch)."""
+    return (rt.features.moe_ring and not rt.features.batch_invariant and accumulate
+            and weights.scales is None and weights.activation.name == "silu"
+            and weights.gate_up_bias is None and weights.down_bias is None and weights.shared_down is None
+            and weights.first_expert == 0 and held.count == weights.num_experts
+            and weights.hidden == 2048 and weights.inner % 256 == 0 and weights.inner <= 1024 and top_k <= 16
+            and routes_in_experts(rt, held, num_tokens, top_k) and _RING_SHARED_BYTES <= rt.max_shared_optin
+            and rt.kernels.provides("moe", "moe_ring_silu"))
+
+
 def _logits(rt: CudaRuntime, num_tokens: int, num_experts: int) -> int:
     return rt.workspace("moe_logits", num_tokens * num_experts * 4)
 
@@ -306,6 +328,17 @@ def experts(
     dims = (np.int32(hidden), np.int32(inner), np.int32(shared_inner), np.int32(stride))
     if num_tokens <= GEMV_MAX_TOKENS:  # the routing wrote the slot table (global ids; the held ones local)
         held = HeldExperts(weights.first_expert, experts_count)
+        if ring_applies(rt, weights, held, num_tokens, top_k_width, accumulate):
+            rt.launch(
+                "moe", "moe_ring_silu", (rt.num_sms,), _RING_THREADS,
+                normed.address, _logits(rt, 1, routing.num_experts), _address(routing.selection_bias),
+                np.int32(routing.num_experts), np.int32(top_k_width), np.int32(routing.sigmoid),
+                np.int32(routing.renormalize), np.float32(routing.scaling), weights.gate_up.address,
+                weights.down.address, np.int32(inner), hidden_rows, np.int32(stride), residual.address,
+                expert_ids.address, expert_weights.address, rt.counters("moe_ring_barrier", 2),
+                shared_bytes=_RING_SHARED_BYTES,
+            )
+            return
         table = slot_table(rt, held, num_tokens, top_k_width)
         routed = routed_slots(held, num_tokens, top_k_width)
         slots = routed + (1 if has_shared else 0)

@@ -124,6 +124,9 @@ class CudaFeatures:
     moe_local_route: at one token the routing kernel stops after the logits and the expert
         kernels' blocks route the token themselves (moe.cuh `LocalRoute`), taking the routing
         kernel's last block off the step's chain; off: that last block writes the slot table.
+    moe_ring: one token's routed experts (bf16, SiLU, no shared expert) as one persistent kernel
+        on Hopper (`moe_ring_silu`, kernels/sm90/moe.cu: down's rows stream while gate_up still
+        runs); off: moe_gate_up, then moe_down.
     skinny_gemm: 9..64 token rows of bf16 `linear` (and its gated and residual-add forms) go
         through our own skinny tensor-core GEMM on Hopper (`gemm_skinny_*`, gemv.cu: TMA into a
         warp-specialised ring, K split over clusters that reduce through distributed shared
@@ -155,6 +158,7 @@ class CudaFeatures:
     launch_order_edges: bool = True
     moe_wgmma: bool = True
     moe_local_route: bool = True
+    moe_ring: bool = True
     skinny_gemm: bool = False
     bulk_upload: bool = True
     file_reads: bool = True
@@ -199,6 +203,7 @@ _SAME_NAMED_FEATURES = (
     "rms_after_product",
     "moe_wgmma",
     "moe_local_route",
+    "moe_ring",
     "bulk_upload",
     "file_reads",
     "allreduce_ll",
