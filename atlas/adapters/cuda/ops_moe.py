@@ -105,6 +105,7 @@ def routes_in_experts(rt: CudaRuntime, held: HeldExperts, num_tokens: int, top_k
 # and their barriers).
 _RING_THREADS = 288
 _RING_SHARED_BYTES = 3 * 32 * 1024 + 2 * 3 * 8
+_RING_MAX_FEATURES, _RING_MAX_ROWS = 128, 32  # its RING_MAX_G and RING_MAX_D
 
 
 def ring_applies(rt: CudaRuntime, weights: ExpertWeights, held: HeldExperts, num_tokens: int, top_k: int,
@@ -114,7 +115,10 @@ def ring_applies(rt: CudaRuntime, weights: ExpertWeights, held: HeldExperts, num
     held, hidden 2048 and inner a multiple of 256 up to 1024 (its tiling), top_k <= 16, the
     token routed in the experts (`routes_in_experts`), on Hopper (feature `moe_ring`; off under
     batch invariance, since a lone token would then sum otherwise than in a batch)."""
+    blocks = rt.num_sms  # a block an SM: its share of gate_up's features and of the hidden rows must fit
+    features, rows = -(-(top_k * weights.inner // 4) // blocks) * 4, -(-weights.hidden // blocks)
     return (rt.features.moe_ring and not rt.features.batch_invariant and accumulate
+            and features <= _RING_MAX_FEATURES and rows <= _RING_MAX_ROWS
             and weights.scales is None and weights.activation.name == "silu"
             and weights.gate_up_bias is None and weights.down_bias is None and weights.shared_down is None
             and weights.first_expert == 0 and held.count == weights.num_experts
